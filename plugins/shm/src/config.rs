@@ -1,0 +1,154 @@
+//! The shm plugin's config string: TOML, unknown keys refused, every limit named with its unit,
+//! defaulted and range-checked here. A refusal is an `INVALID_ARGUMENT` error naming the key.
+//! Never read from the environment or a file: the host hands the whole string to `open`.
+
+use kvgate_abi::{PluginError, ReasonCode};
+use serde::Deserialize;
+
+/// Parsed and validated configuration of one shm plugin instance.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShmConfig {
+    /// Copy threads of the instance. Default 2, allowed 1..=64.
+    pub workers: u32,
+    /// Bytes one worker copies before it looks at cancellation and hands the rest of the transfer
+    /// to the pool again. Default 1 MiB, allowed 4 KiB..=1 GiB.
+    pub chunk_bytes: u64,
+    /// Transfers submitted and not yet terminal (the bound of the work queue); a submit past it fails
+    /// with `RESOURCE_EXHAUSTED`. Default 4096, allowed 1..=1 048 576.
+    pub max_inflight_transfers: u64,
+    /// Segments one submit may carry. Default 1 048 576, allowed 1..=16 777 216.
+    pub max_segments_per_submit: u64,
+    /// Bytes one transfer may carry. Default 1 TiB, allowed 1..=2^48.
+    pub max_transfer_bytes: u64,
+    /// Pre-fault a peer's mapping when its key is imported (`MAP_POPULATE`), so the first copy into
+    /// it takes no page faults. Default true.
+    pub populate_mappings: bool,
+}
+
+pub const DEFAULT_WORKERS: u32 = 2;
+pub const MAX_WORKERS: u32 = 64;
+pub const DEFAULT_CHUNK_BYTES: u64 = 1 << 20;
+pub const MIN_CHUNK_BYTES: u64 = 4 << 10;
+pub const MAX_CHUNK_BYTES: u64 = 1 << 30;
+pub const DEFAULT_MAX_INFLIGHT_TRANSFERS: u64 = 4096;
+pub const MAX_MAX_INFLIGHT_TRANSFERS: u64 = 1 << 20;
+pub const DEFAULT_MAX_SEGMENTS_PER_SUBMIT: u64 = 1 << 20;
+pub const MAX_MAX_SEGMENTS_PER_SUBMIT: u64 = 1 << 24;
+pub const DEFAULT_MAX_TRANSFER_BYTES: u64 = 1 << 40;
+pub const MAX_MAX_TRANSFER_BYTES: u64 = 1 << 48;
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig {
+            workers: DEFAULT_WORKERS,
+            chunk_bytes: DEFAULT_CHUNK_BYTES,
+            max_inflight_transfers: DEFAULT_MAX_INFLIGHT_TRANSFERS,
+            max_segments_per_submit: DEFAULT_MAX_SEGMENTS_PER_SUBMIT,
+            max_transfer_bytes: DEFAULT_MAX_TRANSFER_BYTES,
+            populate_mappings: true,
+        }
+    }
+}
+
+impl ShmConfig {
+    /// Parse a TOML config string (empty means every default) and check every limit.
+    pub fn parse(text: &str) -> Result<ShmConfig, PluginError> {
+        let config: ShmConfig = toml::from_str(text)
+            .map_err(|e| invalid(format!("shm config: {}", e.message().trim_end())))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Check every limit against its allowed range; the error names the key and the range.
+    pub fn validate(&self) -> Result<(), PluginError> {
+        check_range("workers", self.workers as u64, 1, MAX_WORKERS as u64)?;
+        check_range("chunk_bytes", self.chunk_bytes, MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)?;
+        check_range("max_inflight_transfers", self.max_inflight_transfers, 1, MAX_MAX_INFLIGHT_TRANSFERS)?;
+        check_range("max_segments_per_submit", self.max_segments_per_submit, 1, MAX_MAX_SEGMENTS_PER_SUBMIT)?;
+        check_range("max_transfer_bytes", self.max_transfer_bytes, 1, MAX_MAX_TRANSFER_BYTES)?;
+        Ok(())
+    }
+}
+
+fn check_range(key: &str, value: u64, min: u64, max: u64) -> Result<(), PluginError> {
+    if value < min || value > max {
+        return Err(invalid(format!("shm config: {key} = {value} is outside {min}..={max}")));
+    }
+    Ok(())
+}
+
+fn invalid(message: String) -> PluginError {
+    PluginError::new(ReasonCode::INVALID_ARGUMENT, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_config_gives_defaults() {
+        assert_eq!(ShmConfig::parse("").unwrap(), ShmConfig::default());
+    }
+
+    #[test]
+    fn every_key_parses() {
+        let c = ShmConfig::parse(
+            "workers = 3\nchunk_bytes = 8192\nmax_inflight_transfers = 7\nmax_segments_per_submit = 9\n\
+             max_transfer_bytes = 100\npopulate_mappings = false",
+        )
+        .unwrap();
+        assert_eq!((c.workers, c.chunk_bytes, c.max_inflight_transfers), (3, 8192, 7));
+        assert_eq!((c.max_segments_per_submit, c.max_transfer_bytes, c.populate_mappings), (9, 100, false));
+    }
+
+    #[test]
+    fn unknown_key_is_refused_by_name() {
+        let e = ShmConfig::parse("worker = 2").unwrap_err();
+        assert_eq!(e.code, ReasonCode::INVALID_ARGUMENT);
+        assert!(e.message.contains("worker"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_is_refused_by_name() {
+        let e = ShmConfig::parse("chunk_bytes = \"big\"").unwrap_err();
+        assert_eq!(e.code, ReasonCode::INVALID_ARGUMENT);
+        assert!(e.message.contains("invalid type"), "{e}");
+    }
+
+    /// Each limit is accepted at both ends of its range and refused just past them, naming the key.
+    #[test]
+    fn every_limit_at_and_past_its_bounds() {
+        type Setter = fn(&mut ShmConfig, u64);
+        let limits: [(&str, u64, u64, Setter); 5] = [
+            ("workers", 1, MAX_WORKERS as u64, |c, v| c.workers = v as u32),
+            ("chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES, |c, v| c.chunk_bytes = v),
+            ("max_inflight_transfers", 1, MAX_MAX_INFLIGHT_TRANSFERS, |c, v| c.max_inflight_transfers = v),
+            ("max_segments_per_submit", 1, MAX_MAX_SEGMENTS_PER_SUBMIT, |c, v| c.max_segments_per_submit = v),
+            ("max_transfer_bytes", 1, MAX_MAX_TRANSFER_BYTES, |c, v| c.max_transfer_bytes = v),
+        ];
+        for (key, min, max, set) in limits {
+            for ok in [min, max] {
+                let mut c = ShmConfig::default();
+                set(&mut c, ok);
+                assert!(c.validate().is_ok(), "{key} = {ok} must be accepted");
+            }
+            for bad in [min - 1, max + 1] {
+                let mut c = ShmConfig::default();
+                set(&mut c, bad);
+                let e = c.validate().unwrap_err();
+                assert_eq!(e.code, ReasonCode::INVALID_ARGUMENT);
+                assert!(e.message.contains(key), "{key} = {bad}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn limits_parse_through_toml_too() {
+        let e = ShmConfig::parse("workers = 0").unwrap_err();
+        assert!(e.message.contains("workers = 0"), "{e}");
+        let e = ShmConfig::parse("workers = 65").unwrap_err();
+        assert!(e.message.contains("workers = 65"), "{e}");
+        assert_eq!(ShmConfig::parse("workers = 64").unwrap().workers, 64);
+    }
+}

@@ -1,0 +1,205 @@
+//! Shared-file mappings: [`PeerMapping`] maps a peer's region writable into this process (one per
+//! imported remote key, unmapped when the last transfer using it lets go), and [`SharedRegion`]
+//! creates a memfd- or /dev/shm-backed buffer an engine, test or bench can register. Never copies.
+
+use kvgate_abi::{MemoryKind, PluginError, ReasonCode, RegionDesc};
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 { size as u64 } else { 4096 }
+}
+
+fn io_error(code: ReasonCode, what: String, e: std::io::Error) -> PluginError {
+    PluginError::new(code, format!("{what}: {e}"))
+}
+
+/// Size of the file at `path`, or why it cannot be opened.
+pub fn backing_file_len(path: &str) -> Result<u64, PluginError> {
+    let meta = std::fs::metadata(path)
+        .map_err(|e| io_error(ReasonCode::INVALID_ARGUMENT, format!("backing file {path:?}"), e))?;
+    Ok(meta.len())
+}
+
+/// A peer's region mapped writable (`MAP_SHARED`) into this process.
+#[derive(Debug)]
+pub struct PeerMapping {
+    /// Start of the whole mapping (page aligned).
+    map_addr: usize,
+    map_len: usize,
+    /// Where the region starts (`map_addr` + the in-page offset).
+    region_addr: usize,
+    region_len: u64,
+}
+
+// SAFETY: the mapping is plain shared memory; writers synchronise through the plugin's state.
+unsafe impl Send for PeerMapping {}
+unsafe impl Sync for PeerMapping {}
+
+impl PeerMapping {
+    /// Map `len` bytes at `offset` of the file at `path`. Refuses a file shorter than `offset + len`.
+    pub fn map(path: &str, offset: u64, len: u64, populate: bool) -> Result<PeerMapping, PluginError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| io_error(ReasonCode::UNKNOWN_KEY, format!("cannot open peer region file {path:?}"), e))?;
+        let file_len = file
+            .metadata()
+            .map_err(|e| io_error(ReasonCode::TRANSPORT_ERROR, format!("fstat {path:?}"), e))?
+            .len();
+        let end = offset.checked_add(len).filter(|&end| end <= file_len).ok_or_else(|| {
+            PluginError::new(
+                ReasonCode::OUT_OF_RANGE,
+                format!("peer region {offset}+{len} lies outside its file {path:?} of {file_len} bytes"),
+            )
+        })?;
+        let page = page_size();
+        let map_offset = offset / page * page;
+        let map_len = usize::try_from(end - map_offset)
+            .map_err(|_| PluginError::new(ReasonCode::RESOURCE_EXHAUSTED, "peer region too large to map"))?;
+        let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
+        // SAFETY: a fresh mapping of a file we opened read-write; the result is checked.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                file.as_raw_fd(),
+                map_offset as libc::off_t,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            return Err(io_error(ReasonCode::RESOURCE_EXHAUSTED, format!("mmap of {path:?}"), e));
+        }
+        let map_addr = addr as usize;
+        Ok(PeerMapping { map_addr, map_len, region_addr: map_addr + (offset - map_offset) as usize, region_len: len })
+    }
+
+    pub fn region_addr(&self) -> usize {
+        self.region_addr
+    }
+    pub fn region_len(&self) -> u64 {
+        self.region_len
+    }
+}
+
+impl Drop for PeerMapping {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly what `map` mapped; no transfer holds it (it holds an Arc to us).
+        unsafe { libc::munmap(self.map_addr as *mut libc::c_void, self.map_len) };
+    }
+}
+
+/// A buffer backed by a shared file, registrable with the shm plugin (and mappable by a peer).
+/// Created with [`SharedRegion::memfd`] (path `/proc/<pid>/fd/<n>`, freed with the last mapping) or
+/// [`SharedRegion::in_dir`] (a named file, removed on drop). Pages are pre-faulted.
+pub struct SharedRegion {
+    addr: usize,
+    len: usize,
+    path: String,
+    unlink_on_drop: bool,
+    _file: File,
+}
+
+// SAFETY: plain shared memory owned by this value; users synchronise access themselves.
+unsafe impl Send for SharedRegion {}
+unsafe impl Sync for SharedRegion {}
+
+impl SharedRegion {
+    /// An anonymous memfd of `len` bytes, reachable by peers as `/proc/<pid>/fd/<n>`.
+    pub fn memfd(len: usize) -> std::io::Result<SharedRegion> {
+        let name = CString::new("kvgate-shm-region").expect("no NUL in a literal");
+        // SAFETY: a valid NUL-terminated name; the fd is checked and owned by `File` below.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let path = format!("/proc/{}/fd/{}", std::process::id(), fd);
+        SharedRegion::map_file(file, len, path, false)
+    }
+
+    /// A file named `name` in `dir` (e.g. `/dev/shm`), created exclusively and removed on drop.
+    pub fn in_dir(dir: &Path, name: &str, len: usize) -> std::io::Result<SharedRegion> {
+        let path = dir.join(name);
+        let file = OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
+        SharedRegion::map_file(file, len, path.to_string_lossy().into_owned(), true)
+    }
+
+    fn map_file(file: File, len: usize, path: String, unlink_on_drop: bool) -> std::io::Result<SharedRegion> {
+        if len == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "a shared region needs len > 0"));
+        }
+        file.set_len(len as u64)?;
+        // SAFETY: a fresh shared mapping of a file we own; the result is checked.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(SharedRegion { addr: addr as usize, len, path, unlink_on_drop, _file: file })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+    /// The region as a slice. Another process or a plugin may write it concurrently: read it only
+    /// once the transfers into it are terminal.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `addr..addr+len` is mapped for as long as `self` lives.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+    /// The region as a mutable slice (same caveat as [`SharedRegion::as_slice`]).
+    #[allow(clippy::mut_from_ref)]
+    pub fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: as above; the caller ensures no transfer touches the region meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+    /// The descriptor to `register` the whole region.
+    pub fn desc(&self) -> RegionDesc {
+        RegionDesc {
+            kind: MemoryKind::HOST,
+            device: -1,
+            addr: self.addr as u64,
+            len: self.len as u64,
+            backing_path: self.path.as_str().into(),
+            backing_offset: 0,
+            ipc_handle: Default::default(),
+        }
+    }
+}
+
+impl Drop for SharedRegion {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly the mapping made in `map_file`.
+        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+        if self.unlink_on_drop {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}

@@ -1,0 +1,381 @@
+//! The shm transport instance: validates every call against its state before any byte moves, starts
+//! and joins its threads, and answers `stats()` exactly. One-sided: the sender maps the receiver's
+//! shared file and writes; it never trusts a peer's key without checking it against that peer's nonce.
+
+use crate::config::ShmConfig;
+use crate::mapping::{backing_file_len, PeerMapping};
+use crate::plan::{Cursor, Piece};
+use crate::state::{ImportedKey, LocalRegion, Transfer};
+use crate::wire::{Endpoint, RemoteKeyBytes};
+use crate::workers::{timer_loop, worker_loop, Shared};
+use kvgate_abi::sdk::{spawn_worker, Plugin, Sink};
+use kvgate_abi::{
+    scope, Capabilities, LocalKey, MemoryKind, PeerId, PluginError, PluginInfo, ReasonCode, RegionDesc, Registration,
+    RemoteKey, Stats, SubmitRequest, XferId, ABI_VERSION,
+};
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The plugin's name, as registered with a host.
+pub const PLUGIN_NAME: &str = "shm";
+
+/// One open instance of the shm transport.
+pub struct ShmPlugin {
+    shared: Arc<Shared>,
+    endpoint: Endpoint,
+    /// Worker and timer threads; emptied (joined) by `shutdown`, which holds this lock throughout.
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn err(code: ReasonCode, message: impl Into<String>) -> PluginError {
+    PluginError::new(code, message)
+}
+
+/// Static info for a config (the capabilities carry its limits).
+pub fn plugin_info(config: &ShmConfig) -> PluginInfo {
+    PluginInfo {
+        name: PLUGIN_NAME.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        abi_version: ABI_VERSION,
+        capabilities: Capabilities {
+            memory_kinds: MemoryKind::HOST.bit(),
+            scope: scope::SAME_HOST,
+            flags: 0,
+            max_segments_per_submit: config.max_segments_per_submit,
+            max_inflight_transfers: config.max_inflight_transfers,
+            max_transfer_bytes: config.max_transfer_bytes,
+        },
+    }
+}
+
+/// The kernel's boot id: equal for every process of this machine until it reboots.
+fn host_id() -> [u8; 16] {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let digits: Vec<u8> = text.bytes().filter_map(|b| (b as char).to_digit(16).map(|d| d as u8)).collect();
+    let mut id = [0u8; 16];
+    for (i, pair) in digits.chunks(2).take(16).enumerate() {
+        id[i] = pair[0] << 4 | pair.get(1).copied().unwrap_or(0);
+    }
+    id
+}
+
+/// A fresh, non-zero nonce for this instance (std's per-process random hash keys, the clock, the pid).
+fn fresh_nonce() -> u64 {
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    hasher.finish().max(1)
+}
+
+impl ShmPlugin {
+    /// Parse `config`, start the workers and the timer.
+    pub fn open(config: &str, sink: Sink) -> Result<ShmPlugin, PluginError> {
+        let config = ShmConfig::parse(config)?;
+        let workers = config.workers;
+        let shared = Arc::new(Shared::new(config, sink.clone()));
+        let endpoint = Endpoint { host_id: host_id(), pid: std::process::id(), nonce: fresh_nonce() };
+        let plugin = ShmPlugin { shared, endpoint, threads: Mutex::new(Vec::new()) };
+        for i in 0..=workers {
+            let shared = Arc::clone(&plugin.shared);
+            let (name, body): (String, fn(&Shared)) =
+                if i < workers { (format!("kvgate-shm-copy-{i}"), worker_loop) } else { ("kvgate-shm-timer".into(), timer_loop) };
+            match spawn_worker(&name, sink.clone(), move || body(&shared)) {
+                Ok(handle) => plugin.threads.lock().unwrap_or_else(|p| p.into_inner()).push(handle),
+                Err(e) => {
+                    plugin.shutdown();
+                    return Err(err(ReasonCode::RESOURCE_EXHAUSTED, format!("cannot start shm thread {name}: {e}")));
+                }
+            }
+        }
+        Ok(plugin)
+    }
+
+    fn check_running(state: &crate::state::State) -> Result<(), PluginError> {
+        if state.shutting_down {
+            return Err(err(ReasonCode::SHUTDOWN, "shm plugin is shut down"));
+        }
+        if !state.healthy {
+            return Err(err(ReasonCode::INTERNAL, "shm plugin is unhealthy (a copy worker died)"));
+        }
+        Ok(())
+    }
+
+    /// Resolve and check every segment; nothing is queued unless all of them are valid.
+    fn plan(&self, state: &crate::state::State, request: &SubmitRequest<'_>) -> Result<Transfer, PluginError> {
+        let config = &self.shared.config;
+        let segments = request.segments.as_slice();
+        if segments.len() as u64 > config.max_segments_per_submit {
+            return Err(err(
+                ReasonCode::RESOURCE_EXHAUSTED,
+                format!("{} segments exceed max_segments_per_submit = {}", segments.len(), config.max_segments_per_submit),
+            ));
+        }
+        let mut pieces = Vec::with_capacity(segments.len());
+        let mut local_keys: Vec<LocalKey> = Vec::new();
+        let mut mappings: Vec<Arc<PeerMapping>> = Vec::new();
+        let mut total_bytes: u64 = 0;
+        for (i, s) in segments.iter().enumerate() {
+            let local = state.regions.get(&s.local).ok_or_else(|| {
+                err(ReasonCode::UNKNOWN_KEY, format!("segment {i}: local key {} is not registered", s.local.0))
+            })?;
+            let remote = state.imported.get(&s.remote).ok_or_else(|| {
+                err(ReasonCode::UNKNOWN_KEY, format!("segment {i}: remote key {} is not imported", s.remote.0))
+            })?;
+            if remote.peer != request.peer {
+                return Err(err(
+                    ReasonCode::UNKNOWN_KEY,
+                    format!("segment {i}: remote key {} belongs to peer {}, not {}", s.remote.0, remote.peer.0, request.peer.0),
+                ));
+            }
+            check_range(i, "local", s.local_offset, s.len, local.len)?;
+            check_range(i, "remote", s.remote_offset, s.len, remote.mapping.region_len())?;
+            total_bytes = total_bytes.checked_add(s.len).filter(|&t| t <= config.max_transfer_bytes).ok_or_else(|| {
+                err(ReasonCode::RESOURCE_EXHAUSTED, format!("transfer exceeds max_transfer_bytes = {}", config.max_transfer_bytes))
+            })?;
+            if !local_keys.contains(&s.local) {
+                local_keys.push(s.local);
+            }
+            if !mappings.iter().any(|m| Arc::ptr_eq(m, &remote.mapping)) {
+                mappings.push(Arc::clone(&remote.mapping));
+            }
+            pieces.push(Piece {
+                src: local.addr + s.local_offset as usize,
+                dst: remote.mapping.region_addr() + s.remote_offset as usize,
+                len: s.len,
+            });
+        }
+        let deadline = Instant::now().checked_add(Duration::from_nanos(request.timeout_ns));
+        Ok(Transfer {
+            peer: request.peer,
+            pieces: Arc::new(pieces),
+            cursor: Cursor::default(),
+            total_bytes,
+            copied_bytes: 0,
+            active_chunks: 0,
+            failed: false,
+            deadline,
+            timeout_ns: request.timeout_ns,
+            local_keys,
+            mappings,
+        })
+    }
+
+    /// Fail `peer`'s transfers and drop its imported keys (disconnect, or a restarted peer).
+    fn forget_peer(&self, state: &mut crate::state::State, peer: PeerId, message: &str) {
+        state.fail_where(|t| t.peer == peer, ReasonCode::PEER_LOST, message);
+        state.imported.retain(|_, k| k.peer != peer);
+    }
+}
+
+fn check_range(i: usize, side: &str, offset: u64, len: u64, region_len: u64) -> Result<(), PluginError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= region_len => Ok(()),
+        _ => Err(err(
+            ReasonCode::OUT_OF_RANGE,
+            format!("segment {i}: {side} range {offset}+{len} lies outside its region of {region_len} bytes"),
+        )),
+    }
+}
+
+impl Plugin for ShmPlugin {
+    fn info(&self) -> PluginInfo {
+        plugin_info(&self.shared.config)
+    }
+
+    fn local_endpoint(&self) -> Vec<u8> {
+        self.endpoint.encode()
+    }
+
+    fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
+        let remote = Endpoint::decode(endpoint)?;
+        if remote.host_id != self.endpoint.host_id {
+            return Err(err(ReasonCode::PEER_UNREACHABLE, format!("peer {} is on another host: shm reaches only this one", peer.0)));
+        }
+        let mut state = self.shared.lock();
+        Self::check_running(&state)?;
+        if let Some(known) = state.peers.get(&peer) {
+            if known.nonce == remote.nonce {
+                return Ok(());
+            }
+            self.forget_peer(&mut state, peer, "shm peer restarted (new endpoint nonce)");
+        }
+        state.peers.insert(peer, remote);
+        drop(state);
+        self.shared.flush();
+        Ok(())
+    }
+
+    fn disconnect(&self, peer: PeerId) {
+        let mut state = self.shared.lock();
+        if state.peers.remove(&peer).is_some() {
+            self.forget_peer(&mut state, peer, "shm peer disconnected");
+        }
+        drop(state);
+        self.shared.flush();
+    }
+
+    fn register(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
+        if region.kind != MemoryKind::HOST {
+            return Err(err(ReasonCode::UNSUPPORTED_MEMORY, format!("shm serves host memory only, not {}", region.kind)));
+        }
+        if region.len == 0 || region.addr == 0 {
+            return Err(err(ReasonCode::INVALID_ARGUMENT, "shm region needs a non-zero addr and len"));
+        }
+        if region.addr.checked_add(region.len).is_none() {
+            return Err(err(ReasonCode::INVALID_ARGUMENT, "shm region wraps around the address space"));
+        }
+        let path = region.backing_path.as_str();
+        if path.is_empty() || !path.starts_with('/') {
+            return Err(err(ReasonCode::INVALID_ARGUMENT, "shm region needs an absolute backing_path a peer can map"));
+        }
+        let file_len = backing_file_len(path)?;
+        if region.backing_offset.checked_add(region.len).is_none_or(|end| end > file_len) {
+            return Err(err(
+                ReasonCode::OUT_OF_RANGE,
+                format!("region {}+{} lies outside backing file {path:?} of {file_len} bytes", region.backing_offset, region.len),
+            ));
+        }
+        let mut state = self.shared.lock();
+        Self::check_running(&state)?;
+        let key = LocalKey(state.allocate_key());
+        state.regions.insert(key, LocalRegion { addr: region.addr as usize, len: region.len });
+        state.registered_bytes += region.len;
+        let remote_key = RemoteKeyBytes {
+            nonce: self.endpoint.nonce,
+            region_id: key.0,
+            backing_path: path.to_string(),
+            backing_offset: region.backing_offset,
+            len: region.len,
+        };
+        Ok(Registration { key, remote_key: remote_key.encode().into() })
+    }
+
+    fn deregister(&self, key: LocalKey) -> Result<(), PluginError> {
+        let mut state = self.shared.lock();
+        let Some(region) = state.regions.remove(&key) else {
+            return Err(err(ReasonCode::UNKNOWN_KEY, format!("local key {} is not registered", key.0)));
+        };
+        state.registered_bytes -= region.len;
+        state.fail_where(|t| t.local_keys.contains(&key), ReasonCode::UNKNOWN_KEY, "shm source region deregistered mid-transfer");
+        while state.region_busy(key) {
+            state = self.shared.chunk_done.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(state);
+        self.shared.flush();
+        Ok(())
+    }
+
+    fn import_remote_key(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
+        let key = RemoteKeyBytes::decode(bytes)?;
+        let peer_nonce = {
+            let state = self.shared.lock();
+            Self::check_running(&state)?;
+            match state.peers.get(&peer) {
+                Some(endpoint) => endpoint.nonce,
+                None => return Err(err(ReasonCode::PEER_UNREACHABLE, format!("peer {} is not connected", peer.0))),
+            }
+        };
+        if key.nonce != peer_nonce {
+            return Err(err(ReasonCode::PEER_LOST, format!("stale remote key: made by another incarnation of peer {}", peer.0)));
+        }
+        let mapping =
+            PeerMapping::map(&key.backing_path, key.backing_offset, key.len, self.shared.config.populate_mappings)?;
+        let mut state = self.shared.lock();
+        Self::check_running(&state)?;
+        if state.peers.get(&peer).map(|e| e.nonce) != Some(peer_nonce) {
+            return Err(err(ReasonCode::PEER_LOST, format!("peer {} went away during the import", peer.0)));
+        }
+        let remote = RemoteKey(state.allocate_key());
+        state.imported.insert(remote, ImportedKey { peer, mapping: Arc::new(mapping) });
+        Ok(remote)
+    }
+
+    fn release_remote_key(&self, key: RemoteKey) {
+        self.shared.lock().imported.remove(&key);
+    }
+
+    fn submit(&self, request: &SubmitRequest<'_>) -> Result<(), PluginError> {
+        if request.timeout_ns == 0 {
+            return Err(err(ReasonCode::INVALID_ARGUMENT, "timeout_ns must be > 0"));
+        }
+        let mut state = self.shared.lock();
+        Self::check_running(&state)?;
+        if state.transfers.contains_key(&request.xfer) {
+            return Err(err(ReasonCode::DUPLICATE_ID, format!("transfer {} is already live", request.xfer.0)));
+        }
+        let limit = self.shared.config.max_inflight_transfers;
+        if state.live_transfers >= limit {
+            return Err(err(ReasonCode::RESOURCE_EXHAUSTED, format!("{limit} live transfers: max_inflight_transfers reached")));
+        }
+        let transfer = self.plan(&state, request)?;
+        let spans_chunks = transfer.total_bytes > self.shared.config.chunk_bytes;
+        let has_deadline = transfer.deadline.is_some();
+        state.insert(request.xfer, transfer);
+        drop(state);
+        if spans_chunks {
+            self.shared.work_ready.notify_all();
+        } else {
+            self.shared.work_ready.notify_one();
+        }
+        if has_deadline {
+            self.shared.timer_wake.notify_one();
+        }
+        Ok(())
+    }
+
+    fn cancel(&self, xfer: XferId) {
+        self.shared.lock().fail(xfer, ReasonCode::CANCELLED, "cancelled by the host".to_string());
+        self.shared.flush();
+    }
+
+    fn stats(&self) -> Stats {
+        let state = self.shared.lock();
+        Stats {
+            live_transfers: state.live_transfers,
+            unquiesced_transfers: state.unquiesced_transfers(),
+            live_tickets: 0,
+            registered_regions: state.regions.len() as u64,
+            registered_bytes: state.registered_bytes,
+            imported_remote_keys: state.imported.len() as u64,
+            connected_peers: state.peers.len() as u64,
+            workers_alive: self.shared.threads_alive.load(Ordering::SeqCst),
+            healthy: u8::from(state.healthy && !state.shutting_down),
+        }
+    }
+
+    fn shutdown(&self) {
+        let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
+        {
+            let mut state = self.shared.lock();
+            state.shutting_down = true;
+            state.fail_where(|_| true, ReasonCode::SHUTDOWN, "shm plugin shutting down");
+        }
+        self.shared.work_ready.notify_all();
+        self.shared.timer_wake.notify_all();
+        for handle in threads.drain(..) {
+            let _ = handle.join();
+        }
+        {
+            let mut state = self.shared.lock();
+            debug_assert!(state.transfers.is_empty(), "workers quiesced every transfer before exiting");
+            state.transfers.clear();
+            state.queue.clear();
+            state.deadlines.clear();
+            state.imported.clear();
+            state.regions.clear();
+            state.registered_bytes = 0;
+            state.peers.clear();
+        }
+        self.shared.flush_blocking();
+    }
+}
+
+impl Drop for ShmPlugin {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,177 @@
+//! The shm plugin's threads: copy workers that take chunks from the shared queue, one timer thread that
+//! enforces each transfer's own timeout, and the ordered, re-entrancy-safe delivery of the outbox.
+//! A worker never holds the state lock while copying, and nothing calls the sink under that lock.
+
+use crate::config::ShmConfig;
+use crate::plan::copy_chunk;
+use crate::state::{Job, State};
+use kvgate_abi::{sdk::Sink, Event, ReasonCode};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+/// What every thread of one instance shares.
+pub struct Shared {
+    pub state: Mutex<State>,
+    /// Workers wait here for queued chunks (and for shutdown).
+    pub work_ready: Condvar,
+    /// The timer waits here for an earlier deadline (and for shutdown).
+    pub timer_wake: Condvar,
+    /// `deregister` waits here for workers to let go of a region.
+    pub chunk_done: Condvar,
+    /// Held while delivering, so events reach the sink in the order they were decided.
+    pub delivering: Mutex<()>,
+    pub sink: Sink,
+    pub config: ShmConfig,
+    pub threads_alive: AtomicU64,
+}
+
+impl Shared {
+    pub fn new(config: ShmConfig, sink: Sink) -> Shared {
+        Shared {
+            state: Mutex::new(State::new()),
+            work_ready: Condvar::new(),
+            timer_wake: Condvar::new(),
+            chunk_done: Condvar::new(),
+            delivering: Mutex::new(()),
+            sink,
+            config,
+            threads_alive: AtomicU64::new(0),
+        }
+    }
+
+    /// The state lock; a panic elsewhere never makes it unusable (the state stays consistent
+    /// because no transition panics half-way).
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Deliver the outbox in order. Whoever holds the delivery lock drains everything queued,
+    /// including events queued by a sink that calls back into the plugin; callers that find it
+    /// held return at once and leave their events to the holder.
+    pub fn flush(&self) {
+        loop {
+            let Ok(_delivering) = self.delivering.try_lock() else { return };
+            loop {
+                let batch = std::mem::take(&mut self.lock().outbox);
+                if batch.is_empty() {
+                    break;
+                }
+                for event in batch {
+                    log_event(&event);
+                    self.sink.deliver(event);
+                }
+            }
+            drop(_delivering);
+            if self.lock().outbox.is_empty() {
+                return;
+            }
+        }
+    }
+
+    /// Deliver everything queued, waiting for a concurrent deliverer if there is one.
+    pub fn flush_blocking(&self) {
+        let _delivering = self.delivering.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let batch = std::mem::take(&mut self.lock().outbox);
+            if batch.is_empty() {
+                return;
+            }
+            for event in batch {
+                log_event(&event);
+                self.sink.deliver(event);
+            }
+        }
+    }
+}
+
+fn log_event(event: &Event) {
+    if event.kind == kvgate_abi::EventKind::FAILED || event.kind == kvgate_abi::EventKind::UNHEALTHY {
+        tracing::warn!(xfer = event.xfer.0, peer = event.peer.0, reason = %event.reason, "shm: {}: {}", event.kind, event.message);
+    }
+}
+
+/// Counts a thread as alive for as long as it runs.
+struct AliveGuard<'a>(&'a AtomicU64);
+
+impl<'a> AliveGuard<'a> {
+    fn new(counter: &'a AtomicU64) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        AliveGuard(counter)
+    }
+}
+
+impl Drop for AliveGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A copy worker: claim a chunk, copy it without the lock, complete it; until shutdown.
+pub fn worker_loop(shared: &Shared) {
+    let _alive = AliveGuard::new(&shared.threads_alive);
+    let mut state = shared.lock();
+    loop {
+        if state.shutting_down {
+            return;
+        }
+        let Some(job) = state.claim(shared.config.chunk_bytes) else {
+            state = shared.work_ready.wait(state).unwrap_or_else(|p| p.into_inner());
+            continue;
+        };
+        drop(state);
+        let copied = catch_unwind(AssertUnwindSafe(|| {
+            // SAFETY: the pieces were checked against their regions at submit; the local region cannot
+            // be deregistered (deregister waits on `chunk_done`) nor the peer mapping unmapped (the
+            // transfer holds it) while this chunk is active.
+            unsafe { copy_chunk(&job.pieces, job.chunk) }
+        }));
+        state = shared.lock();
+        state.complete(&job);
+        if copied.is_err() {
+            worker_died(shared, state, &job);
+            return;
+        }
+        shared.chunk_done.notify_all();
+        drop(state);
+        shared.flush();
+        state = shared.lock();
+    }
+}
+
+/// A worker that panicked fails everything the instance holds and leaves it unhealthy.
+fn worker_died(shared: &Shared, mut state: MutexGuard<'_, State>, job: &Job) {
+    state.healthy = false;
+    let message = format!("shm copy worker panicked while copying transfer {}", job.xfer.0);
+    state.fail_where(|_| true, ReasonCode::INTERNAL, &message);
+    state.outbox.push(Event::unhealthy(ReasonCode::INTERNAL, message));
+    shared.chunk_done.notify_all();
+    drop(state);
+    shared.flush();
+}
+
+/// The timer: fail transfers whose own timeout passed, sleeping until the earliest deadline.
+pub fn timer_loop(shared: &Shared) {
+    let _alive = AliveGuard::new(&shared.threads_alive);
+    let mut state = shared.lock();
+    loop {
+        if state.shutting_down {
+            return;
+        }
+        let next = state.expire(Instant::now());
+        if !state.outbox.is_empty() {
+            drop(state);
+            shared.flush();
+            state = shared.lock();
+            continue;
+        }
+        state = match next {
+            Some(deadline) => {
+                let wait = deadline.saturating_duration_since(Instant::now());
+                shared.timer_wake.wait_timeout(state, wait).unwrap_or_else(|p| p.into_inner()).0
+            }
+            None => shared.timer_wake.wait(state).unwrap_or_else(|p| p.into_inner()),
+        };
+    }
+}
