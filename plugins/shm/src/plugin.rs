@@ -83,9 +83,11 @@ impl ShmPlugin {
             let shared = Arc::clone(&plugin.shared);
             let (name, body): (String, fn(&Shared)) =
                 if i < workers { (format!("kvgate-shm-copy-{i}"), worker_loop) } else { ("kvgate-shm-timer".into(), timer_loop) };
+            plugin.shared.count_thread_in();
             match spawn_worker(&name, sink.clone(), move || body(&shared)) {
                 Ok(handle) => plugin.threads.lock().unwrap_or_else(|p| p.into_inner()).push(handle),
                 Err(e) => {
+                    plugin.shared.count_thread_out();
                     plugin.shutdown();
                     return Err(err(ReasonCode::RESOURCE_EXHAUSTED, format!("cannot start shm thread {name}: {e}")));
                 }

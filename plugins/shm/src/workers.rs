@@ -28,6 +28,15 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// Count a thread about to be spawned; undone by the thread's exit or [`Shared::count_thread_out`].
+    pub fn count_thread_in(&self) {
+        self.threads_alive.fetch_add(1, Ordering::SeqCst);
+    }
+    /// Undo [`Shared::count_thread_in`] for a thread that failed to spawn.
+    pub fn count_thread_out(&self) {
+        self.threads_alive.fetch_sub(1, Ordering::SeqCst);
+    }
+
     pub fn new(config: ShmConfig, sink: Sink) -> Shared {
         Shared {
             state: Mutex::new(State::new()),
@@ -92,15 +101,9 @@ fn log_event(event: &Event) {
     }
 }
 
-/// Counts a thread as alive for as long as it runs.
+/// Takes a thread off `threads_alive` when it ends. The spawner counts the thread in *before* it
+/// starts (see [`Shared::count_thread_in`]), so `stats()` right after `open` already sees it.
 struct AliveGuard<'a>(&'a AtomicU64);
-
-impl<'a> AliveGuard<'a> {
-    fn new(counter: &'a AtomicU64) -> Self {
-        counter.fetch_add(1, Ordering::SeqCst);
-        AliveGuard(counter)
-    }
-}
 
 impl Drop for AliveGuard<'_> {
     fn drop(&mut self) {
@@ -110,7 +113,7 @@ impl Drop for AliveGuard<'_> {
 
 /// A copy worker: claim a chunk, copy it without the lock, complete it; until shutdown.
 pub fn worker_loop(shared: &Shared) {
-    let _alive = AliveGuard::new(&shared.threads_alive);
+    let _alive = AliveGuard(&shared.threads_alive);
     let mut state = shared.lock();
     loop {
         if state.shutting_down {
@@ -153,7 +156,7 @@ fn worker_died(shared: &Shared, mut state: MutexGuard<'_, State>, job: &Job) {
 
 /// The timer: fail transfers whose own timeout passed, sleeping until the earliest deadline.
 pub fn timer_loop(shared: &Shared) {
-    let _alive = AliveGuard::new(&shared.threads_alive);
+    let _alive = AliveGuard(&shared.threads_alive);
     let mut state = shared.lock();
     loop {
         if state.shutting_down {

@@ -1,0 +1,210 @@
+//! Every way a transfer can end besides success (cancel, its own timeout, deregister, disconnect,
+//! shutdown) ends it with exactly one terminal event, a `QUIESCED` once no worker touches it, and no
+//! byte landing after that; stats return to their baseline.
+
+mod common;
+use common::*;
+use kvgate_abi::{EventKind, ReasonCode, XferId};
+use std::time::Duration;
+
+/// Big enough that a copy with 64 KiB chunks on one worker is still running when the test acts.
+const BIG: usize = 128 << 20;
+const SLOW: &str = "workers = 1\nchunk_bytes = 65536";
+
+/// A pair with a BIG source full of non-zero bytes and a zeroed destination.
+fn big_pair(config: &str) -> (Pair, kvgate_plugin_shm::SharedRegion, kvgate_plugin_shm::SharedRegion, Vec<kvgate_abi::Segment>) {
+    let pair = Pair::new(config);
+    let (src, dst) = (region(BIG), region(BIG));
+    src.as_mut_slice().fill(0x5A);
+    let (local, _, remote) = pair.regions(&src, &dst);
+    let segments = vec![segment(local, 0, remote, 0, BIG as u64)];
+    (pair, src, dst, segments)
+}
+
+/// Wait until the first destination byte changed: the copy is under way.
+fn wait_started(dst: &kvgate_plugin_shm::SharedRegion) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while unsafe { std::ptr::read_volatile(dst.as_slice().as_ptr()) } == 0 {
+        assert!(std::time::Instant::now() < deadline, "copy never started");
+        std::hint::spin_loop();
+    }
+}
+
+/// After the transfer settled, the destination no longer changes.
+fn assert_destination_still(dst: &kvgate_plugin_shm::SharedRegion) {
+    let before = checksum(dst.as_slice());
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(checksum(dst.as_slice()), before, "a byte landed after QUIESCED");
+}
+
+fn assert_baseline(i: &Instance) {
+    let s = i.stats();
+    assert_eq!((s.live_transfers, s.unquiesced_transfers), (0, 0), "{s:?}");
+}
+
+#[test]
+fn cancel_mid_transfer_fails_then_quiesces_and_nothing_lands_after() {
+    let (pair, _src, dst, segments) = big_pair(SLOW);
+    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
+    wait_started(&dst);
+    pair.sender.transport.cancel(XferId(1));
+    let terminal = pair.sender.events.settled(XferId(1));
+    assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::CANCELLED), "{terminal:?}");
+    assert_destination_still(&dst);
+    assert!(dst.as_slice()[BIG - 1] == 0, "the cancelled copy stopped before the end");
+    assert_baseline(&pair.sender);
+    // Cancel again, and cancel of an unknown id: harmless, no event.
+    let events = pair.sender.events.all().len();
+    pair.sender.transport.cancel(XferId(1));
+    pair.sender.transport.cancel(XferId(999));
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(pair.sender.events.all().len(), events);
+}
+
+#[test]
+fn cancel_of_a_queued_transfer_fails_it_quiesced_at_once() {
+    let (pair, _src, _dst, segments) = big_pair(SLOW);
+    pair.sender.events.hold();
+    ok(pair.submit(1, NO_TIMEOUT_NS, &[segment(segments[0].local, 0, segments[0].remote, 0, 0)]));
+    pair.sender.events.wait_count(1); // the only worker is now stuck delivering transfer 1's success
+    ok(pair.submit(2, NO_TIMEOUT_NS, &segments));
+    pair.sender.transport.cancel(XferId(2)); // delivered by the stuck worker once released
+    pair.sender.events.release();
+    let terminal = pair.sender.events.settled(XferId(2));
+    assert_eq!(terminal.kind, EventKind::FAILED);
+    assert_ne!(terminal.flags & kvgate_abi::event_flags::QUIESCED, 0, "never started: quiesced at once");
+    assert_baseline(&pair.sender);
+}
+
+#[test]
+fn own_timeout_fails_a_running_transfer() {
+    let (pair, _src, dst, segments) = big_pair(SLOW);
+    ok(pair.submit(1, 5_000_000, &segments));
+    let terminal = pair.sender.events.settled(XferId(1));
+    assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::TIMEOUT), "{terminal:?}");
+    assert!(terminal.message.contains("timed out"), "{terminal:?}");
+    assert_destination_still(&dst);
+    assert_baseline(&pair.sender);
+}
+
+#[test]
+fn own_timeout_fails_a_transfer_still_queued_behind_another() {
+    let (pair, _src, _dst, segments) = big_pair(SLOW);
+    pair.sender.events.hold();
+    ok(pair.submit(1, NO_TIMEOUT_NS, &[segment(segments[0].local, 0, segments[0].remote, 0, 0)]));
+    pair.sender.events.wait_count(1);
+    ok(pair.submit(2, 1_000_000, &segments));
+    std::thread::sleep(Duration::from_millis(20));
+    pair.sender.events.release();
+    let terminal = pair.sender.events.settled(XferId(2));
+    assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::TIMEOUT));
+    assert_ne!(terminal.flags & kvgate_abi::event_flags::QUIESCED, 0);
+    assert_baseline(&pair.sender);
+}
+
+#[test]
+fn a_timeout_longer_than_the_copy_does_not_fire() {
+    let pair = Pair::new("");
+    let (src, dst) = (region(1 << 20), region(1 << 20));
+    let (local, _, remote) = pair.regions(&src, &dst);
+    ok(pair.submit(1, 30_000_000_000, &[segment(local, 0, remote, 0, 1 << 20)]));
+    assert_eq!(pair.sender.events.settled(XferId(1)).kind, EventKind::SUCCEEDED);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(pair.sender.events.of(XferId(1)).len(), 1, "no late timeout event");
+}
+
+#[test]
+fn deregistering_the_source_fails_the_transfer_before_returning() {
+    let (pair, _src, dst, segments) = big_pair(SLOW);
+    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
+    wait_started(&dst);
+    ok(pair.sender.transport.deregister(segments[0].local));
+    // deregister returned: no worker reads the source any more.
+    assert_eq!(pair.sender.stats().unquiesced_transfers, 0);
+    let terminal = pair.sender.events.settled(XferId(1));
+    assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::UNKNOWN_KEY));
+    assert_destination_still(&dst);
+    let e = err(pair.submit(2, NO_TIMEOUT_NS, &segments));
+    assert_eq!(e.code, ReasonCode::UNKNOWN_KEY);
+    assert_eq!(err(pair.sender.transport.deregister(segments[0].local)).code, ReasonCode::UNKNOWN_KEY);
+}
+
+#[test]
+fn disconnect_fails_the_peers_transfers_and_drops_its_keys() {
+    let (pair, _src, dst, segments) = big_pair(SLOW);
+    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
+    wait_started(&dst);
+    pair.sender.transport.disconnect(RECEIVER);
+    let terminal = pair.sender.events.settled(XferId(1));
+    assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::PEER_LOST));
+    assert_destination_still(&dst);
+    let s = pair.sender.stats();
+    assert_eq!((s.imported_remote_keys, s.connected_peers, s.live_transfers, s.unquiesced_transfers), (0, 0, 0, 0));
+    assert_eq!(err(pair.submit(2, NO_TIMEOUT_NS, &segments)).code, ReasonCode::UNKNOWN_KEY);
+}
+
+#[test]
+fn shutdown_fails_live_transfers_joins_workers_and_releases_everything() {
+    let (pair, _src, dst, segments) = big_pair("workers = 2\nchunk_bytes = 65536");
+    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
+    ok(pair.submit(2, NO_TIMEOUT_NS, &segments));
+    wait_started(&dst);
+    pair.sender.transport.shutdown();
+    // Everything is delivered before shutdown returns.
+    for x in [1, 2] {
+        let events = pair.sender.events.of(XferId(x));
+        assert_eq!(events.iter().filter(|e| e.is_terminal()).count(), 1, "{events:?}");
+        assert_eq!(events[0].reason, ReasonCode::SHUTDOWN, "{events:?}");
+        pair.sender.events.settled(XferId(x));
+    }
+    let s = pair.sender.stats();
+    assert_eq!(s.workers_alive, 0, "{s:?}");
+    assert_eq!(s.healthy, 0);
+    assert_eq!((s.live_transfers, s.unquiesced_transfers, s.registered_regions, s.registered_bytes), (0, 0, 0, 0));
+    assert_eq!((s.imported_remote_keys, s.connected_peers), (0, 0));
+    assert_destination_still(&dst);
+    assert_eq!(err(pair.submit(3, NO_TIMEOUT_NS, &segments)).code, ReasonCode::SHUTDOWN);
+    pair.sender.transport.shutdown(); // twice: harmless
+}
+
+/// Many lifecycles of every kind; afterwards every gauge is back at its baseline.
+#[test]
+fn stats_are_exact_and_return_to_baseline() {
+    let pair = Pair::new("workers = 2\nchunk_bytes = 4096");
+    let base = pair.sender.stats();
+    assert_eq!(base.workers_alive, 3, "two copy workers and the timer: {base:?}");
+    assert_eq!((base.connected_peers, base.healthy, base.registered_regions), (1, 1, 0));
+    let (src, dst) = (region(1 << 20), region(1 << 20));
+    let (local, _, remote) = pair.regions(&src, &dst);
+    let s = pair.sender.stats();
+    assert_eq!((s.registered_regions, s.registered_bytes, s.imported_remote_keys), (1, 1 << 20, 1));
+    for round in 0..300u64 {
+        let len = (round * 3511) % (1 << 20);
+        ok(pair.submit(round, NO_TIMEOUT_NS, &[segment(local, 0, remote, 0, len)]));
+        match round % 3 {
+            0 => pair.sender.transport.cancel(XferId(round)),
+            1 if round % 2 == 0 => pair.sender.transport.cancel(XferId(round)),
+            _ => {}
+        }
+    }
+    for round in 0..300u64 {
+        pair.sender.events.settled(XferId(round));
+    }
+    let s = pair.sender.stats();
+    assert_eq!((s.live_transfers, s.unquiesced_transfers), (0, 0), "{s:?}");
+    pair.sender.transport.release_remote_key(remote);
+    ok(pair.sender.transport.deregister(local));
+    let s = pair.sender.stats();
+    assert_eq!(s, base, "back to the baseline");
+}
+
+#[test]
+fn dropping_an_instance_shuts_it_down() {
+    let (pair, _src, dst, segments) = big_pair(SLOW);
+    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
+    wait_started(&dst);
+    let events = std::sync::Arc::clone(&pair.sender.events);
+    drop(pair);
+    let terminal = events.settled(XferId(1));
+    assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::SHUTDOWN));
+}
