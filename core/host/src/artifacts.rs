@@ -16,7 +16,13 @@ pub fn built_cdylib_path(package: &str, lib_name: &str) -> Result<PathBuf, Strin
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the running executable: {e}"))?;
     let file = cdylib_file_name(lib_name);
     let mut searched = Vec::new();
-    for dir in exe.ancestors().skip(1).take(2) {
+    let exe_dir = exe.parent().ok_or("the running executable has no directory")?;
+    // A test binary in `<profile>/deps/`: the uplifted copy in `<profile>/` first, then `deps/` itself.
+    let dirs: Vec<&std::path::Path> = match exe_dir.parent() {
+        Some(profile_dir) if exe_dir.ends_with("deps") => vec![profile_dir, exe_dir],
+        _ => vec![exe_dir],
+    };
+    for dir in dirs {
         let candidate = dir.join(&file);
         if candidate.is_file() {
             return Ok(candidate);

@@ -54,21 +54,72 @@ pub fn library_error(path: &Path, error: LibraryError) -> LoadError {
     }
 }
 
-/// Keep only the `Error:` lines of abi_stable's (often hundreds of lines long) layout report,
-/// at most [`MAX_ABI_ERROR_LINES`] of them, with a count of the rest.
+/// Keep only the `Error:` lines of abi_stable's (often hundreds of lines long) layout report, each with
+/// the first line of its `Expected:` and `Found:` values, at most [`MAX_ABI_ERROR_LINES`] of them,
+/// with a count of the rest.
 pub fn abi_error_summary(report: &str) -> String {
-    let errors: Vec<&str> =
-        report.lines().map(str::trim).filter(|line| line.starts_with("Error:")).collect();
+    let lines: Vec<&str> = report.lines().map(str::trim).collect();
+    let mut errors = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if !line.starts_with("Error:") {
+            continue;
+        }
+        let mut detail = Vec::new();
+        for (j, next) in lines.iter().enumerate().skip(i + 1).take(6) {
+            if next.starts_with("Error:") {
+                break;
+            }
+            if let Some(label) = next.strip_suffix(':').filter(|l| *l == "Expected" || *l == "Found") {
+                let value = lines.get(j + 1).copied().unwrap_or("");
+                detail.push(format!("{} {}", label.to_lowercase(), shorten(value, 100)));
+            }
+        }
+        errors.push(if detail.is_empty() { line.to_string() } else { format!("{line} ({})", detail.join(", ")) });
+    }
     if errors.is_empty() {
         return first_line(report);
     }
-    let mut kept: Vec<String> = errors.iter().take(MAX_ABI_ERROR_LINES).map(|l| l.to_string()).collect();
-    if errors.len() > MAX_ABI_ERROR_LINES {
-        kept.push(format!("({} more Error: lines)", errors.len() - MAX_ABI_ERROR_LINES));
+    let total = errors.len();
+    errors.truncate(MAX_ABI_ERROR_LINES);
+    if total > MAX_ABI_ERROR_LINES {
+        errors.push(format!("({} more Error: lines)", total - MAX_ABI_ERROR_LINES));
     }
-    kept.join("\n")
+    errors.join("\n")
+}
+
+fn shorten(text: &str, max_chars: usize) -> String {
+    match text.char_indices().nth(max_chars) {
+        Some((at, _)) => format!("{}...", &text[..at]),
+        None => text.to_string(),
+    }
 }
 
 fn first_line(text: &str) -> String {
     text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_keeps_error_lines_with_expected_and_found() {
+        let report = "Compared <this>:\n    --- Type Layout ---\n    type:X\n\nError:mismatched package\nExpected:\n    kvgate-abi\nFound:\n    other\n\n";
+        assert_eq!(abi_error_summary(report), "Error:mismatched package (expected kvgate-abi, found other)");
+    }
+
+    #[test]
+    fn summary_is_capped_with_a_count_of_the_rest() {
+        let report: String = (0..20).map(|i| format!("noise\nError:problem {i}\n")).collect();
+        let summary = abi_error_summary(&report);
+        let lines: Vec<&str> = summary.lines().collect();
+        assert_eq!(lines.len(), MAX_ABI_ERROR_LINES + 1, "{summary}");
+        assert_eq!(lines[0], "Error:problem 0");
+        assert_eq!(lines[MAX_ABI_ERROR_LINES], format!("({} more Error: lines)", 20 - MAX_ABI_ERROR_LINES));
+    }
+
+    #[test]
+    fn summary_without_error_lines_is_the_first_line() {
+        assert_eq!(abi_error_summary("\n  something odd\nmore"), "something odd");
+    }
 }
