@@ -1,0 +1,741 @@
+//! The progress thread: owns the UCP worker and its endpoints, runs commands from the API threads,
+//! posts puts/active messages, turns completions, replies, endpoint failures and deadlines into
+//! events, and sleeps on the worker's event fd when idle. Never blocks on the network; every wait
+//! is bounded by a deadline or `busy_poll_us`.
+
+use crate::config::ResolvedMode;
+use crate::receiver::{self, Receiver, COMPLETIONS, EP_ERRORS, RECV_TOKEN_BIT, REPLY_EARLY_BIT};
+use crate::shared::{Command, OutgoingJob, Shared};
+use crate::ucp::{self, ucp_ep_h, ucp_rkey_h, ucs_status_t, Posted, Worker};
+use crate::wire::{self, CommitHeader, DataHeader, ReplyHeader};
+use kvgate_abi::{Event, LocalKey, PeerId, ReasonCode, XferId};
+use std::cell::RefCell;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How often receiver tombstones and expired tickets are swept.
+const SWEEP_INTERVAL_MS: u64 = 100;
+/// Most rounds of `ucp_worker_progress` per loop iteration before commands are looked at again.
+const MAX_PROGRESS_ROUNDS_PER_ITERATION: u32 = 64;
+/// How long shutdown waits for UCX to hand back closed endpoints and cancelled requests.
+const SHUTDOWN_DRAIN_MS: u64 = 2000;
+
+struct PeerConn {
+    ep: ucp_ep_h,
+    token: u64,
+    rkeys: HashMap<u64, ucp_rkey_h>,
+}
+
+enum ReqKind {
+    /// A data message, put or commit/cancel of a transfer.
+    Xfer { xfer: u64 },
+    /// The flush that ends a put-mode transfer.
+    Flush { xfer: u64 },
+    /// A reply or an endpoint close: nothing waits on it.
+    Other,
+}
+
+struct Req {
+    request: *mut c_void,
+    kind: ReqKind,
+    /// An active-message header UCX may read until the request completes.
+    _header: Vec<u8>,
+}
+
+struct Outgoing {
+    job: Box<OutgoingJob>,
+    next_segment: usize,
+    posted: u64,
+    data_messages: u64,
+    final_sent: bool,
+    cancel_sent: bool,
+    awaiting_reply: bool,
+    flush_done: bool,
+    any_put_posted: bool,
+    terminal: bool,
+    unquiesced: bool,
+}
+
+pub struct Engine {
+    shared: Arc<Shared>,
+    worker: Worker,
+    receiver: Box<RefCell<Receiver>>,
+    worker_fd: i32,
+    peers: HashMap<PeerId, PeerConn>,
+    ep_tokens: HashMap<u64, PeerId>,
+    xfers: HashMap<u64, Outgoing>,
+    requests: HashMap<u64, Req>,
+    next_token: u64,
+    timers: BinaryHeap<Reverse<(Instant, u64)>>,
+    last_sweep: Instant,
+}
+
+impl Engine {
+    /// Set up the worker's handlers. Runs on the opening thread; `run` then moves to the progress thread.
+    pub fn new(shared: Arc<Shared>, worker: Worker) -> Result<Box<Engine>, ucp::UcxError> {
+        let worker_fd = worker.event_fd()?;
+        let receiver = Box::new(RefCell::new(Receiver::new(shared.clone(), worker.raw)));
+        let arg = &*receiver as *const RefCell<Receiver> as *mut c_void;
+        worker.set_am_handler(wire::AM_DATA, Some(receiver::am_data), arg)?;
+        worker.set_am_handler(wire::AM_COMMIT, Some(receiver::am_commit), arg)?;
+        worker.set_am_handler(wire::AM_CANCEL, Some(receiver::am_cancel), arg)?;
+        worker.set_am_handler(wire::AM_REPLY, Some(receiver::am_reply), arg)?;
+        Ok(Box::new(Engine {
+            shared,
+            worker,
+            receiver,
+            worker_fd,
+            peers: HashMap::new(),
+            ep_tokens: HashMap::new(),
+            xfers: HashMap::new(),
+            requests: HashMap::new(),
+            next_token: 1,
+            timers: BinaryHeap::new(),
+            last_sweep: Instant::now(),
+        }))
+    }
+
+    fn token(&mut self) -> u64 {
+        let t = self.next_token;
+        self.next_token += 1;
+        debug_assert!(t & RECV_TOKEN_BIT == 0);
+        t
+    }
+
+    /// The progress loop; returns after `Command::Shutdown`.
+    pub fn run(mut self: Box<Self>) {
+        let busy_poll = Duration::from_micros(self.shared.config.busy_poll_us);
+        let mut last_activity = Instant::now();
+        loop {
+            let commands: Vec<Command> = self.shared.lock().commands.drain(..).collect();
+            let mut activity = !commands.is_empty();
+            for command in commands {
+                if let Command::Shutdown = command {
+                    self.shutdown();
+                    return;
+                }
+                self.handle(command);
+            }
+            let mut rounds = 0;
+            while rounds < MAX_PROGRESS_ROUNDS_PER_ITERATION && self.worker.progress() > 0 {
+                rounds += 1;
+                activity = true;
+            }
+            activity |= self.drain();
+            self.pump_all();
+            let now = Instant::now();
+            self.fire_timers(now);
+            if now.duration_since(self.last_sweep) >= Duration::from_millis(SWEEP_INTERVAL_MS) {
+                self.last_sweep = now;
+                self.receiver.borrow_mut().sweep(now);
+                self.sweep_tickets(now);
+            }
+            if activity {
+                last_activity = now;
+                continue;
+            }
+            let in_flight = !self.requests.is_empty() || self.receiver.borrow().pending_receives() > 0;
+            if in_flight && now.duration_since(last_activity) < busy_poll {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.sleep(now);
+        }
+    }
+
+    /// Arm the worker and wait on its fd and the wake fd, at most until the next deadline.
+    fn sleep(&mut self, now: Instant) {
+        match self.worker.arm() {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                tracing::warn!(reason = "transport_error", "ucx worker arm: {e}");
+                std::thread::sleep(Duration::from_millis(1));
+                return;
+            }
+        }
+        let mut wait = Duration::from_millis(SWEEP_INTERVAL_MS);
+        if let Some(Reverse((at, _))) = self.timers.peek() {
+            wait = wait.min(at.saturating_duration_since(now));
+        }
+        let timeout_ms = wait.as_micros().div_ceil(1000) as i32;
+        let mut fds = [
+            libc::pollfd { fd: self.worker_fd, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: self.shared.wake_fd, events: libc::POLLIN, revents: 0 },
+        ];
+        unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        if fds[1].revents != 0 {
+            let mut value: u64 = 0;
+            unsafe { libc::read(self.shared.wake_fd, &mut value as *mut u64 as *mut c_void, 8) };
+        }
+    }
+
+    fn handle(&mut self, command: Command) {
+        match command {
+            Command::Connect { peer, worker_address } => self.connect(peer, &worker_address),
+            Command::Disconnect { peer } => {
+                self.drop_peer(peer, "peer disconnected by the host", false);
+            }
+            Command::Submit(job) => self.start(job),
+            Command::Cancel(xfer) => self.fail(xfer.0, ReasonCode::CANCELLED, "cancelled by the host".into()),
+            Command::ReleaseRemoteKey(id) => self.release_rkey(id),
+            Command::Deregistered(key) => self.fail_users_of(key),
+            Command::Shutdown => unreachable!("handled by run"),
+        }
+    }
+
+    fn connect(&mut self, peer: PeerId, address: &[u8]) {
+        if self.peers.contains_key(&peer) {
+            self.drop_peer(peer, "peer reconnected (new incarnation)", false);
+        }
+        let token = self.token();
+        match self.worker.connect(address, Some(receiver::ep_failed), token) {
+            Ok(ep) => {
+                self.ep_tokens.insert(token, peer);
+                self.peers.insert(peer, PeerConn { ep, token, rkeys: HashMap::new() });
+            }
+            Err(e) => {
+                let message = format!("cannot create a UCX endpoint to peer {}: {e}", peer.0);
+                tracing::warn!(reason = "peer_unreachable", peer = peer.0, "{message}");
+                if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
+                    p.down = true;
+                }
+                self.shared.sink.deliver(Event::peer_down(peer, ReasonCode::PEER_UNREACHABLE, message));
+            }
+        }
+    }
+
+    /// Fail every transfer to `peer` with `PEER_LOST`, close its endpoint by force (nothing more can
+    /// land once UCX returns the requests) and forget it.
+    fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool) {
+        let victims: Vec<u64> = self.xfers.iter().filter(|(_, x)| x.job.peer == peer).map(|(id, _)| *id).collect();
+        for xfer in &victims {
+            if let Some(x) = self.xfers.get_mut(xfer) {
+                x.awaiting_reply = false;
+                x.flush_done = true;
+                x.next_segment = x.job.segments.len();
+                x.final_sent = true;
+                x.cancel_sent = true;
+            }
+            self.fail(*xfer, ReasonCode::PEER_LOST, why.to_string());
+        }
+        if let Some(conn) = self.peers.remove(&peer) {
+            self.ep_tokens.remove(&conn.token);
+            for (_, rkey) in conn.rkeys {
+                ucp::rkey_destroy(rkey);
+            }
+            let token = self.token();
+            if let Posted::Pending(request) = ucp::close_ep_force(conn.ep, Some(receiver::send_done), token) {
+                self.requests.insert(token, Req { request, kind: ReqKind::Other, _header: Vec::new() });
+            }
+        }
+        if announce_down {
+            tracing::warn!(reason = "peer_lost", peer = peer.0, "ucx peer lost: {why}");
+            self.shared.sink.deliver(Event::peer_down(peer, ReasonCode::PEER_LOST, why.to_string()));
+        }
+        for xfer in victims {
+            self.maybe_finish(xfer);
+        }
+    }
+
+    fn start(&mut self, job: Box<OutgoingJob>) {
+        let xfer = job.xfer.0;
+        let deadline = job.deadline;
+        if !self.peers.contains_key(&job.peer) {
+            let peer = job.peer;
+            self.xfers.insert(xfer, Outgoing::new(job));
+            self.fail(xfer, ReasonCode::PEER_LOST, format!("no endpoint to peer {}", peer.0));
+            self.maybe_finish(xfer);
+            return;
+        }
+        self.xfers.insert(xfer, Outgoing::new(job));
+        self.timers.push(Reverse((deadline, xfer)));
+        self.pump(xfer);
+    }
+
+    fn pump_all(&mut self) {
+        let ready: Vec<u64> = self
+            .xfers
+            .iter()
+            .filter(|(_, x)| !x.terminal && (x.next_segment < x.job.segments.len() || !x.final_sent))
+            .map(|(id, _)| *id)
+            .collect();
+        for xfer in ready {
+            self.pump(xfer);
+        }
+    }
+
+    /// Post as many operations of `xfer` as its window allows, then its commit or flush.
+    fn pump(&mut self, xfer: u64) {
+        let max_posted = self.shared.config.max_posted_ops_per_transfer;
+        let mode = self.shared.mode;
+        loop {
+            let Some(x) = self.xfers.get(&xfer) else { return };
+            if x.terminal || x.posted >= max_posted {
+                return;
+            }
+            let Some(conn) = self.peers.get(&x.job.peer) else { return };
+            let ep = conn.ep;
+            if x.next_segment >= x.job.segments.len() {
+                if !x.final_sent {
+                    match mode {
+                        ResolvedMode::Am => self.send_commit(xfer, ep, wire::AM_COMMIT),
+                        ResolvedMode::Put => self.post_flush(xfer, ep),
+                    }
+                }
+                return;
+            }
+            let segment = x.job.segments[x.next_segment];
+            self.xfers.get_mut(&xfer).unwrap().next_segment += 1;
+            if segment.len == 0 {
+                continue;
+            }
+            let result = match mode {
+                ResolvedMode::Am => self.post_data(xfer, ep, &segment),
+                ResolvedMode::Put => self.post_put(xfer, ep, &segment),
+            };
+            if let Err(message) = result {
+                self.fail(xfer, ReasonCode::TRANSPORT_ERROR, message);
+                self.maybe_finish(xfer);
+                return;
+            }
+        }
+    }
+
+    fn track(&mut self, token: u64, posted: Posted, kind: ReqKind, header: Vec<u8>) -> Result<bool, ucs_status_t> {
+        match posted {
+            Posted::Done => Ok(false),
+            Posted::Pending(request) => {
+                self.requests.insert(token, Req { request, kind, _header: header });
+                Ok(true)
+            }
+            Posted::Failed(status) => Err(status),
+        }
+    }
+
+    fn post_data(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), String> {
+        let x = self.xfers.get(&xfer).unwrap();
+        let header = DataHeader {
+            sender: self.shared.instance,
+            xfer,
+            ticket: x.job.ticket.0,
+            region: segment.remote_region,
+            offset: segment.remote_offset,
+            len: segment.len,
+        }
+        .encode();
+        let token = self.token();
+        let param = ucp::send_param(
+            Some(receiver::send_done),
+            token,
+            ucp::ucp_send_am_flags::UCP_AM_SEND_FLAG_REPLY.0,
+            segment.local_memh as ucp::ucp_mem_h,
+        );
+        let posted = ucp::classify(unsafe {
+            ucp::ucp_am_send_nbx(
+                ep,
+                wire::AM_DATA,
+                header.as_ptr() as *const c_void,
+                header.len(),
+                segment.local_addr as *const c_void,
+                segment.len as usize,
+                &param,
+            )
+        });
+        let pending = self
+            .track(token, posted, ReqKind::Xfer { xfer }, header)
+            .map_err(|s| format!("ucp_am_send_nbx: {}", ucp::status_text(s)))?;
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        x.posted += pending as u64;
+        x.data_messages += 1;
+        x.awaiting_reply = true;
+        Ok(())
+    }
+
+    fn send_commit(&mut self, xfer: u64, ep: ucp_ep_h, id: u32) {
+        let x = self.xfers.get(&xfer).unwrap();
+        let header = CommitHeader {
+            sender: self.shared.instance,
+            xfer,
+            ticket: x.job.ticket.0,
+            segments: x.data_messages,
+            bytes: x.job.total_bytes,
+        }
+        .encode();
+        let token = self.token();
+        let param = ucp::send_param(
+            Some(receiver::send_done),
+            token,
+            ucp::ucp_send_am_flags::UCP_AM_SEND_FLAG_REPLY.0,
+            std::ptr::null_mut(),
+        );
+        let posted = ucp::classify(unsafe {
+            ucp::ucp_am_send_nbx(ep, id, header.as_ptr() as *const c_void, header.len(), std::ptr::null(), 0, &param)
+        });
+        let result = self.track(token, posted, ReqKind::Xfer { xfer }, header);
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        x.final_sent = true;
+        if id == wire::AM_CANCEL {
+            x.cancel_sent = true;
+        }
+        match result {
+            Ok(pending) => {
+                x.posted += pending as u64;
+                x.awaiting_reply = true;
+            }
+            Err(status) => {
+                // The receiver will never answer this message; the endpoint is broken.
+                x.awaiting_reply = false;
+                let message = format!("ucp_am_send_nbx (control): {}", ucp::status_text(status));
+                self.fail(xfer, ReasonCode::TRANSPORT_ERROR, message);
+            }
+        }
+    }
+
+    fn rkey_for(&mut self, peer: PeerId, remote_key: u64, xfer: u64) -> Result<ucp_rkey_h, String> {
+        let conn = self.peers.get_mut(&peer).ok_or("no endpoint")?;
+        if let Some(rkey) = conn.rkeys.get(&remote_key) {
+            return Ok(*rkey);
+        }
+        let x = self.xfers.get(&xfer).ok_or("no transfer")?;
+        let remote = x.job.remote_regions.iter().find(|r| r.id == remote_key).ok_or("remote key not held by the job")?;
+        let rkey = ucp::rkey_unpack(conn.ep, &remote.packed_rkey).map_err(|e| e.to_string())?;
+        conn.rkeys.insert(remote_key, rkey);
+        Ok(rkey)
+    }
+
+    fn post_put(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), String> {
+        let peer = self.xfers.get(&xfer).unwrap().job.peer;
+        let rkey = self.rkey_for(peer, segment.remote_key, xfer)?;
+        let token = self.token();
+        let param = ucp::send_param(Some(receiver::send_done), token, 0, segment.local_memh as ucp::ucp_mem_h);
+        let posted = ucp::classify(unsafe {
+            ucp::ucp_put_nbx(ep, segment.local_addr as *const c_void, segment.len as usize, segment.remote_addr, rkey, &param)
+        });
+        let pending = self
+            .track(token, posted, ReqKind::Xfer { xfer }, Vec::new())
+            .map_err(|s| format!("ucp_put_nbx: {}", ucp::status_text(s)))?;
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        x.posted += pending as u64;
+        x.any_put_posted = true;
+        Ok(())
+    }
+
+    /// Post the flush that makes a put-mode transfer's bytes visible remotely (or that quiesces it).
+    fn post_flush(&mut self, xfer: u64, ep: ucp_ep_h) {
+        let token = self.token();
+        let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
+        let posted = ucp::classify(unsafe { ucp::ucp_ep_flush_nbx(ep, &param) });
+        let result = self.track(token, posted, ReqKind::Flush { xfer }, Vec::new());
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        x.final_sent = true;
+        match result {
+            Ok(true) => x.posted += 1,
+            Ok(false) => self.flush_done(xfer, ucs_status_t::UCS_OK),
+            Err(status) => self.flush_done(xfer, status),
+        }
+    }
+
+    fn flush_done(&mut self, xfer: u64, status: ucs_status_t) {
+        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        x.flush_done = true;
+        if !x.terminal {
+            if ucp::is_ok(status) {
+                self.succeed(xfer);
+            } else {
+                self.fail(xfer, ReasonCode::TRANSPORT_ERROR, format!("ucp_ep_flush_nbx: {}", ucp::status_text(status)));
+            }
+        }
+        self.maybe_finish(xfer);
+    }
+
+    fn succeed(&mut self, xfer: u64) {
+        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        if x.terminal {
+            return;
+        }
+        x.terminal = true;
+        let bytes = x.job.total_bytes;
+        self.shared.lock().live_xfers.remove(&xfer);
+        self.shared.sink.deliver(Event::succeeded(XferId(xfer), bytes));
+    }
+
+    /// Make `xfer` terminal with `reason` (once) and start quiescing it.
+    fn fail(&mut self, xfer: u64, reason: ReasonCode, message: String) {
+        let mode = self.shared.mode;
+        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        if x.terminal {
+            return;
+        }
+        x.terminal = true;
+        x.next_segment = x.job.segments.len();
+        let peer = x.job.peer;
+        // Stop what has not started; what is on the wire completes (or fails) through its callback.
+        let cancellable: Vec<*mut c_void> = self
+            .requests
+            .values()
+            .filter(|r| matches!(r.kind, ReqKind::Xfer { xfer: id } if id == xfer))
+            .map(|r| r.request)
+            .collect();
+        for request in cancellable {
+            ucp::request_cancel(&self.worker, request);
+        }
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        let ep = self.peers.get(&peer).map(|c| c.ep);
+        let needs_cancel_message = mode == ResolvedMode::Am && x.awaiting_reply && !x.cancel_sent;
+        let needs_flush = mode == ResolvedMode::Put && x.any_put_posted && !x.final_sent;
+        match ep {
+            Some(ep) if needs_cancel_message => self.send_commit(xfer, ep, wire::AM_CANCEL),
+            Some(ep) if needs_flush => self.post_flush(xfer, ep),
+            None => {
+                let x = self.xfers.get_mut(&xfer).unwrap();
+                x.awaiting_reply = false;
+            }
+            _ => {}
+        }
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        let quiesced = x.posted == 0 && !x.awaiting_reply && (mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done);
+        tracing::warn!(reason = reason.as_str(), xfer, peer = peer.0, quiesced, "ucx transfer failed: {message}");
+        let mut registry = self.shared.lock();
+        registry.live_xfers.remove(&xfer);
+        if quiesced {
+            drop(registry);
+            self.shared.sink.deliver(Event::failed_quiesced(XferId(xfer), reason, message));
+        } else {
+            registry.unquiesced_xfers.insert(xfer);
+            drop(registry);
+            x.unquiesced = true;
+            let deadline = Instant::now() + Duration::from_millis(self.shared.config.quiesce_timeout_ms);
+            self.timers.push(Reverse((deadline, xfer)));
+            self.shared.sink.deliver(Event::failed(XferId(xfer), reason, message));
+        }
+    }
+
+    /// Forget a terminal transfer once nothing of it is in flight; report `QUIESCED` if owed.
+    fn maybe_finish(&mut self, xfer: u64) {
+        let mode = self.shared.mode;
+        let Some(x) = self.xfers.get(&xfer) else { return };
+        let flushed = mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done;
+        if !x.terminal || x.posted > 0 || x.awaiting_reply || !flushed {
+            return;
+        }
+        let x = self.xfers.remove(&xfer).unwrap();
+        if x.unquiesced {
+            self.shared.lock().unquiesced_xfers.remove(&xfer);
+            self.shared.sink.deliver(Event::quiesced(XferId(xfer)));
+        }
+    }
+
+    /// Completions, endpoint failures and replies gathered by callbacks during progress.
+    fn drain(&mut self) -> bool {
+        let completions = COMPLETIONS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let failures = EP_ERRORS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let (notices, replies) = {
+            let mut r = self.receiver.borrow_mut();
+            (std::mem::take(&mut r.notices), std::mem::take(&mut r.replies))
+        };
+        let activity = !(completions.is_empty() && failures.is_empty() && notices.is_empty() && replies.is_empty());
+        for (token, status) in completions {
+            if token & RECV_TOKEN_BIT != 0 {
+                self.receiver.borrow_mut().on_recv_done(token, status);
+                continue;
+            }
+            self.on_complete(token, status);
+        }
+        for (token, status) in failures {
+            if let Some(peer) = self.ep_tokens.get(&token).copied() {
+                if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
+                    p.down = true;
+                }
+                let why = format!("UCX endpoint to peer {} failed: {}", peer.0, ucp::status_text(status));
+                self.drop_peer(peer, &why, true);
+            }
+        }
+        for notice in notices {
+            self.on_reply(notice.xfer, notice.code);
+        }
+        for (ep, header) in replies {
+            self.send_reply(ep, header);
+        }
+        // Replies sent during the loop may have queued more work for the next round.
+        let more = self.receiver.borrow().replies.len() + self.receiver.borrow().notices.len();
+        activity || more > 0
+    }
+
+    fn on_complete(&mut self, token: u64, status: ucs_status_t) {
+        let Some(req) = self.requests.remove(&token) else { return };
+        ucp::request_free(req.request);
+        match req.kind {
+            ReqKind::Xfer { xfer } => {
+                let Some(x) = self.xfers.get_mut(&xfer) else { return };
+                x.posted -= 1;
+                let refused_by_receiver = status == ucs_status_t::UCS_ERR_REJECTED;
+                if !ucp::is_ok(status) && status != ucs_status_t::UCS_ERR_CANCELED && !refused_by_receiver {
+                    self.fail(xfer, ReasonCode::TRANSPORT_ERROR, format!("UCX operation failed: {}", ucp::status_text(status)));
+                }
+                self.maybe_finish(xfer);
+            }
+            ReqKind::Flush { xfer } => {
+                if let Some(x) = self.xfers.get_mut(&xfer) {
+                    x.posted -= 1;
+                }
+                self.flush_done(xfer, status);
+            }
+            ReqKind::Other => {}
+        }
+    }
+
+    fn on_reply(&mut self, xfer: u64, code: u32) {
+        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        if code & REPLY_EARLY_BIT != 0 {
+            let reason = ReasonCode(code & !REPLY_EARLY_BIT);
+            self.fail(xfer, reason, format!("receiver refused a segment: {reason}"));
+            return;
+        }
+        x.awaiting_reply = false;
+        if code == 0 {
+            if x.final_sent && !x.cancel_sent {
+                self.succeed(xfer);
+            }
+        } else {
+            let reason = ReasonCode(code);
+            self.fail(xfer, reason, format!("receiver refused the transfer: {reason}"));
+        }
+        self.maybe_finish(xfer);
+    }
+
+    fn send_reply(&mut self, ep: ucp_ep_h, header: ReplyHeader) {
+        if ep.is_null() {
+            return;
+        }
+        let bytes = header.encode();
+        let token = self.token();
+        let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
+        let posted = ucp::classify(unsafe {
+            ucp::ucp_am_send_nbx(ep, wire::AM_REPLY, bytes.as_ptr() as *const c_void, bytes.len(), std::ptr::null(), 0, &param)
+        });
+        if let Err(status) = self.track(token, posted, ReqKind::Other, bytes) {
+            tracing::warn!(reason = "transport_error", "ucx reply to a sender failed: {}", ucp::status_text(status));
+        }
+    }
+
+    fn fire_timers(&mut self, now: Instant) {
+        while let Some(Reverse((at, xfer))) = self.timers.peek().copied() {
+            if at > now {
+                return;
+            }
+            self.timers.pop();
+            let Some(x) = self.xfers.get(&xfer) else { continue };
+            if !x.terminal {
+                if at >= x.job.deadline {
+                    self.fail(xfer, ReasonCode::TIMEOUT, "transfer timeout_ns passed".into());
+                    self.maybe_finish(xfer);
+                }
+            } else if x.unquiesced {
+                let peer = x.job.peer;
+                let why = format!(
+                    "peer {} did not confirm within quiesce_timeout_ms = {} that transfer {xfer} stopped; endpoint closed",
+                    peer.0, self.shared.config.quiesce_timeout_ms
+                );
+                if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
+                    p.down = true;
+                }
+                self.drop_peer(peer, &why, true);
+            }
+        }
+    }
+
+    fn sweep_tickets(&mut self, now: Instant) {
+        let mut registry = self.shared.lock();
+        registry.tickets.retain(|_, t| t.pending_writes > 0 || (now < t.deadline && !t.cancelled));
+    }
+
+    fn release_rkey(&mut self, id: u64) {
+        let in_use = self.xfers.values().any(|x| x.job.remote_regions.iter().any(|r| r.id == id));
+        if in_use {
+            return; // destroyed with the endpoint
+        }
+        for conn in self.peers.values_mut() {
+            if let Some(rkey) = conn.rkeys.remove(&id) {
+                ucp::rkey_destroy(rkey);
+            }
+        }
+    }
+
+    fn fail_users_of(&mut self, key: LocalKey) {
+        let users: Vec<u64> = self
+            .xfers
+            .iter()
+            .filter(|(_, x)| !x.terminal && x.job.segments.iter().any(|s| s.local_key == key.0))
+            .map(|(id, _)| *id)
+            .collect();
+        for xfer in users {
+            self.fail(xfer, ReasonCode::UNKNOWN_KEY, format!("source region {} deregistered", key.0));
+            self.maybe_finish(xfer);
+        }
+    }
+
+    /// Fail everything, close every endpoint, wait (bounded) for UCX to return the requests.
+    fn shutdown(&mut self) {
+        let live: Vec<u64> = self.xfers.keys().copied().collect();
+        for xfer in &live {
+            self.fail(*xfer, ReasonCode::SHUTDOWN, "plugin shutting down".into());
+        }
+        let peers: Vec<PeerId> = self.peers.keys().copied().collect();
+        for peer in peers {
+            self.drop_peer(peer, "plugin shutting down", false);
+        }
+        let until = Instant::now() + Duration::from_millis(SHUTDOWN_DRAIN_MS);
+        while Instant::now() < until {
+            self.worker.progress();
+            self.drain();
+            let closes_done = self
+                .requests
+                .iter()
+                .filter(|(_, r)| matches!(r.kind, ReqKind::Other))
+                .all(|(_, r)| unsafe { kvgate_ucx_sys::ucp_request_check_status(r.request) } != ucs_status_t::UCS_INPROGRESS);
+            if closes_done && self.xfers.values().all(|x| x.posted == 0) && self.receiver.borrow().pending_receives() == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        // Endpoints are closed: nothing more can land for what is left.
+        let left: Vec<u64> = self.xfers.keys().copied().collect();
+        for xfer in left {
+            if let Some(x) = self.xfers.get_mut(&xfer) {
+                x.awaiting_reply = false;
+                x.flush_done = true;
+                x.posted = 0;
+            }
+            self.maybe_finish(xfer);
+        }
+        for (_, req) in self.requests.drain() {
+            if unsafe { kvgate_ucx_sys::ucp_request_check_status(req.request) } != ucs_status_t::UCS_INPROGRESS {
+                ucp::request_free(req.request);
+            }
+        }
+        self.shared.healthy.store(false, Ordering::Release);
+    }
+}
+
+impl Outgoing {
+    fn new(job: Box<OutgoingJob>) -> Outgoing {
+        Outgoing {
+            job,
+            next_segment: 0,
+            posted: 0,
+            data_messages: 0,
+            final_sent: false,
+            cancel_sent: false,
+            awaiting_reply: false,
+            flush_done: false,
+            any_put_posted: false,
+            terminal: false,
+            unquiesced: false,
+        }
+    }
+}

@@ -1,0 +1,410 @@
+//! Receiver side of the active-message protocol: every incoming segment is checked against the
+//! sender's identity, a live ticket and the registered region before a byte is copied, and the
+//! sender gets exactly one final reply per transfer. Runs only on the progress thread, inside UCX
+//! callbacks; never blocks and never writes outside a ticket's ranges.
+
+use crate::config::ResolvedMode;
+use crate::shared::Shared;
+use crate::ucp::{self, ucp_ep_h, ucs_status_t, Posted};
+use crate::wire::{CommitHeader, DataHeader, ReplyHeader};
+use kvgate_abi::{Event, PeerId, ReasonCode, Ticket};
+use kvgate_ucx_sys as sys;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Tokens of receive requests carry this bit (send-side tokens never do).
+pub const RECV_TOKEN_BIT: u64 = 1 << 63;
+/// A reply code with this bit is an early refusal; the sender still ends with `AM_CANCEL`.
+pub const REPLY_EARLY_BIT: u32 = 1 << 31;
+
+thread_local! {
+    /// Completions of UCX requests, pushed by callbacks during progress, drained by the engine.
+    pub static COMPLETIONS: RefCell<Vec<(u64, ucs_status_t)>> = const { RefCell::new(Vec::new()) };
+    /// Endpoint failures: (endpoint token, status).
+    pub static EP_ERRORS: RefCell<Vec<(u64, ucs_status_t)>> = const { RefCell::new(Vec::new()) };
+}
+
+pub unsafe extern "C" fn send_done(_request: *mut c_void, status: ucs_status_t, user_data: *mut c_void) {
+    COMPLETIONS.with(|c| c.borrow_mut().push((user_data as u64, status)));
+}
+
+pub unsafe extern "C" fn recv_done(_request: *mut c_void, status: ucs_status_t, _length: usize, user_data: *mut c_void) {
+    COMPLETIONS.with(|c| c.borrow_mut().push((user_data as u64, status)));
+}
+
+pub unsafe extern "C" fn ep_failed(arg: *mut c_void, _ep: ucp_ep_h, status: ucs_status_t) {
+    EP_ERRORS.with(|c| c.borrow_mut().push((arg as u64, status)));
+}
+
+/// One incoming transfer, keyed by (sender instance, xfer).
+struct IncomingXfer {
+    ticket: u64,
+    peer: PeerId,
+    reply_ep: ucp_ep_h,
+    landed_bytes: u64,
+    landed_segments: u64,
+    pending: u64,
+    expected: Option<(u64, u64)>,
+    failed: Option<(ReasonCode, String)>,
+    early_refusal_sent: bool,
+    cancelled: bool,
+    final_reply_sent: bool,
+}
+
+struct PendingRecv {
+    request: *mut c_void,
+    key: (u64, u64),
+    ticket: u64,
+    len: u64,
+}
+
+/// A reply from a receiver about one of our outgoing transfers.
+pub struct SenderNotice {
+    pub xfer: u64,
+    pub code: u32,
+}
+
+pub struct Receiver {
+    shared: Arc<Shared>,
+    worker: sys::ucp_worker_h,
+    records: HashMap<(u64, u64), IncomingXfer>,
+    pending: HashMap<u64, PendingRecv>,
+    next_token: u64,
+    /// Replies to send once progress returns: (endpoint, header).
+    pub replies: Vec<(ucp_ep_h, ReplyHeader)>,
+    pub notices: Vec<SenderNotice>,
+}
+
+impl Receiver {
+    pub fn new(shared: Arc<Shared>, worker: sys::ucp_worker_h) -> Receiver {
+        Receiver {
+            shared,
+            worker,
+            records: HashMap::new(),
+            pending: HashMap::new(),
+            next_token: 1,
+            replies: Vec::new(),
+            notices: Vec::new(),
+        }
+    }
+
+    pub fn pending_receives(&self) -> usize {
+        self.pending.len()
+    }
+
+    fn record(&mut self, sender: u64, xfer: u64, ticket: u64, reply_ep: ucp_ep_h) -> &mut IncomingXfer {
+        let peer = self.shared.lock().instance_to_peer.get(&sender).copied().unwrap_or(PeerId(0));
+        let rec = self.records.entry((sender, xfer)).or_insert_with(|| IncomingXfer {
+            ticket,
+            peer,
+            reply_ep,
+            landed_bytes: 0,
+            landed_segments: 0,
+            pending: 0,
+            expected: None,
+            failed: None,
+            early_refusal_sent: false,
+            cancelled: false,
+            final_reply_sent: false,
+        });
+        if rec.reply_ep.is_null() {
+            rec.reply_ep = reply_ep;
+        }
+        rec
+    }
+
+    fn fail(&mut self, key: (u64, u64), reason: ReasonCode, message: String) {
+        let Some(rec) = self.records.get_mut(&key) else { return };
+        if rec.failed.is_some() || rec.cancelled {
+            return;
+        }
+        tracing::warn!(reason = reason.as_str(), peer = rec.peer.0, ticket = rec.ticket, xfer = key.1, "ucx incoming write refused: {message}");
+        self.shared.sink.deliver(Event::incoming_failed(rec.peer, Ticket(rec.ticket), reason, message.clone()));
+        rec.failed = Some((reason, message));
+    }
+
+    /// `AM_DATA`: validate, then copy (eager) or start a receive straight into the region (rendezvous).
+    fn on_data(&mut self, header: DataHeader, data: *mut c_void, length: usize, rndv: bool, reply_ep: ucp_ep_h) -> ucs_status_t {
+        let key = (header.sender, header.xfer);
+        let rec = self.record(header.sender, header.xfer, header.ticket, reply_ep);
+        if rec.failed.is_some() || rec.cancelled || rec.final_reply_sent {
+            return if rndv { ucs_status_t::UCS_ERR_REJECTED } else { ucs_status_t::UCS_OK };
+        }
+        let now = Instant::now();
+        let mut registry = self.shared.lock();
+        let verdict: Result<(u64, sys::ucp_mem_h), (ReasonCode, String)> = (|| {
+            let peer = *registry
+                .instance_to_peer
+                .get(&header.sender)
+                .ok_or((ReasonCode::NOT_EXPECTED, format!("write from unknown sender instance {:#x}", header.sender)))?;
+            if header.len != length as u64 {
+                return Err((ReasonCode::PROTOCOL_VIOLATION, format!("header says {} bytes, message has {length}", header.len)));
+            }
+            let region = registry
+                .regions
+                .get(&header.region)
+                .ok_or((ReasonCode::UNKNOWN_KEY, format!("no registered region {}", header.region)))?;
+            if header.offset.checked_add(header.len).is_none_or(|end| end > region.len) {
+                return Err((ReasonCode::OUT_OF_RANGE, format!("{}+{} outside region {} of {} bytes", header.offset, header.len, header.region, region.len)));
+            }
+            let dest = region.addr + header.offset;
+            let memh = region.map.memh;
+            let ticket = registry
+                .tickets
+                .get_mut(&header.ticket)
+                .ok_or((ReasonCode::NOT_EXPECTED, format!("no ticket {}", header.ticket)))?;
+            if ticket.peer != peer {
+                return Err((ReasonCode::NOT_EXPECTED, format!("ticket {} belongs to peer {}, write came from peer {}", header.ticket, ticket.peer.0, peer.0)));
+            }
+            if !ticket.authorises(now) {
+                return Err((ReasonCode::NOT_EXPECTED, format!("ticket {} cancelled or expired", header.ticket)));
+            }
+            if !ticket.allows(header.region, header.offset, header.len) {
+                return Err((ReasonCode::OUT_OF_RANGE, format!("{}+{} of region {} not covered by ticket {}", header.offset, header.len, header.region, header.ticket)));
+            }
+            if rndv {
+                ticket.pending_writes += 1;
+            }
+            Ok((dest, memh))
+        })();
+        let (dest, memh) = match verdict {
+            Ok(v) => v,
+            Err((reason, message)) => {
+                drop(registry);
+                self.fail(key, reason, message);
+                self.check_complete(key);
+                return if rndv { ucs_status_t::UCS_ERR_REJECTED } else { ucs_status_t::UCS_OK };
+            }
+        };
+        if !rndv {
+            // Eager: the bytes are in `data` for the duration of this callback only.
+            unsafe { std::ptr::copy_nonoverlapping(data as *const u8, dest as *mut u8, length) };
+            drop(registry);
+            let rec = self.records.get_mut(&key).expect("record created above");
+            rec.landed_bytes += header.len;
+            rec.landed_segments += 1;
+            self.check_complete(key);
+            return ucs_status_t::UCS_OK;
+        }
+        drop(registry);
+        let token = RECV_TOKEN_BIT | self.next_token;
+        self.next_token += 1;
+        let param = ucp::recv_am_param(Some(recv_done), token, memh);
+        let posted = ucp::classify(unsafe { ucp::ucp_am_recv_data_nbx(self.worker, data, dest as *mut c_void, length, &param) });
+        let rec = self.records.get_mut(&key).expect("record created above");
+        rec.pending += 1;
+        self.pending.insert(token, PendingRecv { request: std::ptr::null_mut(), key, ticket: header.ticket, len: header.len });
+        match posted {
+            Posted::Pending(request) => {
+                self.pending.get_mut(&token).expect("just inserted").request = request;
+            }
+            Posted::Done => self.on_recv_done(token, ucs_status_t::UCS_OK),
+            Posted::Failed(status) => self.on_recv_done(token, status),
+        }
+        ucs_status_t::UCS_INPROGRESS
+    }
+
+    /// A rendezvous receive finished (`status`), from the engine's completion drain or inline.
+    pub fn on_recv_done(&mut self, token: u64, status: ucs_status_t) {
+        let Some(p) = self.pending.remove(&token) else { return };
+        if !p.request.is_null() {
+            ucp::request_free(p.request);
+        }
+        self.release_ticket_write(p.ticket);
+        if let Some(rec) = self.records.get_mut(&p.key) {
+            rec.pending -= 1;
+            if ucp::is_ok(status) {
+                rec.landed_bytes += p.len;
+                rec.landed_segments += 1;
+            } else {
+                let message = format!("rendezvous receive failed: {}", ucp::status_text(status));
+                self.fail(p.key, ReasonCode::TRANSPORT_ERROR, message);
+            }
+        }
+        self.check_complete(p.key);
+    }
+
+    fn release_ticket_write(&mut self, ticket: u64) {
+        let mut registry = self.shared.lock();
+        let Some(t) = registry.tickets.get_mut(&ticket) else { return };
+        t.pending_writes = t.pending_writes.saturating_sub(1);
+        if t.cancelled && t.pending_writes == 0 {
+            let peer = t.peer;
+            registry.tickets.remove(&ticket);
+            drop(registry);
+            if self.shared.mode == ResolvedMode::Am {
+                self.shared.sink.deliver(Event::incoming_quiesced(peer, Ticket(ticket)));
+            }
+        }
+    }
+
+    /// `AM_COMMIT`: the sender posted every segment.
+    fn on_commit(&mut self, header: CommitHeader, reply_ep: ucp_ep_h) {
+        let key = (header.sender, header.xfer);
+        let rec = self.record(header.sender, header.xfer, header.ticket, reply_ep);
+        rec.expected = Some((header.segments, header.bytes));
+        if header.segments == 0 {
+            // Nothing to land: still check that the ticket authorises this sender.
+            let now = Instant::now();
+            let registry = self.shared.lock();
+            let peer = registry.instance_to_peer.get(&header.sender).copied();
+            let ok = peer.is_some() && registry.tickets.get(&header.ticket).is_some_and(|t| Some(t.peer) == peer && t.authorises(now));
+            drop(registry);
+            if !ok {
+                self.fail(key, ReasonCode::NOT_EXPECTED, format!("empty transfer under unknown or revoked ticket {}", header.ticket));
+            }
+        }
+        self.check_complete(key);
+    }
+
+    /// `AM_CANCEL`: the sender's last message; drop anything more and answer once nothing can land.
+    fn on_cancel(&mut self, header: CommitHeader, reply_ep: ucp_ep_h) {
+        let key = (header.sender, header.xfer);
+        let rec = self.record(header.sender, header.xfer, header.ticket, reply_ep);
+        rec.cancelled = true;
+        self.check_complete(key);
+    }
+
+    fn check_complete(&mut self, key: (u64, u64)) {
+        let Some(rec) = self.records.get_mut(&key) else { return };
+        if rec.final_reply_sent {
+            return;
+        }
+        if rec.pending > 0 {
+            if let Some((reason, _)) = &rec.failed {
+                if !rec.early_refusal_sent {
+                    rec.early_refusal_sent = true;
+                    self.replies.push((rec.reply_ep, ReplyHeader { xfer: key.1, code: reason.0 | REPLY_EARLY_BIT }));
+                }
+            }
+            return;
+        }
+        let code = if rec.cancelled {
+            Some(rec.failed.as_ref().map(|f| f.0).unwrap_or(ReasonCode::CANCELLED).0)
+        } else if let Some((reason, _)) = &rec.failed {
+            if rec.expected.is_some() {
+                Some(reason.0)
+            } else {
+                if !rec.early_refusal_sent {
+                    rec.early_refusal_sent = true;
+                    self.replies.push((rec.reply_ep, ReplyHeader { xfer: key.1, code: reason.0 | REPLY_EARLY_BIT }));
+                }
+                None
+            }
+        } else {
+            match rec.expected {
+                Some((segments, bytes)) if rec.landed_segments == segments && rec.landed_bytes == bytes => Some(0),
+                Some((segments, bytes)) if rec.landed_segments > segments || rec.landed_bytes > bytes => {
+                    Some(ReasonCode::PROTOCOL_VIOLATION.0)
+                }
+                _ => None,
+            }
+        };
+        let Some(code) = code else { return };
+        rec.final_reply_sent = true;
+        self.replies.push((rec.reply_ep, ReplyHeader { xfer: key.1, code }));
+        if code == 0 {
+            self.records.remove(&key);
+        }
+    }
+
+    /// Drop finished tombstones and records whose ticket is gone with nothing in flight.
+    pub fn sweep(&mut self, now: Instant) {
+        let registry = self.shared.lock();
+        self.records.retain(|_, rec| {
+            let ticket_live = registry.tickets.get(&rec.ticket).is_some_and(|t| t.authorises(now));
+            rec.pending > 0 || ticket_live
+        });
+    }
+
+    /// Every live rendezvous receive request (for shutdown).
+    pub fn pending_requests(&self) -> Vec<*mut c_void> {
+        self.pending.values().map(|p| p.request).filter(|r| !r.is_null()).collect()
+    }
+}
+
+fn header_bytes<'a>(header: *const c_void, len: usize) -> &'a [u8] {
+    if header.is_null() || len == 0 {
+        &[]
+    } else {
+        unsafe { std::slice::from_raw_parts(header as *const u8, len) }
+    }
+}
+
+unsafe fn receiver_of<'a>(arg: *mut c_void) -> Option<std::cell::RefMut<'a, Receiver>> {
+    let cell = &*(arg as *const RefCell<Receiver>);
+    cell.try_borrow_mut().ok()
+}
+
+fn reply_ep_of(param: *const sys::ucp_am_recv_param_t) -> ucp_ep_h {
+    let param = unsafe { &*param };
+    if param.recv_attr & ucp::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FIELD_REPLY_EP.0 as u64 != 0 {
+        param.reply_ep
+    } else {
+        std::ptr::null_mut()
+    }
+}
+
+fn is_rndv(param: *const sys::ucp_am_recv_param_t) -> bool {
+    unsafe { (*param).recv_attr & ucp::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0 }
+}
+
+pub unsafe extern "C" fn am_data(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> ucs_status_t {
+    let rndv = is_rndv(param);
+    let refuse = if rndv { ucs_status_t::UCS_ERR_REJECTED } else { ucs_status_t::UCS_OK };
+    let Some(header) = DataHeader::decode(header_bytes(header, header_length)) else { return refuse };
+    let Some(mut receiver) = receiver_of(arg) else { return refuse };
+    receiver.on_data(header, data, length, rndv, reply_ep_of(param))
+}
+
+pub unsafe extern "C" fn am_commit(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    _data: *mut c_void,
+    _length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> ucs_status_t {
+    if let (Some(header), Some(mut receiver)) = (CommitHeader::decode(header_bytes(header, header_length)), receiver_of(arg)) {
+        receiver.on_commit(header, reply_ep_of(param));
+    }
+    ucs_status_t::UCS_OK
+}
+
+pub unsafe extern "C" fn am_cancel(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    _data: *mut c_void,
+    _length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> ucs_status_t {
+    if let (Some(header), Some(mut receiver)) = (CommitHeader::decode(header_bytes(header, header_length)), receiver_of(arg)) {
+        receiver.on_cancel(header, reply_ep_of(param));
+    }
+    ucs_status_t::UCS_OK
+}
+
+pub unsafe extern "C" fn am_reply(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    _data: *mut c_void,
+    _length: usize,
+    _param: *const sys::ucp_am_recv_param_t,
+) -> ucs_status_t {
+    if let (Some(header), Some(mut receiver)) = (ReplyHeader::decode(header_bytes(header, header_length)), receiver_of(arg)) {
+        receiver.notices.push(SenderNotice { xfer: header.xfer, code: header.code });
+    }
+    ucs_status_t::UCS_OK
+}

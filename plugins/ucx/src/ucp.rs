@@ -1,0 +1,316 @@
+//! A small safe wrapper over the UCP calls the plugin uses: context, worker, endpoint, memory map,
+//! remote keys, and the request parameters of the `_nbx` calls. Owns UCX handles and their release
+//! order; never decides transfer policy. Worker and endpoint calls belong to the progress thread only.
+
+use kvgate_ucx_sys as sys;
+use std::ffi::{c_void, CStr, CString};
+use std::sync::Arc;
+
+pub use sys::{ucp_ep_h, ucp_mem_h, ucp_rkey_h, ucs_status_t};
+
+/// UCX's own text for a status (`"No such device"`, ...).
+pub fn status_text(status: ucs_status_t) -> String {
+    unsafe {
+        let text = sys::ucs_status_string(status);
+        if text.is_null() {
+            format!("ucs status {}", status.0)
+        } else {
+            CStr::from_ptr(text).to_string_lossy().into_owned()
+        }
+    }
+}
+
+pub fn is_ok(status: ucs_status_t) -> bool {
+    status == ucs_status_t::UCS_OK
+}
+
+/// A UCX error: the call that failed and UCX's status.
+#[derive(Debug, Clone)]
+pub struct UcxError {
+    pub call: &'static str,
+    pub status: ucs_status_t,
+}
+
+impl std::fmt::Display for UcxError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} failed: {} ({})", self.call, status_text(self.status), self.status.0)
+    }
+}
+
+fn check(call: &'static str, status: ucs_status_t) -> Result<(), UcxError> {
+    if is_ok(status) {
+        Ok(())
+    } else {
+        Err(UcxError { call, status })
+    }
+}
+
+/// `ucp_config_t` while it is being filled; released on drop.
+pub struct Config(*mut sys::ucp_config_t);
+
+impl Config {
+    /// Read UCX's defaults and the `UCX_*` environment.
+    pub fn read() -> Result<Config, UcxError> {
+        let mut config = std::ptr::null_mut();
+        check("ucp_config_read", unsafe { sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) })?;
+        Ok(Config(config))
+    }
+
+    /// `ucp_config_modify(name, value)`; a bad name or value is UCX's error.
+    pub fn modify(&mut self, name: &str, value: &str) -> Result<(), UcxError> {
+        let name = CString::new(name).map_err(|_| UcxError { call: "ucp_config_modify", status: ucs_status_t::UCS_ERR_INVALID_PARAM })?;
+        let value = CString::new(value).map_err(|_| UcxError { call: "ucp_config_modify", status: ucs_status_t::UCS_ERR_INVALID_PARAM })?;
+        check("ucp_config_modify", unsafe { sys::ucp_config_modify(self.0, name.as_ptr(), value.as_ptr()) })
+    }
+}
+
+impl Drop for Config {
+    fn drop(&mut self) {
+        unsafe { sys::ucp_config_release(self.0) }
+    }
+}
+
+/// A UCP context (features: AM, RMA, wakeup; workers may share it across threads).
+pub struct Context(sys::ucp_context_h);
+
+// The context is created with `mt_workers_shared`, so its calls (mem_map, rkey_pack) are thread-safe.
+unsafe impl Send for Context {}
+unsafe impl Sync for Context {}
+
+impl Context {
+    pub fn new(config: &Config) -> Result<Arc<Context>, UcxError> {
+        let mut params = sys::ucp_params_t::default();
+        params.field_mask = (sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES
+            | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED
+            | sys::ucp_params_field::UCP_PARAM_FIELD_NAME)
+            .0 as u64;
+        params.features = (sys::ucp_feature::UCP_FEATURE_AM
+            | sys::ucp_feature::UCP_FEATURE_RMA
+            | sys::ucp_feature::UCP_FEATURE_WAKEUP)
+            .0 as u64;
+        params.mt_workers_shared = 1;
+        params.name = c"kvgate-ucx".as_ptr();
+        let mut context = std::ptr::null_mut();
+        check("ucp_init", unsafe {
+            sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config.0, &mut context)
+        })?;
+        Ok(Arc::new(Context(context)))
+    }
+
+    /// Register `len` bytes at `addr` with UCX and pack its remote key.
+    pub fn map(self: &Arc<Self>, addr: u64, len: u64) -> Result<MemMap, UcxError> {
+        let mut params = sys::ucp_mem_map_params_t::default();
+        params.field_mask =
+            (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
+                .0 as u64;
+        params.address = addr as *mut c_void;
+        params.length = len as usize;
+        let mut memh = std::ptr::null_mut();
+        check("ucp_mem_map", unsafe { sys::ucp_mem_map(self.0, &params, &mut memh) })?;
+        let mut buffer = std::ptr::null_mut();
+        let mut size = 0usize;
+        let packed = unsafe { sys::ucp_rkey_pack(self.0, memh, &mut buffer, &mut size) };
+        if !is_ok(packed) {
+            unsafe { sys::ucp_mem_unmap(self.0, memh) };
+            return Err(UcxError { call: "ucp_rkey_pack", status: packed });
+        }
+        let rkey = unsafe { std::slice::from_raw_parts(buffer as *const u8, size).to_vec() };
+        unsafe { sys::ucp_rkey_buffer_release(buffer) };
+        Ok(MemMap { context: self.clone(), memh, packed_rkey: rkey })
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        unsafe { sys::ucp_cleanup(self.0) }
+    }
+}
+
+/// A registered memory range; unmapped when the last holder drops it.
+pub struct MemMap {
+    context: Arc<Context>,
+    pub memh: ucp_mem_h,
+    pub packed_rkey: Vec<u8>,
+}
+
+unsafe impl Send for MemMap {}
+unsafe impl Sync for MemMap {}
+
+impl Drop for MemMap {
+    fn drop(&mut self) {
+        unsafe { sys::ucp_mem_unmap(self.context.0, self.memh) };
+    }
+}
+
+/// A UCP worker (single-threaded: only the progress thread touches it after `new`).
+pub struct Worker {
+    pub raw: sys::ucp_worker_h,
+    _context: Arc<Context>,
+}
+
+// Moved once into the progress thread; never shared.
+unsafe impl Send for Worker {}
+
+impl Worker {
+    pub fn new(context: &Arc<Context>) -> Result<Worker, UcxError> {
+        let mut params = sys::ucp_worker_params_t::default();
+        params.field_mask = (sys::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_THREAD_MODE
+            | sys::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_EVENTS)
+            .0 as u64;
+        params.thread_mode = sys::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE;
+        params.events = (sys::ucp_wakeup_event_types::UCP_WAKEUP_RX.0
+            | sys::ucp_wakeup_event_types::UCP_WAKEUP_TX.0
+            | sys::ucp_wakeup_event_types::UCP_WAKEUP_RMA.0) as _;
+        let mut worker = std::ptr::null_mut();
+        check("ucp_worker_create", unsafe { sys::ucp_worker_create(context.0, &params, &mut worker) })?;
+        Ok(Worker { raw: worker, _context: context.clone() })
+    }
+
+    /// The worker's address, the bytes a peer's `ucp_ep_create` needs.
+    pub fn address(&self) -> Result<Vec<u8>, UcxError> {
+        let mut address = std::ptr::null_mut();
+        let mut len = 0usize;
+        check("ucp_worker_get_address", unsafe { sys::ucp_worker_get_address(self.raw, &mut address, &mut len) })?;
+        let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, len).to_vec() };
+        unsafe { sys::ucp_worker_release_address(self.raw, address) };
+        Ok(bytes)
+    }
+
+    pub fn event_fd(&self) -> Result<i32, UcxError> {
+        let mut fd = -1;
+        check("ucp_worker_get_efd", unsafe { sys::ucp_worker_get_efd(self.raw, &mut fd) })?;
+        Ok(fd)
+    }
+
+    /// `ucp_worker_arm`: `Ok(true)` armed (safe to sleep), `Ok(false)` events pending (progress again).
+    pub fn arm(&self) -> Result<bool, UcxError> {
+        let status = unsafe { sys::ucp_worker_arm(self.raw) };
+        if status == ucs_status_t::UCS_ERR_BUSY {
+            return Ok(false);
+        }
+        check("ucp_worker_arm", status).map(|_| true)
+    }
+
+    /// One round of progress; the number of events it handled.
+    pub fn progress(&self) -> u32 {
+        unsafe { sys::ucp_worker_progress(self.raw) }
+    }
+
+    pub fn set_am_handler(&self, id: u32, cb: sys::ucp_am_recv_callback_t, arg: *mut c_void) -> Result<(), UcxError> {
+        let mut params = sys::ucp_am_handler_param_t::default();
+        params.field_mask = (sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID
+            | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB
+            | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG
+            | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_FLAGS)
+            .0 as u64;
+        params.id = id;
+        params.cb = cb;
+        params.arg = arg;
+        params.flags = sys::ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0;
+        check("ucp_worker_set_am_recv_handler", unsafe { sys::ucp_worker_set_am_recv_handler(self.raw, &params) })
+    }
+
+    /// Create an endpoint to a worker address; never waits for the network. `err_arg` comes back in
+    /// `err_cb` when the peer fails.
+    pub fn connect(&self, address: &[u8], err_cb: sys::ucp_err_handler_cb_t, err_arg: u64) -> Result<ucp_ep_h, UcxError> {
+        let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
+        params.field_mask = (sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+            | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+            | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLER)
+            .0 as u64;
+        params.address = address.as_ptr() as *const sys::ucp_address_t;
+        params.err_mode = sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER;
+        params.err_handler = sys::ucp_err_handler_t { cb: err_cb, arg: err_arg as *mut c_void };
+        let mut ep = std::ptr::null_mut();
+        check("ucp_ep_create", unsafe { sys::ucp_ep_create(self.raw, &params, &mut ep) })?;
+        Ok(ep)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        unsafe { sys::ucp_worker_destroy(self.raw) }
+    }
+}
+
+/// What an `_nbx` call returned.
+pub enum Posted {
+    /// Completed at once (no callback will come).
+    Done,
+    /// In flight: the callback will fire with `user_data`; free the request after it did.
+    Pending(*mut c_void),
+    Failed(ucs_status_t),
+}
+
+pub fn classify(ptr: *mut c_void) -> Posted {
+    if ptr.is_null() {
+        Posted::Done
+    } else if sys::ucs_ptr_is_err(ptr) {
+        Posted::Failed(sys::ucs_ptr_status(ptr))
+    } else {
+        Posted::Pending(ptr)
+    }
+}
+
+/// Request parameters with a send-completion callback, `user_data` and optional flags/memh.
+pub fn send_param(cb: sys::ucp_send_nbx_callback_t, user_data: u64, flags: u32, memh: ucp_mem_h) -> sys::ucp_request_param_t {
+    let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+    let mut mask = sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA;
+    if flags != 0 {
+        mask = mask | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = flags;
+    }
+    if !memh.is_null() {
+        mask = mask | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_MEMH;
+        param.memh = memh;
+    }
+    param.op_attr_mask = mask.0;
+    param.cb.send = cb;
+    param.user_data = user_data as *mut c_void;
+    param
+}
+
+/// Request parameters for `ucp_am_recv_data_nbx`.
+pub fn recv_am_param(cb: sys::ucp_am_recv_data_nbx_callback_t, user_data: u64, memh: ucp_mem_h) -> sys::ucp_request_param_t {
+    let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
+    let mut mask = sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA;
+    if !memh.is_null() {
+        mask = mask | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_MEMH;
+        param.memh = memh;
+    }
+    param.op_attr_mask = mask.0;
+    param.cb.recv_am = cb;
+    param.user_data = user_data as *mut c_void;
+    param
+}
+
+/// Start closing an endpoint by force (pending operations complete with an error).
+pub fn close_ep_force(ep: ucp_ep_h, cb: sys::ucp_send_nbx_callback_t, user_data: u64) -> Posted {
+    let param = send_param(cb, user_data, sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0, std::ptr::null_mut());
+    classify(unsafe { sys::ucp_ep_close_nbx(ep, &param) })
+}
+
+pub fn request_free(request: *mut c_void) {
+    unsafe { sys::ucp_request_free(request) }
+}
+
+pub fn request_cancel(worker: &Worker, request: *mut c_void) {
+    unsafe { sys::ucp_request_cancel(worker.raw, request) }
+}
+
+pub fn rkey_unpack(ep: ucp_ep_h, packed: &[u8]) -> Result<ucp_rkey_h, UcxError> {
+    let mut rkey = std::ptr::null_mut();
+    check("ucp_ep_rkey_unpack", unsafe { sys::ucp_ep_rkey_unpack(ep, packed.as_ptr() as *const c_void, &mut rkey) })?;
+    Ok(rkey)
+}
+
+pub fn rkey_destroy(rkey: ucp_rkey_h) {
+    unsafe { sys::ucp_rkey_destroy(rkey) }
+}
+
+pub fn version() -> String {
+    unsafe { CStr::from_ptr(sys::ucp_get_version_string()).to_string_lossy().into_owned() }
+}
+
+pub use sys::{ucp_am_data_release, ucp_am_recv_data_nbx, ucp_am_recv_param_t, ucp_am_send_nbx, ucp_ep_flush_nbx, ucp_put_nbx};
+pub use sys::{ucp_am_recv_attr_t, ucp_send_am_flags};

@@ -1,0 +1,193 @@
+//! Byte formats this plugin exchanges with its peers: endpoint bytes, remote-key bytes and the
+//! active-message headers. Owns encoding and strict decoding; never trusts a length it did not check.
+
+use kvgate_abi::{PluginError, ReasonCode};
+
+const ENDPOINT_MAGIC: &[u8; 8] = b"KVUCXEP1";
+const RKEY_MAGIC: &[u8; 8] = b"KVUCXRK1";
+
+/// Active-message ids registered on every worker.
+pub const AM_DATA: u32 = 0x4b56_0001;
+pub const AM_COMMIT: u32 = 0x4b56_0002;
+pub const AM_CANCEL: u32 = 0x4b56_0003;
+pub const AM_REPLY: u32 = 0x4b56_0004;
+
+fn take_u64(bytes: &[u8], at: usize) -> Option<u64> {
+    bytes.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+}
+
+fn invalid(what: &str) -> PluginError {
+    PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("malformed {what}"))
+}
+
+/// What `local_endpoint` returns: the instance id and the worker address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointBytes {
+    pub instance: u64,
+    pub worker_address: Vec<u8>,
+}
+
+impl EndpointBytes {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = ENDPOINT_MAGIC.to_vec();
+        out.extend_from_slice(&self.instance.to_le_bytes());
+        out.extend_from_slice(&(self.worker_address.len() as u64).to_le_bytes());
+        out.extend_from_slice(&self.worker_address);
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<EndpointBytes, PluginError> {
+        if bytes.get(..8) != Some(ENDPOINT_MAGIC) {
+            return Err(invalid("ucx endpoint (bad magic)"));
+        }
+        let instance = take_u64(bytes, 8).ok_or_else(|| invalid("ucx endpoint (short)"))?;
+        let len = take_u64(bytes, 16).ok_or_else(|| invalid("ucx endpoint (short)"))?;
+        if len == 0 || bytes.len() as u64 != 24 + len {
+            return Err(invalid("ucx endpoint (length)"));
+        }
+        Ok(EndpointBytes { instance, worker_address: bytes[24..].to_vec() })
+    }
+}
+
+/// What `register` hands to peers: owner, region id, bounds and UCX's packed rkey.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteKeyBytes {
+    pub owner_instance: u64,
+    pub region: u64,
+    pub addr: u64,
+    pub len: u64,
+    pub packed_rkey: Vec<u8>,
+}
+
+impl RemoteKeyBytes {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = RKEY_MAGIC.to_vec();
+        for v in [self.owner_instance, self.region, self.addr, self.len, self.packed_rkey.len() as u64] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&self.packed_rkey);
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<RemoteKeyBytes, PluginError> {
+        if bytes.get(..8) != Some(RKEY_MAGIC) {
+            return Err(invalid("ucx remote key (bad magic)"));
+        }
+        let field = |i: usize| take_u64(bytes, 8 + 8 * i).ok_or_else(|| invalid("ucx remote key (short)"));
+        let (owner_instance, region, addr, len, rkey_len) = (field(0)?, field(1)?, field(2)?, field(3)?, field(4)?);
+        if bytes.len() as u64 != 48 + rkey_len || addr.checked_add(len).is_none() {
+            return Err(invalid("ucx remote key (length)"));
+        }
+        Ok(RemoteKeyBytes { owner_instance, region, addr, len, packed_rkey: bytes[48..].to_vec() })
+    }
+}
+
+/// Header of an `AM_DATA` message: one segment of one transfer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataHeader {
+    pub sender: u64,
+    pub xfer: u64,
+    pub ticket: u64,
+    pub region: u64,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Header of `AM_COMMIT` (all data sent: `segments` messages, `bytes` in total) and `AM_CANCEL`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommitHeader {
+    pub sender: u64,
+    pub xfer: u64,
+    pub ticket: u64,
+    pub segments: u64,
+    pub bytes: u64,
+}
+
+/// Header of `AM_REPLY`: the receiver's word on a transfer. `code` 0 = landed; otherwise a `ReasonCode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReplyHeader {
+    pub xfer: u64,
+    pub code: u32,
+}
+
+fn encode_words(words: &[u64]) -> Vec<u8> {
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+fn decode_words<const N: usize>(bytes: &[u8]) -> Option<[u64; N]> {
+    if bytes.len() != 8 * N {
+        return None;
+    }
+    let mut out = [0u64; N];
+    for (i, w) in out.iter_mut().enumerate() {
+        *w = take_u64(bytes, 8 * i)?;
+    }
+    Some(out)
+}
+
+impl DataHeader {
+    pub fn encode(&self) -> Vec<u8> {
+        encode_words(&[self.sender, self.xfer, self.ticket, self.region, self.offset, self.len])
+    }
+    pub fn decode(bytes: &[u8]) -> Option<DataHeader> {
+        let [sender, xfer, ticket, region, offset, len] = decode_words::<6>(bytes)?;
+        Some(DataHeader { sender, xfer, ticket, region, offset, len })
+    }
+}
+
+impl CommitHeader {
+    pub fn encode(&self) -> Vec<u8> {
+        encode_words(&[self.sender, self.xfer, self.ticket, self.segments, self.bytes])
+    }
+    pub fn decode(bytes: &[u8]) -> Option<CommitHeader> {
+        let [sender, xfer, ticket, segments, bytes] = decode_words::<5>(bytes)?;
+        Some(CommitHeader { sender, xfer, ticket, segments, bytes })
+    }
+}
+
+impl ReplyHeader {
+    pub fn encode(&self) -> Vec<u8> {
+        encode_words(&[self.xfer, self.code as u64])
+    }
+    pub fn decode(bytes: &[u8]) -> Option<ReplyHeader> {
+        let [xfer, code] = decode_words::<2>(bytes)?;
+        Some(ReplyHeader { xfer, code: u32::try_from(code).ok()? })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoint_round_trips_and_refuses_garbage() {
+        let ep = EndpointBytes { instance: 7, worker_address: vec![1, 2, 3] };
+        assert_eq!(EndpointBytes::decode(&ep.encode()).unwrap(), ep);
+        let mut bytes = ep.encode();
+        bytes.pop();
+        assert_eq!(EndpointBytes::decode(&bytes).unwrap_err().code, ReasonCode::INVALID_ARGUMENT);
+        assert!(EndpointBytes::decode(b"nonsense").is_err());
+        assert!(EndpointBytes::decode(&[]).is_err());
+    }
+
+    #[test]
+    fn remote_key_round_trips_and_refuses_overflow() {
+        let rk = RemoteKeyBytes { owner_instance: 1, region: 2, addr: 4096, len: 100, packed_rkey: vec![9; 30] };
+        assert_eq!(RemoteKeyBytes::decode(&rk.encode()).unwrap(), rk);
+        let bad = RemoteKeyBytes { addr: u64::MAX, ..rk.clone() };
+        assert!(RemoteKeyBytes::decode(&bad.encode()).is_err());
+        assert!(RemoteKeyBytes::decode(&rk.encode()[..40]).is_err());
+    }
+
+    #[test]
+    fn headers_round_trip_and_refuse_wrong_lengths() {
+        let d = DataHeader { sender: 1, xfer: 2, ticket: 3, region: 4, offset: 5, len: 6 };
+        assert_eq!(DataHeader::decode(&d.encode()), Some(d));
+        assert_eq!(DataHeader::decode(&d.encode()[1..]), None);
+        let c = CommitHeader { sender: 1, xfer: 2, ticket: 3, segments: 4, bytes: 5 };
+        assert_eq!(CommitHeader::decode(&c.encode()), Some(c));
+        let r = ReplyHeader { xfer: 9, code: 6 };
+        assert_eq!(ReplyHeader::decode(&r.encode()), Some(r));
+        assert_eq!(ReplyHeader::decode(&encode_words(&[1, u64::MAX])), None);
+    }
+}
