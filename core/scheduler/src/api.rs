@@ -433,6 +433,9 @@ pub enum Phase {
 impl Phase {
     pub const ALL: [Phase; 3] = [Phase::Bootstrap, Phase::Transfer, Phase::Terminal];
     pub const COUNT: usize = 3;
+    pub fn index(self) -> usize {
+        self as usize
+    }
     pub fn as_str(self) -> &'static str {
         match self {
             Phase::Bootstrap => "bootstrap",
@@ -487,6 +490,8 @@ pub enum FailReason {
     Superseded,
     /// Quarantine released by `quarantine_timeout_ms`, not by a quiesce.
     QuarantineTimeout,
+    /// The sending core had no room left (`max_inflight_rooms`) when the expect notice arrived.
+    Overloaded,
 }
 
 impl FailReason {
@@ -510,8 +515,9 @@ impl FailReason {
         FailReason::LayoutMismatch,
         FailReason::Superseded,
         FailReason::QuarantineTimeout,
+        FailReason::Overloaded,
     ];
-    pub const COUNT: usize = 19;
+    pub const COUNT: usize = 20;
     pub fn index(self) -> usize {
         self as usize
     }
@@ -536,6 +542,7 @@ impl FailReason {
             FailReason::LayoutMismatch => "layout_mismatch",
             FailReason::Superseded => "superseded",
             FailReason::QuarantineTimeout => "quarantine_timeout",
+            FailReason::Overloaded => "overloaded",
         }
     }
     pub fn from_name(name: &str) -> Option<FailReason> {

@@ -6,9 +6,14 @@ pub mod api;
 pub mod config;
 mod core;
 pub mod metrics;
+pub mod table;
+pub mod timer;
+mod wheel;
 
 pub use crate::api::*;
 pub use crate::config::{ConfigError, CoreConfig};
 pub use crate::core::Core;
 pub use crate::metrics::{HarmlessAbort, LateSource, Metrics, ViolationClause};
+pub use crate::table::{render_table, transition, IllegalTransition, RoomInput};
+pub use crate::timer::TimerKind;
 pub use kvgate_abi::{Event, LocalKey, LocalRange, PeerId, ReasonCode, RemoteKey, Segment, Ticket, XferId};

@@ -121,8 +121,9 @@ impl HarmlessAbort {
 pub struct Metrics {
     /// Rooms per state (gauge), by `RoomState::index()`; terminal states count tombstones too.
     pub rooms_by_state: [u64; RoomState::COUNT],
-    /// Creation time of the oldest room in each state (gauge; `None` when the state is empty).
-    pub oldest_created_by_state: [Option<Nanos>; RoomState::COUNT],
+    /// When the room that has waited longest in each non-terminal state entered it (gauge; `None`
+    /// when the state is empty; always `None` for terminal states).
+    pub oldest_entered_by_state: [Option<Nanos>; RoomState::COUNT],
     pub rooms_created: u64,
     pub rooms_succeeded: u64,
     /// Failures by `FailReason::index()` then `Phase::index()`. `quarantine_timeout` is counted here
@@ -152,9 +153,9 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    /// Age at `now` of the oldest room in `state`.
+    /// How long at `now` the longest-waiting room in non-terminal `state` has been in it.
     pub fn oldest_age(&self, state: RoomState, now: Nanos) -> Option<Nanos> {
-        self.oldest_created_by_state[state.index()].map(|created| now.saturating_sub(created))
+        self.oldest_entered_by_state[state.index()].map(|created| now.saturating_sub(created))
     }
     pub fn failures_total(&self) -> u64 {
         self.failures.iter().flatten().sum()

@@ -1,92 +1,405 @@
 //! The `Core` state machine: rooms in a slab, keys in a fast hash, deadlines in one timer wheel.
-//! Inputs are `handle_*(now, ..)`, outputs `poll_command()` / `poll_timeout()`; it never does IO.
+//! Inputs are `handle_*(now, ..)`, outputs `poll_command()` / `poll_timeout()`; it never does IO,
+//! never reads a clock and never calls a plugin. Cost per event does not depend on the room count.
+
+mod engine;
+mod mapping;
+mod outcome;
+mod peer;
+mod plugin;
+mod room;
+mod view;
 
 use crate::api::*;
 use crate::config::{ConfigError, CoreConfig};
-use crate::metrics::Metrics;
-use kvgate_abi::{Event, PeerId, RemoteKey};
+use crate::metrics::{LateSource, Metrics};
+use crate::table::{transition, IllegalTransition, RoomInput};
+use crate::timer::TimerKind;
+use crate::wheel::Wheel;
+use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
+use room::{Room, Slot, NIL};
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
+
+
+/// A local region as the core knows it.
+struct LocalRegion {
+    len: u64,
+    keys: Vec<(PluginSlot, LocalKey)>,
+}
+
+impl LocalRegion {
+    fn key_for(&self, plugin: PluginSlot) -> Option<LocalKey> {
+        self.keys.iter().find(|(slot, _)| *slot == plugin).map(|(_, key)| *key)
+    }
+}
+
+/// A connected peer: its incarnation, plugin, remote regions and live rooms (intrusive list head).
+struct PeerEntry {
+    incarnation: u64,
+    plugin: PluginSlot,
+    room_head: u32,
+    remote_regions: FxHashMap<RegionId, (u64, RemoteKey)>,
+}
+
+/// Where an outgoing transfer id points.
+#[derive(Clone, Copy)]
+struct XferRef {
+    slot: u32,
+    epoch: u32,
+    part: u32,
+    chunk: u32,
+    plugin: PluginSlot,
+}
+
+/// Where an incoming ticket points.
+#[derive(Clone, Copy)]
+struct TicketRef {
+    slot: u32,
+    epoch: u32,
+    part: u32,
+}
+
+/// What the key table says about a room key.
+enum Lookup {
+    /// No room with this id and role.
+    Absent,
+    /// The room of exactly this generation.
+    Same(u32),
+    /// A room of a lower generation (to be superseded or replaced).
+    Older(u32),
+    /// A room of a higher generation: the key is stale.
+    Newer,
+}
 
 /// One gateway's scheduler. Deterministic: the same inputs give the same outputs.
 pub struct Core {
     config: CoreConfig,
     metrics: Metrics,
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    keys: FxHashMap<(u64, Role), u32>,
+    xfers: FxHashMap<u64, XferRef>,
+    tickets: FxHashMap<u64, TicketRef>,
+    peers: FxHashMap<PeerId, PeerEntry>,
+    regions: FxHashMap<RegionId, LocalRegion>,
+    wheel: Wheel,
+    expired: Vec<u64>,
+    commands: VecDeque<Command>,
+    next_xfer: u64,
+    next_ticket: u64,
+    live_rooms: u64,
+    tombstone_fifo: VecDeque<(u32, u32)>,
+    state_fifos: [VecDeque<(u32, u32, Nanos)>; RoomState::COUNT],
 }
 
 impl Core {
     /// A core with `config` (validated).
     pub fn new(config: CoreConfig) -> Result<Core, ConfigError> {
         config.validate()?;
-        Ok(Core { config, metrics: Metrics::default() })
+        Ok(Core {
+            config,
+            metrics: Metrics::default(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            keys: FxHashMap::default(),
+            xfers: FxHashMap::default(),
+            tickets: FxHashMap::default(),
+            peers: FxHashMap::default(),
+            regions: FxHashMap::default(),
+            wheel: Wheel::new(),
+            expired: Vec::new(),
+            commands: VecDeque::new(),
+            next_xfer: 1,
+            next_ticket: 1,
+            live_rooms: 0,
+            tombstone_fifo: VecDeque::new(),
+            state_fifos: Default::default(),
+        })
     }
+
     pub fn config(&self) -> &CoreConfig {
         &self.config
     }
-    /// An engine's expect, send or abort. A refusal changes nothing.
+
+    /// An engine's expect, send or abort. A refusal changes nothing (a refusal for a terminal or
+    /// stale room is counted as a late engine message). An abort is never refused.
     pub fn handle_engine(&mut self, now: Nanos, request: EngineRequest) -> Result<(), Refusal> {
-        let _ = (now, request);
-        todo!()
+        let result = match request {
+            EngineRequest::Expect { room, peer, parts, timeout_ms } => self.engine_expect(now, room, peer, parts, timeout_ms),
+            EngineRequest::Send { room, peer, part, chunk, slices, last } => {
+                self.engine_send(now, room, peer, part, chunk, slices, last)
+            }
+            EngineRequest::Abort { room, role } => {
+                self.engine_abort(now, room, role);
+                Ok(())
+            }
+        };
+        if let Err(refusal) = &result {
+            self.metrics.refusals[refusal.reason.index()] += 1;
+            if matches!(refusal.reason, RefusalReason::RoomTerminal | RefusalReason::StaleGeneration) {
+                self.count_late(LateSource::Engine);
+            }
+        }
+        result
     }
-    /// A local region, registered by the driver with the plugins named in `info.keys`.
-    pub fn handle_region_registered(&mut self, now: Nanos, info: RegionInfo) {
-        let _ = (now, info);
-        todo!()
+
+    /// A local region, registered by the driver with the plugins named in `info.keys`. Registering
+    /// an id again replaces it.
+    pub fn handle_region_registered(&mut self, _now: Nanos, info: RegionInfo) {
+        self.regions.insert(info.id, LocalRegion { len: info.len, keys: info.keys });
     }
-    /// A local region is gone; later sends naming it are refused, held chunks naming it fail.
-    pub fn handle_region_unregistered(&mut self, now: Nanos, region: RegionId) {
-        let _ = (now, region);
-        todo!()
+
+    /// A local region is gone; later sends naming it are refused, held chunks naming it fail
+    /// (`region_unregistered`) when their room matches.
+    pub fn handle_region_unregistered(&mut self, _now: Nanos, region: RegionId) {
+        self.regions.remove(&region);
     }
+
     /// A peer's region (its id as the peer numbers it), imported by the driver into the plugin used
-    /// for that peer.
-    pub fn handle_remote_region(&mut self, now: Nanos, peer: PeerId, region: RegionId, len: u64, key: RemoteKey) {
-        let _ = (now, peer, region, len, key);
-        todo!()
+    /// for that peer. Call after `handle_peer_up` of the peer's current incarnation; ignored for a
+    /// peer that is not up.
+    pub fn handle_remote_region(&mut self, _now: Nanos, peer: PeerId, region: RegionId, len: u64, key: RemoteKey) {
+        if let Some(entry) = self.peers.get_mut(&peer) {
+            entry.remote_regions.insert(region, (len, key));
+        }
     }
+
     /// The peer link is up; `plugin` is the plugin instance used with this peer. A new incarnation
-    /// of a known peer is handled as lost + up.
+    /// of a known peer is handled as lost (`restarted`) + up.
     pub fn handle_peer_up(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugin: PluginSlot) {
-        let _ = (now, peer, incarnation, plugin);
-        todo!()
+        self.peer_up(now, peer, incarnation, plugin);
     }
-    /// The peer link is lost: every room bound to `peer` fails at once (`peer_lost`).
+
+    /// The peer link is lost: every live room bound to `peer` fails at once (`peer_lost`).
     pub fn handle_peer_lost(&mut self, now: Nanos, peer: PeerId, cause: PeerLoss) {
-        let _ = (now, peer, cause);
-        todo!()
+        self.peer_lost(now, peer, cause);
     }
+
     /// A message from a peer gateway's core.
     pub fn handle_peer_message(&mut self, now: Nanos, peer: PeerId, message: PeerMessage) {
-        let _ = (now, peer, message);
-        todo!()
+        self.peer_message(now, peer, message);
     }
-    /// An event a plugin instance delivered to its sink.
+
+    /// An event a plugin instance delivered to its sink. The driver also reports a synchronous
+    /// `submit` error here, as `Event::failed_quiesced(xfer, code, message)`.
     pub fn handle_plugin_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
-        let _ = (now, plugin, event);
-        todo!()
+        self.plugin_event(now, plugin, event);
     }
-    /// Fire every timer due at `now`.
+
+    /// Fire every timer due at `now`. The driver drains plugin events and peer messages already
+    /// received before calling it, so a completion already observable wins over a deadline.
     pub fn handle_timeout(&mut self, now: Nanos) {
-        let _ = now;
-        todo!()
+        let mut expired = std::mem::take(&mut self.expired);
+        expired.clear();
+        self.wheel.expire(now, &mut expired);
+        for &payload in &expired {
+            let (kind, slot, epoch) = TimerKind::decode(payload);
+            let Some(room) = self.slots.get_mut(slot as usize).and_then(|s| {
+                if s.epoch & 0x0FFF_FFFF == epoch {
+                    s.room.as_mut()
+                } else {
+                    None
+                }
+            }) else {
+                debug_assert!(false, "timer for a vanished room");
+                continue;
+            };
+            room.timers[kind.index()] = NIL;
+            self.on_timer(now, slot, kind);
+        }
+        self.expired = expired;
     }
+
     /// The next command for the driver, in order.
     pub fn poll_command(&mut self) -> Option<Command> {
-        todo!()
+        self.commands.pop_front()
     }
-    /// When the core next needs `handle_timeout` (None: no timer armed).
+
+    /// When the core next needs `handle_timeout` (None: no timer armed). It may be a little early
+    /// (a wheel level boundary): calling `handle_timeout` then is cheap and correct.
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        todo!()
+        self.wheel.next_deadline()
     }
+
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
     }
-    /// The admin view of one room (ages computed at `now`).
-    pub fn room(&self, now: Nanos, room: RoomKey, role: Role) -> Option<RoomView> {
-        let _ = (now, room, role);
-        todo!()
+
+    /// Rooms that are not terminal.
+    pub fn live_rooms(&self) -> u64 {
+        self.live_rooms
     }
-    /// Every room the core holds (live, quarantined and tombstoned), in no particular order.
-    pub fn rooms(&self, now: Nanos) -> impl Iterator<Item = RoomView> + '_ {
-        let _ = now;
-        std::iter::empty()
+
+    /// Timers armed in the wheel (for leak checks: 0 once every room is dropped).
+    pub fn armed_timers(&self) -> usize {
+        debug_assert_eq!(self.wheel.is_empty(), self.wheel.len() == 0);
+        self.wheel.len()
+    }
+
+    /// Rooms held in the slab (live, quarantined and tombstoned).
+    pub fn held_rooms(&self) -> usize {
+        self.slots.len() - self.free_slots.len()
+    }
+
+    // ----- the timer table's one match -----
+
+    fn on_timer(&mut self, now: Nanos, slot: u32, kind: TimerKind) {
+        self.room_mut(slot).touch(now, LastEvent::TimerFired);
+        match kind {
+            // CONFORMANCE: TIME-6
+            TimerKind::Bootstrap => self.fail_room(now, slot, RoomInput::BootstrapTimer, FailReason::BootstrapTimeout, None, None),
+            TimerKind::Transfer => self.fail_room(now, slot, RoomInput::TransferTimer, FailReason::TransferTimeout, None, None),
+            TimerKind::Room => self.fail_room(now, slot, RoomInput::RoomTimer, FailReason::RoomTimeout, None, None),
+            TimerKind::PluginGrace => self.plugin_grace_expired(now, slot),
+            TimerKind::Quarantine => self.release_quarantine(now, slot, RoomInput::QuarantineTimer, ReleaseCause::QuarantineTimeout),
+            TimerKind::Tombstone => self.drop_room(slot),
+        }
+    }
+
+    // ----- slab, keys, states, timers -----
+
+    fn room_at(&self, slot: u32) -> &Room {
+        self.slots[slot as usize].room.as_ref().expect("live slot")
+    }
+
+    fn room_mut(&mut self, slot: u32) -> &mut Room {
+        self.slots[slot as usize].room.as_mut().expect("live slot")
+    }
+
+    fn epoch(&self, slot: u32) -> u32 {
+        self.slots[slot as usize].epoch
+    }
+
+    fn lookup(&self, key: RoomKey, role: Role) -> Lookup {
+        match self.keys.get(&(key.room, role)) {
+            None => Lookup::Absent,
+            Some(&slot) => {
+                let generation = self.room_at(slot).key.generation;
+                if generation == key.generation {
+                    Lookup::Same(slot)
+                } else if generation < key.generation {
+                    Lookup::Older(slot)
+                } else {
+                    Lookup::Newer
+                }
+            }
+        }
+    }
+
+    /// Put a new room in the slab and the key table (replacing an older generation's entry).
+    fn insert_room(&mut self, room: Room) -> u32 {
+        let key = (room.key.room, room.role);
+        let state = room.state;
+        let entered = room.state_entered;
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                let entry = &mut self.slots[slot as usize];
+                entry.epoch = entry.epoch.wrapping_add(1);
+                entry.room = Some(room);
+                slot
+            }
+            None => {
+                self.slots.push(Slot { epoch: 0, room: Some(room) });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.keys.insert(key, slot);
+        self.metrics.rooms_created += 1;
+        self.metrics.rooms_by_state[state.index()] += 1;
+        if !state.is_terminal() {
+            self.live_rooms += 1;
+            self.push_state_fifo(slot, state, entered);
+        }
+        slot
+    }
+
+    fn push_state_fifo(&mut self, slot: u32, state: RoomState, entered: Nanos) {
+        let epoch = self.epoch(slot);
+        let fifo = &mut self.state_fifos[state.index()];
+        if fifo.is_empty() {
+            self.metrics.oldest_entered_by_state[state.index()] = Some(entered);
+        }
+        fifo.push_back((slot, epoch, entered));
+    }
+
+    /// Drop stale heads of a state's FIFO and refresh its oldest-entered gauge.
+    fn refresh_state_fifo(&mut self, state: RoomState) {
+        let fifo = &mut self.state_fifos[state.index()];
+        while let Some(&(slot, epoch, entered)) = fifo.front() {
+            let slot_entry = &self.slots[slot as usize];
+            let current = slot_entry.epoch == epoch
+                && slot_entry.room.as_ref().is_some_and(|r| r.state == state && r.state_entered == entered);
+            if current {
+                break;
+            }
+            fifo.pop_front();
+        }
+        self.metrics.oldest_entered_by_state[state.index()] = fifo.front().map(|&(_, _, entered)| entered);
+    }
+
+    /// Apply one input through the transition table.
+    fn apply(&mut self, now: Nanos, slot: u32, input: RoomInput) -> Result<RoomState, IllegalTransition> {
+        let from = self.room_at(slot).state;
+        let to = transition(from, input)?;
+        if to == from {
+            return Ok(to);
+        }
+        {
+            let room = self.room_mut(slot);
+            room.state = to;
+            room.state_entered = now;
+        }
+        self.metrics.rooms_by_state[from.index()] -= 1;
+        self.metrics.rooms_by_state[to.index()] += 1;
+        if !from.is_terminal() {
+            self.refresh_state_fifo(from);
+            if to.is_terminal() {
+                self.live_rooms -= 1;
+            }
+        }
+        if !to.is_terminal() {
+            self.push_state_fifo(slot, to, now);
+            let room = self.room_at(slot);
+            let event = RoomEvent::StateChanged { room: room.key, role: room.role, state: to };
+            self.commands.push_back(Command::ToEngine(event));
+        }
+        Ok(to)
+    }
+
+    fn arm(&mut self, slot: u32, kind: TimerKind, deadline: Nanos) {
+        self.disarm(slot, kind);
+        let epoch = self.epoch(slot);
+        let handle = self.wheel.insert(deadline, kind.encode(slot, epoch));
+        self.room_mut(slot).timers[kind.index()] = handle.raw();
+    }
+
+    fn disarm(&mut self, slot: u32, kind: TimerKind) {
+        if let Some(handle) = self.room_at(slot).timer(kind) {
+            self.wheel.cancel(handle);
+            self.room_mut(slot).timers[kind.index()] = NIL;
+        }
+    }
+
+    fn timer_deadline(&self, slot: u32, kind: TimerKind) -> Option<Nanos> {
+        self.room_at(slot).timer(kind).map(|handle| self.wheel.deadline(handle))
+    }
+
+    // CONFORMANCE: ABORT-8
+    fn count_late(&mut self, source: LateSource) {
+        self.metrics.late_messages[source.index()] += 1;
+    }
+
+    fn transfer_budget(&self, bytes: u64) -> Nanos {
+        let per_byte_ns = (bytes as u128 * 1_000_000_000u128) / self.config.min_bandwidth_bytes_per_s as u128;
+        Nanos::from_ms(self.config.transfer_base_ms).saturating_add(Nanos(per_byte_ns.min(u64::MAX as u128) as u64))
+    }
+
+    fn push_engine(&mut self, event: RoomEvent) {
+        self.commands.push_back(Command::ToEngine(event));
+    }
+
+    fn push_peer(&mut self, peer: PeerId, message: PeerMessage) {
+        self.commands.push_back(Command::ToPeer { peer, message });
     }
 }

@@ -1,0 +1,411 @@
+//! Engine requests: expect (receiver), send (sender), abort (either). Every check that can refuse
+//! runs before anything changes, so a refusal leaves the core as it was. It never moves a byte
+//! itself: accepted chunks become `Submit` commands.
+
+use super::mapping::{map_chunk, SourceSlice};
+use super::room::{ChunkXfer, HeldChunk, RecvPart, RoleData, Room, SendPart, XferState};
+use super::{Core, Lookup, XferRef};
+use crate::api::*;
+use crate::metrics::{HarmlessAbort, LateSource};
+use crate::table::RoomInput;
+use crate::timer::TimerKind;
+use kvgate_abi::{LocalRange, PeerId, Ticket, XferId};
+
+/// Why a chunk could not be placed in its destination stream.
+pub(super) enum PlaceError {
+    /// A source region is unknown (or not registered with the peer's plugin).
+    UnknownRegion,
+    /// More bytes than the destination has left, or a last chunk that leaves it short.
+    LengthMismatch,
+    TooManySegments,
+}
+
+impl Core {
+    fn refuse(room: RoomKey, reason: RefusalReason) -> Result<(), Refusal> {
+        Err(Refusal { room, reason })
+    }
+
+    /// Check that every slice names a known region and lies inside it; returns the byte count.
+    // CONFORMANCE: DATA-5
+    fn check_local_slices(&self, room: RoomKey, slices: &[Slice]) -> Result<u64, Refusal> {
+        let mut total = 0u64;
+        for slice in slices {
+            let Some(region) = self.regions.get(&slice.region) else {
+                return Err(Refusal { room, reason: RefusalReason::UnknownRegion });
+            };
+            let end = slice.offset.checked_add(slice.len);
+            if slice.len == 0 || end.is_none_or(|end| end > region.len) {
+                return Err(Refusal { room, reason: RefusalReason::SliceOutOfRange });
+            }
+            total = total.saturating_add(slice.len);
+        }
+        Ok(total)
+    }
+
+    pub(super) fn engine_expect(
+        &mut self,
+        now: Nanos,
+        key: RoomKey,
+        peer: PeerId,
+        parts: Vec<Vec<Slice>>,
+        timeout_ms: Option<u64>,
+    ) -> Result<(), Refusal> {
+        if timeout_ms == Some(0) {
+            return Self::refuse(key, RefusalReason::InvalidTimeout);
+        }
+        if parts.is_empty() || parts.iter().any(|p| p.is_empty()) {
+            return Self::refuse(key, RefusalReason::EmptyRequest);
+        }
+        if parts.len() as u64 > self.config.max_parts_per_room {
+            return Self::refuse(key, RefusalReason::TooManyParts);
+        }
+        if parts.iter().any(|p| p.len() as u64 > self.config.max_slices_per_request) {
+            return Self::refuse(key, RefusalReason::TooManySlices);
+        }
+        let Some(plugin) = self.peers.get(&peer).map(|entry| entry.plugin) else {
+            return Self::refuse(key, RefusalReason::PeerNotConnected);
+        };
+        let lookup = self.lookup(key, Role::Receiver);
+        match lookup {
+            Lookup::Same(slot) if self.room_at(slot).state.is_terminal() => {
+                return Self::refuse(key, RefusalReason::RoomTerminal)
+            }
+            Lookup::Same(_) => return Self::refuse(key, RefusalReason::DuplicateExpect),
+            Lookup::Newer => return Self::refuse(key, RefusalReason::StaleGeneration),
+            Lookup::Absent | Lookup::Older(_) => {}
+        }
+        let mut part_bytes = Vec::with_capacity(parts.len());
+        for part in &parts {
+            part_bytes.push(self.check_local_slices(key, part)?);
+            for slice in part {
+                if self.regions[&slice.region].key_for(plugin).is_none() {
+                    return Self::refuse(key, RefusalReason::UnknownRegion);
+                }
+            }
+        }
+        if self.live_rooms >= self.config.max_inflight_rooms {
+            // CONFORMANCE: TIME-11
+            return Self::refuse(key, RefusalReason::TooManyRooms);
+        }
+        // Accepted: from here on nothing refuses.
+        if let Lookup::Older(old) = lookup {
+            self.supersede(now, old);
+        }
+        let ticket_base = self.next_ticket;
+        self.next_ticket += parts.len() as u64;
+        let recv_parts = part_bytes.iter().map(|&bytes| RecvPart { bytes, done: false, ticket_open: true }).collect();
+        let mut room = Room::new(key, Role::Receiver, RoomState::WaitingSender, now, RoleData::Receiver {
+            ticket_base,
+            parts: recv_parts,
+        });
+        let room_timeout_ms = timeout_ms.unwrap_or(self.config.room_timeout_ms).min(self.config.max_room_timeout_ms);
+        room.deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
+        room.bytes_total = part_bytes.iter().sum();
+        room.in_flight = parts.len() as u32;
+        room.plugin = Some(plugin);
+        room.touch(now, LastEvent::Expect);
+        let deadline = room.deadline;
+        let slot = self.insert_room(room);
+        let epoch = self.epoch(slot);
+        self.link_peer(slot, peer);
+        self.arm(slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
+        self.arm(slot, TimerKind::Room, deadline);
+        self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Receiver, state: RoomState::WaitingSender });
+        let remaining = deadline.saturating_sub(now);
+        let mut tickets = Vec::with_capacity(parts.len());
+        for (index, part) in parts.iter().enumerate() {
+            let ticket = Ticket(ticket_base + index as u64);
+            self.tickets.insert(ticket.0, super::TicketRef { slot, epoch, part: index as u32 });
+            let ranges = part
+                .iter()
+                .map(|s| LocalRange { key: self.regions[&s.region].key_for(plugin).unwrap_or_default(), offset: s.offset, len: s.len })
+                .collect();
+            self.commands.push_back(Command::ExpectIncoming { plugin, peer, ticket, timeout: remaining, ranges });
+            tickets.push(ticket);
+        }
+        self.push_peer(peer, PeerMessage::ExpectNotice { room: key, parts, tickets, deadline_remaining: remaining });
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn engine_send(
+        &mut self,
+        now: Nanos,
+        key: RoomKey,
+        peer: Option<PeerId>,
+        part: u32,
+        chunk: u32,
+        slices: Vec<Slice>,
+        last: bool,
+    ) -> Result<(), Refusal> {
+        if slices.is_empty() {
+            return Self::refuse(key, RefusalReason::EmptyRequest);
+        }
+        if slices.len() as u64 > self.config.max_slices_per_request {
+            return Self::refuse(key, RefusalReason::TooManySlices);
+        }
+        if part as u64 >= self.config.max_parts_per_room {
+            return Self::refuse(key, RefusalReason::TooManyParts);
+        }
+        if chunk as u64 >= self.config.max_chunks_per_part {
+            return Self::refuse(key, RefusalReason::TooManyChunks);
+        }
+        if let Some(peer) = peer {
+            if !self.peers.contains_key(&peer) {
+                return Self::refuse(key, RefusalReason::PeerNotConnected);
+            }
+        }
+        self.check_local_slices(key, &slices)?;
+        match self.lookup(key, Role::Sender) {
+            Lookup::Newer => Self::refuse(key, RefusalReason::StaleGeneration),
+            Lookup::Same(slot) => self.send_to_existing(now, slot, peer, part, chunk, slices, last),
+            lookup @ (Lookup::Absent | Lookup::Older(_)) => {
+                if self.live_rooms >= self.config.max_inflight_rooms {
+                    return Self::refuse(key, RefusalReason::TooManyRooms);
+                }
+                if self.metrics.pending_sends >= self.config.max_pending_sends {
+                    return Self::refuse(key, RefusalReason::TooManyPendingSends);
+                }
+                if chunk != 0 {
+                    return Self::refuse(key, RefusalReason::OutOfOrderChunk);
+                }
+                if let Lookup::Older(old) = lookup {
+                    self.supersede(now, old);
+                }
+                let mut parts = vec![SendPart::default(); part as usize + 1];
+                parts[part as usize].held.push(HeldChunk { slices, last });
+                parts[part as usize].next_chunk = 1;
+                parts[part as usize].last_seen = last;
+                let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, RoleData::Sender {
+                    notice: false,
+                    parts,
+                });
+                room.deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
+                room.touch(now, LastEvent::Send);
+                let deadline = room.deadline;
+                let slot = self.insert_room(room);
+                self.metrics.pending_sends += 1;
+                if let Some(peer) = peer {
+                    self.link_peer(slot, peer);
+                }
+                self.arm(slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
+                self.arm(slot, TimerKind::Room, deadline);
+                self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Sender, state: RoomState::WaitingExpect });
+                Ok(())
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn send_to_existing(
+        &mut self,
+        now: Nanos,
+        slot: u32,
+        peer: Option<PeerId>,
+        part: u32,
+        chunk: u32,
+        slices: Vec<Slice>,
+        last: bool,
+    ) -> Result<(), Refusal> {
+        let pending_full = self.metrics.pending_sends >= self.config.max_pending_sends;
+        let room = self.room_at(slot);
+        let key = room.key;
+        if room.state.is_terminal() {
+            // CONFORMANCE: ABORT-6
+            return Self::refuse(key, RefusalReason::RoomTerminal);
+        }
+        if let (Some(asked), Some(bound)) = (peer, room.peer) {
+            if asked != bound {
+                return Self::refuse(key, RefusalReason::PeerMismatch);
+            }
+        }
+        let RoleData::Sender { notice, parts } = &room.data else { unreachable!("sender key maps to a sender room") };
+        let notice = *notice;
+        if notice && part as usize >= parts.len() {
+            return Self::refuse(key, RefusalReason::UnknownPart);
+        }
+        let (next_chunk, last_seen) =
+            parts.get(part as usize).map(|p| (p.next_chunk, p.last_seen)).unwrap_or((0, false));
+        if last_seen && chunk >= next_chunk {
+            return Self::refuse(key, RefusalReason::ChunkAfterLast);
+        }
+        if chunk < next_chunk {
+            return Self::refuse(key, RefusalReason::DuplicateChunk);
+        }
+        if chunk > next_chunk {
+            return Self::refuse(key, RefusalReason::OutOfOrderChunk);
+        }
+        if !notice {
+            if pending_full {
+                return Self::refuse(key, RefusalReason::TooManyPendingSends);
+            }
+            if room.peer.is_none() {
+                if let Some(peer) = peer {
+                    self.link_peer(slot, peer);
+                }
+            }
+            let RoleData::Sender { parts, .. } = &mut self.room_mut(slot).data else { unreachable!() };
+            if part as usize >= parts.len() {
+                parts.resize(part as usize + 1, SendPart::default());
+            }
+            let target = &mut parts[part as usize];
+            target.held.push(HeldChunk { slices, last });
+            target.next_chunk += 1;
+            target.last_seen = last;
+            self.metrics.pending_sends += 1;
+            self.room_mut(slot).touch(now, LastEvent::Send);
+            let _ = self.apply(now, slot, RoomInput::Send);
+            return Ok(());
+        }
+        let segments = match self.place_chunk(now, slot, part, &slices, last) {
+            Ok(segments) => segments,
+            Err(PlaceError::UnknownRegion) => return Self::refuse(key, RefusalReason::UnknownRegion),
+            Err(PlaceError::LengthMismatch) => return Self::refuse(key, RefusalReason::LengthMismatch),
+            Err(PlaceError::TooManySegments) => return Self::refuse(key, RefusalReason::TooManySegments),
+        };
+        self.room_mut(slot).touch(now, LastEvent::Send);
+        if self.room_at(slot).state == RoomState::WaitingSend {
+            let _ = self.apply(now, slot, RoomInput::Send);
+            self.start_transfer(now, slot);
+        }
+        self.submit_last_placed(now, slot, part, segments);
+        Ok(())
+    }
+
+    /// Map a chunk onto its part's destination and record it (cursor, chunk count); the submit
+    /// itself is `submit_last_placed`. Changes nothing on error.
+    pub(super) fn place_chunk(&mut self, _now: Nanos, slot: u32, part: u32, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
+        let plugin = self.room_at(slot).plugin.expect("a room with a notice has a plugin");
+        let mut sources = Vec::with_capacity(slices.len());
+        let mut bytes = 0u64;
+        let mut cached: Option<(RegionId, kvgate_abi::LocalKey)> = None;
+        for slice in slices {
+            let key = match cached {
+                Some((region, key)) if region == slice.region => key,
+                _ => {
+                    let Some(key) = self.regions.get(&slice.region).and_then(|r| r.key_for(plugin)) else {
+                        return Err(PlaceError::UnknownRegion);
+                    };
+                    cached = Some((slice.region, key));
+                    key
+                }
+            };
+            sources.push(SourceSlice { key, offset: slice.offset, len: slice.len });
+            bytes += slice.len;
+        }
+        let max_segments = self.config.max_segments_per_submit;
+        let RoleData::Sender { parts, .. } = &mut self.room_mut(slot).data else { unreachable!() };
+        let target = &mut parts[part as usize];
+        let remaining = target.dest_total - target.filled;
+        if bytes > remaining || (last && bytes != remaining) {
+            return Err(PlaceError::LengthMismatch);
+        }
+        let (segments, cursor_slice, cursor_offset) =
+            map_chunk(&sources, &target.dest, target.cursor_slice, target.cursor_offset, max_segments)
+                .map_err(|_| PlaceError::TooManySegments)?;
+        target.cursor_slice = cursor_slice;
+        target.cursor_offset = cursor_offset;
+        target.filled += bytes;
+        target.last_seen = last;
+        target.chunks.push(ChunkXfer { xfer: 0, bytes, state: XferState::InFlight });
+        Ok(segments)
+    }
+
+    /// Emit the `Submit` of the chunk `place_chunk` just recorded.
+    pub(super) fn submit_last_placed(&mut self, now: Nanos, slot: u32, part: u32, segments: Vec<kvgate_abi::Segment>) {
+        let xfer = self.next_xfer;
+        self.next_xfer += 1;
+        let epoch = self.epoch(slot);
+        let transfer_deadline = self.timer_deadline(slot, TimerKind::Transfer).unwrap_or(now);
+        let timeout = Nanos(transfer_deadline.saturating_sub(now).0.max(1_000_000));
+        let room = self.room_mut(slot);
+        let plugin = room.plugin.expect("submitting room has a plugin");
+        let peer = room.peer.expect("submitting room has a peer");
+        room.in_flight += 1;
+        room.touch(now, LastEvent::Submitted);
+        let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
+        let target = &mut parts[part as usize];
+        let chunk = (target.chunks.len() - 1) as u32;
+        target.chunks[chunk as usize].xfer = xfer;
+        target.next_chunk = target.next_chunk.max(chunk + 1);
+        let ticket = target.ticket;
+        self.xfers.insert(xfer, XferRef { slot, epoch, part, chunk, plugin });
+        self.metrics.submits += 1;
+        self.metrics.segments_submitted += segments.len() as u64;
+        self.commands.push_back(Command::Submit { plugin, xfer: XferId(xfer), peer, ticket, timeout, segments });
+    }
+
+    /// Sender: the room matched (notice + first chunk): leave bootstrap, arm the transfer deadline
+    /// and the plugin grace, tell the receiver.
+    pub(super) fn start_transfer(&mut self, now: Nanos, slot: u32) {
+        self.disarm(slot, TimerKind::Bootstrap);
+        let transfer_deadline = now.saturating_add(self.transfer_budget(self.room_at(slot).bytes_total));
+        self.arm(slot, TimerKind::Transfer, transfer_deadline);
+        let grace = Nanos::from_ms(self.config.plugin_grace_ms);
+        self.arm(slot, TimerKind::PluginGrace, transfer_deadline.saturating_add(grace));
+        let room = self.room_mut(slot);
+        room.touch(now, LastEvent::Matched);
+        let (key, peer) = (room.key, room.peer);
+        if let Some(peer) = peer {
+            self.push_peer(peer, PeerMessage::Matched { room: key });
+        }
+    }
+
+    /// A newer generation replaces `old`: a live one fails `superseded`; either way its key entry
+    /// is taken over by the new room.
+    pub(super) fn supersede(&mut self, now: Nanos, old: u32) {
+        if !self.room_at(old).state.is_terminal() {
+            self.fail_room(now, old, RoomInput::Superseded, FailReason::Superseded, None, None);
+        }
+    }
+
+    // CONFORMANCE: ABORT-6, ABORT-7
+    pub(super) fn engine_abort(&mut self, now: Nanos, key: RoomKey, role: Option<Role>) {
+        let roles: &[Role] = match role {
+            Some(Role::Sender) => &[Role::Sender],
+            Some(Role::Receiver) => &[Role::Receiver],
+            None => &Role::ALL,
+        };
+        let mut aborted_any = false;
+        let mut harmless = HarmlessAbort::Unknown;
+        let mut absent_roles: [Option<Role>; 2] = [None, None];
+        let mut stale = false;
+        for (index, &role) in roles.iter().enumerate() {
+            match self.lookup(key, role) {
+                Lookup::Same(slot) => {
+                    let room = self.room_at(slot);
+                    if !room.state.is_terminal() {
+                        self.room_mut(slot).touch(now, LastEvent::Aborted);
+                        self.fail_room(now, slot, RoomInput::EngineAbort, FailReason::Aborted, None, None);
+                        aborted_any = true;
+                    } else if room.failure.is_some_and(|f| f.reason == FailReason::Aborted) {
+                        harmless = HarmlessAbort::Duplicate;
+                    } else if harmless != HarmlessAbort::Duplicate {
+                        harmless = HarmlessAbort::AfterTerminal;
+                    }
+                }
+                Lookup::Newer => stale = true,
+                Lookup::Absent | Lookup::Older(_) => absent_roles[index] = Some(role),
+            }
+        }
+        if aborted_any {
+            self.metrics.aborts += 1;
+            return;
+        }
+        let all_absent = roles.iter().enumerate().all(|(i, _)| absent_roles[i].is_some());
+        if all_absent {
+            // An abort before the counterpart exists: remember it, so the late counterpart is
+            // refused and never re-creates the room.
+            for role in absent_roles.into_iter().flatten() {
+                if let Lookup::Older(old) = self.lookup(key, role) {
+                    self.supersede(now, old);
+                }
+                self.create_tombstone(now, key, role, FailReason::Aborted);
+            }
+            harmless = HarmlessAbort::Unknown;
+        } else if stale && harmless == HarmlessAbort::Unknown {
+            self.count_late(LateSource::Engine);
+        }
+        self.metrics.aborts_harmless[harmless.index()] += 1;
+    }
+}

@@ -1,0 +1,89 @@
+//! Scatter/gather: maps one chunk's source slices onto the part's destination stream, splitting at
+//! both sides' slice boundaries, into plugin segments. Pure function of its inputs; it validates
+//! nothing about regions (the caller resolved keys and checked ranges) and never allocates twice.
+
+use super::room::DestSlice;
+use kvgate_abi::{LocalKey, Segment};
+
+/// A source slice with its local key resolved.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SourceSlice {
+    pub key: LocalKey,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// The chunk needs more segments than allowed.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct TooManySegments;
+
+/// Map `sources` onto `dest` starting at `(cursor_slice, cursor_offset)`. The caller guarantees
+/// the destination has room for every source byte. Returns the segments and the new cursor.
+pub(crate) fn map_chunk(
+    sources: &[SourceSlice],
+    dest: &[DestSlice],
+    cursor_slice: u32,
+    cursor_offset: u64,
+    max_segments: u64,
+) -> Result<(Vec<Segment>, u32, u64), TooManySegments> {
+    let mut segments = Vec::with_capacity(sources.len().min(max_segments as usize) + 1);
+    let mut dest_index = cursor_slice as usize;
+    let mut dest_offset = cursor_offset;
+    for source in sources {
+        let mut source_offset = 0u64;
+        while source_offset < source.len {
+            let target = &dest[dest_index];
+            let dest_left = target.len - dest_offset;
+            let len = dest_left.min(source.len - source_offset);
+            if segments.len() as u64 >= max_segments {
+                return Err(TooManySegments);
+            }
+            segments.push(Segment {
+                local: source.key,
+                local_offset: source.offset + source_offset,
+                remote: target.key,
+                remote_offset: target.offset + dest_offset,
+                len,
+            });
+            source_offset += len;
+            dest_offset += len;
+            if dest_offset == target.len {
+                dest_index += 1;
+                dest_offset = 0;
+            }
+        }
+    }
+    Ok((segments, dest_index as u32, dest_offset))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_abi::RemoteKey;
+
+    fn src(offset: u64, len: u64) -> SourceSlice {
+        SourceSlice { key: LocalKey(1), offset, len }
+    }
+    fn dst(offset: u64, len: u64) -> DestSlice {
+        DestSlice { key: RemoteKey(2), offset, len }
+    }
+
+    #[test]
+    fn splits_at_both_sides_boundaries() {
+        let dest = [dst(100, 10), dst(500, 5)];
+        let (segments, slice, offset) = map_chunk(&[src(0, 4), src(50, 8)], &dest, 0, 0, 10).unwrap();
+        let shape: Vec<(u64, u64, u64)> = segments.iter().map(|s| (s.local_offset, s.remote_offset, s.len)).collect();
+        assert_eq!(shape, vec![(0, 100, 4), (50, 104, 6), (56, 500, 2)]);
+        assert_eq!((slice, offset), (1, 2));
+        let (segments, slice, offset) = map_chunk(&[src(7, 3)], &dest, slice, offset, 10).unwrap();
+        assert_eq!((segments[0].remote_offset, segments[0].len), (502, 3));
+        assert_eq!((slice, offset), (2, 0));
+    }
+
+    #[test]
+    fn refuses_past_max_segments_and_accepts_at_it() {
+        let dest = [dst(0, 1), dst(10, 1), dst(20, 1)];
+        assert!(map_chunk(&[src(0, 3)], &dest, 0, 0, 3).is_ok());
+        assert_eq!(map_chunk(&[src(0, 3)], &dest, 0, 0, 2), Err(TooManySegments));
+    }
+}

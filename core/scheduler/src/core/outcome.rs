@@ -1,0 +1,295 @@
+//! How rooms end: failure (first cause wins), success, quarantine release, tombstones and the final
+//! drop. Every terminal path goes through here so each room gets exactly one `Terminal` and one
+//! `Reusable`. It never revives a terminal room.
+
+use super::room::{RoleData, Room, XferState, NIL};
+use super::Core;
+use crate::api::*;
+use crate::metrics::ViolationClause;
+use crate::table::RoomInput;
+use crate::timer::TimerKind;
+use kvgate_abi::{Ticket, XferId};
+
+fn came_from_peer(reason: FailReason) -> bool {
+    matches!(
+        reason,
+        FailReason::AbortedByPeer | FailReason::SenderFailed | FailReason::ReceiverFailed | FailReason::PeerLost | FailReason::Overloaded
+    )
+}
+
+impl Core {
+    /// Whether nothing can still touch the room's memory.
+    fn nothing_in_flight(room: &Room) -> bool {
+        room.in_flight == 0 && room.unquiesced == 0
+    }
+
+    /// Fail a live room: terminal at once, first cause wins (a terminal room is left as it is).
+    // CONFORMANCE: ABORT-5, ABORT-6, OBS-3
+    pub(super) fn fail_room(
+        &mut self,
+        now: Nanos,
+        slot: u32,
+        input: RoomInput,
+        reason: FailReason,
+        peer_reason: Option<FailReason>,
+        plugin_reason: Option<u32>,
+    ) {
+        let phase = self.room_at(slot).state.phase();
+        if self.room_at(slot).state.is_terminal() {
+            return;
+        }
+        if let Err(illegal) = self.apply(now, slot, input) {
+            debug_assert!(false, "{illegal}");
+            return;
+        }
+        for kind in [TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room] {
+            self.disarm(slot, kind);
+        }
+        let failure = Failure { reason, phase, peer_reason, plugin_reason };
+        self.metrics.failures[reason.index()][phase.index()] += 1;
+        let grace = Nanos::from_ms(self.config.plugin_grace_ms);
+        let mut commands = Vec::new();
+        let room = self.room_mut(slot);
+        room.failure = Some(failure);
+        if room.last_event != LastEvent::Aborted {
+            room.touch(now, LastEvent::Failed);
+        }
+        let (key, role, peer, plugin) = (room.key, room.role, room.peer, room.plugin);
+        let mut dropped_held = 0u64;
+        match &mut room.data {
+            RoleData::Sender { parts, .. } => {
+                for part in parts.iter_mut() {
+                    dropped_held += part.held.len() as u64;
+                    part.held = Vec::new();
+                    for chunk in &part.chunks {
+                        if chunk.state == XferState::InFlight {
+                            let plugin = plugin.expect("a submitted room has a plugin");
+                            commands.push(Command::Cancel { plugin, xfer: XferId(chunk.xfer) });
+                        }
+                    }
+                }
+            }
+            RoleData::Receiver { ticket_base, parts } => {
+                for (index, part) in parts.iter().enumerate() {
+                    if part.ticket_open {
+                        commands.push(Command::CancelIncoming {
+                            plugin: plugin.expect("a receiver room has a plugin"),
+                            peer: peer.expect("a receiver room has a peer"),
+                            ticket: Ticket(*ticket_base + index as u64),
+                        });
+                    }
+                }
+            }
+        }
+        let outstanding_xfers = role == Role::Sender && room.in_flight > 0;
+        let quiet = Self::nothing_in_flight(room);
+        let bytes_total = room.bytes_total;
+        let tombstone_only = room.tombstone_only;
+        let elapsed = now.saturating_sub(room.created);
+        self.metrics.pending_sends -= dropped_held;
+        if !tombstone_only {
+            self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Failed(failure), elapsed });
+        }
+        self.commands.extend(commands);
+        if outstanding_xfers {
+            let current = self.timer_deadline(slot, TimerKind::PluginGrace);
+            let after_cancel = now.saturating_add(grace);
+            if current.is_none_or(|deadline| after_cancel < deadline) {
+                self.arm(slot, TimerKind::PluginGrace, after_cancel);
+            }
+        }
+        // CONFORMANCE: TIME-8, ABORT-10
+        if let Some(peer) = peer {
+            if !came_from_peer(reason) {
+                let to = role.opposite();
+                let message = if reason == FailReason::Aborted {
+                    PeerMessage::Abort { room: key, reason, to }
+                } else {
+                    PeerMessage::RoomFailed { room: key, reason, to }
+                };
+                self.push_peer(peer, message);
+            }
+        }
+        if quiet {
+            self.release_quarantine(now, slot, RoomInput::NothingInFlight, ReleaseCause::NothingInFlight);
+        } else {
+            // CONFORMANCE: RES-4
+            self.room_mut(slot).quarantined_bytes = bytes_total;
+            self.metrics.quarantined_bytes += bytes_total;
+            self.arm(slot, TimerKind::Quarantine, now.saturating_add(Nanos::from_ms(self.config.quarantine_timeout_ms)));
+        }
+    }
+
+    /// Every part succeeded.
+    pub(super) fn succeed_room(&mut self, now: Nanos, slot: u32) {
+        if let Err(illegal) = self.apply(now, slot, RoomInput::AllPartsDone) {
+            debug_assert!(false, "{illegal}");
+            return;
+        }
+        for kind in [TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace] {
+            self.disarm(slot, kind);
+        }
+        self.metrics.rooms_succeeded += 1;
+        let mut commands = Vec::new();
+        let room = self.room_mut(slot);
+        let (key, role, peer, plugin) = (room.key, room.role, room.peer, room.plugin);
+        if let RoleData::Receiver { ticket_base, parts } = &mut room.data {
+            for (index, part) in parts.iter_mut().enumerate() {
+                if part.ticket_open {
+                    part.ticket_open = false;
+                    commands.push(Command::CancelIncoming {
+                        plugin: plugin.expect("a receiver room has a plugin"),
+                        peer: peer.expect("a receiver room has a peer"),
+                        ticket: Ticket(*ticket_base + index as u64),
+                    });
+                }
+            }
+            room.in_flight = 0;
+        }
+        let elapsed = now.saturating_sub(room.created);
+        self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed });
+        self.push_engine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight });
+        self.commands.extend(commands);
+        self.unlink_peer(slot);
+        self.settle(now, slot);
+    }
+
+    /// A quarantined room's memory is released (quiesced, nothing in flight, or timeout).
+    pub(super) fn release_quarantine(&mut self, now: Nanos, slot: u32, input: RoomInput, cause: ReleaseCause) {
+        if let Err(illegal) = self.apply(now, slot, input) {
+            debug_assert!(false, "{illegal}");
+            return;
+        }
+        self.disarm(slot, TimerKind::Quarantine);
+        self.disarm(slot, TimerKind::PluginGrace);
+        let room = self.room_mut(slot);
+        let held = std::mem::take(&mut room.quarantined_bytes);
+        let (key, role, peer, tombstone_only) = (room.key, room.role, room.peer, room.tombstone_only);
+        let failure = room.failure;
+        if cause == ReleaseCause::Quiesced {
+            room.touch(now, LastEvent::Quiesced);
+        }
+        self.metrics.quarantined_bytes -= held;
+        if cause == ReleaseCause::QuarantineTimeout {
+            self.metrics.failures[FailReason::QuarantineTimeout.index()][Phase::Terminal.index()] += 1;
+        }
+        if !tombstone_only {
+            self.push_engine(RoomEvent::Reusable { room: key, role, cause });
+        }
+        let peer_alive = failure.is_some_and(|f| f.reason != FailReason::PeerLost);
+        if role == Role::Sender && cause != ReleaseCause::QuarantineTimeout && peer_alive {
+            if let Some(peer) = peer {
+                self.push_peer(peer, PeerMessage::Quiesced { room: key });
+            }
+        }
+        self.unlink_peer(slot);
+        self.settle(now, slot);
+    }
+
+    /// After a quiesce or a late terminal event: release the quarantine if nothing is left.
+    pub(super) fn check_release(&mut self, now: Nanos, slot: u32) {
+        let room = self.room_at(slot);
+        if room.state == RoomState::Quarantined && Self::nothing_in_flight(room) {
+            self.release_quarantine(now, slot, RoomInput::Quiesced, ReleaseCause::Quiesced);
+        }
+    }
+
+    /// The plugin-grace deadline passed: every transfer still without a terminal event is forced
+    /// failed and counted as a contract violation.
+    // CONFORMANCE: TIME-6
+    pub(super) fn plugin_grace_expired(&mut self, now: Nanos, slot: u32) {
+        let room = self.room_mut(slot);
+        let mut forced = 0u32;
+        if let RoleData::Sender { parts, .. } = &mut room.data {
+            for part in parts.iter_mut() {
+                for chunk in part.chunks.iter_mut() {
+                    if chunk.state == XferState::InFlight {
+                        chunk.state = XferState::ForcedSilent;
+                        forced += 1;
+                    }
+                }
+            }
+        }
+        room.in_flight -= forced;
+        room.unquiesced += forced;
+        self.metrics.violations[ViolationClause::PluginSilent.index()] += forced as u64;
+        if !self.room_at(slot).state.is_terminal() {
+            self.fail_room(now, slot, RoomInput::PluginGraceTimer, FailReason::PluginSilent, None, None);
+        } else {
+            let _ = self.apply(now, slot, RoomInput::PluginGraceTimer);
+        }
+    }
+
+    /// A terminal room whose memory is reusable: remember it as a tombstone, bounded in time and count.
+    fn settle(&mut self, now: Nanos, slot: u32) {
+        self.arm(slot, TimerKind::Tombstone, now.saturating_add(Nanos::from_ms(self.config.tombstone_ttl_ms)));
+        let epoch = self.epoch(slot);
+        self.tombstone_fifo.push_back((slot, epoch));
+        self.metrics.tombstones += 1;
+        while let Some(&(old, old_epoch)) = self.tombstone_fifo.front() {
+            let current = self.epoch(old) == old_epoch
+                && self.slots[old as usize].room.as_ref().is_some_and(|r| matches!(r.state, RoomState::Succeeded | RoomState::Failed));
+            if !current {
+                self.tombstone_fifo.pop_front();
+                continue;
+            }
+            if self.metrics.tombstones <= self.config.max_tombstones {
+                break;
+            }
+            self.tombstone_fifo.pop_front();
+            self.metrics.tombstones_evicted += 1;
+            self.drop_room(old);
+        }
+    }
+
+    /// Remember a room that never existed here (an abort before the counterpart), so its late
+    /// counterpart is refused.
+    pub(super) fn create_tombstone(&mut self, now: Nanos, key: RoomKey, role: Role, reason: FailReason) {
+        let data = match role {
+            Role::Sender => RoleData::Sender { notice: false, parts: Vec::new() },
+            Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: Vec::new() },
+        };
+        let mut room = Room::new(key, role, RoomState::Failed, now, data);
+        room.tombstone_only = true;
+        room.failure = Some(Failure { reason, phase: Phase::Bootstrap, peer_reason: None, plugin_reason: None });
+        room.last_event = if reason == FailReason::Aborted { LastEvent::Aborted } else { LastEvent::Failed };
+        let slot = self.insert_room(room);
+        self.metrics.rooms_created -= 1;
+        self.settle(now, slot);
+    }
+
+    /// Forget a settled room entirely (tombstone expired or evicted).
+    pub(super) fn drop_room(&mut self, slot: u32) {
+        for kind in TimerKind::ALL {
+            self.disarm(slot, kind);
+        }
+        self.unlink_peer(slot);
+        let entry = &mut self.slots[slot as usize];
+        let room = entry.room.take().expect("drop of a live slot");
+        entry.epoch = entry.epoch.wrapping_add(1);
+        if self.keys.get(&(room.key.room, room.role)) == Some(&slot) {
+            self.keys.remove(&(room.key.room, room.role));
+        }
+        match &room.data {
+            RoleData::Sender { parts, .. } => {
+                for part in parts {
+                    for chunk in &part.chunks {
+                        self.xfers.remove(&chunk.xfer);
+                    }
+                    self.metrics.pending_sends -= part.held.len() as u64;
+                }
+            }
+            RoleData::Receiver { ticket_base, parts } => {
+                for index in 0..parts.len() as u64 {
+                    self.tickets.remove(&(ticket_base + index));
+                }
+            }
+        }
+        self.metrics.rooms_by_state[room.state.index()] -= 1;
+        if matches!(room.state, RoomState::Succeeded | RoomState::Failed) {
+            self.metrics.tombstones -= 1;
+        }
+        debug_assert!(room.timers.iter().all(|&t| t == NIL));
+        self.free_slots.push(slot);
+    }
+}

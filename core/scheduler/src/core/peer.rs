@@ -1,0 +1,363 @@
+//! The peer side: peer up/lost, the intrusive list of each peer's live rooms, and the messages one
+//! core sends another (expect notice, matched, part done, abort, room failed, quiesced). It trusts
+//! no message: anything for an unknown, stale or terminal room is counted late and changes nothing.
+
+use super::engine::PlaceError;
+use super::room::{DestSlice, RoleData, SendPart, NIL};
+use super::{Core, Lookup, PeerEntry};
+use crate::api::*;
+use crate::metrics::LateSource;
+use crate::table::RoomInput;
+use crate::timer::TimerKind;
+use kvgate_abi::{PeerId, Ticket};
+
+impl Core {
+    pub(super) fn peer_up(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugin: PluginSlot) {
+        if let Some(entry) = self.peers.get(&peer) {
+            if entry.incarnation == incarnation {
+                return;
+            }
+            self.peer_lost(now, peer, PeerLoss::Restarted);
+        }
+        let entry = PeerEntry { incarnation, plugin, room_head: NIL, remote_regions: Default::default() };
+        self.peers.insert(peer, entry);
+    }
+
+    // CONFORMANCE: TIME-7
+    pub(super) fn peer_lost(&mut self, now: Nanos, peer: PeerId, _cause: PeerLoss) {
+        self.fail_peer_rooms(now, peer, FailReason::PeerLost);
+        let Some(entry) = self.peers.remove(&peer) else { return };
+        // Rooms still listed (quarantined) keep waiting for a local quiesce or their timer.
+        let mut slot = entry.room_head;
+        while slot != NIL {
+            let room = self.room_mut(slot);
+            let next = room.peer_next;
+            room.peer_prev = NIL;
+            room.peer_next = NIL;
+            room.in_peer_list = false;
+            slot = next;
+        }
+    }
+
+    /// Fail every live room bound to `peer` with `reason`.
+    pub(super) fn fail_peer_rooms(&mut self, now: Nanos, peer: PeerId, reason: FailReason) {
+        let Some(entry) = self.peers.get(&peer) else { return };
+        let mut live = Vec::new();
+        let mut slot = entry.room_head;
+        while slot != NIL {
+            let room = self.room_at(slot);
+            if !room.state.is_terminal() {
+                live.push(slot);
+            }
+            slot = room.peer_next;
+        }
+        let input = if reason == FailReason::PeerLost { RoomInput::PeerLost } else { RoomInput::PluginFailure };
+        for slot in live {
+            self.fail_room(now, slot, input, reason, None, None);
+        }
+    }
+
+    /// Bind a room to its peer (and that peer's plugin) and list it under the peer.
+    pub(super) fn link_peer(&mut self, slot: u32, peer: PeerId) {
+        let Some(entry) = self.peers.get_mut(&peer) else { return };
+        let head = entry.room_head;
+        let plugin = entry.plugin;
+        entry.room_head = slot;
+        if head != NIL {
+            self.room_mut(head).peer_prev = slot;
+        }
+        let room = self.room_mut(slot);
+        debug_assert!(!room.in_peer_list);
+        room.peer = Some(peer);
+        room.plugin = Some(plugin);
+        room.peer_prev = NIL;
+        room.peer_next = head;
+        room.in_peer_list = true;
+    }
+
+    pub(super) fn unlink_peer(&mut self, slot: u32) {
+        let room = self.room_at(slot);
+        if !room.in_peer_list {
+            return;
+        }
+        let (prev, next, peer) = (room.peer_prev, room.peer_next, room.peer.expect("listed room has a peer"));
+        if prev != NIL {
+            self.room_mut(prev).peer_next = next;
+        } else if let Some(entry) = self.peers.get_mut(&peer) {
+            entry.room_head = next;
+        }
+        if next != NIL {
+            self.room_mut(next).peer_prev = prev;
+        }
+        let room = self.room_mut(slot);
+        room.peer_prev = NIL;
+        room.peer_next = NIL;
+        room.in_peer_list = false;
+    }
+
+    /// The slot of `key`/`role` if it is exactly this generation and bound to `peer` (or unbound).
+    fn peer_room(&self, key: RoomKey, role: Role, peer: PeerId) -> Option<u32> {
+        match self.lookup(key, role) {
+            Lookup::Same(slot) if self.room_at(slot).peer.is_none_or(|bound| bound == peer) => Some(slot),
+            _ => None,
+        }
+    }
+
+    pub(super) fn peer_message(&mut self, now: Nanos, peer: PeerId, message: PeerMessage) {
+        match message {
+            PeerMessage::ExpectNotice { room, parts, tickets, deadline_remaining } => {
+                self.on_expect_notice(now, peer, room, parts, tickets, deadline_remaining)
+            }
+            PeerMessage::Matched { room } => match self.peer_room(room, Role::Receiver, peer) {
+                Some(slot) if self.room_at(slot).state == RoomState::WaitingSender => {
+                    self.receiver_matched(now, slot);
+                }
+                _ => self.count_late(LateSource::Peer),
+            },
+            PeerMessage::PartDone { room, part, bytes } => self.on_part_done(now, peer, room, part, bytes),
+            PeerMessage::Abort { room, reason, to } => {
+                self.on_peer_failure(now, peer, room, to, RoomInput::PeerAbort, FailReason::AbortedByPeer, reason)
+            }
+            PeerMessage::RoomFailed { room, reason, to } => {
+                let local = if to == Role::Receiver { FailReason::SenderFailed } else { FailReason::ReceiverFailed };
+                self.on_peer_failure(now, peer, room, to, RoomInput::PeerRoomFailed, local, reason)
+            }
+            PeerMessage::Quiesced { room } => match self.peer_room(room, Role::Receiver, peer) {
+                Some(slot) if self.room_at(slot).state == RoomState::Quarantined => {
+                    self.release_quarantine(now, slot, RoomInput::Quiesced, ReleaseCause::Quiesced);
+                }
+                _ => self.count_late(LateSource::Peer),
+            },
+        }
+    }
+
+    fn receiver_matched(&mut self, now: Nanos, slot: u32) {
+        let _ = self.apply(now, slot, RoomInput::Matched);
+        self.disarm(slot, TimerKind::Bootstrap);
+        let deadline = now.saturating_add(self.transfer_budget(self.room_at(slot).bytes_total));
+        self.arm(slot, TimerKind::Transfer, deadline);
+        self.room_mut(slot).touch(now, LastEvent::Matched);
+    }
+
+    fn on_part_done(&mut self, now: Nanos, peer: PeerId, key: RoomKey, part: u32, bytes: u64) {
+        let Some(slot) = self.peer_room(key, Role::Receiver, peer) else {
+            return self.count_late(LateSource::Peer);
+        };
+        let room = self.room_mut(slot);
+        if room.state.is_terminal() {
+            return self.count_late(LateSource::Peer);
+        }
+        let RoleData::Receiver { parts, .. } = &mut room.data else { unreachable!() };
+        let Some(target) = parts.get_mut(part as usize).filter(|p| !p.done) else {
+            return self.count_late(LateSource::Peer);
+        };
+        target.done = true;
+        let part_bytes = target.bytes;
+        let _ = bytes;
+        room.parts_done += 1;
+        room.bytes_done += part_bytes;
+        room.touch(now, LastEvent::PartDone);
+        let all_done = room.parts_done == room.part_count();
+        let waiting = room.state == RoomState::WaitingSender;
+        self.push_engine(RoomEvent::PartSucceeded { room: key, role: Role::Receiver, part, bytes: part_bytes });
+        if all_done {
+            self.succeed_room(now, slot);
+        } else if waiting {
+            self.receiver_matched(now, slot);
+        } else {
+            let _ = self.apply(now, slot, RoomInput::PartDone);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_peer_failure(
+        &mut self,
+        now: Nanos,
+        peer: PeerId,
+        key: RoomKey,
+        to: Role,
+        input: RoomInput,
+        local_reason: FailReason,
+        peer_reason: FailReason,
+    ) {
+        match self.lookup(key, to) {
+            Lookup::Same(slot) => {
+                if self.room_at(slot).peer.is_some_and(|bound| bound != peer) {
+                    return self.count_late(LateSource::Peer);
+                }
+                let state = self.room_at(slot).state;
+                if !state.is_terminal() {
+                    if input == RoomInput::PeerAbort {
+                        self.room_mut(slot).touch(now, LastEvent::Aborted);
+                    }
+                    self.fail_room(now, slot, input, local_reason, Some(peer_reason), None);
+                } else {
+                    self.count_late(LateSource::Peer);
+                    if to == Role::Sender && matches!(state, RoomState::Succeeded | RoomState::Failed) {
+                        // The receiver waits for our word that nothing more lands.
+                        self.push_peer(peer, PeerMessage::Quiesced { room: key });
+                    }
+                }
+            }
+            Lookup::Newer => self.count_late(LateSource::Peer),
+            lookup @ (Lookup::Absent | Lookup::Older(_)) => {
+                // The counterpart is not here yet: remember the failure so it is refused when it comes.
+                // CONFORMANCE: ABORT-6
+                if let Lookup::Older(old) = lookup {
+                    self.supersede(now, old);
+                }
+                self.create_tombstone(now, key, to, local_reason);
+                if to == Role::Sender {
+                    self.push_peer(peer, PeerMessage::Quiesced { room: key });
+                }
+            }
+        }
+    }
+
+    fn on_expect_notice(
+        &mut self,
+        now: Nanos,
+        peer: PeerId,
+        key: RoomKey,
+        parts: Vec<Vec<Slice>>,
+        tickets: Vec<Ticket>,
+        remaining: Nanos,
+    ) {
+        if !self.peers.contains_key(&peer) {
+            return self.count_late(LateSource::Peer);
+        }
+        let lookup = self.lookup(key, Role::Sender);
+        let slot = match lookup {
+            Lookup::Newer => return self.count_late(LateSource::Peer),
+            Lookup::Same(slot) => {
+                let room = self.room_at(slot);
+                if room.peer.is_some_and(|bound| bound != peer) || room.state != RoomState::WaitingExpect {
+                    let terminal_failure = room.failure.filter(|_| room.state.is_terminal());
+                    self.count_late(LateSource::Peer);
+                    if let Some(failure) = terminal_failure {
+                        // Tell the receiver at once why this room is already over here.
+                        let message = if failure.reason == FailReason::Aborted {
+                            PeerMessage::Abort { room: key, reason: failure.reason, to: Role::Receiver }
+                        } else {
+                            PeerMessage::RoomFailed { room: key, reason: failure.reason, to: Role::Receiver }
+                        };
+                        self.push_peer(peer, message);
+                    }
+                    return;
+                }
+                slot
+            }
+            Lookup::Absent | Lookup::Older(_) => {
+                if self.live_rooms >= self.config.max_inflight_rooms {
+                    let message = PeerMessage::RoomFailed { room: key, reason: FailReason::Overloaded, to: Role::Receiver };
+                    return self.push_peer(peer, message);
+                }
+                if let Lookup::Older(old) = lookup {
+                    self.supersede(now, old);
+                }
+                let data = RoleData::Sender { notice: false, parts: Vec::new() };
+                let mut room = super::room::Room::new(key, Role::Sender, RoomState::WaitingSend, now, data);
+                room.deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
+                let deadline = room.deadline;
+                let slot = self.insert_room(room);
+                self.arm(slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
+                self.arm(slot, TimerKind::Room, deadline);
+                self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Sender, state: RoomState::WaitingSend });
+                slot
+            }
+        };
+        if self.room_at(slot).peer.is_none() {
+            self.link_peer(slot, peer);
+        }
+        self.room_mut(slot).touch(now, LastEvent::ExpectNotice);
+        if let Err(reason) = self.apply_notice(now, slot, peer, parts, tickets, remaining) {
+            self.fail_room(now, slot, RoomInput::MatchFailure, reason, None, None);
+        }
+    }
+
+    /// Resolve the notice's destination, then submit any held chunks in order.
+    fn apply_notice(
+        &mut self,
+        now: Nanos,
+        slot: u32,
+        peer: PeerId,
+        notice_parts: Vec<Vec<Slice>>,
+        tickets: Vec<Ticket>,
+        remaining: Nanos,
+    ) -> Result<(), FailReason> {
+        let held_parts = match &self.room_at(slot).data {
+            RoleData::Sender { parts, .. } => parts.len(),
+            RoleData::Receiver { .. } => unreachable!(),
+        };
+        if notice_parts.is_empty()
+            || notice_parts.len() as u64 > self.config.max_parts_per_room
+            || tickets.len() != notice_parts.len()
+            || held_parts > notice_parts.len()
+        {
+            return Err(FailReason::LayoutMismatch);
+        }
+        let remote = &self.peers[&peer].remote_regions;
+        let mut resolved = Vec::with_capacity(notice_parts.len());
+        for part in &notice_parts {
+            let mut dest = Vec::with_capacity(part.len());
+            let mut total = 0u64;
+            for slice in part {
+                let Some(&(len, key)) = remote.get(&slice.region) else { return Err(FailReason::UnknownRemoteRegion) };
+                if slice.len == 0 || slice.offset.checked_add(slice.len).is_none_or(|end| end > len) {
+                    return Err(FailReason::UnknownRemoteRegion);
+                }
+                dest.push(DestSlice { key, offset: slice.offset, len: slice.len });
+                total += slice.len;
+            }
+            resolved.push((dest, total));
+        }
+        let room_cap = Nanos::from_ms(self.config.max_room_timeout_ms);
+        let notice_deadline = now.saturating_add(if remaining < room_cap { remaining } else { room_cap });
+        let room = self.room_mut(slot);
+        let RoleData::Sender { notice, parts } = &mut room.data else { unreachable!() };
+        *notice = true;
+        parts.resize(resolved.len(), SendPart::default());
+        let mut bytes_total = 0;
+        for ((part, (dest, total)), ticket) in parts.iter_mut().zip(resolved).zip(tickets) {
+            part.dest = dest;
+            part.dest_total = total;
+            part.ticket = ticket;
+            bytes_total += total;
+        }
+        room.bytes_total = bytes_total;
+        if notice_deadline < room.deadline {
+            room.deadline = notice_deadline;
+            self.arm(slot, TimerKind::Room, notice_deadline);
+        }
+        if self.room_at(slot).state != RoomState::WaitingExpect {
+            return Ok(());
+        }
+        let _ = self.apply(now, slot, RoomInput::ExpectNotice);
+        self.start_transfer(now, slot);
+        let part_count = self.room_at(slot).part_count();
+        for part in 0..part_count {
+            let held = {
+                let RoleData::Sender { parts, .. } = &mut self.room_mut(slot).data else { unreachable!() };
+                std::mem::take(&mut parts[part as usize].held)
+            };
+            let count = held.len() as u64;
+            let mut result = Ok(());
+            for chunk in &held {
+                match self.place_chunk(now, slot, part, &chunk.slices, chunk.last) {
+                    Ok(segments) => self.submit_last_placed(now, slot, part, segments),
+                    Err(error) => {
+                        result = Err(match error {
+                            PlaceError::UnknownRegion => FailReason::RegionUnregistered,
+                            PlaceError::LengthMismatch => FailReason::LengthMismatch,
+                            PlaceError::TooManySegments => FailReason::TooManySegments,
+                        });
+                        break;
+                    }
+                }
+            }
+            self.metrics.pending_sends -= count;
+            result?;
+        }
+        Ok(())
+    }
+}

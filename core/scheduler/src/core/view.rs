@@ -1,0 +1,44 @@
+//! The admin view of rooms (`RoomView`), built on demand from the slab. Read-only: it never changes
+//! a room and costs nothing unless asked.
+
+use super::room::Room;
+use super::Core;
+use crate::api::*;
+use crate::timer::TimerKind;
+
+impl Core {
+    fn view_of(&self, now: Nanos, room: &Room) -> RoomView {
+        let next_deadline = TimerKind::ALL
+            .iter()
+            .filter_map(|&kind| room.timer(kind).map(|handle| self.wheel.deadline(handle)))
+            .min();
+        RoomView {
+            room: room.key,
+            role: room.role,
+            state: room.state,
+            age: now.saturating_sub(room.created),
+            peer: room.peer.map(|peer| peer.0),
+            plugin: room.plugin,
+            last_event: room.last_event,
+            last_event_age: now.saturating_sub(room.last_event_at),
+            next_deadline,
+            parts: room.part_count(),
+            parts_done: room.parts_done,
+            bytes_total: room.bytes_total,
+            bytes_done: room.bytes_done,
+            failure: room.failure,
+        }
+    }
+
+    /// The admin view of one room (ages computed at `now`).
+    pub fn room(&self, now: Nanos, room: RoomKey, role: Role) -> Option<RoomView> {
+        let slot = *self.keys.get(&(room.room, role))?;
+        let held = self.slots[slot as usize].room.as_ref()?;
+        (held.key == room).then(|| self.view_of(now, held))
+    }
+
+    /// Every room the core holds (live, quarantined and tombstoned), in slab order.
+    pub fn rooms(&self, now: Nanos) -> impl Iterator<Item = RoomView> + '_ {
+        self.slots.iter().filter_map(move |slot| slot.room.as_ref().map(|room| self.view_of(now, room)))
+    }
+}

@@ -1,0 +1,306 @@
+//! A hierarchical timing wheel: O(1) insert and cancel, amortised O(1) expiry, independent of how many
+//! timers are armed. Ticks are 1 ms; a timer fires at the first tick boundary at or after its deadline.
+//! It stores opaque `u64` payloads and never interprets them (the timer table does).
+
+use crate::api::Nanos;
+
+/// Nanoseconds per wheel tick.
+pub const TICK_NS: u64 = 1_000_000;
+const SLOT_BITS: u32 = 6;
+const SLOTS: usize = 1 << SLOT_BITS;
+const LEVELS: usize = 6;
+/// Ticks the wheel can hold ahead of `elapsed` (64^6 ms, about 2.2 years); farther deadlines clamp.
+const MAX_TICKS: u64 = (1u64 << (SLOT_BITS as usize * LEVELS)) - 1;
+const NIL: u32 = u32::MAX;
+
+/// A handle to an armed timer, valid until it fires or is cancelled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TimerHandle(u32);
+
+impl TimerHandle {
+    pub(crate) fn from_raw(raw: u32) -> TimerHandle {
+        TimerHandle(raw)
+    }
+    pub(crate) fn raw(self) -> u32 {
+        self.0
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    /// Tick at which the timer fires.
+    when: u64,
+    payload: u64,
+    next: u32,
+    prev: u32,
+    /// `level * SLOTS + slot` while linked; NIL when free or expired.
+    bucket: u32,
+}
+
+/// The wheel. `elapsed` is the last tick processed.
+pub struct Wheel {
+    entries: Vec<Entry>,
+    free_head: u32,
+    heads: Vec<u32>,
+    occupied: [u64; LEVELS],
+    elapsed: u64,
+    len: usize,
+}
+
+impl Default for Wheel {
+    fn default() -> Self {
+        Wheel::new()
+    }
+}
+
+fn level_for(elapsed: u64, when: u64) -> usize {
+    let masked = (elapsed ^ when) | (SLOTS as u64 - 1);
+    let masked = masked.min(MAX_TICKS);
+    let significant = 63 - masked.leading_zeros() as usize;
+    (significant / SLOT_BITS as usize).min(LEVELS - 1)
+}
+
+fn slot_for(when: u64, level: usize) -> usize {
+    ((when >> (level as u32 * SLOT_BITS)) as usize) & (SLOTS - 1)
+}
+
+impl Wheel {
+    pub fn new() -> Wheel {
+        Wheel {
+            entries: Vec::new(),
+            free_head: NIL,
+            heads: vec![NIL; SLOTS * LEVELS],
+            occupied: [0; LEVELS],
+            elapsed: 0,
+            len: 0,
+        }
+    }
+
+    /// Armed timers.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The tick a deadline fires at (ceiling).
+    pub fn tick_of(deadline: Nanos) -> u64 {
+        deadline.0.div_ceil(TICK_NS)
+    }
+
+    /// Arm a timer for `deadline` carrying `payload`. A deadline already past fires at the next
+    /// `expire` call.
+    pub fn insert(&mut self, deadline: Nanos, payload: u64) -> TimerHandle {
+        let when = Wheel::tick_of(deadline).max(self.elapsed).min(self.elapsed.saturating_add(MAX_TICKS));
+        let index = if self.free_head != NIL {
+            let index = self.free_head;
+            self.free_head = self.entries[index as usize].next;
+            index
+        } else {
+            self.entries.push(Entry { when: 0, payload: 0, next: NIL, prev: NIL, bucket: NIL });
+            (self.entries.len() - 1) as u32
+        };
+        self.entries[index as usize].when = when;
+        self.entries[index as usize].payload = payload;
+        self.link(index);
+        self.len += 1;
+        TimerHandle(index)
+    }
+
+    fn link(&mut self, index: u32) {
+        let when = self.entries[index as usize].when;
+        let level = level_for(self.elapsed, when);
+        let slot = slot_for(when, level);
+        let bucket = level * SLOTS + slot;
+        let head = self.heads[bucket];
+        {
+            let entry = &mut self.entries[index as usize];
+            entry.bucket = bucket as u32;
+            entry.prev = NIL;
+            entry.next = head;
+        }
+        if head != NIL {
+            self.entries[head as usize].prev = index;
+        }
+        self.heads[bucket] = index;
+        self.occupied[level] |= 1u64 << slot;
+    }
+
+    fn unlink(&mut self, index: u32) {
+        let Entry { next, prev, bucket, .. } = self.entries[index as usize];
+        debug_assert!(bucket != NIL, "unlink of a timer that is not armed");
+        if prev != NIL {
+            self.entries[prev as usize].next = next;
+        } else {
+            self.heads[bucket as usize] = next;
+            if next == NIL {
+                let level = bucket as usize / SLOTS;
+                let slot = bucket as usize % SLOTS;
+                self.occupied[level] &= !(1u64 << slot);
+            }
+        }
+        if next != NIL {
+            self.entries[next as usize].prev = prev;
+        }
+        self.entries[index as usize].bucket = NIL;
+    }
+
+    fn release(&mut self, index: u32) {
+        self.entries[index as usize].next = self.free_head;
+        self.entries[index as usize].bucket = NIL;
+        self.free_head = index;
+        self.len -= 1;
+    }
+
+    /// Disarm a timer; returns its payload. The handle must be armed (a programmer error otherwise).
+    pub fn cancel(&mut self, handle: TimerHandle) -> u64 {
+        let payload = self.entries[handle.0 as usize].payload;
+        self.unlink(handle.0);
+        self.release(handle.0);
+        payload
+    }
+
+    /// The deadline of an armed timer (its tick boundary).
+    pub fn deadline(&self, handle: TimerHandle) -> Nanos {
+        Nanos(self.entries[handle.0 as usize].when.saturating_mul(TICK_NS))
+    }
+
+    /// `(level, slot, tick)` of the next occupied bucket in time order.
+    fn next_bucket(&self) -> Option<(usize, usize, u64)> {
+        for level in 0..LEVELS {
+            let occupied = self.occupied[level];
+            if occupied == 0 {
+                continue;
+            }
+            let slot_range = 1u64 << (level as u32 * SLOT_BITS);
+            let level_range = slot_range << SLOT_BITS;
+            let now_slot = ((self.elapsed / slot_range) % SLOTS as u64) as u32;
+            let rotated = occupied.rotate_right(now_slot);
+            let slot = ((rotated.trailing_zeros() + now_slot) % SLOTS as u32) as u64;
+            let level_start = self.elapsed & !(level_range - 1);
+            let mut tick = level_start + slot * slot_range;
+            if tick + slot_range <= self.elapsed {
+                tick += level_range;
+            }
+            return Some((level, slot as usize, tick.max(self.elapsed)));
+        }
+        None
+    }
+
+    /// The earliest time `expire` may have something to do (a level>0 bucket's start is a lower
+    /// bound: waking then cascades it).
+    pub fn next_deadline(&self) -> Option<Nanos> {
+        self.next_bucket().map(|(_, _, tick)| Nanos(tick.saturating_mul(TICK_NS)))
+    }
+
+    /// Pop every timer due at `now` into `out` (payloads), in tick order.
+    pub fn expire(&mut self, now: Nanos, out: &mut Vec<u64>) {
+        let now_tick = now.0 / TICK_NS;
+        if now_tick < self.elapsed {
+            return;
+        }
+        while let Some((level, slot, tick)) = self.next_bucket() {
+            if tick > now_tick {
+                break;
+            }
+            self.elapsed = tick;
+            let bucket = level * SLOTS + slot;
+            let mut index = self.heads[bucket];
+            self.heads[bucket] = NIL;
+            self.occupied[level] &= !(1u64 << slot);
+            while index != NIL {
+                let next = self.entries[index as usize].next;
+                let when = self.entries[index as usize].when;
+                if when <= tick {
+                    out.push(self.entries[index as usize].payload);
+                    self.release(index);
+                } else {
+                    self.link(index);
+                }
+                index = next;
+            }
+        }
+        self.elapsed = now_tick;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn next_random(state: &mut u64) -> u64 {
+        *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// The wheel against a reference model (a sorted map): same timers fire at the same ticks,
+    /// never early, and `next_deadline` is never later than the true next deadline.
+    #[test]
+    fn wheel_matches_reference_model() {
+        let mut rng = 7u64;
+        let mut wheel = Wheel::new();
+        let mut model: BTreeMap<u64, u64> = BTreeMap::new(); // payload -> tick
+        let mut handles: BTreeMap<u64, TimerHandle> = BTreeMap::new();
+        let mut now = 0u64;
+        let mut next_payload = 0u64;
+        for _ in 0..200_000 {
+            match next_random(&mut rng) % 10 {
+                0..=4 => {
+                    let spans = [10u64, 100, 5_000, 300_000, 20_000_000, 3_000_000_000];
+                    let span = spans[(next_random(&mut rng) % spans.len() as u64) as usize];
+                    let deadline = now * TICK_NS + next_random(&mut rng) % (span * TICK_NS);
+                    let handle = wheel.insert(Nanos(deadline), next_payload);
+                    model.insert(next_payload, Wheel::tick_of(Nanos(deadline)).max(now));
+                    handles.insert(next_payload, handle);
+                    next_payload += 1;
+                }
+                5 if !handles.is_empty() => {
+                    let pick = next_random(&mut rng) % next_payload;
+                    if let Some((&payload, &handle)) = handles.range(pick..).next() {
+                        assert_eq!(wheel.cancel(handle), payload);
+                        handles.remove(&payload);
+                        model.remove(&payload);
+                    }
+                }
+                _ => {
+                    let true_next = model.values().min().copied();
+                    if let (Some(bound), Some(truth)) = (wheel.next_deadline(), true_next) {
+                        assert!(bound.0 <= truth * TICK_NS, "next_deadline {} after true {}", bound.0, truth);
+                    }
+                    assert_eq!(wheel.next_deadline().is_some(), true_next.is_some());
+                    let step = [0u64, 1, 7, 64, 4096, 300_000][(next_random(&mut rng) % 6) as usize];
+                    now += next_random(&mut rng) % (step + 1);
+                    let mut fired = Vec::new();
+                    wheel.expire(Nanos(now * TICK_NS), &mut fired);
+                    let mut expected: Vec<u64> =
+                        model.iter().filter(|(_, &tick)| tick <= now).map(|(&p, _)| p).collect();
+                    fired.sort_unstable();
+                    expected.sort_unstable();
+                    assert_eq!(fired, expected, "at tick {now}");
+                    for payload in fired {
+                        model.remove(&payload);
+                        handles.remove(&payload);
+                    }
+                }
+            }
+            assert_eq!(wheel.len(), model.len());
+        }
+    }
+
+    #[test]
+    fn deadline_fires_at_its_tick_boundary_not_before() {
+        let mut wheel = Wheel::new();
+        wheel.insert(Nanos(1_500_000), 1);
+        let mut out = Vec::new();
+        wheel.expire(Nanos(1_999_999), &mut out);
+        assert!(out.is_empty());
+        assert_eq!(wheel.next_deadline(), Some(Nanos(2_000_000)));
+        wheel.expire(Nanos(2_000_000), &mut out);
+        assert_eq!(out, vec![1]);
+    }
+}
