@@ -1,1 +1,44 @@
-//! Not written yet.
+//! kvgate-plugin-quic: kvgate's transport for any IP network, on quinn (QUIC) with rustls.
+//! Peers authenticate each other by pinned certificate fingerprints (exchanged by the gateways), and
+//! every incoming write is checked by the receiver against its regions and the ticket it expects.
+//!
+//! Built in through [`module`]; loadable as `libkvgate_quic.so` (crate `kvgate-plugin-quic-so`).
+//! Configuration keys: see [`QuicConfig`]. Wire format: see [`wire`].
+
+pub mod config;
+pub mod incoming;
+mod net;
+pub mod outgoing;
+mod peers;
+mod plugin;
+pub mod reader;
+pub mod regions;
+mod server;
+pub mod tickets;
+pub mod tls;
+mod transfers;
+pub mod wire;
+
+pub use config::{CongestionController, QuicConfig};
+pub use plugin::QuicPlugin;
+
+use kvgate_abi::sdk::{PluginFactory, Sink};
+use kvgate_abi::{PluginError, PluginInfo, PluginModRef};
+
+/// Opens [`QuicPlugin`] instances from a TOML config string.
+pub struct QuicFactory;
+
+impl PluginFactory for QuicFactory {
+    type Plugin = QuicPlugin;
+    fn info() -> PluginInfo {
+        plugin::plugin_info(&QuicConfig::default())
+    }
+    fn open(config: &str, sink: Sink) -> Result<QuicPlugin, PluginError> {
+        QuicPlugin::open(QuicConfig::parse(config)?, sink)
+    }
+}
+
+/// The ABI module of the built-in plugin (`builtin:quic`). Call once per process.
+pub fn module() -> PluginModRef {
+    kvgate_abi::sdk::module::<QuicFactory>()
+}

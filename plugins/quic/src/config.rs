@@ -1,0 +1,193 @@
+//! The plugin's TOML configuration: every knob with its unit in its name, a documented default and a
+//! check at open that names the offending key. Owns parsing and validation only; never opens sockets.
+
+use kvgate_abi::{PluginError, ReasonCode};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Congestion controller of every connection (`congestion_controller`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CongestionController {
+    Cubic,
+    Bbr,
+    Newreno,
+}
+
+/// The plugin's configuration. Unknown keys are refused (`deny_unknown_fields`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QuicConfig {
+    /// Address the first UDP endpoint binds; endpoint `i` binds port `port + i` (or an ephemeral port
+    /// when the port is 0). Default `127.0.0.1:0`.
+    pub listen_address: SocketAddr,
+    /// IP put in `local_endpoint()` instead of the bound one (needed when binding `0.0.0.0`). Default none.
+    pub advertise_ip: Option<std::net::IpAddr>,
+    /// UDP endpoints (sockets, each with its own driver task). Default 2, range 1..=16.
+    pub endpoints: usize,
+    /// Connections opened to each peer (connection `i` leaves from endpoint `i % endpoints` and goes to the
+    /// peer's endpoint `i % its count`). Default 2, range 1..=16.
+    pub connections_per_peer: usize,
+    /// Streams (lanes) one transfer may use on each connection. Default 1, range 1..=64.
+    pub streams_per_connection: usize,
+    /// A transfer is split into lanes of at least this many bytes. Default 262144 (256 KiB), min 4096.
+    pub min_lane_bytes: u64,
+    /// Most concurrent streams a peer may open on one connection. Default 1024, range 16..=65536.
+    pub max_concurrent_streams_per_connection: u32,
+    /// Worker threads of the plugin's tokio runtime. Default 2, range 1..=64.
+    pub worker_threads: usize,
+    /// QUIC initial MTU (UDP payload bytes) before discovery. Default 1200, range 1200..=65527.
+    pub initial_mtu_bytes: u16,
+    /// Upper bound of MTU discovery, also the largest UDP payload accepted. Default 65527 (loopback
+    /// reaches it; real links settle at their path MTU). Range 1200..=65527, at least `initial_mtu_bytes`.
+    pub mtu_discovery_upper_bound_bytes: u16,
+    /// Disable MTU discovery (keep `initial_mtu_bytes`). Default false.
+    pub disable_mtu_discovery: bool,
+    /// Generic segmentation offload (several datagrams per send call) where the kernel supports it. Default true.
+    pub segmentation_offload: bool,
+    /// Flow-control window of one stream. Default 16777216 (16 MiB), range 65536..=1073741824.
+    pub stream_window_bytes: u64,
+    /// Flow-control window of one connection. Default 67108864 (64 MiB), range 65536..=4294967296.
+    pub connection_window_bytes: u64,
+    /// Unacknowledged bytes a connection may have in flight. Default 67108864 (64 MiB), range 65536..=4294967296.
+    pub send_window_bytes: u64,
+    /// `cubic`, `bbr` or `newreno`. Default `cubic`.
+    pub congestion_controller: CongestionController,
+    /// Initial congestion window; 0 keeps quinn's default (about 14720 bytes). Default 0, at most 1073741824.
+    pub initial_congestion_window_bytes: u64,
+    /// A connection silent this long is dead (its transfers fail `PEER_LOST`). Default 3000, range 100..=600000.
+    pub idle_timeout_ms: u64,
+    /// Keep-alive ping interval; must be below `idle_timeout_ms`. Default 500, range 10..=60000.
+    pub keep_alive_interval_ms: u64,
+    /// Bound on establishing the connections to a peer (handshake + version exchange). Default 5000,
+    /// range 100..=600000.
+    pub connect_timeout_ms: u64,
+    /// Timeout used when a submit carries `timeout_ns == 0`. Default 30000, range 1..=3600000.
+    pub default_transfer_timeout_ms: u64,
+    /// Bytes staged per stream write (one copy out of the source region). Default 262144, range 4096..=16777216.
+    pub write_chunk_bytes: usize,
+    /// SO_RCVBUF / SO_SNDBUF requested for each UDP socket (the kernel caps it at `net.core.rmem_max`).
+    /// Default 4194304, range 65536..=1073741824.
+    pub socket_buffer_bytes: usize,
+    /// Most segments one submit may carry. Default 1048576, range 1..=16777216.
+    pub max_segments_per_submit: u64,
+    /// Most live outgoing transfers. Default 65536, range 1..=16777216.
+    pub max_inflight_transfers: u64,
+    /// Most live incoming tickets. Default 65536, range 1..=16777216.
+    pub max_live_tickets: u64,
+    /// PEM certificate chain of this instance; with `private_key_path`. Default: a self-signed
+    /// certificate generated at open (its SHA-256 travels in `local_endpoint()`).
+    pub certificate_path: Option<PathBuf>,
+    /// PEM private key matching `certificate_path`.
+    pub private_key_path: Option<PathBuf>,
+    /// Wire protocol version this instance speaks; tests set it to check the version refusal.
+    #[serde(skip)]
+    #[doc(hidden)]
+    pub wire_version_override: Option<u16>,
+}
+
+impl Default for QuicConfig {
+    fn default() -> Self {
+        QuicConfig {
+            listen_address: "127.0.0.1:0".parse().expect("literal address"),
+            advertise_ip: None,
+            endpoints: 2,
+            connections_per_peer: 2,
+            streams_per_connection: 1,
+            min_lane_bytes: 256 * 1024,
+            max_concurrent_streams_per_connection: 1024,
+            worker_threads: 2,
+            initial_mtu_bytes: 1200,
+            mtu_discovery_upper_bound_bytes: 65527,
+            disable_mtu_discovery: false,
+            segmentation_offload: true,
+            stream_window_bytes: 16 << 20,
+            connection_window_bytes: 64 << 20,
+            send_window_bytes: 64 << 20,
+            congestion_controller: CongestionController::Cubic,
+            initial_congestion_window_bytes: 0,
+            idle_timeout_ms: 3000,
+            keep_alive_interval_ms: 500,
+            connect_timeout_ms: 5000,
+            default_transfer_timeout_ms: 30_000,
+            write_chunk_bytes: 256 * 1024,
+            socket_buffer_bytes: 4 << 20,
+            max_segments_per_submit: 1 << 20,
+            max_inflight_transfers: 65536,
+            max_live_tickets: 65536,
+            certificate_path: None,
+            private_key_path: None,
+            wire_version_override: None,
+        }
+    }
+}
+
+/// toml's report spans lines (it quotes the offending key); a log line wants one.
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn invalid(key: &str, why: impl std::fmt::Display) -> PluginError {
+    PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: `{key}` {why}"))
+}
+
+fn check_range<T: PartialOrd + std::fmt::Display + Copy>(key: &str, value: T, min: T, max: T) -> Result<(), PluginError> {
+    if value < min || value > max {
+        return Err(invalid(key, format!("is {value}, must be within {min}..={max}")));
+    }
+    Ok(())
+}
+
+impl QuicConfig {
+    /// Parse and validate a TOML string; an empty string gives the defaults.
+    pub fn parse(text: &str) -> Result<QuicConfig, PluginError> {
+        let config: QuicConfig = toml::from_str(text)
+            .map_err(|e| PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: {}", one_line(&e.to_string()))))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Check every limit; the error names the key.
+    pub fn validate(&self) -> Result<(), PluginError> {
+        check_range("endpoints", self.endpoints, 1, 16)?;
+        check_range("connections_per_peer", self.connections_per_peer, 1, 16)?;
+        check_range("streams_per_connection", self.streams_per_connection, 1, 64)?;
+        check_range("min_lane_bytes", self.min_lane_bytes, 4096, u64::MAX)?;
+        check_range("max_concurrent_streams_per_connection", self.max_concurrent_streams_per_connection, 16, 65536)?;
+        check_range("worker_threads", self.worker_threads, 1, 64)?;
+        check_range("initial_mtu_bytes", self.initial_mtu_bytes, 1200, 65527)?;
+        check_range("mtu_discovery_upper_bound_bytes", self.mtu_discovery_upper_bound_bytes, 1200, 65527)?;
+        if self.mtu_discovery_upper_bound_bytes < self.initial_mtu_bytes {
+            return Err(invalid(
+                "mtu_discovery_upper_bound_bytes",
+                format!("is {}, must be at least initial_mtu_bytes ({})", self.mtu_discovery_upper_bound_bytes, self.initial_mtu_bytes),
+            ));
+        }
+        check_range("stream_window_bytes", self.stream_window_bytes, 65536, 1 << 30)?;
+        check_range("connection_window_bytes", self.connection_window_bytes, 65536, 1 << 32)?;
+        check_range("send_window_bytes", self.send_window_bytes, 65536, 1 << 32)?;
+        check_range("initial_congestion_window_bytes", self.initial_congestion_window_bytes, 0, 1 << 30)?;
+        check_range("idle_timeout_ms", self.idle_timeout_ms, 100, 600_000)?;
+        check_range("keep_alive_interval_ms", self.keep_alive_interval_ms, 10, 60_000)?;
+        if self.keep_alive_interval_ms >= self.idle_timeout_ms {
+            return Err(invalid(
+                "keep_alive_interval_ms",
+                format!("is {}, must be below idle_timeout_ms ({})", self.keep_alive_interval_ms, self.idle_timeout_ms),
+            ));
+        }
+        check_range("connect_timeout_ms", self.connect_timeout_ms, 100, 600_000)?;
+        check_range("default_transfer_timeout_ms", self.default_transfer_timeout_ms, 1, 3_600_000)?;
+        check_range("write_chunk_bytes", self.write_chunk_bytes, 4096, 16 << 20)?;
+        check_range("socket_buffer_bytes", self.socket_buffer_bytes, 65536, 1 << 30)?;
+        check_range("max_segments_per_submit", self.max_segments_per_submit, 1, 1 << 24)?;
+        check_range("max_inflight_transfers", self.max_inflight_transfers, 1, 1 << 24)?;
+        check_range("max_live_tickets", self.max_live_tickets, 1, 1 << 24)?;
+        match (&self.certificate_path, &self.private_key_path) {
+            (Some(_), None) => return Err(invalid("private_key_path", "is missing while certificate_path is set")),
+            (None, Some(_)) => return Err(invalid("certificate_path", "is missing while private_key_path is set")),
+            _ => {}
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,248 @@
+//! Outgoing connections to each known peer: establish them (TLS with the pinned fingerprint, then the
+//! HELLO version exchange), publish their state, and turn the loss of any of them into PEER_DOWN and
+//! PEER_LOST failures. Never waits on the network from a host call: everything here runs as tasks.
+
+use crate::net::{app_code, classify_connection_error};
+use crate::plugin::Shared;
+use crate::reader::{FrameReader, ReadFail};
+use crate::tls;
+use crate::wire::{EndpointInfo, Frame, HELLO_MAGIC};
+use kvgate_abi::{Event, PeerId, PluginError, ReasonCode};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// The outgoing side of a peer.
+#[derive(Clone)]
+pub enum PeerStatus {
+    /// No connection and no attempt in progress.
+    Idle,
+    Connecting,
+    Ready(Arc<Vec<quinn::Connection>>),
+    /// The last attempt failed or the connections were lost; the next submit tries again.
+    Down(PluginError),
+}
+
+pub struct PeerEntry {
+    pub id: PeerId,
+    pub info: EndpointInfo,
+    pub endpoint_bytes: Vec<u8>,
+    status: watch::Sender<PeerStatus>,
+    /// Connections this peer opened to us (it writes into our regions over them).
+    incoming: Mutex<Vec<quinn::Connection>>,
+    client_config: quinn::ClientConfig,
+    removed: AtomicBool,
+}
+
+impl PeerEntry {
+    pub fn new(shared: &Shared, id: PeerId, info: EndpointInfo, endpoint_bytes: Vec<u8>) -> Result<PeerEntry, PluginError> {
+        let crypto = tls::client_crypto(&shared.identity, info.fingerprint)?;
+        let quic_crypto = quinn::crypto::rustls::QuicClientConfig::try_from(crypto)
+            .map_err(|e| PluginError::new(ReasonCode::INTERNAL, format!("quic client crypto: {e}")))?;
+        let mut client_config = quinn::ClientConfig::new(Arc::new(quic_crypto));
+        client_config.transport_config(shared.transport.clone());
+        let (status, _) = watch::channel(PeerStatus::Idle);
+        Ok(PeerEntry { id, info, endpoint_bytes, status, incoming: Mutex::new(Vec::new()), client_config, removed: AtomicBool::new(false) })
+    }
+
+    pub fn add_incoming(&self, conn: quinn::Connection) {
+        let mut incoming = self.incoming.lock().expect("incoming lock");
+        incoming.retain(|c| c.close_reason().is_none());
+        incoming.push(conn);
+    }
+
+    pub fn is_removed(&self) -> bool {
+        self.removed.load(Ordering::Acquire)
+    }
+
+    /// Close every connection with this peer (host `disconnect`, or shutdown).
+    pub fn close_all(&self, reason: ReasonCode, why: &str) {
+        self.removed.store(true, Ordering::Release);
+        let previous = self.status.send_replace(PeerStatus::Down(PluginError::new(ReasonCode::PEER_LOST, why.to_string())));
+        if let PeerStatus::Ready(conns) = previous {
+            for c in conns.iter() {
+                c.close(app_code(reason), why.as_bytes());
+            }
+        }
+        for c in self.incoming.lock().expect("incoming lock").drain(..) {
+            c.close(app_code(reason), why.as_bytes());
+        }
+    }
+
+    /// Whether any outgoing connection exists right now.
+    pub fn is_ready(&self) -> bool {
+        matches!(*self.status.borrow(), PeerStatus::Ready(_))
+    }
+}
+
+/// Start an attempt unless one is in progress or the connections are up.
+fn ensure_connecting(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) {
+    let started = entry.status.send_if_modified(|s| match s {
+        PeerStatus::Idle | PeerStatus::Down(_) if !entry.is_removed() => {
+            *s = PeerStatus::Connecting;
+            true
+        }
+        _ => false,
+    });
+    if started {
+        let (shared, entry) = (shared.clone(), entry.clone());
+        shared.handle.clone().spawn(async move { establish(shared, entry).await });
+    }
+}
+
+/// Start connecting now (at `connect`), so the first transfer does not pay for the handshake.
+pub fn start(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) {
+    ensure_connecting(shared, entry)
+}
+
+/// The peer's connections once they are up, or why they are not.
+pub async fn ready(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) -> Result<Arc<Vec<quinn::Connection>>, PluginError> {
+    let mut rx = entry.status.subscribe();
+    ensure_connecting(shared, entry);
+    loop {
+        match &*rx.borrow_and_update() {
+            PeerStatus::Ready(conns) => return Ok(conns.clone()),
+            PeerStatus::Down(e) => return Err(e.clone()),
+            PeerStatus::Idle | PeerStatus::Connecting => {}
+        }
+        if rx.changed().await.is_err() {
+            return Err(PluginError::new(ReasonCode::PEER_LOST, "the peer was forgotten"));
+        }
+    }
+}
+
+async fn establish(shared: Arc<Shared>, entry: Arc<PeerEntry>) {
+    let count = shared.config.connections_per_peer;
+    let mut conns = Vec::with_capacity(count);
+    let timeout = Duration::from_millis(shared.config.connect_timeout_ms);
+    for i in 0..count {
+        let endpoint = &shared.endpoints[i % shared.endpoints.len()];
+        let addr = entry.info.addresses[i % entry.info.addresses.len()];
+        let attempt = tokio::time::timeout(timeout, connect_one(&shared, &entry, endpoint, addr)).await;
+        let result = attempt.unwrap_or_else(|_| {
+            Err(PluginError::new(
+                ReasonCode::PEER_UNREACHABLE,
+                format!("no connection to {addr} within connect_timeout_ms ({})", shared.config.connect_timeout_ms),
+            ))
+        });
+        match result {
+            Ok(c) => conns.push(c),
+            Err(e) => {
+                for c in &conns {
+                    c.close(app_code(e.code), b"connection setup failed");
+                }
+                tracing::warn!(peer = entry.id.0, %addr, reason = %e.code, message = %e.message, "quic: cannot connect to peer");
+                if entry.status.send_if_modified(|s| {
+                    if matches!(s, PeerStatus::Connecting) {
+                        *s = PeerStatus::Down(e.clone());
+                        true
+                    } else {
+                        false
+                    }
+                }) {
+                    shared.sink.deliver(Event::peer_down(entry.id, e.code, format!("cannot connect to {addr}: {}", e.message)));
+                }
+                return;
+            }
+        }
+    }
+    let conns = Arc::new(conns);
+    let published = entry.status.send_if_modified(|s| {
+        if matches!(s, PeerStatus::Connecting) && !entry.is_removed() {
+            *s = PeerStatus::Ready(conns.clone());
+            true
+        } else {
+            false
+        }
+    });
+    if !published {
+        for c in conns.iter() {
+            c.close(app_code(ReasonCode::PEER_LOST), b"peer forgotten");
+        }
+        return;
+    }
+    tracing::debug!(peer = entry.id.0, connections = conns.len(), "quic: connected to peer");
+    for c in conns.iter() {
+        let (shared, entry, conns, c) = (shared.clone(), entry.clone(), conns.clone(), c.clone());
+        shared.handle.clone().spawn(async move {
+            let error = c.closed().await;
+            on_connection_lost(&shared, &entry, &conns, &error);
+        });
+    }
+}
+
+/// One connection ended: the whole peer is down (every connection closed, every transfer failed).
+fn on_connection_lost(shared: &Arc<Shared>, entry: &Arc<PeerEntry>, conns: &Arc<Vec<quinn::Connection>>, error: &quinn::ConnectionError) {
+    let e = classify_connection_error(error, true);
+    let lost = PluginError::new(ReasonCode::PEER_LOST, format!("connection to peer {} lost: {}", entry.id.0, e.message));
+    let was_current = entry.status.send_if_modified(|s| match s {
+        PeerStatus::Ready(current) if Arc::ptr_eq(current, conns) => {
+            *s = PeerStatus::Down(lost.clone());
+            true
+        }
+        _ => false,
+    });
+    if !was_current {
+        return;
+    }
+    for c in conns.iter() {
+        c.close(app_code(ReasonCode::PEER_LOST), b"a sibling connection was lost");
+    }
+    tracing::warn!(peer = entry.id.0, reason = "peer_lost", message = %lost.message, "quic: peer down");
+    shared.sink.deliver(Event::peer_down(entry.id, ReasonCode::PEER_LOST, lost.message.to_string()));
+    for t in shared.transfers.of_peer(entry.id) {
+        t.fail(ReasonCode::PEER_LOST, lost.message.to_string());
+    }
+}
+
+async fn connect_one(
+    shared: &Shared,
+    entry: &PeerEntry,
+    endpoint: &quinn::Endpoint,
+    addr: std::net::SocketAddr,
+) -> Result<quinn::Connection, PluginError> {
+    let connecting = endpoint
+        .connect_with(entry.client_config.clone(), addr, tls::SERVER_NAME)
+        .map_err(|e| PluginError::new(ReasonCode::PEER_UNREACHABLE, format!("cannot start a connection to {addr}: {e}")))?;
+    let conn = connecting.await.map_err(|e| classify_connection_error(&e, false))?;
+    let why_closed = |conn: &quinn::Connection, fallback: String| match conn.close_reason() {
+        Some(e) => classify_connection_error(&e, false),
+        None => PluginError::new(ReasonCode::PROTOCOL_VIOLATION, fallback),
+    };
+    let (mut send, recv) = match conn.open_bi().await {
+        Ok(pair) => pair,
+        Err(e) => return Err(classify_connection_error(&e, false)),
+    };
+    let hello = Frame::Hello { magic: HELLO_MAGIC, version: shared.wire_version, instance: shared.instance };
+    if let Err(e) = send.write_all(&hello.to_bytes()).await {
+        return Err(why_closed(&conn, format!("sending HELLO failed: {e}")));
+    }
+    let _ = send.finish();
+    let mut reader = FrameReader::new(recv);
+    match reader.read_frame().await {
+        Ok(Some(Frame::HelloReply { status: 0, .. })) => Ok(conn),
+        Ok(Some(Frame::HelloReply { version, status, .. })) => {
+            conn.close(app_code(ReasonCode(status)), b"hello refused");
+            Err(PluginError::new(
+                ReasonCode(status),
+                format!("peer refused HELLO: it speaks wire version {version}, this side {}", shared.wire_version),
+            ))
+        }
+        Ok(other) => {
+            let why = format!("expected HELLO_REPLY, got {other:?}");
+            conn.close(app_code(ReasonCode::PROTOCOL_VIOLATION), why.as_bytes());
+            Err(PluginError::new(ReasonCode::PROTOCOL_VIOLATION, why))
+        }
+        Err(ReadFail::Source(_)) => {
+            // The server closes the connection with the reason (version mismatch, unknown certificate).
+            let _ = tokio::time::timeout(Duration::from_millis(shared.config.connect_timeout_ms), conn.closed()).await;
+            Err(why_closed(&conn, "the peer ended the control stream without a HELLO_REPLY".into()))
+        }
+        Err(other) => {
+            let why = format!("bad HELLO_REPLY: {other:?}");
+            conn.close(app_code(ReasonCode::PROTOCOL_VIOLATION), why.as_bytes());
+            Err(PluginError::new(ReasonCode::PROTOCOL_VIOLATION, why))
+        }
+    }
+}
