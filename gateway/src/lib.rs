@@ -1,1 +1,18 @@
-//! Not written yet.
+//! kvgate: the gateway daemon and its CLI. One module per concern: `config`, `engine_api`,
+//! `peer_link`, `driver`, `admin`, `metrics`, `demo`, `cli`. The binary (`main.rs`) only calls
+//! [`cli::main`].
+
+pub mod admin;
+mod builtin_extra;
+pub mod cli;
+mod cli_plugins;
+mod cli_remote;
+pub mod config;
+pub mod demo;
+pub mod driver;
+pub mod engine_api;
+pub mod logging;
+pub mod metrics;
+pub mod peer_link;
+pub mod plugin_setup;
+pub mod serve;

@@ -1,0 +1,134 @@
+//! The command line (clap): `serve`, `demo`, `conformance`, `config check|default`,
+//! `plugins list|inspect`, `rooms`, `abort`. Each command is a thin call into its module; exit codes:
+//! 0 ok, 1 failure, 2 bad usage or bad configuration.
+
+use crate::config::{default_toml, load_config, single_underscore_env_warnings, GatewayConfig};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(name = "kvgate", version, about = "KV-cache transfer gateway for disaggregated LLM serving")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run a gateway.
+    Serve {
+        /// TOML config; without it the built-in defaults (plus KVGATE__ overrides) are used.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Start a prefill and a decode gateway here and move synthetic KV caches between them.
+    Demo(crate::demo::DemoArgs),
+    /// Configuration helpers.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Plugins.
+    Plugins {
+        #[command(subcommand)]
+        command: PluginsCommand,
+    },
+    /// List the rooms of a running gateway.
+    Rooms {
+        #[command(flatten)]
+        target: Target,
+        /// Include recently terminal rooms.
+        #[arg(long)]
+        all: bool,
+    },
+    /// Abort a room on a running gateway (and, through it, on its peer).
+    Abort {
+        room: u64,
+        #[arg(long, default_value_t = 0)]
+        generation: u32,
+        #[command(flatten)]
+        target: Target,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ConfigCommand {
+    /// Load a config file (with KVGATE__ overrides) and report every problem.
+    Check { file: PathBuf },
+    /// Print the built-in defaults as TOML.
+    Default,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PluginsCommand {
+    /// Every built-in plugin and configured library, with ABI version and capabilities.
+    List {
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Load one plugin library and describe it (or say why it does not load).
+    Inspect { path: PathBuf },
+}
+
+/// Which running gateway to talk to.
+#[derive(Args, Debug, Clone)]
+pub struct Target {
+    /// The gateway's engine socket (default: the one in --config, or the built-in default).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+}
+
+fn load_or_exit(path: Option<&std::path::Path>) -> Result<GatewayConfig, i32> {
+    for warning in single_underscore_env_warnings() {
+        eprintln!("warning: {warning}");
+    }
+    load_config(path).map_err(|e| {
+        eprintln!("{e}");
+        2
+    })
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime")
+}
+
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve { config } => {
+            let config = match load_or_exit(config.as_deref()) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            crate::logging::init(&config.log);
+            for warning in single_underscore_env_warnings() {
+                tracing::warn!("{warning}");
+            }
+            match runtime().block_on(crate::serve::serve(config)) {
+                Ok(()) => 0,
+                Err(e) => {
+                    tracing::error!("gateway failed: {e:#}");
+                    eprintln!("kvgate serve: {e:#}");
+                    1
+                }
+            }
+        }
+        Command::Demo(args) => crate::demo::run(args),
+        Command::Config { command: ConfigCommand::Check { file } } => match load_or_exit(Some(&file)) {
+            Ok(c) => {
+                println!("{}: ok (gateway {:?}, {} peer(s), plugins {:?})", file.display(), c.gateway.name, c.peers.len(), c.plugins.preference);
+                0
+            }
+            Err(code) => code,
+        },
+        Command::Config { command: ConfigCommand::Default } => {
+            print!("{}", default_toml());
+            0
+        }
+        Command::Plugins { command } => crate::cli_plugins::run(command),
+        Command::Rooms { target, all } => crate::cli_remote::rooms(target, all),
+        Command::Abort { room, generation, target } => crate::cli_remote::abort(target, room, generation),
+    }
+}

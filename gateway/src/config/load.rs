@@ -1,0 +1,115 @@
+//! Builds a [`GatewayConfig`] from its layers: built-in defaults (the `Default` impls) < TOML file <
+//! `KVGATE__SECTION__KEY` environment variables, then validates it. Never reads any other source.
+
+use super::validate::{validate, LimitError};
+use super::GatewayConfig;
+use config::{Config, Environment, File, FileFormat};
+use std::fmt;
+use std::path::Path;
+
+/// Why a configuration could not be used.
+#[derive(Debug)]
+pub enum ConfigError {
+    /// The file could not be read.
+    Read { path: String, error: std::io::Error },
+    /// The TOML is malformed, a key is unknown (typo) or a value has the wrong type.
+    Parse(String),
+    /// Values parse but break limits or rules; every problem is listed.
+    Invalid(Vec<LimitError>),
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::Read { path, error } => write!(f, "cannot read config file {path}: {error}"),
+            ConfigError::Parse(message) => write!(f, "invalid configuration: {message}"),
+            ConfigError::Invalid(errors) => {
+                writeln!(f, "invalid configuration ({} problem{}):", errors.len(), if errors.len() == 1 { "" } else { "s" })?;
+                for e in errors {
+                    writeln!(f, "  {e}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// The prefix of overriding environment variables: `KVGATE__PEER_LINK__HEARTBEAT_MS=100`.
+pub const ENV_PREFIX: &str = "KVGATE";
+/// Between the prefix, the section and the key.
+pub const ENV_SEPARATOR: &str = "__";
+
+/// Load `path` (or only defaults when `None`) with environment overrides, then validate.
+pub fn load_config(path: Option<&Path>) -> Result<GatewayConfig, ConfigError> {
+    let text = match path {
+        Some(p) => std::fs::read_to_string(p).map_err(|error| ConfigError::Read { path: p.display().to_string(), error })?,
+        None => String::new(),
+    };
+    let origin = path.map(|p| p.display().to_string()).unwrap_or_else(|| "built-in defaults".to_string());
+    build(&text, &origin, true)
+}
+
+/// Load from TOML text without the environment layer (tests, `config check` of generated text).
+pub fn load_config_from_str(text: &str) -> Result<GatewayConfig, ConfigError> {
+    build(text, "<string>", false)
+}
+
+fn build(text: &str, origin: &str, with_env: bool) -> Result<GatewayConfig, ConfigError> {
+    // The toml crate first: its errors carry line and column, and it rejects unknown keys with the
+    // section they appear in (the config crate alone would report them without a path).
+    let from_file: GatewayConfig =
+        toml::from_str(text).map_err(|e| ConfigError::Parse(format!("{origin}: {}", e.to_string().trim_end())))?;
+    let mut config = from_file;
+    if with_env {
+        let mut builder = Config::builder().add_source(File::from_str(text, FileFormat::Toml));
+        builder = builder.add_source(environment());
+        let layered = builder.build().map_err(|e| ConfigError::Parse(format!("environment override: {e}")))?;
+        config = layered.try_deserialize().map_err(|e| ConfigError::Parse(format!("{origin} with KVGATE__ overrides: {e}")))?;
+    }
+    let errors = validate(&config);
+    if errors.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigError::Invalid(errors))
+    }
+}
+
+fn environment() -> Environment {
+    Environment::with_prefix(ENV_PREFIX).prefix_separator(ENV_SEPARATOR).separator(ENV_SEPARATOR).try_parsing(true)
+}
+
+/// Environment variables that look meant for kvgate but would be ignored (`KVGATE_X` instead of
+/// `KVGATE__SECTION__KEY`): one warning text each.
+pub fn single_underscore_env_warnings() -> Vec<String> {
+    env_warnings(std::env::vars().map(|(k, _)| k))
+}
+
+fn env_warnings(names: impl Iterator<Item = String>) -> Vec<String> {
+    names
+        .filter(|k| k.starts_with("KVGATE_") && !k.starts_with("KVGATE__") && !IGNORED_KVGATE_VARS.contains(&k.as_str()))
+        .map(|k| format!("environment variable {k} is ignored: overrides are spelled KVGATE__SECTION__KEY (two underscores)"))
+        .collect()
+}
+
+/// Variables with a single underscore that kvgate reads on purpose (not config overrides).
+const IGNORED_KVGATE_VARS: &[&str] = &["KVGATE_LOG"];
+
+/// The built-in defaults as a commented-free TOML document (`kvgate config default`).
+pub fn default_toml() -> String {
+    toml::to_string(&GatewayConfig::default()).expect("the default config serialises")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_underscore_variables_are_reported_and_double_are_not() {
+        let names = ["KVGATE_SCHEDULER_ABORT_GRACE_MS", "KVGATE__SCHEDULER__ABORT_GRACE_MS", "PATH", "KVGATE_LOG"];
+        let warnings = env_warnings(names.iter().map(|s| s.to_string()));
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains("KVGATE_SCHEDULER_ABORT_GRACE_MS"));
+    }
+}

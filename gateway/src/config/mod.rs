@@ -1,0 +1,205 @@
+//! The gateway's configuration: one typed tree, built-in defaults < TOML file < `KVGATE__SECTION__KEY`
+//! environment (see `load`), every limit checked by `validate` with key, value and allowed range.
+//! Never starts anything and never reads a setting outside this tree.
+
+mod load;
+mod validate;
+#[cfg(test)]
+mod tests;
+
+pub use load::{default_toml, load_config, load_config_from_str, single_underscore_env_warnings, ConfigError};
+pub use validate::{check_range, LimitError};
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// The whole configuration of one gateway.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    pub gateway: GatewaySection,
+    pub engine_api: EngineApiSection,
+    pub peer_link: PeerLinkSection,
+    /// Static peers: every gateway this one exchanges KV caches with.
+    pub peers: Vec<PeerEntry>,
+    pub plugins: PluginsSection,
+    pub scheduler: kvgate_core::CoreConfig,
+    pub driver: DriverSection,
+    pub admin: AdminSection,
+    pub log: LogSection,
+}
+
+/// Who this gateway is.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewaySection {
+    /// The name peers know this gateway by (their `[[peers]] name`). Non-empty, at most 64 bytes.
+    pub name: String,
+}
+
+impl Default for GatewaySection {
+    fn default() -> Self {
+        GatewaySection { name: "kvgate".to_string() }
+    }
+}
+
+/// Where engines reach the gateway.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineApiSection {
+    /// Unix socket path (created with mode 0600); empty disables it.
+    pub unix_socket: String,
+    /// Optional TCP listen address (`127.0.0.1:7070`); empty disables it. Requires a bearer token.
+    pub tcp_listen: String,
+    /// File holding the bearer token TCP clients must present (`authorization: Bearer <token>`).
+    pub bearer_token_file: String,
+    /// Most regions engines may register at once.
+    pub max_regions: u64,
+    /// Most concurrent `Watch` streams.
+    pub max_watchers: u64,
+    /// Events buffered per watcher; a watcher that falls this far behind is dropped with an error.
+    pub watch_buffer_events: u64,
+    /// Largest engine-API request accepted, in bytes.
+    pub max_request_bytes: u64,
+}
+
+impl Default for EngineApiSection {
+    fn default() -> Self {
+        EngineApiSection {
+            unix_socket: "/tmp/kvgate/engine.sock".to_string(),
+            tcp_listen: String::new(),
+            bearer_token_file: String::new(),
+            max_regions: 4096,
+            max_watchers: 256,
+            watch_buffer_events: 4096,
+            max_request_bytes: 16 << 20,
+        }
+    }
+}
+
+/// Links to peer gateways.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerLinkSection {
+    /// Listen address of the peer-link gRPC server (`127.0.0.1:7100`).
+    pub listen: String,
+    /// A heartbeat is sent at least this often on every link.
+    pub heartbeat_interval_ms: u64,
+    /// A link that received nothing for `heartbeat_interval_ms * heartbeat_misses` is lost.
+    pub heartbeat_misses: u64,
+    /// A dial (TCP + TLS + hello) that takes longer than this fails.
+    pub connect_timeout_ms: u64,
+    /// Wait between two dials to an unreachable peer.
+    pub reconnect_interval_ms: u64,
+    /// Frames queued towards one peer; a peer that lets the queue fill is declared lost.
+    pub send_queue_frames: u64,
+    /// Mutual TLS for peer links; absent = plain (only sensible on loopback or a trusted network).
+    pub tls: Option<PeerTlsSection>,
+}
+
+impl Default for PeerLinkSection {
+    fn default() -> Self {
+        PeerLinkSection {
+            listen: "127.0.0.1:7100".to_string(),
+            heartbeat_interval_ms: 200,
+            heartbeat_misses: 5,
+            connect_timeout_ms: 2000,
+            reconnect_interval_ms: 250,
+            send_queue_frames: 65536,
+            tls: None,
+        }
+    }
+}
+
+/// PEM files for mutually authenticated TLS between gateways.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerTlsSection {
+    /// This gateway's certificate chain.
+    pub cert_file: String,
+    /// Its private key.
+    pub key_file: String,
+    /// The CA that signed every peer's certificate; peers whose certificate it did not sign are refused.
+    pub ca_file: String,
+}
+
+/// One peer gateway.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerEntry {
+    /// Its `[gateway] name`.
+    pub name: String,
+    /// Its `[peer_link] listen` address, `host:port`.
+    pub address: String,
+    /// Whether it runs on this machine (same-host plugins such as shm and NVLink become eligible).
+    pub same_host: bool,
+    /// The name in its TLS certificate, when TLS is on; default: the host part of `address`.
+    pub tls_name: String,
+}
+
+/// Which plugins to load and how to open them.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PluginsSection {
+    /// Plugin names in order of preference; the first one both peers opened that fits is used.
+    pub preference: Vec<String>,
+    /// Extra plugin libraries (`.so`) to load through the stable ABI.
+    pub libraries: Vec<String>,
+    /// Per-plugin config, passed to the plugin's `open` as TOML (keys are the plugin's own).
+    pub config: BTreeMap<String, toml::Table>,
+}
+
+impl Default for PluginsSection {
+    fn default() -> Self {
+        PluginsSection { preference: vec!["shm".to_string(), "quic".to_string()], libraries: vec![], config: BTreeMap::new() }
+    }
+}
+
+/// The driver task's queues.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DriverSection {
+    /// Events (engine calls, peer frames) queued towards the driver before callers wait.
+    pub event_queue_len: u64,
+    /// Plugin events queued towards the driver; past it an event is dropped and counted
+    /// (`kvgate_plugin_events_dropped_total`) and the core's plugin grace ends the transfer.
+    pub plugin_event_queue_len: u64,
+}
+
+impl Default for DriverSection {
+    fn default() -> Self {
+        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536 }
+    }
+}
+
+/// The admin HTTP listener and health rules.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminSection {
+    /// `127.0.0.1:9100`; empty disables the listener.
+    pub listen: String,
+    /// A room still live at each of these ages gets one warning log line (per room, per age).
+    pub stuck_room_warn_ms: Vec<u64>,
+}
+
+impl Default for AdminSection {
+    fn default() -> Self {
+        AdminSection { listen: "127.0.0.1:9100".to_string(), stuck_room_warn_ms: vec![5_000, 30_000] }
+    }
+}
+
+/// Logging.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSection {
+    /// `text` or `json`.
+    pub format: String,
+    /// A tracing filter (`info`, `kvgate=debug`); `RUST_LOG` wins when set.
+    pub level: String,
+}
+
+impl Default for LogSection {
+    fn default() -> Self {
+        LogSection { format: "text".to_string(), level: "info".to_string() }
+    }
+}

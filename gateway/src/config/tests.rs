@@ -1,0 +1,117 @@
+//! Config loading and validation: typos, wrong types, limits at and just past their bounds.
+
+use super::*;
+
+fn errors_of(text: &str) -> String {
+    match load_config_from_str(text) {
+        Ok(_) => panic!("accepted:\n{text}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn empty_text_gives_the_defaults_and_they_are_valid() {
+    assert_eq!(load_config_from_str("").unwrap(), GatewayConfig::default());
+}
+
+#[test]
+fn default_toml_round_trips() {
+    let text = default_toml();
+    assert_eq!(load_config_from_str(&text).unwrap(), GatewayConfig::default());
+}
+
+#[test]
+fn a_typo_in_a_key_is_refused_naming_the_key_and_its_section() {
+    let e = errors_of("[peer_link]\nheartbeat_interval = 100\n");
+    assert!(e.contains("heartbeat_interval"), "{e}");
+    assert!(e.contains("peer_link") || e.contains("line 2"), "{e}");
+    let e = errors_of("[schedular]\nroom_timeout_ms = 1\n");
+    assert!(e.contains("schedular"), "{e}");
+    let e = errors_of("[scheduler]\nroom_timeout = 1\n");
+    assert!(e.contains("room_timeout"), "{e}");
+}
+
+#[test]
+fn malformed_toml_and_wrong_types_are_refused() {
+    assert!(errors_of("[gateway\nname = 1").contains("invalid configuration"));
+    let e = errors_of("[peer_link]\nheartbeat_misses = \"five\"\n");
+    assert!(e.contains("heartbeat_misses") || e.contains("line 2"), "{e}");
+}
+
+#[test]
+fn heartbeat_limits_are_checked_at_and_just_past_each_bound() {
+    for ok in [10, 60_000] {
+        load_config_from_str(&format!("[peer_link]\nheartbeat_interval_ms = {ok}\n")).unwrap();
+    }
+    for bad in [9, 60_001] {
+        let e = errors_of(&format!("[peer_link]\nheartbeat_interval_ms = {bad}\n"));
+        assert!(e.contains(&format!("peer_link.heartbeat_interval_ms = {bad}")) && e.contains("10..=60000"), "{e}");
+    }
+    load_config_from_str("[peer_link]\nheartbeat_misses = 2\n").unwrap();
+    load_config_from_str("[peer_link]\nheartbeat_misses = 100\n").unwrap();
+    assert!(errors_of("[peer_link]\nheartbeat_misses = 1\n").contains("peer_link.heartbeat_misses = 1"));
+    assert!(errors_of("[peer_link]\nheartbeat_misses = 101\n").contains("peer_link.heartbeat_misses = 101"));
+}
+
+#[test]
+fn queue_limits_are_checked_at_and_just_past_each_bound() {
+    let cases = [
+        ("driver", "event_queue_len", 16, 1 << 20),
+        ("driver", "plugin_event_queue_len", 16, 1 << 24),
+        ("peer_link", "send_queue_frames", 16, 1 << 24),
+        ("engine_api", "max_regions", 1, 1 << 20),
+        ("engine_api", "max_watchers", 1, 65_536),
+        ("engine_api", "watch_buffer_events", 16, 1 << 20),
+    ];
+    for (section, key, min, max) in cases {
+        load_config_from_str(&format!("[{section}]\n{key} = {min}\n")).unwrap();
+        load_config_from_str(&format!("[{section}]\n{key} = {max}\n")).unwrap();
+        for bad in [min - 1, max + 1] {
+            let e = errors_of(&format!("[{section}]\n{key} = {bad}\n"));
+            assert!(e.contains(&format!("{section}.{key} = {bad}")) && e.contains(&format!("{min}..={max}")), "{e}");
+        }
+    }
+}
+
+#[test]
+fn scheduler_limits_come_from_the_core_and_name_their_key() {
+    let e = errors_of("[scheduler]\nplugin_grace_ms = 0\n");
+    assert!(e.contains("scheduler.plugin_grace_ms = 0"), "{e}");
+    let e = errors_of("[scheduler]\nroom_timeout_ms = 700000\nmax_room_timeout_ms = 600000\n");
+    assert!(e.contains("scheduler.room_timeout_ms"), "{e}");
+}
+
+#[test]
+fn every_problem_is_reported_at_once() {
+    let e = errors_of("[peer_link]\nheartbeat_misses = 0\nheartbeat_interval_ms = 0\n[log]\nformat = \"xml\"\n");
+    assert!(e.contains("3 problems"), "{e}");
+}
+
+#[test]
+fn peers_are_checked() {
+    let e = errors_of("[gateway]\nname = \"a\"\n[[peers]]\nname = \"a\"\naddress = \"nowhere\"\n");
+    assert!(e.contains("peers[0].name") && e.contains("peers[0].address"), "{e}");
+    let e = errors_of("[[peers]]\nname = \"b\"\naddress = \"h:1\"\n[[peers]]\nname = \"b\"\naddress = \"h:2\"\n");
+    assert!(e.contains("peers[1].name"), "{e}");
+    let e = errors_of("[[peers]]\nname = \"b\"\naddress = \"h:1\"\nsame_hots = true\n");
+    assert!(e.contains("same_hots"), "{e}");
+}
+
+#[test]
+fn tcp_engine_api_requires_a_token_file() {
+    let e = errors_of("[engine_api]\ntcp_listen = \"127.0.0.1:7070\"\n");
+    assert!(e.contains("engine_api.bearer_token_file"), "{e}");
+    load_config_from_str("[engine_api]\ntcp_listen = \"127.0.0.1:7070\"\nbearer_token_file = \"/etc/t\"\n").unwrap();
+}
+
+#[test]
+fn tls_needs_all_three_files() {
+    let e = errors_of("[peer_link.tls]\ncert_file = \"c\"\n");
+    assert!(e.contains("peer_link.tls.key_file") && e.contains("peer_link.tls.ca_file"), "{e}");
+}
+
+#[test]
+fn plugin_config_tables_are_passed_through_as_toml() {
+    let c = load_config_from_str("[plugins.config.shm]\nworkers = 3\n").unwrap();
+    assert_eq!(toml::to_string(&c.plugins.config["shm"]).unwrap().trim(), "workers = 3");
+}

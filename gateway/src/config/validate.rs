@@ -1,0 +1,131 @@
+//! Checks every limit and cross-field rule of a loaded [`GatewayConfig`], reporting all problems at
+//! once, each naming the key, the value and what is allowed. Never fixes a value silently.
+
+use super::GatewayConfig;
+use std::fmt;
+use std::net::SocketAddr;
+
+/// One setting that is out of its allowed range or inconsistent with another.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitError {
+    /// Dotted key path, e.g. `peer_link.heartbeat_interval_ms`.
+    pub key: String,
+    /// The value as configured.
+    pub value: String,
+    /// What is allowed, e.g. `10..=60000`.
+    pub allowed: String,
+}
+
+impl fmt::Display for LimitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} = {} is not allowed (allowed: {})", self.key, self.value, self.allowed)
+    }
+}
+
+/// `Some(error)` unless `min <= value <= max`.
+pub fn check_range(key: &str, value: u64, min: u64, max: u64) -> Option<LimitError> {
+    (value < min || value > max).then(|| LimitError { key: key.to_string(), value: value.to_string(), allowed: format!("{min}..={max}") })
+}
+
+fn rule(key: &str, value: impl fmt::Display, allowed: &str) -> LimitError {
+    LimitError { key: key.to_string(), value: value.to_string(), allowed: allowed.to_string() }
+}
+
+/// Every problem of `config`; empty when it is usable.
+pub fn validate(config: &GatewayConfig) -> Vec<LimitError> {
+    let mut errors = Vec::new();
+    check_gateway_and_engine_api(config, &mut errors);
+    check_peer_link(config, &mut errors);
+    check_peers(config, &mut errors);
+    check_plugins_driver_admin_log(config, &mut errors);
+    // The scheduler's own ranges (kvgate-core's `CoreConfig::ranges`), every one reported; then its
+    // cross-field rules through `CoreConfig::validate`.
+    let scheduler = &config.scheduler;
+    for (key, value, min, max) in scheduler.ranges() {
+        errors.extend(check_range(&format!("scheduler.{key}"), value, min, max));
+    }
+    if let Err(e) = scheduler.validate() {
+        let key = format!("scheduler.{}", e.key);
+        if !errors.iter().any(|x| x.key == key) {
+            errors.push(LimitError { key, value: e.value.to_string(), allowed: format!("{}..={}", e.min, e.max) });
+        }
+    }
+    errors
+}
+
+fn check_gateway_and_engine_api(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
+    let name = &config.gateway.name;
+    if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+        errors.push(rule("gateway.name", format!("{name:?}"), "1 to 64 characters of [A-Za-z0-9._-]"));
+    }
+    let api = &config.engine_api;
+    if api.unix_socket.is_empty() && api.tcp_listen.is_empty() {
+        errors.push(rule("engine_api.unix_socket", "\"\"", "a socket path, or engine_api.tcp_listen set"));
+    }
+    if !api.tcp_listen.is_empty() {
+        if api.tcp_listen.parse::<SocketAddr>().is_err() {
+            errors.push(rule("engine_api.tcp_listen", format!("{:?}", api.tcp_listen), "an ip:port address"));
+        }
+        if api.bearer_token_file.is_empty() {
+            errors.push(rule("engine_api.bearer_token_file", "\"\"", "a token file whenever engine_api.tcp_listen is set"));
+        }
+    }
+    errors.extend(check_range("engine_api.max_regions", api.max_regions, 1, 1 << 20));
+    errors.extend(check_range("engine_api.max_watchers", api.max_watchers, 1, 65_536));
+    errors.extend(check_range("engine_api.watch_buffer_events", api.watch_buffer_events, 16, 1 << 20));
+    errors.extend(check_range("engine_api.max_request_bytes", api.max_request_bytes, 4096, 1 << 30));
+}
+
+fn check_peer_link(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
+    let link = &config.peer_link;
+    if link.listen.parse::<SocketAddr>().is_err() {
+        errors.push(rule("peer_link.listen", format!("{:?}", link.listen), "an ip:port address"));
+    }
+    errors.extend(check_range("peer_link.heartbeat_interval_ms", link.heartbeat_interval_ms, 10, 60_000));
+    errors.extend(check_range("peer_link.heartbeat_misses", link.heartbeat_misses, 2, 100));
+    errors.extend(check_range("peer_link.connect_timeout_ms", link.connect_timeout_ms, 10, 120_000));
+    errors.extend(check_range("peer_link.reconnect_interval_ms", link.reconnect_interval_ms, 10, 60_000));
+    errors.extend(check_range("peer_link.send_queue_frames", link.send_queue_frames, 16, 1 << 24));
+    if let Some(tls) = &link.tls {
+        for (key, value) in [("cert_file", &tls.cert_file), ("key_file", &tls.key_file), ("ca_file", &tls.ca_file)] {
+            if value.is_empty() {
+                errors.push(rule(&format!("peer_link.tls.{key}"), "\"\"", "a PEM file path (all three are needed for mutual TLS)"));
+            }
+        }
+    }
+}
+
+fn check_peers(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
+    errors.extend(check_range("peers (count)", config.peers.len() as u64, 0, 1024));
+    for (i, peer) in config.peers.iter().enumerate() {
+        let at = format!("peers[{i}]");
+        if peer.name.is_empty() || peer.name == config.gateway.name {
+            errors.push(rule(&format!("{at}.name"), format!("{:?}", peer.name), "a non-empty name other than gateway.name"));
+        }
+        if config.peers[..i].iter().any(|p| p.name == peer.name) {
+            errors.push(rule(&format!("{at}.name"), format!("{:?}", peer.name), "a name not used by another peer"));
+        }
+        let valid_address = peer.address.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !valid_address {
+            errors.push(rule(&format!("{at}.address"), format!("{:?}", peer.address), "host:port"));
+        }
+    }
+}
+
+fn check_plugins_driver_admin_log(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
+    if config.plugins.preference.is_empty() {
+        errors.push(rule("plugins.preference", "[]", "at least one plugin name"));
+    }
+    errors.extend(check_range("driver.event_queue_len", config.driver.event_queue_len, 16, 1 << 20));
+    errors.extend(check_range("driver.plugin_event_queue_len", config.driver.plugin_event_queue_len, 16, 1 << 24));
+    if !config.admin.listen.is_empty() && config.admin.listen.parse::<SocketAddr>().is_err() {
+        errors.push(rule("admin.listen", format!("{:?}", config.admin.listen), "an ip:port address, or empty to disable"));
+    }
+    errors.extend(check_range("admin.stuck_room_warn_ms (count)", config.admin.stuck_room_warn_ms.len() as u64, 0, 16));
+    for (i, age) in config.admin.stuck_room_warn_ms.iter().enumerate() {
+        errors.extend(check_range(&format!("admin.stuck_room_warn_ms[{i}]"), *age, 100, 86_400_000));
+    }
+    if !["text", "json"].contains(&config.log.format.as_str()) {
+        errors.push(rule("log.format", format!("{:?}", config.log.format), "\"text\" or \"json\""));
+    }
+}

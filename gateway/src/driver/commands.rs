@@ -1,0 +1,115 @@
+//! Executing the core's commands: plugin calls (non-blocking by contract), frames to peers (queued,
+//! never awaited), room events to engines (broadcast to watchers), with one log line for every
+//! failure and the transfer metrics. Never decides a room's fate: a synchronous plugin refusal is
+//! fed back to the core as the failure event the contract prescribes.
+
+use super::{Driver, RoomClock};
+use crate::peer_link::codec;
+use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, Event, IncomingRequest, SubmitRequest};
+use kvgate_client::proto::{self, peer_frame::Frame};
+use kvgate_core::{Command, Outcome, Role, RoomEvent, RoomState};
+
+impl Driver {
+    pub(super) fn execute(&mut self, command: Command) {
+        match command {
+            Command::Submit { plugin, xfer, peer, ticket, timeout, segments } => {
+                let request = SubmitRequest { xfer, peer, ticket, timeout_ns: timeout.0, segments: RSlice::from_slice(&segments) };
+                let Some(opened) = self.plugins.get(plugin.0 as usize) else { return };
+                if let RResult::RErr(e) = opened.transport().submit(request) {
+                    tracing::debug!(plugin = opened.name(), xfer = xfer.0, "submit refused: {e}");
+                    self.feedback.push_back((plugin, Event::failed_quiesced(xfer, e.code, e.message.to_string())));
+                }
+            }
+            Command::Cancel { plugin, xfer } => {
+                if let Some(opened) = self.plugins.get(plugin.0 as usize) {
+                    opened.transport().cancel(xfer);
+                }
+            }
+            Command::ExpectIncoming { plugin, peer, ticket, timeout, ranges } => {
+                let request = IncomingRequest { ticket, peer, timeout_ns: timeout.0, ranges: RSlice::from_slice(&ranges) };
+                let Some(opened) = self.plugins.get(plugin.0 as usize) else { return };
+                if let RResult::RErr(e) = opened.transport().expect_incoming(request) {
+                    self.feedback.push_back((plugin, Event::incoming_failed(peer, ticket, e.code, e.message.to_string())));
+                }
+            }
+            Command::CancelIncoming { plugin, peer, ticket } => {
+                if let Some(opened) = self.plugins.get(plugin.0 as usize) {
+                    opened.transport().cancel_incoming(peer, ticket);
+                }
+            }
+            Command::ToPeer { peer, message } => match self.peers.session(peer.0) {
+                // A full queue makes the session task declare the peer lost; the core then learns it.
+                Some(state) => {
+                    state.sender.send(Frame::Core(codec::encode(&message)));
+                }
+                None => tracing::debug!(peer = peer.0, kind = message.kind_str(), room = %message.room(), "message for a gone peer session dropped"),
+            },
+            Command::ToEngine(event) => self.room_event(event),
+        }
+    }
+
+    fn room_event(&mut self, event: RoomEvent) {
+        let now = self.now();
+        let key = (event.room(), event.role());
+        let clock = *self.room_clock.entry(key).or_insert(RoomClock { first_seen: now, ..Default::default() });
+        let view = self.core.room(now, event.room(), event.role());
+        let peer_name = view.as_ref().and_then(|v| v.peer).and_then(|p| self.peers.name_of(p)).unwrap_or("-").to_string();
+        let plugin_name = view.as_ref().and_then(|v| v.plugin).map(|s| self.plugin_name(s).to_string()).unwrap_or_else(|| "none".into());
+        let at_ms = now.as_ms();
+        let wire = match &event {
+            RoomEvent::StateChanged { state, .. } => {
+                if *state == RoomState::Transferring {
+                    if let Some(c) = self.room_clock.get_mut(&key) {
+                        c.transfer_started.get_or_insert(now);
+                    }
+                    self.metrics.observe_bootstrap(&plugin_name, now.saturating_sub(clock.first_seen));
+                }
+                proto::room_event::Event::StateChanged(proto::StateChanged { state: state.as_str().into() })
+            }
+            RoomEvent::PartSucceeded { part, bytes, .. } => {
+                proto::room_event::Event::StateChanged(proto::StateChanged { state: format!("part_{part}_succeeded_{bytes}_bytes") })
+            }
+            RoomEvent::Terminal { room, role, outcome, elapsed } => {
+                let bytes = view.as_ref().map(|v| v.bytes_done).unwrap_or(0);
+                match outcome {
+                    Outcome::Succeeded => {
+                        if *role == Role::Sender {
+                            let transfer = now.saturating_sub(clock.transfer_started.unwrap_or(clock.first_seen));
+                            self.metrics.observe_transfer(&plugin_name, bytes, transfer);
+                        }
+                        tracing::debug!(room = %room, role = role.as_str(), elapsed_ms = elapsed.as_ms(), bytes, "room succeeded");
+                        proto::room_event::Event::Terminal(proto::Terminal { succeeded: true, elapsed_ms: elapsed.as_ms(), bytes, ..Default::default() })
+                    }
+                    Outcome::Failed(failure) => {
+                        tracing::warn!(
+                            room = %room, role = role.as_str(), reason = failure.reason.as_str(), phase = failure.phase.as_str(),
+                            peer = %peer_name, plugin = %plugin_name, elapsed_ms = elapsed.as_ms(),
+                            peer_reason = failure.peer_reason.map(|r| r.as_str()), plugin_reason = failure.plugin_reason_str(),
+                            "room failed"
+                        );
+                        self.metrics.count_failure(failure.reason.as_str(), failure.phase.as_str(), &plugin_name);
+                        proto::room_event::Event::Terminal(proto::Terminal {
+                            succeeded: false,
+                            reason: failure.reason.as_str().into(),
+                            phase: failure.phase.as_str().into(),
+                            elapsed_ms: elapsed.as_ms(),
+                            bytes,
+                        })
+                    }
+                }
+            }
+            RoomEvent::Reusable { cause, .. } => {
+                self.room_clock.remove(&key);
+                proto::room_event::Event::Reusable(proto::Reusable { reason: cause.as_str().into() })
+            }
+        };
+        let room = event.room();
+        // No receiver is not an error: nobody is watching.
+        let _ = self.watch.send(proto::RoomEvent {
+            key: Some(proto::RoomKey { room: room.room, generation: room.generation }),
+            event: Some(wire),
+            at_ms,
+            role: event.role().as_str().into(),
+        });
+    }
+}

@@ -1,0 +1,186 @@
+//! The driver: one tokio task per core instance. It owns the `Core`, the clock origin, the opened
+//! plugins, local regions and peer sessions; it feeds the core (engine calls, peer frames, plugin
+//! events, one timer re-armed from `poll_timeout()`) and executes its commands. It never awaits the
+//! network while holding the core: peer frames go out through non-blocking queues, plugin calls are
+//! non-blocking by contract, and engine replies are oneshot sends.
+
+mod commands;
+mod engine;
+mod peers;
+mod regions;
+mod views;
+
+pub use engine::{ApiError, EngineCall, MemorySpec, Reply};
+pub use views::{AdminSnapshot, PeerStatus, PluginStatus, RoomJson};
+
+use crate::config::GatewayConfig;
+use crate::metrics::GatewayMetrics;
+use crate::peer_link::PeerEvent;
+use kvgate_abi::{Event, EventKind};
+use kvgate_client::proto;
+use kvgate_core::{Core, Nanos, PluginSlot, Role, RoomKey};
+use kvgate_host::OpenedPlugin;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::time::Instant;
+
+/// Everything the driver is asked, except plugin events (which have their own queue).
+pub enum DriverInput {
+    Engine(EngineCall),
+    Peer(PeerEvent),
+    Admin(oneshot::Sender<AdminSnapshot>),
+    /// Stop: shut the plugins down and return.
+    Shutdown,
+}
+
+/// A plugin event, tagged with the slot of the instance that delivered it.
+pub type PluginEventMsg = (PluginSlot, Event);
+
+/// What the driver needs at start.
+pub struct DriverParts {
+    pub config: Arc<GatewayConfig>,
+    pub core: Core,
+    pub plugins: Vec<OpenedPlugin>,
+    pub plugin_listing: Vec<PluginStatus>,
+    pub watch: broadcast::Sender<proto::RoomEvent>,
+    pub metrics: Arc<GatewayMetrics>,
+}
+
+/// How often the driver scans rooms for the stuck-room warnings and health.
+pub const HOUSEKEEPING_INTERVAL_MS: u64 = 250;
+
+pub struct Driver {
+    core: Core,
+    origin: Instant,
+    config: Arc<GatewayConfig>,
+    plugins: Vec<OpenedPlugin>,
+    plugin_listing: Vec<PluginStatus>,
+    /// `Some(reason)` once a plugin reported itself unhealthy.
+    plugin_unhealthy: Vec<Option<String>>,
+    regions: regions::Regions,
+    peers: peers::Peers,
+    watch: broadcast::Sender<proto::RoomEvent>,
+    metrics: Arc<GatewayMetrics>,
+    /// Plugin events produced by the driver itself (a submit refused synchronously), fed back in order.
+    feedback: VecDeque<PluginEventMsg>,
+    /// Per live room: when this driver first saw it, when it started moving bytes, stuck warnings given.
+    room_clock: HashMap<(RoomKey, Role), RoomClock>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct RoomClock {
+    first_seen: Nanos,
+    transfer_started: Option<Nanos>,
+    stuck_warnings: usize,
+}
+
+impl Driver {
+    pub fn new(parts: DriverParts) -> Driver {
+        let slots = parts.plugins.len();
+        Driver {
+            core: parts.core,
+            origin: Instant::now(),
+            regions: regions::Regions::new(parts.config.engine_api.max_regions),
+            peers: peers::Peers::default(),
+            config: parts.config,
+            plugins: parts.plugins,
+            plugin_listing: parts.plugin_listing,
+            plugin_unhealthy: vec![None; slots],
+            watch: parts.watch,
+            metrics: parts.metrics,
+            feedback: VecDeque::new(),
+            room_clock: HashMap::new(),
+        }
+    }
+
+    fn now(&self) -> Nanos {
+        Nanos(self.origin.elapsed().as_nanos() as u64)
+    }
+
+    fn instant_of(&self, at: Nanos) -> Instant {
+        self.origin + Duration::from_nanos(at.0)
+    }
+
+    /// Runs until `Shutdown` or every input sender is gone.
+    pub async fn run(mut self, mut inputs: mpsc::Receiver<DriverInput>, mut plugin_events: mpsc::Receiver<PluginEventMsg>) {
+        let mut housekeeping = tokio::time::interval(Duration::from_millis(HOUSEKEEPING_INTERVAL_MS));
+        housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let wake = self.core.poll_timeout().map(|t| self.instant_of(t));
+            tokio::select! {
+                biased;
+                Some((slot, event)) = plugin_events.recv() => self.on_plugin_event(slot, event),
+                input = inputs.recv() => match input {
+                    Some(DriverInput::Engine(call)) => self.on_engine_call(call),
+                    Some(DriverInput::Peer(event)) => self.on_peer_event(event),
+                    Some(DriverInput::Admin(reply)) => { let _ = reply.send(self.snapshot()); }
+                    Some(DriverInput::Shutdown) | None => break,
+                },
+                _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {
+                    let now = self.now();
+                    self.core.handle_timeout(now);
+                }
+                _ = housekeeping.tick() => self.housekeeping(),
+            }
+            self.drain();
+        }
+        for plugin in &self.plugins {
+            plugin.shutdown();
+        }
+        tracing::info!("driver stopped, plugins shut down");
+    }
+
+    fn on_plugin_event(&mut self, slot: PluginSlot, event: Event) {
+        if event.kind == EventKind::UNHEALTHY {
+            let reason = format!("{}: {}", event.reason, event.message);
+            tracing::error!(plugin = self.plugin_name(slot), reason = %event.reason, "plugin unhealthy: {}", event.message);
+            if let Some(h) = self.plugin_unhealthy.get_mut(slot.0 as usize) {
+                *h = Some(reason);
+            }
+        }
+        let now = self.now();
+        self.core.handle_plugin_event(now, slot, &event);
+    }
+
+    /// Executes every pending command, feeding synchronous plugin refusals back, until quiet.
+    fn drain(&mut self) {
+        loop {
+            while let Some(command) = self.core.poll_command() {
+                self.execute(command);
+            }
+            match self.feedback.pop_front() {
+                Some((slot, event)) => {
+                    let now = self.now();
+                    self.core.handle_plugin_event(now, slot, &event);
+                }
+                None => break,
+            }
+        }
+    }
+
+    fn plugin_name(&self, slot: PluginSlot) -> &str {
+        self.plugins.get(slot.0 as usize).map(|p| p.name()).unwrap_or("?")
+    }
+
+    fn housekeeping(&mut self) {
+        let now = self.now();
+        let ages = self.config.admin.stuck_room_warn_ms.clone();
+        for view in self.core.rooms(now) {
+            if view.state.is_terminal() {
+                continue;
+            }
+            let clock = self.room_clock.entry((view.room, view.role)).or_insert(RoomClock { first_seen: now.saturating_sub(view.age), ..Default::default() });
+            while clock.stuck_warnings < ages.len() && view.age.as_ms() >= ages[clock.stuck_warnings] {
+                tracing::warn!(
+                    room = %view.room, role = view.role.as_str(), state = view.state.as_str(), age_ms = view.age.as_ms(),
+                    peer = ?view.peer, last_event = ?view.last_event, "room still live at {} ms (admin.stuck_room_warn_ms)",
+                    ages[clock.stuck_warnings]
+                );
+                clock.stuck_warnings += 1;
+            }
+        }
+        self.metrics.set_plugin_events_dropped_now();
+    }
+}

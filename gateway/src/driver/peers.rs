@@ -1,0 +1,177 @@
+//! Peer sessions as the driver sees them: which session is current for each peer name, the plugin
+//! chosen for it, the remote keys imported from it; turning link events into core inputs. Never
+//! waits on a link: frames out are queued without blocking (`PeerSender::send`).
+
+use super::Driver;
+use crate::peer_link::{codec, dials, PeerEvent, PeerSender, SessionId};
+use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, MemoryKind, PeerId, RemoteKey};
+use kvgate_client::proto::{self, peer_frame::Frame};
+use kvgate_core::{PeerLoss, PluginSlot, RegionId};
+use std::collections::HashMap;
+
+pub struct PeerSessionState {
+    pub name: String,
+    pub sender: PeerSender,
+    pub plugin: Option<PluginSlot>,
+    /// Remote keys imported from this session: peer region id -> key in `plugin`.
+    pub remote_keys: HashMap<u64, RemoteKey>,
+}
+
+#[derive(Default)]
+pub struct Peers {
+    by_session: HashMap<SessionId, PeerSessionState>,
+    current: HashMap<String, SessionId>,
+    /// The last incarnation seen per name (a different one on the next Up = the peer restarted).
+    incarnations: HashMap<String, u64>,
+}
+
+impl Peers {
+    pub fn current(&self, name: &str) -> Option<PeerId> {
+        self.current.get(name).map(|s| PeerId(*s))
+    }
+    pub fn session(&self, id: SessionId) -> Option<&PeerSessionState> {
+        self.by_session.get(&id)
+    }
+    pub fn name_of(&self, peer: u64) -> Option<&str> {
+        self.by_session.get(&peer).map(|s| s.name.as_str())
+    }
+    pub fn is_up(&self, name: &str) -> bool {
+        self.current.contains_key(name)
+    }
+    pub fn broadcast(&self, frame: Frame) {
+        for state in self.by_session.values() {
+            state.sender.send(frame.clone());
+        }
+    }
+}
+
+/// The plugin both sides use: the dialler's preference order, restricted to plugins both opened.
+fn shared_preferences(local_name: &str, local_prefs: &[String], hello: &proto::Hello) -> Vec<String> {
+    let theirs: Vec<String> = hello.plugins.iter().map(|p| p.plugin.clone()).collect();
+    let order = if dials(local_name, &hello.name) { local_prefs.to_vec() } else { theirs.clone() };
+    order.into_iter().filter(|p| theirs.contains(p) && local_prefs.contains(p)).collect()
+}
+
+impl Driver {
+    pub(super) fn on_peer_event(&mut self, event: PeerEvent) {
+        match event {
+            PeerEvent::Up { name, session, hello, sender } => self.peer_up(name, session, hello, sender),
+            PeerEvent::Frame { session, frame } => self.peer_frame(session, frame),
+            PeerEvent::Lost { name, session, reason, detail } => {
+                let cause = match reason {
+                    "peer_restarted" => PeerLoss::Restarted,
+                    _ if detail.starts_with("no frame for") => PeerLoss::HeartbeatTimeout,
+                    _ => PeerLoss::LinkClosed,
+                };
+                self.peer_lost(&name, session, cause);
+            }
+        }
+    }
+
+    fn peer_up(&mut self, name: String, session: SessionId, hello: proto::Hello, sender: PeerSender) {
+        let now = self.now();
+        let peer = PeerId(session);
+        if let Some(previous) = self.peers.incarnations.insert(name.clone(), hello.incarnation) {
+            if previous != hello.incarnation {
+                tracing::warn!(peer = %name, previous, incarnation = hello.incarnation, "peer restarted (new incarnation)");
+            }
+        }
+        let local_prefs: Vec<String> = self.plugins.iter().map(|p| p.name().to_string()).collect();
+        let same_host = self.config.peers.iter().find(|p| p.name == name).is_some_and(|p| p.same_host);
+        let candidates = shared_preferences(&self.config.gateway.name, &local_prefs, &hello);
+        // kvgate-host's selection checks memory kind, scope and health of our own instance.
+        let plugin = match select_plugin(&self.plugins, &candidates, same_host) {
+            Some(slot) => {
+                let endpoint = hello.plugins.iter().find(|p| p.plugin == self.plugins[slot].name()).map(|p| p.endpoint.clone()).unwrap_or_default();
+                match self.plugins[slot].transport().connect(peer, RSlice::from_slice(&endpoint)) {
+                    RResult::ROk(()) => Some(PluginSlot(slot as u32)),
+                    RResult::RErr(e) => {
+                        tracing::error!(peer = %name, plugin = self.plugins[slot].name(), "plugin connect failed: {e}");
+                        None
+                    }
+                }
+            }
+            None => {
+                tracing::error!(peer = %name, ours = ?local_prefs, theirs = ?hello.plugins.iter().map(|p| &p.plugin).collect::<Vec<_>>(), same_host,
+                    "no plugin usable with this peer: rooms with it will be refused (peer_not_connected)");
+                None
+            }
+        };
+        self.metrics.set_peer_up(&name, true);
+        for announce in self.regions.announcements() {
+            sender.send(Frame::RegionAnnounce(announce.clone()));
+        }
+        self.peers.by_session.insert(session, PeerSessionState { name: name.clone(), sender, plugin, remote_keys: HashMap::new() });
+        if let Some(slot) = plugin {
+            self.peers.current.insert(name.clone(), session);
+            self.core.handle_peer_up(now, peer, hello.incarnation, slot);
+            tracing::info!(peer = %name, session, plugin = self.plugin_name(slot), "peer ready");
+        }
+    }
+
+    fn peer_frame(&mut self, session: SessionId, frame: Frame) {
+        let now = self.now();
+        let Some(state) = self.peers.by_session.get_mut(&session) else { return };
+        let peer = PeerId(session);
+        match frame {
+            Frame::RegionAnnounce(announce) => {
+                let Some(slot) = state.plugin else { return };
+                let plugin = &self.plugins[slot.0 as usize];
+                let Some(key) = announce.keys.iter().find(|k| k.plugin == plugin.name()) else {
+                    tracing::warn!(peer = %state.name, region = announce.region, plugin = plugin.name(), "peer region has no key for the shared plugin");
+                    return;
+                };
+                match plugin.transport().import_remote_key(peer, RSlice::from_slice(&key.key)) {
+                    RResult::ROk(remote) => {
+                        if let Some(old) = state.remote_keys.insert(announce.region, remote) {
+                            plugin.transport().release_remote_key(old);
+                        }
+                        self.core.handle_remote_region(now, peer, RegionId(announce.region), announce.len, remote);
+                    }
+                    RResult::RErr(e) => tracing::error!(peer = %state.name, region = announce.region, "import of a peer region failed: {e}"),
+                }
+            }
+            Frame::RegionWithdraw(w) => {
+                if let (Some(slot), Some(key)) = (state.plugin, state.remote_keys.remove(&w.region)) {
+                    self.plugins[slot.0 as usize].transport().release_remote_key(key);
+                }
+            }
+            Frame::Core(message) => match codec::decode(message) {
+                Ok(message) => self.core.handle_peer_message(now, peer, message),
+                Err(e) => {
+                    self.metrics.count_bad_peer_frame();
+                    tracing::warn!(peer = %state.name, "undecodable peer message dropped: {e}");
+                }
+            },
+            Frame::Hello(_) | Frame::Heartbeat(_) => {}
+        }
+    }
+
+    fn peer_lost(&mut self, name: &str, session: SessionId, cause: PeerLoss) {
+        let now = self.now();
+        let Some(state) = self.peers.by_session.remove(&session) else { return };
+        if self.peers.current.get(name) == Some(&session) {
+            self.peers.current.remove(name);
+        }
+        self.metrics.set_peer_up(name, false);
+        if let Some(slot) = state.plugin {
+            self.core.handle_peer_lost(now, PeerId(session), cause);
+            let transport = self.plugins[slot.0 as usize].transport();
+            transport.disconnect(PeerId(session));
+            for key in state.remote_keys.values() {
+                transport.release_remote_key(*key);
+            }
+        }
+        tracing::warn!(peer = %name, session, cause = cause.as_str(), "peer lost: every room bound to it fails (peer_lost)");
+    }
+}
+
+fn select_plugin(plugins: &[kvgate_host::OpenedPlugin], candidates: &[String], same_host: bool) -> Option<usize> {
+    use kvgate_abi::scope;
+    candidates.iter().find_map(|name| {
+        let slot = plugins.iter().position(|p| p.name() == name)?;
+        let caps = plugins[slot].capabilities();
+        let scope_ok = caps.scope & if same_host { scope::SAME_HOST } else { scope::CROSS_HOST } != 0;
+        (scope_ok && caps.serves(MemoryKind::HOST) && plugins[slot].transport().stats().healthy != 0).then_some(slot)
+    })
+}

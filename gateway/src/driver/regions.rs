@@ -1,0 +1,147 @@
+//! Local memory regions: mapping an engine's shared-memory file, registering it with every opened
+//! plugin that serves its kind, telling the core, and announcing its remote keys to peers. Never
+//! copies or reads the bytes; the mapping only gives plugins an address.
+
+use super::{ApiError, Driver, MemorySpec};
+use kvgate_abi::{abi_stable::std_types::{RResult, RString, RVec}, LocalKey, MemoryKind, RegionDesc};
+use kvgate_client::proto::{self, peer_frame::Frame};
+use kvgate_core::{PluginSlot, RegionId, RegionInfo};
+use std::collections::BTreeMap;
+use tonic::Code;
+
+pub struct LocalRegion {
+    pub label: String,
+    pub keys: Vec<(PluginSlot, LocalKey)>,
+    pub announce: proto::RegionAnnounce,
+    _mapping: Option<memmap2::MmapMut>,
+}
+
+pub struct Regions {
+    by_id: BTreeMap<u64, LocalRegion>,
+    next_id: u64,
+    max_regions: u64,
+}
+
+impl Regions {
+    pub fn new(max_regions: u64) -> Regions {
+        Regions { by_id: BTreeMap::new(), next_id: 1, max_regions }
+    }
+    pub fn announcements(&self) -> impl Iterator<Item = &proto::RegionAnnounce> {
+        self.by_id.values().map(|r| &r.announce)
+    }
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+}
+
+fn map_shared_file(path: &str, offset: u64, len: u64) -> Result<memmap2::MmapMut, ApiError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| ApiError::invalid("memory_unavailable", format!("cannot open {path}: {e}")))?;
+    let file_len = file.metadata().map_err(|e| ApiError::invalid("memory_unavailable", format!("{path}: {e}")))?.len();
+    if offset.checked_add(len).is_none_or(|end| end > file_len) {
+        return Err(ApiError::invalid(
+            "slice_out_of_range",
+            format!("offset {offset} + len {len} lies past the end of {path} ({file_len} bytes)"),
+        ));
+    }
+    // SAFETY: the mapping is shared with the engine that owns the file; the gateway never reads or
+    // writes through it (plugins write into peers' mappings as the engines agreed by expect/send).
+    unsafe { memmap2::MmapOptions::new().offset(offset).len(len as usize).map_mut(&file) }
+        .map_err(|e| ApiError::invalid("memory_unavailable", format!("cannot map {path}: {e}")))
+}
+
+impl Driver {
+    pub(super) fn register_region(&mut self, memory: MemorySpec, label: String) -> Result<(u64, Vec<String>), ApiError> {
+        if self.regions.len() as u64 >= self.regions.max_regions {
+            return Err(ApiError::new(
+                Code::ResourceExhausted,
+                "too_many_regions",
+                format!("engine_api.max_regions = {} regions are registered already", self.regions.max_regions),
+            ));
+        }
+        let (desc, mapping) = match memory {
+            MemorySpec::SharedFile { path, offset, len } => {
+                if len == 0 {
+                    return Err(ApiError::invalid("empty_region", "a region needs len > 0"));
+                }
+                let mut mapping = map_shared_file(&path, offset, len)?;
+                let desc = RegionDesc {
+                    kind: MemoryKind::HOST,
+                    device: -1,
+                    addr: mapping.as_mut_ptr() as u64,
+                    len,
+                    backing_path: RString::from(path),
+                    backing_offset: offset,
+                    ipc_handle: RVec::new(),
+                };
+                (desc, Some(mapping))
+            }
+            MemorySpec::CudaIpc { device, handle, len } => {
+                if len == 0 || handle.is_empty() {
+                    return Err(ApiError::invalid("empty_region", "a CUDA region needs len > 0 and an IPC handle"));
+                }
+                let desc = RegionDesc {
+                    kind: MemoryKind::CUDA_DEVICE,
+                    device,
+                    addr: 0,
+                    len,
+                    backing_path: RString::new(),
+                    backing_offset: 0,
+                    ipc_handle: RVec::from(handle),
+                };
+                (desc, None)
+            }
+        };
+        let mut keys = Vec::new();
+        let mut remote_keys = Vec::new();
+        let mut accepted = Vec::new();
+        let mut refusals = Vec::new();
+        for (slot, plugin) in self.plugins.iter().enumerate() {
+            if !plugin.capabilities().serves(desc.kind) {
+                refusals.push(format!("{}: memory kind {} not served", plugin.name(), desc.kind));
+                continue;
+            }
+            match plugin.transport().register(&desc) {
+                RResult::ROk(registration) => {
+                    keys.push((PluginSlot(slot as u32), registration.key));
+                    remote_keys.push(proto::RemoteKey { plugin: plugin.name().to_string(), key: registration.remote_key.to_vec() });
+                    accepted.push(plugin.name().to_string());
+                }
+                RResult::RErr(e) => refusals.push(format!("{}: {e}", plugin.name())),
+            }
+        }
+        if keys.is_empty() {
+            return Err(ApiError::invalid("unsupported_memory", format!("no opened plugin accepted the region: {}", refusals.join("; "))));
+        }
+        let id = self.regions.next_id;
+        self.regions.next_id += 1;
+        let announce = proto::RegionAnnounce { region: id, len: desc.len, keys: remote_keys };
+        let now = self.now();
+        self.core.handle_region_registered(now, RegionInfo { id: RegionId(id), len: desc.len, memory_kind: desc.kind, keys: keys.clone() });
+        self.peers.broadcast(Frame::RegionAnnounce(announce.clone()));
+        tracing::info!(region = id, len = desc.len, label = %label, plugins = ?accepted, "region registered");
+        self.regions.by_id.insert(id, LocalRegion { label, keys, announce, _mapping: mapping });
+        Ok((id, accepted))
+    }
+
+    pub(super) fn unregister_region(&mut self, id: u64) -> Result<(), ApiError> {
+        let Some(region) = self.regions.by_id.remove(&id) else {
+            return Err(ApiError::new(Code::NotFound, "unknown_region", format!("region {id} is not registered")));
+        };
+        let now = self.now();
+        self.core.handle_region_unregistered(now, RegionId(id));
+        for (slot, key) in &region.keys {
+            if let Some(plugin) = self.plugins.get(slot.0 as usize) {
+                if let RResult::RErr(e) = plugin.transport().deregister(*key) {
+                    tracing::warn!(region = id, plugin = plugin.name(), "deregister failed: {e}");
+                }
+            }
+        }
+        self.peers.broadcast(Frame::RegionWithdraw(proto::RegionWithdraw { region: id }));
+        tracing::info!(region = id, label = %region.label, "region unregistered");
+        Ok(())
+    }
+}

@@ -1,0 +1,143 @@
+//! Read-only views the driver hands out: rooms for the engine API (`RoomInfo`) and for `/rooms`
+//! (JSON), plugin and peer status, health, and the metrics snapshot `/metrics` renders. Never
+//! changes driver state.
+
+use super::peers::Peers;
+use super::Driver;
+use kvgate_client::proto;
+use kvgate_core::{Metrics, Nanos, RoomView};
+use kvgate_host::OpenedPlugin;
+use serde::Serialize;
+
+/// One non-terminal room in `/rooms`.
+#[derive(Clone, Debug, Serialize)]
+pub struct RoomJson {
+    pub room: u64,
+    pub generation: u32,
+    pub role: &'static str,
+    pub state: &'static str,
+    pub age_ms: u64,
+    pub peer: String,
+    pub plugin: String,
+    pub last_event: String,
+    pub last_event_age_ms: u64,
+    pub parts: u32,
+    pub parts_done: u32,
+    pub bytes_total: u64,
+    pub bytes_done: u64,
+}
+
+/// One line of `/plugins`.
+#[derive(Clone, Debug, Serialize)]
+pub struct PluginStatus {
+    pub name: String,
+    /// `builtin` or the library path.
+    pub origin: String,
+    /// `opened`, `unavailable`, `open_failed`, `load_failed`, `not_opened` (not in plugins.preference),
+    /// or `unhealthy` once a worker died.
+    pub status: String,
+    pub reason: String,
+    pub abi_version: Option<u32>,
+    pub version: String,
+    pub memory_kinds: Vec<&'static str>,
+    pub scope: Vec<&'static str>,
+    pub max_inflight_transfers: u64,
+    pub max_segments_per_submit: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PeerStatus {
+    pub name: String,
+    pub address: String,
+    pub up: bool,
+}
+
+/// Everything the admin listener shows, taken in one driver turn.
+#[derive(Clone, Debug)]
+pub struct AdminSnapshot {
+    pub now: Nanos,
+    pub metrics: Metrics,
+    pub rooms: Vec<RoomJson>,
+    pub plugins: Vec<PluginStatus>,
+    pub peers: Vec<PeerStatus>,
+    /// Empty when healthy; otherwise one line per problem.
+    pub problems: Vec<String>,
+}
+
+pub fn peer_name(peers: &Peers, view: &RoomView) -> String {
+    view.peer.and_then(|p| peers.name_of(p)).map(str::to_string).unwrap_or_default()
+}
+
+pub fn plugin_name(plugins: &[OpenedPlugin], view: &RoomView) -> String {
+    view.plugin.and_then(|s| plugins.get(s.0 as usize)).map(|p| p.name().to_string()).unwrap_or_default()
+}
+
+pub fn room_info(view: &RoomView, peers: &Peers, plugins: &[OpenedPlugin]) -> proto::RoomInfo {
+    proto::RoomInfo {
+        key: Some(proto::RoomKey { room: view.room.room, generation: view.room.generation }),
+        state: view.state.as_str().into(),
+        role: view.role.as_str().into(),
+        peer: peer_name(peers, view),
+        plugin: plugin_name(plugins, view),
+        age_ms: view.age.as_ms(),
+        bytes_total: view.bytes_total,
+        bytes_done: view.bytes_done,
+        reason: view.failure.map(|f| f.reason.as_str().to_string()).unwrap_or_default(),
+        phase: view.failure.map(|f| f.phase.as_str().to_string()).unwrap_or_default(),
+        reusable: matches!(view.state, kvgate_core::RoomState::Succeeded | kvgate_core::RoomState::Failed),
+        last_event: format!("{:?}", view.last_event),
+    }
+}
+
+impl Driver {
+    pub(super) fn snapshot(&self) -> AdminSnapshot {
+        let now = self.now();
+        let mut problems = Vec::new();
+        let mut rooms = Vec::new();
+        for view in self.core.rooms(now) {
+            if view.state.is_terminal() {
+                continue;
+            }
+            if let Some(deadline) = view.next_deadline {
+                // A room past its own next deadline by more than the plugin grace is overdue.
+                let grace = Nanos::from_ms(self.config.scheduler.plugin_grace_ms + super::HOUSEKEEPING_INTERVAL_MS);
+                if now > deadline.saturating_add(grace) {
+                    problems.push(format!("room {} ({}) outlived its deadline by {} ms", view.room, view.role.as_str(), now.saturating_sub(deadline).as_ms()));
+                }
+            }
+            rooms.push(RoomJson {
+                room: view.room.room,
+                generation: view.room.generation,
+                role: view.role.as_str(),
+                state: view.state.as_str(),
+                age_ms: view.age.as_ms(),
+                peer: peer_name(&self.peers, &view),
+                plugin: plugin_name(&self.plugins, &view),
+                last_event: format!("{:?}", view.last_event),
+                last_event_age_ms: view.last_event_age.as_ms(),
+                parts: view.parts,
+                parts_done: view.parts_done,
+                bytes_total: view.bytes_total,
+                bytes_done: view.bytes_done,
+            });
+        }
+        let mut plugins = self.plugin_listing.clone();
+        for (slot, unhealthy) in self.plugin_unhealthy.iter().enumerate() {
+            if let Some(reason) = unhealthy {
+                let name = self.plugins[slot].name();
+                problems.push(format!("plugin {name} unhealthy: {reason}"));
+                if let Some(p) = plugins.iter_mut().find(|p| p.name == name) {
+                    p.status = "unhealthy".into();
+                    p.reason = reason.clone();
+                }
+            }
+        }
+        let peers = self
+            .config
+            .peers
+            .iter()
+            .map(|p| PeerStatus { name: p.name.clone(), address: p.address.clone(), up: self.peers.is_up(&p.name) })
+            .collect();
+        AdminSnapshot { now, metrics: self.core.metrics().clone(), rooms, plugins, peers, problems }
+    }
+}

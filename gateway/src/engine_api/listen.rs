@@ -1,0 +1,80 @@
+//! Listeners of the engine API: the Unix socket (stale file replaced, mode 0600 before any client can
+//! connect) and the optional TCP listener with its bearer token. Never serves TCP without a token.
+
+use super::{BearerCheck, EngineApiService};
+use crate::config::GatewayConfig;
+use anyhow::Context;
+use kvgate_client::proto::engine_api_server::EngineApiServer;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::transport::Server;
+
+/// Bind the Unix socket with mode 0600 (umask-independent: the file is chmodded before `listen` returns).
+pub fn bind_unix_socket(path: &Path) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("engine_api.unix_socket: create {}", dir.display()))?;
+    }
+    if path.exists() {
+        // A socket left by a previous run: refuse to steal one that answers.
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!("engine_api.unix_socket: {} is in use by a running gateway", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("remove stale socket {}", path.display()))?;
+    }
+    let old_umask = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o177));
+    let listener = UnixListener::bind(path);
+    nix::sys::stat::umask(old_umask);
+    let listener = listener.with_context(|| format!("engine_api.unix_socket: bind {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Serve the engine API on every configured listener until `shutdown` resolves.
+pub async fn serve_engine_api(
+    config: &GatewayConfig,
+    service: EngineApiService,
+    unix: Option<UnixListener>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let max = config.engine_api.max_request_bytes as usize;
+    let mut tasks = Vec::new();
+    if let Some(listener) = unix {
+        let svc = EngineApiServer::new(service.clone()).max_decoding_message_size(max);
+        let mut stop = shutdown.clone();
+        tasks.push(tokio::spawn(async move {
+            Server::builder()
+                .add_service(tonic::service::interceptor::InterceptedService::new(svc, BearerCheck::new(None)))
+                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await
+        }));
+    }
+    if !config.engine_api.tcp_listen.is_empty() {
+        let token = std::fs::read_to_string(&config.engine_api.bearer_token_file)
+            .with_context(|| format!("engine_api.bearer_token_file: cannot read {}", config.engine_api.bearer_token_file))?;
+        if token.trim().is_empty() {
+            anyhow::bail!("engine_api.bearer_token_file: {} is empty", config.engine_api.bearer_token_file);
+        }
+        let listener = tokio::net::TcpListener::bind(&config.engine_api.tcp_listen)
+            .await
+            .with_context(|| format!("engine_api.tcp_listen: bind {}", config.engine_api.tcp_listen))?;
+        let svc = EngineApiServer::new(service.clone()).max_decoding_message_size(max);
+        let check = BearerCheck::new(Some(token.trim().to_string()));
+        let mut stop = shutdown.clone();
+        tasks.push(tokio::spawn(async move {
+            Server::builder()
+                .add_service(tonic::service::interceptor::InterceptedService::new(svc, check))
+                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    Ok(())
+}

@@ -1,0 +1,11 @@
+//! The engine API: the `EngineApi` gRPC service (decoding protobuf into driver calls and answering
+//! with the driver's reply), served on a Unix socket (mode 0600) and optionally on TCP behind a
+//! bearer token. Never touches the core directly and never carries KV bytes.
+
+mod auth;
+mod listen;
+mod service;
+
+pub use auth::BearerCheck;
+pub use listen::{bind_unix_socket, serve_engine_api};
+pub use service::EngineApiService;

@@ -1,0 +1,169 @@
+//! Prometheus metrics (prometheus-client): the driver's own histograms and counters kept here, and a
+//! text rendering that adds the core's plain-data `Metrics` and the room views of one snapshot.
+//! Never influences an outcome: a metric that cannot be recorded is simply not recorded.
+
+use crate::driver::AdminSnapshot;
+use kvgate_core::{FailReason, HarmlessAbort, LateSource, Nanos, Phase, RefusalReason, RoomState, ViolationClause};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
+
+type Labels = Vec<(String, String)>;
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+fn bytes_histogram() -> Histogram {
+    // 64 KiB .. 64 GiB
+    Histogram::new(exponential_buckets(65_536.0, 4.0, 11))
+}
+
+fn seconds_histogram() -> Histogram {
+    // 100 us .. ~100 s
+    Histogram::new(exponential_buckets(0.0001, 2.5, 16))
+}
+
+/// Metrics the gateway keeps itself (the core keeps the rest as plain data).
+pub struct GatewayMetrics {
+    transfer_bytes: Family<Labels, Histogram, fn() -> Histogram>,
+    transfer_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    bootstrap_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    failures: Family<Labels, Counter>,
+    peer_up: Family<Labels, Gauge>,
+    /// Incremented from plugin threads when the driver's plugin event queue is full.
+    pub plugin_events_dropped: Counter<u64, AtomicU64>,
+    bad_peer_frames: Counter,
+}
+
+impl Default for GatewayMetrics {
+    fn default() -> Self {
+        GatewayMetrics {
+            transfer_bytes: Family::new_with_constructor(bytes_histogram as fn() -> Histogram),
+            transfer_seconds: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
+            bootstrap_seconds: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
+            failures: Family::default(),
+            peer_up: Family::default(),
+            plugin_events_dropped: Counter::default(),
+            bad_peer_frames: Counter::default(),
+        }
+    }
+}
+
+fn seconds(n: Nanos) -> f64 {
+    n.0 as f64 / 1e9
+}
+
+impl GatewayMetrics {
+    pub fn observe_transfer(&self, plugin: &str, bytes: u64, elapsed: Nanos) {
+        self.transfer_bytes.get_or_create(&labels(&[("plugin", plugin)])).observe(bytes as f64);
+        self.transfer_seconds.get_or_create(&labels(&[("plugin", plugin)])).observe(seconds(elapsed));
+    }
+    pub fn observe_bootstrap(&self, plugin: &str, elapsed: Nanos) {
+        self.bootstrap_seconds.get_or_create(&labels(&[("plugin", plugin)])).observe(seconds(elapsed));
+    }
+    pub fn count_failure(&self, reason: &str, phase: &str, plugin: &str) {
+        self.failures.get_or_create(&labels(&[("reason", reason), ("phase", phase), ("plugin", plugin)])).inc();
+    }
+    pub fn set_peer_up(&self, peer: &str, up: bool) {
+        self.peer_up.get_or_create(&labels(&[("peer", peer)])).set(up as i64);
+    }
+    pub fn count_bad_peer_frame(&self) {
+        self.bad_peer_frames.inc();
+    }
+    /// Nothing to refresh today; kept so housekeeping has one place to update sampled gauges.
+    pub fn set_plugin_events_dropped_now(&self) {}
+
+    /// The Prometheus text exposition of everything, for `/metrics`.
+    pub fn render(&self, snapshot: &AdminSnapshot) -> String {
+        let mut registry = Registry::with_prefix("kvgate");
+        registry.register("transfer_bytes", "Bytes per succeeded room, by plugin", self.transfer_bytes.clone());
+        registry.register("transfer_seconds", "Time from first transfer to success, by plugin", self.transfer_seconds.clone());
+        registry.register("bootstrap_seconds", "Time from room creation to bytes moving, by plugin", self.bootstrap_seconds.clone());
+        registry.register("room_failures", "Failed rooms by reason, phase and plugin", self.failures.clone());
+        registry.register("peer_up", "1 while the peer link is up", self.peer_up.clone());
+        registry.register("plugin_events_dropped", "Plugin events dropped because driver.plugin_event_queue_len was full", self.plugin_events_dropped.clone());
+        registry.register("bad_peer_frames", "Peer frames that could not be decoded", self.bad_peer_frames.clone());
+        register_core(&mut registry, snapshot);
+        let mut text = String::new();
+        encode(&mut text, &registry).expect("writing to a String cannot fail");
+        text
+    }
+}
+
+fn counter(value: u64) -> Counter {
+    let c = Counter::default();
+    c.inc_by(value);
+    c
+}
+
+fn gauge(value: i64) -> Gauge {
+    let g = Gauge::default();
+    g.set(value);
+    g
+}
+
+fn register_core(registry: &mut Registry, snapshot: &AdminSnapshot) {
+    let m = &snapshot.metrics;
+    let rooms: Family<Labels, Gauge> = Family::default();
+    let oldest: Family<Labels, Gauge<f64, AtomicU64>> = Family::default();
+    for state in RoomState::ALL {
+        rooms.get_or_create(&labels(&[("state", state.as_str())])).set(m.rooms_by_state[state.index()] as i64);
+        let age = m.oldest_age(state, snapshot.now).map(seconds).unwrap_or(0.0);
+        oldest.get_or_create(&labels(&[("state", state.as_str())])).set(age);
+    }
+    registry.register("rooms", "Rooms per state (terminal states include tombstones)", rooms);
+    registry.register("oldest_room_age_seconds", "Age of the oldest room in each state", oldest);
+    let mut live: BTreeMap<(String, String), i64> = BTreeMap::new();
+    for room in &snapshot.rooms {
+        *live.entry((room.state.to_string(), room.plugin.clone())).or_default() += 1;
+    }
+    let live_family: Family<Labels, Gauge> = Family::default();
+    for ((state, plugin), n) in live {
+        live_family.get_or_create(&labels(&[("state", &state), ("plugin", &plugin)])).set(n);
+    }
+    registry.register("live_rooms", "Non-terminal rooms per state and plugin", live_family);
+    let failures: Family<Labels, Counter> = Family::default();
+    for reason in FailReason::ALL {
+        for phase in Phase::ALL {
+            let n = m.failures[reason.index()][phase as usize];
+            if n > 0 {
+                failures.get_or_create(&labels(&[("reason", reason.as_str()), ("phase", phase.as_str())])).inc_by(n);
+            }
+        }
+    }
+    registry.register("core_failures", "Failures the core recorded, by reason and phase", failures);
+    let refusals: Family<Labels, Counter> = Family::default();
+    for reason in RefusalReason::ALL {
+        refusals.get_or_create(&labels(&[("reason", reason.as_str())])).inc_by(m.refusal(*reason));
+    }
+    registry.register("refusals", "Engine requests refused, by reason", refusals);
+    registry.register("aborts", "Engine aborts that ended a live room", counter(m.aborts));
+    let harmless: Family<Labels, Counter> = Family::default();
+    for kind in HarmlessAbort::ALL {
+        harmless.get_or_create(&labels(&[("kind", kind.as_str())])).inc_by(m.aborts_harmless[kind.index()]);
+    }
+    registry.register("aborts_harmless", "Aborts that changed nothing", harmless);
+    let violations: Family<Labels, Counter> = Family::default();
+    for clause in ViolationClause::ALL {
+        violations.get_or_create(&labels(&[("clause", clause.as_str())])).inc_by(m.violation(clause));
+    }
+    registry.register("plugin_contract_violations", "Plugin contract violations seen by the core (expected 0)", violations);
+    let late: Family<Labels, Counter> = Family::default();
+    for source in LateSource::ALL {
+        late.get_or_create(&labels(&[("source", source.as_str())])).inc_by(m.late_messages[source.index()]);
+    }
+    registry.register("late_messages", "Late messages refused, by source", late);
+    registry.register("quarantined_bytes", "Bytes of memory quarantined now", gauge(m.quarantined_bytes as i64));
+    registry.register("bytes_moved", "Bytes confirmed moved", counter(m.bytes_moved));
+    registry.register("rooms_created", "Rooms created", counter(m.rooms_created));
+    registry.register("rooms_succeeded", "Rooms succeeded", counter(m.rooms_succeeded));
+    registry.register("tombstones", "Tombstones held now", gauge(m.tombstones as i64));
+    registry.register("pending_sends", "Chunks held without an expect", gauge(m.pending_sends as i64));
+    registry.register("healthy", "1 when /healthz is healthy", gauge(snapshot.problems.is_empty() as i64));
+}

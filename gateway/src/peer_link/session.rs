@@ -1,0 +1,151 @@
+//! One task per configured peer: obtain a session (dial it, or accept it from the server), run it
+//! (heartbeats out, frames in, loss after `heartbeat_interval_ms * heartbeat_misses` of silence), then
+//! report the loss and start over. Never blocks the driver: frames out go through a bounded queue
+//! whose overflow is itself a loss.
+
+use super::{dial, LocalIdentity};
+use crate::config::{GatewayConfig, PeerEntry};
+use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tonic::Streaming;
+
+/// A process-unique number for one session with one peer incarnation; the driver uses it as the
+/// plugin `PeerId`, so a reconnected or restarted peer is always a new peer to the core.
+pub type SessionId = u64;
+
+static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
+
+/// What the peer links tell the driver.
+#[derive(Debug)]
+pub enum PeerEvent {
+    /// A session is up: the peer's Hello and how to send to it.
+    Up { name: String, session: SessionId, hello: proto::Hello, sender: PeerSender },
+    /// A frame (not a heartbeat) from a live session, in order.
+    Frame { session: SessionId, frame: Frame },
+    /// The session ended (`reason` is a reason code: `peer_lost`, `peer_restarted`, ...).
+    Lost { name: String, session: SessionId, reason: &'static str, detail: String },
+}
+
+/// Sends frames to one session. `send` never waits: a full queue reports `false`, and the session
+/// task then declares the peer lost (its receiver stopped draining).
+#[derive(Clone, Debug)]
+pub struct PeerSender {
+    tx: mpsc::Sender<PeerFrame>,
+    overflowed: Arc<tokio::sync::Notify>,
+}
+
+impl PeerSender {
+    pub fn send(&self, frame: Frame) -> bool {
+        match self.tx.try_send(PeerFrame { frame: Some(frame) }) {
+            Ok(()) => true,
+            Err(_) => {
+                self.overflowed.notify_one();
+                false
+            }
+        }
+    }
+}
+
+/// A handshaken link: the peer's hello, its inbound frames and our outbound queue.
+pub struct Session {
+    pub hello: proto::Hello,
+    pub inbound: Streaming<PeerFrame>,
+    pub outbound: mpsc::Sender<PeerFrame>,
+}
+
+pub(super) struct PeerTask {
+    pub config: Arc<GatewayConfig>,
+    pub peer: PeerEntry,
+    pub identity: Arc<LocalIdentity>,
+    pub events: mpsc::Sender<PeerEvent>,
+    pub incoming: mpsc::Receiver<Session>,
+    pub tls: Option<Arc<super::tls::PeerTls>>,
+}
+
+impl PeerTask {
+    pub async fn run(mut self) {
+        let dialer = super::dials(&self.identity.name, &self.peer.name);
+        let reconnect = Duration::from_millis(self.config.peer_link.reconnect_interval_ms);
+        let mut next: Option<Session> = None;
+        loop {
+            let session = match next.take() {
+                Some(s) => s,
+                None if dialer => match dial::dial(&self.config, &self.peer, &self.identity, self.tls.as_deref()).await {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::debug!(peer = %self.peer.name, "peer link dial failed: {e:#}");
+                        tokio::time::sleep(reconnect).await;
+                        continue;
+                    }
+                },
+                None => match self.incoming.recv().await {
+                    Some(s) => s,
+                    None => return,
+                },
+            };
+            next = self.run_session(session).await;
+            if dialer && next.is_none() {
+                tokio::time::sleep(reconnect).await;
+            }
+        }
+    }
+
+    /// Runs until the session is lost; returns a newer session that replaced it, if any.
+    async fn run_session(&mut self, mut session: Session) -> Option<Session> {
+        let id = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
+        let name = self.peer.name.clone();
+        let overflowed = Arc::new(tokio::sync::Notify::new());
+        let sender = PeerSender { tx: session.outbound.clone(), overflowed: overflowed.clone() };
+        tracing::info!(peer = %name, session = id, incarnation = session.hello.incarnation, "peer link up");
+        if self.events.send(PeerEvent::Up { name: name.clone(), session: id, hello: session.hello.clone(), sender: sender.clone() }).await.is_err() {
+            return None;
+        }
+        let interval = Duration::from_millis(self.config.peer_link.heartbeat_interval_ms);
+        let silence_limit = interval * self.config.peer_link.heartbeat_misses as u32;
+        let mut heartbeat = tokio::time::interval(interval);
+        let mut seq = 0u64;
+        let mut last_heard = Instant::now();
+        let mut replacement = None;
+        let (reason, detail): (&'static str, String) = loop {
+            tokio::select! {
+                message = session.inbound.message() => match message {
+                    Ok(Some(PeerFrame { frame: Some(frame) })) => {
+                        last_heard = Instant::now();
+                        if matches!(frame, Frame::Heartbeat(_)) { continue; }
+                        if let Frame::Hello(_) = frame { break ("protocol_violation", "a second hello on a live link".into()); }
+                        if self.events.send(PeerEvent::Frame { session: id, frame }).await.is_err() { return None; }
+                    }
+                    Ok(Some(PeerFrame { frame: None })) => last_heard = Instant::now(),
+                    Ok(None) => break ("peer_lost", "the peer closed the link".into()),
+                    Err(status) => break ("peer_lost", format!("link error: {}", status.message())),
+                },
+                _ = heartbeat.tick() => {
+                    seq += 1;
+                    if !sender.send(Frame::Heartbeat(proto::Heartbeat { seq })) {
+                        break ("peer_lost", "send queue full (the peer stopped reading)".into());
+                    }
+                }
+                _ = tokio::time::sleep_until(last_heard + silence_limit) => {
+                    break ("peer_lost", format!("no frame for {} ms (heartbeat_interval_ms {} x heartbeat_misses {})",
+                        silence_limit.as_millis(), interval.as_millis(), self.config.peer_link.heartbeat_misses));
+                }
+                _ = overflowed.notified() => break ("peer_lost", "send queue full (peer_link.send_queue_frames)".into()),
+                newer = self.incoming.recv() => match newer {
+                    Some(s) => {
+                        let restarted = s.hello.incarnation != session.hello.incarnation;
+                        replacement = Some(s);
+                        break (if restarted { "peer_restarted" } else { "peer_lost" }, "the peer dialled a new link".into());
+                    }
+                    None => break ("shutdown", "gateway stopping".into()),
+                },
+            }
+        };
+        tracing::warn!(peer = %name, session = id, reason, "peer link lost: {detail}");
+        let _ = self.events.send(PeerEvent::Lost { name, session: id, reason, detail }).await;
+        replacement
+    }
+}

@@ -1,0 +1,115 @@
+//! `kvgate serve`: wires one gateway together (plugins, core, driver, peer links, engine API, admin)
+//! and runs it until SIGINT/SIGTERM, then stops the listeners and shuts the plugins down. Owns no
+//! logic of its own beyond start-up order.
+
+use crate::admin::{serve_admin, AdminState};
+use crate::config::GatewayConfig;
+use crate::driver::{Driver, DriverInput, DriverParts};
+use crate::engine_api::{bind_unix_socket, serve_engine_api, EngineApiService};
+use crate::metrics::GatewayMetrics;
+use crate::peer_link::{server_tls, start_peer_links, LocalIdentity, PeerEvent};
+use anyhow::Context;
+use kvgate_client::proto;
+use kvgate_client::proto::peer_link_server::PeerLinkServer;
+use std::path::PathBuf;
+use std::sync::Arc;
+use tokio::sync::{broadcast, mpsc, watch};
+
+fn hostname() -> String {
+    nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "localhost".into())
+}
+
+/// Run one gateway until a signal arrives.
+pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
+    let config = Arc::new(config);
+    let metrics = Arc::new(GatewayMetrics::default());
+    let (plugin_tx, plugin_rx) = mpsc::channel(config.driver.plugin_event_queue_len as usize);
+    let (plugins, listing) = crate::plugin_setup::open_plugins(&config, plugin_tx, metrics.clone());
+    if plugins.is_empty() {
+        anyhow::bail!("no plugin could be opened (plugins.preference = {:?}); see the lines above", config.plugins.preference);
+    }
+    let core = kvgate_core::Core::new(config.scheduler.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let identity = Arc::new(LocalIdentity {
+        name: config.gateway.name.clone(),
+        incarnation: rand::random(),
+        host: hostname(),
+        plugins: plugins
+            .iter()
+            .map(|p| proto::PluginEndpoint { plugin: p.name().to_string(), endpoint: p.transport().local_endpoint().to_vec() })
+            .collect(),
+    });
+    let (input_tx, input_rx) = mpsc::channel(config.driver.event_queue_len as usize);
+    let (watch_tx, _) = broadcast::channel(config.engine_api.watch_buffer_events as usize);
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    // Bind every listener before anything is announced, so a bad address fails start-up.
+    let unix = if config.engine_api.unix_socket.is_empty() { None } else { Some(bind_unix_socket(&PathBuf::from(&config.engine_api.unix_socket))?) };
+    let peer_listener = tokio::net::TcpListener::bind(&config.peer_link.listen).await.with_context(|| format!("peer_link.listen: bind {}", config.peer_link.listen))?;
+    let admin_listener = if config.admin.listen.is_empty() {
+        None
+    } else {
+        Some(tokio::net::TcpListener::bind(&config.admin.listen).await.with_context(|| format!("admin.listen: bind {}", config.admin.listen))?)
+    };
+
+    let driver = Driver::new(DriverParts {
+        config: config.clone(),
+        core,
+        plugins,
+        plugin_listing: listing,
+        watch: watch_tx.clone(),
+        metrics: metrics.clone(),
+    });
+    let driver_task = tokio::spawn(driver.run(input_rx, plugin_rx));
+
+    // Peer events go through their own small forwarding task into the driver's input queue.
+    let (peer_tx, mut peer_rx) = mpsc::channel::<PeerEvent>(config.driver.event_queue_len as usize);
+    let forward = input_tx.clone();
+    tokio::spawn(async move {
+        while let Some(event) = peer_rx.recv().await {
+            if forward.send(DriverInput::Peer(event)).await.is_err() {
+                return;
+            }
+        }
+    });
+    let peer_service = start_peer_links(config.clone(), identity.clone(), peer_tx)?;
+    let mut peer_server = tonic::transport::Server::builder().tcp_nodelay(true);
+    if let Some(tls) = server_tls(&config)? {
+        peer_server = peer_server.tls_config(tls).context("peer_link.tls")?;
+    }
+    let mut stop = stop_rx.clone();
+    let peer_task = tokio::spawn(
+        peer_server
+            .add_service(PeerLinkServer::new(peer_service).max_decoding_message_size(64 << 20))
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(peer_listener), async move {
+                let _ = stop.wait_for(|s| *s).await;
+            }),
+    );
+
+    let api = EngineApiService::new(input_tx.clone(), watch_tx, config.engine_api.max_watchers);
+    let api_config = config.clone();
+    let api_stop = stop_rx.clone();
+    let api_task = tokio::spawn(async move { serve_engine_api(&api_config, api, unix, api_stop).await });
+    if let Some(listener) = admin_listener {
+        let state = AdminState { driver: input_tx.clone(), metrics: metrics.clone() };
+        tokio::spawn(serve_admin(listener, state, stop_rx.clone()));
+    }
+    tracing::info!(
+        name = %config.gateway.name, incarnation = identity.incarnation, engine_socket = %config.engine_api.unix_socket,
+        peer_listen = %config.peer_link.listen, admin = %config.admin.listen, "gateway ready"
+    );
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
+        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        r = api_task => { r??; anyhow::bail!("engine API stopped unexpectedly") }
+        r = peer_task => { r??; anyhow::bail!("peer-link server stopped unexpectedly") }
+    }
+    let _ = stop_tx.send(true);
+    let _ = input_tx.send(DriverInput::Shutdown).await;
+    let _ = driver_task.await;
+    if !config.engine_api.unix_socket.is_empty() {
+        let _ = std::fs::remove_file(&config.engine_api.unix_socket);
+    }
+    Ok(())
+}

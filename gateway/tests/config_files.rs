@@ -1,0 +1,87 @@
+//! Every example in configs/ loads; `kvgate config check|default` work from the command line,
+//! including `KVGATE__SECTION__KEY` overrides and the warning for single-underscore variables.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn configs_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs")
+}
+
+fn toml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            toml_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "toml") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn every_example_config_loads_and_names_its_peer_consistently() {
+    let mut files = Vec::new();
+    toml_files(&configs_dir(), &mut files);
+    assert!(files.len() >= 8, "expected four deployments of two gateways, found {files:?}");
+    let mut names = std::collections::BTreeMap::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        let config = kvgate::config::load_config_from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        assert!(text.lines().filter(|l| l.trim_start().starts_with('#')).count() >= 3, "{} needs comments", file.display());
+        names.insert(file.clone(), config);
+    }
+    // Within a deployment, each gateway lists the other by its name.
+    for (file, config) in &names {
+        for peer in &config.peers {
+            let sibling = names.iter().find(|(f, c)| f.parent() == file.parent() && c.gateway.name == peer.name);
+            let (_, other) = sibling.unwrap_or_else(|| panic!("{}: peer {} is no gateway of this deployment", file.display(), peer.name));
+            assert!(other.peers.iter().any(|p| p.name == config.gateway.name), "{}: not listed back by {}", file.display(), peer.name);
+            assert_eq!(peer.address, other.peer_link.listen, "{}: address of {}", file.display(), peer.name);
+        }
+    }
+}
+
+fn kvgate() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    c.env_remove("RUST_LOG");
+    c
+}
+
+#[test]
+fn config_check_accepts_an_example_and_reports_a_typo_with_exit_code_2() {
+    let good = configs_dir().join("shm-one-host/prefill.toml");
+    let out = kvgate().args(["config", "check"]).arg(&good).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[peer_link]\nheartbeat_interval_ms = 5\nheartbeat_mises = 3\n").unwrap();
+    let out = kvgate().args(["config", "check"]).arg(&bad).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("heartbeat_mises"), "{stderr}");
+}
+
+#[test]
+fn environment_overrides_the_file_and_is_validated() {
+    let good = configs_dir().join("shm-one-host/prefill.toml");
+    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PEER_LINK__HEARTBEAT_INTERVAL_MS", "5").output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "the override must reach validation");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("peer_link.heartbeat_interval_ms = 5"), "{stderr}");
+    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PEER_LINK__HEARTBEAT_INTERVAL_MS", "10").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE_PEER_LINK_HEARTBEAT_INTERVAL_MS", "5").output().unwrap();
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("KVGATE_PEER_LINK_HEARTBEAT_INTERVAL_MS is ignored"), "{stderr}");
+}
+
+#[test]
+fn config_default_prints_a_loadable_document() {
+    let out = kvgate().args(["config", "default"]).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("heartbeat_interval_ms"));
+    kvgate::config::load_config_from_str(&text).unwrap();
+}
