@@ -226,9 +226,8 @@ impl Pair {
         match command {
             Command::ToEngine(event) => self.decode.events.push(event),
             Command::ToPeer { peer, message } => {
-                assert_eq!(peer, PREFILL_ID);
                 self.decode.to_peer.push(message.clone());
-                if self.link_up {
+                if self.link_up && peer == PREFILL_ID {
                     self.prefill.core.handle_peer_message(self.now, DECODE_ID, message);
                 }
             }
