@@ -1,0 +1,211 @@
+//! ABORT-1..4: cancel in every state a plugin can be in, harmless cancels, and the abort storm.
+//! Every measurement is on the sender peer's clock, from `cancel` returning to the terminal event.
+
+use super::*;
+use crate::peer::protocol::{Op, Outcome};
+use crate::world::{ms, seg, Side};
+
+/// Cancel `xfer` and judge the time to its terminal event against G. `Ok(line)` or `Err(problem)`.
+fn cancel_and_time(p: &mut Pair, xfer: u64, state: &str, ctx: &mut Ctx) -> Result<Result<String, String>, Verdict> {
+    let before = p.terminal(xfer);
+    let c = p.cancel(xfer, ctx)?;
+    let g = grace_ns(ctx);
+    let wait = ms_of(ctx.limits.abort_grace_ms + 1_000);
+    Ok(match (before, p.wait_terminal(xfer, wait)) {
+        (Some(e), _) => Ok(format!("{state}: already {} before cancel", crate::world::describe(&e))),
+        (None, Some(e)) => {
+            let late = e.t_ns.saturating_sub(c.t_ns);
+            if late > g {
+                Err(format!("{state}: terminal {:.1} ms after cancel returned (bound {} ms)", ms(late), ctx.limits.abort_grace_ms))
+            } else {
+                Ok(format!("{state}: {} {:.2} ms after cancel", crate::world::describe(&e), ms(late)))
+            }
+        }
+        (None, None) => Err(format!(
+            "{state}: cancel of transfer {xfer} returned at {:.1} ms; no terminal event within {} ms (transfer still pending)",
+            ms(c.t_ns),
+            wait.as_millis()
+        )),
+    })
+}
+
+// CONFORMANCE: ABORT-1
+pub fn abort_1(ctx: &mut Ctx) -> CheckResult {
+    with_pair(ctx, |p, ctx| {
+        let src = p.alloc_src(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let dst = p.alloc_dst(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let (mut lines, mut problems) = (Vec::new(), Vec::new());
+        for i in 0..5u64 {
+            // The receiver never authorises this ticket: the counterpart has not registered.
+            let ticket = p.ticket();
+            let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, i * 4096, &dst, i * 4096, 4096)], ctx)?;
+            accepted(r, "transfer to an unregistered ticket")?;
+            sleep_ms(5 + 5 * i);
+            match cancel_and_time(p, x, &format!("waiting for peer registration ({} ms)", 5 + 5 * i), ctx)? {
+                Ok(l) => lines.push(l),
+                Err(e) => problems.push(e),
+            }
+        }
+        verdict_of(problems, format!("5 transfers whose receiver never authorised the ticket: {}", lines.join("; ")))
+    })
+}
+
+// CONFORMANCE: ABORT-2
+pub fn abort_2(ctx: &mut Ctx) -> CheckResult {
+    with_pair(ctx, |p, ctx| {
+        let big = ctx.limits.max_data_bytes.min(16 << 20);
+        let src = p.alloc_src(big, ctx.rng.next_u64(), ctx)?;
+        let dst = p.alloc_dst(big, ctx.rng.next_u64(), ctx)?;
+        let ticket = p.authorise(&dst, ctx)?;
+        sleep_ms(20);
+        let (mut lines, mut problems) = (Vec::new(), Vec::new());
+        let mut record = |r: Result<String, String>| match r {
+            Ok(l) => lines.push(l),
+            Err(e) => problems.push(e),
+        };
+        // Mid-transfer: a large scattered transfer cancelled right after submit returns.
+        let n = 1000u64;
+        let piece = big / n;
+        let segs = (0..n).map(|i| seg(&src, i * piece, &dst, i * piece, piece)).collect();
+        let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, segs, ctx)?;
+        accepted(r, "large transfer")?;
+        record(cancel_and_time(p, x, &format!("mid-transfer ({} MiB in {n} segments)", big >> 20), ctx)?);
+        // Frozen receiver.
+        p.rx.freeze();
+        let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
+        let submitted = r.is_ok();
+        sleep_ms(20);
+        if submitted {
+            record(cancel_and_time(p, x, "receiver frozen (SIGSTOP)", ctx)?);
+        }
+        p.rx.resume();
+        // Dead receiver.
+        p.rx.kill();
+        sleep_ms(10);
+        let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
+        match r {
+            Ok(_) => record(cancel_and_time(p, x, "receiver killed (SIGKILL)", ctx)?),
+            Err(e) => lines.push(format!("receiver killed: submit refused at once ({})", e.code_name)),
+        }
+        verdict_of(problems, lines.join("; "))
+    })
+}
+
+// CONFORMANCE: ABORT-3
+pub fn abort_3(ctx: &mut Ctx) -> CheckResult {
+    with_pair(ctx, |p, ctx| {
+        let src = p.alloc_src(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let extra = p.alloc_src(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let dst = p.alloc_dst(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let ticket = p.authorise(&dst, ctx)?;
+        sleep_ms(20);
+        let bound = ms_of(ctx.limits.long_timeout_ms.min(30_000));
+        let (done, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
+        accepted(r, "transfer")?;
+        let (on_extra, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&extra, 0, &dst, 8192, 4096)], ctx)?;
+        accepted(r, "transfer")?;
+        let missing = p.wait_all_terminal(&[done, on_extra], bound);
+        if !missing.is_empty() {
+            return fail(format!("transfers {missing:?} to an authorised ticket never ended within {} ms", bound.as_millis()));
+        }
+        sleep_ms(20);
+        match p.call(Side::Tx, Op::Deregister { key: extra.key }, ctx)?.outcome {
+            Outcome::Done => {}
+            other => return fail(format!("deregister of an idle region: {other:?}")),
+        }
+        let stats_before = p.stats(Side::Tx, ctx)?;
+        let events_before = p.tx.event_count();
+        let never = p.xfer_id() + 1_000_000;
+        let cases = [
+            ("an id never submitted", never),
+            ("a transfer already terminal", done),
+            ("the same transfer again (double cancel)", done),
+            ("a transfer whose source region was deregistered", on_extra),
+        ];
+        let mut problems = Vec::new();
+        let mut slowest = 0u64;
+        for (what, x) in cases {
+            let reply = p.cancel(x, ctx)?;
+            slowest = slowest.max(reply.call_ns);
+            if reply.call_ns > ctx.limits.call_bound_ms * 1_000_000 {
+                problems.push(format!("cancel of {what} took {:.1} ms", ms(reply.call_ns)));
+            }
+        }
+        sleep_ms(ctx.limits.abort_grace_ms);
+        let new_events: Vec<String> = p.tx.events()[events_before..].iter().map(crate::world::describe).collect();
+        if !new_events.is_empty() {
+            problems.push(format!("harmless cancels produced events: {}", new_events.join(", ")));
+        }
+        let stats_after = p.stats(Side::Tx, ctx)?;
+        if stats_after != stats_before {
+            problems.push(format!("stats changed: before {stats_before:?}, after {stats_after:?}"));
+        }
+        verdict_of(
+            problems,
+            format!(
+                "cancel of an unknown id, a terminal transfer, twice, and after deregistration: no event, stats unchanged, slowest call {:.2} ms",
+                ms(slowest)
+            ),
+        )
+    })
+}
+
+// CONFORMANCE: ABORT-4
+pub fn abort_4(ctx: &mut Ctx) -> CheckResult {
+    with_pair(ctx, |p, ctx| {
+        let src = p.alloc_src(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let dst = p.alloc_dst(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let ticket = p.ticket(); // never authorised: receiver-enforced plugins keep every transfer live
+        let count = ctx.limits.storm_transfers;
+        let first = p.xfer_id() + 1;
+        let timeout_ns = ctx.limits.long_timeout_ms * 1_000_000;
+        let segments = vec![seg(&src, 0, &dst, 0, 64)];
+        let peer = p.rx_peer;
+        let reply = p.call(Side::Tx, Op::SubmitMany { first_xfer: first, count, peer, ticket, timeout_ns, segments }, ctx)?;
+        let Outcome::Batch { errors, .. } = reply.outcome else { return fail("submit batch: unexpected reply") };
+        let mut ids = Vec::new();
+        for (i, e) in errors.iter().enumerate() {
+            let x = first + i as u64;
+            p.xfers.insert(x, crate::world::Xfer { accepted: e.is_none(), accepted_submits: u32::from(e.is_none()), submitted_ns: reply.t_ns, timeout_ns });
+            if e.is_none() {
+                ids.push(x);
+            }
+        }
+        for _ in 0..count {
+            p.xfer_id();
+        }
+        if ids.is_empty() {
+            return fail(format!("every one of {count} submits was refused"));
+        }
+        let refused = count as usize - ids.len();
+        let cancel = p.call(Side::Tx, Op::CancelMany { xfers: ids.clone() }, ctx)?;
+        let missing = p.wait_all_terminal(&ids, ms_of(ctx.limits.storm_grace_ms + 2_000));
+        let events = p.tx.events();
+        let last = events.iter().filter(|e| crate::world::is_terminal(e)).map(|e| e.t_ns).max().unwrap_or(0);
+        let took = last.saturating_sub(cancel.t_ns);
+        let stats = p.stats(Side::Tx, ctx)?;
+        let mut problems = Vec::new();
+        if !missing.is_empty() {
+            problems.push(format!(
+                "{} of {} cancelled transfers never got a terminal event (first: {:?})",
+                missing.len(),
+                ids.len(),
+                &missing[..missing.len().min(5)]
+            ));
+        } else if took > ctx.limits.storm_grace_ms * 1_000_000 {
+            problems.push(format!("the last terminal event came {:.0} ms after the cancels (bound {} ms)", ms(took), ctx.limits.storm_grace_ms));
+        }
+        if stats.healthy == 0 {
+            problems.push("plugin reports unhealthy after the storm".into());
+        }
+        verdict_of(
+            problems,
+            format!(
+                "{} transfers cancelled at once ({refused} submits refused): all terminal {:.1} ms after the cancels returned (bound {} ms)",
+                ids.len(),
+                ms(took),
+                ctx.limits.storm_grace_ms
+            ),
+        )
+    })
+}

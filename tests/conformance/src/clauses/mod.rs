@@ -1,0 +1,57 @@
+//! The checks of the clauses a plugin must meet, one function per clause id, grouped by file as in
+//! CONFORMANCE.md. A check returns its evidence on pass or a [`Verdict`] on fail/unsupported; it
+//! never reads another check's state and always ends its peers (through [`with_pair`]).
+
+pub mod abort;
+pub mod data;
+pub mod handshake;
+pub mod hygiene;
+pub mod obs;
+pub mod res;
+pub mod time;
+
+use crate::peer::protocol::CallError;
+use crate::world::{Ctx, Pair, Verdict};
+use std::time::Duration;
+
+pub type CheckResult = Result<String, Verdict>;
+
+/// Open a pair, run `body`, then always finish the pair (run-wide ledger checks, peers closed).
+pub fn with_pair(ctx: &mut Ctx, body: impl FnOnce(&mut Pair, &mut Ctx) -> CheckResult) -> CheckResult {
+    let mut pair = Pair::open(ctx)?;
+    let result = body(&mut pair, ctx);
+    pair.finish(ctx);
+    result
+}
+
+pub fn fail<T>(what: impl Into<String>) -> Result<T, Verdict> {
+    Err(Verdict::Fail(what.into()))
+}
+
+pub fn grace_ns(ctx: &Ctx) -> u64 {
+    ctx.limits.abort_grace_ms * 1_000_000
+}
+
+pub fn ms_of(ms: u64) -> Duration {
+    Duration::from_millis(ms)
+}
+
+pub fn sleep_ms(ms: u64) {
+    std::thread::sleep(Duration::from_millis(ms));
+}
+
+/// A submit of a valid transfer must be accepted.
+pub fn accepted(r: Result<u64, CallError>, what: &str) -> Result<u64, Verdict> {
+    r.or_else(|e| fail(format!("{what}: submit of a valid transfer refused: {}: {}", e.code_name, e.message)))
+}
+
+/// Join a list of failure lines into one evidence string (first few).
+pub fn verdict_of(failures: Vec<String>, pass_evidence: String) -> CheckResult {
+    if failures.is_empty() {
+        Ok(pass_evidence)
+    } else {
+        let n = failures.len();
+        let shown: Vec<String> = failures.into_iter().take(4).collect();
+        fail(format!("{} problem(s): {}", n, shown.join("; ")))
+    }
+}

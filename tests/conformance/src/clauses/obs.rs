@@ -1,0 +1,102 @@
+//! OBS-1 and OBS-2: failures carry a reason and a message (every event and error of the run is
+//! inspected; this check provokes each kind of failure), and `stats()` follows reality.
+
+use super::*;
+use crate::peer::protocol::{Op, Outcome, RawRegion};
+use crate::world::{is_terminal, seg, Side};
+
+// CONFORMANCE: OBS-1
+pub fn obs_1(ctx: &mut Ctx) -> CheckResult {
+    with_pair(ctx, |p, ctx| {
+        let src = p.alloc_src(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let dst = p.alloc_dst(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let waiting = p.ticket();
+        let (cancelled, r) = p.submit(waiting, ctx.limits.long_timeout_ms, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
+        accepted(r, "transfer")?;
+        p.cancel(cancelled, ctx)?;
+        let (timed_out, r) = p.submit(waiting, 20, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
+        accepted(r, "transfer")?;
+        let (_, refused) = p.submit(waiting, 1_000, vec![seg(&src, 1 << 20, &dst, 0, 4096)], ctx)?;
+        let region = RawRegion { kind: 0xfff0, device: 0, rid: None, addr_offset: 0, len: 4096, backing: false, ipc_handle: vec![] };
+        let reg = p.call(Side::Tx, Op::RegisterRaw { region }, ctx)?;
+        p.wait_all_terminal(&[cancelled, timed_out], ms_of(ctx.limits.abort_grace_ms + ctx.limits.deadline_slack_ms + 1_000));
+        let failures = p.tx.events().iter().filter(|e| is_terminal(e) && e.kind == kvgate_abi::EventKind::FAILED.0).count();
+        let errors = usize::from(refused.is_err()) + usize::from(matches!(reg.outcome, Outcome::Failed { .. }));
+        Ok(format!("provoked a cancel, a timeout, a bad submit and a bad register ({failures} FAILED events, {errors} errors); every event and error of the run inspected"))
+    })
+}
+
+// CONFORMANCE: OBS-2
+pub fn obs_2(ctx: &mut Ctx) -> CheckResult {
+    with_pair(ctx, |p, ctx| {
+        let mut problems = Vec::new();
+        let base = p.stats(Side::Tx, ctx)?;
+        if base.healthy != 1 {
+            problems.push(format!("healthy = {} on a freshly opened plugin", base.healthy));
+        }
+        if base.connected_peers < 1 {
+            problems.push("connected_peers = 0 after a connect".into());
+        }
+        let len = 3 * 65536 + 17;
+        let src = p.alloc_src(len, ctx.rng.next_u64(), ctx)?;
+        let s = p.stats(Side::Tx, ctx)?;
+        if s.registered_regions != base.registered_regions + 1 || s.registered_bytes != base.registered_bytes + len {
+            problems.push(format!(
+                "after registering {len} bytes: regions {} → {}, bytes {} → {}",
+                base.registered_regions, s.registered_regions, base.registered_bytes, s.registered_bytes
+            ));
+        }
+        let dst = p.alloc_dst(1 << 16, ctx.rng.next_u64(), ctx)?;
+        let s2 = p.stats(Side::Tx, ctx)?;
+        if s2.imported_remote_keys != s.imported_remote_keys + 1 {
+            problems.push(format!("after an import: imported_remote_keys {} → {}", s.imported_remote_keys, s2.imported_remote_keys));
+        }
+        let endpoint = p.endpoint(Side::Rx, ctx)?;
+        p.call(Side::Tx, Op::Connect { peer: 12, endpoint }, ctx)?;
+        let s3 = p.stats(Side::Tx, ctx)?;
+        if s3.connected_peers != s2.connected_peers + 1 {
+            problems.push(format!("after a connect: connected_peers {} → {}", s2.connected_peers, s3.connected_peers));
+        }
+        p.call(Side::Tx, Op::Disconnect { peer: 12 }, ctx)?;
+        let s4 = p.stats(Side::Tx, ctx)?;
+        if s4.connected_peers != s2.connected_peers {
+            problems.push(format!("after a disconnect: connected_peers {} → {}", s3.connected_peers, s4.connected_peers));
+        }
+        // Live transfers: five waiting on a ticket not yet authorised.
+        let waiting = p.ticket();
+        let mut ids = Vec::new();
+        for i in 0..5u64 {
+            let (x, r) = p.submit(waiting, ctx.limits.long_timeout_ms, vec![seg(&src, i * 100, &dst, i * 100, 100)], ctx)?;
+            accepted(r, "transfer")?;
+            ids.push(x);
+        }
+        let before = ids.iter().filter(|x| p.terminal(**x).is_none()).count() as u64;
+        let live = p.stats(Side::Tx, ctx)?.live_transfers;
+        let after = ids.iter().filter(|x| p.terminal(**x).is_none()).count() as u64;
+        if live < after + base.live_transfers || live > before + base.live_transfers {
+            problems.push(format!("live_transfers = {live} while {after}..={before} of the harness's transfers were live"));
+        }
+        let timeout_ns = ctx.limits.long_timeout_ms * 1_000_000;
+        p.call(Side::Rx, Op::ExpectIncoming { ticket: waiting, peer: crate::world::TX_PEER, timeout_ns, ranges: vec![(dst.key, 0, dst.len)] }, ctx)?;
+        let rx_tickets = p.stats(Side::Rx, ctx)?.live_tickets;
+        let missing = p.wait_all_terminal(&ids, ms_of(10_000));
+        if !missing.is_empty() {
+            problems.push(format!("transfers {missing:?} never ended after their ticket was authorised"));
+        }
+        sleep_ms(20);
+        let end = p.stats(Side::Tx, ctx)?;
+        if end.live_transfers != base.live_transfers {
+            problems.push(format!("live_transfers {} after every transfer ended (baseline {})", end.live_transfers, base.live_transfers));
+        }
+        p.call(Side::Tx, Op::Release { key: dst.remote }, ctx)?;
+        p.call(Side::Tx, Op::Deregister { key: src.key }, ctx)?;
+        let fin = p.stats(Side::Tx, ctx)?;
+        if fin.registered_regions != base.registered_regions || fin.registered_bytes != base.registered_bytes || fin.imported_remote_keys != base.imported_remote_keys {
+            problems.push(format!("after deregister and release: {fin:?}, baseline {base:?}"));
+        }
+        verdict_of(
+            problems,
+            format!("register/deregister, import/release, connect/disconnect and live transfers moved the gauges exactly (live peak {live}, receiver tickets {rx_tickets}, healthy 1)"),
+        )
+    })
+}

@@ -1,0 +1,267 @@
+//! The controller's handle on one peer process: spawn it, send requests and wait for their replies
+//! with a bound, collect its timestamped plugin events, freeze, resume and kill it. Never waits without
+//! a bound: a peer that does not answer is reported, not waited on for ever.
+
+use crate::peer::protocol::*;
+use crate::peer::region::remove_region_files_of;
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How to start a peer process: this executable (or `KVGATE_CONFORMANCE_PEER_EXE`) in peer mode.
+#[derive(Clone, Debug)]
+pub struct PeerCommand {
+    pub exe: PathBuf,
+    pub args: Vec<String>,
+}
+
+impl PeerCommand {
+    /// The running executable with its own arguments plus `--peer-mode`, so that both
+    /// `kvgate conformance ..` and `kvgate-conformance ..` re-enter the same `run`.
+    pub fn from_current_process() -> Result<PeerCommand, String> {
+        if let Ok(exe) = std::env::var("KVGATE_CONFORMANCE_PEER_EXE") {
+            return Ok(PeerCommand { exe: exe.into(), args: vec!["--peer-mode".into()] });
+        }
+        let exe = std::env::current_exe().map_err(|e| format!("cannot find the running executable: {e}"))?;
+        let mut args: Vec<String> = std::env::args().skip(1).collect();
+        args.push("--peer-mode".into());
+        Ok(PeerCommand { exe, args })
+    }
+}
+
+/// Why a request got no reply.
+#[derive(Debug, Clone)]
+pub enum NoReply {
+    /// No reply within the bound; the peer may be blocked inside a plugin call.
+    Timeout { waited_ms: u64 },
+    /// The peer process exited (crashed, aborted, killed).
+    Died { status: String, stderr_tail: String },
+}
+
+impl std::fmt::Display for NoReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NoReply::Timeout { waited_ms } => write!(f, "no reply within {waited_ms} ms (call blocked?)"),
+            NoReply::Died { status, stderr_tail } => write!(f, "peer process died ({status}); stderr: {stderr_tail}"),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Inbox {
+    replies: HashMap<u64, Reply>,
+    events: Vec<WireEvent>,
+    closed: bool,
+}
+
+struct Shared {
+    inbox: Mutex<Inbox>,
+    changed: Condvar,
+}
+
+pub struct PeerProcess {
+    pub role: String,
+    child: Child,
+    pid: u32,
+    stdin: ChildStdin,
+    shared: Arc<Shared>,
+    next_id: AtomicU64,
+    stderr_path: PathBuf,
+    pub frozen: bool,
+    pub dead: bool,
+}
+
+static SPAWNED: AtomicU64 = AtomicU64::new(0);
+
+impl PeerProcess {
+    pub fn spawn(cmd: &PeerCommand, role: &str) -> Result<PeerProcess, String> {
+        let n = SPAWNED.fetch_add(1, Ordering::Relaxed);
+        let stderr_path = std::env::temp_dir().join(format!("kvgate-conformance-{}-{role}-{n}.log", std::process::id()));
+        let stderr = std::fs::File::create(&stderr_path).map_err(|e| format!("create {}: {e}", stderr_path.display()))?;
+        let mut child = Command::new(&cmd.exe)
+            .args(&cmd.args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(stderr))
+            .spawn()
+            .map_err(|e| format!("cannot start peer {}: {e}", cmd.exe.display()))?;
+        let pid = child.id();
+        let stdin = child.stdin.take().expect("piped stdin");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let shared = Arc::new(Shared { inbox: Mutex::new(Inbox::default()), changed: Condvar::new() });
+        let reader_shared = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name(format!("peer-{role}-reader"))
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    let Ok(parsed) = serde_json::from_str::<Line>(&line) else { continue };
+                    let mut inbox = reader_shared.inbox.lock().unwrap();
+                    match parsed {
+                        Line::Reply(r) => {
+                            inbox.replies.insert(r.id, r);
+                        }
+                        Line::Event(e) => inbox.events.push(e),
+                    }
+                    drop(inbox);
+                    reader_shared.changed.notify_all();
+                }
+                reader_shared.inbox.lock().unwrap().closed = true;
+                reader_shared.changed.notify_all();
+            })
+            .map_err(|e| format!("reader thread: {e}"))?;
+        Ok(PeerProcess {
+            role: role.to_string(),
+            child,
+            pid,
+            stdin,
+            shared,
+            next_id: AtomicU64::new(1),
+            stderr_path,
+            frozen: false,
+            dead: false,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Send a request without waiting; returns its id.
+    pub fn send(&mut self, op: &Op) -> u64 {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut line = serde_json::to_vec(&Request { id, op: op.clone() }).expect("serialisable request");
+        line.push(b'\n');
+        // A dead peer shows up as a closed inbox when the reply is awaited.
+        let _ = self.stdin.write_all(&line).and_then(|_| self.stdin.flush());
+        id
+    }
+
+    pub fn wait_reply(&mut self, id: u64, bound: Duration) -> Result<Reply, NoReply> {
+        let deadline = Instant::now() + bound;
+        let mut inbox = self.shared.inbox.lock().unwrap();
+        loop {
+            if let Some(r) = inbox.replies.remove(&id) {
+                return Ok(r);
+            }
+            if inbox.closed {
+                drop(inbox);
+                return Err(self.death());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(NoReply::Timeout { waited_ms: bound.as_millis() as u64 });
+            }
+            inbox = self.shared.changed.wait_timeout(inbox, deadline - now).unwrap().0;
+        }
+    }
+
+    pub fn call(&mut self, op: &Op, bound: Duration) -> Result<Reply, NoReply> {
+        let id = self.send(op);
+        self.wait_reply(id, bound)
+    }
+
+    fn death(&mut self) -> NoReply {
+        let status = match self.child.try_wait() {
+            Ok(Some(s)) => format!("{s}"),
+            _ => {
+                std::thread::sleep(Duration::from_millis(50));
+                match self.child.try_wait() {
+                    Ok(Some(s)) => format!("{s}"),
+                    _ => "stdout closed".to_string(),
+                }
+            }
+        };
+        let text = std::fs::read_to_string(&self.stderr_path).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(4).collect();
+        let stderr_tail = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
+        NoReply::Died { status, stderr_tail }
+    }
+
+    /// A copy of every event received so far.
+    pub fn events(&self) -> Vec<WireEvent> {
+        self.shared.inbox.lock().unwrap().events.clone()
+    }
+
+    pub fn event_count(&self) -> usize {
+        self.shared.inbox.lock().unwrap().events.len()
+    }
+
+    /// Wait until `pred` holds over the events, or `bound` passes. Returns whether it held.
+    pub fn wait_events(&self, bound: Duration, mut pred: impl FnMut(&[WireEvent]) -> bool) -> bool {
+        let deadline = Instant::now() + bound;
+        let mut inbox = self.shared.inbox.lock().unwrap();
+        loop {
+            if pred(&inbox.events) {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline || inbox.closed {
+                return pred(&inbox.events);
+            }
+            inbox = self.shared.changed.wait_timeout(inbox, (deadline - now).min(Duration::from_millis(20))).unwrap().0;
+        }
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(self.pid as libc::pid_t, sig) };
+    }
+
+    pub fn freeze(&mut self) {
+        self.signal(libc::SIGSTOP);
+        self.frozen = true;
+    }
+
+    pub fn resume(&mut self) {
+        self.signal(libc::SIGCONT);
+        self.frozen = false;
+    }
+
+    pub fn kill(&mut self) {
+        self.signal(libc::SIGKILL);
+        let _ = self.child.wait();
+        self.dead = true;
+        remove_region_files_of(self.pid);
+    }
+
+    /// Ask the peer to exit; kill it if it does not within `bound`.
+    pub fn close(&mut self, bound: Duration) {
+        if self.dead {
+            return;
+        }
+        if self.frozen {
+            self.resume();
+        }
+        let id = self.send(&Op::Exit);
+        if self.wait_reply(id, bound).is_err() {
+            self.kill();
+            return;
+        }
+        let deadline = Instant::now() + bound;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                self.dead = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if !self.dead {
+            self.kill();
+        }
+        remove_region_files_of(self.pid);
+    }
+}
+
+impl Drop for PeerProcess {
+    fn drop(&mut self) {
+        if !self.dead {
+            self.kill();
+        }
+        let _ = std::fs::remove_file(&self.stderr_path);
+    }
+}

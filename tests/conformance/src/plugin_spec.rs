@@ -1,0 +1,25 @@
+//! Resolving `--plugin builtin:NAME|PATH.so` into a loaded module, through `kvgate-host` exactly as
+//! the gateway loads plugins. Owns the table of built-ins this binary links; never opens an instance.
+
+use kvgate_abi::PluginModRef;
+use kvgate_host::PluginHost;
+
+/// Built-in plugins linked into this binary, by name, as `builtin:NAME` selects them.
+pub fn builtin_modules() -> Vec<(&'static str, fn() -> PluginModRef)> {
+    vec![("shm", kvgate_plugin_shm::module)]
+}
+
+/// Load the plugin `spec` into a fresh host; returns the host and the plugin's name.
+pub fn load(spec: &str) -> Result<(PluginHost, String), String> {
+    let mut host = PluginHost::new();
+    if let Some(name) = spec.strip_prefix("builtin:") {
+        let Some((_, module)) = builtin_modules().into_iter().find(|(n, _)| *n == name) else {
+            let known: Vec<_> = builtin_modules().iter().map(|(n, _)| format!("builtin:{n}")).collect();
+            return Err(format!("unknown built-in plugin {name:?}; this binary has: {}", known.join(", ")));
+        };
+        host.register_builtin(name, module()).map_err(|e| format!("built-in {name} refused: {e}"))?;
+        return Ok((host, name.to_string()));
+    }
+    let name = host.load_library(spec).map_err(|e| format!("cannot load {spec}: {e}"))?;
+    Ok((host, name))
+}

@@ -1,0 +1,486 @@
+//! A sender and a receiver peer process with the plugin open in each, connected both ways, plus the
+//! ledger of every transfer the harness submitted. Checks talk to the plugin only through a `Pair`;
+//! the run-wide invariants (RES-1, RES-3 ordering, OBS-1, HYGIENE-1) are read off the ledger here.
+//! Never decides a clause's own verdict (the checks do), only records run-wide findings.
+
+use crate::config::HarnessLimits;
+use crate::controller::{NoReply, PeerCommand, PeerProcess};
+use crate::peer::protocol::*;
+use crate::rng::SplitMix64;
+use kvgate_abi::{event_flags, EventKind, ReasonCode};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The receiver as the sender's plugin knows it (first generation).
+pub const RX_PEER: u64 = 1;
+/// The sender as the receiver's plugin knows it.
+pub const TX_PEER: u64 = 2;
+
+/// A clause check's verdict; evidence says what was done, what was seen and how long it took.
+#[derive(Debug, Clone)]
+pub enum Verdict {
+    Pass(String),
+    Fail(String),
+    Unsupported(String),
+}
+
+/// Run-wide observations attributed to clauses (every event and every call error is inspected).
+#[derive(Default, Debug)]
+pub struct Findings {
+    pub by_clause: BTreeMap<&'static str, Vec<String>>,
+}
+
+const MAX_FINDINGS_PER_CLAUSE: usize = 8;
+
+impl Findings {
+    pub fn add(&mut self, clause: &'static str, what: String) {
+        let list = self.by_clause.entry(clause).or_default();
+        if list.len() < MAX_FINDINGS_PER_CLAUSE {
+            list.push(what);
+        }
+    }
+}
+
+pub struct Ctx {
+    pub limits: HarnessLimits,
+    pub plugin: String,
+    pub plugin_config: String,
+    pub cmd: PeerCommand,
+    pub rng: SplitMix64,
+    pub findings: Findings,
+    /// The clause being checked (for run-wide findings' context).
+    pub current: &'static str,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Tx,
+    Rx,
+}
+
+#[derive(Debug, Clone)]
+pub struct Xfer {
+    pub accepted: bool,
+    /// Accepted submits under this id (an id may be reused once its transfer ended).
+    pub accepted_submits: u32,
+    /// Sender clock when `submit` returned.
+    pub submitted_ns: u64,
+    pub timeout_ns: u64,
+}
+
+/// A source region on the sender.
+#[derive(Debug, Clone, Copy)]
+pub struct Src {
+    pub rid: u32,
+    pub len: u64,
+    pub key: u64,
+}
+
+/// A destination region on the receiver, imported by the sender.
+#[derive(Debug, Clone)]
+pub struct Dst {
+    pub rid: u32,
+    pub len: u64,
+    pub key: u64,
+    pub remote: u64,
+    pub remote_bytes: Vec<u8>,
+}
+
+pub struct Pair {
+    pub tx: PeerProcess,
+    pub rx: PeerProcess,
+    pub module_info: WireInfo,
+    pub info: WireInfo,
+    pub xfers: BTreeMap<u64, Xfer>,
+    pub limits: HarnessLimits,
+    pub rx_peer: u64,
+    next_xfer: u64,
+    next_ticket: u64,
+    next_rid: u32,
+    context: &'static str,
+}
+
+pub fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
+}
+
+pub fn is_terminal(e: &WireEvent) -> bool {
+    e.flags & event_flags::INCOMING == 0 && (e.kind == EventKind::SUCCEEDED.0 || e.kind == EventKind::FAILED.0)
+}
+
+pub fn describe(e: &WireEvent) -> String {
+    let mut s = format!("{}(xfer {}", EventKind(e.kind).as_str(), e.xfer);
+    if e.reason != 0 {
+        s.push_str(&format!(", {}", ReasonCode(e.reason).as_str()));
+    }
+    if e.flags & event_flags::QUIESCED != 0 {
+        s.push_str(", quiesced");
+    }
+    s.push_str(&format!(") at {:.1} ms", ms(e.t_ns)));
+    s
+}
+
+fn fail_no_reply(side: &str, what: &str, e: NoReply) -> Verdict {
+    Verdict::Fail(format!("{side} peer: {what}: {e}"))
+}
+
+impl Pair {
+    /// Start both peers, open the plugin in each, connect them both ways.
+    pub fn open(ctx: &mut Ctx) -> Result<Pair, Verdict> {
+        let mut tx = PeerProcess::spawn(&ctx.cmd, "sender").map_err(Verdict::Fail)?;
+        let mut rx = PeerProcess::spawn(&ctx.cmd, "receiver").map_err(Verdict::Fail)?;
+        let bound = Duration::from_millis(ctx.limits.reply_bound_ms);
+        let open = Op::Open { plugin: ctx.plugin.clone(), config: ctx.plugin_config.clone() };
+        let mut infos = Vec::new();
+        for p in [&mut tx, &mut rx] {
+            let reply = p.call(&open, bound).map_err(|e| fail_no_reply(&p.role, "open", e))?;
+            match reply.outcome {
+                Outcome::Info { module, instance } => infos.push((module, instance)),
+                Outcome::Unavailable { reason } => return Err(Verdict::Unsupported(format!("plugin unavailable: {reason}"))),
+                Outcome::PeerError { message } => return Err(Verdict::Fail(message)),
+                other => return Err(Verdict::Fail(format!("open: unexpected reply {other:?}"))),
+            }
+        }
+        let (module_info, info) = infos.swap_remove(0);
+        let mut pair = Pair {
+            tx,
+            rx,
+            module_info,
+            info,
+            xfers: BTreeMap::new(),
+            limits: ctx.limits.clone(),
+            rx_peer: RX_PEER,
+            next_xfer: 1,
+            next_ticket: 1,
+            next_rid: 1,
+            context: ctx.current,
+        };
+        let rx_endpoint = pair.endpoint(Side::Rx, ctx)?;
+        let tx_endpoint = pair.endpoint(Side::Tx, ctx)?;
+        pair.expect_done(Side::Tx, Op::Connect { peer: RX_PEER, endpoint: rx_endpoint }, ctx, "connect")?;
+        pair.expect_done(Side::Rx, Op::Connect { peer: TX_PEER, endpoint: tx_endpoint }, ctx, "connect")?;
+        Ok(pair)
+    }
+
+    pub fn peer(&mut self, side: Side) -> &mut PeerProcess {
+        match side {
+            Side::Tx => &mut self.tx,
+            Side::Rx => &mut self.rx,
+        }
+    }
+
+    pub fn bound(&self) -> Duration {
+        Duration::from_millis(self.limits.reply_bound_ms)
+    }
+
+    /// Send a request and wait for its reply; a plugin error is inspected for OBS-1/HYGIENE-1.
+    pub fn call(&mut self, side: Side, op: Op, ctx: &mut Ctx) -> Result<Reply, Verdict> {
+        let what = op_name(&op);
+        let bound = self.bound();
+        let reply = self.peer(side).call(&op, bound).map_err(|e| {
+            if let NoReply::Died { .. } = e {
+                ctx.findings.add("HYGIENE-1", format!("[{}] peer process died during {what}: {e}", ctx.current));
+            }
+            fail_no_reply(&self.peer(side).role.clone(), what, e)
+        })?;
+        self.inspect(&reply.outcome, what, ctx);
+        if let Outcome::PeerError { message } = &reply.outcome {
+            return Err(Verdict::Fail(format!("harness peer could not {what}: {message}")));
+        }
+        Ok(reply)
+    }
+
+    /// Inspect a call's outcome for run-wide findings.
+    pub fn inspect(&self, outcome: &Outcome, what: &str, ctx: &mut Ctx) {
+        let mut errors: Vec<&CallError> = Vec::new();
+        match outcome {
+            Outcome::Failed { error } => errors.push(error),
+            Outcome::Batch { errors: list, .. } => errors.extend(list.iter().flatten()),
+            _ => {}
+        }
+        for e in errors {
+            let code = ReasonCode(e.code);
+            if code == ReasonCode::PANIC {
+                ctx.findings.add("HYGIENE-1", format!("[{}] {what} returned PANIC: {}", ctx.current, e.message));
+            }
+            if !code.is_known() || e.message.trim().is_empty() {
+                ctx.findings.add(
+                    "OBS-1",
+                    format!("[{}] {what} returned error code {} with message {:?}", ctx.current, e.code, e.message),
+                );
+            }
+        }
+    }
+
+    fn expect_done(&mut self, side: Side, op: Op, ctx: &mut Ctx, what: &str) -> Result<(), Verdict> {
+        match self.call(side, op, ctx)?.outcome {
+            Outcome::Done => Ok(()),
+            Outcome::Failed { error } => Err(Verdict::Fail(format!("{what} failed: {}: {}", error.code_name, error.message))),
+            other => Err(Verdict::Fail(format!("{what}: unexpected reply {other:?}"))),
+        }
+    }
+
+    pub fn endpoint(&mut self, side: Side, ctx: &mut Ctx) -> Result<Vec<u8>, Verdict> {
+        match self.call(side, Op::Endpoint, ctx)?.outcome {
+            Outcome::Bytes { bytes } => Ok(bytes),
+            other => Err(Verdict::Fail(format!("local_endpoint: unexpected reply {other:?}"))),
+        }
+    }
+
+    pub fn rid(&mut self) -> u32 {
+        self.next_rid += 1;
+        self.next_rid
+    }
+
+    pub fn ticket(&mut self) -> u64 {
+        self.next_ticket += 1;
+        self.next_ticket
+    }
+
+    pub fn xfer_id(&mut self) -> u64 {
+        self.next_xfer += 1;
+        self.next_xfer
+    }
+
+    fn alloc_register(&mut self, side: Side, len: u64, seed: u64, ctx: &mut Ctx) -> Result<(u32, u64, Vec<u8>), Verdict> {
+        let rid = self.rid();
+        self.call(side, Op::Alloc { rid, len, seed }, ctx)?;
+        match self.call(side, Op::Register { rid }, ctx)?.outcome {
+            Outcome::Registered { key, remote_key } => Ok((rid, key, remote_key)),
+            Outcome::Failed { error } => {
+                Err(Verdict::Fail(format!("register of a {len}-byte host region refused: {}: {}", error.code_name, error.message)))
+            }
+            other => Err(Verdict::Fail(format!("register: unexpected reply {other:?}"))),
+        }
+    }
+
+    pub fn alloc_src(&mut self, len: u64, seed: u64, ctx: &mut Ctx) -> Result<Src, Verdict> {
+        let (rid, key, _) = self.alloc_register(Side::Tx, len, seed, ctx)?;
+        Ok(Src { rid, len, key })
+    }
+
+    pub fn alloc_dst(&mut self, len: u64, seed: u64, ctx: &mut Ctx) -> Result<Dst, Verdict> {
+        let (rid, key, remote_bytes) = self.alloc_register(Side::Rx, len, seed, ctx)?;
+        let remote = self.import(&remote_bytes, ctx)?;
+        Ok(Dst { rid, len, key, remote, remote_bytes })
+    }
+
+    pub fn import(&mut self, bytes: &[u8], ctx: &mut Ctx) -> Result<u64, Verdict> {
+        let peer = self.rx_peer;
+        match self.call(Side::Tx, Op::Import { peer, bytes: bytes.to_vec() }, ctx)?.outcome {
+            Outcome::Key { key } => Ok(key),
+            Outcome::Failed { error } => Err(Verdict::Fail(format!("import_remote_key refused: {}: {}", error.code_name, error.message))),
+            other => Err(Verdict::Fail(format!("import: unexpected reply {other:?}"))),
+        }
+    }
+
+    /// Authorise incoming writes into the whole of `dst` under a fresh ticket.
+    pub fn authorise(&mut self, dst: &Dst, ctx: &mut Ctx) -> Result<u64, Verdict> {
+        let ticket = self.ticket();
+        let timeout_ns = self.limits.long_timeout_ms * 1_000_000;
+        let op = Op::ExpectIncoming { ticket, peer: TX_PEER, timeout_ns, ranges: vec![(dst.key, 0, dst.len)] };
+        self.expect_done(Side::Rx, op, ctx, "expect_incoming")?;
+        Ok(ticket)
+    }
+
+    /// Submit; the ledger records it. Returns the id and, when accepted, the sender clock at return.
+    pub fn submit(&mut self, ticket: u64, timeout_ms: u64, segments: Vec<Seg>, ctx: &mut Ctx) -> Result<(u64, Result<u64, CallError>), Verdict> {
+        let xfer = self.xfer_id();
+        self.submit_as(xfer, ticket, timeout_ms * 1_000_000, segments, ctx).map(|r| (xfer, r))
+    }
+
+    pub fn submit_as(&mut self, xfer: u64, ticket: u64, timeout_ns: u64, segments: Vec<Seg>, ctx: &mut Ctx) -> Result<Result<u64, CallError>, Verdict> {
+        let peer = self.rx_peer;
+        let reply = self.call(Side::Tx, Op::Submit { xfer, peer, ticket, timeout_ns, segments }, ctx)?;
+        let result = match reply.outcome {
+            Outcome::Done => Ok(reply.t_ns),
+            Outcome::Failed { error } => Err(error),
+            other => return Err(Verdict::Fail(format!("submit: unexpected reply {other:?}"))),
+        };
+        // A second submit of a live id must not replace the first's ledger entry.
+        let entry = Xfer { accepted: result.is_ok(), accepted_submits: u32::from(result.is_ok()), submitted_ns: reply.t_ns, timeout_ns };
+        match self.xfers.get_mut(&xfer) {
+            Some(existing) if existing.accepted => existing.accepted_submits += entry.accepted_submits,
+            _ => {
+                self.xfers.insert(xfer, entry);
+            }
+        }
+        Ok(result)
+    }
+
+    pub fn cancel(&mut self, xfer: u64, ctx: &mut Ctx) -> Result<Reply, Verdict> {
+        self.call(Side::Tx, Op::Cancel { xfer }, ctx)
+    }
+
+    pub fn stats(&mut self, side: Side, ctx: &mut Ctx) -> Result<WireStats, Verdict> {
+        match self.call(side, Op::Stats, ctx)?.outcome {
+            Outcome::Stats { stats } => Ok(stats),
+            other => Err(Verdict::Fail(format!("stats: unexpected reply {other:?}"))),
+        }
+    }
+
+    pub fn checksum(&mut self, side: Side, rid: u32, ranges: Vec<(u64, u64)>, ctx: &mut Ctx) -> Result<u64, Verdict> {
+        match self.call(side, Op::Checksum { rid, ranges }, ctx)?.outcome {
+            Outcome::Checksum { value } => Ok(value),
+            other => Err(Verdict::Fail(format!("checksum: unexpected reply {other:?}"))),
+        }
+    }
+
+    /// The first terminal event of `xfer` on the sender, if any yet.
+    pub fn terminal(&self, xfer: u64) -> Option<WireEvent> {
+        self.tx.events().into_iter().find(|e| e.xfer == xfer && is_terminal(e))
+    }
+
+    pub fn wait_terminal(&self, xfer: u64, bound: Duration) -> Option<WireEvent> {
+        let mut found = None;
+        self.tx.wait_events(bound, |events| {
+            found = events.iter().find(|e| e.xfer == xfer && is_terminal(e)).cloned();
+            found.is_some()
+        });
+        found
+    }
+
+    /// Wait until every accepted transfer in `xfers` has a terminal event; returns those without.
+    pub fn wait_all_terminal(&self, xfers: &[u64], bound: Duration) -> Vec<u64> {
+        let wanted: std::collections::BTreeSet<u64> = xfers.iter().copied().filter(|x| self.accepted(*x)).collect();
+        let mut missing = Vec::new();
+        self.tx.wait_events(bound, |events| {
+            let done: std::collections::BTreeSet<u64> = events.iter().filter(|e| is_terminal(e)).map(|e| e.xfer).collect();
+            missing = wanted.difference(&done).copied().collect();
+            missing.is_empty()
+        });
+        missing
+    }
+
+    pub fn accepted(&self, xfer: u64) -> bool {
+        self.xfers.get(&xfer).is_some_and(|x| x.accepted)
+    }
+
+    /// Whether `xfer`'s destination can no longer be written: succeeded, or failed and quiesced.
+    pub fn quiesced(events: &[WireEvent], xfer: u64) -> bool {
+        events.iter().any(|e| {
+            e.xfer == xfer
+                && e.flags & event_flags::INCOMING == 0
+                && (e.kind == EventKind::SUCCEEDED.0
+                    || e.kind == EventKind::QUIESCED.0
+                    || (e.kind == EventKind::FAILED.0 && e.flags & event_flags::QUIESCED != 0))
+        })
+    }
+
+    /// End the pair: let late events arrive, read the run-wide invariants off the ledger, close peers.
+    pub fn finish(mut self, ctx: &mut Ctx) {
+        std::thread::sleep(Duration::from_millis(30));
+        let tx_events = self.tx.events();
+        self.check_ledger(&tx_events, ctx);
+        for e in tx_events.iter().chain(self.rx.events().iter()) {
+            check_event_fields(e, ctx);
+        }
+        let bound = Duration::from_millis(2_000);
+        self.tx.close(bound);
+        self.rx.close(bound);
+    }
+
+    fn check_ledger(&self, events: &[WireEvent], ctx: &mut Ctx) {
+        let mut terminals: BTreeMap<u64, Vec<&WireEvent>> = BTreeMap::new();
+        for e in events.iter().filter(|e| e.flags & event_flags::INCOMING == 0) {
+            let kind = EventKind(e.kind);
+            if kind != EventKind::SUCCEEDED && kind != EventKind::FAILED && kind != EventKind::QUIESCED && kind != EventKind::PROGRESS {
+                continue;
+            }
+            match self.xfers.get(&e.xfer) {
+                None => ctx.findings.add(
+                    "RES-1",
+                    format!("[{}] event {} for transfer id {} the harness never submitted", self.context, describe(e), e.xfer),
+                ),
+                Some(x) if !x.accepted => ctx.findings.add(
+                    "RES-1",
+                    format!("[{}] event {} for transfer {} whose submit was refused", self.context, describe(e), e.xfer),
+                ),
+                Some(_) => {}
+            }
+            if is_terminal(e) {
+                terminals.entry(e.xfer).or_default().push(e);
+            }
+        }
+        for (xfer, list) in &terminals {
+            let allowed = self.xfers.get(xfer).map_or(1, |x| x.accepted_submits.max(1) as usize);
+            if list.len() > allowed {
+                let seen: Vec<String> = list.iter().map(|e| describe(e)).collect();
+                ctx.findings.add("RES-1", format!("[{}] transfer {xfer} got {} terminal events: {}", self.context, list.len(), seen.join(", ")));
+            }
+        }
+        // RES-3: QUIESCED only after a FAILED that did not carry the flag, at most once.
+        let mut state: BTreeMap<u64, &str> = BTreeMap::new();
+        for e in events.iter().filter(|e| e.flags & event_flags::INCOMING == 0) {
+            let kind = EventKind(e.kind);
+            let s = state.get(&e.xfer).copied().unwrap_or("live");
+            let next = match (s, kind) {
+                ("live", EventKind::SUCCEEDED) => "done",
+                ("live", EventKind::FAILED) if e.flags & event_flags::QUIESCED != 0 => "done",
+                ("live", EventKind::FAILED) => "failed",
+                ("failed", EventKind::QUIESCED) => "done",
+                (_, EventKind::QUIESCED) => {
+                    ctx.findings.add(
+                        "RES-3",
+                        format!("[{}] {} came while the transfer was {s} (QUIESCED only follows a FAILED without the flag)", self.context, describe(e)),
+                    );
+                    s
+                }
+                _ => s,
+            };
+            state.insert(e.xfer, next);
+        }
+    }
+}
+
+/// OBS-1 and HYGIENE-1 on one event's fields.
+fn check_event_fields(e: &WireEvent, ctx: &mut Ctx) {
+    let kind = EventKind(e.kind);
+    if !kind.is_known() {
+        ctx.findings.add("OBS-1", format!("[{}] event of undeclared kind {}", ctx.current, e.kind));
+        return;
+    }
+    let needs_reason = [EventKind::FAILED, EventKind::INCOMING_FAILED, EventKind::PEER_DOWN, EventKind::UNHEALTHY].contains(&kind);
+    if needs_reason {
+        let reason = ReasonCode(e.reason);
+        if e.reason == 0 || !reason.is_known() || e.message.trim().is_empty() {
+            ctx.findings.add(
+                "OBS-1",
+                format!("[{}] {} carries reason code {} and message {:?}", ctx.current, describe(e), e.reason, e.message),
+            );
+        }
+        if reason == ReasonCode::PANIC {
+            ctx.findings.add("HYGIENE-1", format!("[{}] {}: {}", ctx.current, describe(e), e.message));
+        }
+    }
+}
+
+pub fn op_name(op: &Op) -> &'static str {
+    match op {
+        Op::Open { .. } => "open",
+        Op::TryOpen { .. } => "open",
+        Op::Info => "info",
+        Op::Endpoint => "local_endpoint",
+        Op::Connect { .. } => "connect",
+        Op::Disconnect { .. } => "disconnect",
+        Op::Alloc { .. } => "alloc",
+        Op::Register { .. } | Op::RegisterRaw { .. } => "register",
+        Op::Deregister { .. } => "deregister",
+        Op::Import { .. } => "import_remote_key",
+        Op::Release { .. } => "release_remote_key",
+        Op::Fill { .. } => "fill",
+        Op::Checksum { .. } => "checksum",
+        Op::Submit { .. } | Op::SubmitMany { .. } => "submit",
+        Op::Cancel { .. } | Op::CancelMany { .. } => "cancel",
+        Op::ExpectIncoming { .. } => "expect_incoming",
+        Op::CancelIncoming { .. } => "cancel_incoming",
+        Op::Stats => "stats",
+        Op::Shutdown => "shutdown",
+        Op::Exit => "exit",
+    }
+}
+
+/// One segment covering `len` bytes at the given offsets.
+pub fn seg(src: &Src, src_off: u64, dst: &Dst, dst_off: u64, len: u64) -> Seg {
+    Seg { local: src.key, local_offset: src_off, remote: dst.remote, remote_offset: dst_off, len }
+}
