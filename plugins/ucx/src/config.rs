@@ -152,6 +152,15 @@ impl UcxConfig {
         settings
     }
 
+    /// Whether every configured transport is shared memory (UCX 1.13 offers no peer-failure handling
+    /// there, so endpoints are created without it and peer death is caught by deadlines and goodbyes).
+    pub fn shared_memory_only(&self) -> bool {
+        const SHM: &[&str] = &["sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self", "mm"];
+        self.tls.as_deref().is_some_and(|tls| {
+            !tls.trim_start().starts_with('^') && tls.split(',').all(|t| SHM.contains(&t.trim().to_ascii_lowercase().as_str()))
+        })
+    }
+
     /// `put` or `am` for this instance. `auto` picks `put` only when every configured transport is
     /// put-friendly (UCX 1.13's TCP put collapses above 1 MiB; with UCX's default "all" a peer may end
     /// up on TCP, so `auto` stays on `am` there).

@@ -23,9 +23,13 @@ const SWEEP_INTERVAL_MS: u64 = 100;
 const MAX_PROGRESS_ROUNDS_PER_ITERATION: u32 = 64;
 /// How long shutdown waits for UCX to hand back closed endpoints and cancelled requests.
 const SHUTDOWN_DRAIN_MS: u64 = 2000;
+/// How long shutdown waits for its goodbye messages to leave.
+const GOODBYE_MS: u64 = 100;
 
 struct PeerConn {
     ep: ucp_ep_h,
+    /// Created with `UCP_ERR_HANDLING_MODE_PEER` (may be force-closed; failures reported).
+    peer_failure_handling: bool,
     token: u64,
     rkeys: HashMap<u64, ucp_rkey_h>,
 }
@@ -35,7 +39,9 @@ enum ReqKind {
     Xfer { xfer: u64 },
     /// The flush that ends a put-mode transfer.
     Flush { xfer: u64 },
-    /// A reply or an endpoint close: nothing waits on it.
+    /// An endpoint close; these transfers quiesce when it completes.
+    Close { xfers: Vec<u64> },
+    /// A reply or a goodbye: nothing waits on it.
     Other,
 }
 
@@ -58,6 +64,8 @@ struct Outgoing {
     any_put_posted: bool,
     terminal: bool,
     unquiesced: bool,
+    /// Its endpoint is being closed; it quiesces when the close completes.
+    closing: bool,
 }
 
 pub struct Engine {
@@ -84,6 +92,7 @@ impl Engine {
         worker.set_am_handler(wire::AM_COMMIT, Some(receiver::am_commit), arg)?;
         worker.set_am_handler(wire::AM_CANCEL, Some(receiver::am_cancel), arg)?;
         worker.set_am_handler(wire::AM_REPLY, Some(receiver::am_reply), arg)?;
+        worker.set_am_handler(wire::AM_BYE, Some(receiver::am_bye), arg)?;
         Ok(Box::new(Engine {
             shared,
             worker,
@@ -193,10 +202,16 @@ impl Engine {
             self.drop_peer(peer, "peer reconnected (new incarnation)", false);
         }
         let token = self.token();
-        match self.worker.connect(address, Some(receiver::ep_failed), token) {
-            Ok(ep) => {
+        let try_peer_mode = !self.shared.config.shared_memory_only();
+        let mut created = self.worker.connect(address, try_peer_mode, Some(receiver::ep_failed), token).map(|ep| (ep, try_peer_mode));
+        if created.is_err() && try_peer_mode {
+            tracing::info!(peer = peer.0, "ucx endpoint without peer-failure handling (the transport offers none)");
+            created = self.worker.connect(address, false, Some(receiver::ep_failed), token).map(|ep| (ep, false));
+        }
+        match created {
+            Ok((ep, peer_failure_handling)) => {
                 self.ep_tokens.insert(token, peer);
-                self.peers.insert(peer, PeerConn { ep, token, rkeys: HashMap::new() });
+                self.peers.insert(peer, PeerConn { ep, peer_failure_handling, token, rkeys: HashMap::new() });
             }
             Err(e) => {
                 let message = format!("cannot create a UCX endpoint to peer {}: {e}", peer.0);
@@ -209,36 +224,56 @@ impl Engine {
         }
     }
 
-    /// Fail every transfer to `peer` with `PEER_LOST`, close its endpoint by force (nothing more can
-    /// land once UCX returns the requests) and forget it.
+    /// Fail every transfer to `peer` with `PEER_LOST`, close its endpoint (by force where UCX allows)
+    /// and forget it. Its transfers quiesce once the close completes: nothing more can land then.
     fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool) {
         let victims: Vec<u64> = self.xfers.iter().filter(|(_, x)| x.job.peer == peer).map(|(id, _)| *id).collect();
         for xfer in &victims {
             if let Some(x) = self.xfers.get_mut(xfer) {
-                x.awaiting_reply = false;
-                x.flush_done = true;
                 x.next_segment = x.job.segments.len();
                 x.final_sent = true;
                 x.cancel_sent = true;
+                x.closing = true;
             }
             self.fail(*xfer, ReasonCode::PEER_LOST, why.to_string());
         }
+        let mut closed_at_once = true;
         if let Some(conn) = self.peers.remove(&peer) {
             self.ep_tokens.remove(&conn.token);
             for (_, rkey) in conn.rkeys {
                 ucp::rkey_destroy(rkey);
             }
             let token = self.token();
-            if let Posted::Pending(request) = ucp::close_ep_force(conn.ep, Some(receiver::send_done), token) {
-                self.requests.insert(token, Req { request, kind: ReqKind::Other, _header: Vec::new() });
+            match ucp::close_ep(conn.ep, conn.peer_failure_handling, Some(receiver::send_done), token) {
+                Posted::Pending(request) => {
+                    closed_at_once = false;
+                    let kind = ReqKind::Close { xfers: victims.clone() };
+                    self.requests.insert(token, Req { request, kind, _header: Vec::new() });
+                }
+                Posted::Done => {}
+                Posted::Failed(status) => {
+                    tracing::warn!(reason = "transport_error", peer = peer.0, "ucx endpoint close: {}", ucp::status_text(status));
+                }
             }
+        }
+        if closed_at_once {
+            self.closed(&victims);
         }
         if announce_down {
             tracing::warn!(reason = "peer_lost", peer = peer.0, "ucx peer lost: {why}");
             self.shared.sink.deliver(Event::peer_down(peer, ReasonCode::PEER_LOST, why.to_string()));
         }
-        for xfer in victims {
-            self.maybe_finish(xfer);
+    }
+
+    /// The endpoint of these transfers is closed: nothing of theirs can land any more.
+    fn closed(&mut self, xfers: &[u64]) {
+        for xfer in xfers {
+            if let Some(x) = self.xfers.get_mut(xfer) {
+                x.awaiting_reply = false;
+                x.flush_done = true;
+                x.closing = false;
+            }
+            self.maybe_finish(*xfer);
         }
     }
 
@@ -298,8 +333,8 @@ impl Engine {
                 ResolvedMode::Am => self.post_data(xfer, ep, &segment),
                 ResolvedMode::Put => self.post_put(xfer, ep, &segment),
             };
-            if let Err(message) = result {
-                self.fail(xfer, ReasonCode::TRANSPORT_ERROR, message);
+            if let Err((reason, message)) = result {
+                self.fail(xfer, reason, message);
                 self.maybe_finish(xfer);
                 return;
             }
@@ -317,7 +352,7 @@ impl Engine {
         }
     }
 
-    fn post_data(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), String> {
+    fn post_data(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), (ReasonCode, String)> {
         let x = self.xfers.get(&xfer).unwrap();
         let header = DataHeader {
             sender: self.shared.instance,
@@ -348,7 +383,7 @@ impl Engine {
         });
         let pending = self
             .track(token, posted, ReqKind::Xfer { xfer }, header)
-            .map_err(|s| format!("ucp_am_send_nbx: {}", ucp::status_text(s)))?;
+            .map_err(|s| (reason_for(s), format!("ucp_am_send_nbx: {}", ucp::status_text(s))))?;
         let x = self.xfers.get_mut(&xfer).unwrap();
         x.posted += pending as u64;
         x.data_messages += 1;
@@ -391,7 +426,7 @@ impl Engine {
                 // The receiver will never answer this message; the endpoint is broken.
                 x.awaiting_reply = false;
                 let message = format!("ucp_am_send_nbx (control): {}", ucp::status_text(status));
-                self.fail(xfer, ReasonCode::TRANSPORT_ERROR, message);
+                self.fail(xfer, reason_for(status), message);
             }
         }
     }
@@ -408,9 +443,9 @@ impl Engine {
         Ok(rkey)
     }
 
-    fn post_put(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), String> {
+    fn post_put(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), (ReasonCode, String)> {
         let peer = self.xfers.get(&xfer).unwrap().job.peer;
-        let rkey = self.rkey_for(peer, segment.remote_key, xfer)?;
+        let rkey = self.rkey_for(peer, segment.remote_key, xfer).map_err(|m| (ReasonCode::TRANSPORT_ERROR, m))?;
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, segment.local_memh as ucp::ucp_mem_h);
         let posted = ucp::classify(unsafe {
@@ -418,7 +453,7 @@ impl Engine {
         });
         let pending = self
             .track(token, posted, ReqKind::Xfer { xfer }, Vec::new())
-            .map_err(|s| format!("ucp_put_nbx: {}", ucp::status_text(s)))?;
+            .map_err(|s| (reason_for(s), format!("ucp_put_nbx: {}", ucp::status_text(s))))?;
         let x = self.xfers.get_mut(&xfer).unwrap();
         x.posted += pending as u64;
         x.any_put_posted = true;
@@ -447,7 +482,7 @@ impl Engine {
             if ucp::is_ok(status) {
                 self.succeed(xfer);
             } else {
-                self.fail(xfer, ReasonCode::TRANSPORT_ERROR, format!("ucp_ep_flush_nbx: {}", ucp::status_text(status)));
+                self.fail(xfer, reason_for(status), format!("ucp_ep_flush_nbx: {}", ucp::status_text(status)));
             }
         }
         self.maybe_finish(xfer);
@@ -498,7 +533,7 @@ impl Engine {
             _ => {}
         }
         let x = self.xfers.get_mut(&xfer).unwrap();
-        let quiesced = x.posted == 0 && !x.awaiting_reply && (mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done);
+        let quiesced = x.posted == 0 && !x.awaiting_reply && !x.closing && (mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done);
         tracing::warn!(reason = reason.as_str(), xfer, peer = peer.0, quiesced, "ucx transfer failed: {message}");
         let mut registry = self.shared.lock();
         registry.live_xfers.remove(&xfer);
@@ -520,7 +555,7 @@ impl Engine {
         let mode = self.shared.mode;
         let Some(x) = self.xfers.get(&xfer) else { return };
         let flushed = mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done;
-        if !x.terminal || x.posted > 0 || x.awaiting_reply || !flushed {
+        if !x.terminal || x.posted > 0 || x.awaiting_reply || !flushed || x.closing {
             return;
         }
         let x = self.xfers.remove(&xfer).unwrap();
@@ -534,11 +569,23 @@ impl Engine {
     fn drain(&mut self) -> bool {
         let completions = COMPLETIONS.with(|c| std::mem::take(&mut *c.borrow_mut()));
         let failures = EP_ERRORS.with(|c| std::mem::take(&mut *c.borrow_mut()));
-        let (notices, replies) = {
+        let (notices, replies, byes) = {
             let mut r = self.receiver.borrow_mut();
-            (std::mem::take(&mut r.notices), std::mem::take(&mut r.replies))
+            (std::mem::take(&mut r.notices), std::mem::take(&mut r.replies), std::mem::take(&mut r.byes))
         };
-        let activity = !(completions.is_empty() && failures.is_empty() && notices.is_empty() && replies.is_empty());
+        let activity =
+            !(completions.is_empty() && failures.is_empty() && notices.is_empty() && replies.is_empty() && byes.is_empty());
+        for instance in byes {
+            let peer = self.shared.lock().instance_to_peer.get(&instance).copied();
+            if let Some(peer) = peer {
+                if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
+                    p.down = true;
+                }
+                if self.peers.contains_key(&peer) {
+                    self.drop_peer(peer, &format!("peer {} shut down", peer.0), true);
+                }
+            }
+        }
         for (token, status) in completions {
             if token & RECV_TOKEN_BIT != 0 {
                 self.receiver.borrow_mut().on_recv_done(token, status);
@@ -575,7 +622,7 @@ impl Engine {
                 x.posted -= 1;
                 let refused_by_receiver = status == ucs_status_t::UCS_ERR_REJECTED;
                 if !ucp::is_ok(status) && status != ucs_status_t::UCS_ERR_CANCELED && !refused_by_receiver {
-                    self.fail(xfer, ReasonCode::TRANSPORT_ERROR, format!("UCX operation failed: {}", ucp::status_text(status)));
+                    self.fail(xfer, reason_for(status), format!("UCX operation failed: {}", ucp::status_text(status)));
                 }
                 self.maybe_finish(xfer);
             }
@@ -585,6 +632,7 @@ impl Engine {
                 }
                 self.flush_done(xfer, status);
             }
+            ReqKind::Close { xfers } => self.closed(&xfers),
             ReqKind::Other => {}
         }
     }
@@ -679,12 +727,35 @@ impl Engine {
         }
     }
 
+    /// Tell every peer this instance is going away, waiting at most `GOODBYE_MS` for the messages to leave.
+    fn say_goodbye(&mut self) {
+        let bye = wire::encode_bye(self.shared.instance);
+        let mut tokens = Vec::new();
+        let eps: Vec<ucp_ep_h> = self.peers.values().map(|c| c.ep).collect();
+        for ep in eps {
+            let token = self.token();
+            let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
+            let posted = ucp::classify(unsafe {
+                ucp::ucp_am_send_nbx(ep, wire::AM_BYE, bye.as_ptr() as *const c_void, bye.len(), std::ptr::null(), 0, &param)
+            });
+            if let Ok(true) = self.track(token, posted, ReqKind::Other, bye.clone()) {
+                tokens.push(token);
+            }
+        }
+        let until = Instant::now() + Duration::from_millis(GOODBYE_MS);
+        while Instant::now() < until && tokens.iter().any(|t| self.requests.contains_key(t)) {
+            self.worker.progress();
+            self.drain();
+        }
+    }
+
     /// Fail everything, close every endpoint, wait (bounded) for UCX to return the requests.
     fn shutdown(&mut self) {
         let live: Vec<u64> = self.xfers.keys().copied().collect();
         for xfer in &live {
             self.fail(*xfer, ReasonCode::SHUTDOWN, "plugin shutting down".into());
         }
+        self.say_goodbye();
         let peers: Vec<PeerId> = self.peers.keys().copied().collect();
         for peer in peers {
             self.drop_peer(peer, "plugin shutting down", false);
@@ -696,7 +767,7 @@ impl Engine {
             let closes_done = self
                 .requests
                 .iter()
-                .filter(|(_, r)| matches!(r.kind, ReqKind::Other))
+                .filter(|(_, r)| matches!(r.kind, ReqKind::Other | ReqKind::Close { .. }))
                 .all(|(_, r)| unsafe { kvgate_ucx_sys::ucp_request_check_status(r.request) } != ucs_status_t::UCS_INPROGRESS);
             if closes_done && self.xfers.values().all(|x| x.posted == 0) && self.receiver.borrow().pending_receives() == 0 {
                 break;
@@ -709,16 +780,31 @@ impl Engine {
             if let Some(x) = self.xfers.get_mut(&xfer) {
                 x.awaiting_reply = false;
                 x.flush_done = true;
+                x.closing = false;
                 x.posted = 0;
             }
             self.maybe_finish(xfer);
         }
+        // UCX must get every request back before the worker is destroyed; one still in progress is
+        // released by UCX itself when it completes.
         for (_, req) in self.requests.drain() {
-            if unsafe { kvgate_ucx_sys::ucp_request_check_status(req.request) } != ucs_status_t::UCS_INPROGRESS {
-                ucp::request_free(req.request);
-            }
+            ucp::request_free(req.request);
+        }
+        for request in self.receiver.borrow().pending_requests() {
+            ucp::request_free(request);
         }
         self.shared.healthy.store(false, Ordering::Release);
+    }
+}
+
+/// The reason for a failed UCX operation: the connection's death is the peer's loss.
+fn reason_for(status: ucs_status_t) -> ReasonCode {
+    match status {
+        ucs_status_t::UCS_ERR_CONNECTION_RESET
+        | ucs_status_t::UCS_ERR_ENDPOINT_TIMEOUT
+        | ucs_status_t::UCS_ERR_UNREACHABLE
+        | ucs_status_t::UCS_ERR_NOT_CONNECTED => ReasonCode::PEER_LOST,
+        _ => ReasonCode::TRANSPORT_ERROR,
     }
 }
 
@@ -736,6 +822,7 @@ impl Outgoing {
             any_put_posted: false,
             terminal: false,
             unquiesced: false,
+            closing: false,
         }
     }
 }

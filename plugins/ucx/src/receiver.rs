@@ -76,6 +76,8 @@ pub struct Receiver {
     /// Replies to send once progress returns: (endpoint, header).
     pub replies: Vec<(ucp_ep_h, ReplyHeader)>,
     pub notices: Vec<SenderNotice>,
+    /// Instances that said goodbye (shut down).
+    pub byes: Vec<u64>,
 }
 
 impl Receiver {
@@ -88,6 +90,7 @@ impl Receiver {
             next_token: 1,
             replies: Vec::new(),
             notices: Vec::new(),
+            byes: Vec::new(),
         }
     }
 
@@ -405,6 +408,20 @@ pub unsafe extern "C" fn am_reply(
 ) -> ucs_status_t {
     if let (Some(header), Some(mut receiver)) = (ReplyHeader::decode(header_bytes(header, header_length)), receiver_of(arg)) {
         receiver.notices.push(SenderNotice { xfer: header.xfer, code: header.code });
+    }
+    ucs_status_t::UCS_OK
+}
+
+pub unsafe extern "C" fn am_bye(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: usize,
+    _data: *mut c_void,
+    _length: usize,
+    _param: *const sys::ucp_am_recv_param_t,
+) -> ucs_status_t {
+    if let (Some(instance), Some(mut receiver)) = (crate::wire::decode_bye(header_bytes(header, header_length)), receiver_of(arg)) {
+        receiver.byes.push(instance);
     }
     ucs_status_t::UCS_OK
 }

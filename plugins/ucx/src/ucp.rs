@@ -212,14 +212,26 @@ impl Worker {
 
     /// Create an endpoint to a worker address; never waits for the network. `err_arg` comes back in
     /// `err_cb` when the peer fails.
-    pub fn connect(&self, address: &[u8], err_cb: sys::ucp_err_handler_cb_t, err_arg: u64) -> Result<ucp_ep_h, UcxError> {
+    /// `peer_failure_handling` asks UCX for peer-failure detection (`UCP_ERR_HANDLING_MODE_PEER`);
+    /// UCX 1.13's shared-memory transports cannot provide it.
+    pub fn connect(
+        &self,
+        address: &[u8],
+        peer_failure_handling: bool,
+        err_cb: sys::ucp_err_handler_cb_t,
+        err_arg: u64,
+    ) -> Result<ucp_ep_h, UcxError> {
         let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = (sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
             | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
             | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLER)
             .0 as u64;
         params.address = address.as_ptr() as *const sys::ucp_address_t;
-        params.err_mode = sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER;
+        params.err_mode = if peer_failure_handling {
+            sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_PEER
+        } else {
+            sys::ucp_err_handling_mode_t::UCP_ERR_HANDLING_MODE_NONE
+        };
         params.err_handler = sys::ucp_err_handler_t { cb: err_cb, arg: err_arg as *mut c_void };
         let mut ep = std::ptr::null_mut();
         check("ucp_ep_create", unsafe { sys::ucp_ep_create(self.raw, &params, &mut ep) })?;
@@ -284,9 +296,11 @@ pub fn recv_am_param(cb: sys::ucp_am_recv_data_nbx_callback_t, user_data: u64, m
     param
 }
 
-/// Start closing an endpoint by force (pending operations complete with an error).
-pub fn close_ep_force(ep: ucp_ep_h, cb: sys::ucp_send_nbx_callback_t, user_data: u64) -> Posted {
-    let param = send_param(cb, user_data, sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0, std::ptr::null_mut());
+/// Start closing an endpoint: by force (pending operations complete with an error; only for
+/// endpoints with peer-failure handling), or by flushing what is outstanding.
+pub fn close_ep(ep: ucp_ep_h, force: bool, cb: sys::ucp_send_nbx_callback_t, user_data: u64) -> Posted {
+    let flags = if force { sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0 } else { 0 };
+    let param = send_param(cb, user_data, flags, std::ptr::null_mut());
     classify(unsafe { sys::ucp_ep_close_nbx(ep, &param) })
 }
 

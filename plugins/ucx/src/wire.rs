@@ -11,6 +11,16 @@ pub const AM_DATA: u32 = 0x4b56_0001;
 pub const AM_COMMIT: u32 = 0x4b56_0002;
 pub const AM_CANCEL: u32 = 0x4b56_0003;
 pub const AM_REPLY: u32 = 0x4b56_0004;
+/// Sent to every peer by a shutting-down instance (header: its instance id) so peers fail fast.
+pub const AM_BYE: u32 = 0x4b56_0005;
+
+pub fn encode_bye(instance: u64) -> Vec<u8> {
+    instance.to_le_bytes().to_vec()
+}
+
+pub fn decode_bye(bytes: &[u8]) -> Option<u64> {
+    Some(u64::from_le_bytes(bytes.try_into().ok()?))
+}
 
 fn take_u64(bytes: &[u8], at: usize) -> Option<u64> {
     bytes.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()))

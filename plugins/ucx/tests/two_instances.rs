@@ -1,0 +1,255 @@
+//! Two UCX plugin instances in one process, over UCX TCP (loopback) and shared memory: data
+//! integrity, receiver enforcement, cancel then quiesced, timeouts, peer shutdown, resource baselines.
+//! Every wait is bounded (support::WAIT_LIMIT); a stuck plugin fails the test instead of hanging it.
+
+mod support;
+
+use kvgate_abi::sdk::Plugin;
+use kvgate_abi::*;
+use support::*;
+use std::time::{Duration, Instant};
+
+const LONG: Duration = Duration::from_secs(30);
+
+/// Sizes from the contract, each at an unaligned offset on both sides.
+fn data_integrity(config: &str) {
+    let (a, b) = pair(config);
+    let sizes = [0usize, 1, 4095, 64 << 10, 1 << 20, 4 << 20];
+    let total: usize = sizes.iter().map(|s| s + 7).sum();
+    let src = buffer(&a, total + 64, 0x5eed_0001);
+    let dst = buffer(&b, total + 64, 0x5eed_0002);
+    let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+    let (mut src_off, mut dst_off) = (3u64, 5u64);
+    for (i, &size) in sizes.iter().enumerate() {
+        let xfer = 1000 + i as u64;
+        let ticket = 5000 + i as u64;
+        expect(&b, ticket, PEER_A, LONG, &[LocalRange { key: dst.key, offset: dst_off, len: size as u64 }]);
+        let seg = Segment { local: src.key, local_offset: src_off, remote, remote_offset: dst_off, len: size as u64 };
+        submit(&a, xfer, PEER_B, ticket, LONG, &[seg]).unwrap();
+        let done = a.log.terminal_of(XferId(xfer), WAIT_LIMIT);
+        assert_eq!(done.kind, EventKind::SUCCEEDED, "size {size}: {done:?}");
+        assert_eq!(done.bytes, size as u64);
+        let s = &src.bytes[src_off as usize..src_off as usize + size];
+        let d = &dst.bytes[dst_off as usize..dst_off as usize + size];
+        assert_eq!(checksum(s), checksum(d), "size {size}: checksum differs");
+        b.plugin.cancel_incoming(PEER_A, Ticket(ticket));
+        src_off += size as u64 + 7;
+        dst_off += size as u64 + 7;
+    }
+    // Bytes outside every destination range stay untouched.
+    let untouched = random_bytes(dst.bytes.len(), 0x5eed_0002);
+    assert_eq!(&dst.bytes[..5], &untouched[..5]);
+    assert_eq!(&dst.bytes[dst_off as usize..], &untouched[dst_off as usize..]);
+    baseline(&a, &b);
+}
+
+/// A scatter-gather list of thousands of odd-sized segments, reversed on the destination side.
+fn scatter_gather(config: &str) {
+    let (a, b) = pair(config);
+    let count = 4000u64;
+    let seg_len = 37u64;
+    let src = buffer(&a, (count * seg_len) as usize, 11);
+    let dst = buffer(&b, (count * seg_len) as usize + 1, 12);
+    let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+    let segments: Vec<Segment> = (0..count)
+        .map(|i| Segment { local: src.key, local_offset: i * seg_len, remote, remote_offset: 1 + (count - 1 - i) * seg_len, len: seg_len })
+        .collect();
+    expect(&b, 77, PEER_A, LONG, &[LocalRange { key: dst.key, offset: 1, len: count * seg_len }]);
+    submit(&a, 1, PEER_B, 77, LONG, &segments).unwrap();
+    let done = a.log.terminal_of(XferId(1), WAIT_LIMIT);
+    assert_eq!(done.kind, EventKind::SUCCEEDED, "{done:?}");
+    for i in 0..count as usize {
+        let s = &src.bytes[i * seg_len as usize..][..seg_len as usize];
+        let d = &dst.bytes[1 + (count as usize - 1 - i) * seg_len as usize..][..seg_len as usize];
+        assert_eq!(s, d, "segment {i}");
+    }
+    b.plugin.cancel_incoming(PEER_A, Ticket(77));
+    baseline(&a, &b);
+}
+
+/// Cancel right after submit: exactly one terminal event, then quiesced (flag or event), and the
+/// stats return to their baseline.
+fn cancel_then_quiesced(config: &str) {
+    let (a, b) = pair(config);
+    let len = 32usize << 20;
+    let src = buffer(&a, len, 1);
+    let dst = buffer(&b, len, 2);
+    let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+    expect(&b, 9, PEER_A, LONG, &[LocalRange { key: dst.key, offset: 0, len: len as u64 }]);
+    for round in 0..5u64 {
+        let xfer = 300 + round;
+        let seg = Segment { local: src.key, local_offset: 0, remote, remote_offset: 0, len: len as u64 };
+        submit(&a, xfer, PEER_B, 9, LONG, &[seg]).unwrap();
+        a.plugin.cancel(XferId(xfer));
+        a.plugin.cancel(XferId(xfer)); // double cancel is harmless
+        let end = a.log.terminal_of(XferId(xfer), WAIT_LIMIT);
+        // A transfer that finished before the cancel was seen may succeed; otherwise it is cancelled.
+        assert!(
+            end.kind == EventKind::SUCCEEDED || end.reason == ReasonCode::CANCELLED,
+            "round {round}: {end:?}"
+        );
+        if end.kind == EventKind::FAILED && end.flags & event_flags::QUIESCED == 0 {
+            a.log.wait_for(WAIT_LIMIT, "quiesced after cancel", |e| e.kind == EventKind::QUIESCED && e.xfer == XferId(xfer) && !e.is_incoming());
+        }
+        assert_eq!(a.log.count(|e| e.is_terminal() && e.xfer == XferId(xfer)), 1, "exactly one terminal event");
+    }
+    a.plugin.cancel(XferId(123_456)); // unknown id: ignored
+    b.plugin.cancel_incoming(PEER_A, Ticket(9));
+    if b.plugin.info().capabilities.flags & cap_flags::RECEIVER_ENFORCED != 0 {
+        b.log.wait_for(WAIT_LIMIT, "incoming quiesced", |e| e.kind == EventKind::QUIESCED && e.is_incoming() && e.xfer == XferId(9));
+    }
+    baseline(&a, &b);
+}
+
+/// Receiver enforcement (AM mode): a write under an unknown ticket or outside the ticket's ranges
+/// fails at the sender with the receiver's reason, and the receiver reports it.
+fn receiver_refuses(config: &str) {
+    let (a, b) = pair(config);
+    assert_ne!(a.plugin.info().capabilities.flags & cap_flags::RECEIVER_ENFORCED, 0);
+    let src = buffer(&a, 1 << 20, 3);
+    let dst = buffer(&b, 1 << 20, 4);
+    let before = dst.bytes.clone();
+    let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+    for (xfer, len) in [(1u64, 100u64), (2, 512 << 10)] {
+        let seg = Segment { local: src.key, local_offset: 0, remote, remote_offset: 0, len };
+        submit(&a, xfer, PEER_B, 4242, LONG, &[seg]).unwrap();
+        let end = a.log.terminal_of(XferId(xfer), WAIT_LIMIT);
+        assert_eq!((end.kind, end.reason), (EventKind::FAILED, ReasonCode::NOT_EXPECTED), "{end:?}");
+    }
+    b.log.wait_for(WAIT_LIMIT, "incoming_failed", |e| e.kind == EventKind::INCOMING_FAILED && e.reason == ReasonCode::NOT_EXPECTED);
+    expect(&b, 7, PEER_A, LONG, &[LocalRange { key: dst.key, offset: 0, len: 1000 }]);
+    for (xfer, len) in [(3u64, 1001u64), (4, 256 << 10)] {
+        let seg = Segment { local: src.key, local_offset: 0, remote, remote_offset: 0, len };
+        submit(&a, xfer, PEER_B, 7, LONG, &[seg]).unwrap();
+        let end = a.log.terminal_of(XferId(xfer), WAIT_LIMIT);
+        assert_eq!((end.kind, end.reason), (EventKind::FAILED, ReasonCode::OUT_OF_RANGE), "{end:?}");
+    }
+    assert!(dst.bytes == before, "a refused write changed the destination");
+    b.plugin.cancel_incoming(PEER_A, Ticket(7));
+    baseline(&a, &b);
+}
+
+/// A peer whose worker never progresses: the transfer ends with TIMEOUT by its own `timeout_ns`,
+/// and quiesces once the endpoint is closed after `quiesce_timeout_ms`.
+fn timeout_against_frozen_peer(config: &str) {
+    use kvgate_plugin_ucx::{ucp, wire};
+    let config = &format!("{config}quiesce_timeout_ms = 500\n");
+    let a = open(config);
+    let parsed = kvgate_plugin_ucx::UcxConfig::parse(config).unwrap();
+    let mut ucx_config = ucp::Config::read().unwrap();
+    for (name, value, _) in parsed.ucx_settings() {
+        ucx_config.modify(&name, &value).unwrap();
+    }
+    let context = ucp::Context::new(&ucx_config).unwrap();
+    let frozen = ucp::Worker::new(&context).unwrap();
+    let mut target = vec![0u8; 8 << 20];
+    let map = context.map(target.as_mut_ptr() as u64, target.len() as u64).unwrap();
+    let endpoint = wire::EndpointBytes { instance: 0xf00d, worker_address: frozen.address().unwrap() }.encode();
+    a.plugin.connect(PEER_B, &endpoint).unwrap();
+    let rkey = wire::RemoteKeyBytes { owner_instance: 0xf00d, region: 1, addr: target.as_ptr() as u64, len: target.len() as u64, packed_rkey: map.packed_rkey.clone() };
+    let remote = a.plugin.import_remote_key(PEER_B, &rkey.encode()).unwrap();
+    let src = buffer(&a, 8 << 20, 5);
+    let seg = Segment { local: src.key, local_offset: 0, remote, remote_offset: 0, len: 8 << 20 };
+    let started = Instant::now();
+    submit(&a, 1, PEER_B, 1, Duration::from_millis(200), &[seg]).unwrap();
+    let end = a.log.terminal_of(XferId(1), WAIT_LIMIT);
+    let elapsed = started.elapsed();
+    assert_eq!((end.kind, end.reason), (EventKind::FAILED, ReasonCode::TIMEOUT), "{end:?}");
+    assert!(elapsed >= Duration::from_millis(200), "timed out early: {elapsed:?}");
+    let down = a.log.wait_for(WAIT_LIMIT, "peer_down after quiesce_timeout_ms", |e| e.kind == EventKind::PEER_DOWN);
+    assert_eq!(down.reason, ReasonCode::PEER_LOST);
+    if parsed.shared_memory_only() {
+        // No peer-failure handling on UCX 1.13 shared memory: the endpoint cannot be closed by force,
+        // so the plugin cannot promise that nothing lands until it shuts down.
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(a.log.count(|e| e.kind == EventKind::QUIESCED), 0);
+        assert_eq!(a.plugin.stats().unquiesced_transfers, 1);
+        a.plugin.shutdown();
+        a.log.wait_for(WAIT_LIMIT, "quiesced at shutdown", |e| e.kind == EventKind::QUIESCED && e.xfer == XferId(1));
+    } else {
+        if end.flags & event_flags::QUIESCED == 0 {
+            a.log.wait_for(WAIT_LIMIT, "quiesced after endpoint close", |e| e.kind == EventKind::QUIESCED && e.xfer == XferId(1));
+        }
+        wait_stats(&a, "nothing live", |s| s.live_transfers == 0 && s.unquiesced_transfers == 0);
+        a.plugin.shutdown();
+    }
+    drop(map);
+    drop(frozen);
+    drop(target);
+}
+
+/// The receiver shuts down mid-stream: the sender's transfers fail with PEER_LOST (or TIMEOUT if the
+/// transport noticed nothing) and the sender reports PEER_DOWN.
+fn peer_shutdown(config: &str) {
+    let (a, b) = pair(config);
+    let len = 16usize << 20;
+    let src = buffer(&a, len, 1);
+    let dst = buffer(&b, len, 2);
+    let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+    expect(&b, 1, PEER_A, LONG, &[LocalRange { key: dst.key, offset: 0, len: len as u64 }]);
+    // Warm up, then shut the receiver down while transfers are queued.
+    let seg = Segment { local: src.key, local_offset: 0, remote, remote_offset: 0, len: len as u64 };
+    submit(&a, 1, PEER_B, 1, LONG, &[seg]).unwrap();
+    assert_eq!(a.log.terminal_of(XferId(1), WAIT_LIMIT).kind, EventKind::SUCCEEDED);
+    b.plugin.shutdown();
+    assert_eq!(b.plugin.stats().healthy, 0);
+    let started = Instant::now();
+    let mut failed = 0;
+    for xfer in 2..6u64 {
+        match submit(&a, xfer, PEER_B, 1, Duration::from_secs(10), &[seg]) {
+            Ok(()) => {
+                let end = a.log.terminal_of(XferId(xfer), WAIT_LIMIT);
+                assert_eq!(end.kind, EventKind::FAILED, "{end:?}");
+                assert_eq!(end.reason, ReasonCode::PEER_LOST, "{end:?}");
+                failed += 1;
+            }
+            Err(e) => assert_eq!(e.code, ReasonCode::PEER_LOST, "{e}"),
+        }
+    }
+    let down = a.log.wait_for(WAIT_LIMIT, "peer_down", |e| e.kind == EventKind::PEER_DOWN && e.peer == PEER_B);
+    assert_eq!(down.reason, ReasonCode::PEER_LOST);
+    let elapsed = started.elapsed();
+    assert!(elapsed < Duration::from_secs(10), "peer loss took {elapsed:?} (failed {failed} in flight)");
+    wait_stats(&a, "nothing live", |s| s.live_transfers == 0 && s.unquiesced_transfers == 0);
+    a.plugin.shutdown();
+}
+
+/// Every counter back to its baseline once regions, keys and peers are released.
+fn baseline(a: &Side, b: &Side) {
+    for side in [a, b] {
+        wait_stats(side, "no live transfers or tickets", |s| s.live_transfers == 0 && s.unquiesced_transfers == 0 && s.live_tickets == 0);
+        side.plugin.shutdown();
+        let s = side.plugin.stats();
+        assert_eq!((s.registered_regions, s.registered_bytes, s.imported_remote_keys, s.workers_alive), (0, 0, 0, 0), "{s:?}");
+    }
+}
+
+macro_rules! per_transport {
+    ($($name:ident),*) => {
+        mod tcp { $( #[test] fn $name() { super::$name(&super::tcp_config()); } )* }
+        mod sm_put { $( #[test] fn $name() { super::$name(&super::sm_config()); } )* }
+        mod sm_am { $( #[test] fn $name() { super::$name(&super::sm_am_config()); } )* }
+    };
+}
+
+per_transport!(data_integrity, scatter_gather, cancel_then_quiesced, peer_shutdown);
+
+#[test]
+fn tcp_receiver_refuses() {
+    receiver_refuses(&tcp_config());
+}
+
+#[test]
+fn sm_am_receiver_refuses() {
+    receiver_refuses(&sm_am_config());
+}
+
+#[test]
+fn tcp_timeout_against_frozen_peer() {
+    timeout_against_frozen_peer(&tcp_config());
+}
+
+#[test]
+fn sm_am_timeout_against_frozen_peer() {
+    timeout_against_frozen_peer(&sm_am_config());
+}
