@@ -104,11 +104,23 @@ impl Buffer {
         let boxed = vec![0u8; len.max(1)].into_boxed_slice();
         Buffer { ptr: Box::into_raw(boxed) as *mut u8, len }
     }
+    /// Random bytes: fully random up to 8 MiB; past that a random 1 MiB tile repeats (big buffers only
+    /// serve to keep a transfer busy, and filling them byte by byte is slow in debug builds).
     pub fn random(len: usize, seed: u64) -> Buffer {
+        const FULLY_RANDOM_BYTES: usize = 8 << 20;
+        const TILE_BYTES: usize = 1 << 20;
         let b = Buffer::zeroed(len);
-        let mut data = vec![0u8; len];
+        let mut data = vec![0u8; len.min(FULLY_RANDOM_BYTES)];
+        if len > FULLY_RANDOM_BYTES {
+            data.truncate(TILE_BYTES);
+        }
         fill_random(&mut data, seed);
-        b.write(0, &data);
+        let mut offset = 0;
+        while offset < len {
+            let n = data.len().min(len - offset);
+            b.write(offset, &data[..n]);
+            offset += n;
+        }
         b
     }
     pub fn len(&self) -> usize {
