@@ -187,7 +187,7 @@ impl Engine {
         match command {
             Command::Connect { peer, worker_address } => self.connect(peer, &worker_address),
             Command::Disconnect { peer } => {
-                self.drop_peer(peer, "peer disconnected by the host", false);
+                self.drop_peer(peer, "peer disconnected by the host", false, false);
             }
             Command::Submit(job) => self.start(job),
             Command::Cancel(xfer) => self.fail(xfer.0, ReasonCode::CANCELLED, "cancelled by the host".into()),
@@ -199,7 +199,7 @@ impl Engine {
 
     fn connect(&mut self, peer: PeerId, address: &[u8]) {
         if self.peers.contains_key(&peer) {
-            self.drop_peer(peer, "peer reconnected (new incarnation)", false);
+            self.drop_peer(peer, "peer reconnected (new incarnation)", false, false);
         }
         let token = self.token();
         let try_peer_mode = !self.shared.config.shared_memory_only();
@@ -226,7 +226,8 @@ impl Engine {
 
     /// Fail every transfer to `peer` with `PEER_LOST`, close its endpoint (by force where UCX allows)
     /// and forget it. Its transfers quiesce once the close completes: nothing more can land then.
-    fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool) {
+    /// `peer_gone`: the peer said goodbye or UCX declared it dead, so closing by force cannot upset it.
+    fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool, peer_gone: bool) {
         let victims: Vec<u64> = self.xfers.iter().filter(|(_, x)| x.job.peer == peer).map(|(id, _)| *id).collect();
         for xfer in &victims {
             if let Some(x) = self.xfers.get_mut(xfer) {
@@ -244,7 +245,8 @@ impl Engine {
                 ucp::rkey_destroy(rkey);
             }
             let token = self.token();
-            match ucp::close_ep(conn.ep, conn.peer_failure_handling, Some(receiver::send_done), token) {
+            let force = conn.peer_failure_handling || peer_gone;
+            match ucp::close_ep(conn.ep, force, Some(receiver::send_done), token) {
                 Posted::Pending(request) => {
                     closed_at_once = false;
                     let kind = ReqKind::Close { xfers: victims.clone() };
@@ -582,7 +584,7 @@ impl Engine {
                     p.down = true;
                 }
                 if self.peers.contains_key(&peer) {
-                    self.drop_peer(peer, &format!("peer {} shut down", peer.0), true);
+                    self.drop_peer(peer, &format!("peer {} shut down", peer.0), true, true);
                 }
             }
         }
@@ -599,7 +601,7 @@ impl Engine {
                     p.down = true;
                 }
                 let why = format!("UCX endpoint to peer {} failed: {}", peer.0, ucp::status_text(status));
-                self.drop_peer(peer, &why, true);
+                self.drop_peer(peer, &why, true, true);
             }
         }
         for notice in notices {
@@ -692,7 +694,7 @@ impl Engine {
                 if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
                     p.down = true;
                 }
-                self.drop_peer(peer, &why, true);
+                self.drop_peer(peer, &why, true, false);
             }
         }
     }
@@ -758,7 +760,7 @@ impl Engine {
         self.say_goodbye();
         let peers: Vec<PeerId> = self.peers.keys().copied().collect();
         for peer in peers {
-            self.drop_peer(peer, "plugin shutting down", false);
+            self.drop_peer(peer, "plugin shutting down", false, false);
         }
         let until = Instant::now() + Duration::from_millis(SHUTDOWN_DRAIN_MS);
         while Instant::now() < until {
