@@ -18,11 +18,36 @@ fn io_error(code: ReasonCode, what: String, e: std::io::Error) -> PluginError {
     PluginError::new(code, format!("{what}: {e}"))
 }
 
-/// Size of the file at `path`, or why it cannot be opened.
-pub fn backing_file_len(path: &str) -> Result<u64, PluginError> {
-    let meta = std::fs::metadata(path)
-        .map_err(|e| io_error(ReasonCode::INVALID_ARGUMENT, format!("backing file {path:?}"), e))?;
+/// tmpfs (`/dev/shm`, memfd) and hugetlbfs: the only file systems whose files are plain shared memory.
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+/// Refuse anything but a regular file on tmpfs or hugetlbfs, so a peer's key can never make this
+/// process write into a file on disk (`/etc/passwd`, a model checkpoint...).
+pub fn check_shared_memory_file(file: &File, path: &str, refusal: ReasonCode) -> Result<u64, PluginError> {
+    let meta = file.metadata().map_err(|e| io_error(refusal, format!("fstat {path:?}"), e))?;
+    if !meta.is_file() {
+        return Err(PluginError::new(refusal, format!("{path:?} is not a regular file")));
+    }
+    // SAFETY: fstatfs writes into the zeroed struct we own; the fd is open for the whole call.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) } != 0 {
+        return Err(io_error(refusal, format!("fstatfs {path:?}"), std::io::Error::last_os_error()));
+    }
+    let fs_type = fs.f_type as i64;
+    if fs_type != TMPFS_MAGIC && fs_type != HUGETLBFS_MAGIC {
+        return Err(PluginError::new(
+            refusal,
+            format!("{path:?} is not shared memory (tmpfs such as /dev/shm, a memfd, or hugetlbfs); file system type {fs_type:#x}"),
+        ));
+    }
     Ok(meta.len())
+}
+
+/// Size of the shared-memory file at `path`, or why it cannot back a region.
+pub fn backing_file_len(path: &str) -> Result<u64, PluginError> {
+    let file = File::open(path).map_err(|e| io_error(ReasonCode::INVALID_ARGUMENT, format!("backing file {path:?}"), e))?;
+    check_shared_memory_file(&file, path, ReasonCode::INVALID_ARGUMENT)
 }
 
 /// A peer's region mapped writable (`MAP_SHARED`) into this process.
@@ -48,10 +73,7 @@ impl PeerMapping {
             .write(true)
             .open(path)
             .map_err(|e| io_error(ReasonCode::UNKNOWN_KEY, format!("cannot open peer region file {path:?}"), e))?;
-        let file_len = file
-            .metadata()
-            .map_err(|e| io_error(ReasonCode::TRANSPORT_ERROR, format!("fstat {path:?}"), e))?
-            .len();
+        let file_len = check_shared_memory_file(&file, path, ReasonCode::INVALID_ARGUMENT)?;
         let end = offset.checked_add(len).filter(|&end| end <= file_len).ok_or_else(|| {
             PluginError::new(
                 ReasonCode::OUT_OF_RANGE,

@@ -16,6 +16,13 @@ fn assert_refused(pair: &Pair, dst: &kvgate_plugin_shm::SharedRegion, code: Reas
     assert_eq!((pair.sender.stats(), pair.sender.events.all().len(), checksum(dst.as_slice())), before);
 }
 
+/// A file on disk (in the target directory, next to this test binary), which is not shared memory.
+fn disk_file(tag: &str) -> std::path::PathBuf {
+    let path = std::env::current_exe().unwrap().with_file_name(format!("kvgate-shm-disk-file-{tag}-{}", std::process::id()));
+    std::fs::write(&path, vec![0u8; 16384]).unwrap();
+    path
+}
+
 #[test]
 fn segments_are_checked_against_both_regions_before_any_byte_moves() {
     let pair = Pair::new("");
@@ -108,6 +115,7 @@ fn unservable_or_malformed_regions_are_refused_at_register() {
     let i = Instance::open("");
     let r = region(8192);
     let good = r.desc();
+    let disk_file: kvgate_abi::abi_stable::std_types::RString = disk_file("register").to_string_lossy().into_owned().into();
     let cases = [
         (ReasonCode::UNSUPPORTED_MEMORY, RegionDesc { kind: MemoryKind::CUDA_DEVICE, device: 0, ..good.clone() }),
         (ReasonCode::UNSUPPORTED_MEMORY, RegionDesc { kind: MemoryKind(99), ..good.clone() }),
@@ -116,6 +124,8 @@ fn unservable_or_malformed_regions_are_refused_at_register() {
         (ReasonCode::INVALID_ARGUMENT, RegionDesc { backing_path: "".into(), ..good.clone() }),
         (ReasonCode::INVALID_ARGUMENT, RegionDesc { backing_path: "relative/file".into(), ..good.clone() }),
         (ReasonCode::INVALID_ARGUMENT, RegionDesc { backing_path: "/nonexistent/kvgate/file".into(), ..good.clone() }),
+        (ReasonCode::INVALID_ARGUMENT, RegionDesc { backing_path: disk_file.clone(), ..good.clone() }),
+        (ReasonCode::INVALID_ARGUMENT, RegionDesc { backing_path: "/dev/shm".into(), ..good.clone() }),
         (ReasonCode::OUT_OF_RANGE, RegionDesc { len: 8193, ..good.clone() }),
         (ReasonCode::OUT_OF_RANGE, RegionDesc { backing_offset: 1, ..good.clone() }),
     ];
@@ -124,6 +134,7 @@ fn unservable_or_malformed_regions_are_refused_at_register() {
         assert_eq!(e.code, code, "{desc:?}: {e}");
     }
     assert_eq!(i.stats().registered_regions, 0);
+    std::fs::remove_file(disk_file.as_str()).unwrap();
     ok(i.transport.register(&RegionDesc { backing_offset: 4096, len: 4096, ..good }));
     assert_eq!(i.stats().registered_bytes, 4096);
 }
@@ -149,6 +160,18 @@ fn endpoints_and_keys_are_checked() {
     ok(t.connect(RECEIVER, RSlice::from_slice(&same)));
     assert_eq!(pair.sender.stats().imported_remote_keys, 1);
     t.release_remote_key(imported);
+    // A key naming a file that is not shared memory (a peer trying to make us write to disk).
+    let disk_file = disk_file("import");
+    let hostile = kvgate_plugin_shm::wire::RemoteKeyBytes {
+        nonce: kvgate_plugin_shm::wire::RemoteKeyBytes::decode(&key).unwrap().nonce,
+        region_id: 1,
+        backing_path: disk_file.to_string_lossy().into_owned(),
+        backing_offset: 0,
+        len: 1,
+    };
+    let e = err(t.import_remote_key(RECEIVER, RSlice::from_slice(&hostile.encode())));
+    assert!(e.code == ReasonCode::INVALID_ARGUMENT && e.message.contains("not shared memory"), "{e}");
+    std::fs::remove_file(&disk_file).unwrap();
     // A key whose file shrank below the region is refused at import.
     let src = region(4096);
     let mut desc = src.desc();
