@@ -21,12 +21,16 @@ fn big_pair(config: &str) -> (Pair, kvgate_plugin_shm::SharedRegion, kvgate_plug
     (pair, src, dst, segments)
 }
 
-/// Wait until the first destination byte changed: the copy is under way.
-fn wait_started(dst: &kvgate_plugin_shm::SharedRegion) {
+/// Wait until the first destination byte changed (the copy is under way) or transfer 1 already
+/// ended (a 1 ms timeout can fire before the first chunk on a loaded machine).
+fn wait_started(dst: &kvgate_plugin_shm::SharedRegion, events: &Recorder) {
     let deadline = std::time::Instant::now() + WAIT;
     while unsafe { std::ptr::read_volatile(dst.as_slice().as_ptr()) } == 0 {
+        if events.of(XferId(1)).iter().any(|e| e.is_terminal()) {
+            return;
+        }
         assert!(std::time::Instant::now() < deadline, "copy never started");
-        std::hint::spin_loop();
+        std::thread::yield_now();
     }
 }
 
@@ -42,13 +46,35 @@ fn assert_baseline(i: &Instance) {
     assert_eq!((s.live_transfers, s.unquiesced_transfers), (0, 0), "{s:?}");
 }
 
+/// Tries before giving up on catching a copy under way (on a loaded machine the test thread can
+/// be descheduled for longer than the whole copy takes).
+const ATTEMPTS: usize = 5;
+
+/// Submit a BIG transfer, wait until its copy is under way, then `act`; retried when the copy
+/// finished before `act` took effect. Returns the pair, the destination and the terminal event.
+fn act_mid_transfer(
+    config: &str,
+    timeout_ns: u64,
+    act: impl Fn(&Pair, &[kvgate_abi::Segment]),
+) -> (Pair, [kvgate_plugin_shm::SharedRegion; 2], Vec<kvgate_abi::Segment>, kvgate_abi::Event) {
+    for attempt in 1..=ATTEMPTS {
+        let (pair, src, dst, segments) = big_pair(config);
+        ok(pair.submit(1, timeout_ns, &segments));
+        wait_started(&dst, &pair.sender.events);
+        act(&pair, &segments);
+        let terminal = pair.sender.events.settled(XferId(1));
+        if terminal.kind == EventKind::SUCCEEDED && attempt < ATTEMPTS {
+            eprintln!("attempt {attempt}: the copy finished before the test acted; trying again");
+            continue;
+        }
+        return (pair, [src, dst], segments, terminal);
+    }
+    unreachable!()
+}
+
 #[test]
 fn cancel_mid_transfer_fails_then_quiesces_and_nothing_lands_after() {
-    let (pair, _src, dst, segments) = big_pair(SLOW);
-    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
-    wait_started(&dst);
-    pair.sender.transport.cancel(XferId(1));
-    let terminal = pair.sender.events.settled(XferId(1));
+    let (pair, [_src, dst], _, terminal) = act_mid_transfer(SLOW, NO_TIMEOUT_NS, |p, _| p.sender.transport.cancel(XferId(1)));
     assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::CANCELLED), "{terminal:?}");
     assert_destination_still(&dst);
     assert!(dst.as_slice()[BIG - 1] == 0, "the cancelled copy stopped before the end");
@@ -78,9 +104,7 @@ fn cancel_of_a_queued_transfer_fails_it_quiesced_at_once() {
 
 #[test]
 fn own_timeout_fails_a_running_transfer() {
-    let (pair, _src, dst, segments) = big_pair(SLOW);
-    ok(pair.submit(1, 5_000_000, &segments));
-    let terminal = pair.sender.events.settled(XferId(1));
+    let (pair, [_src, dst], _, terminal) = act_mid_transfer(SLOW, 1_000_000, |_, _| {});
     assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::TIMEOUT), "{terminal:?}");
     assert!(terminal.message.contains("timed out"), "{terminal:?}");
     assert_destination_still(&dst);
@@ -115,13 +139,11 @@ fn a_timeout_longer_than_the_copy_does_not_fire() {
 
 #[test]
 fn deregistering_the_source_fails_the_transfer_before_returning() {
-    let (pair, _src, dst, segments) = big_pair(SLOW);
-    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
-    wait_started(&dst);
-    ok(pair.sender.transport.deregister(segments[0].local));
-    // deregister returned: no worker reads the source any more.
-    assert_eq!(pair.sender.stats().unquiesced_transfers, 0);
-    let terminal = pair.sender.events.settled(XferId(1));
+    let (pair, [_src, dst], segments, terminal) = act_mid_transfer(SLOW, NO_TIMEOUT_NS, |p, segments| {
+        ok(p.sender.transport.deregister(segments[0].local));
+        // deregister returned: no worker reads the source any more.
+        assert_eq!(p.sender.stats().unquiesced_transfers, 0);
+    });
     assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::UNKNOWN_KEY));
     assert_destination_still(&dst);
     let e = err(pair.submit(2, NO_TIMEOUT_NS, &segments));
@@ -131,11 +153,7 @@ fn deregistering_the_source_fails_the_transfer_before_returning() {
 
 #[test]
 fn disconnect_fails_the_peers_transfers_and_drops_its_keys() {
-    let (pair, _src, dst, segments) = big_pair(SLOW);
-    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
-    wait_started(&dst);
-    pair.sender.transport.disconnect(RECEIVER);
-    let terminal = pair.sender.events.settled(XferId(1));
+    let (pair, [_src, dst], segments, terminal) = act_mid_transfer(SLOW, NO_TIMEOUT_NS, |p, _| p.sender.transport.disconnect(RECEIVER));
     assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::PEER_LOST));
     assert_destination_still(&dst);
     let s = pair.sender.stats();
@@ -145,11 +163,10 @@ fn disconnect_fails_the_peers_transfers_and_drops_its_keys() {
 
 #[test]
 fn shutdown_fails_live_transfers_joins_workers_and_releases_everything() {
-    let (pair, _src, dst, segments) = big_pair("workers = 2\nchunk_bytes = 65536");
-    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
-    ok(pair.submit(2, NO_TIMEOUT_NS, &segments));
-    wait_started(&dst);
-    pair.sender.transport.shutdown();
+    let (pair, [_src, dst], segments, _) = act_mid_transfer("workers = 2\nchunk_bytes = 65536", NO_TIMEOUT_NS, |p, segments| {
+        ok(p.submit(2, NO_TIMEOUT_NS, segments));
+        p.sender.transport.shutdown();
+    });
     // Everything is delivered before shutdown returns.
     for x in [1, 2] {
         let events = pair.sender.events.of(XferId(x));
@@ -200,11 +217,17 @@ fn stats_are_exact_and_return_to_baseline() {
 
 #[test]
 fn dropping_an_instance_shuts_it_down() {
-    let (pair, _src, dst, segments) = big_pair(SLOW);
-    ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
-    wait_started(&dst);
-    let events = std::sync::Arc::clone(&pair.sender.events);
-    drop(pair);
-    let terminal = events.settled(XferId(1));
-    assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::SHUTDOWN));
+    for attempt in 1..=ATTEMPTS {
+        let (pair, _src, dst, segments) = big_pair(SLOW);
+        ok(pair.submit(1, NO_TIMEOUT_NS, &segments));
+        wait_started(&dst, &pair.sender.events);
+        let events = std::sync::Arc::clone(&pair.sender.events);
+        drop(pair);
+        let terminal = events.settled(XferId(1));
+        if terminal.kind == EventKind::SUCCEEDED && attempt < ATTEMPTS {
+            continue;
+        }
+        assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::SHUTDOWN));
+        return;
+    }
 }
