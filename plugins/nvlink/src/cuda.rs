@@ -105,8 +105,27 @@ pub struct IpcMapping {
     pub len: u64,
 }
 
+/// Mappings open in this process, by (handle, device ordinal): CUDA maps an allocation once per
+/// context, and every instance of the plugin in a process shares the devices' primary contexts.
+static OPEN_MAPPINGS: std::sync::Mutex<Vec<(([u8; IPC_HANDLE_BYTES], u32), std::sync::Weak<IpcMapping>)>> =
+    std::sync::Mutex::new(Vec::new());
+
 impl IpcMapping {
-    pub fn open(ctx: &Arc<CudaContext>, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<IpcMapping, String> {
+    /// The mapping of `handle` in `ctx`, shared with every other holder in this process; opened on
+    /// first use, closed when the last holder drops it.
+    pub fn shared(ctx: &Arc<CudaContext>, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<Arc<IpcMapping>, String> {
+        let key = (*handle, ctx.ordinal() as u32);
+        let mut open = OPEN_MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
+        open.retain(|(_, weak)| weak.strong_count() > 0);
+        if let Some(found) = open.iter().find(|(k, _)| *k == key).and_then(|(_, weak)| weak.upgrade()) {
+            return Ok(found);
+        }
+        let mapping = Arc::new(IpcMapping::open(ctx, handle)?);
+        open.push((key, Arc::downgrade(&mapping)));
+        Ok(mapping)
+    }
+
+    fn open(ctx: &Arc<CudaContext>, handle: &[u8; IPC_HANDLE_BYTES]) -> Result<IpcMapping, String> {
         ctx.bind_to_thread().map_err(|e| driver_error("bind context", e))?;
         let raw = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
         let mut base: sys::CUdeviceptr = 0;

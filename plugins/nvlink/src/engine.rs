@@ -166,24 +166,22 @@ impl<B: CopyBackend> Engine<B> {
     /// fails the transfer; the errored copy counts as finished (the context is unusable after it).
     fn poll_fences(backend: &mut B, t: &mut Transfer<B::Fence>) -> bool {
         let mut changed = false;
-        let mut still = VecDeque::with_capacity(t.inflight.len());
-        while let Some(fence) = t.inflight.pop_front() {
-            match backend.poll(&fence) {
-                Ok(false) => still.push_back(fence),
-                Ok(true) => {
-                    backend.recycle(fence);
-                    changed = true;
-                }
-                Err(e) => {
-                    backend.recycle(fence);
-                    changed = true;
-                    if t.failure.is_none() && !t.terminal_sent {
-                        t.failure = Some((ReasonCode::TRANSPORT_ERROR, format!("nvlink: copy failed on the device: {e}")));
-                    }
+        let mut i = 0;
+        while i < t.inflight.len() {
+            let outcome = backend.poll(&t.inflight[i]);
+            if let Ok(false) = outcome {
+                i += 1;
+                continue;
+            }
+            let fence = t.inflight.remove(i).expect("index checked");
+            backend.recycle(fence);
+            changed = true;
+            if let Err(e) = outcome {
+                if t.failure.is_none() && !t.terminal_sent {
+                    t.failure = Some((ReasonCode::TRANSPORT_ERROR, format!("nvlink: copy failed on the device: {e}")));
                 }
             }
         }
-        t.inflight = still;
         changed
     }
 

@@ -140,17 +140,10 @@ impl NvlinkPlugin {
         self.devices.iter().map(|d| d.ordinal).collect()
     }
 
-    /// A mapping of `handle` in device `device_index`'s context, shared with earlier imports.
-    fn mapping(&self, st: &mut State, handle: &[u8; 64], device_index: usize) -> Result<Arc<IpcMapping>, PluginError> {
-        if let Some(m) = st.cached_mapping(handle, device_index) {
-            return Ok(m);
-        }
-        let m = IpcMapping::open(&self.devices[device_index].ctx, handle)
-            .map_err(|e| PluginError::new(ReasonCode::TRANSPORT_ERROR, format!("nvlink: {e}")))?;
-        let m = Arc::new(m);
-        st.mappings.retain(|_, w| w.strong_count() > 0);
-        st.mappings.insert((*handle, device_index), Arc::downgrade(&m));
-        Ok(m)
+    /// The mapping of `handle` in device `device_index`'s context (shared process-wide).
+    fn mapping(&self, handle: &[u8; 64], device_index: usize) -> Result<Arc<IpcMapping>, PluginError> {
+        IpcMapping::shared(&self.devices[device_index].ctx, handle)
+            .map_err(|e| PluginError::new(ReasonCode::TRANSPORT_ERROR, format!("nvlink: {e}")))
     }
 
     fn register_inner(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
@@ -185,7 +178,7 @@ impl NvlinkPlugin {
             }
             RegionSource::EngineHandle => {
                 let handle: [u8; 64] = region.ipc_handle.as_slice().try_into().expect("length checked");
-                let mapping = self.mapping(&mut st, &handle, plan.device_index)?;
+                let mapping = self.mapping(&handle, plan.device_index)?;
                 if !range_fits(region.backing_offset, region.len, mapping.len) {
                     return Err(err(
                         ReasonCode::OUT_OF_RANGE,
@@ -243,7 +236,7 @@ impl NvlinkPlugin {
                 ImportedKey { peer, addr: key.holder_addr, len: key.len, _mapping: None }
             }
             ImportRoute::OpenHandle { device_index } => {
-                let mapping = self.mapping(&mut st, &key.ipc_handle, device_index)?;
+                let mapping = self.mapping(&key.ipc_handle, device_index)?;
                 if !range_fits(key.offset_in_allocation, key.len, mapping.len) {
                     return Err(PluginError::new(
                         ReasonCode::OUT_OF_RANGE,
@@ -392,7 +385,6 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
         let mut st = self.shared.lock();
         if st.imported.remove(&key).is_some() {
             st.fail_users(None, Some(key), ReasonCode::UNKNOWN_KEY, "nvlink: a destination key was released");
-            st.mappings.retain(|_, w| w.strong_count() > 0);
             drop(st);
             self.shared.wake.notify_one();
         }
@@ -440,7 +432,6 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
         st.regions.clear();
         st.registered_bytes = 0;
         st.imported.clear();
-        st.mappings.clear();
         st.peers.clear();
         st.shut_down = true;
         tracing::info!("nvlink: shut down");

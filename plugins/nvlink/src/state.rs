@@ -4,10 +4,10 @@
 
 use crate::cuda::IpcMapping;
 use crate::engine::{EngineCounts, NewTransfer};
-use crate::wire::{EndpointWire, IPC_HANDLE_BYTES};
+use crate::wire::EndpointWire;
 use kvgate_abi::{LocalKey, PeerId, ReasonCode, RemoteKey, XferId};
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 /// A registered region.
 pub struct LocalRegion {
@@ -49,7 +49,6 @@ pub struct State {
     pub regions: HashMap<LocalKey, Arc<LocalRegion>>,
     pub registered_bytes: u64,
     pub imported: HashMap<RemoteKey, Arc<ImportedKey>>,
-    pub mappings: HashMap<([u8; IPC_HANDLE_BYTES], usize), Weak<IpcMapping>>,
     pub peers: HashMap<PeerId, EndpointWire>,
     /// Transfers submitted and not yet out of the engine (terminal and quiesced).
     pub live: HashMap<XferId, LiveTransfer>,
@@ -79,15 +78,5 @@ impl State {
         for xfer in users {
             self.controls.push(Control::Fail { xfer, reason, message: message.to_string() });
         }
-    }
-
-    /// A cached IPC mapping of `handle` in device `device_index`'s context, if still open.
-    pub fn cached_mapping(&mut self, handle: &[u8; IPC_HANDLE_BYTES], device_index: usize) -> Option<Arc<IpcMapping>> {
-        let key = (*handle, device_index);
-        let found = self.mappings.get(&key).and_then(Weak::upgrade);
-        if found.is_none() {
-            self.mappings.remove(&key);
-        }
-        found
     }
 }

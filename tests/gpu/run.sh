@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# tests/gpu/run.sh: the GPU check of the NVLink plugin, as one command.
+#
+# Needs: an NVIDIA GPU and its driver (libcuda; no CUDA toolkit), a Rust toolchain, and the crates
+# already in cargo's cache (it builds with --offline first; it only goes online if that fails, and
+# says so). Meant to finish in under 5 minutes on a fresh machine. Run from anywhere:
+#     tests/gpu/run.sh            # logs and reports under tests/gpu/out/ (or $OUT if set)
+# What it runs, in order (each step bounded by `timeout`, each result in the summary):
+#   1. build   : cargo build --release -p kvgate-plugin-nvlink -p kvgate-plugin-nvlink-so -p kvgate-conformance
+#   2. unit    : cargo test --release -p kvgate-plugin-nvlink            (the CPU tests, for reference)
+#   3. gpu     : cargo test --release -p kvgate-plugin-nvlink --test gpu -- --ignored --test-threads=1
+#                (real device memory, cancel/timeout/shutdown, and two processes on one GPU through
+#                CUDA IPC handles: the test re-runs itself as the child process)
+#   4. conform : target/release/kvgate-conformance --plugin target/release/libkvgate_nvlink.so --quick
+#                --json out/conformance.json   (the harness of tests/conformance, same as
+#                `kvgate conformance`; plugin config from tests/gpu/nvlink-conformance.toml)
+#   5. bench   : cargo bench -p kvgate-plugin-nvlink --bench nvlink_bandwidth
+#                (plugin vs raw cuMemcpyDtoD, same bytes, same run, 1..256 MiB; target ratio >= 0.90)
+# Exit status: 0 when every step passed, 1 otherwise. Without a GPU it stops at once with status 3.
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+OUT_DIR="${OUT:-$ROOT/tests/gpu/out}"
+mkdir -p "$OUT_DIR"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
+REL="$CARGO_TARGET_DIR/release"
+START=$(date +%s)
+declare -a SUMMARY=()
+FAILED=0
+
+log() { printf '[gpu-check %3ds] %s\n' "$(( $(date +%s) - START ))" "$*"; }
+
+# step NAME LIMIT_SECONDS COMMAND...: runs it with a bound, logs to $OUT_DIR/NAME.log, records the result.
+step() {
+    local name="$1" limit="$2"; shift 2
+    log "$name: $*"
+    timeout --signal=KILL "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    tail -n 40 "$OUT_DIR/$name.log"
+    if [ $rc -eq 0 ]; then SUMMARY+=("$name: passed"); else SUMMARY+=("$name: FAILED (exit $rc, log $OUT_DIR/$name.log)"); FAILED=1; fi
+    return $rc
+}
+
+# 0. Is there a GPU and a driver? (cudarc loads libcuda at run time; the toolkit is not needed.)
+# NVLINK_GPU_CHECK_FORCE=1 runs every step anyway (to check the script itself on a machine without a
+# GPU: the GPU steps then fail, as they must).
+if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so' && ! ls /usr/lib*/libcuda.so* /usr/lib/*/libcuda.so* >/dev/null 2>&1; then
+    if [ "${NVLINK_GPU_CHECK_FORCE:-0}" != 1 ]; then
+        log "DID NOT RUN: no libcuda on this machine (no NVIDIA driver). Nothing was checked."
+        exit 3
+    fi
+    log "no libcuda here, NVLINK_GPU_CHECK_FORCE=1: running anyway; the GPU steps will fail"
+fi
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+fi
+
+OFFLINE=--offline
+PACKAGES=(-p kvgate-plugin-nvlink -p kvgate-plugin-nvlink-so -p kvgate-conformance)
+if ! step build 240 cargo build --release $OFFLINE "${PACKAGES[@]}"; then
+    log "offline build failed (cargo cache incomplete?): retrying online, which needs network"
+    unset 'SUMMARY[${#SUMMARY[@]}-1]'; FAILED=0; OFFLINE=
+    step build 240 cargo build --release "${PACKAGES[@]}" \
+        || { log "build failed: stopping"; printf '  %s\n' "${SUMMARY[@]}"; exit 1; }
+fi
+step unit 120 cargo test --release $OFFLINE -p kvgate-plugin-nvlink
+step gpu 180 cargo test --release $OFFLINE -p kvgate-plugin-nvlink --test gpu -- --ignored --test-threads=1
+step conform 240 "$REL/kvgate-conformance" --plugin "$REL/libkvgate_nvlink.so" \
+    --config "$ROOT/tests/gpu/nvlink-conformance.toml" --quick --json "$OUT_DIR/conformance.json"
+# The harness exits 0 when nothing failed, also when every clause was unsupported: say so.
+CONFORM_LINE=$(grep -E '^[0-9]+ pass, [0-9]+ fail, [0-9]+ unsupported' "$OUT_DIR/conform.log" | tail -n 1)
+if [ -n "$CONFORM_LINE" ] && ! printf '%s' "$CONFORM_LINE" | grep -q ' 0 unsupported'; then
+    SUMMARY+=("conform: NOT COMPLETE: $CONFORM_LINE (unsupported clauses were not checked)"); FAILED=1
+fi
+step bench 180 cargo bench $OFFLINE -p kvgate-plugin-nvlink --bench nvlink_bandwidth
+
+log "summary (logs in $OUT_DIR):"
+printf '  %s\n' "${SUMMARY[@]}" | tee "$OUT_DIR/summary.txt"
+grep -E 'MiB|target' "$OUT_DIR/bench.log" 2>/dev/null | tee -a "$OUT_DIR/summary.txt"
+exit $FAILED
