@@ -20,7 +20,8 @@ pub struct NvlinkConfig {
     /// Chunks of one transfer queued on the GPU at once (bounds the bytes that still land after a
     /// cancel: this many chunks). Default 4, 1..=64.
     pub max_copies_in_flight_per_transfer: u32,
-    /// Live outgoing transfers; a submit past it fails with `RESOURCE_EXHAUSTED`. Default 4096, 1..=1_000_000.
+    /// Outgoing transfers submitted and not yet quiesced; a submit past it fails with
+    /// `RESOURCE_EXHAUSTED`. Default 4096, 1..=1_000_000.
     pub max_inflight_transfers: u64,
     /// Segments one submit may carry. Default 65536, 1..=16_777_216.
     pub max_segments_per_submit: u64,

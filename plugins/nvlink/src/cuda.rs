@@ -107,8 +107,10 @@ pub struct IpcMapping {
 
 /// Mappings open in this process, by (handle, device ordinal): CUDA maps an allocation once per
 /// context, and every instance of the plugin in a process shares the devices' primary contexts.
-static OPEN_MAPPINGS: std::sync::Mutex<Vec<(([u8; IPC_HANDLE_BYTES], u32), std::sync::Weak<IpcMapping>)>> =
-    std::sync::Mutex::new(Vec::new());
+static OPEN_MAPPINGS: std::sync::Mutex<Vec<(MappingKey, std::sync::Weak<IpcMapping>)>> = std::sync::Mutex::new(Vec::new());
+
+/// An IPC handle and the device ordinal of the context it is mapped in.
+type MappingKey = ([u8; IPC_HANDLE_BYTES], u32);
 
 impl IpcMapping {
     /// The mapping of `handle` in `ctx`, shared with every other holder in this process; opened on
@@ -204,6 +206,10 @@ impl CudaBackend {
 
 impl CopyBackend for CudaBackend {
     type Fence = CudaFence;
+
+    fn forget_peer(&mut self, peer: kvgate_abi::PeerId) {
+        CudaBackend::forget_peer(self, peer.0)
+    }
 
     fn issue(&mut self, op: &CopyOp, lane: Lane) -> Result<CudaFence, String> {
         let stream = self.stream(lane).map_err(|e| driver_error("create stream", e))?;

@@ -28,6 +28,8 @@ pub trait CopyBackend {
     fn poll(&mut self, fence: &Self::Fence) -> Result<bool, String>;
     /// Give back a fence that completed or failed.
     fn recycle(&mut self, fence: Self::Fence);
+    /// Drop per-peer resources (streams) of a peer that went away; copies already queued finish.
+    fn forget_peer(&mut self, _peer: PeerId) {}
 }
 
 /// A transfer as the engine receives it (already validated and planned).

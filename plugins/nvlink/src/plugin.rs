@@ -426,7 +426,12 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
         self.shared.wake.notify_all();
         let handle = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(handle) = handle {
-            let _ = handle.join(); // a worker panic was already reported as UNHEALTHY
+            if handle.thread().id() == std::thread::current().id() {
+                // Called from an event the worker delivers: it exits after this delivery round.
+                tracing::warn!("nvlink: shutdown called from the worker thread; not waiting for it");
+            } else {
+                let _ = handle.join(); // a worker panic was already reported as UNHEALTHY
+            }
         }
         let mut st = self.shared.lock();
         st.regions.clear();
