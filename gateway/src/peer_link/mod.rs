@@ -63,10 +63,10 @@ pub fn start_peer_links(
     };
     let mut incoming = HashMap::new();
     for peer in &config.peers {
+        // Every peer task keeps a live incoming channel (a closed one would read as shutdown); the
+        // server only hands over links from peers that dial us.
         let (session_tx, session_rx) = mpsc::channel(4);
-        if !dials(&identity.name, &peer.name) {
-            incoming.insert(peer.name.clone(), session_tx);
-        }
+        incoming.insert(peer.name.clone(), session_tx);
         let task = session::PeerTask {
             config: config.clone(),
             peer: peer.clone(),

@@ -46,7 +46,8 @@ impl PeerLink for PeerLinkService {
         if hello.protocol_version != super::PEER_PROTOCOL_VERSION {
             return Err(Status::failed_precondition(format!("version_mismatch: peer-link protocol {} (this gateway speaks {})", hello.protocol_version, super::PEER_PROTOCOL_VERSION)));
         }
-        let Some(session_tx) = self.incoming.get(&hello.name) else {
+        let dialler_is_peer = super::dials(&hello.name, &self.identity.name);
+        let Some(session_tx) = self.incoming.get(&hello.name).filter(|_| dialler_is_peer) else {
             tracing::warn!(peer = %hello.name, "refused a peer link from an unconfigured or dialling peer");
             return Err(Status::permission_denied(format!("unknown_peer: {:?} is not a configured peer that dials this gateway", hello.name)));
         };

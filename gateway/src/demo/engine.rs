@@ -1,0 +1,185 @@
+//! Synthetic engines: a prefill engine and a decode engine, each a client of its own gateway, with a
+//! KV pool registered by file path. `run_room` moves one request's KV cache (expect on decode, chunked
+//! sends on prefill), waits for both sides' terminal events and verifies the destination checksum.
+//! Never decides an outcome itself: it reports what the gateways said.
+
+use super::pool::{checksum, KvPool, KvShape};
+use anyhow::{bail, Context};
+use kvgate_client::{proto, room_key, Client, RoomEvent};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// How long `run_room` waits for a side's terminal event before calling the room lost.
+pub const ROOM_WAIT_TIMEOUT_MS: u64 = 60_000;
+
+/// Routes a gateway's watch stream to per-room listeners.
+#[derive(Clone, Default)]
+pub struct EventRouter {
+    rooms: Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<RoomEvent>>>>,
+}
+
+impl EventRouter {
+    /// Start routing `client`'s watch stream (every room).
+    pub async fn start(client: &Client) -> anyhow::Result<EventRouter> {
+        let router = EventRouter::default();
+        let mut stream = client.watch(None).await.context("watch")?;
+        let rooms = router.rooms.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(event)) = stream.message().await {
+                let room = event.key.as_ref().map(|k| k.room).unwrap_or(0);
+                let target = rooms.lock().unwrap_or_else(|e| e.into_inner()).get(&room).cloned();
+                if let Some(tx) = target {
+                    let _ = tx.send(event);
+                }
+            }
+        });
+        Ok(router)
+    }
+    pub fn listen(&self, room: u64) -> mpsc::UnboundedReceiver<RoomEvent> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.rooms.lock().unwrap_or_else(|e| e.into_inner()).insert(room, tx);
+        rx
+    }
+    pub fn forget(&self, room: u64) {
+        self.rooms.lock().unwrap_or_else(|e| e.into_inner()).remove(&room);
+    }
+}
+
+/// One engine: its client, its pool (registered as one region) and its event router.
+pub struct Engine {
+    pub client: Client,
+    pub region: u64,
+    pub pool: Arc<Mutex<KvPool>>,
+    pub events: EventRouter,
+}
+
+impl Engine {
+    pub async fn connect(socket: &Path, pool: KvPool, label: &str) -> anyhow::Result<Engine> {
+        let client = Client::connect_unix(socket).await.with_context(|| format!("connect {}", socket.display()))?;
+        let region = client
+            .register_shared_memory(&pool.path.display().to_string(), 0, pool.len(), label)
+            .await
+            .map_err(|s| anyhow::anyhow!("register {label} pool: {}", s.message()))?;
+        let events = EventRouter::start(&client).await?;
+        Ok(Engine { client, region, pool: Arc::new(Mutex::new(pool)), events })
+    }
+}
+
+/// What one side said about a room.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SideOutcome {
+    pub succeeded: bool,
+    /// Failure reason code (empty on success).
+    pub reason: String,
+    pub phase: String,
+    pub elapsed_ms: u64,
+    /// When this engine saw the terminal event.
+    pub seen_after: Duration,
+}
+
+/// The result of one room.
+#[derive(Clone, Debug)]
+pub struct RoomResult {
+    pub room: u64,
+    pub bytes: u64,
+    pub latency: Duration,
+    pub prefill: SideOutcome,
+    pub decode: SideOutcome,
+    /// The destination checksum matched the source (only checked when both sides succeeded).
+    pub verified: bool,
+}
+
+/// Wait for the `Terminal` event of `room` on one side, then (best effort, bounded) for `Reusable`.
+pub async fn wait_terminal(rx: &mut mpsc::UnboundedReceiver<RoomEvent>, started: Instant, timeout: Duration) -> anyhow::Result<SideOutcome> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let event = tokio::time::timeout_at(deadline, rx.recv()).await.context("no terminal event in time")?.context("event stream closed")?;
+        if let Some(proto::room_event::Event::Terminal(t)) = event.event {
+            return Ok(SideOutcome { succeeded: t.succeeded, reason: t.reason, phase: t.phase, elapsed_ms: t.elapsed_ms, seen_after: started.elapsed() });
+        }
+    }
+}
+
+/// Wait until the room's memory is reusable on that side (bounded by `timeout`).
+pub async fn wait_reusable(rx: &mut mpsc::UnboundedReceiver<RoomEvent>, timeout: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while let Ok(Some(event)) = tokio::time::timeout_at(deadline, rx.recv()).await {
+        if matches!(event.event, Some(proto::room_event::Event::Reusable(_))) {
+            return true;
+        }
+    }
+    false
+}
+
+/// Prefill side: send every chunk of every part of `room` from `slot`, stopping at the first refusal.
+pub async fn send_all(prefill: &Engine, shape: &KvShape, room: u64, slot: u64, peer: &str, chunk_limit: Option<u64>) -> Result<(), tonic::Status> {
+    let slot_offset = prefill.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(slot);
+    for chunk in 0..chunk_limit.unwrap_or(shape.chunks).min(shape.chunks) {
+        for part in 0..shape.parts {
+            let request = proto::SendRequest {
+                key: Some(room_key(room, 0)),
+                part: part as u32,
+                chunk: chunk as u32,
+                slices: shape.chunk_slices(prefill.region, slot_offset, part, chunk),
+                last: chunk + 1 == shape.chunks,
+                peer: peer.to_string(),
+            };
+            prefill.client.send(request).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Decode side: expect `room` into `slot`.
+pub async fn expect_into(decode: &Engine, shape: &KvShape, room: u64, slot: u64, peer: &str, deadline_ms: u64) -> Result<(), tonic::Status> {
+    let slot_offset = decode.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(slot);
+    let parts = (0..shape.parts).map(|p| shape.part_slices(decode.region, slot_offset, p)).collect();
+    decode.client.expect(room_key(room, 0), peer, parts, deadline_ms).await
+}
+
+/// Fill the source slot (returns its checksum) and clear the destination slot, off the async threads.
+pub async fn prepare_slots(prefill: &Engine, decode: &Engine, room: u64, src: u64, dst: u64) -> anyhow::Result<u64> {
+    let (p, d) = (prefill.pool.clone(), decode.pool.clone());
+    Ok(tokio::task::spawn_blocking(move || {
+        d.lock().unwrap_or_else(|e| e.into_inner()).clear(dst);
+        p.lock().unwrap_or_else(|e| e.into_inner()).fill(src, room)
+    })
+    .await?)
+}
+
+pub async fn slot_checksum(engine: &Engine, slot: u64) -> anyhow::Result<u64> {
+    let pool = engine.pool.clone();
+    Ok(tokio::task::spawn_blocking(move || checksum(pool.lock().unwrap_or_else(|e| e.into_inner()).slot(slot))).await?)
+}
+
+/// Move one request's KV cache from `src` (prefill pool) to `dst` (decode pool) and verify it.
+pub async fn run_room(prefill: &Engine, decode: &Engine, shape: &KvShape, room: u64, src: u64, dst: u64) -> anyhow::Result<RoomResult> {
+    let expected = prepare_slots(prefill, decode, room, src, dst).await?;
+    let mut p_rx = prefill.events.listen(room);
+    let mut d_rx = decode.events.listen(room);
+    let started = Instant::now();
+    let (expect, send) = tokio::join!(
+        expect_into(decode, shape, room, dst, super::gateways::PREFILL_NAME, 0),
+        send_all(prefill, shape, room, src, super::gateways::DECODE_NAME, None)
+    );
+    if let Err(s) = expect {
+        bail!("expect of room {room} refused: {}", s.message());
+    }
+    if let Err(s) = send {
+        bail!("send of room {room} refused: {}", s.message());
+    }
+    let timeout = Duration::from_millis(ROOM_WAIT_TIMEOUT_MS);
+    let (p, d) = tokio::join!(wait_terminal(&mut p_rx, started, timeout), wait_terminal(&mut d_rx, started, timeout));
+    let (prefill_outcome, decode_outcome) = (p?, d?);
+    let latency = started.elapsed();
+    let verified = prefill_outcome.succeeded && decode_outcome.succeeded && slot_checksum(decode, dst).await? == expected;
+    // Slots are reused: wait until neither side can still touch them.
+    let reuse = Duration::from_millis(ROOM_WAIT_TIMEOUT_MS);
+    let _ = tokio::join!(wait_reusable(&mut p_rx, reuse), wait_reusable(&mut d_rx, reuse));
+    prefill.events.forget(room);
+    decode.events.forget(room);
+    Ok(RoomResult { room, bytes: shape.request_bytes(), latency, prefill: prefill_outcome, decode: decode_outcome, verified })
+}
