@@ -16,5 +16,6 @@ pub mod report;
 pub mod rng;
 pub mod runner;
 pub mod world;
+pub mod xref;
 
 pub use cli::{run, ConformanceArgs};

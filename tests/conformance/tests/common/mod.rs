@@ -1,0 +1,76 @@
+//! Running the `kvgate-conformance` binary on a plugin and reading its JSON report.
+//! Runs are serialised: the bounds the harness judges by assume it has the machine to itself.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Mutex;
+
+static ONE_RUN_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+pub struct Run {
+    pub status: i32,
+    pub report: serde_json::Value,
+    pub stdout: String,
+    pub seconds: f64,
+}
+
+impl Run {
+    pub fn clauses(&self) -> Vec<(String, String, String)> {
+        self.report["clauses"]
+            .as_array()
+            .expect("clauses array")
+            .iter()
+            .map(|c| {
+                (
+                    c["id"].as_str().unwrap().to_string(),
+                    c["status"].as_str().unwrap().to_string(),
+                    c["evidence"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    }
+    pub fn with_status(&self, status: &str) -> Vec<String> {
+        self.clauses().into_iter().filter(|(_, s, _)| s == status).map(|(id, _, _)| id).collect()
+    }
+}
+
+/// The cdylib of a mutant crate, built by cargo next to this test (it is a dev-dependency).
+pub fn mutant_library(package: &str) -> PathBuf {
+    let lib = package.replace('-', "_");
+    kvgate_host::artifacts::built_cdylib_path(package, &lib).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Run the harness binary on `plugin` with extra arguments; returns its exit status and report.
+pub fn run_harness(plugin: &str, extra: &[&str], plugin_config: &str) -> Run {
+    let _one = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("kvgate-conformance-test-{}-{}", std::process::id(), plugin.replace(['/', ':', '.'], "_")));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("report.json");
+    let junit = dir.join("report.xml");
+    let config = dir.join("config.toml");
+    std::fs::write(&config, plugin_config).unwrap();
+    let started = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvgate-conformance"))
+        .args(["--plugin", plugin, "--seed", "20261130", "--config"])
+        .arg(&config)
+        .arg("--json")
+        .arg(&json)
+        .arg("--junit")
+        .arg(&junit)
+        .args(extra)
+        .output()
+        .expect("harness binary runs");
+    let seconds = started.elapsed().as_secs_f64();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let text = std::fs::read_to_string(&json).unwrap_or_else(|e| {
+        panic!("no JSON report ({e}); stdout:\n{stdout}\nstderr:\n{}", String::from_utf8_lossy(&out.stderr))
+    });
+    let report: serde_json::Value = serde_json::from_str(&text).expect("valid JSON report");
+    let junit_text = std::fs::read_to_string(&junit).expect("JUnit report written");
+    assert!(junit_text.contains("<testsuite") && junit_text.contains("<testcase"), "{junit_text}");
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("{stdout}harness run on {plugin}: {seconds:.1} s");
+    Run { status: out.status.code().unwrap_or(-1), report, stdout, seconds }
+}

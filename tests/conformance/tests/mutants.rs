@@ -1,0 +1,111 @@
+//! Proves the harness: every mutant fails on the clause it breaks and on no clause outside that
+//! clause's group, with evidence; the faithful base plugin (`reference`) passes every clause; a
+//! plugin that is unavailable is unsupported everywhere, never pass. Quick profile; runs serialised.
+
+mod common;
+use common::*;
+
+/// Every mutant runs with a paced copy (20 µs per segment), so cancels land mid-copy.
+const MUTANT_CONFIG: &str = "[plugin]\nsegment_delay_us = 20\n";
+
+fn assert_fails_only_on(package: &str, clause: &str) {
+    let group = clause.split('-').next().unwrap();
+    let run = run_harness(&mutant_library(package).to_string_lossy(), &["--quick"], MUTANT_CONFIG);
+    let failed = run.with_status("fail");
+    assert!(failed.iter().any(|c| c == clause), "{package} must fail {clause}; failed: {failed:?}\n{}", run.stdout);
+    let outside: Vec<&String> = failed.iter().filter(|c| !c.starts_with(&format!("{group}-"))).collect();
+    assert!(outside.is_empty(), "{package} must fail only {group} clauses; also failed {outside:?}\n{}", run.stdout);
+    let (_, _, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == clause).unwrap();
+    assert!(evidence.len() > 20, "evidence for {clause} must say what was seen: {evidence:?}");
+    assert_eq!(run.status, 1, "exit status must be non-zero when a clause fails");
+    assert_eq!(run.with_status("unsupported"), Vec::<String>::new());
+}
+
+#[test]
+fn reference_plugin_passes_every_clause() {
+    let run = run_harness(&mutant_library("kvgate-mutant-reference").to_string_lossy(), &["--quick"], MUTANT_CONFIG);
+    let not_passed: Vec<_> = run.clauses().into_iter().filter(|(_, s, _)| s != "pass").collect();
+    assert!(not_passed.is_empty(), "{not_passed:#?}");
+    assert_eq!(run.status, 0);
+    assert_eq!(run.report["abi_version"], kvgate_abi::ABI_VERSION);
+    assert_eq!(run.report["seed"], 20261130u64);
+}
+
+// CONFORMANCE: ABORT-1 (the SGLang/NIXL silent pin)
+#[test]
+fn silent_pin_fails_abort_1() {
+    assert_fails_only_on("kvgate-mutant-silent-pin", "ABORT-1");
+}
+
+// CONFORMANCE: TIME-2
+#[test]
+fn frozen_peer_hang_fails_time_2() {
+    assert_fails_only_on("kvgate-mutant-frozen-peer-hang", "TIME-2");
+}
+
+// CONFORMANCE: TIME-5
+#[test]
+fn block_in_submit_fails_time_5() {
+    assert_fails_only_on("kvgate-mutant-block-in-submit", "TIME-5");
+}
+
+// CONFORMANCE: RES-1
+#[test]
+fn double_success_fails_res_1() {
+    assert_fails_only_on("kvgate-mutant-double-success", "RES-1");
+}
+
+// CONFORMANCE: RES-2
+#[test]
+fn leak_on_abort_fails_res_2() {
+    assert_fails_only_on("kvgate-mutant-leak-on-abort", "RES-2");
+}
+
+// CONFORMANCE: RES-3
+#[test]
+fn write_after_cancel_fails_res_3() {
+    assert_fails_only_on("kvgate-mutant-write-after-cancel", "RES-3");
+}
+
+// CONFORMANCE: DATA-1
+#[test]
+fn early_success_fails_data_1() {
+    assert_fails_only_on("kvgate-mutant-early-success", "DATA-1");
+}
+
+// CONFORMANCE: DATA-3
+#[test]
+fn accepts_bad_segment_fails_data_3() {
+    assert_fails_only_on("kvgate-mutant-accepts-bad-segment", "DATA-3");
+}
+
+// CONFORMANCE: HANDSHAKE-3
+#[test]
+fn accepts_cuda_region_fails_handshake_3() {
+    assert_fails_only_on("kvgate-mutant-accepts-cuda-region", "HANDSHAKE-3");
+}
+
+// CONFORMANCE: OBS-1
+#[test]
+fn reasonless_failure_fails_obs_1() {
+    assert_fails_only_on("kvgate-mutant-reasonless-failure", "OBS-1");
+}
+
+// CONFORMANCE: HYGIENE-1
+#[test]
+fn panic_in_submit_fails_hygiene_1() {
+    assert_fails_only_on("kvgate-mutant-panic-in-submit", "HYGIENE-1");
+}
+
+// CONFORMANCE: HYGIENE-3
+#[test]
+fn unavailable_plugin_is_unsupported_everywhere_never_pass() {
+    let run = run_harness(&mutant_library("kvgate-mutant-unavailable").to_string_lossy(), &["--quick"], MUTANT_CONFIG);
+    let clauses = run.clauses();
+    assert_eq!(clauses.len(), kvgate_conformance::registry::registry().len());
+    for (id, status, evidence) in &clauses {
+        assert_eq!(status, "unsupported", "{id}: {evidence}");
+        assert!(evidence.contains("unavailable"), "{id}: {evidence}");
+    }
+    assert_eq!(run.status, 0, "unsupported is not a failure");
+}

@@ -1,0 +1,112 @@
+//! kvgate-mutant-base: a small, faithful same-host plugin that the conformance mutants break in
+//! exactly one way each (a [`Faults`] switch). The sender copies into the receiver's shared file
+//! once the receiver has granted the transfer's ticket over a Unix datagram socket, then waits for
+//! the receiver's acknowledgement. With no fault switched on it passes every clause of CONFORMANCE.md;
+//! it is test code and never ships in the gateway.
+
+mod plugin;
+mod wire;
+mod worker;
+
+pub use plugin::RefPlugin;
+
+use kvgate_abi::sdk::Sink;
+use kvgate_abi::{cap_flags, scope, Capabilities, MemoryKind, PluginError, PluginInfo, ReasonCode, ABI_VERSION};
+
+/// The one thing a mutant breaks. Every switch off is the faithful plugin.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Faults {
+    /// `cancel` looks the transfer up only among those whose ticket the receiver granted (the
+    /// SGLang/NIXL silent pin): a transfer still waiting for the peer stays waiting.
+    pub ignore_cancel_while_waiting_for_ticket: bool,
+    /// No deadline while waiting for the receiver's acknowledgement (hangs under a frozen peer).
+    pub no_deadline_while_waiting_for_ack: bool,
+    /// `submit` notifies the receiver on a blocking socket (blocks once a frozen peer's queue is full).
+    pub blocking_send_in_submit: bool,
+    /// Report `SUCCEEDED` twice.
+    pub double_success: bool,
+    /// `cancel` reports the failure but keeps the transfer in its table for ever.
+    pub leak_on_cancel: bool,
+    /// `cancel` mid-copy reports failed-and-quiesced at once, but the copy goes on.
+    pub write_after_cancel: bool,
+    /// Report `SUCCEEDED` before the last segment is copied.
+    pub succeed_before_last_segment: bool,
+    /// `submit` checks no segment range; the copy fails on the first bad one, after moving bytes.
+    pub skip_segment_range_checks: bool,
+    /// `register` accepts any memory kind.
+    pub accept_any_memory_kind: bool,
+    /// Failures carry reason 0 and no message.
+    pub reasonless_failures: bool,
+    /// `submit` computes `offset + len` with an `expect` (panics on overflow).
+    pub panic_on_offset_overflow: bool,
+    /// `open` fails with `UNAVAILABLE`.
+    pub unavailable: bool,
+    /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.
+    pub default_segment_delay_us: u64,
+}
+
+/// Config keys (TOML, unknown keys refused).
+#[derive(serde::Deserialize, Debug, Clone, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RefConfig {
+    /// Pause after each copied segment, in microseconds (0..=100000): makes transfers slow on
+    /// purpose so that cancels land mid-copy.
+    pub segment_delay_us: Option<u64>,
+}
+
+/// Largest accepted `segment_delay_us`.
+pub const MAX_SEGMENT_DELAY_US: u64 = 100_000;
+/// Most segments one submit may carry.
+pub const MAX_SEGMENTS_PER_SUBMIT: u64 = 100_000;
+/// Most live transfers.
+pub const MAX_INFLIGHT_TRANSFERS: u64 = 1_000_000;
+
+pub fn info(name: &str) -> PluginInfo {
+    PluginInfo {
+        name: name.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        abi_version: ABI_VERSION,
+        capabilities: Capabilities {
+            memory_kinds: MemoryKind::HOST.bit(),
+            scope: scope::SAME_HOST,
+            flags: cap_flags::PROGRESS_EVENTS & 0,
+            max_segments_per_submit: MAX_SEGMENTS_PER_SUBMIT,
+            max_inflight_transfers: MAX_INFLIGHT_TRANSFERS,
+            max_transfer_bytes: 0,
+        },
+    }
+}
+
+/// Open an instance named `name` with `faults` switched on.
+pub fn open(name: &'static str, config: &str, sink: Sink, faults: Faults) -> Result<RefPlugin, PluginError> {
+    let config: RefConfig =
+        toml::from_str(config).map_err(|e| PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("{name} config: {e}")))?;
+    let delay = config.segment_delay_us.unwrap_or(faults.default_segment_delay_us);
+    if delay > MAX_SEGMENT_DELAY_US {
+        return Err(PluginError::new(
+            ReasonCode::INVALID_ARGUMENT,
+            format!("{name} config: segment_delay_us = {delay} exceeds {MAX_SEGMENT_DELAY_US}"),
+        ));
+    }
+    if faults.unavailable {
+        return Err(PluginError::new(ReasonCode::UNAVAILABLE, format!("{name}: this plugin never runs anywhere (a conformance mutant)")));
+    }
+    RefPlugin::start(name, sink, faults, delay)
+}
+
+/// Define a mutant's factory: `mutant!(Factory, "name", Faults { .. })`.
+#[macro_export]
+macro_rules! mutant {
+    ($factory:ident, $name:expr, $faults:expr) => {
+        pub struct $factory;
+        impl ::kvgate_abi::sdk::PluginFactory for $factory {
+            type Plugin = $crate::RefPlugin;
+            fn info() -> ::kvgate_abi::PluginInfo {
+                $crate::info($name)
+            }
+            fn open(config: &str, sink: ::kvgate_abi::sdk::Sink) -> Result<$crate::RefPlugin, ::kvgate_abi::PluginError> {
+                $crate::open($name, config, sink, $faults)
+            }
+        }
+    };
+}

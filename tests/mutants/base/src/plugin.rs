@@ -1,0 +1,423 @@
+//! The plugin's calls and its state table. Every call takes the state lock briefly and never waits on
+//! the peer (sends go to an outbox the worker flushes); the worker (worker.rs) copies and keeps time.
+//! Each [`crate::Faults`] switch changes one behaviour, marked `FAULT:` where it acts.
+
+use crate::wire::{encode_key, parse_endpoint, parse_key, Msg, RemoteMap, ENDPOINT_PREFIX};
+use crate::Faults;
+use kvgate_abi::sdk::{Plugin, Sink};
+use kvgate_abi::*;
+use std::collections::{HashMap, HashSet};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixDatagram};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    WaitingForTicket,
+    Ready,
+    Copying,
+    WaitingForAck,
+    /// Terminal already reported, the copy still running (only under a fault).
+    Finishing,
+    /// Kept for ever (only under a fault).
+    Leaked,
+}
+
+/// One resolved segment: raw addresses in this process.
+#[derive(Clone, Copy)]
+pub(crate) struct Piece {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+    pub in_range: bool,
+}
+
+pub(crate) struct Transfer {
+    pub peer: u64,
+    pub ticket: u64,
+    pub deadline: Instant,
+    pub pieces: Arc<Vec<Piece>>,
+    pub _keep: Vec<Arc<RemoteMap>>,
+    pub local_keys: Vec<u64>,
+    pub phase: Phase,
+    pub reported: bool,
+    pub stop: Arc<AtomicBool>,
+}
+
+#[derive(Default)]
+pub(crate) struct State {
+    pub shut: bool,
+    pub regions: HashMap<u64, (u64, u64)>,
+    pub peers: HashMap<u64, String>,
+    pub remotes: HashMap<u64, (u64, Arc<RemoteMap>)>,
+    pub transfers: HashMap<u64, Transfer>,
+    pub granted: HashSet<(u64, u64)>,
+    pub tickets: HashMap<(u64, u64), Instant>,
+    pub outbox: Vec<(String, Msg)>,
+    next_key: u64,
+}
+
+pub(crate) struct Shared {
+    pub name: &'static str,
+    pub sink: Sink,
+    pub faults: Faults,
+    pub segment_delay_us: u64,
+    pub socket: UnixDatagram,
+    pub endpoint: String,
+    pub state: Mutex<State>,
+    pub stop_worker: AtomicBool,
+    pub worker_alive: AtomicBool,
+}
+
+impl Shared {
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A failure event (FAULT: `reasonless_failures` drops its reason and message).
+    pub fn failed(&self, xfer: u64, reason: ReasonCode, message: String, quiesced: bool) {
+        let (reason, message) = if self.faults.reasonless_failures { (ReasonCode(0), String::new()) } else { (reason, message) };
+        let mut e = Event::failed(XferId(xfer), reason, message);
+        if quiesced {
+            e.flags |= event_flags::QUIESCED;
+        }
+        self.sink.deliver(e);
+    }
+
+    /// End every live transfer matching `which` with `reason`: at once if idle, or by stopping its
+    /// copy (the worker then reports `QUIESCED`).
+    pub fn fail_where(&self, st: &mut State, reason: ReasonCode, message: &str, which: impl Fn(&Transfer) -> bool) {
+        let ids: Vec<u64> = st.transfers.iter().filter(|(_, t)| !t.reported && which(t)).map(|(x, _)| *x).collect();
+        for x in ids {
+            let t = st.transfers.get_mut(&x).expect("listed");
+            if t.phase == Phase::Copying {
+                t.stop.store(true, Ordering::SeqCst);
+                t.reported = true;
+                self.failed(x, reason, message.to_string(), false);
+            } else {
+                st.transfers.remove(&x);
+                self.failed(x, reason, message.to_string(), true);
+            }
+        }
+    }
+}
+
+pub struct RefPlugin {
+    shared: Arc<Shared>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    note_socket: UnixDatagram,
+}
+
+static INSTANCES: AtomicU64 = AtomicU64::new(0);
+
+fn err(code: ReasonCode, message: impl Into<String>) -> PluginError {
+    PluginError::new(code, message)
+}
+
+pub(crate) fn abstract_addr(name: &str) -> std::io::Result<SocketAddr> {
+    SocketAddr::from_abstract_name(name.as_bytes())
+}
+
+impl RefPlugin {
+    pub(crate) fn start(name: &'static str, sink: Sink, faults: Faults, segment_delay_us: u64) -> Result<RefPlugin, PluginError> {
+        let n = INSTANCES.fetch_add(1, Ordering::Relaxed);
+        let endpoint = format!("{ENDPOINT_PREFIX}{}-{n}", std::process::id());
+        let io = |e: std::io::Error| err(ReasonCode::TRANSPORT_ERROR, format!("control socket: {e}"));
+        let socket = UnixDatagram::bind_addr(&abstract_addr(&endpoint).map_err(io)?).map_err(io)?;
+        socket.set_nonblocking(true).map_err(io)?;
+        let note_socket = UnixDatagram::unbound().map_err(io)?;
+        let shared = Arc::new(Shared {
+            name,
+            sink: sink.clone(),
+            faults,
+            segment_delay_us,
+            socket,
+            endpoint,
+            state: Mutex::new(State::default()),
+            stop_worker: AtomicBool::new(false),
+            worker_alive: AtomicBool::new(true),
+        });
+        let for_worker = Arc::clone(&shared);
+        let worker = kvgate_abi::sdk::spawn_worker(&format!("{name}-worker"), sink, move || crate::worker::run(&for_worker))
+            .map_err(|e| err(ReasonCode::RESOURCE_EXHAUSTED, format!("cannot start worker: {e}")))?;
+        Ok(RefPlugin { shared, worker: Mutex::new(Some(worker)), note_socket })
+    }
+
+    fn check_segment(&self, st: &State, peer: u64, s: &Segment) -> Result<(Piece, Arc<RemoteMap>), PluginError> {
+        let &(laddr, llen) = st.regions.get(&s.local.0).ok_or_else(|| err(ReasonCode::UNKNOWN_KEY, format!("unknown local key {}", s.local.0)))?;
+        let (owner, map) = st.remotes.get(&s.remote.0).ok_or_else(|| err(ReasonCode::UNKNOWN_KEY, format!("unknown remote key {}", s.remote.0)))?;
+        if *owner != peer {
+            return Err(err(ReasonCode::UNKNOWN_KEY, format!("remote key {} belongs to peer {owner}, not {peer}", s.remote.0)));
+        }
+        let (local_end, remote_end) = if self.shared.faults.panic_on_offset_overflow {
+            // FAULT: unchecked arithmetic on untrusted offsets.
+            (Some(s.local_offset.checked_add(s.len).expect("local offset overflow")), Some(s.remote_offset.checked_add(s.len).expect("remote offset overflow")))
+        } else {
+            (s.local_offset.checked_add(s.len), s.remote_offset.checked_add(s.len))
+        };
+        let in_range = local_end.is_some_and(|e| e <= llen) && remote_end.is_some_and(|e| e <= map.len);
+        // FAULT: `skip_segment_range_checks` leaves the check to the copy, after earlier segments moved.
+        if !in_range && !self.shared.faults.skip_segment_range_checks {
+            return Err(err(ReasonCode::OUT_OF_RANGE, format!("segment {}+{} → {}+{} outside its regions", s.local_offset, s.len, s.remote_offset, s.len)));
+        }
+        let piece = if in_range {
+            Piece { src: laddr + s.local_offset, dst: map.addr as u64 + s.remote_offset, len: s.len, in_range }
+        } else {
+            Piece { src: 0, dst: 0, len: 0, in_range }
+        };
+        Ok((piece, Arc::clone(map)))
+    }
+}
+
+impl Plugin for RefPlugin {
+    fn info(&self) -> PluginInfo {
+        crate::info(self.shared.name)
+    }
+
+    fn local_endpoint(&self) -> Vec<u8> {
+        self.shared.endpoint.clone().into_bytes()
+    }
+
+    fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
+        let endpoint = parse_endpoint(endpoint)?;
+        let mut st = self.shared.lock();
+        if st.shut {
+            return Err(err(ReasonCode::SHUTDOWN, "shut down"));
+        }
+        st.peers.insert(peer.0, endpoint);
+        Ok(())
+    }
+
+    fn disconnect(&self, peer: PeerId) {
+        let mut st = self.shared.lock();
+        if st.peers.remove(&peer.0).is_none() {
+            return;
+        }
+        self.shared.fail_where(&mut st, ReasonCode::PEER_LOST, "peer disconnected", |t| t.peer == peer.0);
+        st.remotes.retain(|_, (owner, _)| *owner != peer.0);
+        st.granted.retain(|(p, _)| *p != peer.0);
+        st.tickets.retain(|(p, _), _| *p != peer.0);
+    }
+
+    fn register(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
+        // FAULT: `accept_any_memory_kind` skips the memory-kind check.
+        if region.kind != MemoryKind::HOST && !self.shared.faults.accept_any_memory_kind {
+            return Err(err(ReasonCode::UNSUPPORTED_MEMORY, format!("{} memory is not served (host only)", region.kind)));
+        }
+        if region.len == 0 || region.addr == 0 {
+            return Err(err(ReasonCode::INVALID_ARGUMENT, "region has no address or zero length"));
+        }
+        if region.backing_path.is_empty() {
+            return Err(err(ReasonCode::INVALID_ARGUMENT, "region has no backing file a peer could map"));
+        }
+        let mut st = self.shared.lock();
+        if st.shut {
+            return Err(err(ReasonCode::SHUTDOWN, "shut down"));
+        }
+        st.next_key += 1;
+        let key = st.next_key;
+        st.regions.insert(key, (region.addr, region.len));
+        let remote_key = encode_key(region.backing_path.as_str(), region.backing_offset, region.len).into();
+        Ok(Registration { key: LocalKey(key), remote_key })
+    }
+
+    fn deregister(&self, key: LocalKey) -> Result<(), PluginError> {
+        let stops: Vec<Arc<AtomicBool>> = {
+            let mut st = self.shared.lock();
+            if st.regions.remove(&key.0).is_none() {
+                return Err(err(ReasonCode::UNKNOWN_KEY, format!("unknown local key {}", key.0)));
+            }
+            let copying: Vec<_> = st.transfers.values().filter(|t| t.phase == Phase::Copying && t.local_keys.contains(&key.0)).map(|t| Arc::clone(&t.stop)).collect();
+            self.shared.fail_where(&mut st, ReasonCode::UNKNOWN_KEY, "source region deregistered", |t| t.local_keys.contains(&key.0));
+            copying
+        };
+        // The memory may be freed once we return: wait (briefly, one piece) for the copy to stop.
+        let until = Instant::now() + Duration::from_millis(50);
+        while stops.iter().any(|s| Arc::strong_count(s) > 1) && Instant::now() < until {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    fn import_remote_key(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
+        let (path, offset, len) = parse_key(bytes)?;
+        if !self.shared.lock().peers.contains_key(&peer.0) {
+            return Err(err(ReasonCode::PEER_UNREACHABLE, format!("unknown peer {}", peer.0)));
+        }
+        let map = RemoteMap::map(&path, offset, len)?;
+        let mut st = self.shared.lock();
+        st.next_key += 1;
+        let key = st.next_key;
+        st.remotes.insert(key, (peer.0, Arc::new(map)));
+        Ok(RemoteKey(key))
+    }
+
+    fn release_remote_key(&self, key: RemoteKey) {
+        self.shared.lock().remotes.remove(&key.0);
+    }
+
+    fn submit(&self, r: &SubmitRequest<'_>) -> Result<(), PluginError> {
+        if self.shared.faults.blocking_send_in_submit {
+            // FAULT: a synchronous send to the peer from the caller's thread.
+            let endpoint = self.shared.lock().peers.get(&r.peer.0).cloned();
+            if let Some(endpoint) = endpoint {
+                if let Ok(addr) = abstract_addr(&endpoint) {
+                    let _ = self.note_socket.send_to_addr(Msg::Note(r.xfer.0).encode().as_bytes(), &addr);
+                }
+            }
+        }
+        let mut st = self.shared.lock();
+        if st.shut {
+            return Err(err(ReasonCode::SHUTDOWN, "shut down"));
+        }
+        if !st.peers.contains_key(&r.peer.0) {
+            return Err(err(ReasonCode::PEER_UNREACHABLE, format!("unknown peer {}", r.peer.0)));
+        }
+        if st.transfers.contains_key(&r.xfer.0) {
+            return Err(err(ReasonCode::DUPLICATE_ID, format!("transfer {} is live", r.xfer.0)));
+        }
+        if r.segments.is_empty() {
+            return Err(err(ReasonCode::INVALID_ARGUMENT, "no segments"));
+        }
+        if r.segments.len() as u64 > crate::MAX_SEGMENTS_PER_SUBMIT || st.transfers.len() as u64 >= crate::MAX_INFLIGHT_TRANSFERS {
+            return Err(err(ReasonCode::RESOURCE_EXHAUSTED, "segment or in-flight limit reached"));
+        }
+        let mut pieces = Vec::with_capacity(r.segments.len());
+        let mut keep = Vec::new();
+        let mut local_keys = Vec::new();
+        for s in r.segments.iter() {
+            let (piece, map) = self.check_segment(&st, r.peer.0, s)?;
+            pieces.push(piece);
+            if !keep.iter().any(|m| Arc::ptr_eq(m, &map)) {
+                keep.push(map);
+            }
+            if !local_keys.contains(&s.local.0) {
+                local_keys.push(s.local.0);
+            }
+        }
+        let timeout = Duration::from_nanos(r.timeout_ns.min(365 * 24 * 3600 * 1_000_000_000));
+        let phase = if st.granted.contains(&(r.peer.0, r.ticket.0)) { Phase::Ready } else { Phase::WaitingForTicket };
+        st.transfers.insert(
+            r.xfer.0,
+            Transfer {
+                peer: r.peer.0,
+                ticket: r.ticket.0,
+                deadline: Instant::now() + timeout,
+                pieces: Arc::new(pieces),
+                _keep: keep,
+                local_keys,
+                phase,
+                reported: false,
+                stop: Arc::new(AtomicBool::new(false)),
+            },
+        );
+        Ok(())
+    }
+
+    fn cancel(&self, xfer: XferId) {
+        let mut st = self.shared.lock();
+        let Some(t) = st.transfers.get_mut(&xfer.0) else { return };
+        if t.reported {
+            return;
+        }
+        // FAULT: the silent pin: a transfer the peer has not registered yet is not in the table
+        // `cancel` consults, so the cancel is dropped and the transfer keeps waiting.
+        if self.shared.faults.ignore_cancel_while_waiting_for_ticket && t.phase == Phase::WaitingForTicket {
+            return;
+        }
+        let faults = self.shared.faults;
+        if t.phase == Phase::Copying {
+            t.reported = true;
+            if faults.write_after_cancel {
+                // FAULT: claims quiesced while the copy goes on.
+                t.phase = Phase::Finishing;
+                self.shared.failed(xfer.0, ReasonCode::CANCELLED, "cancelled".into(), true);
+            } else {
+                t.stop.store(true, Ordering::SeqCst);
+                self.shared.failed(xfer.0, ReasonCode::CANCELLED, "cancelled mid-copy".into(), false);
+            }
+            return;
+        }
+        if faults.leak_on_cancel {
+            // FAULT: reported, but never removed from the table.
+            t.reported = true;
+            t.phase = Phase::Leaked;
+        } else {
+            st.transfers.remove(&xfer.0);
+        }
+        self.shared.failed(xfer.0, ReasonCode::CANCELLED, "cancelled".into(), true);
+    }
+
+    fn expect_incoming(&self, r: &IncomingRequest<'_>) -> Result<(), PluginError> {
+        let mut st = self.shared.lock();
+        let Some(endpoint) = st.peers.get(&r.peer.0).cloned() else {
+            return Err(err(ReasonCode::PEER_UNREACHABLE, format!("unknown peer {}", r.peer.0)));
+        };
+        for range in r.ranges.iter() {
+            let &(_, len) = st.regions.get(&range.key.0).ok_or_else(|| err(ReasonCode::UNKNOWN_KEY, format!("unknown local key {}", range.key.0)))?;
+            if range.offset.checked_add(range.len).is_none_or(|e| e > len) {
+                return Err(err(ReasonCode::OUT_OF_RANGE, "incoming range outside its region"));
+            }
+        }
+        let expiry = Instant::now() + Duration::from_nanos(r.timeout_ns.min(365 * 24 * 3600 * 1_000_000_000));
+        st.tickets.insert((r.peer.0, r.ticket.0), expiry);
+        st.outbox.push((endpoint, Msg::Ticket(r.ticket.0)));
+        Ok(())
+    }
+
+    fn cancel_incoming(&self, peer: PeerId, ticket: Ticket) {
+        let mut st = self.shared.lock();
+        if st.tickets.remove(&(peer.0, ticket.0)).is_some() {
+            if let Some(endpoint) = st.peers.get(&peer.0).cloned() {
+                st.outbox.push((endpoint, Msg::Revoke(ticket.0)));
+            }
+        }
+    }
+
+    fn stats(&self) -> Stats {
+        let st = self.shared.lock();
+        Stats {
+            live_transfers: st.transfers.values().filter(|t| !t.reported || t.phase == Phase::Leaked).count() as u64,
+            unquiesced_transfers: st.transfers.values().filter(|t| t.reported && t.phase == Phase::Copying).count() as u64,
+            live_tickets: st.tickets.len() as u64,
+            registered_regions: st.regions.len() as u64,
+            registered_bytes: st.regions.values().map(|(_, l)| l).sum(),
+            imported_remote_keys: st.remotes.len() as u64,
+            connected_peers: st.peers.len() as u64,
+            workers_alive: u64::from(self.shared.worker_alive.load(Ordering::SeqCst)),
+            healthy: u8::from(!st.shut && self.shared.worker_alive.load(Ordering::SeqCst)),
+        }
+    }
+
+    fn shutdown(&self) {
+        {
+            let mut st = self.shared.lock();
+            if st.shut {
+                return;
+            }
+            st.shut = true;
+            self.shared.fail_where(&mut st, ReasonCode::SHUTDOWN, "plugin shutting down", |_| true);
+        }
+        self.shared.stop_worker.store(true, Ordering::SeqCst);
+        if let Some(w) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = w.join();
+        }
+        let mut st = self.shared.lock();
+        st.transfers.clear();
+        st.regions.clear();
+        st.remotes.clear();
+        st.peers.clear();
+        st.tickets.clear();
+        st.granted.clear();
+        st.outbox.clear();
+    }
+}
+
+impl Drop for RefPlugin {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

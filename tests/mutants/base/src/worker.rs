@@ -1,0 +1,231 @@
+//! The worker thread: reads control datagrams, promotes transfers whose ticket was granted, copies
+//! one transfer at a time (stopping between pieces on cancel or deadline), flushes the outbox and
+//! fires deadlines. Never blocks: the socket is non-blocking and the idle wait is a 1 ms poll.
+
+use crate::plugin::{abstract_addr, Phase, Piece, Shared, State};
+use crate::wire::Msg;
+use kvgate_abi::{Event, ReasonCode, XferId};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Largest piece copied between two checks of the stop flag and the deadline.
+const COPY_PIECE_BYTES: u64 = 1 << 20;
+/// Messages packed into one datagram.
+const MESSAGES_PER_DATAGRAM: usize = 256;
+
+enum Stopped {
+    Completed,
+    Cancelled,
+    Timeout,
+    OutOfRange(usize),
+}
+
+pub(crate) fn run(shared: &Arc<Shared>) {
+    let mut buf = vec![0u8; 65536];
+    while !shared.stop_worker.load(Ordering::SeqCst) {
+        receive(shared, &mut buf);
+        let job = {
+            let mut st = shared.lock();
+            fire_deadlines(shared, &mut st);
+            pick_job(&mut st)
+        };
+        let busy = job.is_some();
+        if let Some((xfer, pieces, stop, deadline)) = job {
+            copy(shared, xfer, &pieces, &stop, deadline);
+        }
+        flush(shared);
+        if !busy {
+            let mut pfd = libc::pollfd { fd: shared.socket.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd, 1 ms timeout.
+            unsafe { libc::poll(&mut pfd, 1, 1) };
+        }
+    }
+    shared.worker_alive.store(false, Ordering::SeqCst);
+}
+
+fn receive(shared: &Shared, buf: &mut [u8]) {
+    loop {
+        let Ok((n, from)) = shared.socket.recv_from(buf) else { return };
+        let Some(from) = std::os::linux::net::SocketAddrExt::as_abstract_name(&from).map(|n| String::from_utf8_lossy(n).into_owned()) else { continue };
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let mut st = shared.lock();
+        let peers: Vec<u64> = st.peers.iter().filter(|(_, e)| **e == from).map(|(p, _)| *p).collect();
+        for msg in text.lines().filter_map(Msg::parse) {
+            match msg {
+                Msg::Ticket(t) => peers.iter().for_each(|p| {
+                    st.granted.insert((*p, t));
+                }),
+                Msg::Revoke(t) => peers.iter().for_each(|p| {
+                    st.granted.remove(&(*p, t));
+                }),
+                Msg::Done(x) => st.outbox.push((from.clone(), Msg::Ack(x))),
+                Msg::Ack(x) => acknowledge(shared, &mut st, x, &peers),
+                Msg::Note(_) => {}
+            }
+        }
+    }
+}
+
+fn acknowledge(shared: &Shared, st: &mut State, xfer: u64, from: &[u64]) {
+    let Some(t) = st.transfers.get(&xfer) else { return };
+    if t.reported || t.phase != Phase::WaitingForAck || !from.contains(&t.peer) {
+        return;
+    }
+    st.transfers.remove(&xfer);
+    shared.sink.deliver(Event::succeeded(XferId(xfer), 0));
+    if shared.faults.double_success {
+        // FAULT: a second terminal event.
+        shared.sink.deliver(Event::succeeded(XferId(xfer), 0));
+    }
+}
+
+fn fire_deadlines(shared: &Shared, st: &mut State) {
+    let now = Instant::now();
+    st.tickets.retain(|_, expiry| *expiry > now);
+    let due: Vec<u64> = st
+        .transfers
+        .iter()
+        .filter(|(_, t)| !t.reported && t.deadline <= now && !matches!(t.phase, Phase::Leaked | Phase::Copying))
+        // FAULT: no deadline while waiting for the receiver's acknowledgement.
+        .filter(|(_, t)| !(shared.faults.no_deadline_while_waiting_for_ack && t.phase == Phase::WaitingForAck))
+        .map(|(x, _)| *x)
+        .collect();
+    for x in due {
+        st.transfers.remove(&x);
+        shared.failed(x, ReasonCode::TIMEOUT, "transfer deadline passed".into(), true);
+    }
+    let granted = st.granted.clone();
+    for t in st.transfers.values_mut() {
+        if t.phase == Phase::WaitingForTicket && granted.contains(&(t.peer, t.ticket)) {
+            t.phase = Phase::Ready;
+        }
+    }
+}
+
+type Job = (u64, Arc<Vec<Piece>>, Arc<AtomicBool>, Instant);
+
+fn pick_job(st: &mut State) -> Option<Job> {
+    let (x, t) = st.transfers.iter_mut().filter(|(_, t)| t.phase == Phase::Ready && !t.reported).min_by_key(|(x, _)| **x)?;
+    t.phase = Phase::Copying;
+    Some((*x, Arc::clone(&t.pieces), Arc::clone(&t.stop), t.deadline))
+}
+
+fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, deadline: Instant) {
+    let mut stopped = Stopped::Completed;
+    'pieces: for (i, p) in pieces.iter().enumerate() {
+        if !p.in_range {
+            stopped = Stopped::OutOfRange(i);
+            break;
+        }
+        if shared.faults.succeed_before_last_segment && i + 1 == pieces.len() {
+            // FAULT: success reported before the last segment is written.
+            {
+                let mut st = shared.lock();
+                if let Some(t) = st.transfers.get_mut(&xfer) {
+                    if !t.reported {
+                        t.reported = true;
+                        t.phase = Phase::Finishing;
+                        shared.sink.deliver(Event::succeeded(XferId(xfer), 0));
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let mut done = 0;
+        while done < p.len {
+            if stop.load(Ordering::SeqCst) {
+                stopped = Stopped::Cancelled;
+                break 'pieces;
+            }
+            if Instant::now() >= deadline {
+                stopped = Stopped::Timeout;
+                break 'pieces;
+            }
+            let n = (p.len - done).min(COPY_PIECE_BYTES);
+            // SAFETY: both ranges were checked against their regions at submit and the mappings
+            // are kept alive by the transfer; the host keeps local memory mapped until deregister,
+            // which waits for this copy to stop.
+            unsafe { std::ptr::copy_nonoverlapping((p.src + done) as *const u8, (p.dst + done) as *mut u8, n as usize) };
+            done += n;
+        }
+        if shared.segment_delay_us > 0 {
+            std::thread::sleep(Duration::from_micros(shared.segment_delay_us));
+        }
+    }
+    let mut st = shared.lock();
+    let Some(t) = st.transfers.get_mut(&xfer) else { return };
+    match stopped {
+        _ if t.phase == Phase::Finishing => {
+            st.transfers.remove(&xfer);
+        }
+        Stopped::Cancelled => {
+            st.transfers.remove(&xfer);
+            shared.sink.deliver(Event::quiesced(XferId(xfer)));
+        }
+        Stopped::Timeout => {
+            st.transfers.remove(&xfer);
+            shared.failed(xfer, ReasonCode::TIMEOUT, "transfer deadline passed mid-copy".into(), true);
+        }
+        Stopped::OutOfRange(i) => {
+            st.transfers.remove(&xfer);
+            shared.failed(xfer, ReasonCode::OUT_OF_RANGE, format!("segment {i} outside its region"), true);
+        }
+        Stopped::Completed if t.reported => {
+            // Cancelled after the last piece: the failure is out, nothing more can land.
+            st.transfers.remove(&xfer);
+            shared.sink.deliver(Event::quiesced(XferId(xfer)));
+        }
+        Stopped::Completed => {
+            t.phase = Phase::WaitingForAck;
+            let peer = t.peer;
+            if let Some(endpoint) = st.peers.get(&peer).cloned() {
+                st.outbox.push((endpoint, Msg::Done(xfer)));
+            }
+        }
+    }
+}
+
+fn flush(shared: &Shared) {
+    let outbox = std::mem::take(&mut shared.lock().outbox);
+    if outbox.is_empty() {
+        return;
+    }
+    let mut by_endpoint: Vec<(String, Vec<String>)> = Vec::new();
+    for (endpoint, msg) in &outbox {
+        match by_endpoint.iter_mut().find(|(e, _)| e == endpoint) {
+            Some((_, list)) => list.push(msg.encode()),
+            None => by_endpoint.push((endpoint.clone(), vec![msg.encode()])),
+        }
+    }
+    let mut keep: Vec<(String, Msg)> = Vec::new();
+    let mut unreachable: Vec<String> = Vec::new();
+    for (endpoint, lines) in by_endpoint {
+        let Ok(addr) = abstract_addr(&endpoint) else { continue };
+        let chunks: Vec<&[String]> = lines.chunks(MESSAGES_PER_DATAGRAM).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            match shared.socket.send_to_addr(chunk.join("\n").as_bytes(), &addr) {
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    // The peer is slow or frozen: keep the rest for the next round.
+                    for rest in &chunks[i..] {
+                        keep.extend(rest.iter().filter_map(|l| Msg::parse(l)).map(|m| (endpoint.clone(), m)));
+                    }
+                    break;
+                }
+                Err(_) => {
+                    unreachable.push(endpoint.clone());
+                    break;
+                }
+            }
+        }
+    }
+    let mut st = shared.lock();
+    keep.append(&mut st.outbox);
+    st.outbox = keep;
+    for endpoint in unreachable {
+        let peers: Vec<u64> = st.peers.iter().filter(|(_, e)| **e == endpoint).map(|(p, _)| *p).collect();
+        shared.fail_where(&mut st, ReasonCode::PEER_LOST, "peer unreachable (its socket is gone)", |t| peers.contains(&t.peer));
+    }
+}
