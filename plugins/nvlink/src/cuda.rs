@@ -101,8 +101,8 @@ pub fn export_ipc_handle(ctx: &CudaContext, allocation_base: u64) -> Result<[u8;
 pub struct IpcMapping {
     ctx: Arc<CudaContext>,
     pub base: u64,
-    /// Size of the mapped allocation, as the driver reports it.
-    pub len: u64,
+    /// Size of the mapped allocation, as the driver reports it (`None` if it would not say).
+    pub len: Option<u64>,
 }
 
 /// Mappings open in this process, by (handle, device ordinal): CUDA maps an allocation once per
@@ -135,16 +135,22 @@ impl IpcMapping {
         // SAFETY: out-pointer to a local; the handle is plain bytes the driver validates.
         unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, raw, flags).result() }
             .map_err(|e| driver_error("cuIpcOpenMemHandle", e))?;
-        let mut mapping = IpcMapping { ctx: ctx.clone(), base, len: 0 };
         let (mut range_base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
         // SAFETY: out-pointers to locals; `base` was just mapped.
-        match unsafe { sys::cuMemGetAddressRange_v2(&mut range_base, &mut size, base).result() } {
-            Ok(()) => {
-                mapping.len = size as u64;
-                Ok(mapping)
+        let len = match unsafe { sys::cuMemGetAddressRange_v2(&mut range_base, &mut size, base).result() } {
+            Ok(()) => Some(size as u64),
+            Err(e) => {
+                // Not expected for IPC mappings; without a size, ranges are checked against the key only.
+                tracing::warn!(base, "nvlink: cuMemGetAddressRange of an opened IPC handle failed: {e}");
+                None
             }
-            Err(e) => Err(driver_error("cuMemGetAddressRange of the opened handle", e)), // mapping drops: closed
-        }
+        };
+        Ok(IpcMapping { ctx: ctx.clone(), base, len })
+    }
+
+    /// Whether `offset + len` lies inside the mapped allocation (true when its size is unknown).
+    pub fn fits(&self, offset: u64, len: u64) -> bool {
+        offset.checked_add(len).is_some_and(|end| self.len.is_none_or(|size| end <= size))
     }
 }
 

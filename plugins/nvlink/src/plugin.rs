@@ -179,10 +179,10 @@ impl NvlinkPlugin {
             RegionSource::EngineHandle => {
                 let handle: [u8; 64] = region.ipc_handle.as_slice().try_into().expect("length checked");
                 let mapping = self.mapping(&handle, plan.device_index)?;
-                if !range_fits(region.backing_offset, region.len, mapping.len) {
+                if !mapping.fits(region.backing_offset, region.len) {
                     return Err(err(
                         ReasonCode::OUT_OF_RANGE,
-                        format!("backing_offset {} + {} exceeds the allocation ({} bytes)", region.backing_offset, region.len, mapping.len),
+                        format!("backing_offset {} + {} exceeds the allocation ({:?} bytes)", region.backing_offset, region.len, mapping.len),
                     ));
                 }
                 (mapping.base + region.backing_offset, region.backing_offset, handle, Some(mapping))
@@ -237,11 +237,11 @@ impl NvlinkPlugin {
             }
             ImportRoute::OpenHandle { device_index } => {
                 let mapping = self.mapping(&key.ipc_handle, device_index)?;
-                if !range_fits(key.offset_in_allocation, key.len, mapping.len) {
+                if !mapping.fits(key.offset_in_allocation, key.len) {
                     return Err(PluginError::new(
                         ReasonCode::OUT_OF_RANGE,
                         format!(
-                            "nvlink import_remote_key: offset {} + {} exceeds the mapped allocation ({} bytes)",
+                            "nvlink import_remote_key: offset {} + {} exceeds the mapped allocation ({:?} bytes)",
                             key.offset_in_allocation, key.len, mapping.len
                         ),
                     ));
