@@ -2,20 +2,26 @@
 //! its path; an incompatible layout, a missing file, a non-plugin library and a non-ELF file are each
 //! refused with a short message, and all of them at once are all reported.
 //!
-//! The libraries are the workspace's own cdylibs, found next to this test binary; `cargo test
-//! --workspace` builds them (the error says which command does when one is missing).
+//! The libraries are the workspace's own cdylibs, in this test binary's target directory. `cargo test`
+//! does not build cdylibs, so each is built (or found up to date) first with `cargo build -p <crate>`
+//! in the same profile and target directory; `cargo build --workspace` beforehand makes that quick.
 
 use kvgate_abi::sdk::sink_from_fn;
-use kvgate_host::artifacts::built_cdylib_path;
+use kvgate_host::artifacts::built_or_build_cdylib;
 use kvgate_host::{LoadError, OpenError, PluginHost, PluginOrigin, MAX_ABI_ERROR_LINES};
 use std::path::{Path, PathBuf};
 
+fn workspace() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
 fn shm_library() -> PathBuf {
-    built_cdylib_path("kvgate-plugin-shm-so", "kvgate_shm").unwrap_or_else(|e| panic!("{e}"))
+    built_or_build_cdylib("kvgate-plugin-shm-so", "kvgate_shm", workspace()).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn abi_mismatch_library() -> PathBuf {
-    built_cdylib_path("kvgate-host-fixture-abi-mismatch", "kvgate_fixture_abi_mismatch").unwrap_or_else(|e| panic!("{e}"))
+    built_or_build_cdylib("kvgate-host-fixture-abi-mismatch", "kvgate_fixture_abi_mismatch", workspace())
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A shared library that is not a kvgate plugin (zlib ships on every Debian machine).
