@@ -59,9 +59,9 @@ pub struct UcxConfig {
     /// How long the progress thread keeps polling after its last activity while operations are in flight,
     /// before it sleeps on the worker's event fd. Default 200; 0..=100000.
     pub busy_poll_us: u64,
-    /// After a cancel or failure, how long to wait for the peer's word that nothing more can land before
-    /// the endpoint is closed by force (which also ends every other transfer to that peer). Default 2000;
-    /// 1..=600000.
+    /// After a cancel or failure, how long the peer may take to confirm that nothing more can land
+    /// before a warning is logged (the transfer stays unquiesced until the peer answers or dies: closing
+    /// the endpoint would not stop bytes already in its buffers). Default 2000; 1..=600000.
     pub quiesce_timeout_ms: u64,
 }
 

@@ -66,6 +66,8 @@ struct Outgoing {
     unquiesced: bool,
     /// Its endpoint is being closed; it quiesces when the close completes.
     closing: bool,
+    /// Tokens of the requests it posted (some may have completed since).
+    tokens: Vec<u64>,
 }
 
 pub struct Engine {
@@ -347,6 +349,11 @@ impl Engine {
         match posted {
             Posted::Done => Ok(false),
             Posted::Pending(request) => {
+                if let ReqKind::Xfer { xfer } = kind {
+                    if let Some(x) = self.xfers.get_mut(&xfer) {
+                        x.tokens.push(token);
+                    }
+                }
                 self.requests.insert(token, Req { request, kind, _header: header });
                 Ok(true)
             }
@@ -512,12 +519,8 @@ impl Engine {
         x.next_segment = x.job.segments.len();
         let peer = x.job.peer;
         // Stop what has not started; what is on the wire completes (or fails) through its callback.
-        let cancellable: Vec<*mut c_void> = self
-            .requests
-            .values()
-            .filter(|r| matches!(r.kind, ReqKind::Xfer { xfer: id } if id == xfer))
-            .map(|r| r.request)
-            .collect();
+        let cancellable: Vec<*mut c_void> =
+            x.tokens.iter().filter_map(|t| self.requests.get(t)).map(|r| r.request).collect();
         for request in cancellable {
             ucp::request_cancel(&self.worker, request);
         }
@@ -686,15 +689,16 @@ impl Engine {
                     self.maybe_finish(xfer);
                 }
             } else if x.unquiesced {
-                let peer = x.job.peer;
-                let why = format!(
-                    "peer {} did not confirm within quiesce_timeout_ms = {} that transfer {xfer} stopped; endpoint closed",
-                    peer.0, self.shared.config.quiesce_timeout_ms
+                // Closing the endpoint would not make this true (bytes already in the peer's socket
+                // buffer still land when it resumes), so the transfer stays unquiesced until the peer
+                // answers or UCX declares it dead; the host's quarantine bound decides meanwhile.
+                tracing::warn!(
+                    reason = "quiesce_pending",
+                    xfer,
+                    peer = x.job.peer.0,
+                    "ucx peer has not confirmed within quiesce_timeout_ms = {} that cancelled transfer {xfer} stopped",
+                    self.shared.config.quiesce_timeout_ms
                 );
-                if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
-                    p.down = true;
-                }
-                self.drop_peer(peer, &why, true, false);
             }
         }
     }
@@ -825,6 +829,7 @@ impl Outgoing {
             terminal: false,
             unquiesced: false,
             closing: false,
+            tokens: Vec::new(),
         }
     }
 }

@@ -129,25 +129,15 @@ fn receiver_refuses(config: &str) {
     baseline(&a, &b);
 }
 
-/// A peer whose worker never progresses: the transfer ends with TIMEOUT by its own `timeout_ns`,
-/// and quiesces once the endpoint is closed after `quiesce_timeout_ms`.
+/// A peer whose worker never progresses: the transfer ends with TIMEOUT by its own `timeout_ns`, and
+/// is *not* reported quiesced while the peer may still apply what it holds; it quiesces once the peer
+/// is gone (TCP: UCX reports the closed connection) or at shutdown (shared memory: no failure reports).
 fn timeout_against_frozen_peer(config: &str) {
-    use kvgate_plugin_ucx::{ucp, wire};
-    let config = &format!("{config}quiesce_timeout_ms = 500\n");
+    let config = &format!("{config}quiesce_timeout_ms = 100\n");
     let a = open(config);
-    let parsed = kvgate_plugin_ucx::UcxConfig::parse(config).unwrap();
-    let mut ucx_config = ucp::Config::read().unwrap();
-    for (name, value, _) in parsed.ucx_settings() {
-        ucx_config.modify(&name, &value).unwrap();
-    }
-    let context = ucp::Context::new(&ucx_config).unwrap();
-    let frozen = ucp::Worker::new(&context).unwrap();
-    let mut target = vec![0u8; 8 << 20];
-    let map = context.map(target.as_mut_ptr() as u64, target.len() as u64).unwrap();
-    let endpoint = wire::EndpointBytes { instance: 0xf00d, worker_address: frozen.address().unwrap() }.encode();
-    a.plugin.connect(PEER_B, &endpoint).unwrap();
-    let rkey = wire::RemoteKeyBytes { owner_instance: 0xf00d, region: 1, addr: target.as_ptr() as u64, len: target.len() as u64, packed_rkey: map.packed_rkey.clone() };
-    let remote = a.plugin.import_remote_key(PEER_B, &rkey.encode()).unwrap();
+    let frozen = frozen_peer(config, 8 << 20);
+    a.plugin.connect(PEER_B, &frozen.endpoint).unwrap();
+    let remote = a.plugin.import_remote_key(PEER_B, &frozen.remote_key).unwrap();
     let src = buffer(&a, 8 << 20, 5);
     let seg = Segment { local: src.key, local_offset: 0, remote, remote_offset: 0, len: 8 << 20 };
     let started = Instant::now();
@@ -156,26 +146,21 @@ fn timeout_against_frozen_peer(config: &str) {
     let elapsed = started.elapsed();
     assert_eq!((end.kind, end.reason), (EventKind::FAILED, ReasonCode::TIMEOUT), "{end:?}");
     assert!(elapsed >= Duration::from_millis(200), "timed out early: {elapsed:?}");
-    let down = a.log.wait_for(WAIT_LIMIT, "peer_down after quiesce_timeout_ms", |e| e.kind == EventKind::PEER_DOWN);
-    assert_eq!(down.reason, ReasonCode::PEER_LOST);
-    if parsed.shared_memory_only() {
-        // No peer-failure handling on UCX 1.13 shared memory: the endpoint cannot be closed by force,
-        // so the plugin cannot promise that nothing lands until it shuts down.
-        std::thread::sleep(Duration::from_millis(300));
-        assert_eq!(a.log.count(|e| e.kind == EventKind::QUIESCED), 0);
-        assert_eq!(a.plugin.stats().unquiesced_transfers, 1);
-        a.plugin.shutdown();
-        a.log.wait_for(WAIT_LIMIT, "quiesced at shutdown", |e| e.kind == EventKind::QUIESCED && e.xfer == XferId(1));
-    } else {
-        if end.flags & event_flags::QUIESCED == 0 {
-            a.log.wait_for(WAIT_LIMIT, "quiesced after endpoint close", |e| e.kind == EventKind::QUIESCED && e.xfer == XferId(1));
-        }
+    assert_eq!(end.flags & event_flags::QUIESCED, 0, "data was on its way to a live peer: {end:?}");
+    std::thread::sleep(Duration::from_millis(400)); // past quiesce_timeout_ms: still no claim
+    assert_eq!(a.log.count(|e| e.kind == EventKind::QUIESCED), 0);
+    assert_eq!(a.plugin.stats().unquiesced_transfers, 1);
+    let shared_memory = kvgate_plugin_ucx::UcxConfig::parse(config).unwrap().shared_memory_only();
+    drop(frozen); // the peer goes away
+    if !shared_memory {
+        let down = a.log.wait_for(WAIT_LIMIT, "peer_down once the peer is gone", |e| e.kind == EventKind::PEER_DOWN);
+        assert_eq!(down.reason, ReasonCode::PEER_LOST);
+        a.log.wait_for(WAIT_LIMIT, "quiesced once the peer is gone", |e| e.kind == EventKind::QUIESCED && e.xfer == XferId(1));
         wait_stats(&a, "nothing live", |s| s.live_transfers == 0 && s.unquiesced_transfers == 0);
-        a.plugin.shutdown();
     }
-    drop(map);
-    drop(frozen);
-    drop(target);
+    a.plugin.shutdown();
+    a.log.wait_for(WAIT_LIMIT, "quiesced", |e| e.kind == EventKind::QUIESCED && e.xfer == XferId(1));
+    assert_eq!(a.log.count(|e| e.kind == EventKind::QUIESCED), 1);
 }
 
 /// The receiver shuts down mid-stream: the sender's transfers fail with PEER_LOST (or TIMEOUT if the

@@ -157,3 +157,35 @@ pub fn sm_config() -> String {
 pub fn sm_am_config() -> String {
     format!("{}mode = \"am\"\n", sm_config())
 }
+
+/// A UCX worker that never progresses: transfers to it stay live until cancelled or timed out.
+pub struct FrozenPeer {
+    pub endpoint: Vec<u8>,
+    pub remote_key: Vec<u8>,
+    pub target: Vec<u8>,
+    _map: kvgate_plugin_ucx::ucp::MemMap,
+    _worker: kvgate_plugin_ucx::ucp::Worker,
+}
+
+pub fn frozen_peer(config: &str, len: usize) -> FrozenPeer {
+    use kvgate_plugin_ucx::{ucp, wire, UcxConfig};
+    let parsed = UcxConfig::parse(config).unwrap();
+    let mut ucx_config = ucp::Config::read().unwrap();
+    for (name, value, _) in parsed.ucx_settings() {
+        ucx_config.modify(&name, &value).unwrap();
+    }
+    let context = ucp::Context::new(&ucx_config).unwrap();
+    let worker = ucp::Worker::new(&context).unwrap();
+    let mut target = vec![0u8; len];
+    let map = context.map(target.as_mut_ptr() as u64, len as u64).unwrap();
+    let endpoint = wire::EndpointBytes { instance: 0xf00d, worker_address: worker.address().unwrap() }.encode();
+    let remote_key = wire::RemoteKeyBytes {
+        owner_instance: 0xf00d,
+        region: 1,
+        addr: target.as_ptr() as u64,
+        len: len as u64,
+        packed_rkey: map.packed_rkey.clone(),
+    }
+    .encode();
+    FrozenPeer { endpoint, remote_key, target, _map: map, _worker: worker }
+}
