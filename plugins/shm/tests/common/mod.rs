@@ -55,6 +55,11 @@ impl Recorder {
             held = self.released.wait(held).unwrap();
         }
     }
+    /// A sink that records into this recorder.
+    pub fn sink(self: &Arc<Self>) -> kvgate_abi::EventSinkBox {
+        let recorder = Arc::clone(self);
+        sink_from_fn(move |e| recorder.record(e))
+    }
     /// Wait until `n` events were delivered in all.
     pub fn wait_count(&self, n: usize) {
         self.wait_until(&format!("{n} events"), |es| es.len() >= n);
@@ -118,8 +123,7 @@ impl Instance {
     }
     pub fn try_open(config: &str) -> Result<Instance, PluginError> {
         let events = Arc::new(Recorder::default());
-        let recorder = Arc::clone(&events);
-        let sink = sink_from_fn(move |e| recorder.record(e));
+        let sink = events.sink();
         let module = kvgate_plugin_shm::module();
         let transport = (module.open())(RStr::from_str(config), sink).into_result()?;
         Ok(Instance { transport, events })
