@@ -28,14 +28,26 @@ pub fn err<T: std::fmt::Debug>(r: RResult<T, PluginError>) -> PluginError {
     }
 }
 
-/// Every event an instance delivered, in order.
+#[derive(Default)]
+struct Log {
+    all: Vec<Event>,
+    by_xfer: std::collections::HashMap<XferId, Vec<Event>>,
+}
+
+/// Every event an instance delivered, in order (and indexed by outgoing transfer).
 #[derive(Default)]
 pub struct Recorder {
-    events: Mutex<Vec<Event>>,
+    log: Mutex<Log>,
     changed: Condvar,
     /// While true, `deliver` blocks: the delivering plugin thread stalls, deterministically.
     held: Mutex<bool>,
     released: Condvar,
+}
+
+fn is_quiesced_by(e: &Event) -> bool {
+    e.kind == EventKind::SUCCEEDED
+        || e.kind == EventKind::QUIESCED
+        || (e.kind == EventKind::FAILED && e.flags & kvgate_abi::event_flags::QUIESCED != 0)
 }
 
 impl Recorder {
@@ -48,7 +60,13 @@ impl Recorder {
         self.released.notify_all();
     }
     fn record(&self, e: Event) {
-        self.events.lock().unwrap().push(e);
+        {
+            let mut log = self.log.lock().unwrap();
+            if !e.is_incoming() {
+                log.by_xfer.entry(e.xfer).or_default().push(e.clone());
+            }
+            log.all.push(e);
+        }
         self.changed.notify_all();
         let mut held = self.held.lock().unwrap();
         while *held {
@@ -62,38 +80,36 @@ impl Recorder {
     }
     /// Wait until `n` events were delivered in all.
     pub fn wait_count(&self, n: usize) {
-        self.wait_until(&format!("{n} events"), |es| es.len() >= n);
+        self.wait_until(&format!("{n} events"), |log| log.all.len() >= n);
     }
     pub fn all(&self) -> Vec<Event> {
-        self.events.lock().unwrap().clone()
+        self.log.lock().unwrap().all.clone()
     }
+    /// The events of one outgoing transfer, in order.
     pub fn of(&self, xfer: XferId) -> Vec<Event> {
-        self.all().into_iter().filter(|e| e.xfer == xfer && !e.is_incoming()).collect()
+        self.log.lock().unwrap().by_xfer.get(&xfer).cloned().unwrap_or_default()
     }
-    fn wait_until(&self, what: &str, done: impl Fn(&[Event]) -> bool) {
+    fn wait_until(&self, what: &str, done: impl Fn(&Log) -> bool) {
         let deadline = Instant::now() + WAIT;
-        let mut events = self.events.lock().unwrap();
-        while !done(&events) {
+        let mut log = self.log.lock().unwrap();
+        while !done(&log) {
             let left = deadline.saturating_duration_since(Instant::now());
-            assert!(!left.is_zero(), "timed out waiting for {what}; events: {:?}", *events);
-            events = self.changed.wait_timeout(events, left).unwrap().0;
+            assert!(!left.is_zero(), "timed out waiting for {what}; events: {:?}", log.all);
+            log = self.changed.wait_timeout(log, left).unwrap().0;
         }
     }
     /// Wait for the transfer's terminal event and return it.
     pub fn terminal(&self, xfer: XferId) -> Event {
-        self.wait_until(&format!("terminal event of {xfer:?}"), |es| es.iter().any(|e| e.xfer == xfer && e.is_terminal()));
+        self.wait_until(&format!("terminal event of {xfer:?}"), |log| {
+            log.by_xfer.get(&xfer).is_some_and(|es| es.iter().any(Event::is_terminal))
+        });
         self.of(xfer).into_iter().find(Event::is_terminal).unwrap()
     }
     /// Wait until the transfer is terminal and quiesced; check the event sequence is legal:
     /// exactly one terminal, then (for a failure without the flag) exactly one `QUIESCED`.
     pub fn settled(&self, xfer: XferId) -> Event {
-        self.wait_until(&format!("{xfer:?} quiesced"), |es| {
-            es.iter().any(|e| {
-                e.xfer == xfer
-                    && (e.kind == EventKind::SUCCEEDED
-                        || e.kind == EventKind::QUIESCED
-                        || (e.kind == EventKind::FAILED && e.flags & kvgate_abi::event_flags::QUIESCED != 0))
-            })
+        self.wait_until(&format!("{xfer:?} quiesced"), |log| {
+            log.by_xfer.get(&xfer).is_some_and(|es| es.iter().any(is_quiesced_by))
         });
         let events = self.of(xfer);
         let terminals: Vec<&Event> = events.iter().filter(|e| e.is_terminal()).collect();
