@@ -8,7 +8,7 @@ use crate::state::{Job, State};
 use kvgate_abi::{sdk::Sink, Event, ReasonCode};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard, TryLockError};
 use std::time::Instant;
 
 /// What every thread of one instance shares.
@@ -61,17 +61,12 @@ impl Shared {
     /// held return at once and leave their events to the holder.
     pub fn flush(&self) {
         loop {
-            let Ok(_delivering) = self.delivering.try_lock() else { return };
-            loop {
-                let batch = std::mem::take(&mut self.lock().outbox);
-                if batch.is_empty() {
-                    break;
-                }
-                for event in batch {
-                    log_event(&event);
-                    self.sink.deliver(event);
-                }
-            }
+            let _delivering = match self.delivering.try_lock() {
+                Ok(guard) => guard,
+                Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+                Err(TryLockError::WouldBlock) => return,
+            };
+            self.drain_outbox();
             drop(_delivering);
             if self.lock().outbox.is_empty() {
                 return;
@@ -82,6 +77,13 @@ impl Shared {
     /// Deliver everything queued, waiting for a concurrent deliverer if there is one.
     pub fn flush_blocking(&self) {
         let _delivering = self.delivering.lock().unwrap_or_else(|p| p.into_inner());
+        self.drain_outbox();
+    }
+
+    /// Hand every queued event to the sink (the caller holds the delivery lock). The sink is called
+    /// through the ABI's `extern "C"` vtable: a host sink that panics aborts the process, so hosts
+    /// must not panic in `deliver`.
+    fn drain_outbox(&self) {
         loop {
             let batch = std::mem::take(&mut self.lock().outbox);
             if batch.is_empty() {
