@@ -1,11 +1,11 @@
 //! The UCX plugin against `ucx_perftest` (Debian ucx-utils) in the same run: same transport, message
 //! size, message count and direction (client/sender → server/receiver on 127.0.0.1), ratio printed.
-//! TCP: the plugin moves active messages (its `auto` mode there) and is compared with `ucp_am_bw`;
-//! shared memory: the plugin puts + flushes and is compared with `ucp_put_bw`.
+//! TCP and shared memory: the plugin moves active messages (its `auto` mode there) and is compared
+//! with `ucp_am_bw`; `sm-put`: the plugin forced to put + flush, compared with `ucp_put_bw`.
 //!
 //! `cargo bench -p kvgate-plugin-ucx --bench ucx_vs_perftest`
 //! Environment: `KVGATE_UCX_BENCH_BYTES` (bytes per measurement, default 512 MiB),
-//! `KVGATE_UCX_BENCH_WINDOW` (plugin transfers in flight, default 8), `KVGATE_UCX_BENCH_ONLY` (`tcp`|`sm`).
+//! `KVGATE_UCX_BENCH_WINDOW` (plugin transfers in flight, default 8), `KVGATE_UCX_BENCH_ONLY` (`tcp`|`sm`|`sm-put`).
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, PluginFactory, Sink};
 use kvgate_abi::*;
@@ -29,10 +29,16 @@ const TRANSPORTS: &[Transport] = &[
         perftest_test: "ucp_am_bw",
     },
     Transport {
+        name: "sm-put",
+        ucx_env: &[("UCX_TLS", "posix,sysv,cma")],
+        plugin_config: "tls = \"posix,sysv,cma\"\nmode = \"put\"\n",
+        perftest_test: "ucp_put_bw",
+    },
+    Transport {
         name: "sm",
         ucx_env: &[("UCX_TLS", "posix,sysv,cma")],
         plugin_config: "tls = \"posix,sysv,cma\"\n",
-        perftest_test: "ucp_put_bw",
+        perftest_test: "ucp_am_bw",
     },
 ];
 

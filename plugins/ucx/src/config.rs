@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum TransferMode {
-    /// `put` when every configured transport is good at one-sided puts (shared memory, RDMA), else `am`.
+    /// `put` when every configured transport has real one-sided put lanes (RDMA verbs), else `am`.
     #[default]
     Auto,
     /// One-sided `ucp_put_nbx` + `ucp_ep_flush_nbx`. The receiver enforces nothing.
@@ -25,10 +25,12 @@ pub enum ResolvedMode {
     Am,
 }
 
-/// Transports UCX 1.13 moves large one-sided puts well on (shared memory and RDMA verbs).
+/// Transports on which UCX 1.13 has real one-sided put lanes (RDMA verbs). Its TCP put collapses
+/// above 1 MiB, and on shared memory (posix, sysv, cma) it has no RMA lane for user memory at all:
+/// puts are emulated with active messages that need the receiver's progress, so `am` (which also
+/// validates at the receiver) is as fast there and safer.
 const PUT_FRIENDLY_TRANSPORTS: &[&str] = &[
-    "sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self", "mm", "rc", "rc_v", "rc_x", "rc_mlx5", "dc",
-    "dc_x", "dc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5", "ib", "rc_verbs",
+    "rc", "rc_v", "rc_x", "rc_mlx5", "rc_verbs", "dc", "dc_x", "dc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5", "ib",
 ];
 
 /// The `config` string of `open`, e.g. `tls = "tcp"\ndevices = "lo"\nmode = "am"`.
@@ -161,9 +163,9 @@ impl UcxConfig {
         })
     }
 
-    /// `put` or `am` for this instance. `auto` picks `put` only when every configured transport is
-    /// put-friendly (UCX 1.13's TCP put collapses above 1 MiB; with UCX's default "all" a peer may end
-    /// up on TCP, so `auto` stays on `am` there).
+    /// `put` or `am` for this instance. `auto` picks `put` only when every configured transport is an
+    /// RDMA one (see `PUT_FRIENDLY_TRANSPORTS`; with UCX's default "all" a peer may end up on TCP, so
+    /// `auto` stays on `am` there).
     pub fn resolved_mode(&self) -> ResolvedMode {
         match self.mode {
             TransferMode::Put => ResolvedMode::Put,
@@ -236,9 +238,11 @@ mod tests {
     #[test]
     fn auto_mode_follows_the_transports() {
         let mode = |tls: &str| UcxConfig::parse(&format!("tls = \"{tls}\"")).unwrap().resolved_mode();
-        assert_eq!(mode("sm"), ResolvedMode::Put);
-        assert_eq!(mode("posix,sysv,cma"), ResolvedMode::Put);
-        assert_eq!(mode("rc,sm"), ResolvedMode::Put);
+        assert_eq!(mode("rc"), ResolvedMode::Put);
+        assert_eq!(mode("rc_mlx5,dc_mlx5"), ResolvedMode::Put);
+        assert_eq!(mode("sm"), ResolvedMode::Am);
+        assert_eq!(mode("posix,sysv,cma"), ResolvedMode::Am);
+        assert_eq!(mode("rc,sm"), ResolvedMode::Am);
         assert_eq!(mode("tcp"), ResolvedMode::Am);
         assert_eq!(mode("sm,tcp"), ResolvedMode::Am);
         assert_eq!(mode("^tcp"), ResolvedMode::Am);

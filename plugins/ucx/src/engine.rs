@@ -276,6 +276,9 @@ impl Engine {
                 x.awaiting_reply = false;
                 x.flush_done = true;
                 x.closing = false;
+                // UCX moves nothing more on a closed endpoint; requests it has not handed back yet are
+                // freed when their callbacks come (the transfer is gone by then).
+                x.posted = 0;
             }
             self.maybe_finish(*xfer);
         }
@@ -624,7 +627,7 @@ impl Engine {
         match req.kind {
             ReqKind::Xfer { xfer } => {
                 let Some(x) = self.xfers.get_mut(&xfer) else { return };
-                x.posted -= 1;
+                x.posted = x.posted.saturating_sub(1);
                 let refused_by_receiver = status == ucs_status_t::UCS_ERR_REJECTED;
                 if !ucp::is_ok(status) && status != ucs_status_t::UCS_ERR_CANCELED && !refused_by_receiver {
                     self.fail(xfer, reason_for(status), format!("UCX operation failed: {}", ucp::status_text(status)));
@@ -633,7 +636,7 @@ impl Engine {
             }
             ReqKind::Flush { xfer } => {
                 if let Some(x) = self.xfers.get_mut(&xfer) {
-                    x.posted -= 1;
+                    x.posted = x.posted.saturating_sub(1);
                 }
                 self.flush_done(xfer, status);
             }
