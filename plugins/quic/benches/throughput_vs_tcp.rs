@@ -1,1 +1,167 @@
-fn main() {}
+//! Moves the same bytes over plain tokio TCP on loopback and through the QUIC plugin (two instances in
+//! this process) in one run, and prints QUIC's throughput as a ratio of TCP's for 64 KiB and 4 MiB blocks.
+//!
+//! `cargo bench -p kvgate-plugin-quic --bench throughput_vs_tcp`
+//! Environment: `KVGATE_BENCH_MIB` (bytes per case, default 1024), `KVGATE_QUIC_BENCH_CONFIG` (TOML
+//! for both plugin instances, default: the tuned loopback config below), `KVGATE_BENCH_BLOCKS`
+//! (comma-separated block sizes in KiB, default `64,4096`).
+
+use kvgate_abi::sdk::{sink_from_fn, Plugin, Sink};
+use kvgate_abi::{EventKind, IncomingRequest, LocalRange, MemoryKind, PeerId, RegionDesc, Segment, SubmitRequest, Ticket, XferId};
+use kvgate_plugin_quic::{QuicConfig, QuicPlugin};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The loopback tuning: 64 KiB datagrams from the first packet, large windows, one connection per core.
+const TUNED_LOOPBACK_CONFIG: &str = r#"
+initial_mtu_bytes = 65507
+mtu_discovery_upper_bound_bytes = 65507
+endpoints = 2
+connections_per_peer = 2
+streams_per_connection = 2
+min_lane_bytes = 1048576
+worker_threads = 2
+stream_window_bytes = 33554432
+connection_window_bytes = 134217728
+send_window_bytes = 134217728
+initial_congestion_window_bytes = 4194304
+write_chunk_bytes = 1048576
+"#;
+
+/// The region both sides use; each case cycles through it.
+const REGION_BYTES: usize = 64 << 20;
+
+fn env_or(key: &str, default: &str) -> String {
+    std::env::var(key).unwrap_or_else(|_| default.to_string())
+}
+
+fn tcp_gbps(total: u64, block: usize) -> f64 {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let receiver = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut dst = vec![0u8; REGION_BYTES];
+            let mut got: u64 = 0;
+            let mut at = 0usize;
+            while got < total {
+                let end = (at + block).min(REGION_BYTES);
+                let n = socket.read(&mut dst[at..end]).await.unwrap();
+                assert!(n > 0, "tcp closed early");
+                got += n as u64;
+                at = if at + n >= REGION_BYTES { 0 } else { at + n };
+            }
+            socket.write_all(b"k").await.unwrap();
+        });
+        let src = vec![7u8; REGION_BYTES];
+        let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+        socket.set_nodelay(true).unwrap();
+        let start = Instant::now();
+        let mut sent: u64 = 0;
+        let mut at = 0usize;
+        while sent < total {
+            let n = block.min((total - sent) as usize).min(REGION_BYTES - at);
+            socket.write_all(&src[at..at + n]).await.unwrap();
+            sent += n as u64;
+            at = (at + n) % REGION_BYTES;
+        }
+        let mut ack = [0u8; 1];
+        socket.read_exact(&mut ack).await.unwrap();
+        let elapsed = start.elapsed();
+        receiver.await.unwrap();
+        total as f64 / elapsed.as_secs_f64() / 1e9
+    })
+}
+
+struct Node {
+    plugin: QuicPlugin,
+    done: mpsc::Receiver<(XferId, EventKind, String)>,
+}
+
+fn open(config: &QuicConfig) -> Node {
+    let (tx, done) = mpsc::channel();
+    let tx = std::sync::Mutex::new(tx);
+    let sink = Sink::new(sink_from_fn(move |e| {
+        if e.is_terminal() {
+            let _ = tx.lock().unwrap().send((e.xfer, e.kind, e.message.to_string()));
+        }
+    }));
+    Node { plugin: QuicPlugin::open(config.clone(), sink).expect("open"), done }
+}
+
+fn quic_gbps(config: &QuicConfig, total: u64, block: usize) -> f64 {
+    let a = open(config);
+    let b = open(config);
+    a.plugin.connect(PeerId(2), &b.plugin.local_endpoint()).unwrap();
+    b.plugin.connect(PeerId(1), &a.plugin.local_endpoint()).unwrap();
+    let src = vec![7u8; REGION_BYTES].into_boxed_slice();
+    let mut dst = vec![0u8; REGION_BYTES].into_boxed_slice();
+    let desc = |addr: u64| RegionDesc { kind: MemoryKind::HOST, device: -1, addr, len: REGION_BYTES as u64, ..Default::default() };
+    let src_reg = a.plugin.register(&desc(src.as_ptr() as u64)).unwrap();
+    let dst_reg = b.plugin.register(&desc(dst.as_mut_ptr() as u64)).unwrap();
+    let remote = a.plugin.import_remote_key(PeerId(2), &dst_reg.remote_key).unwrap();
+    let ranges = [LocalRange { key: dst_reg.key, offset: 0, len: REGION_BYTES as u64 }];
+    b.plugin
+        .expect_incoming(&IncomingRequest { ticket: Ticket(1), peer: PeerId(1), timeout_ns: 600_000_000_000, ranges: ranges.as_slice().into() })
+        .unwrap();
+    let blocks_per_region = REGION_BYTES / block;
+    let count = total / block as u64;
+    // Keep about 32 MiB in flight, at least two transfers.
+    let window = ((32usize << 20) / block).clamp(2, 512) as u64;
+    let submit = |i: u64| {
+        let slot = (i as usize % blocks_per_region) * block;
+        let seg = [Segment { local: src_reg.key, local_offset: slot as u64, remote, remote_offset: slot as u64, len: block as u64 }];
+        a.plugin
+            .submit(&SubmitRequest { xfer: XferId(i), peer: PeerId(2), ticket: Ticket(1), timeout_ns: 60_000_000_000, segments: seg.as_slice().into() })
+            .unwrap();
+    };
+    // Warm up the connections (handshake, MTU) before the clock starts.
+    submit(u64::MAX - 1);
+    let (_, kind, message) = a.done.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(kind, EventKind::SUCCEEDED, "warm-up failed: {message}");
+    let start = Instant::now();
+    let mut next = 0u64;
+    let mut finished = 0u64;
+    while next < count.min(window) {
+        submit(next);
+        next += 1;
+    }
+    while finished < count {
+        let (xfer, kind, message) = a.done.recv_timeout(Duration::from_secs(60)).expect("transfer stalled");
+        assert_eq!(kind, EventKind::SUCCEEDED, "transfer {} failed: {message}", xfer.0);
+        finished += 1;
+        if next < count {
+            submit(next);
+            next += 1;
+        }
+    }
+    let elapsed = start.elapsed();
+    a.plugin.shutdown();
+    b.plugin.shutdown();
+    (count * block as u64) as f64 / elapsed.as_secs_f64() / 1e9
+}
+
+fn main() {
+    // `cargo test --benches` runs this with `--bench` absent; keep that run short.
+    let quick = !std::env::args().any(|a| a == "--bench");
+    let mib: u64 = env_or("KVGATE_BENCH_MIB", if quick { "64" } else { "1024" }).parse().expect("KVGATE_BENCH_MIB");
+    let config_text = env_or("KVGATE_QUIC_BENCH_CONFIG", TUNED_LOOPBACK_CONFIG);
+    let config = QuicConfig::parse(&config_text).expect("bench config");
+    let blocks: Vec<usize> =
+        env_or("KVGATE_BENCH_BLOCKS", "64,4096").split(',').map(|s| s.trim().parse::<usize>().expect("block KiB") << 10).collect();
+    let total = mib << 20;
+    println!("kvgate-quic vs tokio TCP on loopback, {mib} MiB per case");
+    for block in blocks {
+        let tcp = tcp_gbps(total, block);
+        let quic = quic_gbps(&config, total, block);
+        println!(
+            "block {:>5} KiB: tcp {:6.3} GB/s  quic {:6.3} GB/s  quic/tcp {:5.1} %",
+            block >> 10,
+            tcp,
+            quic,
+            100.0 * quic / tcp
+        );
+    }
+}

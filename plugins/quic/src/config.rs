@@ -38,9 +38,12 @@ pub struct QuicConfig {
     /// Worker threads of the plugin's tokio runtime. Default 2, range 1..=64.
     pub worker_threads: usize,
     /// QUIC initial MTU (UDP payload bytes) before discovery. Default 1200, range 1200..=65527.
+    /// Over IPv4 no UDP payload exceeds 65507 bytes (65535 minus the IP and UDP headers); a larger
+    /// value is refused by the kernel and only black-hole detection brings it down.
     pub initial_mtu_bytes: u16,
-    /// Upper bound of MTU discovery, also the largest UDP payload accepted. Default 65527 (loopback
-    /// reaches it; real links settle at their path MTU). Range 1200..=65527, at least `initial_mtu_bytes`.
+    /// Upper bound of MTU discovery, also the largest UDP payload accepted. Default 65507 (the IPv4
+    /// maximum, which loopback reaches; real links settle at their path MTU). Range 1200..=65527, at
+    /// least `initial_mtu_bytes`.
     pub mtu_discovery_upper_bound_bytes: u16,
     /// Disable MTU discovery (keep `initial_mtu_bytes`). Default false.
     pub disable_mtu_discovery: bool,
@@ -54,7 +57,9 @@ pub struct QuicConfig {
     pub send_window_bytes: u64,
     /// `cubic`, `bbr` or `newreno`. Default `cubic`.
     pub congestion_controller: CongestionController,
-    /// Initial congestion window; 0 keeps quinn's default (about 14720 bytes). Default 0, at most 1073741824.
+    /// Initial congestion window. 0 (the default) picks the larger of 14720 bytes (quinn's default) and
+    /// ten initial-MTU datagrams: a window below one datagram would block the very first packet.
+    /// Otherwise at least two `initial_mtu_bytes` datagrams, at most 1073741824.
     pub initial_congestion_window_bytes: u64,
     /// A connection silent this long is dead (its transfers fail `PEER_LOST`). Default 3000, range 100..=600000.
     pub idle_timeout_ms: u64,
@@ -99,7 +104,7 @@ impl Default for QuicConfig {
             max_concurrent_streams_per_connection: 1024,
             worker_threads: 2,
             initial_mtu_bytes: 1200,
-            mtu_discovery_upper_bound_bytes: 65527,
+            mtu_discovery_upper_bound_bytes: 65507,
             disable_mtu_discovery: false,
             segmentation_offload: true,
             stream_window_bytes: 16 << 20,
@@ -140,6 +145,14 @@ fn check_range<T: PartialOrd + std::fmt::Display + Copy>(key: &str, value: T, mi
 }
 
 impl QuicConfig {
+    /// The initial congestion window in force (see `initial_congestion_window_bytes`).
+    pub fn effective_initial_congestion_window_bytes(&self) -> u64 {
+        match self.initial_congestion_window_bytes {
+            0 => (10 * self.initial_mtu_bytes as u64).max(14720),
+            explicit => explicit,
+        }
+    }
+
     /// Parse and validate a TOML string; an empty string gives the defaults.
     pub fn parse(text: &str) -> Result<QuicConfig, PluginError> {
         let config: QuicConfig = toml::from_str(text)
@@ -168,6 +181,13 @@ impl QuicConfig {
         check_range("connection_window_bytes", self.connection_window_bytes, 65536, 1 << 32)?;
         check_range("send_window_bytes", self.send_window_bytes, 65536, 1 << 32)?;
         check_range("initial_congestion_window_bytes", self.initial_congestion_window_bytes, 0, 1 << 30)?;
+        let two_datagrams = 2 * self.initial_mtu_bytes as u64;
+        if self.initial_congestion_window_bytes != 0 && self.initial_congestion_window_bytes < two_datagrams {
+            return Err(invalid(
+                "initial_congestion_window_bytes",
+                format!("is {}, must be 0 (automatic) or at least two initial_mtu_bytes datagrams ({two_datagrams})", self.initial_congestion_window_bytes),
+            ));
+        }
         check_range("idle_timeout_ms", self.idle_timeout_ms, 100, 600_000)?;
         check_range("keep_alive_interval_ms", self.keep_alive_interval_ms, 10, 60_000)?;
         if self.keep_alive_interval_ms >= self.idle_timeout_ms {

@@ -39,27 +39,21 @@ pub fn transport_config(config: &QuicConfig) -> Result<Arc<TransportConfig>, Plu
     }
     t.enable_segmentation_offload(config.segmentation_offload);
     t.datagram_receive_buffer_size(None);
-    let window = config.initial_congestion_window_bytes;
+    let window = config.effective_initial_congestion_window_bytes();
     match config.congestion_controller {
         CongestionController::Cubic => {
             let mut c = CubicConfig::default();
-            if window > 0 {
-                c.initial_window(window);
-            }
+            c.initial_window(window);
             t.congestion_controller_factory(Arc::new(c));
         }
         CongestionController::Bbr => {
             let mut c = BbrConfig::default();
-            if window > 0 {
-                c.initial_window(window);
-            }
+            c.initial_window(window);
             t.congestion_controller_factory(Arc::new(c));
         }
         CongestionController::Newreno => {
             let mut c = NewRenoConfig::default();
-            if window > 0 {
-                c.initial_window(window);
-            }
+            c.initial_window(window);
             t.congestion_controller_factory(Arc::new(c));
         }
     }

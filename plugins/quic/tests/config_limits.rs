@@ -49,7 +49,8 @@ fn defaults_are_valid_and_documented_values() {
     assert_eq!(c.idle_timeout_ms, 3000);
     assert_eq!(c.keep_alive_interval_ms, 500);
     assert_eq!(c.congestion_controller, CongestionController::Cubic);
-    assert_eq!(c.mtu_discovery_upper_bound_bytes, 65527);
+    assert_eq!(c.mtu_discovery_upper_bound_bytes, 65507);
+    assert_eq!(c.effective_initial_congestion_window_bytes(), 14720);
 }
 
 #[test]
@@ -78,6 +79,15 @@ fn mtu_bounds_are_u16_and_ordered() {
     assert!(err.message.contains("mtu_discovery_upper_bound_bytes"), "{err}");
     let err = parse("mtu_discovery_upper_bound_bytes = 1199").unwrap_err();
     assert!(err.message.contains("mtu_discovery_upper_bound_bytes"), "{err}");
+}
+
+#[test]
+fn the_initial_congestion_window_holds_two_initial_datagrams() {
+    parse("initial_mtu_bytes = 1200\ninitial_congestion_window_bytes = 2400").unwrap();
+    let err = parse("initial_mtu_bytes = 1200\ninitial_congestion_window_bytes = 2399").unwrap_err();
+    assert!(err.message.contains("initial_congestion_window_bytes"), "{err}");
+    let automatic = parse("initial_mtu_bytes = 65507\nmtu_discovery_upper_bound_bytes = 65507").unwrap();
+    assert_eq!(automatic.effective_initial_congestion_window_bytes(), 655_070);
 }
 
 #[test]

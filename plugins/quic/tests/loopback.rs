@@ -47,6 +47,15 @@ fn data_arrives_intact_for_odd_sizes() {
 }
 
 #[test]
+fn loopback_sized_datagrams_carry_data_from_the_first_packet() {
+    let big = kvgate_plugin_quic::QuicConfig { initial_mtu_bytes: 65507, mtu_discovery_upper_bound_bytes: 65507, ..test_config() };
+    let (a, b) = pair(big);
+    move_and_check(&a, &b, 4 << 20, 1);
+    move_and_check(&a, &b, 1, 2);
+    wait_baseline(&a, WAIT);
+}
+
+#[test]
 fn ten_thousand_scattered_segments_land_in_place() {
     let (a, b) = pair(test_config());
     const N: usize = 10_000;
