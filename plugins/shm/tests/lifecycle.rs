@@ -118,7 +118,12 @@ fn own_timeout_fails_a_transfer_still_queued_behind_another() {
     ok(pair.submit(1, NO_TIMEOUT_NS, &[segment(segments[0].local, 0, segments[0].remote, 0, 0)]));
     pair.sender.events.wait_count(1);
     ok(pair.submit(2, 1_000_000, &segments));
-    std::thread::sleep(Duration::from_millis(20));
+    // The timer fails transfer 2 while the only worker is still held: it never started.
+    let deadline = std::time::Instant::now() + WAIT;
+    while pair.sender.stats().live_transfers != 0 {
+        assert!(std::time::Instant::now() < deadline, "transfer 2 never timed out");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     pair.sender.events.release();
     let terminal = pair.sender.events.settled(XferId(2));
     assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::TIMEOUT));
