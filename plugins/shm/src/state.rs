@@ -196,3 +196,85 @@ impl State {
         self.transfers.len() as u64 - self.live_transfers
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_abi::{event_flags, EventKind};
+
+    /// A transfer of `chunks` chunks of 10 bytes (addresses are never dereferenced here).
+    fn transfer(chunks: u64, deadline: Option<Instant>) -> Transfer {
+        Transfer {
+            peer: PeerId(1),
+            pieces: Arc::new(vec![Piece { src: 0, dst: 0, len: 10 * chunks }]),
+            cursor: Cursor::default(),
+            total_bytes: 10 * chunks,
+            copied_bytes: 0,
+            active_chunks: 0,
+            failed: false,
+            deadline,
+            timeout_ns: 1,
+            local_keys: vec![LocalKey(1)],
+            mappings: Vec::new(),
+        }
+    }
+
+    fn kinds(state: &mut State) -> Vec<(EventKind, bool)> {
+        std::mem::take(&mut state.outbox).iter().map(|e| (e.kind, e.flags & event_flags::QUIESCED != 0)).collect()
+    }
+
+    #[test]
+    fn failure_while_a_worker_holds_a_chunk_quiesces_only_when_it_lets_go() {
+        let mut state = State::new();
+        state.insert(XferId(1), transfer(3, None));
+        let job = state.claim(10).unwrap();
+        state.fail(XferId(1), ReasonCode::CANCELLED, "c".into());
+        assert_eq!(kinds(&mut state), vec![(EventKind::FAILED, false)]);
+        assert_eq!((state.live_transfers, state.unquiesced_transfers()), (0, 1));
+        assert!(state.region_busy(LocalKey(1)));
+        assert!(state.claim(10).is_none(), "no chunk of a failed transfer is handed out");
+        state.fail(XferId(1), ReasonCode::TIMEOUT, "t".into());
+        assert!(state.outbox.is_empty(), "one terminal event only");
+        state.complete(&job);
+        assert_eq!(kinds(&mut state), vec![(EventKind::QUIESCED, false)]);
+        assert_eq!((state.transfers.len(), state.unquiesced_transfers()), (0, 0));
+        assert!(!state.region_busy(LocalKey(1)));
+    }
+
+    #[test]
+    fn failure_with_no_chunk_in_flight_is_quiesced_at_once() {
+        let mut state = State::new();
+        state.insert(XferId(1), transfer(3, None));
+        state.fail(XferId(1), ReasonCode::CANCELLED, "c".into());
+        assert_eq!(kinds(&mut state), vec![(EventKind::FAILED, true)]);
+        assert!(state.transfers.is_empty() && state.queue.is_empty());
+    }
+
+    #[test]
+    fn success_waits_for_every_chunk_of_every_worker() {
+        let mut state = State::new();
+        state.insert(XferId(1), transfer(3, Some(Instant::now() + std::time::Duration::from_secs(60))));
+        let (a, b, c) = (state.claim(10).unwrap(), state.claim(10).unwrap(), state.claim(10).unwrap());
+        assert!(state.claim(10).is_none());
+        state.complete(&c);
+        state.complete(&a);
+        assert!(state.outbox.is_empty(), "a chunk is still being copied");
+        state.complete(&b);
+        let events = std::mem::take(&mut state.outbox);
+        assert_eq!((events.len(), events[0].kind, events[0].bytes), (1, EventKind::SUCCEEDED, 30));
+        assert!(state.transfers.is_empty() && state.deadlines.is_empty() && state.live_transfers == 0);
+    }
+
+    #[test]
+    fn expiry_fails_due_transfers_and_reports_the_next_deadline() {
+        let now = Instant::now();
+        let later = now + std::time::Duration::from_secs(5);
+        let mut state = State::new();
+        state.insert(XferId(1), transfer(1, Some(now)));
+        state.insert(XferId(2), transfer(1, Some(later)));
+        assert_eq!(state.expire(now), Some(later));
+        let events = std::mem::take(&mut state.outbox);
+        assert_eq!((events.len(), events[0].xfer, events[0].reason), (1, XferId(1), ReasonCode::TIMEOUT));
+        assert_eq!(state.live_transfers, 1);
+    }
+}
