@@ -11,6 +11,7 @@ pub mod config;
 pub mod controller;
 pub mod peer;
 pub mod plugin_spec;
+pub mod proxy;
 pub mod registry;
 pub mod report;
 pub mod rng;

@@ -6,7 +6,12 @@ use kvgate_host::PluginHost;
 
 /// Built-in plugins linked into this binary, by name, as `builtin:NAME` selects them.
 pub fn builtin_modules() -> Vec<(&'static str, fn() -> PluginModRef)> {
-    vec![("shm", kvgate_plugin_shm::module)]
+    vec![
+        ("shm", kvgate_plugin_shm::module),
+        ("quic", kvgate_plugin_quic::module),
+        ("ucx", kvgate_plugin_ucx::module),
+        ("nvlink", kvgate_plugin_nvlink::module),
+    ]
 }
 
 /// Load the plugin `spec` into a fresh host; returns the host and the plugin's name.

@@ -1,7 +1,7 @@
 //! The clause registry: every clause the harness checks, by id and group, with its check function.
 //! The cross-reference test reads this list; an id here must exist in CONFORMANCE.md.
 
-use crate::clauses::{abort, data, handshake, hygiene, obs, res, time, CheckResult};
+use crate::clauses::{abort, data, handshake, hygiene, network, obs, res, time, CheckResult};
 use crate::world::Ctx;
 
 pub struct Clause {
@@ -26,6 +26,7 @@ pub fn registry() -> Vec<Clause> {
         c("TIME-3", "TIME", time::time_3),
         c("TIME-4", "TIME", time::time_4),
         c("TIME-5", "TIME", time::time_5),
+        c("TIME-12", "TIME", network::time_12),
         c("RES-1", "RES", res::res_1),
         c("RES-2", "RES", res::res_2),
         c("RES-3", "RES", res::res_3),
@@ -34,6 +35,7 @@ pub fn registry() -> Vec<Clause> {
         c("DATA-2", "DATA", data::data_2),
         c("DATA-3", "DATA", data::data_3),
         c("DATA-4", "DATA", data::data_4),
+        c("DATA-7", "DATA", network::data_7),
         c("HANDSHAKE-2", "HANDSHAKE", handshake::handshake_2),
         c("HANDSHAKE-3", "HANDSHAKE", handshake::handshake_3),
         c("HANDSHAKE-4", "HANDSHAKE", handshake::handshake_4),

@@ -59,8 +59,9 @@ impl Report {
         );
         out.push_str(&format!("{:<12} {:<11} {:>7}  evidence\n", "clause", "status", "ms"));
         for c in &self.clauses {
-            let mut evidence: String = c.evidence.chars().take(110).collect();
-            if c.evidence.chars().count() > 110 {
+            let flat: String = c.evidence.split_whitespace().collect::<Vec<_>>().join(" ");
+            let mut evidence: String = flat.chars().take(110).collect();
+            if flat.chars().count() > 110 {
                 evidence.push('…');
             }
             out.push_str(&format!("{:<12} {:<11} {:>7}  {}\n", c.id, c.status.as_str(), c.elapsed_ms, evidence));

@@ -23,7 +23,7 @@ pub struct RunPlan {
 
 enum Probe {
     Ready { name: String, abi_version: u32 },
-    Unavailable(String),
+    Unavailable(String, Option<(String, u32)>),
     Broken(String),
 }
 
@@ -36,7 +36,7 @@ fn probe(plan: &RunPlan) -> Probe {
     let result = match peer.call(&op, Duration::from_millis(plan.limits.reply_bound_ms)) {
         Ok(r) => match r.outcome {
             Outcome::Info { instance, .. } => Probe::Ready { name: instance.name, abi_version: instance.abi_version },
-            Outcome::Unavailable { reason } => Probe::Unavailable(reason),
+            Outcome::Unavailable { reason, module } => Probe::Unavailable(reason, module.map(|m| (m.name, m.abi_version))),
             Outcome::PeerError { message } => Probe::Broken(message),
             other => Probe::Broken(format!("unexpected reply to open: {other:?}")),
         },
@@ -65,7 +65,13 @@ pub fn run_plan(plan: RunPlan) -> Report {
             report.abi_version = abi_version;
             None
         }
-        Probe::Unavailable(reason) => Some((Status::Unsupported, format!("plugin unavailable on this machine: {reason}"))),
+        Probe::Unavailable(reason, module) => {
+            if let Some((name, abi_version)) = module {
+                report.plugin_name = name;
+                report.abi_version = abi_version;
+            }
+            Some((Status::Unsupported, format!("plugin unavailable on this machine: {reason}")))
+        }
         Probe::Broken(why) => Some((Status::Fail, format!("the plugin could not be opened: {why}"))),
     };
     if let Some((status, evidence)) = blanket {

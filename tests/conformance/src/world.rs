@@ -136,7 +136,7 @@ impl Pair {
             let reply = p.call(&open, bound).map_err(|e| fail_no_reply(&p.role, "open", e))?;
             match reply.outcome {
                 Outcome::Info { module, instance } => infos.push((module, instance)),
-                Outcome::Unavailable { reason } => return Err(Verdict::Unsupported(format!("plugin unavailable: {reason}"))),
+                Outcome::Unavailable { reason, .. } => return Err(Verdict::Unsupported(format!("plugin unavailable: {reason}"))),
                 Outcome::PeerError { message } => return Err(Verdict::Fail(message)),
                 other => return Err(Verdict::Fail(format!("open: unexpected reply {other:?}"))),
             }

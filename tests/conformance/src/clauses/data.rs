@@ -10,6 +10,16 @@ const DATA_TIMEOUT_MS: u64 = 60_000;
 
 /// Submit `segs`, wait for the terminal event, and compare both sides' checksums the moment it arrives.
 pub(crate) fn transfer_and_verify(p: &mut Pair, ticket: u64, src_rid: u32, dst_rid: u32, segs: Vec<Seg>, ctx: &mut Ctx) -> Result<Result<String, String>, Verdict> {
+    transfer_and_compare(p, ticket, src_rid, dst_rid, segs, 0, ctx)
+}
+
+/// Like [`transfer_and_verify`], but compares only after `settle_ms`: for checks whose subject is not
+/// the moment of `SUCCEEDED` (that is DATA-1's), only that the bytes did move.
+pub(crate) fn transfer_and_settle(p: &mut Pair, ticket: u64, src_rid: u32, dst_rid: u32, segs: Vec<Seg>, ctx: &mut Ctx) -> Result<Result<String, String>, Verdict> {
+    transfer_and_compare(p, ticket, src_rid, dst_rid, segs, 300, ctx)
+}
+
+fn transfer_and_compare(p: &mut Pair, ticket: u64, src_rid: u32, dst_rid: u32, segs: Vec<Seg>, settle_ms: u64, ctx: &mut Ctx) -> Result<Result<String, String>, Verdict> {
     let src_ranges: Vec<(u64, u64)> = segs.iter().map(|s| (s.local_offset, s.len)).collect();
     let dst_ranges: Vec<(u64, u64)> = segs.iter().map(|s| (s.remote_offset, s.len)).collect();
     let bytes: u64 = segs.iter().map(|s| s.len).sum();
@@ -22,6 +32,9 @@ pub(crate) fn transfer_and_verify(p: &mut Pair, ticket: u64, src_rid: u32, dst_r
         return Ok(Err(format!("{bytes} bytes in {nseg} segments: no terminal event")));
     };
     // Read the destination at once: SUCCEEDED must mean the bytes are already there.
+    if settle_ms > 0 {
+        sleep_ms(settle_ms);
+    }
     let dst_sum = p.checksum(Side::Rx, dst_rid, dst_ranges, ctx)?;
     if t.kind != EventKind::SUCCEEDED.0 {
         return Ok(Err(format!("{bytes} bytes in {nseg} segments: valid transfer ended {}: {}", describe(&t), t.message)));

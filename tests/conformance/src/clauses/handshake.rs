@@ -21,7 +21,7 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
         let dst = p.alloc_dst(1 << 20, ctx.rng.next_u64(), ctx)?;
         let ticket = p.authorise(&dst, ctx)?;
         sleep_ms(20);
-        match super::data::transfer_and_verify(p, ticket, src.rid, dst.rid, vec![seg(&src, 0, &dst, 0, 65536)], ctx)? {
+        match super::data::transfer_and_settle(p, ticket, src.rid, dst.rid, vec![seg(&src, 0, &dst, 0, 65536)], ctx)? {
             Ok(_) => {}
             Err(e) => return fail(format!("first generation: {e}")),
         }
@@ -60,7 +60,7 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
         let dst2 = p.alloc_dst(1 << 20, ctx.rng.next_u64(), ctx)?;
         let ticket2 = p.authorise(&dst2, ctx)?;
         sleep_ms(20);
-        let moved = match super::data::transfer_and_verify(p, ticket2, src.rid, dst2.rid, vec![seg(&src, 7, &dst2, 5, 100_000)], ctx)? {
+        let moved = match super::data::transfer_and_settle(p, ticket2, src.rid, dst2.rid, vec![seg(&src, 7, &dst2, 5, 100_000)], ctx)? {
             Ok(l) => l,
             Err(e) => {
                 problems.push(format!("new generation: {e}"));

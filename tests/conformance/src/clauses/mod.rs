@@ -6,6 +6,7 @@ pub mod abort;
 pub mod data;
 pub mod handshake;
 pub mod hygiene;
+pub mod network;
 pub mod obs;
 pub mod res;
 pub mod time;

@@ -6,7 +6,7 @@ use crate::peer::protocol::{Op, Outcome};
 use crate::world::{describe, ms, seg, Side};
 
 /// Judge each transfer's terminal event against `timeout + slack`.
-fn judge_deadlines(p: &Pair, xfers: &[(u64, u64)], what: &str, ctx: &Ctx) -> CheckResult {
+pub(crate) fn judge_deadlines(p: &Pair, xfers: &[(u64, u64)], what: &str, ctx: &Ctx) -> CheckResult {
     let slack = ctx.limits.deadline_slack_ms;
     let longest = xfers.iter().map(|&(_, t)| t).max().unwrap_or(0);
     p.wait_all_terminal(&xfers.iter().map(|&(x, _)| x).collect::<Vec<_>>(), ms_of(longest + slack + 2_000));

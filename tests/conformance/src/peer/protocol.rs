@@ -109,7 +109,7 @@ pub enum Outcome {
     Done,
     Failed { error: CallError },
     /// `Open` of an instance that is not available here (a harness reports every clause unsupported).
-    Unavailable { reason: String },
+    Unavailable { reason: String, module: Option<WireInfo> },
     Info { module: WireInfo, instance: WireInfo },
     Bytes { bytes: Vec<u8> },
     Registered { key: u64, remote_key: Vec<u8> },

@@ -171,7 +171,9 @@ impl Peer {
                         self.opened = Some(opened);
                         Outcome::Info { module: module.unwrap_or_else(|| instance.clone()), instance }
                     }
-                    Err(OpenError::Unavailable { reason, .. }) => Outcome::Unavailable { reason },
+                    Err(OpenError::Unavailable { reason, .. }) => {
+                        Outcome::Unavailable { reason, module: host.module(&name).map(|m| wire_info(&(m.info())())) }
+                    }
                     Err(e) => Outcome::PeerError { message: format!("open failed ({}): {e}", e.code()) },
                 };
                 self.host = Some((host, name));

@@ -74,3 +74,21 @@ pub fn run_harness(plugin: &str, extra: &[&str], plugin_config: &str) -> Run {
     eprintln!("{stdout}harness run on {plugin}: {seconds:.1} s");
     Run { status: out.status.code().unwrap_or(-1), report, stdout, seconds }
 }
+
+/// Clauses that need network traffic to fault; same-host plugins report them unsupported.
+pub const NETWORK_CLAUSES: [&str; 2] = ["TIME-12", "DATA-7"];
+
+/// Every clause passes, except the network clauses, which a plugin that moves no network traffic
+/// reports unsupported (with that reason) when `network` is false.
+pub fn assert_all_pass(run: &Run, network: bool) {
+    for (id, status, evidence) in run.clauses() {
+        if !network && NETWORK_CLAUSES.contains(&id.as_str()) {
+            assert_eq!(status, "unsupported", "{id}: {evidence}");
+            assert!(evidence.contains("no loopback UDP address"), "{id}: {evidence}");
+        } else {
+            assert_eq!(status, "pass", "{id}: {evidence}\n{}", run.stdout);
+        }
+    }
+    assert_eq!(run.status, 0);
+    assert_eq!(run.clauses().len(), kvgate_conformance::registry::registry().len());
+}
