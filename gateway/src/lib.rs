@@ -3,6 +3,7 @@
 //! [`cli::main`].
 
 pub mod admin;
+pub mod bench;
 mod builtin_extra;
 pub mod cli;
 mod cli_plugins;

@@ -1,0 +1,348 @@
+//! `kvgate bench`: the data path (every available plugin x block size x blocks per transfer, through
+//! two `kvgate serve` gateways and the engine API) and the control path, each measured against its
+//! reference in the same run; a progress bar, a table, `--json`, `--plot` (SVG), `--png`, `--markdown`.
+//! It only measures and reports: never a pass/fail on timing, except the named targets it prints.
+
+pub mod control;
+pub mod core_abort;
+pub mod datapath;
+pub mod plan;
+pub mod plot;
+pub mod png_plot;
+pub mod reference;
+pub mod report;
+pub mod results;
+pub mod stats;
+pub mod svg;
+mod system;
+
+use anyhow::Context;
+use datapath::{run_cell, Rig};
+use indicatif::{ProgressBar, ProgressStyle};
+use plan::{parse_size, Plan};
+use reference::{CopyBudget, ReferenceKind};
+use results::{BenchReport, ControlPath, PluginResult};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// The short matrix (under 2 minutes on 2 cores); without it the full one (under 15).
+    #[arg(long)]
+    pub quick: bool,
+    /// Plugins to measure, in order; one that cannot run here is reported as skipped with why.
+    #[arg(long, value_delimiter = ',', default_value = "shm,quic,ucx,nvlink")]
+    pub plugins: Vec<String>,
+    /// Write the results as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Write throughput against block size per plugin (reference dashed) as SVG.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+    /// Write the same plot as PNG (drawn without text labels; the SVG has them).
+    #[arg(long)]
+    pub png: Option<PathBuf>,
+    /// Write the BENCHMARKS.md page (figures, this command, ratios against the targets).
+    #[arg(long)]
+    pub markdown: Option<PathBuf>,
+    /// Override the block sizes (e.g. `4K,1M,64M`).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    pub block_sizes: Option<Vec<u64>>,
+    /// Override the blocks per transfer (e.g. `1,100,10000`).
+    #[arg(long, value_delimiter = ',')]
+    pub blocks: Option<Vec<u64>>,
+    /// Cells moving more than this many MiB per transfer are not run.
+    #[arg(long)]
+    pub max_transfer_mib: Option<u64>,
+    /// Each cell (and its reference) runs at least this long.
+    #[arg(long)]
+    pub cell_ms: Option<u64>,
+    /// Rooms in flight at once in a data-path cell.
+    #[arg(long)]
+    pub inflight: Option<u64>,
+    /// Rooms for the rooms-per-second figure.
+    #[arg(long)]
+    pub control_rooms: Option<u64>,
+    /// Rooms held in flight in the in-process core while aborts are timed (target: 100 000).
+    #[arg(long)]
+    pub core_rooms: Option<u64>,
+    /// Aborts timed in the core.
+    #[arg(long)]
+    pub core_aborts: Option<u64>,
+    /// Rooms held in flight through the engine API while aborts are timed.
+    #[arg(long)]
+    pub api_rooms: Option<u64>,
+    /// Aborts timed through the engine API.
+    #[arg(long)]
+    pub api_aborts: Option<u64>,
+    /// Rooms in flight when the decode gateway is frozen.
+    #[arg(long)]
+    pub frozen_rooms: Option<u64>,
+    /// Where pools, configs and gateway logs go (default: a fresh folder in /dev/shm, removed after).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    pub fn plan(&self) -> Plan {
+        let mut plan = if self.quick { Plan::quick() } else { Plan::full() };
+        if let Some(v) = &self.block_sizes {
+            plan.block_sizes_bytes = v.clone();
+        }
+        if let Some(v) = &self.blocks {
+            plan.blocks_per_transfer = v.clone();
+        }
+        if let Some(v) = self.max_transfer_mib {
+            plan.max_transfer_bytes = v.saturating_mul(1 << 20);
+        }
+        let set = |field: &mut u64, v: Option<u64>| {
+            if let Some(v) = v {
+                *field = v;
+            }
+        };
+        set(&mut plan.cell_budget_ms, self.cell_ms);
+        set(&mut plan.inflight_rooms, self.inflight);
+        set(&mut plan.control_rooms, self.control_rooms);
+        set(&mut plan.core_rooms_in_flight, self.core_rooms);
+        set(&mut plan.core_aborts, self.core_aborts);
+        set(&mut plan.api_rooms_in_flight, self.api_rooms);
+        set(&mut plan.api_aborts, self.api_aborts);
+        set(&mut plan.frozen_rooms, self.frozen_rooms);
+        plan.control_concurrency = plan.control_concurrency.min(plan.control_rooms);
+        plan.api_aborts = plan.api_aborts.min(plan.api_rooms_in_flight);
+        plan
+    }
+}
+
+pub fn run(args: BenchArgs) -> i32 {
+    let plan = args.plan();
+    let problems = plan.validate();
+    if !problems.is_empty() {
+        for p in problems {
+            eprintln!("kvgate bench: {p}");
+        }
+        return 2;
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    match runtime.block_on(run_async(&args, &plan)) {
+        Ok(report) => {
+            let broken = report.data_path.iter().flat_map(|p| &p.cells).any(|c| c.failures > 0 || !c.verified);
+            match write_outputs(&args, &report) {
+                Ok(()) if broken => {
+                    eprintln!("kvgate bench: some rooms failed or moved wrong bytes (see the table)");
+                    1
+                }
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("kvgate bench: {e:#}");
+                    1
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("kvgate bench failed: {e:#}");
+            1
+        }
+    }
+}
+
+fn work_dir(args: &BenchArgs) -> anyhow::Result<(PathBuf, Option<tempfile::TempDir>)> {
+    if let Some(d) = &args.dir {
+        std::fs::create_dir_all(d)?;
+        return Ok((d.clone(), None));
+    }
+    let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+    let dir = tempfile::Builder::new().prefix("kvgate-bench-").tempdir_in(base)?;
+    Ok((dir.path().to_path_buf(), Some(dir)))
+}
+
+/// Why a plugin cannot be measured through the gateway here, before trying to start a pair.
+fn known_skip(plugin: &str) -> Option<String> {
+    match plugin {
+        "nvlink" => Some(if system::has_nvidia_gpu() {
+            "the NVLink plugin is a loadable .so that the bench's generated gateway configs do not load yet; its reference (raw cuMemcpyDtoD) needs it too".into()
+        } else {
+            "no NVIDIA GPU on this machine (no /dev/nvidiactl): neither the NVLink plugin nor its raw device-copy reference can run".into()
+        }),
+        "ucx" => Some(if system::which("ucx_perftest").is_some() {
+            "the UCX plugin is a loadable .so ([plugins] libraries) that the bench's generated gateway configs (demo::gateways) do not load yet; ucx_perftest is installed but a reference alone is not a result".into()
+        } else {
+            "the UCX plugin is a loadable .so the bench's generated configs do not load, and ucx_perftest (its reference) is not installed".into()
+        }),
+        _ => None,
+    }
+}
+
+fn reference_of(plugin: &str) -> Option<ReferenceKind> {
+    match plugin {
+        "shm" => Some(ReferenceKind::Memcpy),
+        "quic" => Some(ReferenceKind::TcpLoopback),
+        _ => None,
+    }
+}
+
+async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport> {
+    let started = Instant::now();
+    let binary = std::env::current_exe().context("locate the kvgate binary")?;
+    let (dir, _guard) = work_dir(args)?;
+    let cells = plan.cells();
+    let runnable = args.plugins.iter().filter(|p| known_skip(p).is_none()).count() as u64;
+    let bar = ProgressBar::new(runnable * cells.len() as u64 + 4);
+    bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}").expect("template"));
+    bar.enable_steady_tick(Duration::from_millis(200));
+    println!(
+        "kvgate bench{}: {} cells per plugin (transfers up to {}), {} rooms in flight per cell, >= {} ms per cell; work dir {}",
+        if args.quick { " --quick" } else { "" },
+        cells.len(),
+        stats::size_label(plan.slot_bytes()),
+        plan.inflight_rooms,
+        plan.cell_budget_ms,
+        dir.display()
+    );
+    if !plan.left_out().is_empty() {
+        let left: Vec<String> = plan.left_out().iter().map(|(b, n)| format!("{}x{n}", stats::size_label(*b))).collect();
+        println!("not run (over {} per transfer): {}", stats::size_label(plan.max_transfer_bytes), left.join(", "));
+    }
+    let mut data_path = Vec::new();
+    for plugin in &args.plugins {
+        data_path.push(bench_plugin(&binary, &dir, plugin, plan, &bar).await);
+    }
+    let control_path = bench_control(&binary, &dir, plan, &bar).await;
+    bar.finish_and_clear();
+    let mut report = BenchReport {
+        command: system::command_line(),
+        kvgate_version: env!("CARGO_PKG_VERSION").to_string(),
+        machine: system::machine(),
+        finished_utc: system::utc_now(),
+        wall_seconds: started.elapsed().as_secs_f64(),
+        data_path,
+        control_path,
+        targets: vec![],
+    };
+    report.targets = report::targets(&report);
+    println!();
+    print!("{}", report::table(&report));
+    println!("wall time {:.1} s", report.wall_seconds);
+    Ok(report)
+}
+
+async fn bench_plugin(binary: &Path, dir: &Path, plugin: &str, plan: &Plan, bar: &ProgressBar) -> PluginResult {
+    let reference = reference_of(plugin);
+    let mut result = PluginResult {
+        plugin: plugin.to_string(),
+        reference: reference.map(|r| r.describe().to_string()).unwrap_or_else(|| "none".into()),
+        status: "skipped".into(),
+        ..PluginResult::default()
+    };
+    if let Some(why) = known_skip(plugin) {
+        result.skip_reason = why;
+        return result;
+    }
+    bar.set_message(format!("{plugin}: starting two gateways"));
+    let settings = crate::demo::gateways::PairSettings { plugin: plugin.to_string(), ..crate::demo::gateways::PairSettings::default() };
+    let mut rig = match Rig::start(binary, dir, &settings, plan.slot_bytes(), plan.inflight_rooms).await {
+        Ok(rig) => rig,
+        Err(e) => {
+            let text = format!("{e:#}");
+            result.skip_reason = text.lines().find(|l| l.contains("unavailable") || l.contains("not opened")).unwrap_or("the gateways did not start").trim().to_string();
+            tracing::warn!(plugin, error = %text, "bench: plugin skipped");
+            return result;
+        }
+    };
+    if reference.is_none() {
+        result.skip_reason = format!("no reference is defined for {plugin}: ratios are 0");
+    }
+    let budget = CopyBudget { min_copies: plan.min_rooms_per_cell, budget: Duration::from_millis(plan.cell_budget_ms) };
+    for (block, blocks) in plan.cells() {
+        bar.set_message(format!("{plugin}: {} x {blocks}", stats::size_label(block)));
+        match run_cell(&rig, reference, block, blocks, budget).await {
+            Ok(cell) => result.cells.push(cell),
+            Err(e) => {
+                bar.println(format!("{plugin}: {} x {blocks}: {e:#}", stats::size_label(block)));
+                result.cells.push(results::CellResult { block_bytes: block, blocks, transfer_bytes: block * blocks, failures: 1, ..Default::default() });
+            }
+        }
+        bar.inc(1);
+    }
+    rig.stop();
+    result.status = "measured".into();
+    result
+}
+
+async fn bench_control(binary: &Path, dir: &Path, plan: &Plan, bar: &ProgressBar) -> ControlPath {
+    let mut out = ControlPath::default();
+    bar.set_message(format!("abort-to-terminal in kvgate-core, {} rooms in flight", plan.core_rooms_in_flight));
+    let (rooms, aborts) = (plan.core_rooms_in_flight, plan.core_aborts);
+    match tokio::task::spawn_blocking(move || core_abort::abort_to_terminal_in_core(rooms, aborts)).await {
+        Ok(Ok(r)) => out.abort_to_terminal_core = Some(r),
+        Ok(Err(e)) => out.errors.push(format!("abort-to-terminal in the core: {e}")),
+        Err(e) => out.errors.push(format!("abort-to-terminal in the core: {e}")),
+    }
+    bar.inc(1);
+    let settings = control::control_settings();
+    bar.set_message("control path: starting two gateways");
+    match control::start_control_rig(binary, dir, &settings).await {
+        Ok(mut rig) => {
+            bar.set_message(format!("rooms per second, {} minimal rooms", plan.control_rooms));
+            match control::rooms_per_second(&rig, plan.control_rooms, plan.control_concurrency).await {
+                Ok(r) => out.rooms_per_second = Some(r),
+                Err(e) => out.errors.push(format!("rooms per second: {e:#}")),
+            }
+            bar.inc(1);
+            bar.set_message(format!("abort-to-terminal through the engine API, {} rooms in flight", plan.api_rooms_in_flight));
+            match control::abort_to_terminal_api(&rig, plan.api_rooms_in_flight, plan.api_aborts).await {
+                Ok(r) => out.abort_to_terminal_engine_api = Some(r),
+                Err(e) => out.errors.push(format!("abort-to-terminal through the engine API: {e:#}")),
+            }
+            bar.inc(1);
+            rig.stop();
+        }
+        Err(e) => out.errors.push(format!("control-path gateways did not start: {e:#}")),
+    }
+    bar.set_message(format!("frozen peer, {} rooms mid-transfer", plan.frozen_rooms));
+    let frozen_settings = crate::demo::gateways::PairSettings::default();
+    match Rig::start(binary, dir, &frozen_settings, control::CONTROL_POOL_BYTES, 1).await {
+        Ok(mut rig) => {
+            match control::frozen_peer(&rig, &frozen_settings, plan.frozen_rooms).await {
+                Ok(r) => out.frozen_peer = Some(r),
+                Err(e) => out.errors.push(format!("frozen peer: {e:#}")),
+            }
+            rig.stop();
+        }
+        Err(e) => out.errors.push(format!("frozen-peer gateways did not start: {e:#}")),
+    }
+    bar.inc(1);
+    out
+}
+
+fn write_outputs(args: &BenchArgs, report: &BenchReport) -> anyhow::Result<()> {
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(report)? + "\n").with_context(|| format!("write {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    let panels = plot::panels(report);
+    if let Some(path) = &args.plot {
+        std::fs::write(path, svg::render(&panels)).with_context(|| format!("write {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.png {
+        std::fs::write(path, png_plot::render(&panels)?).with_context(|| format!("write {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    if let Some(path) = &args.markdown {
+        let svg_link = args.plot.as_ref().map(|p| relative_to(p, path));
+        std::fs::write(path, report::markdown(report, svg_link.as_deref())).with_context(|| format!("write {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// `target` as a link from the folder of `page` (its file name when both share a folder).
+fn relative_to(target: &Path, page: &Path) -> String {
+    let parent = |p: &Path| p.parent().map(Path::to_path_buf).unwrap_or_default();
+    if parent(target) == parent(page) {
+        target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    } else {
+        target.display().to_string()
+    }
+}

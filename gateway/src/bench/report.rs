@@ -1,0 +1,244 @@
+//! Formatting of a finished [`BenchReport`]: the end-of-run table, the target checks and the
+//! `BENCHMARKS.md` page. Pure functions of the measured figures; never measures and never rounds a
+//! figure before it is stored.
+
+use super::results::{BenchReport, CellResult, PluginResult, TargetCheck};
+use super::stats::size_label;
+use std::fmt::Write;
+
+/// The shm target cell: one 4 MiB block per transfer.
+pub const SHM_TARGET_CELL: (u64, u64) = (4 << 20, 1);
+
+fn cell(plugin: &PluginResult, block: u64, blocks: u64) -> Option<&CellResult> {
+    plugin.cells.iter().find(|c| c.block_bytes == block && c.blocks == blocks)
+}
+
+/// The bulk cell of a plugin: the largest single-block transfer that ran.
+fn bulk_cell(plugin: &PluginResult) -> Option<&CellResult> {
+    plugin.cells.iter().filter(|c| c.blocks == 1 && c.reference_gbps > 0.0).max_by_key(|c| c.block_bytes)
+}
+
+fn check(name: &str, figure: String, measured: Option<f64>, min: f64, why_not: String) -> TargetCheck {
+    let verdict = match measured {
+        Some(m) if m >= min => "met".to_string(),
+        Some(_) => "missed".to_string(),
+        None => format!("not measured: {why_not}"),
+    };
+    TargetCheck { name: name.into(), figure, measured, target: format!(">= {min:.2}"), verdict }
+}
+
+fn ratio_target(report: &BenchReport, plugin: &str, name: &str, min: f64, pick: impl Fn(&PluginResult) -> Option<&CellResult>) -> TargetCheck {
+    let Some(p) = report.data_path.iter().find(|p| p.plugin == plugin) else {
+        return check(name, "ratio".into(), None, min, format!("{plugin} was not requested (--plugins)"));
+    };
+    if p.status != "measured" {
+        return check(name, "ratio".into(), None, min, p.skip_reason.clone());
+    }
+    match pick(p) {
+        Some(c) if c.reference_gbps > 0.0 => {
+            let figure = format!("ratio at {} x {} ({:.2} / {:.2} GB/s)", size_label(c.block_bytes), c.blocks, c.throughput_gbps, c.reference_gbps);
+            check(name, figure, Some(c.ratio), min, String::new())
+        }
+        _ => check(name, "ratio".into(), None, min, "the target cell was not in this run's matrix".into()),
+    }
+}
+
+/// The four targets of the plugin issues, read from this run.
+pub fn targets(report: &BenchReport) -> Vec<TargetCheck> {
+    let mut out = vec![
+        ratio_target(report, "shm", "shm >= 90 % of memcpy at 4 MiB", 0.90, |p| cell(p, SHM_TARGET_CELL.0, SHM_TARGET_CELL.1)),
+        ratio_target(report, "quic", "QUIC >= 50 % of TCP loopback (bulk)", 0.50, bulk_cell),
+        ratio_target(report, "ucx", "UCX >= 95 % of ucx_perftest", 0.95, bulk_cell),
+    ];
+    let abort = report.control_path.abort_to_terminal_core.as_ref();
+    let measured = abort.filter(|a| a.rooms_in_flight >= 100_000 && a.missing_terminal == 0).map(|a| a.p99_us);
+    let figure = abort.map(|a| format!("p99 of {} aborts, {} rooms in flight, in kvgate-core (us)", a.aborts, a.rooms_in_flight)).unwrap_or_else(|| "p99 (us)".into());
+    let why = match abort {
+        None => "the in-process core measurement did not run".to_string(),
+        Some(a) if a.missing_terminal > 0 => format!("{} aborts had no terminal event", a.missing_terminal),
+        Some(a) => format!("only {} rooms in flight (--core-rooms)", a.rooms_in_flight),
+    };
+    let verdict = match measured {
+        Some(us) if us <= 1_000.0 => "met".to_string(),
+        Some(_) => "missed".to_string(),
+        None => format!("not measured: {why}"),
+    };
+    out.push(TargetCheck { name: "abort-to-terminal p99 <= 1 ms, 100 000 rooms in flight".into(), figure, measured, target: "<= 1000 us".into(), verdict });
+    out
+}
+
+/// The end-of-run table: every cell with its ratio, then the control path and the targets.
+pub fn table(report: &BenchReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "{:<7} {:>8} {:>7} {:>9} {:>8} {:>8} {:>8} {:>9} {:>7} {:>6}  notes", "plugin", "block", "blocks", "transfer", "GB/s", "p50 ms", "p99 ms", "ref GB/s", "ratio", "rooms");
+    for p in &report.data_path {
+        if p.status != "measured" {
+            let _ = writeln!(out, "{:<7} skipped: {}", p.plugin, p.skip_reason);
+            continue;
+        }
+        for c in &p.cells {
+            let mut notes = Vec::new();
+            if !c.verified {
+                notes.push("BYTES NOT VERIFIED".to_string());
+            }
+            if c.failures > 0 {
+                notes.push(format!("{} failed", c.failures));
+            }
+            let _ = writeln!(
+                out,
+                "{:<7} {:>8} {:>7} {:>9} {:>8.3} {:>8.3} {:>8.3} {:>9.3} {:>7.3} {:>6}  {}",
+                p.plugin,
+                size_label(c.block_bytes),
+                c.blocks,
+                size_label(c.transfer_bytes),
+                c.throughput_gbps,
+                c.latency_p50_ms,
+                c.latency_p99_ms,
+                c.reference_gbps,
+                c.ratio,
+                c.transfers,
+                notes.join(", ")
+            );
+        }
+        let _ = writeln!(out, "{:<7} reference: {}", "", p.reference);
+    }
+    out.push('\n');
+    out.push_str(&control_lines(report));
+    out.push('\n');
+    for t in &report.targets {
+        let measured = t.measured.map(|m| format!("{m:.3}")).unwrap_or_else(|| "-".into());
+        let _ = writeln!(out, "target  {:<58} {:>9} {:<10} {}  [{}]", t.name, measured, t.target, t.verdict, t.figure);
+    }
+    out
+}
+
+fn control_lines(report: &BenchReport) -> String {
+    let mut out = String::new();
+    let c = &report.control_path;
+    if let Some(r) = &c.rooms_per_second {
+        let _ = writeln!(
+            out,
+            "control  rooms/s through the engine API: {:.0} ({} rooms of {} B, {} at once, {} failed; room p50 {:.2} ms, p99 {:.2} ms)",
+            r.rooms_per_second, r.rooms, r.bytes_per_room, r.concurrency, r.failures, r.latency_p50_ms, r.latency_p99_ms
+        );
+    }
+    for a in [&c.abort_to_terminal_core, &c.abort_to_terminal_engine_api].into_iter().flatten() {
+        let _ = writeln!(
+            out,
+            "control  abort-to-terminal, {} rooms in flight, {} aborts: p50 {:.1} us, p99 {:.1} us, max {:.1} us, missing {}  [{}]",
+            a.rooms_in_flight, a.aborts, a.p50_us, a.p99_us, a.max_us, a.missing_terminal, a.path
+        );
+    }
+    if let Some(f) = &c.frozen_peer {
+        let _ = writeln!(
+            out,
+            "control  frozen decode gateway (SIGSTOP), {} rooms mid-transfer: first {:.0} ms, p50 {:.0} ms, all terminal {:.0} ms (heartbeat {} ms x {} = {} ms); peer_lost {}, other {:?}, missing {}",
+            f.rooms, f.first_terminal_ms, f.p50_terminal_ms, f.all_terminal_ms, f.heartbeat_interval_ms, f.heartbeat_misses, f.detection_bound_ms, f.peer_lost, f.other_reasons, f.missing_terminal
+        );
+    }
+    for e in &c.errors {
+        let _ = writeln!(out, "control  not measured: {e}");
+    }
+    out
+}
+
+/// `BENCHMARKS.md`, generated from one report.
+pub fn markdown(report: &BenchReport, plot_svg: Option<&str>) -> String {
+    let mut out = String::new();
+    let m = &report.machine;
+    let _ = writeln!(out, "# kvgate benchmarks\n");
+    let _ = writeln!(out, "<!-- generated by `kvgate bench --markdown`; do not edit by hand, run the command again -->\n");
+    let _ = writeln!(
+        out,
+        "Latest figures from this machine: {} CPUs, {:.0} GiB memory, GPU: {}, kernel {}. Finished {} UTC, {:.0} s of wall time, kvgate {}.\n",
+        m.cpus, m.memory_gib, m.gpu, m.kernel, report.finished_utc, report.wall_seconds, report.kvgate_version
+    );
+    let _ = writeln!(out, "Produced by:\n\n```\n{}\n```\n", report.command);
+    let _ = writeln!(
+        out,
+        "Every figure is measured against its reference in the same run (the machine is shared and noisy); read the ratios, \
+         not the absolute numbers. Data path: two `kvgate serve` gateways on this machine, engines on the engine API, one room \
+         per transfer (one part, one chunk of `blocks` slices), the bytes of the first room of each cell verified. GB/s = 1e9 bytes/s.\n"
+    );
+    let _ = writeln!(out, "## Targets\n\n| target | measured | wanted | verdict | figure |\n|---|---|---|---|---|");
+    for t in &report.targets {
+        let measured = t.measured.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
+        let _ = writeln!(out, "| {} | {} | {} | {} | {} |", t.name, measured, t.target.replace('<', "&lt;").replace('>', "&gt;"), t.verdict, t.figure);
+    }
+    let _ = writeln!(out, "\n## Control path\n\n```\n{}```\n", control_lines(report));
+    let _ = writeln!(out, "## Data path\n");
+    if let Some(svg) = plot_svg {
+        let _ = writeln!(out, "![throughput against block size]({svg})\n");
+    }
+    for p in &report.data_path {
+        let _ = writeln!(out, "### {}\n", p.plugin);
+        if p.status != "measured" {
+            let _ = writeln!(out, "Skipped: {}\n", p.skip_reason);
+            continue;
+        }
+        let _ = writeln!(out, "Reference: {}.\n", p.reference);
+        let _ = writeln!(out, "| block | blocks | transfer | GB/s | p50 ms | p99 ms | reference GB/s | ref p50 ms | ratio | rooms | verified |");
+        let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+        for c in &p.cells {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {} |",
+                size_label(c.block_bytes),
+                c.blocks,
+                size_label(c.transfer_bytes),
+                c.throughput_gbps,
+                c.latency_p50_ms,
+                c.latency_p99_ms,
+                c.reference_gbps,
+                c.reference_latency_p50_ms,
+                c.ratio,
+                c.transfers,
+                if c.verified && c.failures == 0 { "yes" } else { "NO" }
+            );
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::results::{AbortLatency, ControlPath};
+
+    fn report_with(shm_ratio: f64, abort_p99_us: f64, rooms: u64) -> BenchReport {
+        let c = CellResult { block_bytes: 4 << 20, blocks: 1, transfer_bytes: 4 << 20, throughput_gbps: shm_ratio, reference_gbps: 1.0, ratio: shm_ratio, verified: true, ..CellResult::default() };
+        BenchReport {
+            data_path: vec![PluginResult { plugin: "shm".into(), status: "measured".into(), cells: vec![c], ..PluginResult::default() }],
+            control_path: ControlPath {
+                abort_to_terminal_core: Some(AbortLatency { rooms_in_flight: rooms, aborts: 10, p99_us: abort_p99_us, ..AbortLatency::default() }),
+                ..ControlPath::default()
+            },
+            ..BenchReport::default()
+        }
+    }
+
+    #[test]
+    fn targets_are_met_at_the_bound_and_missed_just_past_it() {
+        let at = targets(&report_with(0.90, 1_000.0, 100_000));
+        assert_eq!(at[0].verdict, "met");
+        assert_eq!(at[3].verdict, "met");
+        let past = targets(&report_with(0.899, 1_000.1, 100_000));
+        assert_eq!(past[0].verdict, "missed");
+        assert_eq!(past[3].verdict, "missed");
+        assert!(past[1].verdict.starts_with("not measured: quic was not requested"));
+        let few = targets(&report_with(0.95, 10.0, 99_999));
+        assert!(few[3].verdict.starts_with("not measured: only 99999 rooms"));
+    }
+
+    #[test]
+    fn the_markdown_names_the_command_and_every_ratio() {
+        let mut r = report_with(0.5, 5.0, 100_000);
+        r.command = "kvgate bench --quick --markdown BENCHMARKS.md".into();
+        r.targets = targets(&r);
+        let page = markdown(&r, Some("bench.svg"));
+        assert!(page.contains("kvgate bench --quick --markdown BENCHMARKS.md"));
+        assert!(page.contains("| 0.500 |"));
+        assert!(page.contains("missed"));
+    }
+}

@@ -1,0 +1,132 @@
+//! The bench's results as plain serialisable data: the `--json` document, read back by the table,
+//! the markdown page and the plots. Holds figures only; never measures and never formats.
+
+use serde::{Deserialize, Serialize};
+
+/// The whole `--json` document.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct BenchReport {
+    /// The command line that produced it (program name normalised to `kvgate`).
+    pub command: String,
+    pub kvgate_version: String,
+    pub machine: Machine,
+    /// UTC, `YYYY-MM-DD HH:MM:SS`.
+    pub finished_utc: String,
+    pub wall_seconds: f64,
+    /// One entry per requested plugin, measured or skipped with its reason.
+    pub data_path: Vec<PluginResult>,
+    pub control_path: ControlPath,
+    pub targets: Vec<TargetCheck>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Machine {
+    pub cpus: usize,
+    pub memory_gib: f64,
+    /// Always `none` today: the bench has no GPU path here.
+    pub gpu: String,
+    pub kernel: String,
+}
+
+/// One plugin's data-path matrix.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PluginResult {
+    pub plugin: String,
+    /// What the reference is (`memcpy, 1 thread, same pool files`, ...).
+    pub reference: String,
+    /// `measured` or `skipped`.
+    pub status: String,
+    /// Why it was skipped (or why its reference was); empty when everything ran.
+    pub skip_reason: String,
+    pub cells: Vec<CellResult>,
+}
+
+/// One (block size, blocks per transfer) cell of one plugin.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct CellResult {
+    pub block_bytes: u64,
+    pub blocks: u64,
+    pub transfer_bytes: u64,
+    /// Rooms that moved the bytes through the two gateways (timed ones, warm-up excluded).
+    pub transfers: u64,
+    /// Rooms that did not succeed on both sides, or whose bytes did not match.
+    pub failures: u64,
+    /// The first room's destination bytes equal the source bytes.
+    pub verified: bool,
+    pub throughput_gbps: f64,
+    pub latency_p50_ms: f64,
+    pub latency_p99_ms: f64,
+    pub reference_gbps: f64,
+    pub reference_latency_p50_ms: f64,
+    pub reference_latency_p99_ms: f64,
+    /// `throughput_gbps / reference_gbps` (0 when there is no reference).
+    pub ratio: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ControlPath {
+    pub rooms_per_second: Option<RoomsPerSecond>,
+    /// kvgate-core in this process (the engine API cannot hold 100 000 rooms cheaply here).
+    pub abort_to_terminal_core: Option<AbortLatency>,
+    /// Through two gateways and the engine API, with fewer rooms in flight.
+    pub abort_to_terminal_engine_api: Option<AbortLatency>,
+    pub frozen_peer: Option<FrozenPeer>,
+    /// Control-path parts that could not run, with why.
+    pub errors: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RoomsPerSecond {
+    pub rooms: u64,
+    /// Bytes each room moved (the engine API refuses a zero-length slice; this is the minimum).
+    pub bytes_per_room: u64,
+    pub concurrency: u64,
+    pub failures: u64,
+    pub rooms_per_second: f64,
+    pub latency_p50_ms: f64,
+    pub latency_p99_ms: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AbortLatency {
+    /// `kvgate-core in process` or `engine API, two gateways`.
+    pub path: String,
+    pub rooms_in_flight: u64,
+    pub aborts: u64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+    /// Aborted rooms whose terminal event never came within the wait bound.
+    pub missing_terminal: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct FrozenPeer {
+    pub rooms: u64,
+    pub heartbeat_interval_ms: u64,
+    pub heartbeat_misses: u64,
+    /// `heartbeat_interval_ms * heartbeat_misses`: the configured detection bound.
+    pub detection_bound_ms: u64,
+    /// From SIGSTOP of the decode gateway to the first / median / last prefill room terminal.
+    pub first_terminal_ms: f64,
+    pub p50_terminal_ms: f64,
+    pub all_terminal_ms: f64,
+    /// Rooms that ended with `peer_lost` (the others' reasons are in `other_reasons`).
+    pub peer_lost: u64,
+    pub other_reasons: Vec<String>,
+    /// Rooms with no terminal event within the wait bound.
+    pub missing_terminal: u64,
+}
+
+/// One target from the plugin issues, checked against this run.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct TargetCheck {
+    pub name: String,
+    /// Which figure of this run it reads.
+    pub figure: String,
+    pub measured: Option<f64>,
+    /// `>= 0.9` style comparison text.
+    pub target: String,
+    /// `met`, `missed`, or `not measured: <why>`.
+    pub verdict: String,
+}

@@ -1,0 +1,68 @@
+//! Facts about this machine and this invocation for the report: CPUs, memory, GPU presence, kernel,
+//! the command line, the UTC time, where a tool is installed. Reads only; never changes anything.
+
+use super::results::Machine;
+use std::path::{Path, PathBuf};
+
+pub fn has_nvidia_gpu() -> bool {
+    Path::new("/dev/nvidiactl").exists()
+}
+
+/// The first `name` on `PATH`.
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| std::env::split_paths(&paths).map(|d| d.join(name)).find(|p| p.is_file()))
+}
+
+pub fn machine() -> Machine {
+    let memory_kib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| t.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<f64>().ok()))
+        .unwrap_or(0.0);
+    Machine {
+        cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        memory_gib: memory_kib / (1024.0 * 1024.0),
+        gpu: if has_nvidia_gpu() { "nvidia (present, not used by this bench)".into() } else { "none".into() },
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default(),
+    }
+}
+
+/// The command line with the program shown as `kvgate`.
+pub fn command_line() -> String {
+    let mut parts = vec!["kvgate".to_string()];
+    parts.extend(std::env::args().skip(1));
+    parts.join(" ")
+}
+
+/// `YYYY-MM-DD HH:MM:SS` in UTC.
+pub fn utc_now() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    format_utc(secs)
+}
+
+/// Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+pub fn format_utc(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_dates_are_civil() {
+        assert_eq!(format_utc(0), "1970-01-01 00:00:00");
+        assert_eq!(format_utc(951_782_400), "2000-02-29 00:00:00");
+        assert_eq!(format_utc(1_798_675_199), "2026-12-31 23:59:59");
+    }
+}

@@ -1,0 +1,66 @@
+//! Shared helpers of the end-to-end tests: the built `kvgate` binary, a work folder on tmpfs, pools
+//! and engines, admin reads. Tests in one file run one at a time (`serial()`): each starts gateway
+//! processes, and a 2-core CI machine must not be oversubscribed into false heartbeat losses.
+#![allow(dead_code)]
+
+use kvgate::demo::engine::Engine;
+use kvgate::demo::http;
+use kvgate::demo::pool::{KvPool, KvShape};
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+pub fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_kvgate"))
+}
+
+/// A temp folder on tmpfs (the shm plugin maps only shared-memory files).
+pub fn work_dir() -> tempfile::TempDir {
+    let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
+    tempfile::Builder::new().prefix("kvgate-e2e-").tempdir_in(base).unwrap()
+}
+
+/// A small but real KV shape: 16 tokens x 128 KiB, 2 parts, 2 chunks (2 MiB per request).
+pub fn small_shape() -> KvShape {
+    KvShape::llama_8b_like(16, 2)
+}
+
+pub async fn engine(dir: &Path, socket: &Path, name: &str, shape: &KvShape, slots: u64) -> Engine {
+    let pool = KvPool::create(dir, &format!("{name}-pool"), shape.request_bytes(), slots).unwrap();
+    Engine::connect(socket, pool, name).await.unwrap()
+}
+
+pub async fn rooms_json(admin: &str) -> serde_json::Value {
+    let (code, body) = http::get(admin, "/rooms").await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Wait (bounded) until `/rooms` on `admin` is empty; returns the last body.
+pub async fn wait_rooms_empty(admin: &str, within: Duration) -> serde_json::Value {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let rooms = rooms_json(admin).await;
+        if rooms.as_array().is_some_and(|a| a.is_empty()) || tokio::time::Instant::now() > deadline {
+            return rooms;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub async fn metrics(admin: &str) -> String {
+    let (code, body) = http::get(admin, "/metrics").await.unwrap();
+    assert_eq!(code, 200);
+    body
+}
+
+/// The value of one sample line of the Prometheus text (`name{labels}` exactly as printed).
+pub fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().split(' ').next()).and_then(|v| v.parse().ok()))
+}
