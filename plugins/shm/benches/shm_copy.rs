@@ -4,7 +4,8 @@
 //! the throughput ratio plugin / memcpy from interleaved rounds (targets: ≥ 0.80 at 64 KiB blocks,
 //! ≥ 0.90 at 4 MiB blocks).
 //!
-//! Run: `cargo bench -p kvgate-plugin-shm --bench shm_copy` (`-- --ratio-only` skips criterion).
+//! Run: `cargo bench -p kvgate-plugin-shm --bench shm_copy` (`-- --ratio-only` skips criterion;
+//! `KVGATE_SHM_BENCH_CONFIG="workers = 1"` replaces the plugin config for experiments).
 
 use criterion::{Criterion, Throughput};
 use kvgate_abi::abi_stable::std_types::{RSlice, RStr};
@@ -54,7 +55,8 @@ impl Bench {
             }
         });
         let module = kvgate_plugin_shm::module();
-        let sender = ok((module.open())(RStr::from_str(PLUGIN_CONFIG), sink));
+        let config = std::env::var("KVGATE_SHM_BENCH_CONFIG").unwrap_or_else(|_| PLUGIN_CONFIG.to_string());
+        let sender = ok((module.open())(RStr::from_str(&config), sink));
         let receiver = ok((module.open())(RStr::from_str(""), sink_from_fn(|_| {})));
         let peer = PeerId(1);
         ok(sender.connect(peer, RSlice::from_slice(&receiver.local_endpoint())));
