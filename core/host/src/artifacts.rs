@@ -32,7 +32,8 @@ pub fn built_cdylib_path(package: &str, lib_name: &str) -> Result<PathBuf, Strin
         }
         searched.push(dir.display().to_string());
     }
-    let release = if exe.ancestors().any(|d| d.file_name().is_some_and(|n| n == "release")) { " --release" } else { "" };
+    let release =
+        if exe.ancestors().any(|d| d.file_name().is_some_and(|n| n == "release")) { " --release" } else { "" };
     Err(format!(
         "{file} not found in {}; build it with `cargo build{release} -p {package}` \
          (with the same CARGO_TARGET_DIR), or run `cargo test --workspace{release}`, which builds every plugin",

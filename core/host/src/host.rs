@@ -5,8 +5,8 @@
 use crate::error::{LoadError, OpenError, PluginOrigin, SkipReason};
 use crate::library::{canonical_plugin_path, load_root_module};
 use crate::opened::OpenedPlugin;
-use kvgate_abi::{scope, EventSinkBox, MemoryKind, PluginInfo, PluginModRef, ReasonCode, ABI_VERSION};
 use kvgate_abi::abi_stable::std_types::{RErr, ROk, RStr};
+use kvgate_abi::{scope, EventSinkBox, MemoryKind, PluginInfo, PluginModRef, ReasonCode, ABI_VERSION};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -93,7 +93,10 @@ impl PluginHost {
         }
         let info = (module.info())();
         if info.name.as_str() != name {
-            return Err(LoadError::NameMismatch { registered_as: name.to_string(), module_name: info.name.to_string() });
+            return Err(LoadError::NameMismatch {
+                registered_as: name.to_string(),
+                module_name: info.name.to_string(),
+            });
         }
         if let Some(existing) = self.loaded.iter().find(|p| p.name == name) {
             return Err(LoadError::DuplicateName {
@@ -197,7 +200,13 @@ impl PluginHost {
         Err(skipped)
     }
 
-    fn check_candidate(&self, name: &str, kind: MemoryKind, same_host: bool, opened: &[OpenedPlugin]) -> Result<usize, SkipReason> {
+    fn check_candidate(
+        &self,
+        name: &str,
+        kind: MemoryKind,
+        same_host: bool,
+        opened: &[OpenedPlugin],
+    ) -> Result<usize, SkipReason> {
         let Some(slot) = opened.iter().position(|p| p.name() == name) else {
             return Err(self.why_not_opened(name));
         };
@@ -225,7 +234,9 @@ impl PluginHost {
             };
         }
         let failed = self.failed.iter().find(|(path, _)| {
-            path.file_stem().and_then(|s| s.to_str()).is_some_and(|stem| stem.trim_start_matches("lib").trim_start_matches("kvgate_") == name)
+            path.file_stem()
+                .and_then(|s| s.to_str())
+                .is_some_and(|stem| stem.trim_start_matches("lib").trim_start_matches("kvgate_") == name)
         });
         match failed {
             Some((_, e)) => SkipReason::LoadFailed(e.to_string()),

@@ -2,7 +2,7 @@
 //! their ABI, opens instances and picks one per peer. The gateway and the conformance harness share it.
 //! It never decides a room's fate and never depends on a plugin crate.
 //!
-//! ```ignore
+//! ```text
 //! let mut host = PluginHost::new();
 //! host.register_builtin("shm", kvgate_plugin_shm::module())?;      // done by the gateway's `builtin`
 //! for result in host.load_all(&config.plugin_paths) {               // every bad plugin is reported

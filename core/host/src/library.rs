@@ -46,7 +46,9 @@ pub fn library_error(path: &Path, error: LibraryError) -> LoadError {
         e @ (LibraryError::ParseVersionError(_) | LibraryError::IncompatibleVersionNumber { .. }) => {
             LoadError::LibraryVersionMismatch { path, message: first_line(&e.to_string()) }
         }
-        LibraryError::RootModule { err, .. } => LoadError::RootModuleFailed { path, message: first_line(&err.to_string()) },
+        LibraryError::RootModule { err, .. } => {
+            LoadError::RootModuleFailed { path, message: first_line(&err.to_string()) }
+        }
         LibraryError::Many(errors) => match errors.into_iter().next() {
             Some(first) => library_error(&path, first),
             None => LoadError::RootModuleFailed { path, message: "unspecified abi_stable error".to_string() },

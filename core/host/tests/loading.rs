@@ -26,7 +26,12 @@ fn abi_mismatch_library() -> PathBuf {
 
 /// A shared library that is not a kvgate plugin (zlib ships on every Debian machine).
 fn foreign_library() -> PathBuf {
-    let candidates = ["/lib/x86_64-linux-gnu/libz.so.1", "/usr/lib/x86_64-linux-gnu/libz.so.1", "/lib64/libz.so.1", "/usr/lib/libz.so.1"];
+    let candidates = [
+        "/lib/x86_64-linux-gnu/libz.so.1",
+        "/usr/lib/x86_64-linux-gnu/libz.so.1",
+        "/lib64/libz.so.1",
+        "/usr/lib/libz.so.1",
+    ];
     candidates
         .iter()
         .map(PathBuf::from)

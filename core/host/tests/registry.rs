@@ -126,7 +126,10 @@ fn bad_builtins_are_refused() {
     let future = PluginMod { abi_version: abi_two, info: real.info(), open: real.open() }.leak_into_prefix();
     match host.register_builtin("liar", future).unwrap_err() {
         LoadError::AbiVersionMismatch { plugin_abi_version, host_abi_version, origin } => {
-            assert_eq!((plugin_abi_version, host_abi_version, origin), (ABI_VERSION + 1, ABI_VERSION, PluginOrigin::Builtin));
+            assert_eq!(
+                (plugin_abi_version, host_abi_version, origin),
+                (ABI_VERSION + 1, ABI_VERSION, PluginOrigin::Builtin)
+            );
         }
         other => panic!("expected AbiVersionMismatch, got {other}"),
     }
@@ -137,7 +140,9 @@ fn bad_builtins_are_refused() {
 fn open_failures_are_classified() {
     let host = host();
     match host.open("gpu", "unavailable", sink()).unwrap_err() {
-        OpenError::Unavailable { plugin, reason } => assert_eq!((plugin.as_str(), reason.as_str()), ("gpu", "no device here")),
+        OpenError::Unavailable { plugin, reason } => {
+            assert_eq!((plugin.as_str(), reason.as_str()), ("gpu", "no device here"))
+        }
         other => panic!("expected Unavailable, got {other}"),
     }
     let e = host.open("gpu", "bad", sink()).unwrap_err();
@@ -145,7 +150,10 @@ fn open_failures_are_classified() {
     let e = host.open("gpu", "broken", sink()).unwrap_err();
     assert!(matches!(&e, OpenError::Failed { code: ReasonCode::TRANSPORT_ERROR, .. }), "{e}");
     let e = host.open("gpu", "panic", sink()).unwrap_err();
-    assert!(matches!(&e, OpenError::Failed { code: ReasonCode::PANIC, message, .. } if message.contains("fake open panicked")), "{e}");
+    assert!(
+        matches!(&e, OpenError::Failed { code: ReasonCode::PANIC, message, .. } if message.contains("fake open panicked")),
+        "{e}"
+    );
     assert_eq!(host.open("nope", "", sink()).unwrap_err(), OpenError::UnknownPlugin { plugin: "nope".into() });
     assert_eq!(host.open("nope", "", sink()).unwrap_err().code(), "unknown_plugin");
 }
@@ -178,13 +186,17 @@ fn select_explains_every_skipped_preference() {
     let sick = host.open("local", "unhealthy", sink()).unwrap();
     let net = host.open("net", "", sink()).unwrap();
     let opened = vec![sick, net];
-    let skipped = host
-        .select(&["ucx", "gpu", "nowhere", "local", "net"], MemoryKind::HOST, true, &opened)
-        .unwrap_err();
+    let skipped = host.select(&["ucx", "gpu", "nowhere", "local", "net"], MemoryKind::HOST, true, &opened).unwrap_err();
     let reasons: Vec<(&str, &str)> = skipped.iter().map(|(n, why)| (n.as_str(), why.code())).collect();
     assert_eq!(
         reasons,
-        [("ucx", "load_failed"), ("gpu", "unavailable"), ("nowhere", "not_registered"), ("local", "unhealthy"), ("net", "scope_mismatch")]
+        [
+            ("ucx", "load_failed"),
+            ("gpu", "unavailable"),
+            ("nowhere", "not_registered"),
+            ("local", "unhealthy"),
+            ("net", "scope_mismatch")
+        ]
     );
     assert!(skipped[1].1.to_string().contains("no device here"), "{}", skipped[1].1);
     // Once the unavailable plugin opens, it is merely not among the opened instances.

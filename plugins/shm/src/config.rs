@@ -54,8 +54,8 @@ impl Default for ShmConfig {
 impl ShmConfig {
     /// Parse a TOML config string (empty means every default) and check every limit.
     pub fn parse(text: &str) -> Result<ShmConfig, PluginError> {
-        let config: ShmConfig = toml::from_str(text)
-            .map_err(|e| invalid(format!("shm config: {}", e.message().trim_end())))?;
+        let config: ShmConfig =
+            toml::from_str(text).map_err(|e| invalid(format!("shm config: {}", e.message().trim_end())))?;
         config.validate()?;
         Ok(config)
     }

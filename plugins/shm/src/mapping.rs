@@ -11,7 +11,11 @@ use std::path::Path;
 fn page_size() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if size > 0 { size as u64 } else { 4096 }
+    if size > 0 {
+        size as u64
+    } else {
+        4096
+    }
 }
 
 fn io_error(code: ReasonCode, what: String, e: std::io::Error) -> PluginError {
@@ -46,7 +50,8 @@ pub fn check_shared_memory_file(file: &File, path: &str, refusal: ReasonCode) ->
 
 /// Size of the shared-memory file at `path`, or why it cannot back a region.
 pub fn backing_file_len(path: &str) -> Result<u64, PluginError> {
-    let file = File::open(path).map_err(|e| io_error(ReasonCode::INVALID_ARGUMENT, format!("backing file {path:?}"), e))?;
+    let file =
+        File::open(path).map_err(|e| io_error(ReasonCode::INVALID_ARGUMENT, format!("backing file {path:?}"), e))?;
     check_shared_memory_file(&file, path, ReasonCode::INVALID_ARGUMENT)
 }
 

@@ -67,7 +67,8 @@ fn host_id() -> [u8; 16] {
 fn fresh_nonce() -> u64 {
     let mut hasher = RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
-    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
+    hasher
+        .write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos());
     hasher.finish().max(1)
 }
 
@@ -81,8 +82,11 @@ impl ShmPlugin {
         let plugin = ShmPlugin { shared, endpoint, threads: Mutex::new(Vec::new()) };
         for i in 0..=workers {
             let shared = Arc::clone(&plugin.shared);
-            let (name, body): (String, fn(&Shared)) =
-                if i < workers { (format!("kvgate-shm-copy-{i}"), worker_loop) } else { ("kvgate-shm-timer".into(), timer_loop) };
+            let (name, body): (String, fn(&Shared)) = if i < workers {
+                (format!("kvgate-shm-copy-{i}"), worker_loop)
+            } else {
+                ("kvgate-shm-timer".into(), timer_loop)
+            };
             plugin.shared.count_thread_in();
             match spawn_worker(&name, sink.clone(), move || body(&shared)) {
                 Ok(handle) => plugin.threads.lock().unwrap_or_else(|p| p.into_inner()).push(handle),
@@ -113,7 +117,11 @@ impl ShmPlugin {
         if segments.len() as u64 > config.max_segments_per_submit {
             return Err(err(
                 ReasonCode::RESOURCE_EXHAUSTED,
-                format!("{} segments exceed max_segments_per_submit = {}", segments.len(), config.max_segments_per_submit),
+                format!(
+                    "{} segments exceed max_segments_per_submit = {}",
+                    segments.len(),
+                    config.max_segments_per_submit
+                ),
             ));
         }
         let mut pieces = Vec::with_capacity(segments.len());
@@ -130,14 +138,21 @@ impl ShmPlugin {
             if remote.peer != request.peer {
                 return Err(err(
                     ReasonCode::UNKNOWN_KEY,
-                    format!("segment {i}: remote key {} belongs to peer {}, not {}", s.remote.0, remote.peer.0, request.peer.0),
+                    format!(
+                        "segment {i}: remote key {} belongs to peer {}, not {}",
+                        s.remote.0, remote.peer.0, request.peer.0
+                    ),
                 ));
             }
             check_range(i, "local", s.local_offset, s.len, local.len)?;
             check_range(i, "remote", s.remote_offset, s.len, remote.mapping.region_len())?;
-            total_bytes = total_bytes.checked_add(s.len).filter(|&t| t <= config.max_transfer_bytes).ok_or_else(|| {
-                err(ReasonCode::RESOURCE_EXHAUSTED, format!("transfer exceeds max_transfer_bytes = {}", config.max_transfer_bytes))
-            })?;
+            total_bytes =
+                total_bytes.checked_add(s.len).filter(|&t| t <= config.max_transfer_bytes).ok_or_else(|| {
+                    err(
+                        ReasonCode::RESOURCE_EXHAUSTED,
+                        format!("transfer exceeds max_transfer_bytes = {}", config.max_transfer_bytes),
+                    )
+                })?;
             if !local_keys.contains(&s.local) {
                 local_keys.push(s.local);
             }
@@ -195,7 +210,10 @@ impl Plugin for ShmPlugin {
     fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
         let remote = Endpoint::decode(endpoint)?;
         if remote.host_id != self.endpoint.host_id {
-            return Err(err(ReasonCode::PEER_UNREACHABLE, format!("peer {} is on another host: shm reaches only this one", peer.0)));
+            return Err(err(
+                ReasonCode::PEER_UNREACHABLE,
+                format!("peer {} is on another host: shm reaches only this one", peer.0),
+            ));
         }
         let mut state = self.shared.lock();
         Self::check_running(&state)?;
@@ -222,7 +240,10 @@ impl Plugin for ShmPlugin {
 
     fn register(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
         if region.kind != MemoryKind::HOST {
-            return Err(err(ReasonCode::UNSUPPORTED_MEMORY, format!("shm serves host memory only, not {}", region.kind)));
+            return Err(err(
+                ReasonCode::UNSUPPORTED_MEMORY,
+                format!("shm serves host memory only, not {}", region.kind),
+            ));
         }
         if region.len == 0 || region.addr == 0 {
             return Err(err(ReasonCode::INVALID_ARGUMENT, "shm region needs a non-zero addr and len"));
@@ -238,7 +259,10 @@ impl Plugin for ShmPlugin {
         if region.backing_offset.checked_add(region.len).is_none_or(|end| end > file_len) {
             return Err(err(
                 ReasonCode::OUT_OF_RANGE,
-                format!("region {}+{} lies outside backing file {path:?} of {file_len} bytes", region.backing_offset, region.len),
+                format!(
+                    "region {}+{} lies outside backing file {path:?} of {file_len} bytes",
+                    region.backing_offset, region.len
+                ),
             ));
         }
         let mut state = self.shared.lock();
@@ -262,7 +286,11 @@ impl Plugin for ShmPlugin {
             return Err(err(ReasonCode::UNKNOWN_KEY, format!("local key {} is not registered", key.0)));
         };
         state.registered_bytes -= region.len;
-        state.fail_where(|t| t.local_keys.contains(&key), ReasonCode::UNKNOWN_KEY, "shm source region deregistered mid-transfer");
+        state.fail_where(
+            |t| t.local_keys.contains(&key),
+            ReasonCode::UNKNOWN_KEY,
+            "shm source region deregistered mid-transfer",
+        );
         while state.region_busy(key) {
             state = self.shared.chunk_done.wait(state).unwrap_or_else(|p| p.into_inner());
         }
@@ -282,7 +310,10 @@ impl Plugin for ShmPlugin {
             }
         };
         if key.nonce != peer_nonce {
-            return Err(err(ReasonCode::PEER_LOST, format!("stale remote key: made by another incarnation of peer {}", peer.0)));
+            return Err(err(
+                ReasonCode::PEER_LOST,
+                format!("stale remote key: made by another incarnation of peer {}", peer.0),
+            ));
         }
         let mapping =
             PeerMapping::map(&key.backing_path, key.backing_offset, key.len, self.shared.config.populate_mappings)?;
@@ -311,7 +342,10 @@ impl Plugin for ShmPlugin {
         }
         let limit = self.shared.config.max_inflight_transfers;
         if state.live_transfers >= limit {
-            return Err(err(ReasonCode::RESOURCE_EXHAUSTED, format!("{limit} live transfers: max_inflight_transfers reached")));
+            return Err(err(
+                ReasonCode::RESOURCE_EXHAUSTED,
+                format!("{limit} live transfers: max_inflight_transfers reached"),
+            ));
         }
         let transfer = self.plan(&state, request)?;
         let spans_chunks = transfer.total_bytes > self.shared.config.chunk_bytes;

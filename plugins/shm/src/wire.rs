@@ -79,8 +79,7 @@ impl RemoteKeyBytes {
         }
         let path = r.take(path_len)?;
         r.end()?;
-        let backing_path =
-            String::from_utf8(path.to_vec()).map_err(|_| r.error("backing path is not UTF-8"))?;
+        let backing_path = String::from_utf8(path.to_vec()).map_err(|_| r.error("backing path is not UTF-8"))?;
         if len == 0 {
             return Err(r.error("region length is 0"));
         }

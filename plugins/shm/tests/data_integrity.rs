@@ -38,9 +38,8 @@ fn odd_sizes_arrive_intact() {
 #[test]
 fn unaligned_offsets_arrive_intact() {
     let pair = Pair::new("");
-    for (i, (src_off, dst_off, len)) in [(1, 3, 4095), (7, 0, 65_537), (4093, 4099, 1), (0, 13, (1 << 20) + 11)]
-        .into_iter()
-        .enumerate()
+    for (i, (src_off, dst_off, len)) in
+        [(1, 3, 4095), (7, 0, 65_537), (4093, 4099, 1), (0, 13, (1 << 20) + 11)].into_iter().enumerate()
     {
         one_segment_copy(&pair, 100 + i as u64, len, src_off, dst_off);
     }
@@ -70,7 +69,13 @@ fn ten_thousand_segment_scatter_list_arrives_intact() {
     for s in segments.iter().step_by(1).take(count) {
         let want = &src.as_slice()[s.local_offset as usize..(s.local_offset + s.len) as usize];
         let got = &dst.as_slice()[s.remote_offset as usize..(s.remote_offset + s.len) as usize];
-        assert!(want == got, "segment at src {} dst {} len {} differs (seed {SEED:#x})", s.local_offset, s.remote_offset, s.len);
+        assert!(
+            want == got,
+            "segment at src {} dst {} len {} differs (seed {SEED:#x})",
+            s.local_offset,
+            s.remote_offset,
+            s.len
+        );
     }
 }
 
@@ -104,10 +109,10 @@ fn two_instances_send_to_each_other() {
     let (a_local, _, a_remote) = pair.regions(&a_src, &b_dst);
     let b_local = ok(pair.receiver.transport.register(&b_src.desc())).key;
     let a_dst_key = ok(pair.sender.transport.register(&a_dst.desc()));
-    let b_remote = ok(pair.receiver.transport.import_remote_key(
-        SENDER,
-        kvgate_abi::abi_stable::std_types::RSlice::from_slice(&a_dst_key.remote_key),
-    ));
+    let b_remote = ok(pair
+        .receiver
+        .transport
+        .import_remote_key(SENDER, kvgate_abi::abi_stable::std_types::RSlice::from_slice(&a_dst_key.remote_key)));
     ok(pair.submit(1, NO_TIMEOUT_NS, &[segment(a_local, 0, a_remote, 0, 300_000)]));
     let back_segments = [segment(b_local, 0, b_remote, 0, 300_000)];
     let back = kvgate_abi::SubmitRequest { peer: SENDER, ..request(1, NO_TIMEOUT_NS, &back_segments) };

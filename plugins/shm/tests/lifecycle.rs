@@ -12,7 +12,9 @@ const BIG: usize = 128 << 20;
 const SLOW: &str = "workers = 1\nchunk_bytes = 65536";
 
 /// A pair with a BIG source full of non-zero bytes and a zeroed destination.
-fn big_pair(config: &str) -> (Pair, kvgate_plugin_shm::SharedRegion, kvgate_plugin_shm::SharedRegion, Vec<kvgate_abi::Segment>) {
+fn big_pair(
+    config: &str,
+) -> (Pair, kvgate_plugin_shm::SharedRegion, kvgate_plugin_shm::SharedRegion, Vec<kvgate_abi::Segment>) {
     let pair = Pair::new(config);
     let (src, dst) = (region(BIG), region(BIG));
     src.as_mut_slice().fill(0x5A);
@@ -74,7 +76,8 @@ fn act_mid_transfer(
 
 #[test]
 fn cancel_mid_transfer_fails_then_quiesces_and_nothing_lands_after() {
-    let (pair, [_src, dst], _, terminal) = act_mid_transfer(SLOW, NO_TIMEOUT_NS, |p, _| p.sender.transport.cancel(XferId(1)));
+    let (pair, [_src, dst], _, terminal) =
+        act_mid_transfer(SLOW, NO_TIMEOUT_NS, |p, _| p.sender.transport.cancel(XferId(1)));
     assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::CANCELLED), "{terminal:?}");
     assert_destination_still(&dst);
     assert!(dst.as_slice()[BIG - 1] == 0, "the cancelled copy stopped before the end");
@@ -158,7 +161,8 @@ fn deregistering_the_source_fails_the_transfer_before_returning() {
 
 #[test]
 fn disconnect_fails_the_peers_transfers_and_drops_its_keys() {
-    let (pair, [_src, dst], segments, terminal) = act_mid_transfer(SLOW, NO_TIMEOUT_NS, |p, _| p.sender.transport.disconnect(RECEIVER));
+    let (pair, [_src, dst], segments, terminal) =
+        act_mid_transfer(SLOW, NO_TIMEOUT_NS, |p, _| p.sender.transport.disconnect(RECEIVER));
     assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::PEER_LOST));
     assert_destination_still(&dst);
     let s = pair.sender.stats();
@@ -168,10 +172,11 @@ fn disconnect_fails_the_peers_transfers_and_drops_its_keys() {
 
 #[test]
 fn shutdown_fails_live_transfers_joins_workers_and_releases_everything() {
-    let (pair, [_src, dst], segments, _) = act_mid_transfer("workers = 2\nchunk_bytes = 65536", NO_TIMEOUT_NS, |p, segments| {
-        ok(p.submit(2, NO_TIMEOUT_NS, segments));
-        p.sender.transport.shutdown();
-    });
+    let (pair, [_src, dst], segments, _) =
+        act_mid_transfer("workers = 2\nchunk_bytes = 65536", NO_TIMEOUT_NS, |p, segments| {
+            ok(p.submit(2, NO_TIMEOUT_NS, segments));
+            p.sender.transport.shutdown();
+        });
     // Everything is delivered before shutdown returns.
     for x in [1, 2] {
         let events = pair.sender.events.of(XferId(x));

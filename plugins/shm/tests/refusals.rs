@@ -8,7 +8,12 @@ use kvgate_abi::{EventKind, LocalKey, MemoryKind, PeerId, ReasonCode, RegionDesc
 use std::time::Duration;
 
 /// A submit refused: no event follows, stats do not move, the destination is untouched.
-fn assert_refused(pair: &Pair, dst: &kvgate_plugin_shm::SharedRegion, code: ReasonCode, segments: &[kvgate_abi::Segment]) {
+fn assert_refused(
+    pair: &Pair,
+    dst: &kvgate_plugin_shm::SharedRegion,
+    code: ReasonCode,
+    segments: &[kvgate_abi::Segment],
+) {
     let before = (pair.sender.stats(), pair.sender.events.all().len(), checksum(dst.as_slice()));
     let e = err(pair.submit(77, NO_TIMEOUT_NS, segments));
     assert_eq!(e.code, code, "{e}");
@@ -18,7 +23,8 @@ fn assert_refused(pair: &Pair, dst: &kvgate_plugin_shm::SharedRegion, code: Reas
 
 /// A file on disk (in the target directory, next to this test binary), which is not shared memory.
 fn disk_file(tag: &str) -> std::path::PathBuf {
-    let path = std::env::current_exe().unwrap().with_file_name(format!("kvgate-shm-disk-file-{tag}-{}", std::process::id()));
+    let path =
+        std::env::current_exe().unwrap().with_file_name(format!("kvgate-shm-disk-file-{tag}-{}", std::process::id()));
     std::fs::write(&path, vec![0u8; 16384]).unwrap();
     path
 }
@@ -115,7 +121,8 @@ fn unservable_or_malformed_regions_are_refused_at_register() {
     let i = Instance::open("");
     let r = region(8192);
     let good = r.desc();
-    let disk_file: kvgate_abi::abi_stable::std_types::RString = disk_file("register").to_string_lossy().into_owned().into();
+    let disk_file: kvgate_abi::abi_stable::std_types::RString =
+        disk_file("register").to_string_lossy().into_owned().into();
     let cases = [
         (ReasonCode::UNSUPPORTED_MEMORY, RegionDesc { kind: MemoryKind::CUDA_DEVICE, device: 0, ..good.clone() }),
         (ReasonCode::UNSUPPORTED_MEMORY, RegionDesc { kind: MemoryKind(99), ..good.clone() }),

@@ -2,8 +2,8 @@
 //! an event recorder that checks the one-terminal rule, shared regions, and a seeded data generator.
 #![allow(dead_code)]
 
-use kvgate_abi::sdk::sink_from_fn;
 use kvgate_abi::abi_stable::std_types::{RResult, RSlice, RStr};
+use kvgate_abi::sdk::sink_from_fn;
 use kvgate_abi::{
     Event, EventKind, LocalKey, PeerId, PluginError, RemoteKey, Segment, SubmitRequest, Ticket, TransportBox, XferId,
 };
@@ -115,8 +115,8 @@ impl Recorder {
         let terminals: Vec<&Event> = events.iter().filter(|e| e.is_terminal()).collect();
         assert_eq!(terminals.len(), 1, "exactly one terminal event: {events:?}");
         let quiesced = events.iter().filter(|e| e.kind == EventKind::QUIESCED).count();
-        let flagged = terminals[0].kind == EventKind::SUCCEEDED
-            || terminals[0].flags & kvgate_abi::event_flags::QUIESCED != 0;
+        let flagged =
+            terminals[0].kind == EventKind::SUCCEEDED || terminals[0].flags & kvgate_abi::event_flags::QUIESCED != 0;
         assert_eq!(quiesced, usize::from(!flagged), "one QUIESCED unless the terminal implies it: {events:?}");
         if quiesced == 1 {
             let t = events.iter().position(|e| e.is_terminal()).unwrap();
@@ -182,7 +182,13 @@ impl Pair {
 }
 
 pub fn request(xfer: u64, timeout_ns: u64, segments: &[Segment]) -> SubmitRequest<'_> {
-    SubmitRequest { xfer: XferId(xfer), peer: RECEIVER, ticket: Ticket(xfer), timeout_ns, segments: RSlice::from_slice(segments) }
+    SubmitRequest {
+        xfer: XferId(xfer),
+        peer: RECEIVER,
+        ticket: Ticket(xfer),
+        timeout_ns,
+        segments: RSlice::from_slice(segments),
+    }
 }
 
 pub fn segment(local: LocalKey, local_offset: u64, remote: RemoteKey, remote_offset: u64, len: u64) -> Segment {
