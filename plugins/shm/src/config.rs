@@ -15,7 +15,8 @@ pub struct ShmConfig {
     /// to the pool again. Default 1 MiB, allowed 4 KiB..=1 GiB.
     pub chunk_bytes: u64,
     /// Transfers submitted and not yet terminal (the bound of the work queue); a submit past it fails
-    /// with `RESOURCE_EXHAUSTED`. Default 4096, allowed 1..=1 048 576.
+    /// with `RESOURCE_EXHAUSTED`. Default 65 536 (a 10 000-transfer cancel storm fits), allowed
+    /// 1..=1 048 576.
     pub max_inflight_transfers: u64,
     /// Segments one submit may carry. Default 1 048 576, allowed 1..=16 777 216.
     pub max_segments_per_submit: u64,
@@ -31,7 +32,7 @@ pub const MAX_WORKERS: u32 = 64;
 pub const DEFAULT_CHUNK_BYTES: u64 = 1 << 20;
 pub const MIN_CHUNK_BYTES: u64 = 4 << 10;
 pub const MAX_CHUNK_BYTES: u64 = 1 << 30;
-pub const DEFAULT_MAX_INFLIGHT_TRANSFERS: u64 = 4096;
+pub const DEFAULT_MAX_INFLIGHT_TRANSFERS: u64 = 65_536;
 pub const MAX_MAX_INFLIGHT_TRANSFERS: u64 = 1 << 20;
 pub const DEFAULT_MAX_SEGMENTS_PER_SUBMIT: u64 = 1 << 20;
 pub const MAX_MAX_SEGMENTS_PER_SUBMIT: u64 = 1 << 24;

@@ -140,18 +140,25 @@ unsafe impl Send for SharedRegion {}
 unsafe impl Sync for SharedRegion {}
 
 impl SharedRegion {
-    /// An anonymous memfd of `len` bytes, reachable by peers as `/proc/<pid>/fd/<n>`.
+    /// An anonymous memfd of `len` bytes, reachable by peers as `/proc/<pid>/fd/<n>`. Its size is
+    /// sealed (`F_SEAL_SHRINK | F_SEAL_GROW`), so no process can shrink it under a peer's mapping
+    /// (a write past the end of a shrunk file would kill the writer with `SIGBUS`).
     pub fn memfd(len: usize) -> std::io::Result<SharedRegion> {
         let name = CString::new("kvgate-shm-region").expect("no NUL in a literal");
         // SAFETY: a valid NUL-terminated name; the fd is checked and owned by `File` below.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
         // SAFETY: `fd` is a fresh descriptor that nothing else owns.
         let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         let path = format!("/proc/{}/fd/{}", std::process::id(), fd);
-        SharedRegion::map_file(file, len, path, false)
+        let region = SharedRegion::map_file(file, len, path, false)?;
+        // SAFETY: fcntl on a descriptor we own; the result is checked.
+        if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(region)
     }
 
     /// A file named `name` in `dir` (e.g. `/dev/shm`), created exclusively and removed on drop.

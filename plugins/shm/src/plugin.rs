@@ -337,6 +337,9 @@ impl Plugin for ShmPlugin {
         }
         let mut state = self.shared.lock();
         Self::check_running(&state)?;
+        if !state.peers.contains_key(&request.peer) {
+            return Err(err(ReasonCode::PEER_UNREACHABLE, format!("peer {} is not connected", request.peer.0)));
+        }
         if state.transfers.contains_key(&request.xfer) {
             return Err(err(ReasonCode::DUPLICATE_ID, format!("transfer {} is already live", request.xfer.0)));
         }

@@ -56,8 +56,12 @@ pub struct Job {
 #[derive(Debug, Default)]
 pub struct State {
     pub transfers: HashMap<XferId, Transfer>,
-    /// Transfers with chunks not yet handed out, oldest first.
+    /// Transfers with chunks not yet handed out, oldest first. A failed transfer's entry stays until
+    /// it reaches the front or the queue is compacted (see `stale_in_queue`).
     pub queue: VecDeque<XferId>,
+    /// Entries of `queue` whose transfer failed; compacted away once they are half the queue, so a
+    /// cancel costs O(1) amortised (a 10 000-cancel storm stays linear).
+    pub stale_in_queue: usize,
     pub deadlines: BTreeSet<(Instant, XferId)>,
     /// Transfers submitted and not yet terminal.
     pub live_transfers: u64,
@@ -102,6 +106,7 @@ impl State {
             return;
         }
         t.failed = true;
+        let was_queued = !t.cursor.is_done(&t.pieces);
         self.live_transfers -= 1;
         if let Some(deadline) = t.deadline {
             self.deadlines.remove(&(deadline, xfer));
@@ -112,7 +117,20 @@ impl State {
         } else {
             self.outbox.push(Event { peer: t.peer, ..Event::failed(xfer, reason, message) });
         }
-        self.queue.retain(|&queued| queued != xfer);
+        if !was_queued {
+            return;
+        }
+        self.stale_in_queue += 1;
+        if self.stale_in_queue > 64 && self.stale_in_queue * 2 > self.queue.len() {
+            self.compact_queue();
+        }
+    }
+
+    /// Drop the queue entries of transfers that failed or are gone.
+    fn compact_queue(&mut self) {
+        let transfers = &self.transfers;
+        self.queue.retain(|x| transfers.get(x).is_some_and(|t| !t.failed && !t.cursor.is_done(&t.pieces)));
+        self.stale_in_queue = 0;
     }
 
     /// Fail every live transfer that matches `which`.
@@ -129,6 +147,7 @@ impl State {
         while let Some(&xfer) = self.queue.front() {
             let Some(t) = self.transfers.get_mut(&xfer).filter(|t| !t.failed) else {
                 self.queue.pop_front();
+                self.stale_in_queue = self.stale_in_queue.saturating_sub(1);
                 continue;
             };
             let chunk = t.cursor.next_chunk(&t.pieces, chunk_bytes);
@@ -247,7 +266,25 @@ mod tests {
         state.insert(XferId(1), transfer(3, None));
         state.fail(XferId(1), ReasonCode::CANCELLED, "c".into());
         assert_eq!(kinds(&mut state), vec![(EventKind::FAILED, true)]);
-        assert!(state.transfers.is_empty() && state.queue.is_empty());
+        assert!(state.transfers.is_empty());
+        assert!(state.claim(10).is_none(), "nothing left to hand out");
+        assert!(state.queue.is_empty() && state.stale_in_queue == 0);
+    }
+
+    /// A cancel storm of queued transfers: the queue is compacted, never scanned once per cancel.
+    #[test]
+    fn cancelling_queued_transfers_compacts_the_queue() {
+        let mut state = State::new();
+        for x in 0..1000 {
+            state.insert(XferId(x), transfer(1, None));
+        }
+        for x in 0..999 {
+            state.fail(XferId(x), ReasonCode::CANCELLED, "c".into());
+        }
+        assert!(state.queue.len() < 600, "compacted: {}", state.queue.len());
+        let job = state.claim(10).unwrap();
+        assert_eq!(job.xfer, XferId(999), "the only live transfer is served next");
+        assert!(state.claim(10).is_none());
     }
 
     #[test]

@@ -167,7 +167,7 @@ fn disconnect_fails_the_peers_transfers_and_drops_its_keys() {
     assert_destination_still(&dst);
     let s = pair.sender.stats();
     assert_eq!((s.imported_remote_keys, s.connected_peers, s.live_transfers, s.unquiesced_transfers), (0, 0, 0, 0));
-    assert_eq!(err(pair.submit(2, NO_TIMEOUT_NS, &segments)).code, ReasonCode::UNKNOWN_KEY);
+    assert_eq!(err(pair.submit(2, NO_TIMEOUT_NS, &segments)).code, ReasonCode::PEER_UNREACHABLE);
 }
 
 #[test]

@@ -60,6 +60,11 @@ fn a_remote_key_is_used_only_for_the_peer_it_was_imported_from() {
     let (src, dst) = (region(4096), region(4096));
     let (l, _, r) = pair.regions(&src, &dst);
     let segments = [segment(l, 0, r, 0, 8)];
+    // A peer never connected is refused as such, even with no segment at all.
+    let unknown_peer = kvgate_abi::SubmitRequest { peer: PeerId(42), ..request(1, NO_TIMEOUT_NS, &[]) };
+    assert_eq!(err(pair.sender.transport.submit(unknown_peer)).code, ReasonCode::PEER_UNREACHABLE);
+    // A connected peer cannot be written through another peer's key.
+    ok(pair.sender.transport.connect(PeerId(42), RSlice::from_slice(&pair.receiver.transport.local_endpoint())));
     let wrong_peer = kvgate_abi::SubmitRequest { peer: PeerId(42), ..request(1, NO_TIMEOUT_NS, &segments) };
     assert_eq!(err(pair.sender.transport.submit(wrong_peer)).code, ReasonCode::UNKNOWN_KEY);
     pair.sender.transport.release_remote_key(r);
@@ -179,11 +184,13 @@ fn endpoints_and_keys_are_checked() {
     let e = err(t.import_remote_key(RECEIVER, RSlice::from_slice(&hostile.encode())));
     assert!(e.code == ReasonCode::INVALID_ARGUMENT && e.message.contains("not shared memory"), "{e}");
     std::fs::remove_file(&disk_file).unwrap();
-    // A key whose file shrank below the region is refused at import.
-    let src = region(4096);
-    let mut desc = src.desc();
-    desc.len = 4096;
-    let short_key = ok(pair.receiver.transport.register(&desc)).remote_key;
+    // A memfd region's size is sealed: nobody can shrink it under a peer's mapping.
+    let sealed = region(4096);
+    assert!(std::fs::OpenOptions::new().write(true).open(sealed.path()).unwrap().set_len(100).is_err());
+    // A /dev/shm file can be shrunk: a key whose file shrank below the region is refused at import.
+    let name = format!("kvgate-shm-shrink-{}", std::process::id());
+    let src = kvgate_plugin_shm::SharedRegion::in_dir(std::path::Path::new("/dev/shm"), &name, 4096).unwrap();
+    let short_key = ok(pair.receiver.transport.register(&src.desc())).remote_key;
     std::fs::OpenOptions::new().write(true).open(src.path()).unwrap().set_len(100).unwrap();
     assert_eq!(err(t.import_remote_key(RECEIVER, RSlice::from_slice(&short_key))).code, ReasonCode::OUT_OF_RANGE);
 }
