@@ -57,6 +57,7 @@ impl PluginHost {
     /// Load a plugin library. Returns the plugin's name; loading the same canonical path again
     /// returns the same name without loading anything. Every failure is logged and kept for
     /// [`PluginHost::plugins`].
+    // CONFORMANCE: HYGIENE-2
     pub fn load_library(&mut self, path: impl AsRef<Path>) -> Result<String, LoadError> {
         let path = path.as_ref();
         let result = self.load_library_inner(path);
@@ -82,6 +83,7 @@ impl PluginHost {
     }
 
     /// Load every library; one result per path, in order, so every bad plugin is reported.
+    // CONFORMANCE: HYGIENE-2 (every bad plugin reported, not only the first)
     pub fn load_all<P: AsRef<Path>>(&mut self, paths: &[P]) -> Vec<Result<String, LoadError>> {
         paths.iter().map(|p| self.load_library(p)).collect()
     }
@@ -140,6 +142,7 @@ impl PluginHost {
 
     /// Open an instance of `name` with its TOML config string, reporting through `sink`.
     /// `UNAVAILABLE` from the plugin becomes [`OpenError::Unavailable`]; every failure is logged.
+    // CONFORMANCE: HYGIENE-3, HYGIENE-4
     pub fn open(&self, name: &str, config_toml: &str, sink: EventSinkBox) -> Result<OpenedPlugin, OpenError> {
         let result = self.open_inner(name, config_toml, sink);
         match &result {

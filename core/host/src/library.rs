@@ -59,6 +59,7 @@ pub fn library_error(path: &Path, error: LibraryError) -> LoadError {
 /// Keep only the `Error:` lines of abi_stable's (often hundreds of lines long) layout report, each with
 /// the first line of its `Expected:` and `Found:` values, at most [`MAX_ABI_ERROR_LINES`] of them,
 /// with a count of the rest.
+// CONFORMANCE: HYGIENE-2 (a short, clear message)
 pub fn abi_error_summary(report: &str) -> String {
     let lines: Vec<&str> = report.lines().map(str::trim).collect();
     let mut errors = Vec::new();

@@ -86,6 +86,7 @@ fn the_shm_library_loads_opens_and_is_loaded_once() {
     }
 }
 
+// CONFORMANCE: HYGIENE-2
 #[test]
 fn an_incompatible_layout_is_refused_with_a_short_clear_message() {
     let mut host = PluginHost::new();
@@ -119,6 +120,7 @@ fn a_bare_file_name_is_not_looked_up_in_the_loader_path() {
     assert_eq!(error.code(), "not_found", "{error}");
 }
 
+// CONFORMANCE: HYGIENE-2
 #[test]
 fn a_library_that_is_not_a_plugin_is_refused() {
     let mut host = PluginHost::new();
@@ -134,6 +136,7 @@ fn a_file_that_is_not_a_shared_object_is_refused() {
     assert_eq!(error.code(), "open_failed", "{error}");
 }
 
+// CONFORMANCE: HYGIENE-2
 #[test]
 fn every_bad_plugin_is_reported_not_only_the_first() {
     let paths: Vec<PathBuf> = vec![

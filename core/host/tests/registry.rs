@@ -112,6 +112,7 @@ fn builtins_are_listed_and_open() {
     assert!(host.module("net").is_some() && host.module("nope").is_none());
 }
 
+// CONFORMANCE: HYGIENE-2 (ABI version mismatch)
 #[test]
 fn bad_builtins_are_refused() {
     let mut host = host();
@@ -136,6 +137,7 @@ fn bad_builtins_are_refused() {
     assert_eq!(host.plugins().len(), 3, "nothing refused was added");
 }
 
+// CONFORMANCE: HYGIENE-3 (unavailable kept apart from other failures)
 #[test]
 fn open_failures_are_classified() {
     let host = host();
@@ -205,6 +207,7 @@ fn select_explains_every_skipped_preference() {
     assert_eq!(skipped, vec![("gpu".to_string(), SkipReason::NotOpened)]);
 }
 
+// CONFORMANCE: HYGIENE-4
 #[test]
 fn an_instance_reporting_another_name_is_refused() {
     struct Renamer;

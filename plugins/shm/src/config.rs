@@ -54,6 +54,7 @@ impl Default for ShmConfig {
 
 impl ShmConfig {
     /// Parse a TOML config string (empty means every default) and check every limit.
+    // CONFORMANCE: HYGIENE-3
     pub fn parse(text: &str) -> Result<ShmConfig, PluginError> {
         let config: ShmConfig =
             toml::from_str(text).map_err(|e| invalid(format!("shm config: {}", e.message().trim_end())))?;

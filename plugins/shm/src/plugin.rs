@@ -111,6 +111,7 @@ impl ShmPlugin {
     }
 
     /// Resolve and check every segment; nothing is queued unless all of them are valid.
+    // CONFORMANCE: DATA-3, DATA-2 (every segment checked against both regions, overflow included)
     fn plan(&self, state: &crate::state::State, request: &SubmitRequest<'_>) -> Result<Transfer, PluginError> {
         let config = &self.shared.config;
         let segments = request.segments.as_slice();
@@ -207,6 +208,7 @@ impl Plugin for ShmPlugin {
         self.endpoint.encode()
     }
 
+    // CONFORMANCE: HANDSHAKE-4, HANDSHAKE-2 (malformed endpoints refused; a new nonce drops the old incarnation)
     fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
         let remote = Endpoint::decode(endpoint)?;
         if remote.host_id != self.endpoint.host_id {
@@ -229,6 +231,7 @@ impl Plugin for ShmPlugin {
         Ok(())
     }
 
+    // CONFORMANCE: TIME-3, HANDSHAKE-2 (the peer's transfers fail, its keys are dropped)
     fn disconnect(&self, peer: PeerId) {
         let mut state = self.shared.lock();
         if state.peers.remove(&peer).is_some() {
@@ -238,6 +241,7 @@ impl Plugin for ShmPlugin {
         self.shared.flush();
     }
 
+    // CONFORMANCE: HANDSHAKE-3 (unservable memory and malformed regions refused here, never at a transfer)
     fn register(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
         if region.kind != MemoryKind::HOST {
             return Err(err(
@@ -280,6 +284,7 @@ impl Plugin for ShmPlugin {
         Ok(Registration { key, remote_key: remote_key.encode().into() })
     }
 
+    // CONFORMANCE: DATA-4 (transfers reading the region fail; no worker touches it once this returns)
     fn deregister(&self, key: LocalKey) -> Result<(), PluginError> {
         let mut state = self.shared.lock();
         let Some(region) = state.regions.remove(&key) else {
@@ -299,6 +304,7 @@ impl Plugin for ShmPlugin {
         Ok(())
     }
 
+    // CONFORMANCE: HANDSHAKE-4, HANDSHAKE-2 (malformed or stale keys refused)
     fn import_remote_key(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
         let key = RemoteKeyBytes::decode(bytes)?;
         let peer_nonce = {
@@ -331,6 +337,7 @@ impl Plugin for ShmPlugin {
         self.shared.lock().imported.remove(&key);
     }
 
+    // CONFORMANCE: DATA-3, TIME-5, TIME-11 (every check before anything is queued; never waits; bounded)
     fn submit(&self, request: &SubmitRequest<'_>) -> Result<(), PluginError> {
         if request.timeout_ns == 0 {
             return Err(err(ReasonCode::INVALID_ARGUMENT, "timeout_ns must be > 0"));
@@ -366,11 +373,13 @@ impl Plugin for ShmPlugin {
         Ok(())
     }
 
+    // CONFORMANCE: ABORT-1, ABORT-2, ABORT-3 (no peer involved; unknown or finished ids ignored)
     fn cancel(&self, xfer: XferId) {
         self.shared.lock().fail(xfer, ReasonCode::CANCELLED, "cancelled by the host".to_string());
         self.shared.flush();
     }
 
+    // CONFORMANCE: OBS-2
     fn stats(&self) -> Stats {
         let state = self.shared.lock();
         Stats {
@@ -386,6 +395,7 @@ impl Plugin for ShmPlugin {
         }
     }
 
+    // CONFORMANCE: RES-5
     fn shutdown(&self) {
         let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
         {

@@ -100,6 +100,7 @@ impl State {
 
     /// Fail a live transfer (no effect on unknown or already terminal ones). Emits `FAILED` with the
     /// quiesced flag when no worker holds a chunk of it, else `FAILED` now and `QUIESCED` later.
+    // CONFORMANCE: RES-1, RES-3 (one terminal event; QUIESCED only once no worker holds a chunk)
     pub fn fail(&mut self, xfer: XferId, reason: ReasonCode, message: String) {
         let Some(t) = self.transfers.get_mut(&xfer) else { return };
         if t.failed {
@@ -127,6 +128,7 @@ impl State {
     }
 
     /// Drop the queue entries of transfers that failed or are gone.
+    // CONFORMANCE: ABORT-4 (a cancel storm stays linear)
     fn compact_queue(&mut self) {
         let transfers = &self.transfers;
         self.queue.retain(|x| transfers.get(x).is_some_and(|t| !t.failed && !t.cursor.is_done(&t.pieces)));
@@ -163,6 +165,7 @@ impl State {
     }
 
     /// A worker finished copying `job` (or unwound out of it: either way it no longer touches it).
+    // CONFORMANCE: DATA-1, RES-3 (SUCCEEDED only after the last chunk was copied)
     pub fn complete(&mut self, job: &Job) {
         let Some(t) = self.transfers.get_mut(&job.xfer) else { return };
         t.active_chunks -= 1;
@@ -187,6 +190,7 @@ impl State {
     }
 
     /// Fail every transfer whose deadline is at or before `now`; returns the next deadline.
+    // CONFORMANCE: TIME-1, TIME-4
     pub fn expire(&mut self, now: Instant) -> Option<Instant> {
         while let Some(&(deadline, xfer)) = self.deadlines.first() {
             if deadline > now {

@@ -146,6 +146,7 @@ pub fn worker_loop(shared: &Shared) {
 }
 
 /// A worker that panicked fails everything the instance holds and leaves it unhealthy.
+// CONFORMANCE: TIME-10
 fn worker_died(shared: &Shared, mut state: MutexGuard<'_, State>, job: &Job) {
     state.healthy = false;
     let message = format!("shm copy worker panicked while copying transfer {}", job.xfer.0);

@@ -27,6 +27,7 @@ fn one_segment_copy(pair: &Pair, xfer: u64, len: usize, src_offset: usize, dst_o
     assert!(dst.as_slice()[dst_offset + len..].iter().all(|&b| b == 0xA5), "bytes after the destination untouched");
 }
 
+// CONFORMANCE: DATA-1
 #[test]
 fn odd_sizes_arrive_intact() {
     let pair = Pair::new("chunk_bytes = 65536");
@@ -35,6 +36,7 @@ fn odd_sizes_arrive_intact() {
     }
 }
 
+// CONFORMANCE: DATA-1
 #[test]
 fn unaligned_offsets_arrive_intact() {
     let pair = Pair::new("");
@@ -45,6 +47,7 @@ fn unaligned_offsets_arrive_intact() {
     }
 }
 
+// CONFORMANCE: DATA-2
 /// 10 000 segments of varied sizes, scattered in reverse order over the destination.
 #[test]
 fn ten_thousand_segment_scatter_list_arrives_intact() {

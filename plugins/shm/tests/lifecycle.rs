@@ -74,6 +74,7 @@ fn act_mid_transfer(
     unreachable!()
 }
 
+// CONFORMANCE: ABORT-2, ABORT-3, RES-3
 #[test]
 fn cancel_mid_transfer_fails_then_quiesces_and_nothing_lands_after() {
     let (pair, [_src, dst], _, terminal) =
@@ -90,6 +91,7 @@ fn cancel_mid_transfer_fails_then_quiesces_and_nothing_lands_after() {
     assert_eq!(pair.sender.events.all().len(), events);
 }
 
+// CONFORMANCE: ABORT-1
 #[test]
 fn cancel_of_a_queued_transfer_fails_it_quiesced_at_once() {
     let (pair, _src, _dst, segments) = big_pair(SLOW);
@@ -105,6 +107,7 @@ fn cancel_of_a_queued_transfer_fails_it_quiesced_at_once() {
     assert_baseline(&pair.sender);
 }
 
+// CONFORMANCE: TIME-4, RES-3
 #[test]
 fn own_timeout_fails_a_running_transfer() {
     let (pair, [_src, dst], _, terminal) = act_mid_transfer(SLOW, 1_000_000, |_, _| {});
@@ -114,6 +117,7 @@ fn own_timeout_fails_a_running_transfer() {
     assert_baseline(&pair.sender);
 }
 
+// CONFORMANCE: TIME-1
 #[test]
 fn own_timeout_fails_a_transfer_still_queued_behind_another() {
     let (pair, _src, _dst, segments) = big_pair(SLOW);
@@ -145,6 +149,7 @@ fn a_timeout_longer_than_the_copy_does_not_fire() {
     assert_eq!(pair.sender.events.of(XferId(1)).len(), 1, "no late timeout event");
 }
 
+// CONFORMANCE: DATA-4
 #[test]
 fn deregistering_the_source_fails_the_transfer_before_returning() {
     let (pair, [_src, dst], segments, terminal) = act_mid_transfer(SLOW, NO_TIMEOUT_NS, |p, segments| {
@@ -159,6 +164,7 @@ fn deregistering_the_source_fails_the_transfer_before_returning() {
     assert_eq!(err(pair.sender.transport.deregister(segments[0].local)).code, ReasonCode::UNKNOWN_KEY);
 }
 
+// CONFORMANCE: TIME-3, HANDSHAKE-2
 #[test]
 fn disconnect_fails_the_peers_transfers_and_drops_its_keys() {
     let (pair, [_src, dst], segments, terminal) =
@@ -170,6 +176,7 @@ fn disconnect_fails_the_peers_transfers_and_drops_its_keys() {
     assert_eq!(err(pair.submit(2, NO_TIMEOUT_NS, &segments)).code, ReasonCode::PEER_UNREACHABLE);
 }
 
+// CONFORMANCE: RES-5
 #[test]
 fn shutdown_fails_live_transfers_joins_workers_and_releases_everything() {
     let (pair, [_src, dst], segments, _) =
@@ -194,6 +201,7 @@ fn shutdown_fails_live_transfers_joins_workers_and_releases_everything() {
     pair.sender.transport.shutdown(); // twice: harmless
 }
 
+// CONFORMANCE: OBS-2, RES-2
 /// Many lifecycles of every kind; afterwards every gauge is back at its baseline.
 #[test]
 fn stats_are_exact_and_return_to_baseline() {
@@ -240,4 +248,31 @@ fn dropping_an_instance_shuts_it_down() {
         assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::SHUTDOWN));
         return;
     }
+}
+
+/// 10 000 live transfers cancelled at once: every one ends exactly once, the instance stays healthy.
+// CONFORMANCE: ABORT-4
+#[test]
+fn a_storm_of_ten_thousand_cancels_ends_every_transfer_once() {
+    let pair = Pair::new("workers = 1");
+    let (src, dst) = (region(1 << 16), region(1 << 16));
+    let (local, _, remote) = pair.regions(&src, &dst);
+    let seg = [segment(local, 0, remote, 0, 1 << 16)];
+    pair.sender.events.hold();
+    ok(pair.submit(0, NO_TIMEOUT_NS, &[segment(local, 0, remote, 0, 0)]));
+    pair.sender.events.wait_count(1); // the only worker is held: the storm hits queued transfers
+    for x in 1..=10_000 {
+        ok(pair.submit(x, NO_TIMEOUT_NS, &seg));
+    }
+    assert_eq!(pair.sender.stats().live_transfers, 10_000);
+    for x in 1..=10_000 {
+        pair.sender.transport.cancel(XferId(x));
+    }
+    pair.sender.events.release();
+    for x in 1..=10_000 {
+        let terminal = pair.sender.events.settled(XferId(x));
+        assert_eq!((terminal.kind, terminal.reason), (EventKind::FAILED, ReasonCode::CANCELLED));
+    }
+    let s = pair.sender.stats();
+    assert_eq!((s.live_transfers, s.unquiesced_transfers, s.healthy), (0, 0, 1), "{s:?}");
 }

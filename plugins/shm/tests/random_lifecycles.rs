@@ -24,6 +24,7 @@ impl Rng {
     }
 }
 
+// CONFORMANCE: RES-1, RES-2
 #[test]
 fn ten_thousand_random_lifecycles_settle_and_stats_return_to_baseline() {
     let seed = std::env::var("KVGATE_SHM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {

@@ -29,6 +29,7 @@ fn disk_file(tag: &str) -> std::path::PathBuf {
     path
 }
 
+// CONFORMANCE: DATA-3
 #[test]
 fn segments_are_checked_against_both_regions_before_any_byte_moves() {
     let pair = Pair::new("");
@@ -72,6 +73,7 @@ fn a_remote_key_is_used_only_for_the_peer_it_was_imported_from() {
     assert_eq!(pair.sender.stats().imported_remote_keys, 0);
 }
 
+// CONFORMANCE: DATA-3
 #[test]
 fn bad_submit_arguments_are_refused() {
     let pair = Pair::new("max_segments_per_submit = 4\nmax_transfer_bytes = 100");
@@ -94,6 +96,7 @@ fn bad_submit_arguments_are_refused() {
     assert!(pair.sender.events.of(XferId(3)).is_empty() && pair.sender.events.of(XferId(5)).is_empty());
 }
 
+// CONFORMANCE: TIME-11, DATA-3
 /// The only worker is held inside the sink, so queued transfers stay live deterministically.
 #[test]
 fn max_inflight_transfers_and_duplicate_ids() {
@@ -121,6 +124,7 @@ fn max_inflight_transfers_and_duplicate_ids() {
     assert_eq!((last.xfer, last.kind), (XferId(1), EventKind::SUCCEEDED));
 }
 
+// CONFORMANCE: HANDSHAKE-3
 #[test]
 fn unservable_or_malformed_regions_are_refused_at_register() {
     let i = Instance::open("");
@@ -151,6 +155,7 @@ fn unservable_or_malformed_regions_are_refused_at_register() {
     assert_eq!(i.stats().registered_bytes, 4096);
 }
 
+// CONFORMANCE: HANDSHAKE-4
 #[test]
 fn endpoints_and_keys_are_checked() {
     let pair = Pair::new("");
@@ -195,6 +200,7 @@ fn endpoints_and_keys_are_checked() {
     assert_eq!(err(t.import_remote_key(RECEIVER, RSlice::from_slice(&short_key))).code, ReasonCode::OUT_OF_RANGE);
 }
 
+// CONFORMANCE: HANDSHAKE-2
 /// A restarted peer (same peer id, new instance) makes the old keys stale: they are dropped when
 /// the new endpoint is connected, and importing one again is refused.
 #[test]
@@ -213,6 +219,7 @@ fn keys_of_a_restarted_peer_are_refused() {
     ok(pair.sender.transport.import_remote_key(RECEIVER, RSlice::from_slice(&fresh)));
 }
 
+// CONFORMANCE: HYGIENE-3
 #[test]
 fn bad_configs_are_refused_at_open_naming_the_key() {
     for (config, key) in [("workers = 0", "workers"), ("chunk_bytes = 1", "chunk_bytes"), ("bogus = 1", "bogus")] {

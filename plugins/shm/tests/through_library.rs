@@ -19,6 +19,7 @@ fn open_from(host: &PluginHost) -> Instance {
     Instance { transport: Arc::try_unwrap(transport).ok().expect("the host keeps no reference"), events }
 }
 
+// CONFORMANCE: HYGIENE-4
 #[test]
 fn the_loaded_library_moves_bytes_between_two_instances() {
     let path = built_or_build_cdylib("kvgate-plugin-shm-so", "kvgate_shm", Path::new(env!("CARGO_MANIFEST_DIR")))
