@@ -83,7 +83,7 @@ impl ChildReceiver {
                 }
             }
         });
-        let mut field = |name: &str| loop {
+        let field = |name: &str| loop {
             let line = stdout.recv_timeout(WAIT_LIMIT).expect("child silent or ended early");
             // The test harness may print its own words before ours on the same line.
             if let Some(at) = line.find(name) {
