@@ -163,16 +163,18 @@ impl UcxPlugin {
     }
 }
 
-impl Plugin for UcxPlugin {
-    fn info(&self) -> PluginInfo {
+impl UcxPlugin {
+    // Trait-independent bodies; `impl Plugin` below logs every refusal.
+
+    pub fn info(&self) -> PluginInfo {
         static_info(capabilities(&self.shared.config, self.shared.mode))
     }
 
-    fn local_endpoint(&self) -> Vec<u8> {
+    pub fn local_endpoint(&self) -> Vec<u8> {
         EndpointBytes { instance: self.shared.instance, worker_address: self.shared.worker_address.clone() }.encode()
     }
 
-    fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
+    fn connect_checked(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
         let decoded = EndpointBytes::decode(endpoint)?;
         let mut registry = self.shared.lock();
         self.usable(&registry, "connect")?;
@@ -191,7 +193,7 @@ impl Plugin for UcxPlugin {
         Ok(())
     }
 
-    fn disconnect(&self, peer: PeerId) {
+    pub fn disconnect(&self, peer: PeerId) {
         let mut registry = self.shared.lock();
         if let Some(info) = registry.peers.remove(&peer) {
             registry.instance_to_peer.remove(&info.instance);
@@ -201,7 +203,7 @@ impl Plugin for UcxPlugin {
         self.shared.wake();
     }
 
-    fn register(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
+    fn register_checked(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
         if region.kind != MemoryKind::HOST {
             return Err(PluginError::new(
                 ReasonCode::UNSUPPORTED_MEMORY,
@@ -232,7 +234,7 @@ impl Plugin for UcxPlugin {
         Ok(Registration { key: LocalKey(key), remote_key: remote_key.into() })
     }
 
-    fn deregister(&self, key: LocalKey) -> Result<(), PluginError> {
+    fn deregister_checked(&self, key: LocalKey) -> Result<(), PluginError> {
         let mut registry = self.shared.lock();
         if registry.regions.remove(&key.0).is_none() {
             return Err(PluginError::new(ReasonCode::UNKNOWN_KEY, format!("no registered region {}", key.0)));
@@ -243,7 +245,7 @@ impl Plugin for UcxPlugin {
         Ok(())
     }
 
-    fn import_remote_key(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
+    fn import_remote_key_checked(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
         let decoded = RemoteKeyBytes::decode(bytes)?;
         let mut registry = self.shared.lock();
         self.usable(&registry, "import_remote_key")?;
@@ -271,7 +273,7 @@ impl Plugin for UcxPlugin {
         Ok(RemoteKey(id))
     }
 
-    fn release_remote_key(&self, key: RemoteKey) {
+    pub fn release_remote_key(&self, key: RemoteKey) {
         let mut registry = self.shared.lock();
         if registry.remote_keys.remove(&key.0).is_some() {
             registry.commands.push_back(Command::ReleaseRemoteKey(key.0));
@@ -280,7 +282,7 @@ impl Plugin for UcxPlugin {
         }
     }
 
-    fn submit(&self, request: &SubmitRequest<'_>) -> Result<(), PluginError> {
+    fn submit_checked(&self, request: &SubmitRequest<'_>) -> Result<(), PluginError> {
         let config = &self.shared.config;
         let deadline = Instant::now() + Duration::from_nanos(request.timeout_ns);
         if request.segments.len() as u64 > config.max_segments_per_submit {
@@ -327,7 +329,7 @@ impl Plugin for UcxPlugin {
         Ok(())
     }
 
-    fn cancel(&self, xfer: XferId) {
+    pub fn cancel(&self, xfer: XferId) {
         let registry = self.shared.lock();
         if registry.shut_down || !(registry.live_xfers.contains(&xfer.0) || registry.unquiesced_xfers.contains(&xfer.0)) {
             return;
@@ -336,7 +338,7 @@ impl Plugin for UcxPlugin {
         self.shared.post(Command::Cancel(xfer));
     }
 
-    fn expect_incoming(&self, request: &IncomingRequest<'_>) -> Result<(), PluginError> {
+    fn expect_incoming_checked(&self, request: &IncomingRequest<'_>) -> Result<(), PluginError> {
         let now = Instant::now();
         let mut registry = self.shared.lock();
         self.usable(&registry, "expect_incoming")?;
@@ -368,7 +370,7 @@ impl Plugin for UcxPlugin {
         Ok(())
     }
 
-    fn cancel_incoming(&self, peer: PeerId, ticket: Ticket) {
+    pub fn cancel_incoming(&self, peer: PeerId, ticket: Ticket) {
         let mut registry = self.shared.lock();
         let quiet = match registry.tickets.get_mut(&ticket.0) {
             Some(t) if t.peer == peer && t.pending_writes > 0 => {
@@ -389,7 +391,7 @@ impl Plugin for UcxPlugin {
         }
     }
 
-    fn stats(&self) -> Stats {
+    pub fn stats(&self) -> Stats {
         let now = Instant::now();
         let registry = self.shared.lock();
         Stats {
@@ -405,7 +407,7 @@ impl Plugin for UcxPlugin {
         }
     }
 
-    fn shutdown(&self) {
+    pub fn shutdown(&self) {
         let Some(thread) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() else { return };
         {
             let mut registry = self.shared.lock();
@@ -423,6 +425,59 @@ impl Plugin for UcxPlugin {
         registry.live_xfers.clear();
         registry.unquiesced_xfers.clear();
         registry.commands.clear();
+    }
+}
+
+/// Every refusal is logged with its reason code, every time.
+fn logged<T>(call: &str, result: Result<T, PluginError>) -> Result<T, PluginError> {
+    if let Err(e) = &result {
+        tracing::warn!(reason = e.code.as_str(), call, "ucx {call} refused: {}", e.message);
+    }
+    result
+}
+
+impl Plugin for UcxPlugin {
+    fn info(&self) -> PluginInfo {
+        UcxPlugin::info(self)
+    }
+    fn local_endpoint(&self) -> Vec<u8> {
+        UcxPlugin::local_endpoint(self)
+    }
+    fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
+        logged("connect", self.connect_checked(peer, endpoint))
+    }
+    fn disconnect(&self, peer: PeerId) {
+        UcxPlugin::disconnect(self, peer)
+    }
+    fn register(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
+        logged("register", self.register_checked(region))
+    }
+    fn deregister(&self, key: LocalKey) -> Result<(), PluginError> {
+        logged("deregister", self.deregister_checked(key))
+    }
+    fn import_remote_key(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
+        logged("import_remote_key", self.import_remote_key_checked(peer, bytes))
+    }
+    fn release_remote_key(&self, key: RemoteKey) {
+        UcxPlugin::release_remote_key(self, key)
+    }
+    fn submit(&self, request: &SubmitRequest<'_>) -> Result<(), PluginError> {
+        logged("submit", self.submit_checked(request))
+    }
+    fn cancel(&self, xfer: XferId) {
+        UcxPlugin::cancel(self, xfer)
+    }
+    fn expect_incoming(&self, request: &IncomingRequest<'_>) -> Result<(), PluginError> {
+        logged("expect_incoming", self.expect_incoming_checked(request))
+    }
+    fn cancel_incoming(&self, peer: PeerId, ticket: Ticket) {
+        UcxPlugin::cancel_incoming(self, peer, ticket)
+    }
+    fn stats(&self) -> Stats {
+        UcxPlugin::stats(self)
+    }
+    fn shutdown(&self) {
+        UcxPlugin::shutdown(self)
     }
 }
 
