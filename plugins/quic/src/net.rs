@@ -30,11 +30,13 @@ pub fn transport_config(config: &QuicConfig) -> Result<Arc<TransportConfig>, Plu
     t.max_idle_timeout(Some(idle));
     t.keep_alive_interval(Some(Duration::from_millis(config.keep_alive_interval_ms)));
     t.initial_mtu(config.initial_mtu_bytes);
+    t.min_mtu(config.min_mtu_bytes);
     if config.disable_mtu_discovery {
         t.mtu_discovery_config(None);
     } else {
         let mut mtu = MtuDiscoveryConfig::default();
         mtu.upper_bound(config.mtu_discovery_upper_bound_bytes);
+        mtu.black_hole_cooldown(Duration::from_millis(config.mtu_black_hole_cooldown_ms));
         t.mtu_discovery_config(Some(mtu));
     }
     t.enable_segmentation_offload(config.segmentation_offload);

@@ -246,3 +246,4 @@ async fn connect_one(
         }
     }
 }
+

@@ -13,6 +13,7 @@ const LIMITS: &[(&str, Option<u64>, Option<u64>)] = &[
     ("max_concurrent_streams_per_connection", Some(16), Some(65536)),
     ("worker_threads", Some(1), Some(64)),
     ("initial_mtu_bytes", Some(1200), None),
+    ("mtu_black_hole_cooldown_ms", Some(100), Some(3_600_000)),
     ("stream_window_bytes", Some(65536), Some(1 << 30)),
     ("connection_window_bytes", Some(65536), Some(1 << 32)),
     ("send_window_bytes", Some(65536), Some(1 << 32)),
@@ -33,7 +34,7 @@ fn base(key: &str) -> String {
     match key {
         "keep_alive_interval_ms" => "idle_timeout_ms = 1000\n".into(),
         "idle_timeout_ms" => "keep_alive_interval_ms = 10\n".into(),
-        "initial_mtu_bytes" => "mtu_discovery_upper_bound_bytes = 65527\n".into(),
+        "initial_mtu_bytes" => "mtu_discovery_upper_bound_bytes = 65527\nsegmentation_offload = false\n".into(),
         _ => String::new(),
     }
 }
@@ -49,7 +50,8 @@ fn defaults_are_valid_and_documented_values() {
     assert_eq!(c.idle_timeout_ms, 3000);
     assert_eq!(c.keep_alive_interval_ms, 500);
     assert_eq!(c.congestion_controller, CongestionController::Cubic);
-    assert_eq!(c.mtu_discovery_upper_bound_bytes, 65507);
+    assert_eq!(c.mtu_discovery_upper_bound_bytes, 1452);
+    assert!(c.segmentation_offload);
     assert_eq!(c.effective_initial_congestion_window_bytes(), 14720);
 }
 
@@ -72,8 +74,8 @@ fn every_limit_holds_at_and_just_past_it() {
 
 #[test]
 fn mtu_bounds_are_u16_and_ordered() {
-    parse("initial_mtu_bytes = 65527\nmtu_discovery_upper_bound_bytes = 65527").unwrap();
-    let err = parse("initial_mtu_bytes = 65528\nmtu_discovery_upper_bound_bytes = 65527").unwrap_err();
+    parse("initial_mtu_bytes = 65527\nmtu_discovery_upper_bound_bytes = 65527\nsegmentation_offload = false").unwrap();
+    let err = parse("initial_mtu_bytes = 65528\nmtu_discovery_upper_bound_bytes = 65527\nsegmentation_offload = false").unwrap_err();
     assert!(err.message.contains("initial_mtu_bytes"), "{err}");
     let err = parse("initial_mtu_bytes = 9000\nmtu_discovery_upper_bound_bytes = 8999").unwrap_err();
     assert!(err.message.contains("mtu_discovery_upper_bound_bytes"), "{err}");
@@ -86,8 +88,28 @@ fn the_initial_congestion_window_holds_two_initial_datagrams() {
     parse("initial_mtu_bytes = 1200\ninitial_congestion_window_bytes = 2400").unwrap();
     let err = parse("initial_mtu_bytes = 1200\ninitial_congestion_window_bytes = 2399").unwrap_err();
     assert!(err.message.contains("initial_congestion_window_bytes"), "{err}");
-    let automatic = parse("initial_mtu_bytes = 65507\nmtu_discovery_upper_bound_bytes = 65507").unwrap();
+    let automatic = parse("initial_mtu_bytes = 65507\nmtu_discovery_upper_bound_bytes = 65507\nsegmentation_offload = false").unwrap();
     assert_eq!(automatic.effective_initial_congestion_window_bytes(), 655_070);
+}
+
+#[test]
+fn min_mtu_lies_between_1200_and_the_initial_mtu() {
+    parse("initial_mtu_bytes = 9000\nmtu_discovery_upper_bound_bytes = 9000\nsegmentation_offload = false\nmin_mtu_bytes = 9000").unwrap();
+    let err = parse("initial_mtu_bytes = 9000\nmtu_discovery_upper_bound_bytes = 9000\nsegmentation_offload = false\nmin_mtu_bytes = 9001").unwrap_err();
+    assert!(err.message.contains("min_mtu_bytes"), "{err}");
+    let err = parse("min_mtu_bytes = 1199").unwrap_err();
+    assert!(err.message.contains("min_mtu_bytes"), "{err}");
+    parse("initial_mtu_bytes = 65507\nsegmentation_offload = false\nmtu_discovery_upper_bound_bytes = 65507\nmin_mtu_bytes = 16000").unwrap();
+    let err = parse("initial_mtu_bytes = 65507\nsegmentation_offload = false\nmtu_discovery_upper_bound_bytes = 65507\nmin_mtu_bytes = 16001").unwrap_err();
+    assert!(err.message.contains("min_mtu_bytes"), "{err}");
+}
+
+#[test]
+fn segmentation_offload_only_with_datagrams_up_to_1500_bytes() {
+    parse("mtu_discovery_upper_bound_bytes = 1500").unwrap();
+    let err = parse("mtu_discovery_upper_bound_bytes = 1501").unwrap_err();
+    assert!(err.message.contains("segmentation_offload"), "{err}");
+    parse("mtu_discovery_upper_bound_bytes = 1501\nsegmentation_offload = false").unwrap();
 }
 
 #[test]

@@ -48,7 +48,13 @@ fn data_arrives_intact_for_odd_sizes() {
 
 #[test]
 fn loopback_sized_datagrams_carry_data_from_the_first_packet() {
-    let big = kvgate_plugin_quic::QuicConfig { initial_mtu_bytes: 65507, mtu_discovery_upper_bound_bytes: 65507, ..test_config() };
+    let big = kvgate_plugin_quic::QuicConfig {
+        initial_mtu_bytes: 65507,
+        min_mtu_bytes: 16000,
+        mtu_discovery_upper_bound_bytes: 65507,
+        segmentation_offload: false,
+        ..test_config()
+    };
     let (a, b) = pair(big);
     move_and_check(&a, &b, 4 << 20, 1);
     move_and_check(&a, &b, 1, 2);
