@@ -23,6 +23,8 @@ pub enum Command {
     },
     /// Start a prefill and a decode gateway here and move synthetic KV caches between them.
     Demo(crate::demo::DemoArgs),
+    /// Run the plugin conformance harness (CONFORMANCE.md) against a plugin.
+    Conformance(kvgate_conformance::cli::ConformanceArgs),
     /// Measure the data path and the control path against their references; table, JSON, plots.
     Bench(crate::bench::BenchArgs),
     /// Configuration helpers.
@@ -118,6 +120,7 @@ pub fn main() -> i32 {
             }
         }
         Command::Demo(args) => crate::demo::run(args),
+        Command::Conformance(args) => kvgate_conformance::cli::run(args),
         Command::Bench(args) => crate::bench::run(args),
         Command::Config { command: ConfigCommand::Check { file } } => match load_or_exit(Some(&file)) {
             Ok(c) => {

@@ -26,6 +26,8 @@ pub struct PairSettings {
     pub env_decode: Vec<(String, String)>,
     /// Wait until every gateway's peer links are up (false when a test expects them not to be).
     pub wait_for_peers: bool,
+    /// `admin.stuck_room_warn_ms` of every gateway.
+    pub stuck_room_warn_ms: Vec<u64>,
 }
 
 impl Default for PairSettings {
@@ -40,6 +42,7 @@ impl Default for PairSettings {
             env_prefill: vec![],
             env_decode: vec![],
             wait_for_peers: true,
+            stuck_room_warn_ms: vec![5_000],
         }
     }
 }
@@ -137,7 +140,7 @@ bootstrap_timeout_ms = {bootstrap}
 transfer_base_ms = 5000
 [admin]
 listen = "{admin}"
-stuck_room_warn_ms = [5000]
+stuck_room_warn_ms = {stuck:?}
 {extra}
 "#,
         socket = socket.display(),
@@ -145,6 +148,7 @@ stuck_room_warn_ms = [5000]
         misses = s.heartbeat_misses,
         plugin = s.plugin,
         bootstrap = s.bootstrap_timeout_ms,
+        stuck = s.stuck_room_warn_ms,
     )
 }
 

@@ -1,0 +1,81 @@
+//! The operator's side against running gateways: `kvgate rooms`, `kvgate abort ROOM`,
+//! `kvgate plugins list|inspect`, the stuck-room warning and the one log line every failure gets.
+
+mod common;
+
+use common::*;
+use kvgate::demo::engine::{expect_into, wait_terminal};
+use kvgate::demo::gateways::{GatewayPair, PairSettings, PREFILL_NAME};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn kvgate(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(binary()).args(args).env_remove("RUST_LOG").output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rooms_and_abort_commands_act_on_a_running_gateway_and_every_failure_is_logged() {
+    let _serial = serial();
+    let dir = work_dir();
+    let settings = PairSettings { bootstrap_timeout_ms: 1_500, stuck_room_warn_ms: vec![300], ..PairSettings::default() };
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let shape = small_shape();
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
+    let socket = pair.decode.socket.display().to_string();
+    let mut aborted_rx = decode.events.listen(801);
+    let mut timed_out_rx = decode.events.listen(802);
+    let started = Instant::now();
+    expect_into(&decode, &shape, 801, 0, PREFILL_NAME, 0).await.unwrap();
+    expect_into(&decode, &shape, 802, 1, PREFILL_NAME, 0).await.unwrap();
+
+    let (code, out, err) = kvgate(&["rooms", "--socket", &socket]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("801") && out.contains("802") && out.contains("2 room(s)"), "{out}");
+
+    let (code, out, err) = kvgate(&["abort", "801", "--socket", &socket]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("801#0 aborted (it was live)"), "{out}");
+    let o = wait_terminal(&mut aborted_rx, started, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(o.reason, "aborted");
+
+    // Nobody sends room 802: a stuck-room warning at 300 ms, then bootstrap_timeout at 1.5 s.
+    let o = wait_terminal(&mut timed_out_rx, started, Duration::from_secs(10)).await.unwrap();
+    assert_eq!((o.reason.as_str(), o.phase.as_str()), ("bootstrap_timeout", "bootstrap"));
+    let (code, out, _) = kvgate(&["rooms", "--socket", &socket]);
+    assert_eq!(code, 0);
+    assert!(out.contains("0 room(s)"), "{out}");
+    let (code, out, _) = kvgate(&["rooms", "--socket", &socket, "--all"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("bootstrap_timeout"), "{out}");
+
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let log = pair.decode.log();
+    let stuck: Vec<&str> = log.lines().filter(|l| l.contains("room still live at 300 ms")).collect();
+    assert!(stuck.iter().any(|l| l.contains("802#0")), "{log}");
+    for (room, reason) in [("801#0", "aborted"), ("802#0", "bootstrap_timeout")] {
+        let line = log.lines().find(|l| l.contains("room failed") && l.contains(room)).unwrap_or_else(|| panic!("no failure line for {room}:\n{log}"));
+        for field in [reason, "phase", "peer", "elapsed_ms", "plugin"] {
+            assert!(line.contains(field), "{room}: {field} missing in {line}");
+        }
+    }
+    let text = metrics(&pair.decode.admin).await;
+    assert!(sample(&text, "kvgate_room_failures_total{reason=\"bootstrap_timeout\",phase=\"bootstrap\",plugin=\"shm\"}").is_some_and(|v| v >= 1.0), "{text}");
+    assert!(sample(&text, "kvgate_aborts_total").is_some_and(|v| v >= 1.0), "{text}");
+    pair.stop();
+}
+
+#[test]
+fn plugins_list_shows_the_built_in_plugins_and_inspect_explains_a_bad_library() {
+    let (code, out, err) = kvgate(&["plugins", "list"]);
+    assert_eq!(code, 0, "{err}");
+    for name in ["shm", "quic"] {
+        assert!(out.lines().any(|l| l.starts_with(name) && l.contains("builtin")), "{out}");
+    }
+    let dir = work_dir();
+    let fake = dir.path().join("libnot_a_plugin.so");
+    std::fs::write(&fake, b"not an ELF object").unwrap();
+    let (code, _, err) = kvgate(&["plugins", "inspect", &fake.display().to_string()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not loadable"), "{err}");
+}
