@@ -12,6 +12,8 @@ const LEVELS: usize = 6;
 /// Ticks the wheel can hold ahead of `elapsed` (64^6 ms, about 2.2 years); farther deadlines clamp.
 const MAX_TICKS: u64 = (1u64 << (SLOT_BITS as usize * LEVELS)) - 1;
 const NIL: u32 = u32::MAX;
+/// The extra bucket of due timers not yet popped.
+const PENDING: usize = SLOTS * LEVELS;
 
 /// A handle to an armed timer, valid until it fires or is cancelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +71,7 @@ impl Wheel {
         Wheel {
             entries: Vec::new(),
             free_head: NIL,
-            heads: vec![NIL; SLOTS * LEVELS],
+            heads: vec![NIL; SLOTS * LEVELS + 1],
             occupied: [0; LEVELS],
             elapsed: 0,
             len: 0,
@@ -112,7 +114,11 @@ impl Wheel {
         let when = self.entries[index as usize].when;
         let level = level_for(self.elapsed, when);
         let slot = slot_for(when, level);
-        let bucket = level * SLOTS + slot;
+        self.link_into(index, level * SLOTS + slot);
+    }
+
+    /// Push an entry on a bucket's list (`PENDING`: due, waiting to be popped).
+    fn link_into(&mut self, index: u32, bucket: usize) {
         let head = self.heads[bucket];
         {
             let entry = &mut self.entries[index as usize];
@@ -124,7 +130,9 @@ impl Wheel {
             self.entries[head as usize].prev = index;
         }
         self.heads[bucket] = index;
-        self.occupied[level] |= 1u64 << slot;
+        if bucket != PENDING {
+            self.occupied[bucket / SLOTS] |= 1u64 << (bucket % SLOTS);
+        }
     }
 
     fn unlink(&mut self, index: u32) {
@@ -134,7 +142,7 @@ impl Wheel {
             self.entries[prev as usize].next = next;
         } else {
             self.heads[bucket as usize] = next;
-            if next == NIL {
+            if next == NIL && bucket as usize != PENDING {
                 let level = bucket as usize / SLOTS;
                 let slot = bucket as usize % SLOTS;
                 self.occupied[level] &= !(1u64 << slot);
@@ -191,37 +199,55 @@ impl Wheel {
     /// The earliest time `expire` may have something to do (a level>0 bucket's start is a lower
     /// bound: waking then cascades it).
     pub fn next_deadline(&self) -> Option<Nanos> {
+        if self.heads[PENDING] != NIL {
+            return Some(Nanos(self.elapsed.saturating_mul(TICK_NS)));
+        }
         self.next_bucket().map(|(_, _, tick)| Nanos(tick.saturating_mul(TICK_NS)))
     }
 
-    /// Pop every timer due at `now` into `out` (payloads), in tick order.
-    pub fn expire(&mut self, now: Nanos, out: &mut Vec<u64>) {
+    /// Pop one timer due at `now` (its payload), or None when none is due. Timers are popped one
+    /// at a time so that the caller may cancel or arm others between pops (a due timer not yet
+    /// popped can still be cancelled).
+    pub fn pop_expired(&mut self, now: Nanos) -> Option<u64> {
         let now_tick = now.0 / TICK_NS;
-        if now_tick < self.elapsed {
-            return;
-        }
-        while let Some((level, slot, tick)) = self.next_bucket() {
-            if tick > now_tick {
-                break;
+        loop {
+            let head = self.heads[PENDING];
+            if head != NIL {
+                let payload = self.entries[head as usize].payload;
+                self.unlink(head);
+                self.release(head);
+                return Some(payload);
             }
-            self.elapsed = tick;
-            let bucket = level * SLOTS + slot;
-            let mut index = self.heads[bucket];
-            self.heads[bucket] = NIL;
-            self.occupied[level] &= !(1u64 << slot);
-            while index != NIL {
-                let next = self.entries[index as usize].next;
-                let when = self.entries[index as usize].when;
-                if when <= tick {
-                    out.push(self.entries[index as usize].payload);
-                    self.release(index);
-                } else {
-                    self.link(index);
+            match self.next_bucket() {
+                Some((level, slot, tick)) if tick <= now_tick => {
+                    self.elapsed = tick;
+                    let bucket = level * SLOTS + slot;
+                    let mut index = self.heads[bucket];
+                    self.heads[bucket] = NIL;
+                    self.occupied[level] &= !(1u64 << slot);
+                    while index != NIL {
+                        let next = self.entries[index as usize].next;
+                        if self.entries[index as usize].when <= tick {
+                            self.link_into(index, PENDING);
+                        } else {
+                            self.link(index);
+                        }
+                        index = next;
+                    }
                 }
-                index = next;
+                _ => {
+                    self.elapsed = self.elapsed.max(now_tick);
+                    return None;
+                }
             }
         }
-        self.elapsed = now_tick;
+    }
+
+    /// Pop every timer due at `now` into `out` (for tests and callers that cancel nothing between).
+    pub fn expire(&mut self, now: Nanos, out: &mut Vec<u64>) {
+        while let Some(payload) = self.pop_expired(now) {
+            out.push(payload);
+        }
     }
 }
 
@@ -290,6 +316,24 @@ mod tests {
             }
             assert_eq!(wheel.len(), model.len());
         }
+    }
+
+    /// Two timers due together: cancelling the second after popping the first must be safe (the
+    /// core cancels and re-arms timers of a room while handling another of its expiries).
+    #[test]
+    fn a_due_timer_not_yet_popped_can_be_cancelled() {
+        let mut wheel = Wheel::new();
+        let first = wheel.insert(Nanos(5_000_000), 1);
+        let second = wheel.insert(Nanos(5_000_000), 2);
+        let popped = wheel.pop_expired(Nanos(6_000_000)).unwrap();
+        let other = if popped == 1 { second } else { first };
+        wheel.cancel(other);
+        let again = wheel.insert(Nanos(7_000_000), 3);
+        assert_eq!(wheel.pop_expired(Nanos(6_000_000)), None);
+        assert_eq!(wheel.len(), 1);
+        assert_eq!(wheel.deadline(again), Nanos(7_000_000));
+        assert_eq!(wheel.pop_expired(Nanos(7_000_000)), Some(3));
+        assert!(wheel.is_empty());
     }
 
     #[test]

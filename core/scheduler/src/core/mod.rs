@@ -84,7 +84,6 @@ pub struct Core {
     peers: FxHashMap<PeerId, PeerEntry>,
     regions: FxHashMap<RegionId, LocalRegion>,
     wheel: Wheel,
-    expired: Vec<u64>,
     commands: VecDeque<Command>,
     next_xfer: u64,
     next_ticket: u64,
@@ -108,7 +107,6 @@ impl Core {
             peers: FxHashMap::default(),
             regions: FxHashMap::default(),
             wheel: Wheel::new(),
-            expired: Vec::new(),
             commands: VecDeque::new(),
             next_xfer: 1,
             next_ticket: 1,
@@ -190,10 +188,7 @@ impl Core {
     /// Fire every timer due at `now`. The driver drains plugin events and peer messages already
     /// received before calling it, so a completion already observable wins over a deadline.
     pub fn handle_timeout(&mut self, now: Nanos) {
-        let mut expired = std::mem::take(&mut self.expired);
-        expired.clear();
-        self.wheel.expire(now, &mut expired);
-        for &payload in &expired {
+        while let Some(payload) = self.wheel.pop_expired(now) {
             let (kind, slot, epoch) = TimerKind::decode(payload);
             let Some(room) = self.slots.get_mut(slot as usize).and_then(|s| {
                 if s.epoch & 0x0FFF_FFFF == epoch {
@@ -208,7 +203,6 @@ impl Core {
             room.timers[kind.index()] = NIL;
             self.on_timer(now, slot, kind);
         }
-        self.expired = expired;
     }
 
     /// The next command for the driver, in order.
