@@ -137,10 +137,12 @@ fn big_submit(c: &mut Criterion) {
     let mut group = c.benchmark_group("submit_100k_segments");
     group.throughput(Throughput::Elements(SEGMENTS));
     let config = CoreConfig { max_tombstones: 1_000, ..bench_config() };
-    let mut bench = Bench::new(config);
+    let bench = std::cell::RefCell::new(Bench::new(config));
     group.bench_function("core_send_to_submit", |b| {
         b.iter_batched(
             || {
+                let mut guard = bench.borrow_mut();
+                let bench = &mut *guard;
                 // A destination of 100 000 one-page slices, announced; the chunk is one source slice.
                 let room = RoomKey::new(bench.next_room, 0);
                 bench.next_room += 1;
@@ -155,6 +157,8 @@ fn big_submit(c: &mut Criterion) {
                 room
             },
             |room| {
+                let mut guard = bench.borrow_mut();
+                let bench = &mut *guard;
                 let slices = vec![Slice::new(REGION, 0, SEGMENTS * 4096)];
                 let send = EngineRequest::Send { room, peer: Some(A), part: 0, chunk: 0, slices, last: true };
                 bench.sender.handle_engine(bench.now, send).unwrap();

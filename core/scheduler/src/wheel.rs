@@ -244,6 +244,7 @@ impl Wheel {
     }
 
     /// Pop every timer due at `now` into `out` (for tests and callers that cancel nothing between).
+    #[cfg(test)]
     pub fn expire(&mut self, now: Nanos, out: &mut Vec<u64>) {
         while let Some(payload) = self.pop_expired(now) {
             out.push(payload);
