@@ -110,7 +110,7 @@ impl Bench {
 }
 
 fn bench_config() -> CoreConfig {
-    CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones: 100_000, ..CoreConfig::default() }
+    CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones: 100_000, max_pending_sends: 1_000_000, ..CoreConfig::default() }
 }
 
 fn lifecycles(c: &mut Criterion) {
