@@ -167,3 +167,62 @@ fn register_core(registry: &mut Registry, snapshot: &AdminSnapshot) {
     registry.register("pending_sends", "Chunks held without an expect", gauge(m.pending_sends as i64));
     registry.register("healthy", "1 when /healthz is healthy", gauge(snapshot.problems.is_empty() as i64));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::{AdminSnapshot, RoomJson};
+
+    fn snapshot() -> AdminSnapshot {
+        let mut metrics = kvgate_core::Metrics::default();
+        metrics.rooms_by_state[RoomState::Transferring.index()] = 3;
+        metrics.oldest_entered_by_state[RoomState::Transferring.index()] = Some(Nanos::from_ms(500));
+        metrics.failures[FailReason::PeerLost.index()][Phase::Transfer as usize] = 2;
+        metrics.quarantined_bytes = 4096;
+        AdminSnapshot {
+            now: Nanos::from_ms(2500),
+            metrics,
+            rooms: vec![RoomJson {
+                room: 1,
+                generation: 0,
+                role: "sender",
+                state: "transferring",
+                age_ms: 2000,
+                peer: "decode".into(),
+                plugin: "shm".into(),
+                last_event: "Submitted".into(),
+                last_event_age_ms: 1,
+                parts: 2,
+                parts_done: 1,
+                bytes_total: 10,
+                bytes_done: 5,
+            }],
+            plugins: vec![],
+            peers: vec![],
+            problems: vec!["plugin shm unhealthy".into()],
+        }
+    }
+
+    #[test]
+    fn render_exposes_core_and_gateway_metrics_with_their_labels() {
+        let m = GatewayMetrics::default();
+        m.observe_transfer("shm", 1 << 20, Nanos::from_ms(3));
+        m.count_failure("peer_lost", "transfer", "shm");
+        m.set_peer_up("decode", true);
+        let text = m.render(&snapshot());
+        for expected in [
+            "kvgate_rooms{state=\"transferring\"} 3",
+            "kvgate_oldest_room_age_seconds{state=\"transferring\"} 2.0",
+            "kvgate_live_rooms{state=\"transferring\",plugin=\"shm\"} 1",
+            "kvgate_core_failures_total{reason=\"peer_lost\",phase=\"transfer\"} 2",
+            "kvgate_room_failures_total{reason=\"peer_lost\",phase=\"transfer\",plugin=\"shm\"} 1",
+            "kvgate_quarantined_bytes 4096",
+            "kvgate_peer_up{peer=\"decode\"} 1",
+            "kvgate_transfer_bytes_count{plugin=\"shm\"} 1",
+            "kvgate_plugin_contract_violations_total{clause=\"plugin_silent\"} 0",
+            "kvgate_healthy 0",
+        ] {
+            assert!(text.contains(expected), "missing {expected} in\n{text}");
+        }
+    }
+}
