@@ -419,6 +419,10 @@ impl Pair {
                 ("live", EventKind::FAILED) if e.flags & event_flags::QUIESCED != 0 => "done",
                 ("live", EventKind::FAILED) => "failed",
                 ("failed", EventKind::QUIESCED) => "done",
+                ("done" | "failed", EventKind::PROGRESS) => {
+                    ctx.findings.add("RES-1", format!("[{}] {} after the transfer's terminal event (only QUIESCED may follow)", self.context, describe(e)));
+                    s
+                }
                 (_, EventKind::QUIESCED) => {
                     ctx.findings.add(
                         "RES-3",

@@ -42,6 +42,17 @@ pub fn mutant_library(package: &str) -> PathBuf {
     kvgate_host::artifacts::built_cdylib_path(package, &lib).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// The harness's default bounds are set for release builds. An unoptimised build of a plugin runs
+/// its per-segment loops many times slower, so a debug test run allows more deadline slack and a
+/// longer call bound; defects the mutants carry (hangs, blocked calls) exceed any bound.
+fn debug_build_limits() -> &'static str {
+    if cfg!(debug_assertions) {
+        "[harness]\ndeadline_slack_ms = 500\ncall_bound_ms = 250\n"
+    } else {
+        ""
+    }
+}
+
 /// Run the harness binary on `plugin` with extra arguments; returns its exit status and report.
 pub fn run_harness(plugin: &str, extra: &[&str], plugin_config: &str) -> Run {
     let _one = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -50,7 +61,7 @@ pub fn run_harness(plugin: &str, extra: &[&str], plugin_config: &str) -> Run {
     let json = dir.join("report.json");
     let junit = dir.join("report.xml");
     let config = dir.join("config.toml");
-    std::fs::write(&config, plugin_config).unwrap();
+    std::fs::write(&config, format!("{}{plugin_config}", debug_build_limits())).unwrap();
     let started = std::time::Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_kvgate-conformance"))
         .args(["--plugin", plugin, "--seed", "20261130", "--config"])
