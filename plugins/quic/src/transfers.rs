@@ -3,7 +3,7 @@
 //! events of each transfer: exactly one terminal event, then at most one QUIESCED; never any after Closed.
 
 use kvgate_abi::{sdk::Sink, Event, PeerId, ReasonCode, XferId};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
@@ -128,15 +128,41 @@ impl Transfer {
     }
 }
 
+/// How many closed transfer ids are remembered so that a reused id is refused (`DUPLICATE_ID`) instead
+/// of starting a second life whose events the host would take for the first one's. Ids are unique per
+/// instance by contract; this bounds the memory spent checking it.
+pub const REMEMBERED_CLOSED_IDS: usize = 65536;
+
+/// Closed ids, oldest first, bounded by [`REMEMBERED_CLOSED_IDS`].
+#[derive(Default)]
+struct ClosedIds {
+    set: HashSet<XferId>,
+    order: VecDeque<XferId>,
+}
+
+impl ClosedIds {
+    fn remember(&mut self, xfer: XferId) {
+        if self.set.insert(xfer) {
+            self.order.push_back(xfer);
+            if self.order.len() > REMEMBERED_CLOSED_IDS {
+                if let Some(old) = self.order.pop_front() {
+                    self.set.remove(&old);
+                }
+            }
+        }
+    }
+}
+
 /// Every transfer not yet closed.
 pub struct Transfers {
     map: Mutex<HashMap<XferId, Arc<Transfer>>>,
+    closed: Mutex<ClosedIds>,
     sink: Sink,
 }
 
 impl Transfers {
     pub fn new(sink: Sink) -> Arc<Transfers> {
-        Arc::new(Transfers { map: Mutex::new(HashMap::new()), sink })
+        Arc::new(Transfers { map: Mutex::new(HashMap::new()), closed: Mutex::new(ClosedIds::default()), sink })
     }
 
     /// Admit a transfer of `lane_count` lanes, or refuse it (`DUPLICATE_ID`, `RESOURCE_EXHAUSTED`).
@@ -151,6 +177,12 @@ impl Transfers {
         let mut map = self.map.lock().expect("transfers lock");
         if map.contains_key(&xfer) {
             return Err(kvgate_abi::PluginError::new(ReasonCode::DUPLICATE_ID, format!("transfer {} is already live", xfer.0)));
+        }
+        if self.closed.lock().expect("closed ids lock").set.contains(&xfer) {
+            return Err(kvgate_abi::PluginError::new(
+                ReasonCode::DUPLICATE_ID,
+                format!("transfer id {} was already used by this instance (ids are never reused)", xfer.0),
+            ));
         }
         if map.len() as u64 >= max_inflight {
             return Err(kvgate_abi::PluginError::new(
@@ -173,6 +205,7 @@ impl Transfers {
 
     fn remove(&self, xfer: XferId) {
         self.map.lock().expect("transfers lock").remove(&xfer);
+        self.closed.lock().expect("closed ids lock").remember(xfer);
     }
 
     pub fn get(&self, xfer: XferId) -> Option<Arc<Transfer>> {

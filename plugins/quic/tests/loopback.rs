@@ -143,6 +143,11 @@ fn submit_refuses_bad_segments_before_anything_moves() {
         assert_eq!(e.code, ReasonCode::DUPLICATE_ID);
     }
     assert_eq!(a.events.terminal(XferId(60), WAIT).kind, EventKind::SUCCEEDED);
+    // Ids are never reused: once closed, the same id is refused too (no second life, no second report).
+    a.events.quiesced(XferId(60), WAIT);
+    wait_baseline(&a, WAIT);
+    let err = submit(&a, PEER_B, XferId(60), Ticket(1), &[one_segment(&r, 0, 0, 4096)], WAIT).unwrap_err();
+    assert_eq!(err.code, ReasonCode::DUPLICATE_ID, "{err}");
     assert!(a.events.all().iter().all(|e| e.xfer.0 >= 50 || e.kind == EventKind::PEER_DOWN), "a refused submit produced an event");
     b.plugin.cancel_incoming(PEER_A, Ticket(1));
     wait_baseline(&a, WAIT);
