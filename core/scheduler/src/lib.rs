@@ -1,6 +1,21 @@
 //! kvgate-core: the sans-IO scheduler. It owns every room's lifecycle, deadline, tombstone and
 //! quarantine, and its metrics, as plain data driven by `handle_*(now, ..)` and drained by `poll_*()`.
 //! It never reads a clock, spawns a thread, does IO or calls a plugin.
+//!
+//! Driver contract (what the gateway, the conformance harness and the simulation all do):
+//! - feed every input with the current monotonic time: `handle_engine`, `handle_peer_message`,
+//!   `handle_plugin_event`, `handle_peer_up` / `handle_peer_lost`, region (un)registration;
+//! - drain plugin events and peer messages already received *before* calling `handle_timeout`, so
+//!   a completion already observable wins over a deadline (CONFORMANCE TIME-9);
+//! - after every input, drain `poll_command()` and execute the commands in order, then re-arm one
+//!   timer at `poll_timeout()`;
+//! - report a synchronous `submit` error as `Event::failed_quiesced(xfer, code, message)`;
+//! - call `handle_remote_region` after `handle_peer_up` of the peer's current incarnation.
+//!
+//! Decisions: a chunk that maps to more than `max_segments_per_submit` segments is refused
+//! (`too_many_segments`), never split; every room gets exactly one `Terminal` then one `Reusable`
+//! event; a newer generation of a room id supersedes a live older one (`superseded`); a dropped
+//! tombstone (after `tombstone_ttl_ms` or past `max_tombstones`) no longer refuses late messages.
 
 pub mod api;
 pub mod config;
