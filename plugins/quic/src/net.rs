@@ -101,6 +101,17 @@ pub fn classify_connection_error(e: &ConnectionError, established: bool) -> Plug
     }
 }
 
+/// Whether the peer refused this side's certificate (its TLS alert, or its application close with
+/// `AUTH_FAILED`). Right after the gateways exchange endpoints the peer may not know us yet, so such a
+/// refusal is retried until `connect_timeout_ms`; a pin mismatch on this side never is.
+pub fn peer_refused_our_certificate(e: &ConnectionError) -> bool {
+    match e {
+        ConnectionError::ConnectionClosed(close) => is_crypto(u64::from(close.error_code)),
+        ConnectionError::ApplicationClosed(close) => close.error_code.into_inner() == u64::from(ReasonCode::AUTH_FAILED.0),
+        _ => false,
+    }
+}
+
 /// QUIC CRYPTO_ERROR codes (a TLS alert) are 0x100..=0x1ff.
 fn is_crypto(code: u64) -> bool {
     (0x100..=0x1ff).contains(&code)

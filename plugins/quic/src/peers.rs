@@ -2,7 +2,7 @@
 //! HELLO version exchange), publish their state, and turn the loss of any of them into PEER_DOWN and
 //! PEER_LOST failures. Never waits on the network from a host call: everything here runs as tasks.
 
-use crate::net::{app_code, classify_connection_error};
+use crate::net::{app_code, classify_connection_error, peer_refused_our_certificate};
 use crate::plugin::Shared;
 use crate::reader::{FrameReader, ReadFail};
 use crate::tls;
@@ -12,6 +12,25 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// First wait before retrying a connection the peer refused our certificate on (doubles each time).
+pub const AUTH_RETRY_FIRST_MS: u64 = 20;
+/// Longest wait between such retries; all retries together stay within `connect_timeout_ms`.
+pub const AUTH_RETRY_MAX_MS: u64 = 500;
+
+/// Why one connection attempt failed, and whether trying again may help.
+struct AttemptError {
+    error: PluginError,
+    /// The peer refused our certificate: it may not have learnt our endpoint yet.
+    retry: bool,
+}
+
+impl From<PluginError> for AttemptError {
+    fn from(error: PluginError) -> Self {
+        AttemptError { error, retry: false }
+    }
+}
 
 /// The outgoing side of a peer.
 #[derive(Clone)]
@@ -115,17 +134,11 @@ pub async fn ready(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) -> Result<Arc<V
 async fn establish(shared: Arc<Shared>, entry: Arc<PeerEntry>) {
     let count = shared.config.connections_per_peer;
     let mut conns = Vec::with_capacity(count);
-    let timeout = Duration::from_millis(shared.config.connect_timeout_ms);
+    let deadline = Instant::now() + Duration::from_millis(shared.config.connect_timeout_ms);
     for i in 0..count {
         let endpoint = &shared.endpoints[i % shared.endpoints.len()];
         let addr = entry.info.addresses[i % entry.info.addresses.len()];
-        let attempt = tokio::time::timeout(timeout, connect_one(&shared, &entry, endpoint, addr)).await;
-        let result = attempt.unwrap_or_else(|_| {
-            Err(PluginError::new(
-                ReasonCode::PEER_UNREACHABLE,
-                format!("no connection to {addr} within connect_timeout_ms ({})", shared.config.connect_timeout_ms),
-            ))
-        });
+        let result = connect_with_retries(&shared, &entry, endpoint, addr, deadline).await;
         match result {
             Ok(c) => conns.push(c),
             Err(e) => {
@@ -196,23 +209,62 @@ fn on_connection_lost(shared: &Arc<Shared>, entry: &Arc<PeerEntry>, conns: &Arc<
     }
 }
 
+/// One connection, retried while the peer refuses our certificate, all within `deadline`.
+async fn connect_with_retries(
+    shared: &Shared,
+    entry: &PeerEntry,
+    endpoint: &quinn::Endpoint,
+    addr: std::net::SocketAddr,
+    deadline: Instant,
+) -> Result<quinn::Connection, PluginError> {
+    let timed_out = || {
+        PluginError::new(
+            ReasonCode::PEER_UNREACHABLE,
+            format!("no connection to {addr} within connect_timeout_ms ({})", shared.config.connect_timeout_ms),
+        )
+    };
+    let mut wait_ms = AUTH_RETRY_FIRST_MS;
+    // Once the peer refused our certificate, running out of time reports that refusal.
+    let mut last_refusal: Option<PluginError> = None;
+    loop {
+        let attempt = match tokio::time::timeout_at(deadline, connect_one(shared, entry, endpoint, addr)).await {
+            Ok(attempt) => attempt,
+            Err(_) => return Err(last_refusal.unwrap_or_else(timed_out)),
+        };
+        match attempt {
+            Ok(conn) => return Ok(conn),
+            Err(AttemptError { error, retry: true }) if Instant::now() + Duration::from_millis(wait_ms) < deadline => {
+                tracing::debug!(peer = entry.id.0, %addr, message = %error.message, "quic: peer refused our certificate; retrying");
+                last_refusal = Some(error);
+                tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+                wait_ms = (wait_ms * 2).min(AUTH_RETRY_MAX_MS);
+            }
+            Err(AttemptError { error, .. }) => return Err(error),
+        }
+    }
+}
+
+fn attempt_error(e: &quinn::ConnectionError) -> AttemptError {
+    AttemptError { error: classify_connection_error(e, false), retry: peer_refused_our_certificate(e) }
+}
+
 async fn connect_one(
     shared: &Shared,
     entry: &PeerEntry,
     endpoint: &quinn::Endpoint,
     addr: std::net::SocketAddr,
-) -> Result<quinn::Connection, PluginError> {
+) -> Result<quinn::Connection, AttemptError> {
     let connecting = endpoint
         .connect_with(entry.client_config.clone(), addr, tls::SERVER_NAME)
         .map_err(|e| PluginError::new(ReasonCode::PEER_UNREACHABLE, format!("cannot start a connection to {addr}: {e}")))?;
-    let conn = connecting.await.map_err(|e| classify_connection_error(&e, false))?;
+    let conn = connecting.await.map_err(|e| attempt_error(&e))?;
     let why_closed = |conn: &quinn::Connection, fallback: String| match conn.close_reason() {
-        Some(e) => classify_connection_error(&e, false),
-        None => PluginError::new(ReasonCode::PROTOCOL_VIOLATION, fallback),
+        Some(e) => attempt_error(&e),
+        None => AttemptError::from(PluginError::new(ReasonCode::PROTOCOL_VIOLATION, fallback)),
     };
     let (mut send, recv) = match conn.open_bi().await {
         Ok(pair) => pair,
-        Err(e) => return Err(classify_connection_error(&e, false)),
+        Err(e) => return Err(attempt_error(&e)),
     };
     let hello = Frame::Hello { magic: HELLO_MAGIC, version: shared.wire_version, instance: shared.instance };
     if let Err(e) = send.write_all(&hello.to_bytes()).await {
@@ -224,15 +276,15 @@ async fn connect_one(
         Ok(Some(Frame::HelloReply { status: 0, .. })) => Ok(conn),
         Ok(Some(Frame::HelloReply { version, status, .. })) => {
             conn.close(app_code(ReasonCode(status)), b"hello refused");
-            Err(PluginError::new(
+            Err(AttemptError::from(PluginError::new(
                 ReasonCode(status),
                 format!("peer refused HELLO: it speaks wire version {version}, this side {}", shared.wire_version),
-            ))
+            )))
         }
         Ok(other) => {
             let why = format!("expected HELLO_REPLY, got {other:?}");
             conn.close(app_code(ReasonCode::PROTOCOL_VIOLATION), why.as_bytes());
-            Err(PluginError::new(ReasonCode::PROTOCOL_VIOLATION, why))
+            Err(AttemptError::from(PluginError::new(ReasonCode::PROTOCOL_VIOLATION, why)))
         }
         Err(ReadFail::Source(_)) => {
             // The server closes the connection with the reason (version mismatch, unknown certificate).
@@ -242,7 +294,7 @@ async fn connect_one(
         Err(other) => {
             let why = format!("bad HELLO_REPLY: {other:?}");
             conn.close(app_code(ReasonCode::PROTOCOL_VIOLATION), why.as_bytes());
-            Err(PluginError::new(ReasonCode::PROTOCOL_VIOLATION, why))
+            Err(AttemptError::from(PluginError::new(ReasonCode::PROTOCOL_VIOLATION, why)))
         }
     }
 }

@@ -277,6 +277,18 @@ fn unknown_client_certificate_is_refused_with_auth_failed() {
 }
 
 #[test]
+fn a_peer_that_learns_our_endpoint_late_is_retried_not_refused() {
+    let a = open(test_config());
+    let b = open(test_config());
+    // a dials b before b knows a: b refuses a's certificate until it learns a's endpoint.
+    a.plugin.connect(PEER_B, &b.plugin.local_endpoint()).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    b.plugin.connect(PEER_A, &a.plugin.local_endpoint()).unwrap();
+    move_and_check(&a, &b, 1000, 1);
+    assert!(a.events.all().iter().all(|e| e.kind != EventKind::PEER_DOWN), "spurious peer down: {:?}", a.events.all());
+}
+
+#[test]
 fn configured_certificates_authenticate_like_generated_ones() {
     let dir = std::env::temp_dir().join(format!("kvgate-quic-certs-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
