@@ -613,8 +613,8 @@ impl Engine {
         for notice in notices {
             self.on_reply(notice.xfer, notice.code);
         }
-        for (ep, header) in replies {
-            self.send_reply(ep, header);
+        for (sender, header) in replies {
+            self.send_reply(sender, header);
         }
         // Replies sent during the loop may have queued more work for the next round.
         let more = self.receiver.borrow().replies.len() + self.receiver.borrow().notices.len();
@@ -664,10 +664,12 @@ impl Engine {
         self.maybe_finish(xfer);
     }
 
-    fn send_reply(&mut self, ep: ucp_ep_h, header: ReplyHeader) {
-        if ep.is_null() {
+    fn send_reply(&mut self, sender: u64, header: ReplyHeader) {
+        let peer = self.shared.lock().instance_to_peer.get(&sender).copied();
+        let Some(ep) = peer.and_then(|p| self.peers.get(&p)).map(|c| c.ep) else {
+            tracing::warn!(reason = "peer_unreachable", xfer = header.xfer, "ucx reply dropped: no endpoint to sender {sender:#x}");
             return;
-        }
+        };
         let bytes = header.encode();
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());

@@ -5,7 +5,8 @@
 //! - [`config`]: the TOML settings (`tls`, `devices`, `rndv_thresh`, `mode`, limits);
 //! - [`ucp`]: the small safe wrapper over UCP; [`wire`]: bytes exchanged with peers;
 //! - [`shared`]: books shared by the API threads and the progress thread; [`engine`]: that thread;
-//! - [`receiver`]: the receiver side of the active-message protocol; [`plugin`]: the `Plugin` face.
+//! - [`receiver`]: the receiver side of the active-message protocol; [`plugin`]: the `Plugin` face;
+//! - [`ucx_log`]: UCX's log lines go to `tracing`, never to the host's stdout.
 
 pub mod config;
 pub mod engine;
@@ -13,6 +14,7 @@ pub mod plugin;
 pub mod receiver;
 pub mod shared;
 pub mod ucp;
+pub mod ucx_log;
 pub mod wire;
 
 pub use config::{ResolvedMode, TransferMode, UcxConfig};

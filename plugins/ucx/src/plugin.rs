@@ -72,6 +72,7 @@ impl PluginFactory for UcxFactory {
     }
 
     fn open(config_text: &str, sink: Sink) -> Result<UcxPlugin, PluginError> {
+        crate::ucx_log::route_ucx_logs_to_tracing();
         let config = UcxConfig::parse(config_text)?;
         let mut ucx_config = ucp::Config::read().map_err(|e| unavailable(format!("UCX configuration: {e}")))?;
         for (name, value, key) in config.ucx_settings() {

@@ -73,8 +73,10 @@ pub struct Receiver {
     records: HashMap<(u64, u64), IncomingXfer>,
     pending: HashMap<u64, PendingRecv>,
     next_token: u64,
-    /// Replies to send once progress returns: (endpoint, header).
-    pub replies: Vec<(ucp_ep_h, ReplyHeader)>,
+    /// Replies to send once progress returns: (sender instance, header). They go out on this
+    /// instance's own endpoint to that sender (never on UCX's reply endpoint, which UCX may destroy
+    /// when the connection drops while a reply is still queued).
+    pub replies: Vec<(u64, ReplyHeader)>,
     pub notices: Vec<SenderNotice>,
     /// Instances that said goodbye (shut down).
     pub byes: Vec<u64>,
@@ -280,7 +282,7 @@ impl Receiver {
             if let Some((reason, _)) = &rec.failed {
                 if !rec.early_refusal_sent {
                     rec.early_refusal_sent = true;
-                    self.replies.push((rec.reply_ep, ReplyHeader { xfer: key.1, code: reason.0 | REPLY_EARLY_BIT }));
+                    self.replies.push((key.0, ReplyHeader { xfer: key.1, code: reason.0 | REPLY_EARLY_BIT }));
                 }
             }
             return;
@@ -293,7 +295,7 @@ impl Receiver {
             } else {
                 if !rec.early_refusal_sent {
                     rec.early_refusal_sent = true;
-                    self.replies.push((rec.reply_ep, ReplyHeader { xfer: key.1, code: reason.0 | REPLY_EARLY_BIT }));
+                    self.replies.push((key.0, ReplyHeader { xfer: key.1, code: reason.0 | REPLY_EARLY_BIT }));
                 }
                 None
             }
@@ -308,7 +310,7 @@ impl Receiver {
         };
         let Some(code) = code else { return };
         rec.final_reply_sent = true;
-        self.replies.push((rec.reply_ep, ReplyHeader { xfer: key.1, code }));
+        self.replies.push((key.0, ReplyHeader { xfer: key.1, code }));
         if code == 0 {
             self.records.remove(&key);
         }

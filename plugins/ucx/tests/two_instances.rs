@@ -199,6 +199,44 @@ fn peer_shutdown(config: &str) {
     a.plugin.shutdown();
 }
 
+/// Shutdown with transfers in flight returns promptly, every transfer terminal (and quiesced) first.
+fn shutdown_with_transfers_in_flight(config: &str) {
+    let (a, b) = pair(config);
+    let len = 16u64 << 20;
+    let src = buffer(&a, len as usize, 1);
+    let dst = buffer(&b, len as usize, 2);
+    let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+    expect(&b, 1, PEER_A, LONG, &[LocalRange { key: dst.key, offset: 0, len }]);
+    let mut ids = Vec::new();
+    for i in 0..20u64 {
+        let seg = Segment { local: src.key, local_offset: i * 4096, remote, remote_offset: i * 4096, len: 4096 };
+        submit(&a, 100 + i, PEER_B, 999, LONG, &[seg]).unwrap(); // unauthorised ticket
+        ids.push(100 + i);
+    }
+    for i in 0..5u64 {
+        let piece = len / 1000;
+        let segs: Vec<Segment> = (0..1000u64)
+            .map(|j| Segment { local: src.key, local_offset: j * piece, remote, remote_offset: j * piece, len: piece })
+            .collect();
+        submit(&a, 200 + i, PEER_B, 1, LONG, &segs).unwrap();
+        ids.push(200 + i);
+    }
+    let started = Instant::now();
+    a.plugin.shutdown();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "shutdown took {took:?}");
+    for xfer in ids {
+        let end = a.log.terminal_of(XferId(xfer), Duration::from_millis(1));
+        let quiesced = end.kind == EventKind::SUCCEEDED
+            || end.flags & event_flags::QUIESCED != 0
+            || a.log.count(|e| e.kind == EventKind::QUIESCED && e.xfer == XferId(xfer)) == 1;
+        assert!(quiesced, "transfer {xfer} not quiesced at shutdown: {end:?}");
+    }
+    let s = a.plugin.stats();
+    assert_eq!((s.live_transfers, s.unquiesced_transfers, s.registered_regions, s.workers_alive), (0, 0, 0, 0), "{s:?}");
+    b.plugin.shutdown();
+}
+
 /// Every counter back to its baseline once regions, keys and peers are released.
 fn baseline(a: &Side, b: &Side) {
     for side in [a, b] {
@@ -217,7 +255,7 @@ macro_rules! per_transport {
     };
 }
 
-per_transport!(data_integrity, scatter_gather, cancel_then_quiesced, peer_shutdown);
+per_transport!(data_integrity, scatter_gather, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight);
 
 #[test]
 fn tcp_receiver_refuses() {
