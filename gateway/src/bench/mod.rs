@@ -330,19 +330,27 @@ fn write_outputs(args: &BenchArgs, report: &BenchReport) -> anyhow::Result<()> {
         println!("wrote {}", path.display());
     }
     if let Some(path) = &args.markdown {
-        let svg_link = args.plot.as_ref().map(|p| relative_to(p, path));
+        let svg_link = args.plot.as_ref().and_then(|p| link_in_same_folder(p, path));
         std::fs::write(path, report::markdown(report, svg_link.as_deref())).with_context(|| format!("write {}", path.display()))?;
         println!("wrote {}", path.display());
     }
     Ok(())
 }
 
-/// `target` as a link from the folder of `page` (its file name when both share a folder).
-fn relative_to(target: &Path, page: &Path) -> String {
-    let parent = |p: &Path| p.parent().map(Path::to_path_buf).unwrap_or_default();
-    if parent(target) == parent(page) {
-        target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
-    } else {
-        target.display().to_string()
+/// The file name of `target` when it lies in the folder of `page` (so the page can link it); an
+/// image elsewhere is not linked, since the link would break wherever the page is read.
+fn link_in_same_folder(target: &Path, page: &Path) -> Option<String> {
+    let folder = |p: &Path| std::path::absolute(p).ok().and_then(|a| a.parent().map(Path::to_path_buf));
+    (folder(target)? == folder(page)?).then(|| target.file_name().map(|n| n.to_string_lossy().into_owned())).flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plot_is_linked_only_from_its_own_folder() {
+        assert_eq!(link_in_same_folder(Path::new("out/b.svg"), Path::new("out/B.md")), Some("b.svg".into()));
+        assert_eq!(link_in_same_folder(Path::new("/tmp/x/b.svg"), Path::new("B.md")), None);
     }
 }
