@@ -161,6 +161,16 @@ impl Wheel {
         self.len -= 1;
     }
 
+    /// Move an armed timer to `deadline` with a new payload, reusing its entry (same handle).
+    pub fn rearm(&mut self, handle: TimerHandle, deadline: Nanos, payload: u64) {
+        let when = Wheel::tick_of(deadline).max(self.elapsed).min(self.elapsed.saturating_add(MAX_TICKS));
+        self.unlink(handle.0);
+        let entry = &mut self.entries[handle.0 as usize];
+        entry.when = when;
+        entry.payload = payload;
+        self.link(handle.0);
+    }
+
     /// Disarm a timer; returns its payload. The handle must be armed (a programmer error otherwise).
     pub fn cancel(&mut self, handle: TimerHandle) -> u64 {
         let payload = self.entries[handle.0 as usize].payload;

@@ -74,9 +74,12 @@ impl Core {
             Lookup::Newer => return Self::refuse(key, RefusalReason::StaleGeneration),
             Lookup::Absent | Lookup::Older(_) => {}
         }
-        let mut part_bytes = Vec::with_capacity(parts.len());
+        let mut recv_parts = Vec::with_capacity(parts.len());
+        let mut bytes_total = 0u64;
         for part in &parts {
-            part_bytes.push(self.check_local_slices(key, part)?);
+            let bytes = self.check_local_slices(key, part)?;
+            bytes_total += bytes;
+            recv_parts.push(RecvPart { bytes, done: false, ticket_open: true });
             for slice in part {
                 if self.regions[&slice.region].key_for(plugin).is_none() {
                     return Self::refuse(key, RefusalReason::UnknownRegion);
@@ -93,14 +96,13 @@ impl Core {
         }
         let ticket_base = self.next_ticket;
         self.next_ticket += parts.len() as u64;
-        let recv_parts = part_bytes.iter().map(|&bytes| RecvPart { bytes, done: false, ticket_open: true }).collect();
         let mut room = Room::new(key, Role::Receiver, RoomState::WaitingSender, now, RoleData::Receiver {
             ticket_base,
             parts: recv_parts,
         });
         let room_timeout_ms = timeout_ms.unwrap_or(self.config.room_timeout_ms).min(self.config.max_room_timeout_ms);
         room.deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
-        room.bytes_total = part_bytes.iter().sum();
+        room.bytes_total = bytes_total;
         room.in_flight = parts.len() as u32;
         room.plugin = Some(plugin);
         room.touch(now, LastEvent::Expect);
@@ -276,32 +278,41 @@ impl Core {
     /// itself is `submit_last_placed`. Changes nothing on error.
     pub(super) fn place_chunk(&mut self, _now: Nanos, slot: u32, part: u32, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
         let plugin = self.room_at(slot).plugin.expect("a room with a notice has a plugin");
-        let mut sources = Vec::with_capacity(slices.len());
+        // Resolve every source key first (nothing changes on error), then map without a copy.
         let mut bytes = 0u64;
         let mut cached: Option<(RegionId, kvgate_abi::LocalKey)> = None;
         for slice in slices {
+            if !matches!(cached, Some((region, _)) if region == slice.region) {
+                let Some(key) = self.regions.get(&slice.region).and_then(|r| r.key_for(plugin)) else {
+                    return Err(PlaceError::UnknownRegion);
+                };
+                cached = Some((slice.region, key));
+            }
+            bytes += slice.len;
+        }
+        let regions = &self.regions;
+        let mut cached: Option<(RegionId, kvgate_abi::LocalKey)> = None;
+        let sources = slices.iter().map(move |slice| {
             let key = match cached {
                 Some((region, key)) if region == slice.region => key,
                 _ => {
-                    let Some(key) = self.regions.get(&slice.region).and_then(|r| r.key_for(plugin)) else {
-                        return Err(PlaceError::UnknownRegion);
-                    };
+                    let key = regions[&slice.region].key_for(plugin).expect("resolved above");
                     cached = Some((slice.region, key));
                     key
                 }
             };
-            sources.push(SourceSlice { key, offset: slice.offset, len: slice.len });
-            bytes += slice.len;
-        }
+            SourceSlice { key, offset: slice.offset, len: slice.len }
+        });
         let max_segments = self.config.max_segments_per_submit;
-        let RoleData::Sender { parts, .. } = &mut self.room_mut(slot).data else { unreachable!() };
+        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
+        let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
         let target = &mut parts[part as usize];
         let remaining = target.dest_total - target.filled;
         if bytes > remaining || (last && bytes != remaining) {
             return Err(PlaceError::LengthMismatch);
         }
         let (segments, cursor_slice, cursor_offset) =
-            map_chunk(&sources, &target.dest, target.cursor_slice, target.cursor_offset, max_segments)
+            map_chunk(sources, slices.len(), &target.dest, target.cursor_slice, target.cursor_offset, max_segments)
                 .map_err(|_| PlaceError::TooManySegments)?;
         target.cursor_slice = cursor_slice;
         target.cursor_offset = cursor_offset;

@@ -15,7 +15,7 @@ use crate::config::{ConfigError, CoreConfig};
 use crate::metrics::{LateSource, Metrics};
 use crate::table::{transition, IllegalTransition, RoomInput};
 use crate::timer::TimerKind;
-use crate::wheel::Wheel;
+use crate::wheel::{TimerHandle, Wheel};
 use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
 use room::{Room, Slot, NIL};
 use rustc_hash::FxHashMap;
@@ -361,17 +361,35 @@ impl Core {
         Ok(to)
     }
 
+    /// Arm (or re-arm, reusing the wheel entry) the room's timer of `kind`.
     fn arm(&mut self, slot: u32, kind: TimerKind, deadline: Nanos) {
-        self.disarm(slot, kind);
-        let epoch = self.epoch(slot);
-        let handle = self.wheel.insert(deadline, kind.encode(slot, epoch));
-        self.room_mut(slot).timers[kind.index()] = handle.raw();
+        let entry = &mut self.slots[slot as usize];
+        let payload = kind.encode(slot, entry.epoch);
+        let room = entry.room.as_mut().expect("live slot");
+        let raw = room.timers[kind.index()];
+        if raw != NIL {
+            self.wheel.rearm(TimerHandle::from_raw(raw), deadline, payload);
+        } else {
+            room.timers[kind.index()] = self.wheel.insert(deadline, payload).raw();
+        }
     }
 
     fn disarm(&mut self, slot: u32, kind: TimerKind) {
-        if let Some(handle) = self.room_at(slot).timer(kind) {
-            self.wheel.cancel(handle);
-            self.room_mut(slot).timers[kind.index()] = NIL;
+        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
+        let raw = std::mem::replace(&mut room.timers[kind.index()], NIL);
+        if raw != NIL {
+            self.wheel.cancel(TimerHandle::from_raw(raw));
+        }
+    }
+
+    /// Disarm several of the room's timers with one slab lookup.
+    fn disarm_all(&mut self, slot: u32, kinds: &[TimerKind]) {
+        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
+        for &kind in kinds {
+            let raw = std::mem::replace(&mut room.timers[kind.index()], NIL);
+            if raw != NIL {
+                self.wheel.cancel(TimerHandle::from_raw(raw));
+            }
         }
     }
 

@@ -42,9 +42,7 @@ impl Core {
             debug_assert!(false, "{illegal}");
             return;
         }
-        for kind in [TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room] {
-            self.disarm(slot, kind);
-        }
+        self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room]);
         let failure = Failure { reason, phase, peer_reason, plugin_reason };
         self.metrics.failures[reason.index()][phase.index()] += 1;
         let grace = Nanos::from_ms(self.config.plugin_grace_ms);
@@ -126,18 +124,18 @@ impl Core {
             debug_assert!(false, "{illegal}");
             return;
         }
-        for kind in [TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace] {
-            self.disarm(slot, kind);
-        }
+        self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace]);
         self.metrics.rooms_succeeded += 1;
-        let mut commands = Vec::new();
-        let room = self.room_mut(slot);
+        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
         let (key, role, peer, plugin) = (room.key, room.role, room.peer, room.plugin);
+        let elapsed = now.saturating_sub(room.created);
+        self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed }));
+        self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight }));
         if let RoleData::Receiver { ticket_base, parts } = &mut room.data {
             for (index, part) in parts.iter_mut().enumerate() {
                 if part.ticket_open {
                     part.ticket_open = false;
-                    commands.push(Command::CancelIncoming {
+                    self.commands.push_back(Command::CancelIncoming {
                         plugin: plugin.expect("a receiver room has a plugin"),
                         peer: peer.expect("a receiver room has a peer"),
                         ticket: Ticket(*ticket_base + index as u64),
@@ -146,10 +144,6 @@ impl Core {
             }
             room.in_flight = 0;
         }
-        let elapsed = now.saturating_sub(room.created);
-        self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed });
-        self.push_engine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight });
-        self.commands.extend(commands);
         self.unlink_peer(slot);
         self.settle(now, slot);
     }
@@ -160,8 +154,7 @@ impl Core {
             debug_assert!(false, "{illegal}");
             return;
         }
-        self.disarm(slot, TimerKind::Quarantine);
-        self.disarm(slot, TimerKind::PluginGrace);
+        self.disarm_all(slot, &[TimerKind::Quarantine, TimerKind::PluginGrace]);
         let room = self.room_mut(slot);
         let held = std::mem::take(&mut room.quarantined_bytes);
         let (key, role, peer, tombstone_only) = (room.key, room.role, room.peer, room.tombstone_only);
@@ -260,9 +253,7 @@ impl Core {
 
     /// Forget a settled room entirely (tombstone expired or evicted).
     pub(super) fn drop_room(&mut self, slot: u32) {
-        for kind in TimerKind::ALL {
-            self.disarm(slot, kind);
-        }
+        self.disarm_all(slot, &TimerKind::ALL);
         self.unlink_peer(slot);
         let entry = &mut self.slots[slot as usize];
         let room = entry.room.take().expect("drop of a live slot");

@@ -296,29 +296,32 @@ impl Core {
         {
             return Err(FailReason::LayoutMismatch);
         }
+        // Check every destination slice first (nothing changes on error), then resolve in place.
         let remote = &self.peers[&peer].remote_regions;
-        let mut resolved = Vec::with_capacity(notice_parts.len());
         for part in &notice_parts {
-            let mut dest = Vec::with_capacity(part.len());
-            let mut total = 0u64;
             for slice in part {
-                let Some(&(len, key)) = remote.get(&slice.region) else { return Err(FailReason::UnknownRemoteRegion) };
+                let Some(&(len, _)) = remote.get(&slice.region) else { return Err(FailReason::UnknownRemoteRegion) };
                 if slice.len == 0 || slice.offset.checked_add(slice.len).is_none_or(|end| end > len) {
                     return Err(FailReason::UnknownRemoteRegion);
                 }
-                dest.push(DestSlice { key, offset: slice.offset, len: slice.len });
-                total += slice.len;
             }
-            resolved.push((dest, total));
         }
         let room_cap = Nanos::from_ms(self.config.max_room_timeout_ms);
         let notice_deadline = now.saturating_add(if remaining < room_cap { remaining } else { room_cap });
-        let room = self.room_mut(slot);
+        let remote = &self.peers[&peer].remote_regions;
+        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
         let RoleData::Sender { notice, parts } = &mut room.data else { unreachable!() };
         *notice = true;
-        parts.resize(resolved.len(), SendPart::default());
+        parts.resize(notice_parts.len(), SendPart::default());
         let mut bytes_total = 0;
-        for ((part, (dest, total)), ticket) in parts.iter_mut().zip(resolved).zip(tickets) {
+        for ((part, notice_part), ticket) in parts.iter_mut().zip(&notice_parts).zip(tickets) {
+            let mut dest = Vec::with_capacity(notice_part.len());
+            let mut total = 0u64;
+            for slice in notice_part {
+                let (_, key) = remote[&slice.region];
+                dest.push(DestSlice { key, offset: slice.offset, len: slice.len });
+                total += slice.len;
+            }
             part.dest = dest;
             part.dest_total = total;
             part.ticket = ticket;
