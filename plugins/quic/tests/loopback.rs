@@ -374,3 +374,33 @@ fn device_memory_is_refused_at_register() {
     assert_eq!(a.plugin.register(&unknown).unwrap_err().code, ReasonCode::UNSUPPORTED_MEMORY);
     assert_eq!(a.plugin.stats().registered_regions, 0);
 }
+
+#[test]
+fn extreme_timeouts_neither_panic_nor_expire_early() {
+    let (a, b) = pair(test_config());
+    let src = Buffer::random(4096, 3);
+    let dst = Buffer::zeroed(4096);
+    let r = route(&a, PEER_B, &b, &src, &dst);
+    b.plugin
+        .expect_incoming(&kvgate_abi::IncomingRequest {
+            ticket: Ticket(1),
+            peer: PEER_A,
+            timeout_ns: u64::MAX,
+            ranges: [LocalRange { key: r.dst_key, offset: 0, len: 4096 }].as_slice().into(),
+        })
+        .unwrap();
+    a.plugin
+        .submit(&kvgate_abi::SubmitRequest {
+            xfer: XferId(1),
+            peer: PEER_B,
+            ticket: Ticket(1),
+            timeout_ns: u64::MAX,
+            segments: [one_segment(&r, 0, 0, 4096)].as_slice().into(),
+        })
+        .unwrap();
+    assert_eq!(a.events.terminal(XferId(1), WAIT).kind, EventKind::SUCCEEDED);
+    assert_eq!(checksum(&dst.snapshot()), checksum(&src.snapshot()));
+    b.plugin.cancel_incoming(PEER_A, Ticket(1));
+    wait_baseline(&a, WAIT);
+    wait_baseline(&b, WAIT);
+}
