@@ -182,3 +182,47 @@ async fn abort_from_either_engine_at_every_phase_ends_the_room_on_both_gateways(
     }
     pair.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_prefill_gateway_is_a_new_incarnation_old_rooms_fail_and_new_rooms_work() {
+    let _serial = serial();
+    let dir = work_dir();
+    let settings = PairSettings::default();
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let shape = small_shape();
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
+    let mut old_rx = decode.events.listen(1001);
+    expect_into(&decode, &shape, 1001, 0, PREFILL_NAME, 0).await.unwrap();
+    pair.prefill.restart(&binary()).unwrap();
+    let restarted_at = Instant::now();
+    let o = wait_terminal(&mut old_rx, restarted_at, bound(&settings) + Duration::from_secs(5)).await.unwrap();
+    assert_eq!((o.succeeded, o.reason.as_str()), (false, "peer_lost"), "{o:?}");
+    // Wait for the new incarnation's link, then move a room through it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let prefill = loop {
+        if let Ok(client) = kvgate_client::Client::connect_unix(&pair.prefill.socket).await {
+            if client.list_rooms(true).await.is_ok() {
+                break engine(dir.path(), &pair.prefill.socket, "prefill-new", &shape, 2).await;
+            }
+        }
+        assert!(Instant::now() < deadline, "restarted gateway never answered:\n{}", pair.prefill.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut r = None;
+    for attempt in 0..50u64 {
+        // A fresh room per attempt: a half-accepted earlier attempt must not interfere.
+        match kvgate::demo::engine::run_room(&prefill, &decode, &shape, 1002 + attempt, 1, 1).await {
+            Ok(result) => {
+                r = Some(result);
+                break;
+            }
+            // The link to the new incarnation may not be up yet: `peer_not_connected`.
+            Err(e) if format!("{e:#}").contains("peer_not_connected") => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => panic!("{e:#}"),
+        }
+    }
+    let r = r.expect("the link to the restarted gateway came up");
+    assert!(r.verified, "{r:?}");
+    assert!(pair.decode.log().contains("peer restarted (new incarnation)"), "{}", pair.decode.log());
+    pair.stop();
+}

@@ -98,6 +98,22 @@ impl GatewayProcess {
             let _ = child.wait();
         }
     }
+    /// Start the gateway again with the same config (a new process: a new incarnation to its peers).
+    pub fn restart(&mut self, binary: &Path) -> anyhow::Result<()> {
+        self.kill();
+        let log = std::fs::OpenOptions::new().append(true).open(&self.log_path)?;
+        let child = Command::new(binary)
+            .arg("serve")
+            .arg("--config")
+            .arg(&self.config_path)
+            .env("RUST_LOG", std::env::var("KVGATE_DEMO_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?;
+        self.child = Some(child);
+        Ok(())
+    }
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
