@@ -31,10 +31,14 @@ pub async fn run(binary: &Path, dir: &Path, shape: &KvShape) -> anyhow::Result<b
     let slots = 16;
     let prefill = Engine::connect(&pair.prefill.socket, KvPool::create(dir, "fault-prefill-pool", shape.request_bytes(), slots)?, "prefill").await?;
     let decode = Engine::connect(&pair.decode.socket, KvPool::create(dir, "fault-decode-pool", shape.request_bytes(), slots)?, "decode").await?;
-    let mut ok = abort_storm(&prefill, &decode, shape).await?;
-    ok &= frozen_decode(&pair, &prefill, &decode, shape, &settings).await?;
+    let storm_ok = abort_storm(&prefill, &decode, shape).await?;
+    let frozen_ok = frozen_decode(&pair, &prefill, &decode, shape, &settings).await?;
     pair.stop();
-    Ok(ok)
+    println!(
+        "fault act: {}",
+        if storm_ok && frozen_ok { "every room terminal with its reason" } else { "SOME CHECKS FAILED (see the lines above)" }
+    );
+    Ok(storm_ok && frozen_ok)
 }
 
 async fn abort_storm(prefill: &Engine, decode: &Engine, shape: &KvShape) -> anyhow::Result<bool> {
@@ -64,7 +68,9 @@ async fn abort_storm(prefill: &Engine, decode: &Engine, shape: &KvShape) -> anyh
                 1 => {
                     send_all(prefill, shape, room, slot, DECODE_NAME, Some(1)).await?;
                     prefill.client.abort(room_key(room, 0), "demo: prefill abort before expect").await?;
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    // Let the abort reach the decode gateway first (a counterpart racing the abort on
+                    // the wire is refused by the prefill side instead).
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     late = match expect_into(decode, shape, room, slot, PREFILL_NAME, 0).await {
                         Ok(()) => "late expect ACCEPTED".into(),
                         Err(s) => format!("late expect refused: {}", kvgate_client::reason_of(&s).unwrap_or_default()),
@@ -99,7 +105,7 @@ async fn abort_storm(prefill: &Engine, decode: &Engine, shape: &KvShape) -> anyh
             decode.events.forget(room);
         }
     }
-    println!("    ({} rooms: 3 per case, first of each shown)", 12);
+    println!("    (12 rooms: 3 per case, first of each shown; all as expected: {ok})");
     Ok(ok)
 }
 
@@ -154,6 +160,5 @@ async fn frozen_decode(pair: &GatewayPair, prefill: &Engine, decode: &Engine, sh
         ok &= empty;
         println!("    /rooms on {}: {}", g.name, if empty { "empty".to_string() } else { body });
     }
-    println!("  fault act: {}", if ok { "every room terminal with its reason" } else { "SOME CHECKS FAILED" });
     Ok(ok)
 }
