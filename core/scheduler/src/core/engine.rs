@@ -98,7 +98,7 @@ impl Core {
         self.next_ticket += parts.len() as u64;
         let mut room = Room::new(key, Role::Receiver, RoomState::WaitingSender, now, RoleData::Receiver {
             ticket_base,
-            parts: recv_parts,
+            parts: recv_parts.into_boxed_slice(),
         });
         let room_timeout_ms = timeout_ms.unwrap_or(self.config.room_timeout_ms).min(self.config.max_room_timeout_ms);
         room.deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
@@ -175,7 +175,7 @@ impl Core {
                     self.supersede(now, old);
                 }
                 let mut parts = vec![SendPart::default(); part as usize + 1];
-                parts[part as usize].held.push(HeldChunk { slices, last });
+                parts[part as usize].held.push(HeldChunk { slices: slices.into_boxed_slice(), last });
                 parts[part as usize].next_chunk = 1;
                 parts[part as usize].last_seen = last;
                 let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, RoleData::Sender {
@@ -216,7 +216,7 @@ impl Core {
             // CONFORMANCE: ABORT-6
             return Self::refuse(key, RefusalReason::RoomTerminal);
         }
-        if let (Some(asked), Some(bound)) = (peer, room.peer) {
+        if let (Some(asked), Some(bound)) = (peer, room.peer()) {
             if asked != bound {
                 return Self::refuse(key, RefusalReason::PeerMismatch);
             }
@@ -241,7 +241,7 @@ impl Core {
             if pending_full {
                 return Self::refuse(key, RefusalReason::TooManyPendingSends);
             }
-            if room.peer.is_none() {
+            if room.peer().is_none() {
                 if let Some(peer) = peer {
                     self.link_peer(slot, peer);
                 }
@@ -251,7 +251,7 @@ impl Core {
                 parts.resize(part as usize + 1, SendPart::default());
             }
             let target = &mut parts[part as usize];
-            target.held.push(HeldChunk { slices, last });
+            target.held.push(HeldChunk { slices: slices.into_boxed_slice(), last });
             target.next_chunk += 1;
             target.last_seen = last;
             self.metrics.pending_sends += 1;
@@ -331,7 +331,7 @@ impl Core {
         let timeout = Nanos(transfer_deadline.saturating_sub(now).0.max(1_000_000));
         let room = self.room_mut(slot);
         let plugin = room.plugin.expect("submitting room has a plugin");
-        let peer = room.peer.expect("submitting room has a peer");
+        let peer = room.peer().expect("submitting room has a peer");
         room.in_flight += 1;
         room.touch(now, LastEvent::Submitted);
         let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
@@ -356,7 +356,7 @@ impl Core {
         self.arm(slot, TimerKind::PluginGrace, transfer_deadline.saturating_add(grace));
         let room = self.room_mut(slot);
         room.touch(now, LastEvent::Matched);
-        let (key, peer) = (room.key, room.peer);
+        let (key, peer) = (room.key, room.peer());
         if let Some(peer) = peer {
             self.push_peer(peer, PeerMessage::Matched { room: key });
         }

@@ -78,7 +78,9 @@ pub struct Core {
     metrics: Metrics,
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
-    keys: FxHashMap<(u64, Role), u32>,
+    /// Room id -> slot, one table per role (indexed by `role as usize`): an 8-byte key hashes
+    /// faster and packs tighter than `(id, role)`.
+    keys: [FxHashMap<u64, u32>; 2],
     xfers: FxHashMap<u64, XferRef>,
     tickets: FxHashMap<u64, TicketRef>,
     peers: FxHashMap<PeerId, PeerEntry>,
@@ -101,7 +103,7 @@ impl Core {
             metrics: Metrics::default(),
             slots: Vec::new(),
             free_slots: Vec::new(),
-            keys: FxHashMap::default(),
+            keys: Default::default(),
             xfers: FxHashMap::default(),
             tickets: FxHashMap::default(),
             peers: FxHashMap::default(),
@@ -266,7 +268,7 @@ impl Core {
     }
 
     fn lookup(&self, key: RoomKey, role: Role) -> Lookup {
-        match self.keys.get(&(key.room, role)) {
+        match self.keys[role as usize].get(&key.room) {
             None => Lookup::Absent,
             Some(&slot) => {
                 let generation = self.room_at(slot).key.generation;
@@ -283,7 +285,7 @@ impl Core {
 
     /// Put a new room in the slab and the key table (replacing an older generation's entry).
     fn insert_room(&mut self, room: Room) -> u32 {
-        let key = (room.key.room, room.role);
+        let (key, role) = (room.key.room, room.role);
         let state = room.state;
         let entered = room.state_entered;
         let slot = match self.free_slots.pop() {
@@ -298,7 +300,7 @@ impl Core {
                 (self.slots.len() - 1) as u32
             }
         };
-        self.keys.insert(key, slot);
+        self.keys[role as usize].insert(key, slot);
         self.metrics.rooms_created += 1;
         self.metrics.rooms_by_state[state.index()] += 1;
         if !state.is_terminal() {

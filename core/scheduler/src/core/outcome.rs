@@ -3,6 +3,7 @@
 //! `Reusable`. It never revives a terminal room.
 
 use super::room::{RoleData, Room, XferState, NIL};
+use smallvec::SmallVec;
 use super::Core;
 use crate::api::*;
 use crate::metrics::ViolationClause;
@@ -52,13 +53,13 @@ impl Core {
         if room.last_event != LastEvent::Aborted {
             room.touch(now, LastEvent::Failed);
         }
-        let (key, role, peer, plugin) = (room.key, room.role, room.peer, room.plugin);
+        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin);
         let mut dropped_held = 0u64;
         match &mut room.data {
             RoleData::Sender { parts, .. } => {
                 for part in parts.iter_mut() {
                     dropped_held += part.held.len() as u64;
-                    part.held = Vec::new();
+                    part.held = SmallVec::new();
                     for chunk in &part.chunks {
                         if chunk.state == XferState::InFlight {
                             let plugin = plugin.expect("a submitted room has a plugin");
@@ -112,7 +113,7 @@ impl Core {
             self.release_quarantine(now, slot, RoomInput::NothingInFlight, ReleaseCause::NothingInFlight);
         } else {
             // CONFORMANCE: RES-4
-            self.room_mut(slot).quarantined_bytes = bytes_total;
+            self.room_mut(slot).quarantine_counted = true;
             self.metrics.quarantined_bytes += bytes_total;
             self.arm(slot, TimerKind::Quarantine, now.saturating_add(Nanos::from_ms(self.config.quarantine_timeout_ms)));
         }
@@ -127,7 +128,7 @@ impl Core {
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace]);
         self.metrics.rooms_succeeded += 1;
         let room = self.slots[slot as usize].room.as_mut().expect("live slot");
-        let (key, role, peer, plugin) = (room.key, room.role, room.peer, room.plugin);
+        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin);
         let elapsed = now.saturating_sub(room.created);
         self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed }));
         self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight }));
@@ -156,8 +157,8 @@ impl Core {
         }
         self.disarm_all(slot, &[TimerKind::Quarantine, TimerKind::PluginGrace]);
         let room = self.room_mut(slot);
-        let held = std::mem::take(&mut room.quarantined_bytes);
-        let (key, role, peer, tombstone_only) = (room.key, room.role, room.peer, room.tombstone_only);
+        let held = if std::mem::take(&mut room.quarantine_counted) { room.bytes_total } else { 0 };
+        let (key, role, peer, tombstone_only) = (room.key, room.role, room.peer(), room.tombstone_only);
         let failure = room.failure;
         if cause == ReleaseCause::Quiesced {
             room.touch(now, LastEvent::Quiesced);
@@ -240,7 +241,7 @@ impl Core {
     pub(super) fn create_tombstone(&mut self, now: Nanos, key: RoomKey, role: Role, reason: FailReason) {
         let data = match role {
             Role::Sender => RoleData::Sender { notice: false, parts: Vec::new() },
-            Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: Vec::new() },
+            Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: Box::default() },
         };
         let mut room = Room::new(key, role, RoomState::Failed, now, data);
         room.tombstone_only = true;
@@ -258,8 +259,8 @@ impl Core {
         let entry = &mut self.slots[slot as usize];
         let room = entry.room.take().expect("drop of a live slot");
         entry.epoch = entry.epoch.wrapping_add(1);
-        if self.keys.get(&(room.key.room, room.role)) == Some(&slot) {
-            self.keys.remove(&(room.key.room, room.role));
+        if self.keys[room.role as usize].get(&room.key.room) == Some(&slot) {
+            self.keys[room.role as usize].remove(&room.key.room);
         }
         match &room.data {
             RoleData::Sender { parts, .. } => {

@@ -68,7 +68,7 @@ impl Core {
         }
         let room = self.room_mut(slot);
         debug_assert!(!room.in_peer_list);
-        room.peer = Some(peer);
+        room.set_peer(peer);
         room.plugin = Some(plugin);
         room.peer_prev = NIL;
         room.peer_next = head;
@@ -80,7 +80,7 @@ impl Core {
         if !room.in_peer_list {
             return;
         }
-        let (prev, next, peer) = (room.peer_prev, room.peer_next, room.peer.expect("listed room has a peer"));
+        let (prev, next, peer) = (room.peer_prev, room.peer_next, room.peer().expect("listed room has a peer"));
         if prev != NIL {
             self.room_mut(prev).peer_next = next;
         } else if let Some(entry) = self.peers.get_mut(&peer) {
@@ -98,7 +98,7 @@ impl Core {
     /// The slot of `key`/`role` if it is exactly this generation and bound to `peer` (or unbound).
     fn peer_room(&self, key: RoomKey, role: Role, peer: PeerId) -> Option<u32> {
         match self.lookup(key, role) {
-            Lookup::Same(slot) if self.room_at(slot).peer.is_none_or(|bound| bound == peer) => Some(slot),
+            Lookup::Same(slot) if self.room_at(slot).peer().is_none_or(|bound| bound == peer) => Some(slot),
             _ => None,
         }
     }
@@ -182,7 +182,7 @@ impl Core {
     ) {
         match self.lookup(key, to) {
             Lookup::Same(slot) => {
-                if self.room_at(slot).peer.is_some_and(|bound| bound != peer) {
+                if self.room_at(slot).peer().is_some_and(|bound| bound != peer) {
                     return self.count_late(LateSource::Peer);
                 }
                 let state = self.room_at(slot).state;
@@ -231,7 +231,7 @@ impl Core {
             Lookup::Newer => return self.count_late(LateSource::Peer),
             Lookup::Same(slot) => {
                 let room = self.room_at(slot);
-                if room.peer.is_some_and(|bound| bound != peer) || room.state != RoomState::WaitingExpect {
+                if room.peer().is_some_and(|bound| bound != peer) || room.state != RoomState::WaitingExpect {
                     let terminal_failure = room.failure.filter(|_| room.state.is_terminal());
                     self.count_late(LateSource::Peer);
                     if let Some(failure) = terminal_failure {
@@ -266,7 +266,7 @@ impl Core {
                 slot
             }
         };
-        if self.room_at(slot).peer.is_none() {
+        if self.room_at(slot).peer().is_none() {
             self.link_peer(slot, peer);
         }
         self.room_mut(slot).touch(now, LastEvent::ExpectNotice);
@@ -322,7 +322,7 @@ impl Core {
                 dest.push(DestSlice { key, offset: slice.offset, len: slice.len });
                 total += slice.len;
             }
-            part.dest = dest;
+            part.dest = dest.into_boxed_slice();
             part.dest_total = total;
             part.ticket = ticket;
             bytes_total += total;

@@ -174,7 +174,7 @@ impl Core {
         let part_bytes = target.dest_total;
         room.parts_done += 1;
         let all_done = room.parts_done == room.part_count();
-        let peer = room.peer.expect("a transferring room has a peer");
+        let peer = room.peer().expect("a transferring room has a peer");
         self.push_engine(RoomEvent::PartSucceeded { room: key, role: Role::Sender, part, bytes: part_bytes });
         self.push_peer(peer, PeerMessage::PartDone { room: key, part, bytes: part_bytes });
         if all_done {

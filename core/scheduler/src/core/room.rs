@@ -5,6 +5,7 @@ use crate::api::*;
 use crate::timer::TimerKind;
 use crate::wheel::TimerHandle;
 use kvgate_abi::{PeerId, RemoteKey, Ticket};
+use smallvec::SmallVec;
 
 pub(crate) const NIL: u32 = u32::MAX;
 
@@ -33,7 +34,8 @@ pub(crate) struct ChunkXfer {
 /// A chunk accepted before the expect notice arrived.
 #[derive(Clone, Debug)]
 pub(crate) struct HeldChunk {
-    pub slices: Vec<Slice>,
+    /// Boxed: a held chunk never grows, and the box is 8 bytes smaller than a Vec.
+    pub slices: Box<[Slice]>,
     pub last: bool,
 }
 
@@ -48,7 +50,8 @@ pub(crate) struct DestSlice {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct SendPart {
     pub ticket: Ticket,
-    pub dest: Vec<DestSlice>,
+    /// Boxed: set once from the expect notice (8 bytes smaller than a Vec).
+    pub dest: Box<[DestSlice]>,
     pub dest_total: u64,
     /// Bytes of the destination stream already claimed by accepted chunks.
     pub filled: u64,
@@ -59,7 +62,8 @@ pub(crate) struct SendPart {
     pub chunks_succeeded: u32,
     pub done: bool,
     pub chunks: Vec<ChunkXfer>,
-    pub held: Vec<HeldChunk>,
+    /// Chunks accepted before the notice; one inline, more spill to the heap.
+    pub held: SmallVec<[HeldChunk; 1]>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -72,7 +76,8 @@ pub(crate) struct RecvPart {
 #[derive(Clone, Debug)]
 pub(crate) enum RoleData {
     Sender { notice: bool, parts: Vec<SendPart> },
-    Receiver { ticket_base: u64, parts: Vec<RecvPart> },
+    /// Boxed: a receiver's part list never changes length (8 bytes smaller than a Vec).
+    Receiver { ticket_base: u64, parts: Box<[RecvPart]> },
 }
 
 #[derive(Clone, Debug)]
@@ -81,7 +86,9 @@ pub(crate) struct Room {
     pub role: Role,
     pub state: RoomState,
     pub last_event: LastEvent,
-    pub peer: Option<PeerId>,
+    /// The bound peer's id, meaningful when `has_peer` (a flag, not an Option: 8 bytes less).
+    peer_id: u64,
+    has_peer: bool,
     pub plugin: Option<PluginSlot>,
     pub created: Nanos,
     pub state_entered: Nanos,
@@ -101,7 +108,9 @@ pub(crate) struct Room {
     pub in_flight: u32,
     /// Sender: transfers failed (or forced) and not quiesced.
     pub unquiesced: u32,
-    pub quarantined_bytes: u64,
+    /// Whether `bytes_total` is counted in the quarantined-bytes gauge (it never changes once
+    /// the room is terminal).
+    pub quarantine_counted: bool,
     /// Whether this core remembers the room only as a tombstone (never had a local engine).
     pub tombstone_only: bool,
     pub data: RoleData,
@@ -114,7 +123,8 @@ impl Room {
             role,
             state,
             last_event: LastEvent::Created,
-            peer: None,
+            peer_id: 0,
+            has_peer: false,
             plugin: None,
             created: now,
             state_entered: now,
@@ -130,10 +140,20 @@ impl Room {
             parts_done: 0,
             in_flight: 0,
             unquiesced: 0,
-            quarantined_bytes: 0,
+            quarantine_counted: false,
             tombstone_only: false,
             data,
         }
+    }
+
+    /// The peer the room is bound to.
+    pub fn peer(&self) -> Option<PeerId> {
+        self.has_peer.then_some(PeerId(self.peer_id))
+    }
+
+    pub fn set_peer(&mut self, peer: PeerId) {
+        self.peer_id = peer.0;
+        self.has_peer = true;
     }
 
     pub fn timer(&self, kind: TimerKind) -> Option<TimerHandle> {

@@ -17,7 +17,7 @@ impl Core {
             role: room.role,
             state: room.state,
             age: now.saturating_sub(room.created),
-            peer: room.peer.map(|peer| peer.0),
+            peer: room.peer().map(|peer| peer.0),
             plugin: room.plugin,
             last_event: room.last_event,
             last_event_age: now.saturating_sub(room.last_event_at),
@@ -32,7 +32,7 @@ impl Core {
 
     /// The admin view of one room (ages computed at `now`).
     pub fn room(&self, now: Nanos, room: RoomKey, role: Role) -> Option<RoomView> {
-        let slot = *self.keys.get(&(room.room, role))?;
+        let slot = *self.keys[role as usize].get(&room.room)?;
         let held = self.slots[slot as usize].room.as_ref()?;
         (held.key == room).then(|| self.view_of(now, held))
     }
