@@ -318,6 +318,11 @@ impl Core {
         target.cursor_offset = cursor_offset;
         target.filled += bytes;
         target.last_seen = last;
+        if target.chunks.capacity() == 0 {
+            // Most parts are one chunk: start with room for one (a push would reserve four);
+            // later pushes grow the usual amortised way.
+            target.chunks.reserve_exact(1);
+        }
         target.chunks.push(ChunkXfer { xfer: 0, bytes, state: XferState::InFlight });
         Ok(segments)
     }

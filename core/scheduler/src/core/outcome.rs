@@ -259,8 +259,10 @@ impl Core {
         let entry = &mut self.slots[slot as usize];
         let room = entry.room.take().expect("drop of a live slot");
         entry.epoch = entry.epoch.wrapping_add(1);
-        if self.keys[room.role as usize].get(&room.key.room) == Some(&slot) {
-            self.keys[room.role as usize].remove(&room.key.room);
+        if let std::collections::hash_map::Entry::Occupied(entry) = self.keys[room.role as usize].entry(room.key.room) {
+            if *entry.get() == slot {
+                entry.remove();
+            }
         }
         match &room.data {
             RoleData::Sender { parts, .. } => {
