@@ -26,8 +26,6 @@ fn tiny_bench_writes_a_complete_report() {
         .arg(&png)
         .arg("--markdown")
         .arg(&md)
-        .arg("--dir")
-        .arg(dir.path().join("work"))
         .output()
         .expect("run kvgate bench");
     let stdout = String::from_utf8_lossy(&output.stdout);

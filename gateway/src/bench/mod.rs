@@ -79,6 +79,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub frozen_rooms: Option<u64>,
     /// Where pools, configs and gateway logs go (default: a fresh folder in /dev/shm, removed after).
+    /// It must be on a shared-memory filesystem (tmpfs): the shm plugin refuses other pool files.
     #[arg(long)]
     pub dir: Option<PathBuf>,
 }
@@ -244,8 +245,10 @@ async fn bench_plugin(binary: &Path, dir: &Path, plugin: &str, plan: &Plan, bar:
         Ok(rig) => rig,
         Err(e) => {
             let text = format!("{e:#}");
-            result.skip_reason = text.lines().find(|l| l.contains("unavailable") || l.contains("not opened")).unwrap_or("the gateways did not start").trim().to_string();
-            tracing::warn!(plugin, error = %text, "bench: plugin skipped");
+            let first_line = text.lines().next().unwrap_or_default();
+            let cause = text.lines().find(|l| l.contains("unavailable") || l.contains("not opened")).unwrap_or(first_line).trim();
+            result.skip_reason = format!("the gateways did not start: {cause}");
+            bar.println(format!("{plugin}: skipped, the gateways did not start:\n{text}"));
             return result;
         }
     };
