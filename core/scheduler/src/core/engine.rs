@@ -354,9 +354,8 @@ impl Core {
     /// Sender: the room matched (notice + first chunk): leave bootstrap, arm the transfer deadline
     /// and the plugin grace, tell the receiver.
     pub(super) fn start_transfer(&mut self, now: Nanos, slot: u32) {
-        self.disarm(slot, TimerKind::Bootstrap);
         let transfer_deadline = now.saturating_add(self.transfer_budget(self.room_at(slot).bytes_total));
-        self.arm(slot, TimerKind::Transfer, transfer_deadline);
+        self.move_timer(slot, TimerKind::Bootstrap, TimerKind::Transfer, transfer_deadline);
         let grace = Nanos::from_ms(self.config.plugin_grace_ms);
         self.arm(slot, TimerKind::PluginGrace, transfer_deadline.saturating_add(grace));
         let room = self.room_mut(slot);

@@ -376,6 +376,23 @@ impl Core {
         }
     }
 
+    /// Disarm `from` and arm `to` at `deadline`, moving `from`'s wheel entry when `to` is not
+    /// armed yet (the same end state as `disarm` + `arm`, one relink instead of a release and an
+    /// insert).
+    fn move_timer(&mut self, slot: u32, from: TimerKind, to: TimerKind, deadline: Nanos) {
+        let entry = &mut self.slots[slot as usize];
+        let payload = to.encode(slot, entry.epoch);
+        let room = entry.room.as_mut().expect("live slot");
+        let (old, target) = (room.timers[from.index()], room.timers[to.index()]);
+        if old == NIL || target != NIL {
+            self.disarm(slot, from);
+            return self.arm(slot, to, deadline);
+        }
+        room.timers[from.index()] = NIL;
+        room.timers[to.index()] = old;
+        self.wheel.rearm(TimerHandle::from_raw(old), deadline, payload);
+    }
+
     fn disarm(&mut self, slot: u32, kind: TimerKind) {
         let room = self.slots[slot as usize].room.as_mut().expect("live slot");
         let raw = std::mem::replace(&mut room.timers[kind.index()], NIL);

@@ -133,9 +133,8 @@ impl Core {
 
     fn receiver_matched(&mut self, now: Nanos, slot: u32) {
         let _ = self.apply(now, slot, RoomInput::Matched);
-        self.disarm(slot, TimerKind::Bootstrap);
         let deadline = now.saturating_add(self.transfer_budget(self.room_at(slot).bytes_total));
-        self.arm(slot, TimerKind::Transfer, deadline);
+        self.move_timer(slot, TimerKind::Bootstrap, TimerKind::Transfer, deadline);
         self.room_mut(slot).touch(now, LastEvent::Matched);
     }
 
