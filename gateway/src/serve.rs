@@ -72,7 +72,8 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         }
     });
     let peer_service = start_peer_links(config.clone(), identity.clone(), peer_tx)?;
-    let mut peer_server = tonic::transport::Server::builder().tcp_nodelay(true);
+    // Accepted sockets get TCP_NODELAY from `nodelay_incoming` (tonic ignores `Server::tcp_nodelay` there).
+    let mut peer_server = tonic::transport::Server::builder();
     if let Some(tls) = server_tls(&config)? {
         peer_server = peer_server.tls_config(tls).context("peer_link.tls")?;
     }
@@ -80,7 +81,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let peer_task = tokio::spawn(
         peer_server
             .add_service(PeerLinkServer::new(peer_service).max_decoding_message_size(64 << 20))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(peer_listener), async move {
+            .serve_with_incoming_shutdown(crate::nodelay_incoming::nodelay_incoming(peer_listener), async move {
                 let _ = stop.wait_for(|s| *s).await;
             }),
     );

@@ -8,7 +8,7 @@ use kvgate_client::proto::engine_api_server::EngineApiServer;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
 
 /// Bind the Unix socket with mode 0600 (umask-independent: the file is chmodded before `listen` returns).
@@ -67,7 +67,7 @@ pub async fn serve_engine_api(
         tasks.push(tokio::spawn(async move {
             Server::builder()
                 .add_service(tonic::service::interceptor::InterceptedService::new(svc, check))
-                .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                .serve_with_incoming_shutdown(crate::nodelay_incoming::nodelay_incoming(listener), async move {
                     let _ = stop.wait_for(|s| *s).await;
                 })
                 .await
