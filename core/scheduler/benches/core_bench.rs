@@ -28,86 +28,9 @@ unsafe impl GlobalAlloc for CountingAllocator {
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
-const A: PeerId = PeerId(1);
-const B: PeerId = PeerId(2);
-const SLOT: PluginSlot = PluginSlot(0);
-const REGION: RegionId = RegionId(1);
-
-/// Two cores wired back to back with a plugin that succeeds every submit at once.
-struct Bench {
-    now: Nanos,
-    receiver: Core,
-    sender: Core,
-    next_room: u64,
-}
-
-impl Bench {
-    fn new(config: CoreConfig) -> Bench {
-        let now = Nanos::from_ms(1);
-        let mut receiver = Core::new(config.clone()).unwrap();
-        let mut sender = Core::new(config).unwrap();
-        receiver.handle_peer_up(now, B, 1, SLOT);
-        sender.handle_peer_up(now, A, 1, SLOT);
-        for core in [&mut receiver, &mut sender] {
-            let info = RegionInfo { id: REGION, len: 1 << 40, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(SLOT, LocalKey(1))] };
-            core.handle_region_registered(now, info);
-        }
-        sender.handle_remote_region(now, A, REGION, 1 << 40, RemoteKey(2));
-        Bench { now, receiver, sender, next_room: 0 }
-    }
-
-    fn pump(&mut self) {
-        loop {
-            let mut moved = false;
-            while let Some(command) = self.receiver.poll_command() {
-                moved = true;
-                if let Command::ToPeer { message, .. } = command {
-                    self.sender.handle_peer_message(self.now, A, message);
-                }
-            }
-            while let Some(command) = self.sender.poll_command() {
-                moved = true;
-                match command {
-                    Command::ToPeer { message, .. } => self.receiver.handle_peer_message(self.now, B, message),
-                    Command::Submit { xfer, segments, .. } => {
-                        let bytes = segments.iter().map(|s| s.len).sum();
-                        self.sender.handle_plugin_event(self.now, SLOT, &Event::succeeded(xfer, bytes));
-                    }
-                    _ => {}
-                }
-            }
-            if !moved {
-                return;
-            }
-        }
-    }
-
-    /// One full room: expect, notice, send, submit, success, part done, both terminal.
-    fn lifecycle(&mut self) {
-        let room = RoomKey::new(self.next_room, 0);
-        self.next_room += 1;
-        self.now = self.now.saturating_add(Nanos(1_000));
-        let parts = vec![vec![Slice::new(REGION, 0, 4096)]];
-        self.receiver.handle_engine(self.now, EngineRequest::Expect { room, peer: B, parts, timeout_ms: None }).unwrap();
-        self.pump();
-        let slices = vec![Slice::new(REGION, 0, 4096)];
-        let send = EngineRequest::Send { room, peer: Some(A), part: 0, chunk: 0, slices, last: true };
-        self.sender.handle_engine(self.now, send).unwrap();
-        self.pump();
-        self.receiver.handle_timeout(self.now);
-        self.sender.handle_timeout(self.now);
-    }
-
-    /// Rooms that wait for a sender that never comes (receiver side only).
-    fn add_idle_rooms(&mut self, count: u64) {
-        for n in 0..count {
-            let room = RoomKey::new(u64::MAX / 2 + n, 0);
-            let parts = vec![vec![Slice::new(REGION, n * 64, 64)]];
-            self.receiver.handle_engine(self.now, EngineRequest::Expect { room, peer: B, parts, timeout_ms: None }).unwrap();
-            while self.receiver.poll_command().is_some() {}
-        }
-    }
-}
+#[path = "support/noop_pair.rs"]
+mod noop_pair;
+use noop_pair::{NoopPair as Bench, A, B, REGION};
 
 fn bench_config() -> CoreConfig {
     CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones: 100_000, max_pending_sends: 1_000_000, ..CoreConfig::default() }
