@@ -43,7 +43,6 @@ pub unsafe extern "C" fn ep_failed(arg: *mut c_void, _ep: ucp_ep_h, status: ucs_
 struct IncomingXfer {
     ticket: u64,
     peer: PeerId,
-    reply_ep: ucp_ep_h,
     landed_bytes: u64,
     landed_segments: u64,
     pending: u64,
@@ -100,12 +99,11 @@ impl Receiver {
         self.pending.len()
     }
 
-    fn record(&mut self, sender: u64, xfer: u64, ticket: u64, reply_ep: ucp_ep_h) -> &mut IncomingXfer {
+    fn record(&mut self, sender: u64, xfer: u64, ticket: u64) -> &mut IncomingXfer {
         let peer = self.shared.lock().instance_to_peer.get(&sender).copied().unwrap_or(PeerId(0));
         let rec = self.records.entry((sender, xfer)).or_insert_with(|| IncomingXfer {
             ticket,
             peer,
-            reply_ep,
             landed_bytes: 0,
             landed_segments: 0,
             pending: 0,
@@ -115,9 +113,6 @@ impl Receiver {
             cancelled: false,
             final_reply_sent: false,
         });
-        if rec.reply_ep.is_null() {
-            rec.reply_ep = reply_ep;
-        }
         rec
     }
 
@@ -132,9 +127,9 @@ impl Receiver {
     }
 
     /// `AM_DATA`: validate, then copy (eager) or start a receive straight into the region (rendezvous).
-    fn on_data(&mut self, header: DataHeader, data: *mut c_void, length: usize, rndv: bool, reply_ep: ucp_ep_h) -> ucs_status_t {
+    fn on_data(&mut self, header: DataHeader, data: *mut c_void, length: usize, rndv: bool) -> ucs_status_t {
         let key = (header.sender, header.xfer);
-        let rec = self.record(header.sender, header.xfer, header.ticket, reply_ep);
+        let rec = self.record(header.sender, header.xfer, header.ticket);
         if rec.failed.is_some() || rec.cancelled || rec.final_reply_sent {
             return if rndv { ucs_status_t::UCS_ERR_REJECTED } else { ucs_status_t::UCS_OK };
         }
@@ -247,9 +242,9 @@ impl Receiver {
     }
 
     /// `AM_COMMIT`: the sender posted every segment.
-    fn on_commit(&mut self, header: CommitHeader, reply_ep: ucp_ep_h) {
+    fn on_commit(&mut self, header: CommitHeader) {
         let key = (header.sender, header.xfer);
-        let rec = self.record(header.sender, header.xfer, header.ticket, reply_ep);
+        let rec = self.record(header.sender, header.xfer, header.ticket);
         rec.expected = Some((header.segments, header.bytes));
         if header.segments == 0 {
             // Nothing to land: still check that the ticket authorises this sender.
@@ -266,9 +261,9 @@ impl Receiver {
     }
 
     /// `AM_CANCEL`: the sender's last message; drop anything more and answer once nothing can land.
-    fn on_cancel(&mut self, header: CommitHeader, reply_ep: ucp_ep_h) {
+    fn on_cancel(&mut self, header: CommitHeader) {
         let key = (header.sender, header.xfer);
-        let rec = self.record(header.sender, header.xfer, header.ticket, reply_ep);
+        let rec = self.record(header.sender, header.xfer, header.ticket);
         rec.cancelled = true;
         self.check_complete(key);
     }
@@ -344,15 +339,6 @@ unsafe fn receiver_of<'a>(arg: *mut c_void) -> Option<std::cell::RefMut<'a, Rece
     cell.try_borrow_mut().ok()
 }
 
-fn reply_ep_of(param: *const sys::ucp_am_recv_param_t) -> ucp_ep_h {
-    let param = unsafe { &*param };
-    if param.recv_attr & ucp::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FIELD_REPLY_EP.0 as u64 != 0 {
-        param.reply_ep
-    } else {
-        std::ptr::null_mut()
-    }
-}
-
 fn is_rndv(param: *const sys::ucp_am_recv_param_t) -> bool {
     unsafe { (*param).recv_attr & ucp::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0 }
 }
@@ -369,7 +355,7 @@ pub unsafe extern "C" fn am_data(
     let refuse = if rndv { ucs_status_t::UCS_ERR_REJECTED } else { ucs_status_t::UCS_OK };
     let Some(header) = DataHeader::decode(header_bytes(header, header_length)) else { return refuse };
     let Some(mut receiver) = receiver_of(arg) else { return refuse };
-    receiver.on_data(header, data, length, rndv, reply_ep_of(param))
+    receiver.on_data(header, data, length, rndv)
 }
 
 pub unsafe extern "C" fn am_commit(
@@ -378,10 +364,10 @@ pub unsafe extern "C" fn am_commit(
     header_length: usize,
     _data: *mut c_void,
     _length: usize,
-    param: *const sys::ucp_am_recv_param_t,
+    _param: *const sys::ucp_am_recv_param_t,
 ) -> ucs_status_t {
     if let (Some(header), Some(mut receiver)) = (CommitHeader::decode(header_bytes(header, header_length)), receiver_of(arg)) {
-        receiver.on_commit(header, reply_ep_of(param));
+        receiver.on_commit(header);
     }
     ucs_status_t::UCS_OK
 }
@@ -392,10 +378,10 @@ pub unsafe extern "C" fn am_cancel(
     header_length: usize,
     _data: *mut c_void,
     _length: usize,
-    param: *const sys::ucp_am_recv_param_t,
+    _param: *const sys::ucp_am_recv_param_t,
 ) -> ucs_status_t {
     if let (Some(header), Some(mut receiver)) = (CommitHeader::decode(header_bytes(header, header_length)), receiver_of(arg)) {
-        receiver.on_cancel(header, reply_ep_of(param));
+        receiver.on_cancel(header);
     }
     ucs_status_t::UCS_OK
 }
