@@ -160,6 +160,16 @@ fn quic_run(config: &QuicConfig, total: u64, block: usize) -> Duration {
         }
     }
     let elapsed = start.elapsed();
+    let stats = a.plugin.outgoing_connection_stats();
+    let sum = |f: fn(&quinn::ConnectionStats) -> u64| stats.iter().map(f).sum::<u64>();
+    println!(
+        "  quic path: {} connections, {} datagrams sent, {} lost, {} congestion events, mtu {:?}",
+        stats.len(),
+        sum(|s| s.udp_tx.datagrams),
+        sum(|s| s.path.lost_packets),
+        sum(|s| s.path.congestion_events),
+        stats.iter().map(|s| s.path.current_mtu).collect::<Vec<_>>(),
+    );
     a.plugin.shutdown();
     b.plugin.shutdown();
     elapsed
@@ -177,6 +187,11 @@ fn main() {
     println!("kvgate-quic vs tokio TCP on loopback, {mib} MiB per case");
     for block in blocks {
         let total = total - total % block as u64;
+        if std::env::var("KVGATE_BENCH_ONLY_QUIC").is_ok() {
+            let quic = measure(total, || quic_run(&config, total, block));
+            println!("block {:>5} KiB: quic {:6.3} GB/s  per CPU-second {:6.3} GB", block >> 10, quic.gbps, quic.gb_per_cpu_second);
+            continue;
+        }
         let tcp = measure(total, || tcp_run(total, block));
         let quic = measure(total, || quic_run(&config, total, block));
         println!(

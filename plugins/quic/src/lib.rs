@@ -14,6 +14,7 @@ mod plugin;
 pub mod reader;
 pub mod regions;
 mod server;
+pub mod staging;
 pub mod tickets;
 pub mod tls;
 mod transfers;

@@ -7,9 +7,9 @@ use crate::net::{app_code, classify_connection_error};
 use crate::peers::{self, PeerEntry};
 use crate::plugin::Shared;
 use crate::reader::{FrameReader, ReadFail};
+use crate::staging::StagingPool;
 use crate::transfers::Transfer;
 use crate::wire::Frame;
-use bytes::BytesMut;
 use kvgate_abi::{PluginError, ReasonCode};
 use std::sync::Arc;
 use tokio::sync::watch;
@@ -85,11 +85,12 @@ pub async fn run_transfer(shared: Arc<Shared>, t: Arc<Transfer>, entry: Arc<Peer
         }
     };
     let lane_count = lanes.len() as u32;
+    let first = entry.first_connection_for(lanes.len());
     for (index, lane) in lanes.into_iter().enumerate() {
         if !t.lane_opening() {
             break;
         }
-        let conn = conns[index % conns.len()].clone();
+        let conn = conns[first.wrapping_add(index) % conns.len()].clone();
         let begin = Frame::LaneBegin {
             xfer: t.xfer.0,
             ticket,
@@ -122,35 +123,72 @@ enum WriteEnd {
     Lost(PluginError),
 }
 
+/// Encoded sizes of the frames (type byte and body).
+const LANE_BEGIN_BYTES: u64 = 41;
+const SEGMENT_HEADER_BYTES: u64 = 25;
+const LANE_END_BYTES: u64 = 17;
+
+/// A staged buffer that fills up goes to quinn, and a new one of the right size takes its place.
+struct Stager<'a> {
+    shared: &'a Shared,
+    buf: Vec<u8>,
+    /// Bytes the lane puts on the stream (frames and payload), and bytes flushed so far.
+    lane_total: u64,
+    flushed: u64,
+}
+
+impl Stager<'_> {
+    fn full(&self) -> bool {
+        self.buf.len() >= StagingPool::fill_limit(&self.buf)
+    }
+
+    /// Hand the buffer to quinn and take one sized for what is left of the lane.
+    async fn flush(&mut self, send: &mut quinn::SendStream) -> Option<WriteEnd> {
+        self.flushed += self.buf.len() as u64;
+        let left = self.lane_total.saturating_sub(self.flushed);
+        let next = self.shared.staging.take(usize::try_from(left).unwrap_or(usize::MAX));
+        let full = self.shared.staging.freeze(std::mem::replace(&mut self.buf, next));
+        flush(send, full).await
+    }
+}
+
 async fn write_lane(shared: &Shared, send: &mut quinn::SendStream, begin: &Frame, lane: &LanePlan) -> WriteEnd {
-    let chunk_bytes = shared.config.write_chunk_bytes;
-    let mut buf = BytesMut::with_capacity(chunk_bytes);
-    let mut header = Vec::with_capacity(48);
-    begin.encode(&mut header);
-    buf.extend_from_slice(&header);
+    // Each staged buffer goes to quinn as it is (no copy) and returns to the pool once quinn drops it.
+    // Payload fills a buffer up to its fill limit, so a frame header appended to a buffer that is not
+    // full never makes it grow. A lane smaller than a chunk takes a smaller buffer.
+    let headers = LANE_BEGIN_BYTES + lane.segments.len() as u64 * SEGMENT_HEADER_BYTES + LANE_END_BYTES;
+    let lane_total = lane.bytes.saturating_add(headers);
+    let buf = shared.staging.take(usize::try_from(lane_total).unwrap_or(usize::MAX));
+    let mut stager = Stager { shared, buf, lane_total, flushed: 0 };
+    begin.encode(&mut stager.buf);
     for seg in &lane.segments {
-        header.clear();
-        Frame::Segment { key: seg.remote_key, offset: seg.remote_offset, len: seg.len }.encode(&mut header);
-        buf.extend_from_slice(&header);
+        if stager.full() {
+            if let Some(end) = stager.flush(send).await {
+                return end;
+            }
+        }
+        Frame::Segment { key: seg.remote_key, offset: seg.remote_offset, len: seg.len }.encode(&mut stager.buf);
         let mut done = 0u64;
         while done < seg.len {
-            if buf.len() >= chunk_bytes {
-                let full = std::mem::replace(&mut buf, BytesMut::with_capacity(chunk_bytes)).freeze();
-                if let Some(end) = flush(send, full).await {
+            if stager.full() {
+                if let Some(end) = stager.flush(send).await {
                     return end;
                 }
             }
-            let n = ((seg.len - done) as usize).min(chunk_bytes - buf.len());
-            if let Err(e) = shared.regions.copy_out(seg.local_key, seg.local_offset + done, n, &mut buf) {
+            let n = ((seg.len - done) as usize).min(StagingPool::fill_limit(&stager.buf) - stager.buf.len());
+            if let Err(e) = shared.regions.copy_out(seg.local_key, seg.local_offset + done, n, &mut stager.buf) {
                 return WriteEnd::Local(e);
             }
             done += n as u64;
         }
     }
-    header.clear();
-    Frame::LaneEnd { segment_count: lane.segments.len() as u64, lane_bytes: lane.bytes }.encode(&mut header);
-    buf.extend_from_slice(&header);
-    if let Some(end) = flush(send, buf.freeze()).await {
+    if stager.full() {
+        if let Some(end) = stager.flush(send).await {
+            return end;
+        }
+    }
+    Frame::LaneEnd { segment_count: lane.segments.len() as u64, lane_bytes: lane.bytes }.encode(&mut stager.buf);
+    if let Some(end) = flush(send, shared.staging.freeze(stager.buf)).await {
         return end;
     }
     WriteEnd::Written
@@ -260,5 +298,25 @@ async fn run_lane(shared: Arc<Shared>, t: Arc<Transfer>, conn: quinn::Connection
             t.fail(ReasonCode::PROTOCOL_VIOLATION, why);
             t.lane_settled();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_size_constants_match_the_encoding() {
+        let encoded = |f: Frame| {
+            let mut out = Vec::new();
+            f.encode(&mut out);
+            out.len() as u64
+        };
+        let begin = Frame::LaneBegin { xfer: 1, ticket: 2, lane_index: 0, lane_count: 1, segment_count: 1, lane_bytes: 3 };
+        assert_eq!(encoded(begin), LANE_BEGIN_BYTES);
+        assert_eq!(encoded(Frame::Segment { key: 1, offset: 2, len: 3 }), SEGMENT_HEADER_BYTES);
+        assert_eq!(encoded(Frame::LaneEnd { segment_count: 1, lane_bytes: 3 }), LANE_END_BYTES);
+        assert!(LANE_BEGIN_BYTES as usize <= crate::staging::MAX_FRAME_HEADER_BYTES);
+        assert!((LANE_BEGIN_BYTES + SEGMENT_HEADER_BYTES + LANE_END_BYTES) as usize <= crate::staging::HEADER_ROOM_BYTES);
     }
 }

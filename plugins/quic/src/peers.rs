@@ -8,7 +8,7 @@ use crate::reader::{FrameReader, ReadFail};
 use crate::tls;
 use crate::wire::{EndpointInfo, Frame, HELLO_MAGIC};
 use kvgate_abi::{Event, PeerId, PluginError, ReasonCode};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -52,6 +52,9 @@ pub struct PeerEntry {
     incoming: Mutex<Vec<quinn::Connection>>,
     client_config: quinn::ClientConfig,
     removed: AtomicBool,
+    /// Where the next transfer's first lane goes: transfers of one lane would otherwise all share the
+    /// first connection (and one core).
+    next_connection: AtomicUsize,
 }
 
 impl PeerEntry {
@@ -62,7 +65,7 @@ impl PeerEntry {
         let mut client_config = quinn::ClientConfig::new(Arc::new(quic_crypto));
         client_config.transport_config(shared.transport.clone());
         let (status, _) = watch::channel(PeerStatus::Idle);
-        Ok(PeerEntry { id, info, endpoint_bytes, status, incoming: Mutex::new(Vec::new()), client_config, removed: AtomicBool::new(false) })
+        Ok(PeerEntry { id, info, endpoint_bytes, status, incoming: Mutex::new(Vec::new()), client_config, removed: AtomicBool::new(false), next_connection: AtomicUsize::new(0) })
     }
 
     pub fn add_incoming(&self, conn: quinn::Connection) {
@@ -87,6 +90,20 @@ impl PeerEntry {
         for c in self.incoming.lock().expect("incoming lock").drain(..) {
             c.close(app_code(reason), why.as_bytes());
         }
+    }
+
+    /// quinn's statistics of the outgoing connections, when they are up.
+    pub fn connection_stats(&self) -> Vec<quinn::ConnectionStats> {
+        match &*self.status.borrow() {
+            PeerStatus::Ready(conns) => conns.iter().map(|c| c.stats()).collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// The connection index of a transfer's first lane, `lanes` further for the next transfer: lanes
+    /// rotate over the connections across transfers.
+    pub fn first_connection_for(&self, lanes: usize) -> usize {
+        self.next_connection.fetch_add(lanes.max(1), Ordering::Relaxed)
     }
 
     /// Whether any outgoing connection exists right now.

@@ -6,6 +6,7 @@ use crate::net;
 use crate::outgoing::{plan_lanes, run_transfer, PlannedSegment};
 use crate::peers::{self, PeerEntry};
 use crate::regions::{in_bounds, Regions};
+use crate::staging::StagingPool;
 use crate::tickets::Tickets;
 use crate::tls::{self, Identity, KnownPeers};
 use crate::transfers::Transfers;
@@ -37,6 +38,8 @@ pub struct Shared {
     pub tickets: Tickets,
     pub transfers: Arc<Transfers>,
     pub transport: Arc<quinn::TransportConfig>,
+    /// Staging buffers of outgoing stream data (`write_chunk_bytes` each, `staging_pool_bytes` idle at most).
+    pub staging: Arc<StagingPool>,
     pub endpoints: Vec<quinn::Endpoint>,
     pub handle: tokio::runtime::Handle,
     peers: Mutex<HashMap<PeerId, Arc<PeerEntry>>>,
@@ -143,6 +146,7 @@ impl QuicPlugin {
         let instance = random_u64();
         let wire_version = config.wire_version_override.unwrap_or(WIRE_VERSION);
         let endpoint_bytes = EndpointInfo { wire_version, instance, fingerprint: identity.fingerprint, addresses }.encode();
+        let staging = StagingPool::new(config.write_chunk_bytes, config.staging_pool_bytes);
         let shared = Arc::new(Shared {
             transfers: Transfers::new(sink.clone()),
             config,
@@ -154,6 +158,7 @@ impl QuicPlugin {
             regions: Regions::new(instance),
             tickets: Tickets::default(),
             transport,
+            staging,
             endpoints,
             handle: runtime.handle().clone(),
             peers: Mutex::new(HashMap::new()),
@@ -166,6 +171,13 @@ impl QuicPlugin {
         }
         drop(_context);
         Ok(QuicPlugin { shared, runtime: Mutex::new(Some(runtime)) })
+    }
+
+    /// quinn's statistics of every outgoing connection (all peers): datagrams, losses, congestion
+    /// events, path MTU. For benchmarks and diagnostics; empty once shut down.
+    pub fn outgoing_connection_stats(&self) -> Vec<quinn::ConnectionStats> {
+        let entries: Vec<Arc<PeerEntry>> = self.shared.peers.lock().expect("peers lock").values().cloned().collect();
+        entries.iter().flat_map(|e| e.connection_stats()).collect()
     }
 
     fn refuse_if_shut_down(&self) -> Result<(), PluginError> {

@@ -3,7 +3,6 @@
 //! table's read lock, so `deregister` waits for copies in progress and no copy starts after it.
 
 use crate::wire::RemoteKeyInfo;
-use bytes::BytesMut;
 use kvgate_abi::{LocalKey, MemoryKind, PeerId, PluginError, ReasonCode, RegionDesc, RemoteKey};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -73,7 +72,7 @@ impl Regions {
     }
 
     /// Append `len` bytes of local region `key` at `offset` to `out`.
-    pub fn copy_out(&self, key: u64, offset: u64, len: usize, out: &mut BytesMut) -> Result<(), PluginError> {
+    pub fn copy_out(&self, key: u64, offset: u64, len: usize, out: &mut Vec<u8>) -> Result<(), PluginError> {
         let table = self.local.read().expect("regions lock");
         let region = table
             .get(&key)

@@ -23,6 +23,7 @@ const LIMITS: &[(&str, Option<u64>, Option<u64>)] = &[
     ("connect_timeout_ms", Some(100), Some(600_000)),
     ("default_transfer_timeout_ms", Some(1), Some(3_600_000)),
     ("write_chunk_bytes", Some(4096), Some(16 << 20)),
+    ("staging_pool_bytes", None, Some(1 << 32)),
     ("socket_buffer_bytes", Some(65536), Some(1 << 30)),
     ("max_segments_per_submit", Some(1), Some(1 << 24)),
     ("max_inflight_transfers", Some(1), Some(1 << 24)),
