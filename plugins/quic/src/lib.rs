@@ -20,7 +20,7 @@ pub mod tls;
 mod transfers;
 pub mod wire;
 
-pub use config::{CongestionController, QuicConfig};
+pub use config::{CipherSuite, CongestionController, QuicConfig};
 pub use plugin::QuicPlugin;
 
 use kvgate_abi::sdk::{PluginFactory, Sink};

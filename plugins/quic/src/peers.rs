@@ -59,7 +59,7 @@ pub struct PeerEntry {
 
 impl PeerEntry {
     pub fn new(shared: &Shared, id: PeerId, info: EndpointInfo, endpoint_bytes: Vec<u8>) -> Result<PeerEntry, PluginError> {
-        let crypto = tls::client_crypto(&shared.identity, info.fingerprint)?;
+        let crypto = tls::client_crypto(&shared.identity, info.fingerprint, shared.config.cipher_suite)?;
         let quic_crypto = quinn::crypto::rustls::QuicClientConfig::try_from(crypto)
             .map_err(|e| PluginError::new(ReasonCode::INTERNAL, format!("quic client crypto: {e}")))?;
         let mut client_config = quinn::ClientConfig::new(Arc::new(quic_crypto));

@@ -118,7 +118,7 @@ impl QuicPlugin {
         let _context = runtime.enter();
         let known = Arc::new(KnownPeers::default());
         let transport = net::transport_config(&config)?;
-        let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls::server_crypto(&identity, known.clone())?)
+        let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls::server_crypto(&identity, known.clone(), config.cipher_suite)?)
             .map_err(|e| PluginError::new(ReasonCode::INTERNAL, format!("quic server crypto: {e}")))?;
         let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
         server_config.transport_config(transport.clone());

@@ -2,6 +2,7 @@
 //! fingerprint, and the rustls verifiers that pin the peer's fingerprint on both sides (mutual TLS).
 //! Never trusts a certificate because of who signed it: only a fingerprint the host handed over counts.
 
+use crate::config::CipherSuite;
 use kvgate_abi::{PeerId, PluginError, ReasonCode};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
@@ -86,8 +87,22 @@ impl KnownPeers {
     }
 }
 
-fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+/// ring's provider with the TLS 1.3 suites ordered by `preferred` first. Every suite stays offered,
+/// so instances configured differently still agree on one (the server follows the client's order).
+pub fn provider(preferred: CipherSuite) -> Arc<CryptoProvider> {
+    use rustls::crypto::ring::cipher_suite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256};
+    let first = match preferred {
+        CipherSuite::Aes128gcm => TLS13_AES_128_GCM_SHA256,
+        CipherSuite::Aes256gcm => TLS13_AES_256_GCM_SHA384,
+        CipherSuite::Chacha20poly1305 => TLS13_CHACHA20_POLY1305_SHA256,
+    };
+    let mut suites = vec![first];
+    for s in [TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256] {
+        if s.suite() != first.suite() {
+            suites.push(s);
+        }
+    }
+    Arc::new(CryptoProvider { cipher_suites: suites, ..rustls::crypto::ring::default_provider() })
 }
 
 fn refusal(message: String) -> rustls::Error {
@@ -210,8 +225,8 @@ fn tls_error(what: &str, e: impl std::fmt::Display) -> PluginError {
 }
 
 /// The server half of every endpoint: mutual TLS against the known peers.
-pub fn server_crypto(identity: &Identity, known: Arc<KnownPeers>) -> Result<rustls::ServerConfig, PluginError> {
-    let provider = provider();
+pub fn server_crypto(identity: &Identity, known: Arc<KnownPeers>, suite: CipherSuite) -> Result<rustls::ServerConfig, PluginError> {
+    let provider = provider(suite);
     let verifier = KnownClientVerifier { known, algorithms: provider.signature_verification_algorithms };
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -224,8 +239,8 @@ pub fn server_crypto(identity: &Identity, known: Arc<KnownPeers>) -> Result<rust
 }
 
 /// The client half for one peer: presents this instance's certificate, pins the peer's fingerprint.
-pub fn client_crypto(identity: &Identity, peer_fingerprint: Fingerprint) -> Result<rustls::ClientConfig, PluginError> {
-    let provider = provider();
+pub fn client_crypto(identity: &Identity, peer_fingerprint: Fingerprint, suite: CipherSuite) -> Result<rustls::ClientConfig, PluginError> {
+    let provider = provider(suite);
     let verifier = PinnedServerVerifier { expected: peer_fingerprint, algorithms: provider.signature_verification_algorithms };
     let mut config = rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -243,4 +258,25 @@ pub fn peer_fingerprint(conn: &quinn::Connection) -> Option<Fingerprint> {
     let identity = conn.peer_identity()?;
     let chain = identity.downcast::<Vec<CertificateDer<'static>>>().ok()?;
     chain.first().map(|c| fingerprint_of(c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_preferred_suite_comes_first_and_every_suite_stays_offered() {
+        for (preferred, name) in [
+            (CipherSuite::Aes128gcm, "TLS13_AES_128_GCM_SHA256"),
+            (CipherSuite::Aes256gcm, "TLS13_AES_256_GCM_SHA384"),
+            (CipherSuite::Chacha20poly1305, "TLS13_CHACHA20_POLY1305_SHA256"),
+        ] {
+            let suites: Vec<String> = provider(preferred).cipher_suites.iter().map(|s| format!("{:?}", s.suite())).collect();
+            assert_eq!(suites.len(), 3, "{suites:?}");
+            assert_eq!(suites[0], name, "{suites:?}");
+            for other in ["TLS13_AES_128_GCM_SHA256", "TLS13_AES_256_GCM_SHA384", "TLS13_CHACHA20_POLY1305_SHA256"] {
+                assert!(suites.iter().any(|s| s == other), "{other} missing from {suites:?}");
+            }
+        }
+    }
 }

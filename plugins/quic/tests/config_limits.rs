@@ -2,7 +2,7 @@
 //! with an error naming the key; unknown keys and malformed values are refused too.
 
 use kvgate_abi::ReasonCode;
-use kvgate_plugin_quic::{CongestionController, QuicConfig};
+use kvgate_plugin_quic::{CipherSuite, CongestionController, QuicConfig};
 
 /// (key, smallest accepted, largest accepted); `None` where the limit is the type's own.
 const LIMITS: &[(&str, Option<u64>, Option<u64>)] = &[
@@ -129,6 +129,12 @@ fn unknown_keys_and_bad_values_are_refused_by_name() {
     assert!(err.message.contains("endpoints"), "{err}");
     for (name, cc) in [("cubic", CongestionController::Cubic), ("bbr", CongestionController::Bbr), ("newreno", CongestionController::Newreno)] {
         assert_eq!(parse(&format!("congestion_controller = \"{name}\"")).unwrap().congestion_controller, cc);
+    }
+    let err = parse("cipher_suite = \"aes192gcm\"").unwrap_err();
+    assert!(err.message.contains("aes192gcm"), "{err}");
+    assert_eq!(parse("").unwrap().cipher_suite, CipherSuite::Aes128gcm);
+    for (name, suite) in [("aes128gcm", CipherSuite::Aes128gcm), ("aes256gcm", CipherSuite::Aes256gcm), ("chacha20poly1305", CipherSuite::Chacha20poly1305)] {
+        assert_eq!(parse(&format!("cipher_suite = \"{name}\"")).unwrap().cipher_suite, suite);
     }
 }
 

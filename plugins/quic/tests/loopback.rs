@@ -62,6 +62,20 @@ fn loopback_sized_datagrams_carry_data_from_the_first_packet() {
 }
 
 #[test]
+fn peers_preferring_different_cipher_suites_still_connect() {
+    use kvgate_plugin_quic::CipherSuite;
+    let a = kvgate_plugin_quic::QuicConfig { cipher_suite: CipherSuite::Aes256gcm, ..test_config() };
+    let b = kvgate_plugin_quic::QuicConfig { cipher_suite: CipherSuite::Chacha20poly1305, ..test_config() };
+    // Each side is the client once (the client's order decides).
+    for (first, second) in [(a.clone(), b.clone()), (b, a)] {
+        let (x, y) = pair_with(first, second);
+        move_and_check(&x, &y, 64 << 10, 1);
+        wait_baseline(&x, WAIT);
+        wait_baseline(&y, WAIT);
+    }
+}
+
+#[test]
 fn ten_thousand_scattered_segments_land_in_place() {
     let (a, b) = pair(test_config());
     const N: usize = 10_000;
