@@ -19,6 +19,27 @@ fn hostname() -> String {
     nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "localhost".into())
 }
 
+/// Runs the driver on its own thread with its own single-threaded runtime. Plugin calls are
+/// synchronous (registering a large region maps and faults it in, which takes seconds for GiBs); on
+/// a shared runtime they would stall the peer links' and the engine API's tasks (a link starved of
+/// its heartbeats is declared lost). The returned receiver fires when the driver has stopped.
+fn spawn_driver_thread(
+    driver: Driver,
+    inputs: mpsc::Receiver<DriverInput>,
+    plugin_events: mpsc::Receiver<crate::driver::PluginEventMsg>,
+) -> anyhow::Result<tokio::sync::oneshot::Receiver<()>> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("driver runtime")?;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("kvgate-driver".into())
+        .spawn(move || {
+            runtime.block_on(driver.run(inputs, plugin_events));
+            let _ = done_tx.send(());
+        })
+        .context("spawn the driver thread")?;
+    Ok(done_rx)
+}
+
 /// Run one gateway until a signal arrives.
 pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let config = Arc::new(config);
@@ -59,7 +80,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         watch: watch_tx.clone(),
         metrics: metrics.clone(),
     });
-    let driver_task = tokio::spawn(driver.run(input_rx, plugin_rx));
+    let driver_done = spawn_driver_thread(driver, input_rx, plugin_rx)?;
 
     // Peer events go through their own small forwarding task into the driver's input queue.
     let (peer_tx, mut peer_rx) = mpsc::channel::<PeerEvent>(config.driver.event_queue_len as usize);
@@ -108,7 +129,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     }
     let _ = stop_tx.send(true);
     let _ = input_tx.send(DriverInput::Shutdown).await;
-    let _ = driver_task.await;
+    let _ = driver_done.await;
     if !config.engine_api.unix_socket.is_empty() {
         let _ = std::fs::remove_file(&config.engine_api.unix_socket);
     }

@@ -30,22 +30,41 @@ pub enum PeerEvent {
     Lost { name: String, session: SessionId, reason: &'static str, detail: String },
 }
 
-/// Sends frames to one session. `send` never waits: a full queue reports `false`, and the session
-/// task then declares the peer lost (its receiver stopped draining).
+/// Sends frames to one session. `send` never waits: a full queue (the peer stopped reading) or a
+/// closed one (the link's stream ended) reports `false`, and the session task then declares the
+/// peer lost with that cause.
 #[derive(Clone, Debug)]
 pub struct PeerSender {
     tx: mpsc::Sender<PeerFrame>,
-    overflowed: Arc<tokio::sync::Notify>,
+    failed: Arc<SendFailure>,
+}
+
+/// Why a send failed, for the session task's loss message.
+#[derive(Debug, Default)]
+struct SendFailure {
+    notify: tokio::sync::Notify,
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl PeerSender {
     pub fn send(&self, frame: Frame) -> bool {
         match self.tx.try_send(PeerFrame { frame: Some(frame) }) {
             Ok(()) => true,
-            Err(_) => {
-                self.overflowed.notify_one();
+            Err(e) => {
+                if matches!(e, mpsc::error::TrySendError::Closed(_)) {
+                    self.failed.closed.store(true, Ordering::Relaxed);
+                }
+                self.failed.notify.notify_one();
                 false
             }
+        }
+    }
+
+    fn loss_detail(&self) -> &'static str {
+        if self.failed.closed.load(Ordering::Relaxed) {
+            "the link's outbound stream closed"
+        } else {
+            "send queue full (peer_link.send_queue_frames; the peer stopped reading)"
         }
     }
 }
@@ -98,8 +117,8 @@ impl PeerTask {
     async fn run_session(&mut self, mut session: Session) -> Option<Session> {
         let id = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
         let name = self.peer.name.clone();
-        let overflowed = Arc::new(tokio::sync::Notify::new());
-        let sender = PeerSender { tx: session.outbound.clone(), overflowed: overflowed.clone() };
+        let failed = Arc::new(SendFailure::default());
+        let sender = PeerSender { tx: session.outbound.clone(), failed: failed.clone() };
         tracing::info!(peer = %name, session = id, incarnation = session.hello.incarnation, "peer link up");
         if self.events.send(PeerEvent::Up { name: name.clone(), session: id, hello: session.hello.clone(), sender: sender.clone() }).await.is_err() {
             return None;
@@ -126,14 +145,14 @@ impl PeerTask {
                 _ = heartbeat.tick() => {
                     seq += 1;
                     if !sender.send(Frame::Heartbeat(proto::Heartbeat { seq })) {
-                        break ("peer_lost", "send queue full (the peer stopped reading)".into());
+                        break ("peer_lost", sender.loss_detail().into());
                     }
                 }
                 _ = tokio::time::sleep_until(last_heard + silence_limit) => {
                     break ("peer_lost", format!("no frame for {} ms (heartbeat_interval_ms {} x heartbeat_misses {})",
                         silence_limit.as_millis(), interval.as_millis(), self.config.peer_link.heartbeat_misses));
                 }
-                _ = overflowed.notified() => break ("peer_lost", "send queue full (peer_link.send_queue_frames)".into()),
+                _ = failed.notify.notified() => break ("peer_lost", sender.loss_detail().into()),
                 newer = self.incoming.recv() => match newer {
                     Some(s) => {
                         let restarted = s.hello.incarnation != session.hello.incarnation;
