@@ -161,15 +161,22 @@ fn quic_run(config: &QuicConfig, total: u64, block: usize) -> Duration {
     }
     let elapsed = start.elapsed();
     let stats = a.plugin.outgoing_connection_stats();
-    let sum = |f: fn(&quinn::ConnectionStats) -> u64| stats.iter().map(f).sum::<u64>();
+    let replies = b.plugin.incoming_connection_stats();
+    let sum = |s: &[quinn::ConnectionStats], f: fn(&quinn::ConnectionStats) -> u64| s.iter().map(f).sum::<u64>();
     println!(
-        "  quic path: {} connections, {} datagrams sent, {} lost, {} congestion events, mtu {:?}",
+        "  quic path: {} connections, {} datagrams sent ({} back), {} lost, {} congestion events, mtu {:?}",
         stats.len(),
-        sum(|s| s.udp_tx.datagrams),
-        sum(|s| s.path.lost_packets),
-        sum(|s| s.path.congestion_events),
+        sum(&stats, |s| s.udp_tx.datagrams),
+        sum(&replies, |s| s.udp_tx.datagrams),
+        sum(&stats, |s| s.path.lost_packets),
+        sum(&stats, |s| s.path.congestion_events),
         stats.iter().map(|s| s.path.current_mtu).collect::<Vec<_>>(),
     );
+    if std::env::var("KVGATE_QUIC_BENCH_FRAMES").is_ok() {
+        for s in stats.iter().chain(&replies) {
+            println!("  frames sent {:?}", s.frame_tx);
+        }
+    }
     a.plugin.shutdown();
     b.plugin.shutdown();
     elapsed

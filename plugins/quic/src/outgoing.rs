@@ -267,6 +267,9 @@ async fn run_lane(shared: Arc<Shared>, t: Arc<Transfer>, conn: quinn::Connection
             }
         }
     };
+    // After a reply, wait for the receiver's end of the stream (it finishes right after replying)
+    // rather than stop it: one STOP_SENDING frame per lane saved.
+    let read_end = matches!(reply, Ok(Some(Frame::LaneDone { .. } | Frame::LaneRefused { .. } | Frame::CancelAck { .. })));
     match reply {
         Ok(Some(Frame::LaneDone { bytes })) if bytes == lane.bytes => t.lane_done(),
         Ok(Some(Frame::LaneDone { bytes })) => {
@@ -298,6 +301,12 @@ async fn run_lane(shared: Arc<Shared>, t: Arc<Transfer>, conn: quinn::Connection
             t.fail(ReasonCode::PROTOCOL_VIOLATION, why);
             t.lane_settled();
         }
+    }
+    // The lane is settled: nothing below touches the transfer. A receiver that never ends its reply
+    // stream holds only this task, until its connection goes.
+    drop(t);
+    if read_end {
+        let _ = reader.expect_end().await;
     }
 }
 

@@ -100,6 +100,12 @@ impl PeerEntry {
         }
     }
 
+    /// quinn's statistics of the live connections this peer opened to us.
+    pub fn incoming_connection_stats(&self) -> Vec<quinn::ConnectionStats> {
+        let incoming = self.incoming.lock().expect("incoming lock");
+        incoming.iter().filter(|c| c.close_reason().is_none()).map(|c| c.stats()).collect()
+    }
+
     /// The connection index of a transfer's first lane, `lanes` further for the next transfer: lanes
     /// rotate over the connections across transfers.
     pub fn first_connection_for(&self, lanes: usize) -> usize {

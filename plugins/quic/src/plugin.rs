@@ -180,6 +180,12 @@ impl QuicPlugin {
         entries.iter().flat_map(|e| e.connection_stats()).collect()
     }
 
+    /// The same for the connections peers opened to this instance (the ones their writes arrive on).
+    pub fn incoming_connection_stats(&self) -> Vec<quinn::ConnectionStats> {
+        let entries: Vec<Arc<PeerEntry>> = self.shared.peers.lock().expect("peers lock").values().cloned().collect();
+        entries.iter().flat_map(|e| e.incoming_connection_stats()).collect()
+    }
+
     fn refuse_if_shut_down(&self) -> Result<(), PluginError> {
         if self.shared.is_shut_down() {
             return Err(PluginError::new(ReasonCode::SHUTDOWN, "the quic plugin is shut down"));

@@ -145,6 +145,12 @@ impl<S: ByteSource> FrameReader<S> {
         Frame::decode_fixed(ty, &body[..len]).map(Some).map_err(ReadFail::Malformed)
     }
 
+    /// Wait for the end of the stream after its last frame: `Ok(true)` at a clean end, `Ok(false)` when
+    /// more bytes follow. Reading the end before dropping a quinn stream spares a STOP_SENDING frame.
+    pub async fn expect_end(&mut self) -> Result<bool, ReadFail> {
+        Ok(!self.fill(1).await?)
+    }
+
     /// Up to `max` payload bytes (at least one); the end of stream here is a truncation.
     pub async fn read_payload(&mut self, max: usize) -> Result<Bytes, ReadFail> {
         if !self.fill(max.min(MAX_READ_CHUNK_BYTES)).await? {

@@ -114,6 +114,14 @@ async fn serve_lane(shared: Arc<Shared>, conn: quinn::Connection, peer: PeerId, 
         LaneOutcome::Done { bytes } => {
             let _ = send.write_all(&Frame::LaneDone { bytes }.to_bytes()).await;
             let _ = send.finish();
+            // The sender finishes the stream right after LANE_END: wait for that end rather than
+            // stop the stream (one STOP_SENDING frame per lane saved). Bytes after LANE_END break
+            // the protocol; a reset or a lost connection here changes nothing (every byte is in place).
+            if let Ok(false) = reader.expect_end().await {
+                let why = "bytes after LANE_END";
+                tracing::warn!(peer = peer.0, reason = "protocol_violation", message = why, "quic: closing a connection that broke the protocol");
+                conn.close(app_code(ReasonCode::PROTOCOL_VIOLATION), why.as_bytes());
+            }
         }
         LaneOutcome::Cancelled { bytes } => {
             let _ = send.write_all(&Frame::CancelAck { bytes }.to_bytes()).await;

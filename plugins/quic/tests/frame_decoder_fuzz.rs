@@ -258,3 +258,24 @@ fn an_unknown_frame_type_is_a_violation() {
         other => panic!("expected a violation, got {other:?}"),
     }
 }
+
+#[test]
+fn the_end_of_a_stream_is_told_from_trailing_bytes() {
+    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let end = Frame::LaneEnd { segment_count: 1, lane_bytes: 2 }.to_bytes();
+    let read = |chunks: Vec<Bytes>, end_with: Option<SourceError>| {
+        let mut reader = FrameReader::new(MemorySource::new(chunks, end_with));
+        runtime.block_on(async {
+            let frame = reader.read_frame().await.expect("frame");
+            assert!(matches!(frame, Some(Frame::LaneEnd { .. })), "{frame:?}");
+            reader.expect_end().await
+        })
+    };
+    assert_eq!(read(vec![Bytes::from(end.clone()), Bytes::new()], None), Ok(true));
+    let mut trailing = end.clone();
+    trailing.push(0);
+    assert_eq!(read(vec![Bytes::from(trailing)], None), Ok(false));
+    assert_eq!(read(vec![Bytes::from(end.clone()), Bytes::from_static(&[1])], None), Ok(false));
+    let reset = read(vec![Bytes::from(end)], Some(SourceError::Reset(5)));
+    assert_eq!(reset, Err(kvgate_plugin_quic::reader::ReadFail::Source(SourceError::Reset(5))));
+}

@@ -62,6 +62,25 @@ fn loopback_sized_datagrams_carry_data_from_the_first_packet() {
 }
 
 #[test]
+fn finished_lanes_end_their_streams_without_stop_sending() {
+    let (a, b) = pair(test_config());
+    const LANES: u64 = 20;
+    for i in 0..LANES {
+        move_and_check(&a, &b, 4096, i + 1);
+    }
+    wait_baseline(&a, WAIT);
+    // Both sides read the other's end of each lane stream instead of stopping it: at most the control
+    // streams' STOP_SENDING remain (one per connection and side).
+    let stop_sending = |stats: Vec<quinn::ConnectionStats>| stats.iter().map(|s| s.frame_tx.stop_sending).sum::<u64>();
+    let connections = a.plugin.outgoing_connection_stats().len() as u64;
+    assert!(connections >= 1);
+    let sent_by_sender = stop_sending(a.plugin.outgoing_connection_stats());
+    let sent_by_receiver = stop_sending(b.plugin.incoming_connection_stats());
+    assert!(sent_by_sender <= connections, "sender stopped {sent_by_sender} streams for {LANES} lanes");
+    assert!(sent_by_receiver <= connections, "receiver stopped {sent_by_receiver} streams for {LANES} lanes");
+}
+
+#[test]
 fn peers_preferring_different_cipher_suites_still_connect() {
     use kvgate_plugin_quic::CipherSuite;
     let a = kvgate_plugin_quic::QuicConfig { cipher_suite: CipherSuite::Aes256gcm, ..test_config() };
