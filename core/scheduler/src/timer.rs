@@ -20,7 +20,8 @@ pub enum TimerKind {
     /// without a quiesce (`Reusable` with `quarantine_timeout`).
     Quarantine = 4,
     /// Armed when a terminal room is settled (reusable). Firing: the tombstone is dropped; late
-    /// messages for the room are no longer recognised as such.
+    /// messages for the room are no longer recognised as such. Kept in the core's tombstone FIFO,
+    /// not the wheel (one constant ttl: settle order is expiry order).
     Tombstone = 5,
 }
 
@@ -47,12 +48,11 @@ impl TimerKind {
             TimerKind::Tombstone => "tombstone",
         }
     }
-    /// The payload stored in the wheel: room slot, slot epoch and kind.
-    pub(crate) fn encode(self, slot: u32, epoch: u32) -> u64 {
-        ((slot as u64) << 32) | (((epoch & 0x0FFF_FFFF) as u64) << 4) | self as u64
-    }
-    pub(crate) fn decode(payload: u64) -> (TimerKind, u32, u32) {
-        let kind = TimerKind::ALL[(payload & 0xF) as usize];
-        (kind, (payload >> 32) as u32, ((payload >> 4) & 0x0FFF_FFFF) as u32)
+    /// The kinds kept in the wheel (every kind but `Tombstone`, which expires from the tombstone
+    /// FIFO: its duration is one constant, so expiry order is insertion order).
+    pub(crate) const WHEEL: [TimerKind; 5] =
+        [TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace, TimerKind::Quarantine];
+    pub(crate) fn bit(self) -> u8 {
+        1 << self as u8
     }
 }

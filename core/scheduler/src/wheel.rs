@@ -47,6 +47,9 @@ pub struct Wheel {
     occupied: [u64; LEVELS],
     elapsed: u64,
     len: usize,
+    /// No timer is due before this tick (a lower bound kept by inserts; exact after a pop finds
+    /// nothing due): `pop_expired` returns at once before it.
+    quiet_until: u64,
 }
 
 impl Default for Wheel {
@@ -75,6 +78,7 @@ impl Wheel {
             occupied: [0; LEVELS],
             elapsed: 0,
             len: 0,
+            quiet_until: u64::MAX,
         }
     }
 
@@ -89,6 +93,16 @@ impl Wheel {
     /// The tick a deadline fires at (ceiling).
     pub fn tick_of(deadline: Nanos) -> u64 {
         deadline.0.div_ceil(TICK_NS)
+    }
+
+    /// When a timer with `deadline` fires: its tick boundary.
+    pub fn fire_time(deadline: Nanos) -> Nanos {
+        Nanos(Wheel::tick_of(deadline).saturating_mul(TICK_NS))
+    }
+
+    /// The tick an armed timer fires at.
+    pub fn tick(&self, handle: TimerHandle) -> u64 {
+        self.entries[handle.0 as usize].when
     }
 
     /// Arm a timer for `deadline` carrying `payload`. A deadline already past fires at the next
@@ -107,6 +121,7 @@ impl Wheel {
         self.entries[index as usize].payload = payload;
         self.link(index);
         self.len += 1;
+        self.quiet_until = self.quiet_until.min(when);
         TimerHandle(index)
     }
 
@@ -132,6 +147,8 @@ impl Wheel {
         self.heads[bucket] = index;
         if bucket != PENDING {
             self.occupied[bucket / SLOTS] |= 1u64 << (bucket % SLOTS);
+        } else {
+            self.quiet_until = 0;
         }
     }
 
@@ -169,6 +186,7 @@ impl Wheel {
         entry.when = when;
         entry.payload = payload;
         self.link(handle.0);
+        self.quiet_until = self.quiet_until.min(when);
     }
 
     /// Disarm a timer; returns its payload. The handle must be armed (a programmer error otherwise).
@@ -180,6 +198,7 @@ impl Wheel {
     }
 
     /// The deadline of an armed timer (its tick boundary).
+    #[cfg(test)]
     pub fn deadline(&self, handle: TimerHandle) -> Nanos {
         Nanos(self.entries[handle.0 as usize].when.saturating_mul(TICK_NS))
     }
@@ -212,7 +231,9 @@ impl Wheel {
         if self.heads[PENDING] != NIL {
             return Some(Nanos(self.elapsed.saturating_mul(TICK_NS)));
         }
-        self.next_bucket().map(|(_, _, tick)| Nanos(tick.saturating_mul(TICK_NS)))
+        // `quiet_until` bounds every timer's tick from below too (and moves past a level boundary
+        // whose cascade `pop_expired` skipped as not due).
+        self.next_bucket().map(|(_, _, tick)| Nanos(tick.max(self.quiet_until).saturating_mul(TICK_NS)))
     }
 
     /// Pop one timer due at `now` (its payload), or None when none is due. Timers are popped one
@@ -220,6 +241,10 @@ impl Wheel {
     /// popped can still be cancelled).
     pub fn pop_expired(&mut self, now: Nanos) -> Option<u64> {
         let now_tick = now.0 / TICK_NS;
+        if now_tick < self.quiet_until {
+            // Nothing is due (a skipped cascade only moves timers that are not due yet).
+            return None;
+        }
         loop {
             let head = self.heads[PENDING];
             if head != NIL {
@@ -245,8 +270,12 @@ impl Wheel {
                         index = next;
                     }
                 }
-                _ => {
+                next => {
                     self.elapsed = self.elapsed.max(now_tick);
+                    self.quiet_until = match next {
+                        Some((_, _, tick)) => tick.max(now_tick + 1),
+                        None => u64::MAX,
+                    };
                     return None;
                 }
             }

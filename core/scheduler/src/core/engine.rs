@@ -74,7 +74,7 @@ impl Core {
             Lookup::Newer => return Self::refuse(key, RefusalReason::StaleGeneration),
             Lookup::Absent | Lookup::Older(_) => {}
         }
-        let mut recv_parts = Vec::with_capacity(parts.len());
+        let mut recv_parts = smallvec::SmallVec::with_capacity(parts.len());
         let mut bytes_total = 0u64;
         for part in &parts {
             let bytes = self.check_local_slices(key, part)?;
@@ -98,13 +98,12 @@ impl Core {
         self.next_ticket += parts.len() as u64;
         let mut room = Room::new(key, Role::Receiver, RoomState::WaitingSender, now, RoleData::Receiver {
             ticket_base,
-            parts: recv_parts.into_boxed_slice(),
+            parts: recv_parts,
         });
         let room_timeout_ms = timeout_ms.unwrap_or(self.config.room_timeout_ms).min(self.config.max_room_timeout_ms);
         room.deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
         room.bytes_total = bytes_total;
         room.in_flight = parts.len() as u32;
-        room.plugin = Some(plugin);
         room.touch(now, LastEvent::Expect);
         let deadline = room.deadline;
         let slot = self.insert_room(room);
@@ -174,7 +173,9 @@ impl Core {
                 if let Lookup::Older(old) = lookup {
                     self.supersede(now, old);
                 }
-                let mut parts = vec![SendPart::default(); part as usize + 1];
+                let mut parts = self.spare_send_parts();
+                parts.reserve_exact(part as usize + 1);
+                parts.resize(part as usize + 1, SendPart::default());
                 parts[part as usize].held.push(HeldChunk { slices: slices.into_boxed_slice(), last });
                 parts[part as usize].next_chunk = 1;
                 parts[part as usize].last_seen = last;
@@ -277,7 +278,7 @@ impl Core {
     /// Map a chunk onto its part's destination and record it (cursor, chunk count); the submit
     /// itself is `submit_last_placed`. Changes nothing on error.
     pub(super) fn place_chunk(&mut self, _now: Nanos, slot: u32, part: u32, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
-        let plugin = self.room_at(slot).plugin.expect("a room with a notice has a plugin");
+        let plugin = self.room_at(slot).plugin().expect("a room with a notice has a plugin");
         // Resolve every source key first (nothing changes on error), then map without a copy.
         let mut bytes = 0u64;
         let mut cached: Option<(RegionId, kvgate_abi::LocalKey)> = None;
@@ -318,11 +319,6 @@ impl Core {
         target.cursor_offset = cursor_offset;
         target.filled += bytes;
         target.last_seen = last;
-        if target.chunks.capacity() == 0 {
-            // Most parts are one chunk: start with room for one (a push would reserve four);
-            // later pushes grow the usual amortised way.
-            target.chunks.reserve_exact(1);
-        }
         target.chunks.push(ChunkXfer { xfer: 0, bytes, state: XferState::InFlight });
         Ok(segments)
     }
@@ -335,7 +331,7 @@ impl Core {
         let transfer_deadline = self.timer_deadline(slot, TimerKind::Transfer).unwrap_or(now);
         let timeout = Nanos(transfer_deadline.saturating_sub(now).0.max(1_000_000));
         let room = self.room_mut(slot);
-        let plugin = room.plugin.expect("submitting room has a plugin");
+        let plugin = room.plugin().expect("submitting room has a plugin");
         let peer = room.peer().expect("submitting room has a peer");
         room.in_flight += 1;
         room.touch(now, LastEvent::Submitted);

@@ -1,4 +1,5 @@
-//! The `Core` state machine: rooms in a slab, keys in a fast hash, deadlines in one timer wheel.
+//! The `Core` state machine: rooms in a slab, keys in a fast hash, deadlines in one timer wheel
+//! (at most one entry per room, at its earliest deadline) plus a FIFO of tombstone expiries.
 //! Inputs are `handle_*(now, ..)`, outputs `poll_command()` / `poll_timeout()`; it never does IO,
 //! never reads a clock and never calls a plugin. Cost per event does not depend on the room count.
 
@@ -15,7 +16,7 @@ use crate::config::{ConfigError, CoreConfig};
 use crate::metrics::{LateSource, Metrics};
 use crate::table::{transition, IllegalTransition, RoomInput};
 use crate::timer::TimerKind;
-use crate::wheel::{TimerHandle, Wheel};
+use crate::wheel::{TimerHandle, Wheel, TICK_NS};
 use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
 use room::{Room, Slot, NIL};
 use rustc_hash::FxHashMap;
@@ -72,6 +73,19 @@ enum Lookup {
     Newer,
 }
 
+/// Most emptied sender part lists kept for reuse, and the largest capacity kept.
+const SPARE_SEND_PARTS: usize = 64;
+const SPARE_SEND_PARTS_CAPACITY: usize = 4;
+
+/// The payload of a room's wheel entry: its slot and the slot's epoch.
+fn encode_entry(slot: u32, epoch: u32) -> u64 {
+    ((slot as u64) << 32) | epoch as u64
+}
+
+fn decode_entry(payload: u64) -> (u32, u32) {
+    ((payload >> 32) as u32, payload as u32)
+}
+
 /// One gateway's scheduler. Deterministic: the same inputs give the same outputs.
 pub struct Core {
     config: CoreConfig,
@@ -90,7 +104,13 @@ pub struct Core {
     next_xfer: u64,
     next_ticket: u64,
     live_rooms: u64,
-    tombstone_fifo: VecDeque<(u32, u32)>,
+    /// Settled rooms in settle order with their expiry (slot, epoch, expiry): every tombstone
+    /// lives `tombstone_ttl_ms`, so this is expiry order too; the oldest is evicted first.
+    tombstone_fifo: VecDeque<(u32, u32, Nanos)>,
+    /// Emptied part lists of dropped sender rooms, reused by new ones (at most
+    /// `SPARE_SEND_PARTS` lists of at most `SPARE_SEND_PARTS_CAPACITY` parts: no heap block per
+    /// room in steady state).
+    spare_send_parts: Vec<Vec<room::SendPart>>,
     state_fifos: [VecDeque<(u32, u32, Nanos)>; RoomState::COUNT],
 }
 
@@ -114,6 +134,7 @@ impl Core {
             next_ticket: 1,
             live_rooms: 0,
             tombstone_fifo: VecDeque::new(),
+            spare_send_parts: Vec::new(),
             state_fifos: Default::default(),
         })
     }
@@ -190,20 +211,36 @@ impl Core {
     /// Fire every timer due at `now`. The driver drains plugin events and peer messages already
     /// received before calling it, so a completion already observable wins over a deadline.
     pub fn handle_timeout(&mut self, now: Nanos) {
+        let now_tick = now.0 / TICK_NS;
         while let Some(payload) = self.wheel.pop_expired(now) {
-            let (kind, slot, epoch) = TimerKind::decode(payload);
-            let Some(room) = self.slots.get_mut(slot as usize).and_then(|s| {
-                if s.epoch & 0x0FFF_FFFF == epoch {
-                    s.room.as_mut()
-                } else {
-                    None
-                }
-            }) else {
+            let (slot, epoch) = decode_entry(payload);
+            if !self.slot_is(slot, epoch) {
                 debug_assert!(false, "timer for a vanished room");
                 continue;
-            };
-            room.timers[kind.index()] = NIL;
-            self.on_timer(now, slot, kind);
+            }
+            self.room_mut(slot).wheel_entry = NIL;
+            // Fire the room's due timers earliest first; a handler may disarm the others.
+            loop {
+                let Some(kind) = self.room_at(slot).due_timer(now_tick) else { break };
+                self.room_mut(slot).armed &= !kind.bit();
+                self.on_timer(now, slot, kind);
+                if !self.slot_is(slot, epoch) {
+                    break;
+                }
+            }
+            if self.slot_is(slot, epoch) {
+                self.sync_wheel_entry(slot);
+            }
+        }
+        // Tombstones expire in FIFO order (`tombstone_ttl_ms` after they settled).
+        while let Some(&(slot, epoch, expiry)) = self.tombstone_fifo.front() {
+            if Wheel::tick_of(expiry) > now_tick {
+                break;
+            }
+            self.tombstone_fifo.pop_front();
+            debug_assert!(self.slot_is(slot, epoch), "the tombstone FIFO names only held tombstones");
+            self.room_mut(slot).touch(now, LastEvent::TimerFired);
+            self.drop_room(slot);
         }
     }
 
@@ -215,7 +252,11 @@ impl Core {
     /// When the core next needs `handle_timeout` (None: no timer armed). It may be a little early
     /// (a wheel level boundary): calling `handle_timeout` then is cheap and correct.
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        self.wheel.next_deadline()
+        let tombstone = self.tombstone_fifo.front().map(|&(_, _, expiry)| Wheel::fire_time(expiry));
+        match (self.wheel.next_deadline(), tombstone) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     pub fn metrics(&self) -> &Metrics {
@@ -227,10 +268,11 @@ impl Core {
         self.live_rooms
     }
 
-    /// Timers armed in the wheel (for leak checks: 0 once every room is dropped).
+    /// Timer entries held: wheel entries (at most one per room) plus tombstone expiries (for leak
+    /// checks: 0 once every room is dropped).
     pub fn armed_timers(&self) -> usize {
         debug_assert_eq!(self.wheel.is_empty(), self.wheel.len() == 0);
-        self.wheel.len()
+        self.wheel.len() + self.tombstone_fifo.len()
     }
 
     /// Rooms held in the slab (live, quarantined and tombstoned).
@@ -249,7 +291,8 @@ impl Core {
             TimerKind::Room => self.fail_room(now, slot, RoomInput::RoomTimer, FailReason::RoomTimeout, None, None),
             TimerKind::PluginGrace => self.plugin_grace_expired(now, slot),
             TimerKind::Quarantine => self.release_quarantine(now, slot, RoomInput::QuarantineTimer, ReleaseCause::QuarantineTimeout),
-            TimerKind::Tombstone => self.drop_room(slot),
+            // Tombstones expire from the tombstone FIFO (`handle_timeout`), never from the wheel.
+            TimerKind::Tombstone => unreachable!("a tombstone expiry in the wheel"),
         }
     }
 
@@ -363,57 +406,89 @@ impl Core {
         Ok(to)
     }
 
-    /// Arm (or re-arm, reusing the wheel entry) the room's timer of `kind`.
+    /// Whether `slot` holds a room and is at `epoch`.
+    fn slot_is(&self, slot: u32, epoch: u32) -> bool {
+        let entry = &self.slots[slot as usize];
+        entry.epoch == epoch && entry.room.is_some()
+    }
+
+    /// Arm (or re-arm) the room's timer of `kind` (never `Tombstone`: see `settle`). The room's one
+    /// wheel entry moves only when the new deadline comes before it.
     fn arm(&mut self, slot: u32, kind: TimerKind, deadline: Nanos) {
+        debug_assert!(kind != TimerKind::Tombstone);
         let entry = &mut self.slots[slot as usize];
-        let payload = kind.encode(slot, entry.epoch);
+        let epoch = entry.epoch;
         let room = entry.room.as_mut().expect("live slot");
-        let raw = room.timers[kind.index()];
-        if raw != NIL {
-            self.wheel.rearm(TimerHandle::from_raw(raw), deadline, payload);
+        room.set_timer(kind, deadline);
+        if room.wheel_entry == NIL {
+            room.wheel_entry = self.wheel.insert(deadline, encode_entry(slot, epoch)).raw();
         } else {
-            room.timers[kind.index()] = self.wheel.insert(deadline, payload).raw();
+            let handle = TimerHandle::from_raw(room.wheel_entry);
+            if Wheel::tick_of(deadline) < self.wheel.tick(handle) {
+                self.wheel.rearm(handle, deadline, encode_entry(slot, epoch));
+            }
         }
     }
 
-    /// Disarm `from` and arm `to` at `deadline`, moving `from`'s wheel entry when `to` is not
-    /// armed yet (the same end state as `disarm` + `arm`, one relink instead of a release and an
-    /// insert).
+    /// Disarm `from` and arm `to` at `deadline`.
     fn move_timer(&mut self, slot: u32, from: TimerKind, to: TimerKind, deadline: Nanos) {
-        let entry = &mut self.slots[slot as usize];
-        let payload = to.encode(slot, entry.epoch);
-        let room = entry.room.as_mut().expect("live slot");
-        let (old, target) = (room.timers[from.index()], room.timers[to.index()]);
-        if old == NIL || target != NIL {
-            self.disarm(slot, from);
-            return self.arm(slot, to, deadline);
-        }
-        room.timers[from.index()] = NIL;
-        room.timers[to.index()] = old;
-        self.wheel.rearm(TimerHandle::from_raw(old), deadline, payload);
+        self.disarm(slot, from);
+        self.arm(slot, to, deadline);
     }
 
+    /// Disarm a timer: nothing moves in the wheel (the room's entry, if now early, finds nothing
+    /// due and is re-armed at the next deadline).
     fn disarm(&mut self, slot: u32, kind: TimerKind) {
-        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
-        let raw = std::mem::replace(&mut room.timers[kind.index()], NIL);
-        if raw != NIL {
-            self.wheel.cancel(TimerHandle::from_raw(raw));
-        }
+        self.room_mut(slot).armed &= !kind.bit();
     }
 
     /// Disarm several of the room's timers with one slab lookup.
     fn disarm_all(&mut self, slot: u32, kinds: &[TimerKind]) {
-        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
+        let room = self.room_mut(slot);
         for &kind in kinds {
-            let raw = std::mem::replace(&mut room.timers[kind.index()], NIL);
-            if raw != NIL {
+            room.armed &= !kind.bit();
+        }
+    }
+
+    /// After the room's wheel entry fired or its timers changed: the entry (if any) is at its
+    /// earliest armed deadline, or released when none is armed.
+    fn sync_wheel_entry(&mut self, slot: u32) {
+        let epoch = self.epoch(slot);
+        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
+        match (room.earliest_wheel_deadline(), room.wheel_entry) {
+            (None, NIL) => {}
+            (None, raw) => {
                 self.wheel.cancel(TimerHandle::from_raw(raw));
+                room.wheel_entry = NIL;
+            }
+            (Some(deadline), NIL) => room.wheel_entry = self.wheel.insert(deadline, encode_entry(slot, epoch)).raw(),
+            (Some(deadline), raw) => {
+                let handle = TimerHandle::from_raw(raw);
+                if Wheel::tick_of(deadline) != self.wheel.tick(handle) {
+                    self.wheel.rearm(handle, deadline, encode_entry(slot, epoch));
+                }
             }
         }
     }
 
     fn timer_deadline(&self, slot: u32, kind: TimerKind) -> Option<Nanos> {
-        self.room_at(slot).timer(kind).map(|handle| self.wheel.deadline(handle))
+        self.room_at(slot).timer(kind)
+    }
+
+    /// An empty part list for a new sender room (a reused one when there is one).
+    fn spare_send_parts(&mut self) -> Vec<room::SendPart> {
+        self.spare_send_parts.pop().unwrap_or_default()
+    }
+
+    /// Keep a dropped sender room's part list for reuse (small ones, a bounded number of them).
+    fn recycle_send_parts(&mut self, mut parts: Vec<room::SendPart>) {
+        if parts.capacity() != 0
+            && parts.capacity() <= SPARE_SEND_PARTS_CAPACITY
+            && self.spare_send_parts.len() < SPARE_SEND_PARTS
+        {
+            parts.clear();
+            self.spare_send_parts.push(parts);
+        }
     }
 
     // CONFORMANCE: ABORT-8

@@ -53,7 +53,7 @@ impl Core {
         if room.last_event != LastEvent::Aborted {
             room.touch(now, LastEvent::Failed);
         }
-        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin);
+        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin());
         let mut dropped_held = 0u64;
         match &mut room.data {
             RoleData::Sender { parts, .. } => {
@@ -128,7 +128,7 @@ impl Core {
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace]);
         self.metrics.rooms_succeeded += 1;
         let room = self.slots[slot as usize].room.as_mut().expect("live slot");
-        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin);
+        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin());
         let elapsed = now.saturating_sub(room.created);
         self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed }));
         self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight }));
@@ -215,22 +215,26 @@ impl Core {
     }
 
     /// A terminal room whose memory is reusable: remember it as a tombstone, bounded in time and count.
+    /// Its expiry joins the tombstone FIFO (one constant ttl: settle order is expiry order; a clock
+    /// that steps back never puts an expiry before the one ahead of it).
     fn settle(&mut self, now: Nanos, slot: u32) {
-        self.arm(slot, TimerKind::Tombstone, now.saturating_add(Nanos::from_ms(self.config.tombstone_ttl_ms)));
+        let mut expiry = now.saturating_add(Nanos::from_ms(self.config.tombstone_ttl_ms));
+        if let Some(&(_, _, last)) = self.tombstone_fifo.back() {
+            expiry = expiry.max(last);
+        }
         let epoch = self.epoch(slot);
-        self.tombstone_fifo.push_back((slot, epoch));
+        {
+            let room = self.room_mut(slot);
+            room.set_timer(TimerKind::Tombstone, expiry);
+        }
+        // Nothing else is armed once settled: this releases the room's wheel entry.
+        debug_assert_eq!(self.room_at(slot).earliest_wheel_deadline(), None);
+        self.sync_wheel_entry(slot);
+        self.tombstone_fifo.push_back((slot, epoch, expiry));
         self.metrics.tombstones += 1;
-        while let Some(&(old, old_epoch)) = self.tombstone_fifo.front() {
-            let current = self.epoch(old) == old_epoch
-                && self.slots[old as usize].room.as_ref().is_some_and(|r| matches!(r.state, RoomState::Succeeded | RoomState::Failed));
-            if !current {
-                self.tombstone_fifo.pop_front();
-                continue;
-            }
-            if self.metrics.tombstones <= self.config.max_tombstones {
-                break;
-            }
-            self.tombstone_fifo.pop_front();
+        while self.metrics.tombstones > self.config.max_tombstones {
+            let Some((old, old_epoch, _)) = self.tombstone_fifo.pop_front() else { break };
+            debug_assert!(self.slot_is(old, old_epoch), "the tombstone FIFO names only held tombstones");
             self.metrics.tombstones_evicted += 1;
             self.drop_room(old);
         }
@@ -241,7 +245,7 @@ impl Core {
     pub(super) fn create_tombstone(&mut self, now: Nanos, key: RoomKey, role: Role, reason: FailReason) {
         let data = match role {
             Role::Sender => RoleData::Sender { notice: false, parts: Vec::new() },
-            Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: Box::default() },
+            Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: SmallVec::new() },
         };
         let mut room = Room::new(key, role, RoomState::Failed, now, data);
         room.tombstone_only = true;
@@ -252,9 +256,11 @@ impl Core {
         self.settle(now, slot);
     }
 
-    /// Forget a settled room entirely (tombstone expired or evicted).
+    /// Forget a settled room entirely (tombstone expired or evicted; the caller took it off the
+    /// tombstone FIFO).
     pub(super) fn drop_room(&mut self, slot: u32) {
         self.disarm_all(slot, &TimerKind::ALL);
+        self.sync_wheel_entry(slot);
         self.unlink_peer(slot);
         let entry = &mut self.slots[slot as usize];
         let room = entry.room.take().expect("drop of a live slot");
@@ -283,7 +289,10 @@ impl Core {
         if matches!(room.state, RoomState::Succeeded | RoomState::Failed) {
             self.metrics.tombstones -= 1;
         }
-        debug_assert!(room.timers.iter().all(|&t| t == NIL));
+        debug_assert!(room.armed == 0 && room.wheel_entry == NIL);
+        if let RoleData::Sender { parts, .. } = room.data {
+            self.recycle_send_parts(parts);
+        }
         self.free_slots.push(slot);
     }
 }

@@ -68,8 +68,7 @@ impl Core {
         }
         let room = self.room_mut(slot);
         debug_assert!(!room.in_peer_list);
-        room.set_peer(peer);
-        room.plugin = Some(plugin);
+        room.set_peer(peer, plugin);
         room.peer_prev = NIL;
         room.peer_next = head;
         room.in_peer_list = true;
@@ -254,7 +253,7 @@ impl Core {
                 if let Lookup::Older(old) = lookup {
                     self.supersede(now, old);
                 }
-                let data = RoleData::Sender { notice: false, parts: Vec::new() };
+                let data = RoleData::Sender { notice: false, parts: self.spare_send_parts() };
                 let mut room = super::room::Room::new(key, Role::Sender, RoomState::WaitingSend, now, data);
                 room.deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
                 let deadline = room.deadline;
@@ -315,14 +314,14 @@ impl Core {
         parts.resize(notice_parts.len(), SendPart::default());
         let mut bytes_total = 0;
         for ((part, notice_part), ticket) in parts.iter_mut().zip(&notice_parts).zip(tickets) {
-            let mut dest = Vec::with_capacity(notice_part.len());
+            let mut dest = smallvec::SmallVec::with_capacity(notice_part.len());
             let mut total = 0u64;
             for slice in notice_part {
                 let (_, key) = remote[&slice.region];
                 dest.push(DestSlice { key, offset: slice.offset, len: slice.len });
                 total += slice.len;
             }
-            part.dest = dest.into_boxed_slice();
+            part.dest = dest;
             part.dest_total = total;
             part.ticket = ticket;
             bytes_total += total;

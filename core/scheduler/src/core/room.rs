@@ -3,7 +3,7 @@
 
 use crate::api::*;
 use crate::timer::TimerKind;
-use crate::wheel::TimerHandle;
+use crate::wheel::Wheel;
 use kvgate_abi::{PeerId, RemoteKey, Ticket};
 use smallvec::SmallVec;
 
@@ -50,8 +50,8 @@ pub(crate) struct DestSlice {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct SendPart {
     pub ticket: Ticket,
-    /// Boxed: set once from the expect notice (8 bytes smaller than a Vec).
-    pub dest: Box<[DestSlice]>,
+    /// Set once from the expect notice; one slice inline (no heap block in the common case).
+    pub dest: SmallVec<[DestSlice; 1]>,
     pub dest_total: u64,
     /// Bytes of the destination stream already claimed by accepted chunks.
     pub filled: u64,
@@ -61,7 +61,8 @@ pub(crate) struct SendPart {
     pub last_seen: bool,
     pub chunks_succeeded: u32,
     pub done: bool,
-    pub chunks: Vec<ChunkXfer>,
+    /// One chunk inline (most parts are one chunk), more spill to the heap.
+    pub chunks: SmallVec<[ChunkXfer; 1]>,
     /// Chunks accepted before the notice; one inline, more spill to the heap.
     pub held: SmallVec<[HeldChunk; 1]>,
 }
@@ -76,8 +77,9 @@ pub(crate) struct RecvPart {
 #[derive(Clone, Debug)]
 pub(crate) enum RoleData {
     Sender { notice: bool, parts: Vec<SendPart> },
-    /// Boxed: a receiver's part list never changes length (8 bytes smaller than a Vec).
-    Receiver { ticket_base: u64, parts: Box<[RecvPart]> },
+    /// One part inline (no heap block per room in the common case); a receiver's part list
+    /// never changes length.
+    Receiver { ticket_base: u64, parts: SmallVec<[RecvPart; 1]> },
 }
 
 #[derive(Clone, Debug)]
@@ -89,13 +91,20 @@ pub(crate) struct Room {
     /// The bound peer's id, meaningful when `has_peer` (a flag, not an Option: 8 bytes less).
     peer_id: u64,
     has_peer: bool,
-    pub plugin: Option<PluginSlot>,
+    /// The bound peer's plugin instance, meaningful when `has_peer` (bound together).
+    plugin_slot: PluginSlot,
     pub created: Nanos,
     pub state_entered: Nanos,
     pub last_event_at: Nanos,
     /// The room's overall deadline.
     pub deadline: Nanos,
-    pub timers: [u32; TimerKind::COUNT],
+    /// Timer deadlines, meaningful when the kind's bit (`1 << kind`) is set in `armed`. Kinds that
+    /// are never armed together share a cell (see `timer_cell`); `Room` is `deadline`.
+    timer_at: [Nanos; 3],
+    pub armed: u8,
+    /// The room's one wheel entry (NIL: none), due no later than its earliest armed timer other
+    /// than `Tombstone` (tombstones expire from the core's tombstone FIFO).
+    pub wheel_entry: u32,
     /// Intrusive list of the live rooms of `peer`.
     pub peer_prev: u32,
     pub peer_next: u32,
@@ -125,12 +134,14 @@ impl Room {
             last_event: LastEvent::Created,
             peer_id: 0,
             has_peer: false,
-            plugin: None,
+            plugin_slot: PluginSlot(0),
             created: now,
             state_entered: now,
             last_event_at: now,
             deadline: now,
-            timers: [NIL; TimerKind::COUNT],
+            timer_at: [Nanos::ZERO; 3],
+            armed: 0,
+            wheel_entry: NIL,
             peer_prev: NIL,
             peer_next: NIL,
             in_peer_list: false,
@@ -151,14 +162,86 @@ impl Room {
         self.has_peer.then_some(PeerId(self.peer_id))
     }
 
-    pub fn set_peer(&mut self, peer: PeerId) {
+    /// The plugin instance used with the bound peer.
+    pub fn plugin(&self) -> Option<PluginSlot> {
+        self.has_peer.then_some(self.plugin_slot)
+    }
+
+    /// Bind the room to `peer` and the plugin instance used with it.
+    pub fn set_peer(&mut self, peer: PeerId, plugin: PluginSlot) {
         self.peer_id = peer.0;
+        self.plugin_slot = plugin;
         self.has_peer = true;
     }
 
-    pub fn timer(&self, kind: TimerKind) -> Option<TimerHandle> {
-        let raw = self.timers[kind.index()];
-        (raw != NIL).then(|| TimerHandle::from_raw(raw))
+    /// Where a kind's deadline lives: `Bootstrap` and `Transfer` are exclusive (the room's
+    /// bootstrap timer becomes its transfer timer), so are `Quarantine` and `Tombstone` (a room is
+    /// settled once released); `Room` (None) is the room's `deadline`.
+    fn timer_cell(kind: TimerKind) -> Option<usize> {
+        match kind {
+            TimerKind::Bootstrap | TimerKind::Transfer => Some(0),
+            TimerKind::PluginGrace => Some(1),
+            TimerKind::Quarantine | TimerKind::Tombstone => Some(2),
+            TimerKind::Room => None,
+        }
+    }
+
+    /// The raw deadline of `kind` (meaningful when armed).
+    fn timer_at(&self, kind: TimerKind) -> Nanos {
+        match Room::timer_cell(kind) {
+            Some(cell) => self.timer_at[cell],
+            None => self.deadline,
+        }
+    }
+
+    /// Arm `kind` at `deadline` (the room's own bookkeeping only: the core moves the wheel entry).
+    pub fn set_timer(&mut self, kind: TimerKind, deadline: Nanos) {
+        match Room::timer_cell(kind) {
+            Some(cell) => {
+                let sharing = match kind {
+                    TimerKind::Bootstrap => TimerKind::Transfer.bit(),
+                    TimerKind::Transfer => TimerKind::Bootstrap.bit(),
+                    TimerKind::Quarantine => TimerKind::Tombstone.bit(),
+                    TimerKind::Tombstone => TimerKind::Quarantine.bit(),
+                    _ => 0,
+                };
+                debug_assert_eq!(self.armed & sharing, 0, "{kind:?} armed with the timer sharing its cell");
+                self.timer_at[cell] = deadline;
+            }
+            None => self.deadline = deadline,
+        }
+        self.armed |= kind.bit();
+    }
+
+    /// The deadline of the room's timer of `kind`, if armed (rounded up to the wheel tick it
+    /// fires at).
+    pub fn timer(&self, kind: TimerKind) -> Option<Nanos> {
+        (self.armed & kind.bit() != 0).then(|| Wheel::fire_time(self.timer_at(kind)))
+    }
+
+    /// The due timer (tick at or before `now_tick`) that fires first, ties broken by kind order;
+    /// `Tombstone` excluded.
+    pub fn due_timer(&self, now_tick: u64) -> Option<TimerKind> {
+        let mut best: Option<(u64, TimerKind)> = None;
+        for kind in TimerKind::WHEEL {
+            if self.armed & kind.bit() == 0 {
+                continue;
+            }
+            let tick = Wheel::tick_of(self.timer_at(kind));
+            if tick <= now_tick && best.is_none_or(|(t, _)| tick < t) {
+                best = Some((tick, kind));
+            }
+        }
+        best.map(|(_, kind)| kind)
+    }
+
+    /// The earliest armed deadline other than `Tombstone`.
+    pub fn earliest_wheel_deadline(&self) -> Option<Nanos> {
+        TimerKind::WHEEL
+            .into_iter()
+            .filter(|kind| self.armed & kind.bit() != 0)
+            .map(|kind| self.timer_at(kind))
+            .min()
     }
 
     pub fn part_count(&self) -> u32 {

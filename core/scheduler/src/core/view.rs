@@ -10,7 +10,7 @@ impl Core {
     fn view_of(&self, now: Nanos, room: &Room) -> RoomView {
         let next_deadline = TimerKind::ALL
             .iter()
-            .filter_map(|&kind| room.timer(kind).map(|handle| self.wheel.deadline(handle)))
+            .filter_map(|&kind| room.timer(kind))
             .min();
         RoomView {
             room: room.key,
@@ -18,7 +18,7 @@ impl Core {
             state: room.state,
             age: now.saturating_sub(room.created),
             peer: room.peer().map(|peer| peer.0),
-            plugin: room.plugin,
+            plugin: room.plugin(),
             last_event: room.last_event,
             last_event_age: now.saturating_sub(room.last_event_at),
             next_deadline,
