@@ -4,6 +4,7 @@
 //! never reads a clock and never calls a plugin. Cost per event does not depend on the room count.
 
 mod engine;
+mod id_table;
 mod mapping;
 mod outcome;
 mod peer;
@@ -18,6 +19,7 @@ use crate::table::{transition, IllegalTransition, RoomInput};
 use crate::timer::TimerKind;
 use crate::wheel::{TimerHandle, Wheel, TICK_NS};
 use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
+use id_table::SequentialIdTable;
 use room::{Room, Slot, NIL};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
@@ -95,8 +97,9 @@ pub struct Core {
     /// Room id -> slot, one table per role (indexed by `role as usize`): an 8-byte key hashes
     /// faster and packs tighter than `(id, role)`.
     keys: [FxHashMap<u64, u32>; 2],
-    xfers: FxHashMap<u64, XferRef>,
-    tickets: FxHashMap<u64, TicketRef>,
+    /// Transfer id -> chunk, ticket -> part: both issued in increasing order.
+    xfers: SequentialIdTable<XferRef>,
+    tickets: SequentialIdTable<TicketRef>,
     peers: FxHashMap<PeerId, PeerEntry>,
     regions: FxHashMap<RegionId, LocalRegion>,
     wheel: Wheel,
@@ -124,8 +127,8 @@ impl Core {
             slots: Vec::new(),
             free_slots: Vec::new(),
             keys: Default::default(),
-            xfers: FxHashMap::default(),
-            tickets: FxHashMap::default(),
+            xfers: SequentialIdTable::default(),
+            tickets: SequentialIdTable::default(),
             peers: FxHashMap::default(),
             regions: FxHashMap::default(),
             wheel: Wheel::new(),

@@ -274,14 +274,14 @@ impl Core {
             RoleData::Sender { parts, .. } => {
                 for part in parts {
                     for chunk in &part.chunks {
-                        self.xfers.remove(&chunk.xfer);
+                        self.xfers.remove(chunk.xfer);
                     }
                     self.metrics.pending_sends -= part.held.len() as u64;
                 }
             }
             RoleData::Receiver { ticket_base, parts } => {
                 for index in 0..parts.len() as u64 {
-                    self.tickets.remove(&(ticket_base + index));
+                    self.tickets.remove(ticket_base + index);
                 }
             }
         }

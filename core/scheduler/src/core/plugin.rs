@@ -31,7 +31,7 @@ impl Core {
             }
             _ => {}
         }
-        let Some(&xref) = self.xfers.get(&event.xfer.0) else {
+        let Some(xref) = self.xfers.get(event.xfer.0) else {
             if event.xfer.0 != 0 && event.xfer.0 < self.next_xfer {
                 self.count_late(LateSource::Plugin);
             } else {
@@ -187,7 +187,7 @@ impl Core {
     /// Receiver-side events about an incoming ticket.
     fn incoming_event(&mut self, now: Nanos, event: &Event) {
         let ticket = event.xfer.0;
-        let Some(&tref) = self.tickets.get(&ticket) else {
+        let Some(tref) = self.tickets.get(ticket) else {
             if ticket != 0 && ticket < self.next_ticket {
                 self.count_late(LateSource::Plugin);
             } else {
