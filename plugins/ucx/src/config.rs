@@ -65,6 +65,10 @@ pub struct UcxConfig {
     /// before a warning is logged (the transfer stays unquiesced until the peer answers or dies: closing
     /// the endpoint would not stop bytes already in its buffers). Default 2000; 1..=600000.
     pub quiesce_timeout_ms: u64,
+    /// How long `shutdown` waits for receivers to confirm that the transfers it cancels can land nothing
+    /// more (those are reported `QUIESCED` before it returns; the rest end `FAILED` without it). Goodbye
+    /// messages and endpoint closes get their own small fixed bounds after it. Default 500; 0..=60000.
+    pub shutdown_grace_ms: u64,
 }
 
 impl Default for UcxConfig {
@@ -82,6 +86,7 @@ impl Default for UcxConfig {
             max_live_tickets: 65536,
             busy_poll_us: 200,
             quiesce_timeout_ms: 2000,
+            shutdown_grace_ms: 500,
         }
     }
 }
@@ -114,6 +119,7 @@ impl UcxConfig {
         check_range("max_live_tickets", self.max_live_tickets, 1, 1 << 20)?;
         check_range("busy_poll_us", self.busy_poll_us, 0, 100_000)?;
         check_range("quiesce_timeout_ms", self.quiesce_timeout_ms, 1, 600_000)?;
+        check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 60_000)?;
         for (key, value) in [("tls", &self.tls), ("devices", &self.devices), ("rndv_thresh", &self.rndv_thresh)] {
             if let Some(v) = value {
                 if v.trim().is_empty() || v.contains('\0') {
@@ -222,6 +228,7 @@ mod tests {
             ("max_live_tickets", 1, 1 << 20),
             ("busy_poll_us", 0, 100_000),
             ("quiesce_timeout_ms", 1, 600_000),
+            ("shutdown_grace_ms", 0, 60_000),
         ];
         for &(key, min, max) in cases {
             assert!(UcxConfig::parse(&format!("{key} = {min}")).is_ok(), "{key} at min");

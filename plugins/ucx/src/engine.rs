@@ -21,10 +21,13 @@ use std::time::{Duration, Instant};
 const SWEEP_INTERVAL_MS: u64 = 100;
 /// Most rounds of `ucp_worker_progress` per loop iteration before commands are looked at again.
 const MAX_PROGRESS_ROUNDS_PER_ITERATION: u32 = 64;
-/// How long shutdown waits for UCX to hand back closed endpoints and cancelled requests.
-const SHUTDOWN_DRAIN_MS: u64 = 2000;
-/// How long shutdown waits for its goodbye messages to leave.
+/// How long shutdown waits for its goodbye messages to leave (after `shutdown_grace_ms`).
 const GOODBYE_MS: u64 = 100;
+/// How long shutdown waits for UCX to hand back the endpoint closes it started (after the goodbyes).
+const ENDPOINT_CLOSE_WAIT_MS: u64 = 200;
+/// How long a shutdown wait sleeps when a progress round found nothing to do (leaves the core to
+/// a receiver in the same process).
+const SHUTDOWN_IDLE_SLEEP_US: u64 = 50;
 
 struct PeerConn {
     ep: ucp_ep_h,
@@ -189,7 +192,7 @@ impl Engine {
         match command {
             Command::Connect { peer, worker_address } => self.connect(peer, &worker_address),
             Command::Disconnect { peer } => {
-                self.drop_peer(peer, "peer disconnected by the host", false, false);
+                self.drop_peer(peer, "peer disconnected by the host", false, false, true);
             }
             Command::Submit(job) => self.start(job),
             Command::Cancel(xfer) => self.fail(xfer.0, ReasonCode::CANCELLED, "cancelled by the host".into()),
@@ -201,7 +204,7 @@ impl Engine {
 
     fn connect(&mut self, peer: PeerId, address: &[u8]) {
         if self.peers.contains_key(&peer) {
-            self.drop_peer(peer, "peer reconnected (new incarnation)", false, false);
+            self.drop_peer(peer, "peer reconnected (new incarnation)", false, false, true);
         }
         let token = self.token();
         let try_peer_mode = !self.shared.config.shared_memory_only();
@@ -227,16 +230,16 @@ impl Engine {
     }
 
     /// Fail every transfer to `peer` with `PEER_LOST`, close its endpoint (by force where UCX allows)
-    /// and forget it. Its transfers quiesce once the close completes: nothing more can land then.
+    /// and forget it. With `close_quiesces`, its transfers quiesce once the close completes.
     /// `peer_gone`: the peer said goodbye or UCX declared it dead, so closing by force cannot upset it.
-    fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool, peer_gone: bool) {
+    fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool, peer_gone: bool, close_quiesces: bool) {
         let victims: Vec<u64> = self.xfers.iter().filter(|(_, x)| x.job.peer == peer).map(|(id, _)| *id).collect();
         for xfer in &victims {
             if let Some(x) = self.xfers.get_mut(xfer) {
                 x.next_segment = x.job.segments.len();
                 x.final_sent = true;
                 x.cancel_sent = true;
-                x.closing = true;
+                x.closing = close_quiesces;
             }
             self.fail(*xfer, ReasonCode::PEER_LOST, why.to_string());
         }
@@ -251,7 +254,8 @@ impl Engine {
             match ucp::close_ep(conn.ep, force, Some(receiver::send_done), token) {
                 Posted::Pending(request) => {
                     closed_at_once = false;
-                    let kind = ReqKind::Close { xfers: victims.clone() };
+                    let xfers = if close_quiesces { victims.clone() } else { Vec::new() };
+                    let kind = ReqKind::Close { xfers };
                     self.requests.insert(token, Req { request, kind, _header: Vec::new() });
                 }
                 Posted::Done => {}
@@ -260,7 +264,7 @@ impl Engine {
                 }
             }
         }
-        if closed_at_once {
+        if closed_at_once && close_quiesces {
             self.closed(&victims);
         }
         if announce_down {
@@ -590,7 +594,7 @@ impl Engine {
                     p.down = true;
                 }
                 if self.peers.contains_key(&peer) {
-                    self.drop_peer(peer, &format!("peer {} shut down", peer.0), true, true);
+                    self.drop_peer(peer, &format!("peer {} shut down", peer.0), true, true, true);
                 }
             }
         }
@@ -607,7 +611,7 @@ impl Engine {
                     p.down = true;
                 }
                 let why = format!("UCX endpoint to peer {} failed: {}", peer.0, ucp::status_text(status));
-                self.drop_peer(peer, &why, true, true);
+                self.drop_peer(peer, &why, true, true, true);
             }
         }
         for notice in notices {
@@ -738,6 +742,22 @@ impl Engine {
         }
     }
 
+    /// Progress the worker (completions, replies, peers' messages) until `done` or `until`.
+    fn progress_until(&mut self, until: Instant, done: impl Fn(&Engine) -> bool) {
+        while !done(self) && Instant::now() < until {
+            let mut activity = false;
+            let mut rounds = 0;
+            while rounds < MAX_PROGRESS_ROUNDS_PER_ITERATION && self.worker.progress() > 0 {
+                rounds += 1;
+                activity = true;
+            }
+            activity |= self.drain();
+            if !activity {
+                std::thread::sleep(Duration::from_micros(SHUTDOWN_IDLE_SLEEP_US));
+            }
+        }
+    }
+
     /// Tell every peer this instance is going away, waiting at most `GOODBYE_MS` for the messages to leave.
     fn say_goodbye(&mut self) {
         let bye = wire::encode_bye(self.shared.instance);
@@ -754,48 +774,45 @@ impl Engine {
             }
         }
         let until = Instant::now() + Duration::from_millis(GOODBYE_MS);
-        while Instant::now() < until && tokens.iter().any(|t| self.requests.contains_key(t)) {
-            self.worker.progress();
-            self.drain();
-        }
+        self.progress_until(until, |e| tokens.iter().all(|t| !e.requests.contains_key(t)));
     }
 
-    /// Fail everything, close every endpoint, wait (bounded) for UCX to return the requests.
+    /// Fail everything; report `QUIESCED` for what receivers confirm within `shutdown_grace_ms` (and
+    /// only for that: a frozen receiver may still apply what it holds, so the rest stay unquiesced);
+    /// say goodbye; close every endpoint; wait (bounded) for UCX to hand the requests back.
+    /// Every wait is bounded: `shutdown_grace_ms` + `GOODBYE_MS` + `ENDPOINT_CLOSE_WAIT_MS` in all.
     fn shutdown(&mut self) {
+        let grace_until = Instant::now() + Duration::from_millis(self.shared.config.shutdown_grace_ms);
         let live: Vec<u64> = self.xfers.keys().copied().collect();
         for xfer in &live {
             self.fail(*xfer, ReasonCode::SHUTDOWN, "plugin shutting down".into());
+            self.maybe_finish(*xfer);
         }
+        // Receivers answer the cancel messages (am) and flushes complete (put): those transfers quiesce.
+        self.progress_until(grace_until, |e| e.xfers.is_empty());
         self.say_goodbye();
         let peers: Vec<PeerId> = self.peers.keys().copied().collect();
         for peer in peers {
-            self.drop_peer(peer, "plugin shutting down", false, false);
+            self.drop_peer(peer, "plugin shutting down", false, false, false);
         }
-        let until = Instant::now() + Duration::from_millis(SHUTDOWN_DRAIN_MS);
-        while Instant::now() < until {
-            self.worker.progress();
-            self.drain();
-            let closes_done = self
-                .requests
-                .iter()
-                .filter(|(_, r)| matches!(r.kind, ReqKind::Other | ReqKind::Close { .. }))
-                .all(|(_, r)| unsafe { kvgate_ucx_sys::ucp_request_check_status(r.request) } != ucs_status_t::UCS_INPROGRESS);
-            if closes_done && self.xfers.values().all(|x| x.posted == 0) && self.receiver.borrow().pending_receives() == 0 {
-                break;
-            }
-            std::thread::sleep(Duration::from_micros(200));
+        let close_until = Instant::now() + Duration::from_millis(ENDPOINT_CLOSE_WAIT_MS);
+        self.progress_until(close_until, |e| {
+            let closes_done = e.requests.values().all(|r| !matches!(r.kind, ReqKind::Close { .. }));
+            closes_done && e.receiver.borrow().pending_receives() == 0
+        });
+        // What no receiver confirmed stays unquiesced: the host's quarantine bound decides for it.
+        let unconfirmed: Vec<u64> = self.xfers.keys().copied().collect();
+        for xfer in unconfirmed {
+            let x = self.xfers.remove(&xfer).expect("listed above");
+            tracing::warn!(
+                reason = "quiesce_unconfirmed",
+                xfer,
+                peer = x.job.peer.0,
+                "ucx transfer {xfer} not confirmed quiesced within shutdown_grace_ms = {}: no QUIESCED is reported for it",
+                self.shared.config.shutdown_grace_ms
+            );
         }
-        // Endpoints are closed: nothing more can land for what is left.
-        let left: Vec<u64> = self.xfers.keys().copied().collect();
-        for xfer in left {
-            if let Some(x) = self.xfers.get_mut(&xfer) {
-                x.awaiting_reply = false;
-                x.flush_done = true;
-                x.closing = false;
-                x.posted = 0;
-            }
-            self.maybe_finish(xfer);
-        }
+        self.shared.lock().unquiesced_xfers.clear();
         // UCX must get every request back before the worker is destroyed; one still in progress is
         // released by UCX itself when it completes.
         for (_, req) in self.requests.drain() {
