@@ -140,7 +140,11 @@ fn pki(ca_name: &str) -> (rcgen::Issuer<'static, rcgen::KeyPair>, String) {
 }
 
 fn leaf(issuer: &rcgen::Issuer<'static, rcgen::KeyPair>, ca_pem: &str) -> Pki {
-    let params = rcgen::CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    leaf_named(issuer, ca_pem, "localhost")
+}
+
+fn leaf_named(issuer: &rcgen::Issuer<'static, rcgen::KeyPair>, ca_pem: &str, name: &str) -> Pki {
+    let params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
     let key = rcgen::KeyPair::generate().unwrap();
     let cert = params.signed_by(&key, issuer).unwrap();
     Pki { ca_pem: ca_pem.to_string(), cert_pem: cert.pem(), key_pem: key.serialize_pem() }
@@ -194,6 +198,37 @@ async fn peer_links_use_mutual_tls_and_refuse_a_certificate_from_another_ca() {
     }
     let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
     let err = decode.expect(room_key(701, 0), PREFILL_NAME, vec![vec![slice(1, 0, 1)]], 0).await.unwrap_err();
+    assert_eq!(reason_of(&err).as_deref(), Some("peer_not_connected"), "{err:?}");
+    pair.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_certificate_from_the_right_ca_but_for_another_name_is_refused() {
+    let _serial = serial();
+    let dir = work_dir();
+    let (cluster_ca, cluster_ca_pem) = pki("kvgate cluster CA");
+    let prefill_cert = leaf(&cluster_ca, &cluster_ca_pem);
+    // Signed by the cluster CA, but for a name the prefill gateway does not expect for `decode`
+    // (its `peers.tls_name` is "localhost"): any gateway of the cluster could otherwise claim to be
+    // any other in its Hello. The decode gateway dials (its name sorts first), prefill checks.
+    let impostor_cert = leaf_named(&cluster_ca, &cluster_ca_pem, "impostor.kv.internal");
+    let settings = PairSettings {
+        extra_prefill: tls_toml(dir.path(), "prefill", &prefill_cert, &cluster_ca_pem),
+        extra_decode: tls_toml(dir.path(), "decode", &impostor_cert, &cluster_ca_pem),
+        wait_for_peers: false,
+        ..PairSettings::default()
+    };
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for g in [&pair.prefill, &pair.decode] {
+        let (_, body) = kvgate::demo::http::get(&g.admin, "/plugins").await.unwrap();
+        assert!(body.contains("\"up\":false") && !body.contains("\"up\":true"), "{}: {body}", g.name);
+    }
+    let log = pair.prefill.log();
+    assert!(log.contains("peer_identity_mismatch"), "the refusal is logged with its reason code: {log}");
+    assert!(log.contains("expected_name") && log.contains("localhost"), "the refusal names the expected name: {log}");
+    let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
+    let err = decode.expect(room_key(702, 0), PREFILL_NAME, vec![vec![slice(1, 0, 1)]], 0).await.unwrap_err();
     assert_eq!(reason_of(&err).as_deref(), Some("peer_not_connected"), "{err:?}");
     pair.stop();
 }

@@ -1,5 +1,6 @@
 //! The `PeerLink` gRPC service: accepts links dialled by peers whose name sorts before ours, checks
-//! their Hello, and hands the session to that peer's task. Never accepts an unknown peer.
+//! their Hello (and, with TLS, that their certificate names the peer the Hello claims to be), and
+//! hands the session to that peer's task. Never accepts an unknown peer.
 
 use super::session::Session;
 use super::LocalIdentity;
@@ -32,6 +33,7 @@ impl PeerLink for PeerLinkService {
     type LinkStream = FrameStream;
 
     async fn link(&self, request: Request<Streaming<PeerFrame>>) -> Result<Response<FrameStream>, Status> {
+        let client_certs = request.peer_certs();
         let mut inbound = request.into_inner();
         let timeout = Duration::from_millis(self.config.peer_link.connect_timeout_ms);
         let first = tokio::time::timeout(timeout, inbound.message())
@@ -51,6 +53,18 @@ impl PeerLink for PeerLinkService {
             tracing::warn!(peer = %hello.name, "refused a peer link from an unconfigured or dialling peer");
             return Err(Status::permission_denied(format!("unknown_peer: {:?} is not a configured peer that dials this gateway", hello.name)));
         };
+        if self.config.peer_link.tls.is_some() {
+            let entry = self.config.peers.iter().find(|p| p.name == hello.name).expect("a configured peer (checked above)");
+            let expected = super::tls_name(entry);
+            let leaf = client_certs.as_ref().and_then(|certs| certs.first().cloned());
+            if let Err(why) = super::tls::check_certificate_name(leaf.as_ref(), &expected) {
+                tracing::warn!(peer = %hello.name, expected_name = %expected, "refused a peer link (peer_identity_mismatch): {why}");
+                return Err(Status::permission_denied(format!(
+                    "peer_identity_mismatch: the certificate of {:?} is not valid for {expected:?} (peers.tls_name): {why}",
+                    hello.name
+                )));
+            }
+        }
         let (tx, rx) = mpsc::channel(self.config.peer_link.send_queue_frames as usize);
         tx.send(self.identity.hello_to(&hello.name)).await.map_err(|_| Status::internal("link closed"))?;
         session_tx.send(Session { hello, inbound, outbound: tx }).await.map_err(|_| Status::unavailable("gateway stopping"))?;
