@@ -1,11 +1,23 @@
 //! The UCX plugin against `ucx_perftest` (Debian ucx-utils) in the same run: same transport, message
-//! size, message count and direction (client/sender → server/receiver on 127.0.0.1), ratio printed.
-//! TCP and shared memory: the plugin moves active messages (its `auto` mode there) and is compared
-//! with `ucp_am_bw`; `sm-put`: the plugin forced to put + flush, compared with `ucp_put_bw`.
+//! size, message count, direction (client/sender → server/receiver) and window (`ucx_perftest -O W`
+//! outstanding sends; the plugin keeps W transfers of one segment in flight), ratio printed.
+//! TCP and shared memory: the plugin moves active messages (its `auto` mode there; rendezvous above
+//! UCX's threshold, received straight into the registered destination with `ucp_am_recv_data_nbx`,
+//! over CMA on shared memory) and is compared with `ucp_am_bw`, which does the same (`am_rndv_recv`).
+//! `sm-put`: the plugin forced to put + flush, compared with `ucp_put_bw` (not a target: see README).
+//! What differs and cannot be made equal: `ucx_perftest` busy-polls one thread per process on both
+//! sides; the plugin runs both instances in this process, each with its own progress thread that
+//! polls `busy_poll_us` after activity and then sleeps on the worker's event fd, and a transfer
+//! counts only once the receiver's reply arrives (the reference counts a send once UCX completes it).
+//! Each point is measured `KVGATE_UCX_BENCH_REPEAT` times, reference and plugin alternating; the
+//! median ratio is reported with the smallest and largest, and the load average before and after.
 //!
 //! `cargo bench -p kvgate-plugin-ucx --bench ucx_vs_perftest`
 //! Environment: `KVGATE_UCX_BENCH_BYTES` (bytes per measurement, default 512 MiB),
-//! `KVGATE_UCX_BENCH_WINDOW` (plugin transfers in flight, default 8), `KVGATE_UCX_BENCH_ONLY` (`tcp`|`sm`|`sm-put`).
+//! `KVGATE_UCX_BENCH_WINDOW` (messages in flight on both sides, default 8),
+//! `KVGATE_UCX_BENCH_REPEAT` (measurements per point, default 3),
+//! `KVGATE_UCX_BENCH_ONLY` (`tcp`|`sm`|`sm-put`), `KVGATE_UCX_BENCH_SIZES` (bytes, comma-separated),
+//! `KVGATE_UCX_BENCH_PLUGIN_EXTRA` (TOML lines appended to the plugin's config, e.g. `busy_poll_us = 0`).
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, PluginFactory, Sink};
 use kvgate_abi::*;
@@ -57,10 +69,11 @@ fn free_port() -> u16 {
 }
 
 /// ucx_perftest server + client; the client's overall bandwidth in GB/s (UCX prints MiB/s as "MB/s").
-fn perftest(t: &Transport, size: usize, iters: u64) -> Result<f64, String> {
+fn perftest(t: &Transport, size: usize, iters: u64, window: u64) -> Result<f64, String> {
     let port = free_port().to_string();
     let (size_s, iters_s, warmup) = (size.to_string(), iters.to_string(), (iters / 10).max(10).to_string());
-    let args = ["-t", t.perftest_test, "-s", &size_s, "-n", &iters_s, "-w", &warmup, "-p", &port, "-f"];
+    let window_s = window.to_string();
+    let args = ["-t", t.perftest_test, "-s", &size_s, "-n", &iters_s, "-w", &warmup, "-O", &window_s, "-p", &port, "-f"];
     let timeout = PERFTEST_TIMEOUT_S.to_string();
     let mut server = Command::new("timeout")
         .arg(&timeout)
@@ -95,14 +108,15 @@ fn perftest(t: &Transport, size: usize, iters: u64) -> Result<f64, String> {
 
 /// The plugin: two instances in this process, `iters` transfers of `size` bytes from A to B with
 /// `window` in flight; GB/s from the first submit to the last `SUCCEEDED`.
-fn plugin(t: &Transport, size: usize, iters: u64, window: u64) -> Result<f64, String> {
+fn plugin(t: &Transport, size: usize, iters: u64, window: u64, extra: &str) -> Result<f64, String> {
+    let config = format!("{}{extra}\n", t.plugin_config);
     let (tx_a, rx_a) = mpsc::channel::<Event>();
     let sink_a = Sink::new(sink_from_fn(move |e| {
         let _ = tx_a.send(e);
     }));
     let sink_b = Sink::new(sink_from_fn(|_e| {}));
-    let a = UcxFactory::open(t.plugin_config, sink_a).map_err(|e| e.to_string())?;
-    let b = UcxFactory::open(t.plugin_config, sink_b).map_err(|e| e.to_string())?;
+    let a = UcxFactory::open(&config, sink_a).map_err(|e| e.to_string())?;
+    let b = UcxFactory::open(&config, sink_b).map_err(|e| e.to_string())?;
     a.connect(PeerId(2), &b.local_endpoint()).map_err(|e| e.to_string())?;
     b.connect(PeerId(1), &a.local_endpoint()).map_err(|e| e.to_string())?;
     let mut src = vec![0xa5u8; size];
@@ -155,34 +169,89 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64) -> Result<f64, St
     Ok((size as u64 * iters) as f64 / elapsed.as_secs_f64() / 1e9)
 }
 
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg").map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+}
+
+fn size_text(size: usize) -> String {
+    if size >= 1 << 20 && size % (1 << 20) == 0 {
+        format!("{} MiB", size >> 20)
+    } else {
+        format!("{} KiB", size >> 10)
+    }
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; `cargo test` runs benches with no flag only when asked: skip then.
     if !std::env::args().any(|a| a == "--bench") {
         return;
     }
     let total = env_u64("KVGATE_UCX_BENCH_BYTES", 512 << 20);
-    let window = env_u64("KVGATE_UCX_BENCH_WINDOW", 8);
+    let window = env_u64("KVGATE_UCX_BENCH_WINDOW", 8).max(1);
+    let repeat = env_u64("KVGATE_UCX_BENCH_REPEAT", 3).max(1);
     let only = std::env::var("KVGATE_UCX_BENCH_ONLY").ok();
-    println!("UCX plugin vs ucx_perftest, {} MiB per measurement, plugin window {window}", total >> 20);
-    println!("{:<5} {:<11} {:>9} {:>16} {:>12} {:>8}", "tls", "reference", "size", "ucx_perftest GB/s", "plugin GB/s", "ratio");
+    let extra = std::env::var("KVGATE_UCX_BENCH_PLUGIN_EXTRA").unwrap_or_default();
+    let sizes: Vec<usize> = std::env::var("KVGATE_UCX_BENCH_SIZES")
+        .ok()
+        .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
+        .unwrap_or_else(|| SIZES.to_vec());
+    println!(
+        "UCX plugin vs ucx_perftest, {} MiB per measurement, window {window} on both sides, {repeat} runs per point, load average {}",
+        total >> 20,
+        load_average()
+    );
+    if !extra.is_empty() {
+        println!("plugin config extra: {extra:?}");
+    }
+    println!(
+        "{:<6} {:<11} {:>7} {:>18} {:>18} {:>7} {:>15}",
+        "tls", "reference", "size", "ucx_perftest GB/s", "plugin GB/s", "ratio", "ratio min..max"
+    );
     let mut worst: Option<f64> = None;
     for t in TRANSPORTS.iter().filter(|t| only.as_deref().is_none_or(|o| o == t.name)) {
-        for &size in SIZES {
+        for &size in &sizes {
             let iters = (total / size as u64).max(16);
-            let reference = perftest(t, size, iters);
-            let ours = plugin(t, size, iters, window);
-            let size_text = if size >= 1 << 20 { format!("{} MiB", size >> 20) } else { format!("{} KiB", size >> 10) };
-            match (reference, ours) {
-                (Ok(r), Ok(p)) => {
-                    let ratio = p / r;
-                    worst = Some(worst.map_or(ratio, |w| w.min(ratio)));
-                    println!("{:<5} {:<11} {:>9} {:>16.2} {:>12.2} {:>7.0}%", t.name, t.perftest_test, size_text, r, p, ratio * 100.0);
+            let (mut references, mut ours, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+            let mut errors = Vec::new();
+            for _ in 0..repeat {
+                match (perftest(t, size, iters, window), plugin(t, size, iters, window, &extra)) {
+                    (Ok(r), Ok(p)) => {
+                        references.push(r);
+                        ours.push(p);
+                        ratios.push(p / r);
+                    }
+                    (r, p) => errors.push(format!("reference: {:?} plugin: {:?}", r.err(), p.err())),
                 }
-                (r, p) => println!("{:<5} {:<11} {:>9} reference: {:?} plugin: {:?}", t.name, t.perftest_test, size_text, r.err(), p.err()),
             }
+            if ratios.is_empty() {
+                println!("{:<6} {:<11} {:>7} failed: {}", t.name, t.perftest_test, size_text(size), errors.join("; "));
+                continue;
+            }
+            let (lowest, highest) = ratios.iter().fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+            let ratio = median(&mut ratios);
+            if t.name != "sm-put" {
+                worst = Some(worst.map_or(ratio, |w| w.min(ratio)));
+            }
+            println!(
+                "{:<6} {:<11} {:>7} {:>18.2} {:>18.2} {:>6.0}% {:>7.0}..{:.0}%{}",
+                t.name,
+                t.perftest_test,
+                size_text(size),
+                median(&mut references),
+                median(&mut ours),
+                ratio * 100.0,
+                lowest * 100.0,
+                highest * 100.0,
+                if errors.is_empty() { String::new() } else { format!(" ({} failed runs)", errors.len()) }
+            );
         }
     }
     if let Some(w) = worst {
-        println!("worst ratio {:.0}% (target >= 95%)", w * 100.0);
+        println!("worst median ratio {:.0}% over tcp and sm (target >= 95%); load average now {}", w * 100.0, load_average());
     }
 }

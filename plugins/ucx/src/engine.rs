@@ -125,7 +125,11 @@ impl Engine {
         let busy_poll = Duration::from_micros(self.shared.config.busy_poll_us);
         let mut last_activity = Instant::now();
         loop {
-            let commands: Vec<Command> = self.shared.lock().commands.drain(..).collect();
+            let commands: Vec<Command> = if self.shared.commands_pending.swap(false, Ordering::SeqCst) {
+                self.shared.lock().commands.drain(..).collect()
+            } else {
+                Vec::new()
+            };
             let mut activity = !commands.is_empty();
             for command in commands {
                 if let Command::Shutdown = command {
@@ -140,7 +144,10 @@ impl Engine {
                 activity = true;
             }
             activity |= self.drain();
-            self.pump_all();
+            if activity {
+                // A window opens only when something completed or arrived.
+                self.pump_all();
+            }
             let now = Instant::now();
             self.fire_timers(now);
             if now.duration_since(self.last_sweep) >= Duration::from_millis(SWEEP_INTERVAL_MS) {
@@ -177,11 +184,17 @@ impl Engine {
             wait = wait.min(at.saturating_duration_since(now));
         }
         let timeout_ms = wait.as_micros().div_ceil(1000) as i32;
+        self.shared.progress_thread_sleeping.store(true, Ordering::SeqCst);
+        if self.shared.commands_pending.load(Ordering::SeqCst) {
+            self.shared.progress_thread_sleeping.store(false, Ordering::SeqCst);
+            return;
+        }
         let mut fds = [
             libc::pollfd { fd: self.worker_fd, events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: self.shared.wake_fd, events: libc::POLLIN, revents: 0 },
         ];
         unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        self.shared.progress_thread_sleeping.store(false, Ordering::SeqCst);
         if fds[1].revents != 0 {
             let mut value: u64 = 0;
             unsafe { libc::read(self.shared.wake_fd, &mut value as *mut u64 as *mut c_void, 8) };
@@ -383,7 +396,7 @@ impl Engine {
         let param = ucp::send_param(
             Some(receiver::send_done),
             token,
-            ucp::ucp_send_am_flags::UCP_AM_SEND_FLAG_REPLY.0,
+            0,
             segment.local_memh as ucp::ucp_mem_h,
         );
         let posted = ucp::classify(unsafe {
@@ -421,7 +434,7 @@ impl Engine {
         let param = ucp::send_param(
             Some(receiver::send_done),
             token,
-            ucp::ucp_send_am_flags::UCP_AM_SEND_FLAG_REPLY.0,
+            0,
             std::ptr::null_mut(),
         );
         let posted = ucp::classify(unsafe {

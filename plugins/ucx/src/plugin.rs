@@ -100,6 +100,8 @@ impl PluginFactory for UcxFactory {
             context,
             worker_address,
             wake_fd,
+            commands_pending: AtomicBool::new(false),
+            progress_thread_sleeping: AtomicBool::new(false),
             healthy: AtomicBool::new(true),
             workers_alive: AtomicU64::new(0),
         });

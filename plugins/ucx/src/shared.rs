@@ -141,6 +141,10 @@ pub struct Shared {
     pub worker_address: Vec<u8>,
     /// eventfd the progress thread sleeps on next to the worker's fd.
     pub wake_fd: i32,
+    /// Set by `wake` after queueing a command; the progress thread takes the lock only when it is set.
+    pub commands_pending: AtomicBool,
+    /// Set by the progress thread while it sleeps (or is about to): only then does `wake` write `wake_fd`.
+    pub progress_thread_sleeping: AtomicBool,
     pub healthy: AtomicBool,
     pub workers_alive: AtomicU64,
 }
@@ -158,9 +162,16 @@ impl Shared {
         self.wake();
     }
 
+    /// Tell the progress thread a command is queued; the eventfd is written only when it sleeps.
+    /// (SeqCst on both flags: the thread sets `progress_thread_sleeping` and then reads
+    /// `commands_pending`; this sets `commands_pending` and then reads `progress_thread_sleeping`, so
+    /// at least one of the two sees the other.)
     pub fn wake(&self) {
-        let one: u64 = 1;
-        unsafe { libc::write(self.wake_fd, &one as *const u64 as *const libc::c_void, 8) };
+        self.commands_pending.store(true, Ordering::SeqCst);
+        if self.progress_thread_sleeping.load(Ordering::SeqCst) {
+            let one: u64 = 1;
+            unsafe { libc::write(self.wake_fd, &one as *const u64 as *const libc::c_void, 8) };
+        }
     }
 
     pub fn is_healthy(&self) -> bool {
