@@ -107,8 +107,8 @@ pub struct QuicConfig {
     /// Bytes staged per stream write (one copy out of the source region). Default 262144, range 4096..=16777216.
     pub write_chunk_bytes: usize,
     /// Staging buffers (`write_chunk_bytes` each) kept for reuse once quinn has dropped them, in bytes;
-    /// the rest are freed. Reuse spares the page faults of fresh memory on every chunk (measured: a
-    /// sixth of the sender's CPU at 64 KiB datagrams). Idle memory of an instance stays below this.
+    /// the rest are freed. Reuse spares the page faults of fresh memory on every chunk (measured on
+    /// loopback: a sixth of all the CPU a transfer took). Idle memory of an instance stays below this.
     /// Default 67108864 (64 MiB), range 0..=4294967296 (0 frees every buffer).
     pub staging_pool_bytes: u64,
     /// SO_RCVBUF / SO_SNDBUF requested for each UDP socket (the kernel caps it at `net.core.rmem_max`).

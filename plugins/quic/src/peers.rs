@@ -65,7 +65,16 @@ impl PeerEntry {
         let mut client_config = quinn::ClientConfig::new(Arc::new(quic_crypto));
         client_config.transport_config(shared.transport.clone());
         let (status, _) = watch::channel(PeerStatus::Idle);
-        Ok(PeerEntry { id, info, endpoint_bytes, status, incoming: Mutex::new(Vec::new()), client_config, removed: AtomicBool::new(false), next_connection: AtomicUsize::new(0) })
+        Ok(PeerEntry {
+            id,
+            info,
+            endpoint_bytes,
+            status,
+            incoming: Mutex::new(Vec::new()),
+            client_config,
+            removed: AtomicBool::new(false),
+            next_connection: AtomicUsize::new(0),
+        })
     }
 
     pub fn add_incoming(&self, conn: quinn::Connection) {
