@@ -28,6 +28,11 @@ pub struct PairSettings {
     pub wait_for_peers: bool,
     /// `admin.stuck_room_warn_ms` of every gateway.
     pub stuck_room_warn_ms: Vec<u64>,
+    /// `plugins.libraries` of every gateway: plugin `.so` files to load (UCX, NVLink).
+    pub plugin_libraries: Vec<PathBuf>,
+    /// The body of `[plugins.config.<plugin>]` of every gateway (the plugin's own TOML keys, e.g.
+    /// `tls = "tcp"`); empty writes no such table.
+    pub plugin_config: String,
 }
 
 impl Default for PairSettings {
@@ -43,6 +48,8 @@ impl Default for PairSettings {
             env_decode: vec![],
             wait_for_peers: true,
             stuck_room_warn_ms: vec![5_000],
+            plugin_libraries: vec![],
+            plugin_config: String::new(),
         }
     }
 }
@@ -130,6 +137,20 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
 }
 
+/// `["a", "b"]` with each path quoted as a TOML basic string.
+fn toml_string_list(paths: &[PathBuf]) -> String {
+    let quoted: Vec<String> = paths.iter().map(|p| toml::Value::String(p.display().to_string()).to_string()).collect();
+    format!("[{}]", quoted.join(", "))
+}
+
+/// `[plugins.config.<plugin>]` followed by `body`, or nothing when `body` is empty.
+fn plugin_config_table(plugin: &str, body: &str) -> String {
+    if body.trim().is_empty() {
+        return String::new();
+    }
+    format!("[plugins.config.{plugin}]\n{}\n", body.trim_end())
+}
+
 fn config_text(name: &str, socket: &Path, peer_listen: &str, admin: &str, peers: &[(String, String)], s: &PairSettings, extra: &str) -> String {
     let peers: String = peers
         .iter()
@@ -150,7 +171,8 @@ reconnect_interval_ms = 100
 {peers}
 [plugins]
 preference = ["{plugin}"]
-[scheduler]
+libraries = {libraries}
+{plugin_config}[scheduler]
 bootstrap_timeout_ms = {bootstrap}
 # Long enough that a frozen peer is detected by heartbeats (peer_lost), not by this deadline.
 transfer_base_ms = 5000
@@ -163,6 +185,8 @@ stuck_room_warn_ms = {stuck:?}
         hb = s.heartbeat_interval_ms,
         misses = s.heartbeat_misses,
         plugin = s.plugin,
+        libraries = toml_string_list(&s.plugin_libraries),
+        plugin_config = plugin_config_table(&s.plugin, &s.plugin_config),
         bootstrap = s.bootstrap_timeout_ms,
         stuck = s.stuck_room_warn_ms,
     )
@@ -276,5 +300,38 @@ impl GatewayPair {
     pub fn stop(&mut self) {
         self.prefill.stop(Duration::from_secs(5));
         self.decode.stop(Duration::from_secs(5));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn generated(settings: &PairSettings) -> String {
+        let peers = vec![("decode".to_string(), "127.0.0.1:7101".to_string())];
+        config_text("prefill", Path::new("/tmp/x.sock"), "127.0.0.1:7100", "127.0.0.1:9100", &peers, settings, "")
+    }
+
+    #[test]
+    fn generated_config_loads_plugin_libraries_and_the_plugins_own_section() {
+        let settings = PairSettings {
+            plugin: "ucx".into(),
+            plugin_libraries: vec![PathBuf::from("/opt/kv gate/libkvgate_ucx.so")],
+            plugin_config: "tls = \"tcp\"\ndevices = \"lo\"\n".into(),
+            ..PairSettings::default()
+        };
+        let config = crate::config::load_config_from_str(&generated(&settings)).expect("the generated config loads");
+        assert_eq!(config.plugins.preference, vec!["ucx".to_string()]);
+        assert_eq!(config.plugins.libraries, vec!["/opt/kv gate/libkvgate_ucx.so".to_string()]);
+        let section = config.plugins.config.get("ucx").expect("[plugins.config.ucx]");
+        assert_eq!(section.get("tls").and_then(|v| v.as_str()), Some("tcp"));
+        assert_eq!(section.get("devices").and_then(|v| v.as_str()), Some("lo"));
+    }
+
+    #[test]
+    fn default_settings_load_no_library_and_no_plugin_section() {
+        let config = crate::config::load_config_from_str(&generated(&PairSettings::default())).expect("the generated config loads");
+        assert!(config.plugins.libraries.is_empty());
+        assert!(config.plugins.config.is_empty());
     }
 }
