@@ -1,6 +1,7 @@
 //! `kvgate bench` on a tiny matrix (seconds): the JSON has every field the issue names, per plugin
-//! and cell, every figure is positive and finite, skipped plugins carry a reason, and the SVG, PNG
-//! and markdown outputs are written. No timing thresholds: figures are only checked for shape.
+//! (UCX over shared memory and over TCP included, loaded from its built `.so`) and cell, every figure
+//! is positive and finite, skipped plugins carry a reason, and the SVG, PNG and markdown outputs are
+//! written. No timing thresholds: figures are only checked for shape.
 
 use serde_json::Value;
 use std::process::Command;
@@ -14,10 +15,15 @@ fn positive_finite(v: &Value, what: &str) -> f64 {
 #[test]
 fn tiny_bench_writes_a_complete_report() {
     let dir = tempfile::tempdir().expect("temp dir");
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace").to_path_buf();
+    let ucx_library = kvgate_host::artifacts::built_or_build_cdylib("kvgate-plugin-ucx-so", "kvgate_ucx", &workspace).expect("the UCX plugin library builds");
+    let perftest_installed = Command::new("ucx_perftest").arg("-h").output().is_ok();
     let (json, svg, png, md) = (dir.path().join("bench.json"), dir.path().join("bench.svg"), dir.path().join("bench.png"), dir.path().join("BENCHMARKS.md"));
     let output = Command::new(env!("CARGO_BIN_EXE_kvgate"))
         .args(["bench", "--quick", "--plugins", "shm,quic,ucx,nvlink", "--block-sizes", "4K,64K", "--blocks", "1,8"])
         .args(["--cell-ms", "20", "--control-rooms", "40", "--core-rooms", "2000", "--core-aborts", "100", "--api-rooms", "50", "--api-aborts", "10", "--frozen-rooms", "4"])
+        .arg("--ucx-library")
+        .arg(&ucx_library)
         .arg("--json")
         .arg(&json)
         .arg("--plot")
@@ -33,11 +39,21 @@ fn tiny_bench_writes_a_complete_report() {
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("json written")).expect("valid JSON");
 
     let plugins = report["data_path"].as_array().expect("data_path array");
-    assert_eq!(plugins.iter().map(|p| p["plugin"].as_str().unwrap()).collect::<Vec<_>>(), ["shm", "quic", "ucx", "nvlink"]);
+    assert_eq!(plugins.iter().map(|p| p["plugin"].as_str().unwrap()).collect::<Vec<_>>(), ["shm", "quic", "ucx-sm", "ucx-tcp", "nvlink"]);
     for p in plugins {
         let name = p["plugin"].as_str().unwrap();
         match name {
-            "shm" | "quic" => {
+            "ucx-sm" | "ucx-tcp" if !perftest_installed => {
+                // The plugin is still measured through the gateways; only its reference (and ratio) is missing, and said.
+                assert_eq!(p["status"], "measured", "{name}: {}", p["skip_reason"]);
+                assert!(p["skip_reason"].as_str().unwrap().contains("ucx_perftest"), "{name}: {}", p["skip_reason"]);
+                for c in p["cells"].as_array().expect("cells") {
+                    positive_finite(&c["throughput_gbps"], &format!("{name} throughput_gbps"));
+                    assert_eq!(c["verified"], true, "{name}: the destination bytes match the source");
+                    assert_eq!(c["ratio"].as_f64(), Some(0.0), "{name}: no ratio without a reference");
+                }
+            }
+            "shm" | "quic" | "ucx-sm" | "ucx-tcp" => {
                 assert_eq!(p["status"], "measured", "{name}: {}", p["skip_reason"]);
                 let cells = p["cells"].as_array().expect("cells");
                 assert_eq!(cells.len(), 4, "{name}: 2 block sizes x 2 block counts");
@@ -55,6 +71,8 @@ fn tiny_bench_writes_a_complete_report() {
                     assert_eq!(c["verified"], true, "{at}: the destination bytes match the source");
                     assert_eq!(c["failures"], 0, "{at}");
                     assert!(c["transfers"].as_u64().unwrap() >= 3, "{at}: at least min_rooms_per_cell timed rooms");
+                    let in_flight = c["rooms_in_flight"].as_u64().unwrap();
+                    assert!((1..=8).contains(&in_flight), "{at}: rooms_in_flight {in_flight} within 1..=--inflight");
                 }
             }
             _ => {
@@ -83,17 +101,23 @@ fn tiny_bench_writes_a_complete_report() {
     assert_eq!(frozen["missing_terminal"], 0);
 
     let targets = report["targets"].as_array().expect("targets");
-    assert_eq!(targets.len(), 4);
+    assert_eq!(targets.len(), 5, "shm, quic, ucx-sm, ucx-tcp, abort");
     assert!(targets.iter().all(|t| !t["verdict"].as_str().unwrap().is_empty()));
     // Not at 4 MiB in this tiny matrix, and not 100 000 rooms: both said, not guessed.
     assert!(targets[0]["verdict"].as_str().unwrap().starts_with("not measured"));
-    assert!(targets[3]["verdict"].as_str().unwrap().starts_with("not measured: only 2000 rooms"));
+    assert!(targets[4]["verdict"].as_str().unwrap().starts_with("not measured: only 2000 rooms"));
+    for ucx in &targets[2..4] {
+        // A ratio (met or missed) where ucx_perftest ran; otherwise why not.
+        let verdict = ucx["verdict"].as_str().unwrap();
+        assert_eq!(verdict == "met" || verdict == "missed", perftest_installed, "{}: {verdict}", ucx["name"]);
+    }
     for line in ["target", "ratio", "abort-to-terminal", "frozen decode gateway"] {
         assert!(stdout.contains(line), "the table prints {line:?}:\n{stdout}");
     }
 
     let svg_text = std::fs::read_to_string(&svg).expect("svg written");
     assert!(svg_text.starts_with("<svg") && svg_text.matches("<polyline").count() >= 8, "shm and quic: 2 block counts x (kvgate + reference)");
+    assert!(svg_text.contains("ucx-sm") && svg_text.contains("ucx-tcp"), "the plot has a panel per UCX transport");
     assert_eq!(&std::fs::read(&png).expect("png written")[..8], b"\x89PNG\r\n\x1a\n");
     let page = std::fs::read_to_string(&md).expect("markdown written");
     assert!(page.contains("kvgate bench --quick --plugins shm,quic,ucx,nvlink") && page.contains("bench.svg"));

@@ -1,9 +1,10 @@
 //! The data-path matrix of one plugin through the real gateway path: a prefill and a decode
 //! `kvgate serve` (demo::gateways), two engines on the engine API (demo::engine) with shared-memory
-//! pools, one room per transfer (one part, one chunk of `blocks` slices). After each cell its
-//! reference copies the same bytes between the same pool files. Never decides an outcome itself.
+//! pools, one room per transfer (one part, one chunk of `blocks` slices), several rooms in flight on
+//! distinct pool slots. After each cell its reference moves the same bytes (the same slots, in the
+//! same order, where it copies memory). Never decides an outcome itself.
 
-use super::reference::{memcpy_copies, tcp_copies, CopyBudget, ReferenceKind};
+use super::reference::{memcpy_copies, perftest_messages, tcp_copies, ucx_perftest_gbps, CopyBudget, ReferenceKind};
 use super::results::CellResult;
 use super::stats::{gbps, millis, percentile, ratio};
 use crate::demo::engine::{wait_reusable, wait_terminal, Engine};
@@ -28,7 +29,8 @@ pub fn fresh_room() -> u64 {
     7_000_000_000 + u64::from(std::process::id()) * 10_000_000 + NEXT_ROOM.fetch_add(1, Ordering::Relaxed)
 }
 
-/// A started pair with its two engines and this process's own mappings of the pool files.
+/// A started pair with its two engines and this process's own mappings of the pool files (each pool
+/// `slot_bytes x slots` long; a cell cuts it into as many transfer-sized slots as fit).
 pub struct Rig {
     pub pair: GatewayPair,
     pub prefill: Arc<Engine>,
@@ -67,6 +69,12 @@ impl Rig {
 
     pub fn stop(&mut self) {
         self.pair.stop();
+    }
+
+    /// CPU time used so far by (both gateways, this process).
+    pub fn cpu_used(&self) -> (Duration, Duration) {
+        let of = |pid: Option<i32>| pid.and_then(super::system::process_cpu).unwrap_or_default();
+        (of(self.pair.prefill.pid()) + of(self.pair.decode.pid()), of(Some(std::process::id() as i32)))
     }
 }
 
@@ -136,10 +144,30 @@ async fn verified_room(rig: &Rig, block: u64, blocks: u64) -> anyhow::Result<boo
     Ok(run.succeeded && same)
 }
 
-/// Run one cell: a verified warm-up room, then timed rooms (`inflight` at once, each on its own
-/// slot) for at least `budget`, then the reference on the same bytes for as long.
-pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, blocks: u64, budget: CopyBudget) -> anyhow::Result<CellResult> {
+/// Pool slots of one cell start on this boundary (a page, as an engine's KV blocks would).
+pub const CELL_SLOT_ALIGN_BYTES: u64 = 4096;
+
+/// How a cell cuts the pools: the distance between two transfers' slots and how many rooms it keeps
+/// in flight (at most `inflight_rooms`, at most as many slots as the pool holds, at least 1).
+pub fn cell_slots(pool_bytes: u64, transfer_bytes: u64, inflight_rooms: u64) -> (u64, u64) {
+    let stride = transfer_bytes.div_ceil(CELL_SLOT_ALIGN_BYTES).max(1) * CELL_SLOT_ALIGN_BYTES;
+    (stride, (pool_bytes / stride).clamp(1, inflight_rooms.max(1)))
+}
+
+/// One reference measurement of a cell.
+struct ReferenceFigure {
+    gbps: f64,
+    p50: Duration,
+    p99: Duration,
+}
+
+/// Run one cell: a verified warm-up room, then timed rooms (up to `inflight_rooms` at once, each on
+/// its own pool slot) for at least `budget`, then the reference on the same bytes for as long.
+pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, blocks: u64, inflight_rooms: u64, budget: CopyBudget) -> anyhow::Result<CellResult> {
     let verified = verified_room(rig, block, blocks).await?;
+    let bytes = block * blocks;
+    let (stride, depth) = cell_slots(rig.slot_bytes * rig.slots, bytes, inflight_rooms);
+    let cpu_before = rig.cpu_used();
     let started = Instant::now();
     let mut latencies = Vec::new();
     let mut failures = 0u64;
@@ -147,15 +175,15 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
     let mut started_rooms = 0u64;
     let mut tasks = tokio::task::JoinSet::new();
     let more = |n: u64| n < super::plan::MAX_ROOMS_PER_CELL && (n < budget.min_copies || started.elapsed() < budget.budget);
-    for slot in 0..rig.slots {
+    for slot in 0..depth {
         if !more(started_rooms) {
             break;
         }
-        tasks.spawn(slot_room(rig.prefill.clone(), rig.decode.clone(), rig.slot_bytes, slot, block, blocks));
+        tasks.spawn(slot_room(rig.prefill.clone(), rig.decode.clone(), slot * stride, block, blocks));
         started_rooms += 1;
     }
     while let Some(joined) = tasks.join_next().await {
-        let (slot, run) = joined.context("bench room task")?;
+        let (offset, run) = joined.context("bench room task")?;
         match run {
             Ok(r) if r.succeeded => latencies.push(r.latency),
             Ok(r) => {
@@ -168,54 +196,103 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
             }
         }
         if more(started_rooms) {
-            tasks.spawn(slot_room(rig.prefill.clone(), rig.decode.clone(), rig.slot_bytes, slot, block, blocks));
+            tasks.spawn(slot_room(rig.prefill.clone(), rig.decode.clone(), offset, block, blocks));
             started_rooms += 1;
         }
     }
     let wall = started.elapsed();
+    let cpu_after = rig.cpu_used();
     for r in &reasons {
         tracing::warn!(reason = %r, block, blocks, "bench room failed");
     }
-    let bytes = block * blocks;
     let mut cell = CellResult {
         block_bytes: block,
         blocks,
         transfer_bytes: bytes,
+        rooms_in_flight: depth,
         transfers: latencies.len() as u64,
         failures,
         verified,
         throughput_gbps: gbps(bytes * latencies.len() as u64, wall),
         latency_p50_ms: millis(percentile(&latencies, 50.0)),
         latency_p99_ms: millis(percentile(&latencies, 99.0)),
+        wall_seconds: wall.as_secs_f64(),
+        gateway_cpu_seconds: cpu_after.0.saturating_sub(cpu_before.0).as_secs_f64(),
+        engine_cpu_seconds: cpu_after.1.saturating_sub(cpu_before.1).as_secs_f64(),
         ..CellResult::default()
     };
     if let Some(kind) = reference {
-        let copies = reference_copies(rig, kind, block, blocks, budget).await?;
-        let total: Duration = copies.iter().sum();
-        cell.reference_gbps = gbps(bytes * copies.len() as u64, total);
-        cell.reference_latency_p50_ms = millis(percentile(&copies, 50.0));
-        cell.reference_latency_p99_ms = millis(percentile(&copies, 99.0));
-        cell.ratio = ratio(cell.throughput_gbps, cell.reference_gbps);
+        let plugin_bytes_in_budget = (cell.throughput_gbps * 1e9 * budget.budget.as_secs_f64()) as u64;
+        match reference_figure(rig, kind, block, blocks, (stride, depth), budget, plugin_bytes_in_budget).await {
+            Ok(figure) => {
+                cell.reference_gbps = figure.gbps;
+                cell.reference_latency_p50_ms = millis(figure.p50);
+                cell.reference_latency_p99_ms = millis(figure.p99);
+                cell.ratio = ratio(cell.throughput_gbps, cell.reference_gbps);
+            }
+            Err(e) => {
+                // The plugin's figures stand; the missing ratio is said, never guessed.
+                tracing::warn!(block, blocks, "bench reference failed: {e:#}");
+                cell.reference_error = format!("{e:#}");
+            }
+        }
     }
     Ok(cell)
 }
 
-async fn slot_room(prefill: Arc<Engine>, decode: Arc<Engine>, slot_bytes: u64, slot: u64, block: u64, blocks: u64) -> (u64, anyhow::Result<RoomRun>) {
-    let offset = slot * slot_bytes;
+async fn slot_room(prefill: Arc<Engine>, decode: Arc<Engine>, offset: u64, block: u64, blocks: u64) -> (u64, anyhow::Result<RoomRun>) {
     let src = block_slices(prefill.region, offset, block, blocks);
     let dst = block_slices(decode.region, offset, block, blocks);
-    (slot, move_room(&prefill, &decode, fresh_room(), src, dst).await)
+    (offset, move_room(&prefill, &decode, fresh_room(), src, dst).await)
 }
 
-async fn reference_copies(rig: &Rig, kind: ReferenceKind, block: u64, blocks: u64, budget: CopyBudget) -> anyhow::Result<Vec<Duration>> {
+/// The reference of one cell. memcpy and TCP move the same bytes between this process's mappings of
+/// the same pool files, slot after slot over the cell's `(stride, depth)` slots, one transfer at a
+/// time; `ucx_perftest` streams `block`-byte messages between its own buffers.
+async fn reference_figure(
+    rig: &Rig,
+    kind: ReferenceKind,
+    block: u64,
+    blocks: u64,
+    slots: (u64, u64),
+    budget: CopyBudget,
+    plugin_bytes_in_budget: u64,
+) -> anyhow::Result<ReferenceFigure> {
+    let bytes = block * blocks;
+    if let ReferenceKind::UcxPerftest(transport) = kind {
+        let messages = perftest_messages(block, blocks, budget.min_copies, plugin_bytes_in_budget);
+        let gbps = tokio::task::spawn_blocking(move || ucx_perftest_gbps(transport, block, messages)).await?.map_err(anyhow::Error::msg)?;
+        // A rate, not latencies: the time one transfer's bytes take at that rate.
+        let per_transfer = Duration::from_secs_f64(bytes as f64 / (gbps * 1e9));
+        return Ok(ReferenceFigure { gbps, p50: per_transfer, p99: per_transfer });
+    }
     let (s, d) = (rig.src_map.clone(), rig.dst_map.clone());
-    tokio::task::spawn_blocking(move || {
+    let copies = tokio::task::spawn_blocking(move || {
         let s = s.lock().unwrap_or_else(|e| e.into_inner());
         let mut d = d.lock().unwrap_or_else(|e| e.into_inner());
         match kind {
-            ReferenceKind::Memcpy => Ok(memcpy_copies(&s, &mut d, block as usize, blocks as usize, budget)),
-            ReferenceKind::TcpLoopback => tcp_copies(&s, &mut d, block as usize, blocks as usize, budget).context("TCP loopback reference"),
+            ReferenceKind::Memcpy => Ok(memcpy_copies(&s, &mut d, block as usize, blocks as usize, slots, budget)),
+            ReferenceKind::TcpLoopback => tcp_copies(&s, &mut d, block as usize, blocks as usize, slots, budget).context("TCP loopback reference"),
+            ReferenceKind::UcxPerftest(_) => unreachable!("handled above"),
         }
     })
-    .await?
+    .await??;
+    let total: Duration = copies.iter().sum();
+    Ok(ReferenceFigure { gbps: gbps(bytes * copies.len() as u64, total), p50: percentile(&copies, 50.0), p99: percentile(&copies, 99.0) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cells_cut_the_pool_into_aligned_slots_up_to_the_inflight_bound() {
+        let mib = 1u64 << 20;
+        assert_eq!(cell_slots(200 * mib, 4 * mib, 8), (4 * mib, 8), "capped by inflight_rooms");
+        assert_eq!(cell_slots(200 * mib, 64 * mib, 8), (64 * mib, 3), "capped by the pool");
+        assert_eq!(cell_slots(200 * mib, 200 * mib, 8), (200 * mib, 1));
+        assert_eq!(cell_slots(8192, 4097, 8), (8192, 1), "slots start on a page");
+        assert_eq!(cell_slots(4096, 8, 16), (4096, 1));
+        assert_eq!(cell_slots(mib, 8, 0), (4096, 1), "at least one room");
+    }
 }

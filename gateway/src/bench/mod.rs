@@ -6,6 +6,7 @@
 pub mod control;
 pub mod core_abort;
 pub mod datapath;
+pub mod matrix;
 pub mod plan;
 pub mod plot;
 pub mod png_plot;
@@ -14,13 +15,13 @@ pub mod report;
 pub mod results;
 pub mod stats;
 pub mod svg;
-mod system;
+pub mod system;
 
 use anyhow::Context;
 use datapath::{run_cell, Rig};
 use indicatif::{ProgressBar, ProgressStyle};
 use plan::{parse_size, Plan};
-use reference::{CopyBudget, ReferenceKind};
+use reference::CopyBudget;
 use results::{BenchReport, ControlPath, PluginResult};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -30,9 +31,14 @@ pub struct BenchArgs {
     /// The short matrix (under 2 minutes on 2 cores); without it the full one (under 15).
     #[arg(long)]
     pub quick: bool,
-    /// Plugins to measure, in order; one that cannot run here is reported as skipped with why.
+    /// Plugins to measure, in order (`ucx` = `ucx-sm,ucx-tcp`: UCX over shared memory and over TCP);
+    /// one that cannot run here is reported as skipped with why.
     #[arg(long, value_delimiter = ',', default_value = "shm,quic,ucx,nvlink")]
     pub plugins: Vec<String>,
+    /// The UCX plugin library (default: `libkvgate_ucx.so` next to this `kvgate`, where
+    /// `cargo build --release -p kvgate-plugin-ucx-so` puts it).
+    #[arg(long)]
+    pub ucx_library: Option<PathBuf>,
     /// Write the results as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -57,7 +63,7 @@ pub struct BenchArgs {
     /// Each cell (and its reference) runs at least this long.
     #[arg(long)]
     pub cell_ms: Option<u64>,
-    /// Rooms in flight at once in a data-path cell.
+    /// Most rooms in flight at once in a data-path cell (fewer when fewer transfers fit the pools).
     #[arg(long)]
     pub inflight: Option<u64>,
     /// Rooms for the rooms-per-second figure.
@@ -157,42 +163,20 @@ fn work_dir(args: &BenchArgs) -> anyhow::Result<(PathBuf, Option<tempfile::TempD
     Ok((dir.path().to_path_buf(), Some(dir)))
 }
 
-/// Why a plugin cannot be measured through the gateway here, before trying to start a pair.
-fn known_skip(plugin: &str) -> Option<String> {
-    match plugin {
-        "nvlink" => Some(if system::has_nvidia_gpu() {
-            "the NVLink plugin is a loadable .so that the bench's generated gateway configs do not load yet; its reference (raw cuMemcpyDtoD) needs it too".into()
-        } else {
-            "no NVIDIA GPU on this machine (no /dev/nvidiactl): neither the NVLink plugin nor its raw device-copy reference can run".into()
-        }),
-        "ucx" => Some(if system::which("ucx_perftest").is_some() {
-            "the UCX plugin is a loadable .so ([plugins] libraries) that the bench's generated gateway configs (demo::gateways) do not load yet; ucx_perftest is installed but a reference alone is not a result".into()
-        } else {
-            "the UCX plugin is a loadable .so the bench's generated configs do not load, and ucx_perftest (its reference) is not installed".into()
-        }),
-        _ => None,
-    }
-}
-
-fn reference_of(plugin: &str) -> Option<ReferenceKind> {
-    match plugin {
-        "shm" => Some(ReferenceKind::Memcpy),
-        "quic" => Some(ReferenceKind::TcpLoopback),
-        _ => None,
-    }
-}
-
 async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport> {
     let started = Instant::now();
     let binary = std::env::current_exe().context("locate the kvgate binary")?;
     let (dir, _guard) = work_dir(args)?;
     let cells = plan.cells();
-    let runnable = args.plugins.iter().filter(|p| known_skip(p).is_none()).count() as u64;
+    let ucx_library = matrix::ucx_library(args.ucx_library.as_deref());
+    let names = matrix::expand_names(&args.plugins);
+    let entries: Vec<(String, Result<matrix::MatrixEntry, String>)> = names.iter().map(|n| (n.clone(), matrix::entry(n, &ucx_library))).collect();
+    let runnable = entries.iter().filter(|(_, e)| e.is_ok()).count() as u64;
     let bar = ProgressBar::new(runnable * cells.len() as u64 + 4);
     bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}").expect("template"));
     bar.enable_steady_tick(Duration::from_millis(200));
     println!(
-        "kvgate bench{}: {} cells per plugin (transfers up to {}), {} rooms in flight per cell, >= {} ms per cell; work dir {}",
+        "kvgate bench{}: {} cells per plugin (transfers up to {}), up to {} rooms in flight per cell, >= {} ms per cell; work dir {}",
         if args.quick { " --quick" } else { "" },
         cells.len(),
         stats::size_label(plan.slot_bytes()),
@@ -205,8 +189,11 @@ async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport>
         println!("not run (over {} per transfer): {}", stats::size_label(plan.max_transfer_bytes), left.join(", "));
     }
     let mut data_path = Vec::new();
-    for plugin in &args.plugins {
-        data_path.push(bench_plugin(&binary, &dir, plugin, plan, &bar).await);
+    for (name, entry) in &entries {
+        data_path.push(match entry {
+            Ok(entry) => bench_plugin(&binary, &dir, entry, plan, &bar).await,
+            Err(why) => PluginResult { plugin: name.clone(), reference: "none".into(), status: "skipped".into(), skip_reason: why.clone(), cells: vec![] },
+        });
     }
     let control_path = bench_control(&binary, &dir, plan, &bar).await;
     bar.finish_and_clear();
@@ -227,21 +214,22 @@ async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport>
     Ok(report)
 }
 
-async fn bench_plugin(binary: &Path, dir: &Path, plugin: &str, plan: &Plan, bar: &ProgressBar) -> PluginResult {
-    let reference = reference_of(plugin);
+async fn bench_plugin(binary: &Path, dir: &Path, entry: &matrix::MatrixEntry, plan: &Plan, bar: &ProgressBar) -> PluginResult {
+    let plugin = entry.name.as_str();
     let mut result = PluginResult {
         plugin: plugin.to_string(),
-        reference: reference.map(|r| r.describe().to_string()).unwrap_or_else(|| "none".into()),
+        reference: entry.reference.as_ref().map(|r| r.describe().to_string()).unwrap_or_else(|_| "none".into()),
         status: "skipped".into(),
         ..PluginResult::default()
     };
-    if let Some(why) = known_skip(plugin) {
-        result.skip_reason = why;
+    bar.set_message(format!("{plugin}: starting two gateways"));
+    // One folder per entry: ucx-sm and ucx-tcp both run the plugin `ucx`, and each keeps its own logs.
+    let dir = dir.join(plugin);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        result.skip_reason = format!("cannot create {}: {e}", dir.display());
         return result;
     }
-    bar.set_message(format!("{plugin}: starting two gateways"));
-    let settings = crate::demo::gateways::PairSettings { plugin: plugin.to_string(), ..crate::demo::gateways::PairSettings::default() };
-    let mut rig = match Rig::start(binary, dir, &settings, plan.slot_bytes(), plan.inflight_rooms).await {
+    let mut rig = match Rig::start(binary, &dir, &entry.settings, plan.slot_bytes(), plan::POOL_LARGEST_TRANSFERS).await {
         Ok(rig) => rig,
         Err(e) => {
             let text = format!("{e:#}");
@@ -252,13 +240,14 @@ async fn bench_plugin(binary: &Path, dir: &Path, plugin: &str, plan: &Plan, bar:
             return result;
         }
     };
-    if reference.is_none() {
-        result.skip_reason = format!("no reference is defined for {plugin}: ratios are 0");
+    let reference = entry.reference.as_ref().ok().copied();
+    if let Err(why) = &entry.reference {
+        result.skip_reason = format!("reference not measured, ratios are 0: {why}");
     }
     let budget = CopyBudget { min_copies: plan.min_rooms_per_cell, budget: Duration::from_millis(plan.cell_budget_ms) };
     for (block, blocks) in plan.cells() {
         bar.set_message(format!("{plugin}: {} x {blocks}", stats::size_label(block)));
-        match run_cell(&rig, reference, block, blocks, budget).await {
+        match run_cell(&rig, reference, block, blocks, plan.inflight_rooms, budget).await {
             Ok(cell) => result.cells.push(cell),
             Err(e) => {
                 bar.println(format!("{plugin}: {} x {blocks}: {e:#}", stats::size_label(block)));

@@ -14,6 +14,9 @@ pub const MAX_MAX_TRANSFER_BYTES: u64 = 4 << 30;
 pub const MAX_ROOMS_PER_CELL: u64 = 2_000;
 /// Most rooms in flight through the engine API at once in a data-path cell.
 pub const MAX_INFLIGHT_ROOMS: u64 = 16;
+/// The pools hold this many of the plan's largest transfer; a cell with smaller transfers cuts them
+/// into more slots (up to `inflight_rooms`), so the pools' size does not grow with `inflight_rooms`.
+pub const POOL_LARGEST_TRANSFERS: u64 = 2;
 /// Most rooms the in-process core abort measurement may hold in flight.
 pub const MAX_CORE_ROOMS_IN_FLIGHT: u64 = 1_000_000;
 
@@ -27,7 +30,8 @@ pub struct Plan {
     pub cell_budget_ms: u64,
     /// Rooms each cell times at least, however long they take.
     pub min_rooms_per_cell: u64,
-    /// Rooms in flight at once in a data-path cell (each has its own pool slot).
+    /// Most rooms in flight at once in a data-path cell (each on its own pool slot; fewer when fewer
+    /// transfers of the cell's size fit the pools, see [`POOL_LARGEST_TRANSFERS`]).
     pub inflight_rooms: u64,
     /// Rooms for the rooms-per-second figure, and how many run at once.
     pub control_rooms: u64,
@@ -53,7 +57,7 @@ impl Plan {
             max_transfer_bytes: FULL_MAX_TRANSFER_BYTES,
             cell_budget_ms: 1_000,
             min_rooms_per_cell: 5,
-            inflight_rooms: 2,
+            inflight_rooms: 8,
             control_rooms: 5_000,
             control_concurrency: 32,
             core_rooms_in_flight: 100_000,
@@ -71,7 +75,7 @@ impl Plan {
             max_transfer_bytes: QUICK_MAX_TRANSFER_BYTES,
             cell_budget_ms: 250,
             min_rooms_per_cell: 3,
-            inflight_rooms: 2,
+            inflight_rooms: 8,
             control_rooms: 1_000,
             control_concurrency: 16,
             core_rooms_in_flight: 100_000,

@@ -47,6 +47,9 @@ pub struct CellResult {
     pub block_bytes: u64,
     pub blocks: u64,
     pub transfer_bytes: u64,
+    /// Rooms kept in flight at once (each on its own pool slot): `--inflight`, or fewer when fewer
+    /// transfers of this size fit the pools.
+    pub rooms_in_flight: u64,
     /// Rooms that moved the bytes through the two gateways (timed ones, warm-up excluded).
     pub transfers: u64,
     /// Rooms that did not succeed on both sides, or whose bytes did not match.
@@ -61,6 +64,14 @@ pub struct CellResult {
     pub reference_latency_p99_ms: f64,
     /// `throughput_gbps / reference_gbps` (0 when there is no reference).
     pub ratio: f64,
+    /// Why the reference of this cell has no figure (empty when it ran).
+    pub reference_error: String,
+    /// Wall seconds of the timed rooms.
+    pub wall_seconds: f64,
+    /// CPU seconds (user + system) both gateway processes used meanwhile (plugin copy threads included).
+    pub gateway_cpu_seconds: f64,
+    /// CPU seconds the bench process (both engines' engine-API clients) used meanwhile.
+    pub engine_cpu_seconds: f64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

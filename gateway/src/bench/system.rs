@@ -26,6 +26,28 @@ pub fn machine() -> Machine {
     }
 }
 
+/// CPU time (user + system) a process has used so far, from `/proc/<pid>/stat`; `None` when it is gone.
+pub fn process_cpu(pid: i32) -> Option<std::time::Duration> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    cpu_of_stat_line(&text, clock_ticks_per_second())
+}
+
+/// utime + stime (fields 14 and 15) of a `/proc/<pid>/stat` line; the command name in parentheses
+/// may hold spaces, so fields are counted after its closing parenthesis.
+pub fn cpu_of_stat_line(line: &str, ticks_per_second: u64) -> Option<std::time::Duration> {
+    let after_name = &line[line.rfind(')')? + 1..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // after the name: state is field 3, so utime (14) and stime (15) are at 11 and 12 here.
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(std::time::Duration::from_secs_f64(ticks as f64 / ticks_per_second.max(1) as f64))
+}
+
+/// `/proc` counts CPU time in USER_HZ ticks, which Linux fixes at 100 on every architecture it
+/// exports to user space (the kernel's own HZ may differ; `/proc` converts).
+fn clock_ticks_per_second() -> u64 {
+    100
+}
+
 /// The command line with the program shown as `kvgate`.
 pub fn command_line() -> String {
     let mut parts = vec!["kvgate".to_string()];
@@ -58,6 +80,14 @@ pub fn format_utc(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_time_is_read_after_the_command_name() {
+        let line = "42 (tokio rt) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 8 0 100 0 0";
+        assert_eq!(cpu_of_stat_line(line, 100), Some(std::time::Duration::from_secs(3)));
+        assert!(process_cpu(std::process::id() as i32).is_some(), "this process has a stat line");
+        assert_eq!(cpu_of_stat_line("garbage", 100), None);
+    }
 
     #[test]
     fn utc_dates_are_civil() {
