@@ -161,7 +161,9 @@ impl Engine {
             }
             let in_flight = !self.requests.is_empty() || self.receiver.borrow().pending_receives() > 0;
             if in_flight && now.duration_since(last_activity) < busy_poll {
-                std::hint::spin_loop();
+                // Yield rather than spin: on a small machine the thread that would complete the
+                // work (the host, a receiver in the same process) may be waiting for this core.
+                std::thread::yield_now();
                 continue;
             }
             self.sleep(now);

@@ -30,14 +30,21 @@ fn quic_passes_every_clause() {
     assert_all_pass(&run_harness("builtin:quic", &["--quick"], ""), true);
 }
 
+/// The full profile (10 000-transfer abort storm, 10 000 random lifecycles, 64 MiB transfers) over
+/// UCX's shared-memory transports; about 10 s in release on two idle cores.
 #[test]
 fn ucx_over_shared_memory_passes_every_clause() {
-    assert_all_pass(&run_harness("builtin:ucx", &["--quick"], &repo_file("plugins/ucx/conformance/sm.toml")), false);
+    let run = run_harness("builtin:ucx", &[], &repo_file("plugins/ucx/conformance/sm.toml"));
+    assert_all_pass(&run, false);
+    assert_eq!(run.report["profile"], "full");
 }
 
+/// The full profile over UCX's TCP transport on loopback; about 10 s in release on two idle cores.
 #[test]
 fn ucx_over_tcp_passes_every_clause() {
-    assert_all_pass(&run_harness("builtin:ucx", &["--quick"], &repo_file("plugins/ucx/conformance/tcp.toml")), false);
+    let run = run_harness("builtin:ucx", &[], &repo_file("plugins/ucx/conformance/tcp.toml"));
+    assert_all_pass(&run, false);
+    assert_eq!(run.report["profile"], "full");
 }
 
 // CONFORMANCE: HYGIENE-3
