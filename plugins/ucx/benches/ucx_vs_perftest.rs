@@ -12,7 +12,9 @@
 //! Each point is measured `KVGATE_UCX_BENCH_REPEAT` times, reference and plugin alternating; the
 //! median ratio is reported with the smallest and largest, and the load average before and after.
 //!
-//! `cargo bench -p kvgate-plugin-ucx --bench ucx_vs_perftest`
+//! `cargo bench -p kvgate-plugin-ucx --bench ucx_vs_perftest`; on a machine shared with builds, run the
+//! built binary under `chrt -r 10 ... --bench` so that both sides run ahead of them (ucx_perftest's
+//! busy-polling processes collapse under plain load and every ratio then reads far above 100 %).
 //! Environment: `KVGATE_UCX_BENCH_BYTES` (bytes per measurement, default 512 MiB),
 //! `KVGATE_UCX_BENCH_WINDOW` (messages in flight on both sides, default 8),
 //! `KVGATE_UCX_BENCH_REPEAT` (measurements per point, default 3),
