@@ -35,6 +35,9 @@ struct PeerConn {
     peer_failure_handling: bool,
     token: u64,
     rkeys: HashMap<u64, ucp_rkey_h>,
+    /// A pidfd on the peer's process, when it runs on this host and the endpoint has no peer-failure
+    /// handling (shared memory): readable once that process has exited.
+    process_fd: Option<i32>,
 }
 
 enum ReqKind {
@@ -154,6 +157,7 @@ impl Engine {
                 self.last_sweep = now;
                 self.receiver.borrow_mut().sweep(now);
                 self.sweep_tickets(now);
+                self.check_peer_processes();
             }
             if activity {
                 last_activity = now;
@@ -205,7 +209,7 @@ impl Engine {
 
     fn handle(&mut self, command: Command) {
         match command {
-            Command::Connect { peer, worker_address } => self.connect(peer, &worker_address),
+            Command::Connect { peer, worker_address, process } => self.connect(peer, &worker_address, process),
             Command::Disconnect { peer } => {
                 self.drop_peer(peer, "peer disconnected by the host", false, false, true);
             }
@@ -217,7 +221,7 @@ impl Engine {
         }
     }
 
-    fn connect(&mut self, peer: PeerId, address: &[u8]) {
+    fn connect(&mut self, peer: PeerId, address: &[u8], process: Option<u32>) {
         if self.peers.contains_key(&peer) {
             self.drop_peer(peer, "peer reconnected (new incarnation)", false, false, true);
         }
@@ -231,7 +235,14 @@ impl Engine {
         match created {
             Ok((ep, peer_failure_handling)) => {
                 self.ep_tokens.insert(token, peer);
-                self.peers.insert(peer, PeerConn { ep, peer_failure_handling, token, rkeys: HashMap::new() });
+                let watched = process.filter(|_| !peer_failure_handling);
+                let process_fd = watched.and_then(|pid| open_process_fd(peer, pid));
+                self.peers.insert(peer, PeerConn { ep, peer_failure_handling, token, rkeys: HashMap::new(), process_fd });
+                if let (Some(pid), None) = (watched, process_fd) {
+                    if process_gone(pid) {
+                        self.peer_process_exited(peer, pid);
+                    }
+                }
             }
             Err(e) => {
                 let message = format!("cannot create a UCX endpoint to peer {}: {e}", peer.0);
@@ -261,6 +272,9 @@ impl Engine {
         let mut closed_at_once = true;
         if let Some(conn) = self.peers.remove(&peer) {
             self.ep_tokens.remove(&conn.token);
+            if let Some(fd) = conn.process_fd {
+                unsafe { libc::close(fd) };
+            }
             for (_, rkey) in conn.rkeys {
                 ucp::rkey_destroy(rkey);
             }
@@ -727,6 +741,38 @@ impl Engine {
         }
     }
 
+    /// Peers watched through a pidfd (same host, no UCX peer-failure handling): a process that has
+    /// exited is a lost peer, as UCX's error handler would report over TCP. Runs every
+    /// `SWEEP_INTERVAL_MS`, so a killed peer fails its transfers within about that.
+    fn check_peer_processes(&mut self) {
+        let exited: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter_map(|(peer, conn)| conn.process_fd.map(|fd| (*peer, fd)))
+            .filter(|&(_, fd)| {
+                let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
+                ready > 0 && pfd.revents != 0
+            })
+            .map(|(peer, _)| peer)
+            .collect();
+        for peer in exited {
+            self.peer_process_exited(peer, 0);
+        }
+    }
+
+    fn peer_process_exited(&mut self, peer: PeerId, pid: u32) {
+        if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
+            p.down = true;
+        }
+        let why = if pid != 0 {
+            format!("peer {} process {pid} is gone", peer.0)
+        } else {
+            format!("peer {} process exited", peer.0)
+        };
+        self.drop_peer(peer, &why, true, true, true);
+    }
+
     fn sweep_tickets(&mut self, now: Instant) {
         let mut registry = self.shared.lock();
         registry.tickets.retain(|_, t| t.pending_writes > 0 || (now < t.deadline && !t.cancelled));
@@ -838,6 +884,24 @@ impl Engine {
         }
         self.shared.healthy.store(false, Ordering::Release);
     }
+}
+
+/// `pidfd_open(pid)`: a descriptor that becomes readable when the process exits; `None` (logged) when
+/// the kernel refuses (no pidfd support, another pid namespace, the process already gone).
+fn open_process_fd(peer: PeerId, pid: u32) -> Option<i32> {
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        let error = std::io::Error::last_os_error();
+        tracing::info!(peer = peer.0, pid, "ucx peer process not watched (pidfd_open: {error}); deadlines bound its transfers");
+        return None;
+    }
+    Some(fd as i32)
+}
+
+/// Whether `pid` names no process (`kill(pid, 0)` says ESRCH).
+fn process_gone(pid: u32) -> bool {
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
 /// The reason for a failed UCX operation: the connection's death is the peer's loss.

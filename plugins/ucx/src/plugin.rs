@@ -99,6 +99,7 @@ impl PluginFactory for UcxFactory {
             instance: random_instance_id(),
             context,
             worker_address,
+            boot_id: crate::wire::this_boot_id(),
             wake_fd,
             commands_pending: AtomicBool::new(false),
             progress_thread_sleeping: AtomicBool::new(false),
@@ -174,7 +175,13 @@ impl UcxPlugin {
     }
 
     pub fn local_endpoint(&self) -> Vec<u8> {
-        EndpointBytes { instance: self.shared.instance, worker_address: self.shared.worker_address.clone() }.encode()
+        EndpointBytes {
+            instance: self.shared.instance,
+            pid: std::process::id(),
+            boot_id: self.shared.boot_id,
+            worker_address: self.shared.worker_address.clone(),
+        }
+        .encode()
     }
 
     fn connect_checked(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
@@ -190,7 +197,9 @@ impl UcxPlugin {
             peer,
             PeerInfo { instance: decoded.instance, worker_address: decoded.worker_address.clone(), down: false },
         );
-        registry.commands.push_back(Command::Connect { peer, worker_address: decoded.worker_address });
+        let same_host = decoded.boot_id == self.shared.boot_id && decoded.boot_id != [0; 16];
+        let process = (same_host && decoded.pid != 0).then_some(decoded.pid);
+        registry.commands.push_back(Command::Connect { peer, worker_address: decoded.worker_address, process });
         drop(registry);
         self.shared.wake();
         Ok(())

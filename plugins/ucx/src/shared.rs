@@ -97,7 +97,8 @@ pub struct OutgoingJob {
 
 /// Work for the progress thread.
 pub enum Command {
-    Connect { peer: PeerId, worker_address: Vec<u8> },
+    /// `process`: the peer's pid when it runs on this host (watched where UCX reports no peer failure).
+    Connect { peer: PeerId, worker_address: Vec<u8>, process: Option<u32> },
     Disconnect { peer: PeerId },
     Submit(Box<OutgoingJob>),
     Cancel(XferId),
@@ -139,6 +140,8 @@ pub struct Shared {
     pub instance: u64,
     pub context: Arc<Context>,
     pub worker_address: Vec<u8>,
+    /// This host's boot id (a peer with the same one runs on this host).
+    pub boot_id: [u8; 16],
     /// eventfd the progress thread sleeps on next to the worker's fd.
     pub wake_fd: i32,
     /// Set by `wake` after queueing a command; the progress thread takes the lock only when it is set.

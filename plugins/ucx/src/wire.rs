@@ -3,7 +3,7 @@
 
 use kvgate_abi::{PluginError, ReasonCode};
 
-const ENDPOINT_MAGIC: &[u8; 8] = b"KVUCXEP1";
+const ENDPOINT_MAGIC: &[u8; 8] = b"KVUCXEP2";
 const RKEY_MAGIC: &[u8; 8] = b"KVUCXRK1";
 
 /// Active-message ids registered on every worker.
@@ -30,17 +30,26 @@ fn invalid(what: &str) -> PluginError {
     PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("malformed {what}"))
 }
 
-/// What `local_endpoint` returns: the instance id and the worker address.
+/// What `local_endpoint` returns: the instance id, the process that owns it (its pid and the host's
+/// boot id, so that a peer on the same host can watch the process: UCX 1.13 reports no peer failure
+/// over shared memory) and the worker address. `pid` 0 means "do not watch".
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointBytes {
     pub instance: u64,
+    pub pid: u32,
+    pub boot_id: [u8; 16],
     pub worker_address: Vec<u8>,
 }
+
+/// magic, instance, pid (as u64), boot id, address length.
+const ENDPOINT_HEADER_BYTES: usize = 8 + 8 + 8 + 16 + 8;
 
 impl EndpointBytes {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = ENDPOINT_MAGIC.to_vec();
         out.extend_from_slice(&self.instance.to_le_bytes());
+        out.extend_from_slice(&(self.pid as u64).to_le_bytes());
+        out.extend_from_slice(&self.boot_id);
         out.extend_from_slice(&(self.worker_address.len() as u64).to_le_bytes());
         out.extend_from_slice(&self.worker_address);
         out
@@ -51,12 +60,30 @@ impl EndpointBytes {
             return Err(invalid("ucx endpoint (bad magic)"));
         }
         let instance = take_u64(bytes, 8).ok_or_else(|| invalid("ucx endpoint (short)"))?;
-        let len = take_u64(bytes, 16).ok_or_else(|| invalid("ucx endpoint (short)"))?;
-        if len == 0 || bytes.len() as u64 != 24 + len {
+        let pid = take_u64(bytes, 16).ok_or_else(|| invalid("ucx endpoint (short)"))?;
+        let pid = u32::try_from(pid).map_err(|_| invalid("ucx endpoint (pid)"))?;
+        let boot_id: [u8; 16] = bytes.get(24..40).ok_or_else(|| invalid("ucx endpoint (short)"))?.try_into().unwrap();
+        let len = take_u64(bytes, 40).ok_or_else(|| invalid("ucx endpoint (short)"))?;
+        if len == 0 || bytes.len() as u64 != ENDPOINT_HEADER_BYTES as u64 + len {
             return Err(invalid("ucx endpoint (length)"));
         }
-        Ok(EndpointBytes { instance, worker_address: bytes[24..].to_vec() })
+        Ok(EndpointBytes { instance, pid, boot_id, worker_address: bytes[ENDPOINT_HEADER_BYTES..].to_vec() })
     }
+}
+
+/// This host's boot id (`/proc/sys/kernel/random/boot_id`, 16 bytes); zeros when unreadable (then no
+/// peer is ever taken for a process on this host).
+pub fn this_boot_id() -> [u8; 16] {
+    let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let hex: Vec<u8> = text.trim().bytes().filter(|b| b.is_ascii_hexdigit()).collect();
+    let mut id = [0u8; 16];
+    if hex.len() != 32 {
+        return id;
+    }
+    for (i, pair) in hex.chunks(2).enumerate() {
+        id[i] = u8::from_str_radix(std::str::from_utf8(pair).unwrap_or("00"), 16).unwrap_or(0);
+    }
+    id
 }
 
 /// What `register` hands to peers: owner, region id, bounds and UCX's packed rkey.
@@ -171,13 +198,17 @@ mod tests {
 
     #[test]
     fn endpoint_round_trips_and_refuses_garbage() {
-        let ep = EndpointBytes { instance: 7, worker_address: vec![1, 2, 3] };
+        let ep = EndpointBytes { instance: 7, pid: 4242, boot_id: [5; 16], worker_address: vec![1, 2, 3] };
         assert_eq!(EndpointBytes::decode(&ep.encode()).unwrap(), ep);
         let mut bytes = ep.encode();
         bytes.pop();
         assert_eq!(EndpointBytes::decode(&bytes).unwrap_err().code, ReasonCode::INVALID_ARGUMENT);
         assert!(EndpointBytes::decode(b"nonsense").is_err());
         assert!(EndpointBytes::decode(&[]).is_err());
+        let mut big_pid = ep.encode();
+        big_pid[16..24].copy_from_slice(&(1u64 << 32).to_le_bytes());
+        assert!(EndpointBytes::decode(&big_pid).is_err());
+        assert_ne!(this_boot_id(), [0u8; 16], "this host has a boot id");
     }
 
     #[test]

@@ -180,7 +180,7 @@ pub fn frozen_peer(config: &str, len: usize) -> FrozenPeer {
     let worker = ucp::Worker::new(&context).unwrap();
     let mut target = vec![0u8; len];
     let map = context.map(target.as_mut_ptr() as u64, len as u64).unwrap();
-    let endpoint = wire::EndpointBytes { instance: 0xf00d, worker_address: worker.address().unwrap() }.encode();
+    let endpoint = wire::EndpointBytes { instance: 0xf00d, pid: 0, boot_id: [0; 16], worker_address: worker.address().unwrap() }.encode();
     let remote_key = wire::RemoteKeyBytes {
         owner_instance: 0xf00d,
         region: 1,
