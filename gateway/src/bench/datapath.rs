@@ -144,6 +144,9 @@ async fn verified_room(rig: &Rig, block: u64, blocks: u64) -> anyhow::Result<boo
     Ok(run.succeeded && same)
 }
 
+/// Most distinct failure reasons one cell keeps for the report (every failure is logged anyway).
+pub const MAX_FAILURE_REASONS_PER_CELL: usize = 8;
+
 /// Pool slots of one cell start on this boundary (a page, as an engine's KV blocks would).
 pub const CELL_SLOT_ALIGN_BYTES: u64 = 4096;
 
@@ -212,6 +215,7 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
         rooms_in_flight: depth,
         transfers: latencies.len() as u64,
         failures,
+        failure_reasons: reasons.iter().take(MAX_FAILURE_REASONS_PER_CELL).cloned().collect(),
         verified,
         throughput_gbps: gbps(bytes * latencies.len() as u64, wall),
         latency_p50_ms: millis(percentile(&latencies, 50.0)),

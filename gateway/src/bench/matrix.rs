@@ -11,6 +11,11 @@ use std::path::{Path, PathBuf};
 pub const UCX_SO_PACKAGE: &str = "kvgate-plugin-ucx-so";
 pub const UCX_SO_LIB_NAME: &str = "kvgate_ucx";
 
+/// The data-path gateways' `scheduler.min_bandwidth_bytes_per_s`: a room's transfer deadline is
+/// `transfer_base_ms + bytes / this`, and up to `--inflight` rooms share the plugin, so the default
+/// (100 MB/s per room) would fail slow cells (`transfer_timeout`) that only measure throughput.
+pub const BENCH_MIN_BANDWIDTH_BYTES_PER_S: u64 = 10_000_000;
+
 /// One matrix entry that can run: the gateways' settings and the reference to measure against.
 #[derive(Clone, Debug)]
 pub struct MatrixEntry {
@@ -47,7 +52,8 @@ pub fn ucx_library(explicit: Option<&Path>) -> Result<PathBuf, String> {
 
 /// The entry for `name`, or why it cannot run on this machine (a skip, never a pass).
 pub fn entry(name: &str, ucx_library: &Result<PathBuf, String>) -> Result<MatrixEntry, String> {
-    let base = |plugin: &str| PairSettings { plugin: plugin.to_string(), ..PairSettings::default() };
+    let env = vec![("KVGATE__SCHEDULER__MIN_BANDWIDTH_BYTES_PER_S".to_string(), BENCH_MIN_BANDWIDTH_BYTES_PER_S.to_string())];
+    let base = |plugin: &str| PairSettings { plugin: plugin.to_string(), env_prefill: env.clone(), env_decode: env.clone(), ..PairSettings::default() };
     match name {
         "shm" => Ok(MatrixEntry { name: name.into(), settings: base("shm"), reference: Ok(ReferenceKind::Memcpy) }),
         "quic" => Ok(MatrixEntry { name: name.into(), settings: base("quic"), reference: Ok(ReferenceKind::TcpLoopback) }),
@@ -89,6 +95,8 @@ mod tests {
         assert!(sm.settings.plugin_config.contains("posix,sysv,cma"));
         let tcp = entry("ucx-tcp", &lib).expect("ucx-tcp");
         assert!(tcp.settings.plugin_config.contains("devices = \"lo\""));
+        let bandwidth = ("KVGATE__SCHEDULER__MIN_BANDWIDTH_BYTES_PER_S".to_string(), BENCH_MIN_BANDWIDTH_BYTES_PER_S.to_string());
+        assert!(tcp.settings.env_prefill.contains(&bandwidth) && tcp.settings.env_decode.contains(&bandwidth));
         if let Ok(r) = tcp.reference {
             assert_eq!(r, ReferenceKind::UcxPerftest(UcxTransport::Tcp));
         }

@@ -165,6 +165,7 @@ fn work_dir(args: &BenchArgs) -> anyhow::Result<(PathBuf, Option<tempfile::TempD
 
 async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport> {
     let started = Instant::now();
+    let load_at_start = system::load_average();
     let binary = std::env::current_exe().context("locate the kvgate binary")?;
     let (dir, _guard) = work_dir(args)?;
     let cells = plan.cells();
@@ -200,7 +201,7 @@ async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport>
     let mut report = BenchReport {
         command: system::command_line(),
         kvgate_version: env!("CARGO_PKG_VERSION").to_string(),
-        machine: system::machine(),
+        machine: results::Machine { load_average_start: load_at_start, ..system::machine() },
         finished_utc: system::utc_now(),
         wall_seconds: started.elapsed().as_secs_f64(),
         data_path,
@@ -210,7 +211,7 @@ async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport>
     report.targets = report::targets(&report);
     println!();
     print!("{}", report::table(&report));
-    println!("wall time {:.1} s", report.wall_seconds);
+    println!("wall time {:.1} s; load average at the start {}, at the end {}", report.wall_seconds, report.machine.load_average_start, report.machine.load_average_end);
     Ok(report)
 }
 

@@ -21,6 +21,8 @@ pub struct Series {
     pub dashed: bool,
     /// (block bytes, GB/s)
     pub points: Vec<(u64, f64)>,
+    /// Text written next to each point (the ratio to the reference), or empty.
+    pub point_labels: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -43,10 +45,17 @@ pub fn panels(report: &BenchReport) -> Vec<Panel> {
         for (i, &blocks) in counts.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
             let cells: Vec<_> = p.cells.iter().filter(|c| c.blocks == blocks).collect();
-            series.push(Series { label: format!("kvgate, {blocks} block(s)"), color, dashed: false, points: cells.iter().map(|c| (c.block_bytes, c.throughput_gbps)).collect() });
+            let point_labels = cells.iter().map(|c| if c.reference_gbps > 0.0 { format!("x{:.2}", c.ratio) } else { String::new() }).collect();
+            series.push(Series {
+                label: format!("kvgate, {blocks} block(s)"),
+                color,
+                dashed: false,
+                points: cells.iter().map(|c| (c.block_bytes, c.throughput_gbps)).collect(),
+                point_labels,
+            });
             let reference: Vec<_> = cells.iter().filter(|c| c.reference_gbps > 0.0).map(|c| (c.block_bytes, c.reference_gbps)).collect();
             if !reference.is_empty() {
-                series.push(Series { label: format!("reference, {blocks} block(s)"), color, dashed: true, points: reference });
+                series.push(Series { label: format!("reference, {blocks} block(s)"), color, dashed: true, points: reference, point_labels: vec![] });
             }
         }
         let x_min = p.cells.iter().map(|c| c.block_bytes).min().unwrap_or(4096);

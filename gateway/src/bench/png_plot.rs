@@ -100,7 +100,7 @@ mod tests {
     fn the_png_has_the_signature_and_the_series_colour() {
         let panel = Panel {
             title: String::new(),
-            series: vec![Series { label: String::new(), color: (10, 200, 30), dashed: false, points: vec![(4096, 1.0), (1 << 20, 2.0)] }],
+            series: vec![Series { label: String::new(), color: (10, 200, 30), dashed: false, points: vec![(4096, 1.0), (1 << 20, 2.0)], point_labels: vec![] }],
             x_min: 4096,
             x_max: 1 << 20,
             y_max: 5.0,

@@ -26,6 +26,10 @@ pub struct Machine {
     /// Always `none` today: the bench has no GPU path here.
     pub gpu: String,
     pub kernel: String,
+    /// `/proc/loadavg` (1, 5, 15 minutes) when the run started and when it ended: other work on the
+    /// machine while it measured.
+    pub load_average_start: String,
+    pub load_average_end: String,
 }
 
 /// One plugin's data-path matrix.
@@ -54,6 +58,9 @@ pub struct CellResult {
     pub transfers: u64,
     /// Rooms that did not succeed on both sides, or whose bytes did not match.
     pub failures: u64,
+    /// The distinct reasons of those failures (reason codes from the gateways, or the bench's own
+    /// error), at most `MAX_FAILURE_REASONS_PER_CELL`.
+    pub failure_reasons: Vec<String>,
     /// The first room's destination bytes equal the source bytes.
     pub verified: bool,
     pub throughput_gbps: f64,

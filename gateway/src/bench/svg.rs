@@ -1,5 +1,5 @@
 //! `--plot FILE.svg`: the plot model written as hand-made SVG (axes, ticks, labels, a legend; the
-//! reference dashed). Text only; never measures and never reads the report's raw cells itself.
+//! reference dashed; each kvgate point labelled with its ratio to the reference). Text only; never measures and never reads the report's raw cells itself.
 
 use super::plot::{image_height, plot_area, to_pixel, x_ticks, Panel, WIDTH};
 use super::stats::size_label;
@@ -38,9 +38,13 @@ pub fn render(panels: &[Panel]) -> String {
             let dash = if series.dashed { r#" stroke-dasharray="6 4""# } else { "" };
             let _ = writeln!(out, r#"<polyline points="{}" fill="none" stroke="rgb({r},{g},{b})" stroke-width="2"{dash}/>"#, points.join(" "));
             if !series.dashed {
-                for p in &points {
+                for (k, p) in points.iter().enumerate() {
                     let (x, y) = p.split_once(',').unwrap_or(("0", "0"));
                     let _ = writeln!(out, r#"<circle cx="{x}" cy="{y}" r="3" fill="rgb({r},{g},{b})"/>"#);
+                    if let Some(text) = series.point_labels.get(k).filter(|t| !t.is_empty()) {
+                        let (x, y) = (x.parse::<f64>().unwrap_or(0.0), y.parse::<f64>().unwrap_or(0.0));
+                        let _ = writeln!(out, r#"<text x="{:.1}" y="{:.1}" font-size="10" fill="rgb({r},{g},{b})">{}</text>"#, x + 5.0, y - 5.0, escape(text));
+                    }
                 }
             }
             let ly = top + 10.0 + s_index as f64 * 18.0;
@@ -62,8 +66,14 @@ mod tests {
         let panel = Panel {
             title: "shm <&>".into(),
             series: vec![
-                Series { label: "kvgate, 1 block(s)".into(), color: (1, 2, 3), dashed: false, points: vec![(4096, 1.0), (1 << 20, 2.0)] },
-                Series { label: "reference, 1 block(s)".into(), color: (1, 2, 3), dashed: true, points: vec![(4096, 2.0), (1 << 20, 4.0)] },
+                Series {
+                    label: "kvgate, 1 block(s)".into(),
+                    color: (1, 2, 3),
+                    dashed: false,
+                    points: vec![(4096, 1.0), (1 << 20, 2.0)],
+                    point_labels: vec!["x0.50".into(), "x0.50".into()],
+                },
+                Series { label: "reference, 1 block(s)".into(), color: (1, 2, 3), dashed: true, points: vec![(4096, 2.0), (1 << 20, 4.0)], point_labels: vec![] },
             ],
             x_min: 4096,
             x_max: 1 << 20,
@@ -73,6 +83,7 @@ mod tests {
         assert_eq!(svg.matches("<polyline").count(), 2);
         assert_eq!(svg.matches("stroke-dasharray").count(), 2, "dashed line and its legend swatch");
         assert!(svg.contains("shm &lt;&amp;&gt;"));
+        assert_eq!(svg.matches(">x0.50</text>").count(), 2, "each kvgate point carries its ratio");
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     }
 }

@@ -13,6 +13,11 @@ pub fn which(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| std::env::split_paths(&paths).map(|d| d.join(name)).find(|p| p.is_file()))
 }
 
+/// The 1, 5 and 15 minute load averages (`0.52 0.70 1.10`), or empty when unreadable.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg").map(|t| t.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+}
+
 pub fn machine() -> Machine {
     let memory_kib = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -23,6 +28,8 @@ pub fn machine() -> Machine {
         memory_gib: memory_kib / (1024.0 * 1024.0),
         gpu: if has_nvidia_gpu() { "nvidia (present, not used by this bench)".into() } else { "none".into() },
         kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default(),
+        load_average_start: String::new(),
+        load_average_end: load_average(),
     }
 }
 
@@ -86,6 +93,7 @@ mod tests {
         let line = "42 (tokio rt) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 8 0 100 0 0";
         assert_eq!(cpu_of_stat_line(line, 100), Some(std::time::Duration::from_secs(3)));
         assert!(process_cpu(std::process::id() as i32).is_some(), "this process has a stat line");
+        assert_eq!(load_average().split(' ').count(), 3, "three load averages");
         assert_eq!(cpu_of_stat_line("garbage", 100), None);
     }
 
