@@ -19,6 +19,10 @@ fn hostname() -> String {
     nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "localhost".into())
 }
 
+/// After the driver stopped, how long the peer-link and watch tasks get to write the frames it sent
+/// last (the aborts). Not a correctness bound: a peer that misses them ends its rooms on link loss.
+const SHUTDOWN_FLUSH_MS: u64 = 100;
+
 /// Runs the driver on its own thread with its own single-threaded runtime. Plugin calls are
 /// synchronous (registering a large region maps and faults it in, which takes seconds for GiBs); on
 /// a shared runtime they would stall the peer links' and the engine API's tasks (a link starved of
@@ -127,9 +131,12 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         r = api_task => { r??; anyhow::bail!("engine API stopped unexpectedly") }
         r = peer_task => { r??; anyhow::bail!("peer-link server stopped unexpectedly") }
     }
-    let _ = stop_tx.send(true);
+    // The driver first (it aborts every live room, tells peers and engines, waits for the plugins
+    // to quiesce, releases registrations), with the listeners still up so those frames go out.
     let _ = input_tx.send(DriverInput::Shutdown).await;
     let _ = driver_done.await;
+    tokio::time::sleep(std::time::Duration::from_millis(SHUTDOWN_FLUSH_MS)).await;
+    let _ = stop_tx.send(true);
     if !config.engine_api.unix_socket.is_empty() {
         let _ = std::fs::remove_file(&config.engine_api.unix_socket);
     }

@@ -164,11 +164,14 @@ pub struct DriverSection {
     /// Plugin events queued towards the driver; past it an event is dropped and counted
     /// (`kvgate_plugin_events_dropped_total`) and the core's plugin grace ends the transfer.
     pub plugin_event_queue_len: u64,
+    /// At shutdown, how long the driver waits for plugins to quiesce the transfers of the rooms it
+    /// aborted before it shuts them down (their shutdown then quiesces the rest).
+    pub shutdown_grace_ms: u64,
 }
 
 impl Default for DriverSection {
     fn default() -> Self {
-        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536 }
+        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536, shutdown_grace_ms: 2000 }
     }
 }
 

@@ -115,3 +115,12 @@ fn plugin_config_tables_are_passed_through_as_toml() {
     let c = load_config_from_str("[plugins.config.shm]\nworkers = 3\n").unwrap();
     assert_eq!(toml::to_string(&c.plugins.config["shm"]).unwrap().trim(), "workers = 3");
 }
+
+#[test]
+fn shutdown_grace_is_checked_at_and_just_past_its_bounds() {
+    for ok in [0, 60_000] {
+        assert_eq!(load_config_from_str(&format!("[driver]\nshutdown_grace_ms = {ok}\n")).unwrap().driver.shutdown_grace_ms, ok);
+    }
+    let e = errors_of("[driver]\nshutdown_grace_ms = 60001\n");
+    assert!(e.contains("driver.shutdown_grace_ms = 60001") && e.contains("0..=60000"), "{e}");
+}

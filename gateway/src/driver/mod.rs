@@ -8,6 +8,7 @@ mod commands;
 mod engine;
 mod peers;
 mod regions;
+mod shutdown;
 mod views;
 
 pub use engine::{ApiError, EngineCall, MemorySpec, Reply};
@@ -126,10 +127,7 @@ impl Driver {
             }
             self.drain();
         }
-        for plugin in &self.plugins {
-            plugin.shutdown();
-        }
-        tracing::info!("driver stopped, plugins shut down");
+        self.shut_down(&mut inputs, &mut plugin_events).await;
     }
 
     fn on_plugin_event(&mut self, slot: PluginSlot, event: Event) {

@@ -32,6 +32,13 @@ impl Regions {
     pub fn len(&self) -> usize {
         self.by_id.len()
     }
+    pub fn ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.by_id.keys().copied()
+    }
+    /// Drops every registration and its mapping without asking the plugins (they are shut down).
+    pub fn forget_all(&mut self) {
+        self.by_id.clear();
+    }
 }
 
 fn map_shared_file(path: &str, offset: u64, len: u64) -> Result<memmap2::MmapMut, ApiError> {
