@@ -18,7 +18,7 @@ fn kvgate(args: &[&str]) -> (i32, String, String) {
 async fn rooms_and_abort_commands_act_on_a_running_gateway_and_every_failure_is_logged() {
     let _serial = serial();
     let dir = work_dir();
-    let settings = PairSettings { bootstrap_timeout_ms: 1_500, stuck_room_warn_ms: vec![300], ..PairSettings::default() };
+    let settings = PairSettings { bootstrap_timeout_ms: 1_500, stuck_room_warn_ms: vec![300, 700], ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let shape = small_shape();
     let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
@@ -39,7 +39,7 @@ async fn rooms_and_abort_commands_act_on_a_running_gateway_and_every_failure_is_
     let o = wait_terminal(&mut aborted_rx, started, Duration::from_secs(5)).await.unwrap();
     assert_eq!(o.reason, "aborted");
 
-    // Nobody sends room 802: a stuck-room warning at 300 ms, then bootstrap_timeout at 1.5 s.
+    // Nobody sends room 802: stuck-room warnings at 300 and 700 ms, then bootstrap_timeout at 1.5 s.
     let o = wait_terminal(&mut timed_out_rx, started, Duration::from_secs(10)).await.unwrap();
     assert_eq!((o.reason.as_str(), o.phase.as_str()), ("bootstrap_timeout", "bootstrap"));
     let (code, out, _) = kvgate(&["rooms", "--socket", &socket]);
@@ -51,8 +51,10 @@ async fn rooms_and_abort_commands_act_on_a_running_gateway_and_every_failure_is_
 
     tokio::time::sleep(Duration::from_millis(200)).await;
     let log = pair.decode.log();
-    let stuck: Vec<&str> = log.lines().filter(|l| l.contains("room still live at 300 ms")).collect();
-    assert!(stuck.iter().any(|l| l.contains("802#0")), "{log}");
+    for age in [300, 700] {
+        let stuck: Vec<&str> = log.lines().filter(|l| l.contains(&format!("room still live at {age} ms")) && l.contains("802#0")).collect();
+        assert_eq!(stuck.len(), 1, "one warning at {age} ms for room 802:\n{log}");
+    }
     for (room, reason) in [("801#0", "aborted"), ("802#0", "bootstrap_timeout")] {
         let line = log.lines().find(|l| l.contains("room failed") && l.contains(room)).unwrap_or_else(|| panic!("no failure line for {room}:\n{log}"));
         for field in [reason, "phase", "peer", "elapsed_ms", "plugin"] {

@@ -51,7 +51,10 @@ impl Driver {
     fn room_event(&mut self, event: RoomEvent) {
         let now = self.now();
         let key = (event.room(), event.role());
-        let clock = *self.room_clock.entry(key).or_insert(RoomClock { first_seen: now, ..Default::default() });
+        let clock = *self.room_clock.entry(key).or_insert_with(|| {
+            self.stuck.track(now, key.0, key.1);
+            RoomClock { first_seen: now, ..Default::default() }
+        });
         let view = self.core.room(now, event.room(), event.role());
         let peer_name = view.as_ref().and_then(|v| v.peer).and_then(|p| self.peers.name_of(p)).unwrap_or("-").to_string();
         let plugin_name = view.as_ref().and_then(|v| v.plugin).map(|s| self.plugin_name(s).to_string()).unwrap_or_else(|| "none".into());

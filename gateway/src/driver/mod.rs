@@ -9,6 +9,7 @@ mod engine;
 mod peers;
 mod regions;
 mod shutdown;
+mod stuck;
 mod views;
 
 pub use engine::{ApiError, EngineCall, MemorySpec, Reply};
@@ -49,7 +50,7 @@ pub struct DriverParts {
     pub metrics: Arc<GatewayMetrics>,
 }
 
-/// How often the driver scans rooms for the stuck-room warnings and health.
+/// How often the driver pops due stuck-room warnings (`stuck.rs`) and refreshes the dropped-event gauge.
 pub const HOUSEKEEPING_INTERVAL_MS: u64 = 250;
 
 pub struct Driver {
@@ -68,18 +69,20 @@ pub struct Driver {
     feedback: VecDeque<PluginEventMsg>,
     /// Per live room: when this driver first saw it, when it started moving bytes, stuck warnings given.
     room_clock: HashMap<(RoomKey, Role), RoomClock>,
+    /// Rooms waiting for their next stuck-room warning age.
+    stuck: stuck::StuckQueues,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
 struct RoomClock {
     first_seen: Nanos,
     transfer_started: Option<Nanos>,
-    stuck_warnings: usize,
 }
 
 impl Driver {
     pub fn new(parts: DriverParts) -> Driver {
         let slots = parts.plugins.len();
+        let stuck = stuck::StuckQueues::new(&parts.config.admin.stuck_room_warn_ms);
         Driver {
             core: parts.core,
             origin: Instant::now(),
@@ -93,6 +96,7 @@ impl Driver {
             metrics: parts.metrics,
             feedback: VecDeque::new(),
             room_clock: HashMap::new(),
+            stuck,
         }
     }
 
@@ -163,22 +167,7 @@ impl Driver {
     }
 
     fn housekeeping(&mut self) {
-        let now = self.now();
-        let ages = self.config.admin.stuck_room_warn_ms.clone();
-        for view in self.core.rooms(now) {
-            if view.state.is_terminal() {
-                continue;
-            }
-            let clock = self.room_clock.entry((view.room, view.role)).or_insert(RoomClock { first_seen: now.saturating_sub(view.age), ..Default::default() });
-            while clock.stuck_warnings < ages.len() && view.age.as_ms() >= ages[clock.stuck_warnings] {
-                tracing::warn!(
-                    room = %view.room, role = view.role.as_str(), state = view.state.as_str(), age_ms = view.age.as_ms(),
-                    peer = ?view.peer, last_event = ?view.last_event, "room still live at {} ms (admin.stuck_room_warn_ms)",
-                    ages[clock.stuck_warnings]
-                );
-                clock.stuck_warnings += 1;
-            }
-        }
+        self.warn_stuck_rooms();
         self.metrics.set_plugin_events_dropped_now();
     }
 }
