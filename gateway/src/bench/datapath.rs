@@ -2,7 +2,8 @@
 //! `kvgate serve` (demo::gateways), two engines on the engine API (demo::engine) with shared-memory
 //! pools, one room per transfer (one part, one chunk of `blocks` slices), several rooms in flight on
 //! distinct pool slots. After each cell its reference moves the same bytes (the same slots, in the
-//! same order, where it copies memory). Never decides an outcome itself.
+//! same order, where it copies memory: half just before the rooms, half just after). Never decides
+//! an outcome itself.
 
 use super::reference::{memcpy_copies, perftest_messages, tcp_copies, ucx_perftest_gbps, CopyBudget, ReferenceKind};
 use super::results::CellResult;
@@ -165,11 +166,19 @@ struct ReferenceFigure {
 }
 
 /// Run one cell: a verified warm-up room, then timed rooms (up to `inflight_rooms` at once, each on
-/// its own pool slot) for at least `budget`, then the reference on the same bytes for as long.
+/// its own pool slot) for at least `budget`; the reference moves the same bytes for as long (memcpy
+/// and TCP half before the rooms and half after, `ucx_perftest` after).
 pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, blocks: u64, inflight_rooms: u64, budget: CopyBudget) -> anyhow::Result<CellResult> {
     let verified = verified_room(rig, block, blocks).await?;
     let bytes = block * blocks;
     let (stride, depth) = cell_slots(rig.slot_bytes * rig.slots, bytes, inflight_rooms);
+    // A memory reference runs half its budget just before the rooms and half just after, so a change
+    // of load on this shared machine during the cell weighs on both sides alike.
+    let half = CopyBudget { min_copies: budget.min_copies.div_ceil(2), budget: budget.budget / 2 };
+    let copies_before = match reference {
+        Some(kind) if kind.copies_memory() => Some(memory_reference_copies(rig, kind, block, blocks, (stride, depth), half).await),
+        _ => None,
+    };
     let cpu_before = rig.cpu_used();
     let started = Instant::now();
     let mut latencies = Vec::new();
@@ -226,8 +235,20 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
         ..CellResult::default()
     };
     if let Some(kind) = reference {
-        let plugin_bytes_in_budget = (cell.throughput_gbps * 1e9 * budget.budget.as_secs_f64()) as u64;
-        match reference_figure(rig, kind, block, blocks, (stride, depth), budget, plugin_bytes_in_budget).await {
+        let figure = match copies_before {
+            Some(before) => match (before, memory_reference_copies(rig, kind, block, blocks, (stride, depth), half).await) {
+                (Ok(mut copies), Ok(after)) => {
+                    copies.extend(after);
+                    Ok(figure_of_copies(bytes, &copies))
+                }
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            },
+            None => {
+                let plugin_bytes_in_budget = (cell.throughput_gbps * 1e9 * budget.budget.as_secs_f64()) as u64;
+                perftest_figure(kind, block, blocks, budget, plugin_bytes_in_budget).await
+            }
+        };
+        match figure {
             Ok(figure) => {
                 cell.reference_gbps = figure.gbps;
                 cell.reference_latency_p50_ms = millis(figure.p50);
@@ -250,39 +271,35 @@ async fn slot_room(prefill: Arc<Engine>, decode: Arc<Engine>, offset: u64, block
     (offset, move_room(&prefill, &decode, fresh_room(), src, dst).await)
 }
 
-/// The reference of one cell. memcpy and TCP move the same bytes between this process's mappings of
-/// the same pool files, slot after slot over the cell's `(stride, depth)` slots, one transfer at a
-/// time; `ucx_perftest` streams `block`-byte messages between its own buffers.
-async fn reference_figure(
-    rig: &Rig,
-    kind: ReferenceKind,
-    block: u64,
-    blocks: u64,
-    slots: (u64, u64),
-    budget: CopyBudget,
-    plugin_bytes_in_budget: u64,
-) -> anyhow::Result<ReferenceFigure> {
-    let bytes = block * blocks;
-    if let ReferenceKind::UcxPerftest(transport) = kind {
-        let messages = perftest_messages(block, blocks, budget.min_copies, plugin_bytes_in_budget);
-        let gbps = tokio::task::spawn_blocking(move || ucx_perftest_gbps(transport, block, messages)).await?.map_err(anyhow::Error::msg)?;
-        // A rate, not latencies: the time one transfer's bytes take at that rate.
-        let per_transfer = Duration::from_secs_f64(bytes as f64 / (gbps * 1e9));
-        return Ok(ReferenceFigure { gbps, p50: per_transfer, p99: per_transfer });
-    }
+/// memcpy or TCP, between this process's mappings of the same pool files, slot after slot over the
+/// cell's `(stride, depth)` slots, one transfer at a time; one latency per transfer.
+async fn memory_reference_copies(rig: &Rig, kind: ReferenceKind, block: u64, blocks: u64, slots: (u64, u64), budget: CopyBudget) -> anyhow::Result<Vec<Duration>> {
     let (s, d) = (rig.src_map.clone(), rig.dst_map.clone());
-    let copies = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         let s = s.lock().unwrap_or_else(|e| e.into_inner());
         let mut d = d.lock().unwrap_or_else(|e| e.into_inner());
         match kind {
             ReferenceKind::Memcpy => Ok(memcpy_copies(&s, &mut d, block as usize, blocks as usize, slots, budget)),
             ReferenceKind::TcpLoopback => tcp_copies(&s, &mut d, block as usize, blocks as usize, slots, budget).context("TCP loopback reference"),
-            ReferenceKind::UcxPerftest(_) => unreachable!("handled above"),
+            ReferenceKind::UcxPerftest(_) => anyhow::bail!("ucx_perftest copies no pool memory"),
         }
     })
-    .await??;
+    .await?
+}
+
+fn figure_of_copies(bytes: u64, copies: &[Duration]) -> ReferenceFigure {
     let total: Duration = copies.iter().sum();
-    Ok(ReferenceFigure { gbps: gbps(bytes * copies.len() as u64, total), p50: percentile(&copies, 50.0), p99: percentile(&copies, 99.0) })
+    ReferenceFigure { gbps: gbps(bytes * copies.len() as u64, total), p50: percentile(copies, 50.0), p99: percentile(copies, 99.0) }
+}
+
+/// `ucx_perftest` streaming `block`-byte messages between its own buffers, about as many bytes as the
+/// plugin moved in the cell; a rate, so p50 = p99 = one transfer's bytes at that rate.
+async fn perftest_figure(kind: ReferenceKind, block: u64, blocks: u64, budget: CopyBudget, plugin_bytes_in_budget: u64) -> anyhow::Result<ReferenceFigure> {
+    let ReferenceKind::UcxPerftest(transport) = kind else { anyhow::bail!("{kind:?} is not a ucx_perftest reference") };
+    let messages = perftest_messages(block, blocks, budget.min_copies, plugin_bytes_in_budget);
+    let gbps = tokio::task::spawn_blocking(move || ucx_perftest_gbps(transport, block, messages)).await?.map_err(anyhow::Error::msg)?;
+    let per_transfer = Duration::from_secs_f64((block * blocks) as f64 / (gbps * 1e9));
+    Ok(ReferenceFigure { gbps, p50: per_transfer, p99: per_transfer })
 }
 
 #[cfg(test)]

@@ -35,6 +35,11 @@ pub enum ReferenceKind {
 }
 
 impl ReferenceKind {
+    /// Whether it copies between the bench's own mappings of the pool files (memcpy, TCP).
+    pub fn copies_memory(self) -> bool {
+        matches!(self, ReferenceKind::Memcpy | ReferenceKind::TcpLoopback)
+    }
+
     pub fn describe(self) -> &'static str {
         match self {
             ReferenceKind::Memcpy => "memcpy, 1 thread, block by block between the same two pool files",

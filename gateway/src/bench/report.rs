@@ -22,7 +22,8 @@ again. Up to `in flight` rooms run at once, each on its own slot of the pools (f
 fit the pools). GB/s = bytes of the timed rooms / wall time of the cell. Outside the timed window: filling the source \
 pool, a warm-up room whose destination bytes are compared with the source (`verified`), and the reference. `CPU gw / eng`: cores the two gateway processes (plugin threads \
 included) and the engines' process kept busy meanwhile (from /proc, 10 ms ticks); 2 cores is all this machine has.
-- **References** move the same bytes in the same run, one transfer after the other, with no pipelining: \
+- **References** move the same bytes in the same run, one transfer after the other, with no pipelining; memcpy and \
+TCP run half their time just before the cell's rooms and half just after: \
 **memcpy** (shm) is one thread copying block by block between this process's mappings of the same pool files, over \
 the same slots in the same order as the rooms used them. The shm plugin copies with its worker threads (`workers`, \
 default 2) and the gateway overlaps rooms, so on 2 cores a ratio above 1 is possible: the ratio says how close the whole \
