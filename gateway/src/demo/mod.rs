@@ -94,7 +94,9 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<bool> {
 /// Start a pair for `plugin`, create and register pools, run `args.rooms` rooms, stop the pair.
 async fn run_plugin(binary: &Path, dir: &Path, plugin: &str, shape: &KvShape, args: &DemoArgs) -> PluginRun {
     let mut run = PluginRun { plugin: plugin.to_string(), results: vec![], errors: vec![], wall: Duration::ZERO, unavailable: None };
-    let settings = PairSettings { plugin: plugin.to_string(), ..PairSettings::default() };
+    // Both gateways are on this machine: QUIC gets its loopback tuning (its defaults are for real networks).
+    let plugin_config = if plugin == "quic" { crate::bench::matrix::QUIC_LOOPBACK_CONFIG.to_string() } else { String::new() };
+    let settings = PairSettings { plugin: plugin.to_string(), plugin_config, ..PairSettings::default() };
     let mut pair = match GatewayPair::start(binary, dir, &settings).await {
         Ok(p) => p,
         Err(e) => {
