@@ -159,6 +159,21 @@ fn tls_toml(dir: &std::path::Path, name: &str, own: &Pki, trusted_ca_pem: &str) 
     format!("[peer_link.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n", cert.display(), key.display(), ca.display())
 }
 
+/// Starts a pair whose TLS settings must keep the link down; checks that it stays down (both admin
+/// views, and an expect for `room` refused `peer_not_connected`).
+async fn start_pair_without_link(dir: &std::path::Path, settings: &PairSettings, room: u64) -> GatewayPair {
+    let pair = GatewayPair::start(&binary(), dir, settings).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for g in [&pair.prefill, &pair.decode] {
+        let (_, body) = kvgate::demo::http::get(&g.admin, "/plugins").await.unwrap();
+        assert!(body.contains("\"up\":false") && !body.contains("\"up\":true"), "{}: {body}", g.name);
+    }
+    let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
+    let err = decode.expect(room_key(room, 0), PREFILL_NAME, vec![vec![slice(1, 0, 1)]], 0).await.unwrap_err();
+    assert_eq!(reason_of(&err).as_deref(), Some("peer_not_connected"), "{err:?}");
+    pair
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_links_use_mutual_tls_and_refuse_a_certificate_from_another_ca() {
     let _serial = serial();
@@ -190,15 +205,7 @@ async fn peer_links_use_mutual_tls_and_refuse_a_certificate_from_another_ca() {
         wait_for_peers: false,
         ..PairSettings::default()
     };
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    for g in [&pair.prefill, &pair.decode] {
-        let (_, body) = kvgate::demo::http::get(&g.admin, "/plugins").await.unwrap();
-        assert!(body.contains("\"up\":false") && !body.contains("\"up\":true"), "{}: {body}", g.name);
-    }
-    let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
-    let err = decode.expect(room_key(701, 0), PREFILL_NAME, vec![vec![slice(1, 0, 1)]], 0).await.unwrap_err();
-    assert_eq!(reason_of(&err).as_deref(), Some("peer_not_connected"), "{err:?}");
+    let mut pair = start_pair_without_link(dir.path(), &settings, 701).await;
     pair.stop();
 }
 
@@ -218,17 +225,9 @@ async fn a_peer_certificate_from_the_right_ca_but_for_another_name_is_refused() 
         wait_for_peers: false,
         ..PairSettings::default()
     };
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    for g in [&pair.prefill, &pair.decode] {
-        let (_, body) = kvgate::demo::http::get(&g.admin, "/plugins").await.unwrap();
-        assert!(body.contains("\"up\":false") && !body.contains("\"up\":true"), "{}: {body}", g.name);
-    }
+    let mut pair = start_pair_without_link(dir.path(), &settings, 702).await;
     let log = pair.prefill.log();
     assert!(log.contains("peer_identity_mismatch"), "the refusal is logged with its reason code: {log}");
     assert!(log.contains("expected_name") && log.contains("localhost"), "the refusal names the expected name: {log}");
-    let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
-    let err = decode.expect(room_key(702, 0), PREFILL_NAME, vec![vec![slice(1, 0, 1)]], 0).await.unwrap_err();
-    assert_eq!(reason_of(&err).as_deref(), Some("peer_not_connected"), "{err:?}");
     pair.stop();
 }
