@@ -25,6 +25,17 @@ pub mod table;
 pub mod timer;
 mod wheel;
 
+/// The unit tests' seeded generator (splitmix64): the wheel and the id table check themselves
+/// against reference maps with it.
+#[cfg(test)]
+pub(crate) fn test_random(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 pub use crate::api::*;
 pub use crate::config::{ConfigError, CoreConfig};
 pub use crate::core::Core;

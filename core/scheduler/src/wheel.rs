@@ -296,13 +296,7 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
-    fn next_random(state: &mut u64) -> u64 {
-        *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = *state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
+    use crate::test_random as next_random;
 
     /// The wheel against a reference model (a sorted map): same timers fire at the same ticks,
     /// never early, and `next_deadline` is never later than the true next deadline.
