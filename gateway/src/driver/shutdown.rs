@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-/// What shutdown did, for its log line and the tests that read it.
+/// What shutdown did (its last log line, which the RES-6 test reads, carries every field).
 #[derive(Debug, Default)]
 pub struct ShutdownReport {
     pub rooms_aborted: usize,
