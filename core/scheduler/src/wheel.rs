@@ -86,9 +86,6 @@ impl Wheel {
     pub fn len(&self) -> usize {
         self.len
     }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 
     /// The tick a deadline fires at (ceiling).
     pub fn tick_of(deadline: Nanos) -> u64 {
@@ -367,7 +364,7 @@ mod tests {
         assert_eq!(wheel.len(), 1);
         assert_eq!(wheel.deadline(again), Nanos(7_000_000));
         assert_eq!(wheel.pop_expired(Nanos(7_000_000)), Some(3));
-        assert!(wheel.is_empty());
+        assert_eq!(wheel.len(), 0);
     }
 
     #[test]

@@ -109,8 +109,8 @@ impl Core {
         let slot = self.insert_room(room);
         let epoch = self.epoch(slot);
         self.link_peer(slot, peer);
-        self.arm(slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
-        self.arm(slot, TimerKind::Room, deadline);
+        self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
+        self.arm(now, slot, TimerKind::Room, deadline);
         self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Receiver, state: RoomState::WaitingSender });
         let remaining = deadline.saturating_sub(now);
         let mut tickets = Vec::with_capacity(parts.len());
@@ -191,8 +191,8 @@ impl Core {
                 if let Some(peer) = peer {
                     self.link_peer(slot, peer);
                 }
-                self.arm(slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
-                self.arm(slot, TimerKind::Room, deadline);
+                self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
+                self.arm(now, slot, TimerKind::Room, deadline);
                 self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Sender, state: RoomState::WaitingExpect });
                 Ok(())
             }
@@ -351,9 +351,9 @@ impl Core {
     /// and the plugin grace, tell the receiver.
     pub(super) fn start_transfer(&mut self, now: Nanos, slot: u32) {
         let transfer_deadline = now.saturating_add(self.transfer_budget(self.room_at(slot).bytes_total));
-        self.move_timer(slot, TimerKind::Bootstrap, TimerKind::Transfer, transfer_deadline);
+        self.move_timer(now, slot, TimerKind::Bootstrap, TimerKind::Transfer, transfer_deadline);
         let grace = Nanos::from_ms(self.config.plugin_grace_ms);
-        self.arm(slot, TimerKind::PluginGrace, transfer_deadline.saturating_add(grace));
+        self.arm(now, slot, TimerKind::PluginGrace, transfer_deadline.saturating_add(grace));
         let room = self.room_mut(slot);
         room.touch(now, LastEvent::Matched);
         let (key, peer) = (room.key, room.peer());

@@ -3,6 +3,7 @@
 //! Inputs are `handle_*(now, ..)`, outputs `poll_command()` / `poll_timeout()`; it never does IO,
 //! never reads a clock and never calls a plugin. Cost per event does not depend on the room count.
 
+mod deadlines;
 mod engine;
 mod id_table;
 mod mapping;
@@ -17,7 +18,8 @@ use crate::config::{ConfigError, CoreConfig};
 use crate::metrics::{LateSource, Metrics};
 use crate::table::{transition, IllegalTransition, RoomInput};
 use crate::timer::TimerKind;
-use crate::wheel::{TimerHandle, Wheel, TICK_NS};
+use crate::wheel::{Wheel, TICK_NS};
+use deadlines::{decode_entry, Deadlines, IN_NURSERY};
 use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
 use id_table::SequentialIdTable;
 use room::{Room, Slot, NIL};
@@ -79,15 +81,6 @@ enum Lookup {
 const SPARE_SEND_PARTS: usize = 64;
 const SPARE_SEND_PARTS_CAPACITY: usize = 4;
 
-/// The payload of a room's wheel entry: its slot and the slot's epoch.
-fn encode_entry(slot: u32, epoch: u32) -> u64 {
-    ((slot as u64) << 32) | epoch as u64
-}
-
-fn decode_entry(payload: u64) -> (u32, u32) {
-    ((payload >> 32) as u32, payload as u32)
-}
-
 /// One gateway's scheduler. Deterministic: the same inputs give the same outputs.
 pub struct Core {
     config: CoreConfig,
@@ -102,7 +95,8 @@ pub struct Core {
     tickets: SequentialIdTable<TicketRef>,
     peers: FxHashMap<PeerId, PeerEntry>,
     regions: FxHashMap<RegionId, LocalRegion>,
-    wheel: Wheel,
+    /// Each room's one deadline entry: in the timer wheel, or in the nursery while far off.
+    deadlines: Deadlines,
     commands: VecDeque<Command>,
     next_xfer: u64,
     next_ticket: u64,
@@ -131,7 +125,7 @@ impl Core {
             tickets: SequentialIdTable::default(),
             peers: FxHashMap::default(),
             regions: FxHashMap::default(),
-            wheel: Wheel::new(),
+            deadlines: Deadlines::default(),
             commands: VecDeque::new(),
             next_xfer: 1,
             next_ticket: 1,
@@ -215,7 +209,15 @@ impl Core {
     /// received before calling it, so a completion already observable wins over a deadline.
     pub fn handle_timeout(&mut self, now: Nanos) {
         let now_tick = now.0 / TICK_NS;
-        while let Some(payload) = self.wheel.pop_expired(now) {
+        // Rooms whose nursery span ended move to the wheel first (their deadlines may be due now).
+        while let Some((slot, epoch)) = self.deadlines.pop_nursery(now) {
+            let entry = &mut self.slots[slot as usize];
+            let Some(room) = entry.room.as_mut().filter(|_| entry.epoch == epoch) else { continue };
+            if room.wheel_entry == IN_NURSERY {
+                room.wheel_entry = self.deadlines.promote(slot, epoch, room.earliest_wheel_deadline());
+            }
+        }
+        while let Some(payload) = self.deadlines.wheel.pop_expired(now) {
             let (slot, epoch) = decode_entry(payload);
             if !self.slot_is(slot, epoch) {
                 debug_assert!(false, "timer for a vanished room");
@@ -232,7 +234,7 @@ impl Core {
                 }
             }
             if self.slot_is(slot, epoch) {
-                self.sync_wheel_entry(slot);
+                self.sync_wheel_entry(now, slot);
             }
         }
         // Tombstones expire in FIFO order (`tombstone_ttl_ms` after they settled).
@@ -256,7 +258,7 @@ impl Core {
     /// (a wheel level boundary): calling `handle_timeout` then is cheap and correct.
     pub fn poll_timeout(&self) -> Option<Nanos> {
         let tombstone = self.tombstone_fifo.front().map(|&(_, _, expiry)| Wheel::fire_time(expiry));
-        match (self.wheel.next_deadline(), tombstone) {
+        match (self.deadlines.next_deadline(), tombstone) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -274,8 +276,7 @@ impl Core {
     /// Timer entries held: wheel entries (at most one per room) plus tombstone expiries (for leak
     /// checks: 0 once every room is dropped).
     pub fn armed_timers(&self) -> usize {
-        debug_assert_eq!(self.wheel.is_empty(), self.wheel.len() == 0);
-        self.wheel.len() + self.tombstone_fifo.len()
+        self.deadlines.len() + self.tombstone_fifo.len()
     }
 
     /// Rooms held in the slab (live, quarantined and tombstoned).
@@ -417,26 +418,19 @@ impl Core {
 
     /// Arm (or re-arm) the room's timer of `kind` (never `Tombstone`: see `settle`). The room's one
     /// wheel entry moves only when the new deadline comes before it.
-    fn arm(&mut self, slot: u32, kind: TimerKind, deadline: Nanos) {
+    fn arm(&mut self, now: Nanos, slot: u32, kind: TimerKind, deadline: Nanos) {
         debug_assert!(kind != TimerKind::Tombstone);
         let entry = &mut self.slots[slot as usize];
         let epoch = entry.epoch;
         let room = entry.room.as_mut().expect("live slot");
         room.set_timer(kind, deadline);
-        if room.wheel_entry == NIL {
-            room.wheel_entry = self.wheel.insert(deadline, encode_entry(slot, epoch)).raw();
-        } else {
-            let handle = TimerHandle::from_raw(room.wheel_entry);
-            if Wheel::tick_of(deadline) < self.wheel.tick(handle) {
-                self.wheel.rearm(handle, deadline, encode_entry(slot, epoch));
-            }
-        }
+        room.wheel_entry = self.deadlines.lower(now, room.wheel_entry, slot, epoch, deadline);
     }
 
     /// Disarm `from` and arm `to` at `deadline`.
-    fn move_timer(&mut self, slot: u32, from: TimerKind, to: TimerKind, deadline: Nanos) {
+    fn move_timer(&mut self, now: Nanos, slot: u32, from: TimerKind, to: TimerKind, deadline: Nanos) {
         self.disarm(slot, from);
-        self.arm(slot, to, deadline);
+        self.arm(now, slot, to, deadline);
     }
 
     /// Disarm a timer: nothing moves in the wheel (the room's entry, if now early, finds nothing
@@ -455,23 +449,11 @@ impl Core {
 
     /// After the room's wheel entry fired or its timers changed: the entry (if any) is at its
     /// earliest armed deadline, or released when none is armed.
-    fn sync_wheel_entry(&mut self, slot: u32) {
-        let epoch = self.epoch(slot);
-        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
-        match (room.earliest_wheel_deadline(), room.wheel_entry) {
-            (None, NIL) => {}
-            (None, raw) => {
-                self.wheel.cancel(TimerHandle::from_raw(raw));
-                room.wheel_entry = NIL;
-            }
-            (Some(deadline), NIL) => room.wheel_entry = self.wheel.insert(deadline, encode_entry(slot, epoch)).raw(),
-            (Some(deadline), raw) => {
-                let handle = TimerHandle::from_raw(raw);
-                if Wheel::tick_of(deadline) != self.wheel.tick(handle) {
-                    self.wheel.rearm(handle, deadline, encode_entry(slot, epoch));
-                }
-            }
-        }
+    fn sync_wheel_entry(&mut self, now: Nanos, slot: u32) {
+        let entry = &mut self.slots[slot as usize];
+        let epoch = entry.epoch;
+        let room = entry.room.as_mut().expect("live slot");
+        room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, room.earliest_wheel_deadline());
     }
 
     fn timer_deadline(&self, slot: u32, kind: TimerKind) -> Option<Nanos> {

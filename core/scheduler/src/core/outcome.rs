@@ -94,7 +94,7 @@ impl Core {
             let current = self.timer_deadline(slot, TimerKind::PluginGrace);
             let after_cancel = now.saturating_add(grace);
             if current.is_none_or(|deadline| after_cancel < deadline) {
-                self.arm(slot, TimerKind::PluginGrace, after_cancel);
+                self.arm(now, slot, TimerKind::PluginGrace, after_cancel);
             }
         }
         // CONFORMANCE: TIME-8, ABORT-10
@@ -115,7 +115,7 @@ impl Core {
             // CONFORMANCE: RES-4
             self.room_mut(slot).quarantine_counted = true;
             self.metrics.quarantined_bytes += bytes_total;
-            self.arm(slot, TimerKind::Quarantine, now.saturating_add(Nanos::from_ms(self.config.quarantine_timeout_ms)));
+            self.arm(now, slot, TimerKind::Quarantine, now.saturating_add(Nanos::from_ms(self.config.quarantine_timeout_ms)));
         }
     }
 
@@ -229,7 +229,7 @@ impl Core {
         }
         // Nothing else is armed once settled: this releases the room's wheel entry.
         debug_assert_eq!(self.room_at(slot).earliest_wheel_deadline(), None);
-        self.sync_wheel_entry(slot);
+        self.sync_wheel_entry(now, slot);
         self.tombstone_fifo.push_back((slot, epoch, expiry));
         self.metrics.tombstones += 1;
         while self.metrics.tombstones > self.config.max_tombstones {
@@ -260,7 +260,8 @@ impl Core {
     /// tombstone FIFO).
     pub(super) fn drop_room(&mut self, slot: u32) {
         self.disarm_all(slot, &TimerKind::ALL);
-        self.sync_wheel_entry(slot);
+        // Nothing armed: this only releases the entry (the time is not used).
+        self.sync_wheel_entry(Nanos::ZERO, slot);
         self.unlink_peer(slot);
         let entry = &mut self.slots[slot as usize];
         let room = entry.room.take().expect("drop of a live slot");

@@ -133,7 +133,7 @@ impl Core {
     fn receiver_matched(&mut self, now: Nanos, slot: u32) {
         let _ = self.apply(now, slot, RoomInput::Matched);
         let deadline = now.saturating_add(self.transfer_budget(self.room_at(slot).bytes_total));
-        self.move_timer(slot, TimerKind::Bootstrap, TimerKind::Transfer, deadline);
+        self.move_timer(now, slot, TimerKind::Bootstrap, TimerKind::Transfer, deadline);
         self.room_mut(slot).touch(now, LastEvent::Matched);
     }
 
@@ -258,8 +258,8 @@ impl Core {
                 room.deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
                 let deadline = room.deadline;
                 let slot = self.insert_room(room);
-                self.arm(slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
-                self.arm(slot, TimerKind::Room, deadline);
+                self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
+                self.arm(now, slot, TimerKind::Room, deadline);
                 self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Sender, state: RoomState::WaitingSend });
                 slot
             }
@@ -329,7 +329,7 @@ impl Core {
         room.bytes_total = bytes_total;
         if notice_deadline < room.deadline {
             room.deadline = notice_deadline;
-            self.arm(slot, TimerKind::Room, notice_deadline);
+            self.arm(now, slot, TimerKind::Room, notice_deadline);
         }
         if self.room_at(slot).state != RoomState::WaitingExpect {
             return Ok(());

@@ -1,0 +1,226 @@
+//! Where each room's one deadline entry lives: the timer wheel, or the nursery (a FIFO of rooms whose
+//! earliest deadline is still far off, moved into the wheel only when the nursery's span passes).
+//! Most rooms end before that, so they never touch the wheel. It stores (slot, epoch) payloads and
+//! never fires a room's timer itself (the core does), nor decides which timers a room has.
+
+use crate::api::Nanos;
+use crate::wheel::{TimerHandle, Wheel, TICK_NS};
+use std::collections::VecDeque;
+
+/// A room's entry value: no entry.
+pub(crate) const NO_ENTRY: u32 = u32::MAX;
+/// A room's entry value: waiting in the nursery (any other value is a wheel handle).
+pub(crate) const IN_NURSERY: u32 = u32::MAX - 1;
+
+/// The nursery's span: a room enters it only if its earliest deadline is at or after the end of the
+/// current span (64 wheel ticks, 64 ms), and moves to the wheel when that end passes. Spans are
+/// aligned, so the core wakes at most once per span for the nursery.
+const NURSERY_SPAN_NS: u64 = 64 * TICK_NS;
+
+/// A room waiting in the nursery: its slot, the slot's epoch, and when it moves to the wheel (never
+/// after the room's earliest deadline; non-decreasing along the FIFO).
+#[derive(Clone, Copy)]
+struct NurseryEntry {
+    slot: u32,
+    epoch: u32,
+    promote_at: Nanos,
+}
+
+/// The payload of a room's wheel entry: its slot and the slot's epoch.
+pub(crate) fn encode_entry(slot: u32, epoch: u32) -> u64 {
+    ((slot as u64) << 32) | epoch as u64
+}
+
+pub(crate) fn decode_entry(payload: u64) -> (u32, u32) {
+    ((payload >> 32) as u32, payload as u32)
+}
+
+#[derive(Default)]
+pub(crate) struct Deadlines {
+    pub wheel: Wheel,
+    nursery: VecDeque<NurseryEntry>,
+    /// Rooms whose entry is `IN_NURSERY` (the FIFO may also hold stale entries of rooms that left).
+    nursery_rooms: usize,
+}
+
+impl Deadlines {
+    /// Entries held: wheel entries plus rooms in the nursery.
+    pub fn len(&self) -> usize {
+        self.wheel.len() + self.nursery_rooms
+    }
+
+    /// When a room entering the nursery at `now` would move to the wheel.
+    fn promote_time(&self, now: Nanos) -> Nanos {
+        let end_of_span = Nanos((now.0 / NURSERY_SPAN_NS).saturating_add(1).saturating_mul(NURSERY_SPAN_NS));
+        match self.nursery.back() {
+            Some(last) => end_of_span.max(last.promote_at),
+            None => end_of_span,
+        }
+    }
+
+    /// The latest promote time of the nursery (a room whose earliest deadline is at or after it may
+    /// stay in the nursery, whichever entry is its own).
+    fn newest_promote_time(&self) -> Option<Nanos> {
+        self.nursery.back().map(|last| last.promote_at)
+    }
+
+    /// A new entry for a room that has none, due at `deadline`; returns the room's entry value.
+    fn place(&mut self, now: Nanos, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
+        let promote_at = self.promote_time(now);
+        if deadline >= promote_at {
+            self.nursery.push_back(NurseryEntry { slot, epoch, promote_at });
+            self.nursery_rooms += 1;
+            IN_NURSERY
+        } else {
+            self.wheel.insert(deadline, encode_entry(slot, epoch)).raw()
+        }
+    }
+
+    /// The room's earliest deadline may have moved earlier, to `deadline`; returns its entry value.
+    pub fn lower(&mut self, now: Nanos, entry: u32, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
+        match entry {
+            NO_ENTRY => self.place(now, slot, epoch, deadline),
+            IN_NURSERY => {
+                if self.newest_promote_time().is_some_and(|at| deadline >= at) {
+                    IN_NURSERY
+                } else {
+                    // Its nursery entry goes stale (skipped when it comes up).
+                    self.nursery_rooms -= 1;
+                    self.wheel.insert(deadline, encode_entry(slot, epoch)).raw()
+                }
+            }
+            raw => {
+                let handle = TimerHandle::from_raw(raw);
+                if Wheel::tick_of(deadline) < self.wheel.tick(handle) {
+                    self.wheel.rearm(handle, deadline, encode_entry(slot, epoch));
+                }
+                raw
+            }
+        }
+    }
+
+    /// The room's earliest deadline is now `earliest` (None: nothing armed); returns its entry value.
+    pub fn sync(&mut self, now: Nanos, entry: u32, slot: u32, epoch: u32, earliest: Option<Nanos>) -> u32 {
+        match (earliest, entry) {
+            (None, NO_ENTRY) => NO_ENTRY,
+            (None, IN_NURSERY) => {
+                self.nursery_rooms -= 1;
+                NO_ENTRY
+            }
+            (None, raw) => {
+                self.wheel.cancel(TimerHandle::from_raw(raw));
+                NO_ENTRY
+            }
+            (Some(deadline), NO_ENTRY | IN_NURSERY) => self.lower(now, entry, slot, epoch, deadline),
+            (Some(deadline), raw) => {
+                let handle = TimerHandle::from_raw(raw);
+                if Wheel::tick_of(deadline) != self.wheel.tick(handle) {
+                    self.wheel.rearm(handle, deadline, encode_entry(slot, epoch));
+                }
+                raw
+            }
+        }
+    }
+
+    /// Take the next nursery entry due at `now` (its slot and epoch; the caller moves the room to
+    /// the wheel with `promote` if its entry is still `IN_NURSERY`, and ignores it otherwise).
+    pub fn pop_nursery(&mut self, now: Nanos) -> Option<(u32, u32)> {
+        let front = self.nursery.front()?;
+        if front.promote_at > now {
+            return None;
+        }
+        let front = self.nursery.pop_front().expect("front exists");
+        Some((front.slot, front.epoch))
+    }
+
+    /// Move a room out of the nursery into the wheel at its earliest deadline (None: no entry).
+    pub fn promote(&mut self, slot: u32, epoch: u32, earliest: Option<Nanos>) -> u32 {
+        self.nursery_rooms -= 1;
+        match earliest {
+            Some(deadline) => self.wheel.insert(deadline, encode_entry(slot, epoch)).raw(),
+            None => NO_ENTRY,
+        }
+    }
+
+    /// The earliest time `handle_timeout` may have something to do here.
+    pub fn next_deadline(&self) -> Option<Nanos> {
+        let nursery = self.nursery.front().map(|entry| entry.promote_at);
+        match (self.wheel.next_deadline(), nursery) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// Pop everything due at `now` the way the core does: nursery first, then the wheel.
+    fn fire(deadlines: &mut Deadlines, entries: &mut [u32], earliest: &[Option<Nanos>], now: Nanos) -> Vec<u32> {
+        while let Some((slot, _)) = deadlines.pop_nursery(now) {
+            if entries[slot as usize] == IN_NURSERY {
+                entries[slot as usize] = deadlines.promote(slot, 0, earliest[slot as usize]);
+            }
+        }
+        let mut fired = Vec::new();
+        while let Some(payload) = deadlines.wheel.pop_expired(now) {
+            let (slot, _) = decode_entry(payload);
+            entries[slot as usize] = NO_ENTRY;
+            fired.push(slot);
+        }
+        fired
+    }
+
+    #[test]
+    fn a_far_deadline_waits_in_the_nursery_and_still_fires_on_its_tick() {
+        let mut deadlines = Deadlines::default();
+        let now = Nanos(10 * MS);
+        let far = Nanos(10_000 * MS);
+        let mut entries = [deadlines.lower(now, NO_ENTRY, 0, 0, far)];
+        assert_eq!(entries[0], IN_NURSERY);
+        assert_eq!(deadlines.wheel.len(), 0);
+        assert_eq!(deadlines.len(), 1);
+        // The driver is woken at the end of the nursery span, never after the deadline.
+        let wake = deadlines.next_deadline().unwrap();
+        assert!(wake <= far && wake > now, "wake {wake} for a deadline {far}");
+        assert!(fire(&mut deadlines, &mut entries, &[Some(far)], wake).is_empty());
+        assert_ne!(entries[0], IN_NURSERY, "promoted at the end of its span");
+        assert_eq!(deadlines.wheel.len(), 1);
+        assert!(fire(&mut deadlines, &mut entries, &[Some(far)], Nanos(far.0 - 1)).is_empty());
+        assert_eq!(fire(&mut deadlines, &mut entries, &[Some(far)], far), vec![0]);
+        assert_eq!(deadlines.len(), 0);
+    }
+
+    #[test]
+    fn a_near_deadline_goes_straight_to_the_wheel_and_an_earlier_one_leaves_the_nursery() {
+        let mut deadlines = Deadlines::default();
+        let now = Nanos(10 * MS);
+        // Within the current span: straight to the wheel.
+        let near = deadlines.lower(now, NO_ENTRY, 0, 0, Nanos(12 * MS));
+        assert_ne!(near, IN_NURSERY);
+        // Far, then lowered to a near deadline: moves to the wheel and fires at the near one.
+        let mut entries = [near, deadlines.lower(now, NO_ENTRY, 1, 0, Nanos(10_000 * MS))];
+        assert_eq!(entries[1], IN_NURSERY);
+        entries[1] = deadlines.lower(now, entries[1], 1, 0, Nanos(20 * MS));
+        assert_ne!(entries[1], IN_NURSERY);
+        assert_eq!(deadlines.len(), 2);
+        let earliest = [Some(Nanos(12 * MS)), Some(Nanos(20 * MS))];
+        assert_eq!(fire(&mut deadlines, &mut entries, &earliest, Nanos(12 * MS)), vec![0]);
+        assert_eq!(fire(&mut deadlines, &mut entries, &earliest, Nanos(20 * MS)), vec![1]);
+        // The stale nursery entry is skipped when its span ends.
+        assert!(fire(&mut deadlines, &mut entries, &earliest, Nanos(1_000 * MS)).is_empty());
+        assert_eq!(deadlines.len(), 0);
+        assert_eq!(deadlines.next_deadline(), None);
+    }
+
+    #[test]
+    fn a_room_that_ends_in_the_nursery_leaves_no_entry() {
+        let mut deadlines = Deadlines::default();
+        let entry = deadlines.lower(Nanos(MS), NO_ENTRY, 0, 0, Nanos(10_000 * MS));
+        assert_eq!(deadlines.sync(Nanos(2 * MS), entry, 0, 0, None), NO_ENTRY);
+        assert_eq!(deadlines.len(), 0);
+    }
+}
