@@ -48,9 +48,15 @@ pub struct QuicConfig {
     /// Connections opened to each peer (connection `i` leaves from endpoint `i % endpoints` and goes to the
     /// peer's endpoint `i % its count`). Default 2, range 1..=16.
     pub connections_per_peer: usize,
-    /// Streams (lanes) one transfer may use on each connection. Default 1, range 1..=64.
-    pub streams_per_connection: usize,
-    /// A transfer is split into lanes of at least this many bytes. Default 262144 (256 KiB), min 4096.
+    /// Lanes per connection: long-lived bidirectional streams, opened once per connection, that carry
+    /// the parts of many transfers back to back (the receiver's confirmations come back on the same
+    /// stream). A transfer is split over at most `connections_per_peer * lanes_per_connection` lanes;
+    /// each lane has its own sending and receiving task, so two lanes per connection keep both sides of
+    /// a two-core machine busy (one copies into a region while the other's bytes arrive). Default 2,
+    /// range 1..=64, and below `max_concurrent_streams_per_connection` (the control stream needs one).
+    pub lanes_per_connection: usize,
+    /// A transfer is split into parts (one per lane) of at least this many bytes. Default 262144
+    /// (256 KiB), min 4096.
     pub min_lane_bytes: u64,
     /// Most concurrent streams a peer may open on one connection. Default 1024, range 16..=65536.
     pub max_concurrent_streams_per_connection: u32,
@@ -138,7 +144,7 @@ impl Default for QuicConfig {
             advertise_ip: None,
             endpoints: 2,
             connections_per_peer: 2,
-            streams_per_connection: 1,
+            lanes_per_connection: 2,
             min_lane_bytes: 256 * 1024,
             max_concurrent_streams_per_connection: 1024,
             worker_threads: 2,
@@ -208,9 +214,18 @@ impl QuicConfig {
     pub fn validate(&self) -> Result<(), PluginError> {
         check_range("endpoints", self.endpoints, 1, 16)?;
         check_range("connections_per_peer", self.connections_per_peer, 1, 16)?;
-        check_range("streams_per_connection", self.streams_per_connection, 1, 64)?;
+        check_range("lanes_per_connection", self.lanes_per_connection, 1, 64)?;
         check_range("min_lane_bytes", self.min_lane_bytes, 4096, u64::MAX)?;
         check_range("max_concurrent_streams_per_connection", self.max_concurrent_streams_per_connection, 16, 65536)?;
+        if self.lanes_per_connection as u64 >= u64::from(self.max_concurrent_streams_per_connection) {
+            return Err(invalid(
+                "lanes_per_connection",
+                format!(
+                    "is {}, must be below max_concurrent_streams_per_connection ({}): the control stream needs one more",
+                    self.lanes_per_connection, self.max_concurrent_streams_per_connection
+                ),
+            ));
+        }
         check_range("worker_threads", self.worker_threads, 1, 64)?;
         check_range("initial_mtu_bytes", self.initial_mtu_bytes, 1200, 65527)?;
         check_range("mtu_discovery_upper_bound_bytes", self.mtu_discovery_upper_bound_bytes, 1200, 65527)?;

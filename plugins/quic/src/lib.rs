@@ -7,12 +7,14 @@
 
 pub mod config;
 pub mod incoming;
+mod lanes;
 mod net;
 pub mod outgoing;
 mod peers;
 mod plugin;
 pub mod reader;
 pub mod regions;
+pub mod replies;
 mod server;
 pub mod staging;
 pub mod tickets;

@@ -2,6 +2,7 @@
 //! HELLO version exchange), publish their state, and turn the loss of any of them into PEER_DOWN and
 //! PEER_LOST failures. Never waits on the network from a host call: everything here runs as tasks.
 
+use crate::lanes::Lane;
 use crate::net::{app_code, classify_connection_error, peer_refused_our_certificate};
 use crate::plugin::Shared;
 use crate::reader::{FrameReader, ReadFail};
@@ -38,9 +39,27 @@ pub enum PeerStatus {
     /// No connection and no attempt in progress.
     Idle,
     Connecting,
-    Ready(Arc<Vec<quinn::Connection>>),
+    Ready(Arc<Links>),
     /// The last attempt failed or the connections were lost; the next submit tries again.
     Down(PluginError),
+}
+
+/// The outgoing connections to a peer and the lanes on them (`lanes_per_connection` each, interleaved:
+/// lane `i` is on connection `i % connections`).
+pub struct Links {
+    pub conns: Vec<quinn::Connection>,
+    pub lanes: Vec<Arc<Lane>>,
+}
+
+impl Links {
+    /// `n` distinct lanes (repeating only if `n` exceeds the lanes), the least outstanding bytes first;
+    /// ties go in rotation from `start`, so idle lanes take turns.
+    pub fn pick_lanes(&self, n: usize, start: usize) -> Vec<Arc<Lane>> {
+        let len = self.lanes.len();
+        let mut order: Vec<usize> = (0..len).map(|i| start.wrapping_add(i) % len).collect();
+        order.sort_by_key(|&i| self.lanes[i].outstanding_bytes());
+        order.iter().cycle().take(n).map(|&i| self.lanes[i].clone()).collect()
+    }
 }
 
 pub struct PeerEntry {
@@ -91,8 +110,8 @@ impl PeerEntry {
     pub fn close_all(&self, reason: ReasonCode, why: &str) {
         self.removed.store(true, Ordering::Release);
         let previous = self.status.send_replace(PeerStatus::Down(PluginError::new(ReasonCode::PEER_LOST, why.to_string())));
-        if let PeerStatus::Ready(conns) = previous {
-            for c in conns.iter() {
+        if let PeerStatus::Ready(links) = previous {
+            for c in links.conns.iter() {
                 c.close(app_code(reason), why.as_bytes());
             }
         }
@@ -104,7 +123,7 @@ impl PeerEntry {
     /// quinn's statistics of the outgoing connections, when they are up.
     pub fn connection_stats(&self) -> Vec<quinn::ConnectionStats> {
         match &*self.status.borrow() {
-            PeerStatus::Ready(conns) => conns.iter().map(|c| c.stats()).collect(),
+            PeerStatus::Ready(links) => links.conns.iter().map(|c| c.stats()).collect(),
             _ => Vec::new(),
         }
     }
@@ -148,12 +167,12 @@ pub fn start(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) {
 }
 
 /// The peer's connections once they are up, or why they are not.
-pub async fn ready(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) -> Result<Arc<Vec<quinn::Connection>>, PluginError> {
+pub async fn ready(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) -> Result<Arc<Links>, PluginError> {
     let mut rx = entry.status.subscribe();
     ensure_connecting(shared, entry);
     loop {
         match &*rx.borrow_and_update() {
-            PeerStatus::Ready(conns) => return Ok(conns.clone()),
+            PeerStatus::Ready(links) => return Ok(links.clone()),
             PeerStatus::Down(e) => return Err(e.clone()),
             PeerStatus::Idle | PeerStatus::Connecting => {}
         }
@@ -192,37 +211,43 @@ async fn establish(shared: Arc<Shared>, entry: Arc<PeerEntry>) {
             }
         }
     }
-    let conns = Arc::new(conns);
+    let mut lanes = Vec::with_capacity(conns.len() * shared.config.lanes_per_connection);
+    for _ in 0..shared.config.lanes_per_connection {
+        for c in &conns {
+            lanes.push(Lane::start(&shared, c.clone()));
+        }
+    }
+    let links = Arc::new(Links { conns, lanes });
     let published = entry.status.send_if_modified(|s| {
         if matches!(s, PeerStatus::Connecting) && !entry.is_removed() {
-            *s = PeerStatus::Ready(conns.clone());
+            *s = PeerStatus::Ready(links.clone());
             true
         } else {
             false
         }
     });
     if !published {
-        for c in conns.iter() {
+        for c in links.conns.iter() {
             c.close(app_code(ReasonCode::PEER_LOST), b"peer forgotten");
         }
         return;
     }
-    tracing::debug!(peer = entry.id.0, connections = conns.len(), "quic: connected to peer");
-    for c in conns.iter() {
-        let (shared, entry, conns, c) = (shared.clone(), entry.clone(), conns.clone(), c.clone());
+    tracing::debug!(peer = entry.id.0, connections = links.conns.len(), lanes = links.lanes.len(), "quic: connected to peer");
+    for c in links.conns.iter() {
+        let (shared, entry, links, c) = (shared.clone(), entry.clone(), links.clone(), c.clone());
         shared.handle.clone().spawn(async move {
             let error = c.closed().await;
-            on_connection_lost(&shared, &entry, &conns, &error);
+            on_connection_lost(&shared, &entry, &links, &error);
         });
     }
 }
 
 /// One connection ended: the whole peer is down (every connection closed, every transfer failed).
-fn on_connection_lost(shared: &Arc<Shared>, entry: &Arc<PeerEntry>, conns: &Arc<Vec<quinn::Connection>>, error: &quinn::ConnectionError) {
+fn on_connection_lost(shared: &Arc<Shared>, entry: &Arc<PeerEntry>, links: &Arc<Links>, error: &quinn::ConnectionError) {
     let e = classify_connection_error(error, true);
     let lost = PluginError::new(ReasonCode::PEER_LOST, format!("connection to peer {} lost: {}", entry.id.0, e.message));
     let was_current = entry.status.send_if_modified(|s| match s {
-        PeerStatus::Ready(current) if Arc::ptr_eq(current, conns) => {
+        PeerStatus::Ready(current) if Arc::ptr_eq(current, links) => {
             *s = PeerStatus::Down(lost.clone());
             true
         }
@@ -231,7 +256,7 @@ fn on_connection_lost(shared: &Arc<Shared>, entry: &Arc<PeerEntry>, conns: &Arc<
     if !was_current {
         return;
     }
-    for c in conns.iter() {
+    for c in links.conns.iter() {
         c.close(app_code(ReasonCode::PEER_LOST), b"a sibling connection was lost");
     }
     tracing::warn!(peer = entry.id.0, reason = "peer_lost", message = %lost.message, "quic: peer down");

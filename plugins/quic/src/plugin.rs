@@ -42,6 +42,8 @@ pub struct Shared {
     pub staging: Arc<StagingPool>,
     pub endpoints: Vec<quinn::Endpoint>,
     pub handle: tokio::runtime::Handle,
+    /// Lane streams this instance opened (diagnostics: lanes are long-lived, not one per transfer).
+    pub lane_streams_opened: std::sync::atomic::AtomicU64,
     peers: Mutex<HashMap<PeerId, Arc<PeerEntry>>>,
     endpoint_bytes: Vec<u8>,
     shut_down: AtomicBool,
@@ -161,6 +163,7 @@ impl QuicPlugin {
             staging,
             endpoints,
             handle: runtime.handle().clone(),
+            lane_streams_opened: std::sync::atomic::AtomicU64::new(0),
             peers: Mutex::new(HashMap::new()),
             endpoint_bytes,
             shut_down: AtomicBool::new(false),
@@ -184,6 +187,13 @@ impl QuicPlugin {
     pub fn incoming_connection_stats(&self) -> Vec<quinn::ConnectionStats> {
         let entries: Vec<Arc<PeerEntry>> = self.shared.peers.lock().expect("peers lock").values().cloned().collect();
         entries.iter().flat_map(|e| e.incoming_connection_stats()).collect()
+    }
+
+    /// Lane streams this instance opened to its peers so far. Lanes live as long as their connection,
+    /// so this stays at `connections_per_peer * lanes_per_connection` per connected peer however many
+    /// transfers run. For tests and diagnostics.
+    pub fn lane_streams_opened(&self) -> u64 {
+        self.shared.lane_streams_opened.load(Ordering::Relaxed)
     }
 
     fn refuse_if_shut_down(&self) -> Result<(), PluginError> {
@@ -318,7 +328,7 @@ impl Plugin for QuicPlugin {
             PluginError::new(ReasonCode::PEER_UNREACHABLE, format!("peer {} is not connected (connect it first)", request.peer.0))
         })?;
         let (segments, total) = self.resolve_segments(request, &entry)?;
-        let max_lanes = shared.config.connections_per_peer * shared.config.streams_per_connection;
+        let max_lanes = shared.config.connections_per_peer * shared.config.lanes_per_connection;
         let lanes = plan_lanes(&segments, total, max_lanes, shared.config.min_lane_bytes);
         let deadline = tokio::time::Instant::now() + self.timeout_of(request.timeout_ns);
         let t = shared.transfers.admit(request.xfer, request.peer, total, lanes.len(), shared.config.max_inflight_transfers)?;

@@ -1,7 +1,7 @@
 //! Reads frames and payload bytes from a stream of chunks (a quinn `RecvStream`, or bytes a test
 //! hands in). Owns buffering across chunk boundaries; never allocates by a length the peer chose.
 
-use crate::wire::{fixed_body_len, frame_type, DecodeError, Frame, MAX_REFUSAL_MESSAGE_BYTES};
+use crate::wire::{fixed_body_len, frame_type, DecodeError, Frame, MAX_REFUSAL_MESSAGE_BYTES, REFUSED_HEADER_BYTES};
 use bytes::Bytes;
 use std::future::Future;
 
@@ -38,11 +38,13 @@ pub struct MemorySource {
     chunks: std::collections::VecDeque<Bytes>,
     /// What to report once the chunks run out: `None` is a clean end.
     pub end: Option<SourceError>,
+    /// Replies queued through [`LaneIo`], in order.
+    pub replies: Vec<Frame>,
 }
 
 impl MemorySource {
     pub fn new(chunks: impl IntoIterator<Item = Bytes>, end: Option<SourceError>) -> MemorySource {
-        MemorySource { chunks: chunks.into_iter().collect(), end }
+        MemorySource { chunks: chunks.into_iter().collect(), end, replies: Vec::new() }
     }
 }
 
@@ -62,6 +64,20 @@ impl ByteSource for MemorySource {
             None => Ok(None),
             Some(e) => Err(e),
         }
+    }
+}
+
+/// A receiving lane: its bytes, and the way back for the receiver's replies.
+pub trait LaneIo: ByteSource {
+    /// Queue one reply. It is sent at the latest before the next read that would wait for the peer
+    /// (replies of several parts then share one write); an error means the way back is gone.
+    fn queue_reply(&mut self, frame: &Frame) -> impl Future<Output = Result<(), SourceError>> + Send;
+}
+
+impl LaneIo for MemorySource {
+    async fn queue_reply(&mut self, frame: &Frame) -> Result<(), SourceError> {
+        self.replies.push(frame.clone());
+        Ok(())
     }
 }
 
@@ -91,6 +107,14 @@ impl<S: ByteSource> FrameReader<S> {
 
     pub fn into_source(self) -> S {
         self.source
+    }
+
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    pub fn source_mut(&mut self) -> &mut S {
+        &mut self.source
     }
 
     /// Make sure `pending` is non-empty; `Ok(false)` at a clean end of stream.
@@ -125,19 +149,18 @@ impl<S: ByteSource> FrameReader<S> {
         }
         let ty = self.pending[0];
         self.pending = self.pending.slice(1..);
-        if ty == frame_type::LANE_REFUSED {
-            let mut head = [0u8; 6];
-            self.read_exact(&mut head, "a LANE_REFUSED header").await?;
-            let reason = u32::from_le_bytes(head[..4].try_into().expect("4 bytes"));
-            let len = u16::from_le_bytes(head[4..].try_into().expect("2 bytes")) as usize;
+        if ty == frame_type::REFUSED {
+            let mut head = [0u8; REFUSED_HEADER_BYTES - 1];
+            self.read_exact(&mut head, "a REFUSED header").await?;
+            let xfer = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+            let reason = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
+            let len = u16::from_le_bytes(head[12..].try_into().expect("2 bytes")) as usize;
             if len > MAX_REFUSAL_MESSAGE_BYTES {
-                return Err(ReadFail::Malformed(DecodeError(format!(
-                    "LANE_REFUSED message of {len} bytes exceeds {MAX_REFUSAL_MESSAGE_BYTES}"
-                ))));
+                return Err(ReadFail::Malformed(DecodeError(format!("REFUSED message of {len} bytes exceeds {MAX_REFUSAL_MESSAGE_BYTES}"))));
             }
             let mut text = vec![0u8; len];
-            self.read_exact(&mut text, "a LANE_REFUSED message").await?;
-            return Ok(Some(Frame::decode_refused(reason, &text)));
+            self.read_exact(&mut text, "a REFUSED message").await?;
+            return Ok(Some(Frame::decode_refused(xfer, reason, &text)));
         }
         let len = fixed_body_len(ty).ok_or_else(|| ReadFail::Malformed(DecodeError(format!("unknown frame type 0x{ty:02x}"))))?;
         let mut body = [0u8; 64];

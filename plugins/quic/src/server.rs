@@ -1,11 +1,13 @@
 //! The accepting side of every endpoint: refuse unknown certificates and other wire versions, then
 //! serve each lane stream a peer opens (the checks themselves live in `incoming`). Never writes into
-//! memory except through `incoming::receive_lane`.
+//! memory except through `incoming::serve_lane`.
 
-use crate::incoming::{receive_lane, LaneContext, LaneOutcome};
+use crate::incoming::{serve_lane as serve_lane_frames, LaneContext, LaneEnd, PartId};
 use crate::net::app_code;
 use crate::plugin::Shared;
 use crate::reader::FrameReader;
+use crate::replies::ReceivingLane;
+use crate::tickets::Refusal;
 use crate::tls;
 use crate::wire::{Frame, HELLO_MAGIC};
 use kvgate_abi::{Event, PeerId, ReasonCode};
@@ -92,64 +94,43 @@ async fn answer_hello(shared: &Shared, conn: &quinn::Connection) -> Result<(), (
     Ok(())
 }
 
-async fn serve_lane(shared: Arc<Shared>, conn: quinn::Connection, peer: PeerId, mut send: quinn::SendStream, recv: quinn::RecvStream) {
-    let mut reader = FrameReader::new(recv);
-    let ctx = LaneContext {
-        peer,
-        tickets: &shared.tickets,
-        regions: &shared.regions,
-        max_segments: shared.config.max_segments_per_submit,
-    };
-    let (id, outcome) = receive_lane(&mut reader, &ctx).await;
+async fn serve_lane(shared: Arc<Shared>, conn: quinn::Connection, peer: PeerId, send: quinn::SendStream, recv: quinn::RecvStream) {
+    let mut reader = FrameReader::new(ReceivingLane::new(send, recv));
+    let ctx = LaneContext { peer, tickets: &shared.tickets, regions: &shared.regions };
     // An incoming failure is reported only for a ticket the host still holds: a cancelled or expired
     // ticket already ended on the host's side.
-    let report = |reason: ReasonCode, message: &str| {
-        if let Some(id) = id {
-            if shared.tickets.lookup(peer, id.ticket).is_some() {
-                shared.sink.deliver(Event::incoming_failed(peer, id.ticket, reason, message.to_string()));
-            }
+    let report = |part: PartId, reason: ReasonCode, message: &str| {
+        if shared.tickets.lookup(peer, part.ticket).is_some() {
+            shared.sink.deliver(Event::incoming_failed(peer, part.ticket, reason, message.to_string()));
         }
     };
-    match outcome {
-        LaneOutcome::Done { bytes } => {
-            let _ = send.write_all(&Frame::LaneDone { bytes }.to_bytes()).await;
-            let _ = send.finish();
-            // The sender finishes the stream right after LANE_END: wait for that end rather than
-            // stop the stream (one STOP_SENDING frame per lane saved). Bytes after LANE_END break
-            // the protocol; a reset or a lost connection here changes nothing (every byte is in place).
-            if let Ok(false) = reader.expect_end().await {
-                let why = "bytes after LANE_END";
-                tracing::warn!(peer = peer.0, reason = "protocol_violation", message = why, "quic: closing a connection that broke the protocol");
-                conn.close(app_code(ReasonCode::PROTOCOL_VIOLATION), why.as_bytes());
-            }
-        }
-        LaneOutcome::Cancelled { bytes } => {
-            let _ = send.write_all(&Frame::CancelAck { bytes }.to_bytes()).await;
-            let _ = send.finish();
-        }
-        LaneOutcome::Refused(refusal) => {
-            tracing::warn!(
-                peer = peer.0,
-                xfer = id.map(|i| i.xfer),
-                ticket = id.map(|i| i.ticket.0),
-                reason = %refusal.reason,
-                message = %refusal.message,
-                "quic: refused an incoming lane"
-            );
-            report(refusal.reason, &refusal.message);
-            let frame = Frame::LaneRefused { reason: refusal.reason.0, message: refusal.message };
-            let _ = send.write_all(&frame.to_bytes()).await;
-            let _ = send.finish();
-            let _ = reader.into_source().stop(app_code(ReasonCode::NOT_EXPECTED));
-        }
-        LaneOutcome::Violation(why) => {
+    let mut on_refused = |part: PartId, refusal: &Refusal| {
+        tracing::warn!(
+            peer = peer.0,
+            xfer = part.xfer,
+            ticket = part.ticket.0,
+            reason = %refusal.reason,
+            message = %refusal.message,
+            "quic: refused an incoming part"
+        );
+        report(part, refusal.reason, &refusal.message);
+    };
+    let (end, in_part) = serve_lane_frames(&mut reader, &ctx, &mut on_refused).await;
+    match end {
+        LaneEnd::Closed | LaneEnd::Reset(_) => reader.source_mut().finish().await,
+        LaneEnd::Violation(why) => {
             tracing::warn!(peer = peer.0, reason = "protocol_violation", message = %why, "quic: closing a connection that broke the protocol");
-            report(ReasonCode::PROTOCOL_VIOLATION, &why);
+            if let Some(part) = in_part {
+                report(part, ReasonCode::PROTOCOL_VIOLATION, &why);
+            }
             conn.close(app_code(ReasonCode::PROTOCOL_VIOLATION), why.as_bytes());
         }
-        LaneOutcome::Lost(why) => {
-            tracing::warn!(peer = peer.0, reason = "peer_lost", message = %why, "quic: incoming lane broke");
-            report(ReasonCode::PEER_LOST, &why);
-        }
+        LaneEnd::Lost(why) => match in_part {
+            Some(part) => {
+                tracing::warn!(peer = peer.0, xfer = part.xfer, reason = "peer_lost", message = %why, "quic: incoming lane broke inside a part");
+                report(part, ReasonCode::PEER_LOST, &why);
+            }
+            None => tracing::debug!(peer = peer.0, message = %why, "quic: incoming lane ended with its connection"),
+        },
     }
 }

@@ -41,7 +41,13 @@ impl Transfer {
         self.stop.subscribe()
     }
 
-    /// Reserve one lane before opening its stream; false once the transfer is terminal.
+    /// Whether the transfer was stopped (terminal): parts not yet sent are skipped, parts being sent end
+    /// with PART_ABORT.
+    pub fn is_stopped(&self) -> bool {
+        *self.stop.borrow()
+    }
+
+    /// Reserve one part before handing it to a lane; false once the transfer is terminal.
     pub fn lane_opening(&self) -> bool {
         let mut s = self.state.lock().expect("transfer lock");
         if s.phase != Phase::Live {

@@ -5,8 +5,9 @@
 use crate::tls::Fingerprint;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-/// The stream protocol version carried by HELLO. Both sides must speak the same one.
-pub const WIRE_VERSION: u16 = 1;
+/// The stream protocol version carried by HELLO. Both sides must speak the same one. Version 2: long-lived
+/// lanes carrying parts back to back (version 1 opened a stream per transfer and lane).
+pub const WIRE_VERSION: u16 = 2;
 /// First bytes of a HELLO frame body.
 pub const HELLO_MAGIC: u32 = 0x4b56_5131; // "KVQ1"
 /// Most bytes of a refusal message on the wire.
@@ -159,52 +160,69 @@ impl RemoteKeyInfo {
     }
 }
 
-/// Frame type bytes.
+/// Frame type bytes. Version 2 retired version 1's per-transfer stream frames (0x10, 0x12, 0x20..=0x22):
+/// they are unknown frame types now.
 pub mod frame_type {
     pub const HELLO: u8 = 0x01;
     pub const HELLO_REPLY: u8 = 0x02;
-    pub const LANE_BEGIN: u8 = 0x10;
     pub const SEGMENT: u8 = 0x11;
-    pub const LANE_END: u8 = 0x12;
-    pub const LANE_DONE: u8 = 0x20;
-    pub const LANE_REFUSED: u8 = 0x21;
-    pub const CANCEL_ACK: u8 = 0x22;
+    pub const PART_BEGIN: u8 = 0x13;
+    pub const PART_END: u8 = 0x14;
+    pub const PART_ABORT: u8 = 0x15;
+    pub const DONE: u8 = 0x23;
+    pub const REFUSED: u8 = 0x24;
+    pub const CANCEL_ACK: u8 = 0x25;
 }
 
 /// One frame of the stream protocol. A `Segment` header is followed on the stream by `len` raw bytes.
+///
+/// A lane is one long-lived bidirectional stream. The sender puts parts on it back to back (a part is
+/// the share of one transfer that travels on this lane): `PART_BEGIN`, then `SEGMENT`s with their bytes,
+/// then `PART_END` (every byte sent) or `PART_ABORT` (the sender stopped the part between two segments).
+/// The receiver answers every part exactly once, in order, on the same stream: `DONE`, `REFUSED` (it
+/// writes nothing more for the part and discards the part's remaining bytes) or `CANCEL_ACK` (answer
+/// to `PART_ABORT`). Replies of several parts may travel in one write.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
     /// Client → server, first frame of the control stream.
     Hello { magic: u32, version: u16, instance: u64 },
     /// Server → client: `status` 0 accepts; otherwise a `ReasonCode` number.
     HelloReply { version: u16, status: u32, instance: u64 },
-    /// Sender → receiver, first frame of a lane stream.
-    LaneBegin { xfer: u64, ticket: u64, lane_index: u32, lane_count: u32, segment_count: u64, lane_bytes: u64 },
-    /// Sender → receiver: `len` bytes for the receiver's region `key` at `offset` follow.
+    /// Sender → receiver: a part of transfer `xfer` under `ticket` starts; `bytes` payload bytes follow
+    /// in its segments. `part_index` < `part_count` (the transfer's parts over all lanes).
+    PartBegin { xfer: u64, ticket: u64, part_index: u32, part_count: u32, bytes: u64 },
+    /// Sender → receiver: `len` (at least 1) bytes for the receiver's region `key` at `offset` follow.
     Segment { key: u64, offset: u64, len: u64 },
-    /// Sender → receiver, last frame of a lane: repeats the totals.
-    LaneEnd { segment_count: u64, lane_bytes: u64 },
-    /// Receiver → sender: every byte of the lane is in place.
-    LaneDone { bytes: u64 },
-    /// Receiver → sender: the lane was refused or broke (`reason` is a `ReasonCode` number).
-    LaneRefused { reason: u32, message: String },
-    /// Receiver → sender: the cancelled lane will write nothing more (`bytes` were written).
-    CancelAck { bytes: u64 },
+    /// Sender → receiver, last frame of a part: repeats the count of segments and the bytes.
+    PartEnd { segments: u64, bytes: u64 },
+    /// Sender → receiver, last frame of a part the sender stopped (cancel, timeout, local failure).
+    PartAbort { xfer: u64 },
+    /// Receiver → sender: every byte of part `xfer` is in place.
+    Done { xfer: u64, bytes: u64 },
+    /// Receiver → sender: part `xfer` was refused or broke (`reason` is a `ReasonCode` number); the
+    /// receiver writes nothing more for it.
+    Refused { xfer: u64, reason: u32, message: String },
+    /// Receiver → sender: the aborted part `xfer` will write nothing more (`bytes` were written).
+    CancelAck { xfer: u64, bytes: u64 },
 }
 
-/// Body length of a fixed-size frame type; `None` for a variable one (`LANE_REFUSED`) or unknown type.
+/// Body length of a fixed-size frame type; `None` for a variable one (`REFUSED`) or an unknown type.
 pub fn fixed_body_len(frame_type: u8) -> Option<usize> {
     Some(match frame_type {
         frame_type::HELLO => 14,
         frame_type::HELLO_REPLY => 14,
-        frame_type::LANE_BEGIN => 40,
+        frame_type::PART_BEGIN => 32,
         frame_type::SEGMENT => 24,
-        frame_type::LANE_END => 16,
-        frame_type::LANE_DONE => 8,
-        frame_type::CANCEL_ACK => 8,
+        frame_type::PART_END => 16,
+        frame_type::PART_ABORT => 8,
+        frame_type::DONE => 16,
+        frame_type::CANCEL_ACK => 16,
         _ => return None,
     })
 }
+
+/// Header bytes of a `REFUSED` frame before its message: type, xfer, reason, message length.
+pub const REFUSED_HEADER_BYTES: usize = 1 + 8 + 4 + 2;
 
 impl Frame {
     pub fn encode(&self, out: &mut Vec<u8>) {
@@ -221,15 +239,13 @@ impl Frame {
                 out.extend_from_slice(&status.to_le_bytes());
                 out.extend_from_slice(&instance.to_le_bytes());
             }
-            Frame::LaneBegin { xfer, ticket, lane_index, lane_count, segment_count, lane_bytes } => {
-                out.push(frame_type::LANE_BEGIN);
-                for v in [xfer, ticket] {
-                    out.extend_from_slice(&v.to_le_bytes());
-                }
-                out.extend_from_slice(&lane_index.to_le_bytes());
-                out.extend_from_slice(&lane_count.to_le_bytes());
-                out.extend_from_slice(&segment_count.to_le_bytes());
-                out.extend_from_slice(&lane_bytes.to_le_bytes());
+            Frame::PartBegin { xfer, ticket, part_index, part_count, bytes } => {
+                out.push(frame_type::PART_BEGIN);
+                out.extend_from_slice(&xfer.to_le_bytes());
+                out.extend_from_slice(&ticket.to_le_bytes());
+                out.extend_from_slice(&part_index.to_le_bytes());
+                out.extend_from_slice(&part_count.to_le_bytes());
+                out.extend_from_slice(&bytes.to_le_bytes());
             }
             Frame::Segment { key, offset, len } => {
                 out.push(frame_type::SEGMENT);
@@ -237,22 +253,29 @@ impl Frame {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
             }
-            Frame::LaneEnd { segment_count, lane_bytes } => {
-                out.push(frame_type::LANE_END);
-                out.extend_from_slice(&segment_count.to_le_bytes());
-                out.extend_from_slice(&lane_bytes.to_le_bytes());
-            }
-            Frame::LaneDone { bytes } => {
-                out.push(frame_type::LANE_DONE);
+            Frame::PartEnd { segments, bytes } => {
+                out.push(frame_type::PART_END);
+                out.extend_from_slice(&segments.to_le_bytes());
                 out.extend_from_slice(&bytes.to_le_bytes());
             }
-            Frame::CancelAck { bytes } => {
+            Frame::PartAbort { xfer } => {
+                out.push(frame_type::PART_ABORT);
+                out.extend_from_slice(&xfer.to_le_bytes());
+            }
+            Frame::Done { xfer, bytes } => {
+                out.push(frame_type::DONE);
+                out.extend_from_slice(&xfer.to_le_bytes());
+                out.extend_from_slice(&bytes.to_le_bytes());
+            }
+            Frame::CancelAck { xfer, bytes } => {
                 out.push(frame_type::CANCEL_ACK);
+                out.extend_from_slice(&xfer.to_le_bytes());
                 out.extend_from_slice(&bytes.to_le_bytes());
             }
-            Frame::LaneRefused { reason, message } => {
+            Frame::Refused { xfer, reason, message } => {
                 let text = truncate_utf8(message, MAX_REFUSAL_MESSAGE_BYTES);
-                out.push(frame_type::LANE_REFUSED);
+                out.push(frame_type::REFUSED);
+                out.extend_from_slice(&xfer.to_le_bytes());
                 out.extend_from_slice(&reason.to_le_bytes());
                 out.extend_from_slice(&(text.len() as u16).to_le_bytes());
                 out.extend_from_slice(text.as_bytes());
@@ -276,27 +299,23 @@ impl Frame {
         let frame = match frame_type {
             frame_type::HELLO => Frame::Hello { magic: r.u32()?, version: r.u16()?, instance: r.u64()? },
             frame_type::HELLO_REPLY => Frame::HelloReply { version: r.u16()?, status: r.u32()?, instance: r.u64()? },
-            frame_type::LANE_BEGIN => Frame::LaneBegin {
-                xfer: r.u64()?,
-                ticket: r.u64()?,
-                lane_index: r.u32()?,
-                lane_count: r.u32()?,
-                segment_count: r.u64()?,
-                lane_bytes: r.u64()?,
-            },
+            frame_type::PART_BEGIN => {
+                Frame::PartBegin { xfer: r.u64()?, ticket: r.u64()?, part_index: r.u32()?, part_count: r.u32()?, bytes: r.u64()? }
+            }
             frame_type::SEGMENT => Frame::Segment { key: r.u64()?, offset: r.u64()?, len: r.u64()? },
-            frame_type::LANE_END => Frame::LaneEnd { segment_count: r.u64()?, lane_bytes: r.u64()? },
-            frame_type::LANE_DONE => Frame::LaneDone { bytes: r.u64()? },
-            frame_type::CANCEL_ACK => Frame::CancelAck { bytes: r.u64()? },
+            frame_type::PART_END => Frame::PartEnd { segments: r.u64()?, bytes: r.u64()? },
+            frame_type::PART_ABORT => Frame::PartAbort { xfer: r.u64()? },
+            frame_type::DONE => Frame::Done { xfer: r.u64()?, bytes: r.u64()? },
+            frame_type::CANCEL_ACK => Frame::CancelAck { xfer: r.u64()?, bytes: r.u64()? },
             other => return Err(DecodeError(format!("unknown frame type 0x{other:02x}"))),
         };
         r.finish()?;
         Ok(frame)
     }
 
-    /// Decode a `LANE_REFUSED` body (reason, length, text).
-    pub fn decode_refused(reason: u32, text: &[u8]) -> Frame {
-        Frame::LaneRefused { reason, message: String::from_utf8_lossy(text).into_owned() }
+    /// Decode a `REFUSED` frame from its header fields and message bytes (not UTF-8: replaced).
+    pub fn decode_refused(xfer: u64, reason: u32, text: &[u8]) -> Frame {
+        Frame::Refused { xfer, reason, message: String::from_utf8_lossy(text).into_owned() }
     }
 }
 

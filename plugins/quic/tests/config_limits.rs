@@ -8,7 +8,7 @@ use kvgate_plugin_quic::{CipherSuite, CongestionController, QuicConfig};
 const LIMITS: &[(&str, Option<u64>, Option<u64>)] = &[
     ("endpoints", Some(1), Some(16)),
     ("connections_per_peer", Some(1), Some(16)),
-    ("streams_per_connection", Some(1), Some(64)),
+    ("lanes_per_connection", Some(1), Some(64)),
     ("min_lane_bytes", Some(4096), None),
     ("max_concurrent_streams_per_connection", Some(16), Some(65536)),
     ("worker_threads", Some(1), Some(64)),
@@ -48,6 +48,7 @@ fn parse(text: &str) -> Result<QuicConfig, kvgate_abi::PluginError> {
 fn defaults_are_valid_and_documented_values() {
     let c = parse("").unwrap();
     assert_eq!(c.connections_per_peer, 2);
+    assert_eq!(c.lanes_per_connection, 2);
     assert_eq!(c.idle_timeout_ms, 3000);
     assert_eq!(c.keep_alive_interval_ms, 500);
     assert_eq!(c.congestion_controller, CongestionController::Cubic);
@@ -111,6 +112,18 @@ fn segmentation_offload_only_with_datagrams_up_to_1500_bytes() {
     let err = parse("mtu_discovery_upper_bound_bytes = 1501").unwrap_err();
     assert!(err.message.contains("segmentation_offload"), "{err}");
     parse("mtu_discovery_upper_bound_bytes = 1501\nsegmentation_offload = false").unwrap();
+}
+
+#[test]
+fn lanes_stay_below_the_concurrent_stream_limit() {
+    // The control stream needs one stream beside the lanes.
+    parse("max_concurrent_streams_per_connection = 16\nlanes_per_connection = 15").unwrap();
+    let err = parse("max_concurrent_streams_per_connection = 16\nlanes_per_connection = 16").unwrap_err();
+    assert_eq!(err.code, ReasonCode::INVALID_ARGUMENT);
+    assert!(err.message.contains("lanes_per_connection") && err.message.contains("max_concurrent_streams_per_connection"), "{err}");
+    // The version 1 key is gone: refused by name.
+    let err = parse("streams_per_connection = 1").unwrap_err();
+    assert!(err.message.contains("streams_per_connection"), "{err}");
 }
 
 #[test]

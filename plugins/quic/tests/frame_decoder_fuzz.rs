@@ -1,11 +1,14 @@
-//! Property tests of the receiver's frame decoding: hostile, malformed and truncated lane streams end
-//! with a reason (refused, violation, cancelled, lost) and never panic or write outside the bytes the
-//! ticket authorises. Endpoint and remote-key decoders never panic either.
+//! Property tests of the receiver's frame decoding on a lane (wire version 2: parts back to back):
+//! hostile, malformed and truncated lane streams end with a reason (violation, reset, lost) and never
+//! panic or write outside the bytes the ticket authorises; every part that ends is answered exactly
+//! once; a refused or aborted part's remaining bytes are discarded and the next part is served.
+//! The reply decoder, endpoint and remote-key decoders never panic either.
 
 use bytes::Bytes;
 use kvgate_abi::{LocalRange, MemoryKind, PeerId, RegionDesc, Ticket};
-use kvgate_plugin_quic::incoming::{receive_lane, LaneContext, LaneOutcome};
-use kvgate_plugin_quic::reader::{FrameReader, MemorySource, SourceError};
+use kvgate_abi::ReasonCode;
+use kvgate_plugin_quic::incoming::{serve_lane, LaneContext, LaneEnd, PartId};
+use kvgate_plugin_quic::reader::{FrameReader, MemorySource, ReadFail, SourceError};
 use kvgate_plugin_quic::regions::Regions;
 use kvgate_plugin_quic::tickets::Tickets;
 use kvgate_plugin_quic::wire::{EndpointInfo, Frame, RemoteKeyInfo};
@@ -72,16 +75,19 @@ fn interesting_u64() -> impl Strategy<Value = u64> {
 fn frame_strategy(real_key: u64) -> impl Strategy<Value = Frame> {
     let key = prop_oneof![3 => Just(real_key), 1 => any::<u64>()];
     let ticket = prop_oneof![3 => Just(TICKET), 1 => any::<u64>()];
+    let xfer = prop_oneof![3 => Just(1u64), 1 => any::<u64>()];
     prop_oneof![
-        (ticket, any::<u32>(), 0u32..4, interesting_u64(), interesting_u64()).prop_map(|(ticket, lane_index, lane_count, segment_count, lane_bytes)| {
-            Frame::LaneBegin { xfer: 1, ticket, lane_index: lane_index % 3, lane_count, segment_count: segment_count % 6, lane_bytes }
+        (ticket, any::<u32>(), 0u32..4, interesting_u64()).prop_map(|(ticket, part_index, part_count, bytes)| {
+            Frame::PartBegin { xfer: 1, ticket, part_index: part_index % 3, part_count, bytes }
         }),
         (key, interesting_u64(), interesting_u64()).prop_map(|(key, offset, len)| Frame::Segment { key, offset, len }),
-        (0u64..6, interesting_u64()).prop_map(|(segment_count, lane_bytes)| Frame::LaneEnd { segment_count, lane_bytes }),
-        any::<u64>().prop_map(|bytes| Frame::LaneDone { bytes }),
-        any::<u64>().prop_map(|bytes| Frame::CancelAck { bytes }),
-        (any::<u32>(), ".{0,40}").prop_map(|(reason, message)| Frame::LaneRefused { reason, message }),
+        (0u64..6, interesting_u64()).prop_map(|(segments, bytes)| Frame::PartEnd { segments, bytes }),
+        xfer.prop_map(|xfer| Frame::PartAbort { xfer }),
+        (any::<u64>(), any::<u64>()).prop_map(|(xfer, bytes)| Frame::Done { xfer, bytes }),
+        (any::<u64>(), any::<u64>()).prop_map(|(xfer, bytes)| Frame::CancelAck { xfer, bytes }),
+        (any::<u64>(), any::<u32>(), ".{0,40}").prop_map(|(xfer, reason, message)| Frame::Refused { xfer, reason, message }),
         (any::<u32>(), any::<u16>(), any::<u64>()).prop_map(|(magic, version, instance)| Frame::Hello { magic, version, instance }),
+        (any::<u16>(), any::<u32>(), any::<u64>()).prop_map(|(version, status, instance)| Frame::HelloReply { version, status, instance }),
     ]
 }
 
@@ -126,7 +132,16 @@ fn split(bytes: Vec<u8>, cuts: &[usize]) -> Vec<Bytes> {
     chunks
 }
 
-fn run_lane(chunks: Vec<Bytes>, end: Option<SourceError>, arena: &mut Arena) -> LaneOutcome {
+/// How a lane ended, what the receiver answered (in order) and which parts it refused.
+#[derive(Debug)]
+struct Served {
+    end: LaneEnd,
+    in_part: Option<PartId>,
+    replies: Vec<Frame>,
+    refused: Vec<PartId>,
+}
+
+fn run_lane(chunks: Vec<Bytes>, end: Option<SourceError>, arena: &mut Arena) -> Served {
     let regions = Regions::new(1);
     let tickets = Tickets::default();
     let (key, _) = regions.register(&arena.region_desc()).unwrap();
@@ -141,10 +156,25 @@ fn run_lane(chunks: Vec<Bytes>, end: Option<SourceError>, arena: &mut Arena) -> 
             16,
         )
         .unwrap();
-    let ctx = LaneContext { peer: PEER, tickets: &tickets, regions: &regions, max_segments: 1 << 20 };
+    let ctx = LaneContext { peer: PEER, tickets: &tickets, regions: &regions };
     let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
     let mut reader = FrameReader::new(MemorySource::new(chunks, end));
-    runtime.block_on(receive_lane(&mut reader, &ctx)).1
+    let mut refused = Vec::new();
+    let mut on_refused = |part: PartId, _: &kvgate_plugin_quic::tickets::Refusal| refused.push(part);
+    let (end, in_part) = runtime.block_on(serve_lane(&mut reader, &ctx, &mut on_refused));
+    let replies = std::mem::take(&mut reader.source_mut().replies);
+    Served { end, in_part, replies, refused }
+}
+
+fn begins(pieces: &[Piece]) -> usize {
+    pieces.iter().filter(|p| matches!(p, Piece::Frame(Frame::PartBegin { .. }))).count()
+}
+
+fn reply_xfer(f: &Frame) -> u64 {
+    match f {
+        Frame::Done { xfer, .. } | Frame::Refused { xfer, .. } | Frame::CancelAck { xfer, .. } => *xfer,
+        other => panic!("the receiver replied with {other:?}"),
+    }
 }
 
 fn assert_only_ticket_range_written(arena: &Arena) {
@@ -155,69 +185,205 @@ fn assert_only_ticket_range_written(arena: &Arena) {
     assert!(m[to..].iter().all(|&b| b == CANARY), "a byte after the ticket range was written");
 }
 
+/// A well-formed part of transfer `xfer` under `ticket`: its segments inside the ticket, then PART_END,
+/// or PART_ABORT after the first `abort_after` segments when given.
+fn part_pieces(xfer: u64, ticket: u64, segments: &[(u64, u64)], abort_after: Option<usize>) -> Vec<Piece> {
+    let total: u64 = segments.iter().map(|s| s.1).sum();
+    let mut pieces = vec![Piece::Frame(Frame::PartBegin { xfer, ticket, part_index: 0, part_count: 1, bytes: total })];
+    for (i, (offset, len)) in segments.iter().enumerate() {
+        if abort_after == Some(i) {
+            pieces.push(Piece::Frame(Frame::PartAbort { xfer }));
+            return pieces;
+        }
+        pieces.push(Piece::Frame(Frame::Segment { key: 1, offset: *offset, len: *len }));
+        pieces.push(Piece::Payload(*len as usize));
+    }
+    pieces.push(Piece::Frame(Frame::PartEnd { segments: segments.len() as u64, bytes: total }));
+    pieces
+}
+
+/// Segments inside the ticket, none empty.
+fn segments_in_ticket() -> impl Strategy<Value = Vec<(u64, u64)>> {
+    proptest::collection::vec((TICKET_FROM..TICKET_TO, 1u64..300), 0..4)
+        .prop_map(|v| v.into_iter().map(|(off, len)| (off, len.min(TICKET_TO - off))).collect())
+}
+
+#[derive(Debug, Clone)]
+enum PartKind {
+    Whole,
+    /// Aborted before its segment `n` (the earlier ones are written).
+    Aborted(usize),
+    /// Under a ticket the receiver does not expect: refused, its bytes discarded.
+    Unexpected,
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
-    /// Anything a hostile sender can put on a lane stream.
+    /// Anything a hostile sender can put on a lane: nothing outside the ticket is written, no part is
+    /// answered twice, and a lane that ends cleanly answered every part it began.
     #[test]
     fn hostile_lane_streams_never_write_outside_the_ticket(
-        pieces in proptest::collection::vec(piece_strategy(1), 0..12),
+        pieces in proptest::collection::vec(piece_strategy(1), 0..14),
         cuts in proptest::collection::vec(any::<usize>(), 0..6),
         end in prop_oneof![Just(None), Just(Some(SourceError::Reset(1))), Just(Some(SourceError::ConnectionLost("gone".into())))],
     ) {
         let mut arena = Arena::new();
-        let outcome = run_lane(split(serialise(&pieces), &cuts), end, &mut arena);
+        let served = run_lane(split(serialise(&pieces), &cuts), end, &mut arena);
         assert_only_ticket_range_written(&arena);
-        if let LaneOutcome::Done { bytes } = outcome {
-            prop_assert!(bytes <= TICKET_TO - TICKET_FROM, "{bytes} bytes confirmed");
+        for r in &served.replies {
+            reply_xfer(r);
+        }
+        // Raw pieces may hide a PART_BEGIN: count the parts only when every frame is a whole one.
+        if !pieces.iter().any(|p| matches!(p, Piece::Raw(_))) {
+            prop_assert!(served.replies.len() <= begins(&pieces), "{} replies for {} parts: {:?}", served.replies.len(), begins(&pieces), served);
+            if served.end == LaneEnd::Closed {
+                prop_assert_eq!(served.replies.len(), begins(&pieces), "a cleanly ended lane answers every part: {:?}", served);
+            }
+        }
+        if served.end == LaneEnd::Closed {
+            prop_assert!(served.in_part.is_none());
+        }
+        if let LaneEnd::Violation(why) | LaneEnd::Lost(why) = &served.end {
+            prop_assert!(!why.is_empty());
         }
     }
 
-    /// A well-formed lane inside the ticket writes exactly its bytes and is confirmed.
+    /// Well-formed parts back to back on one lane (whole, aborted, or under an unexpected ticket): each is
+    /// answered once and in order, and exactly the bytes of the accepted pieces land.
     #[test]
-    fn well_formed_lanes_inside_the_ticket_are_done(
-        segments in proptest::collection::vec((TICKET_FROM..TICKET_TO, 0u64..300), 0..5),
-        cuts in proptest::collection::vec(any::<usize>(), 0..6),
+    fn parts_back_to_back_are_each_answered_once_in_order(
+        parts in proptest::collection::vec((segments_in_ticket(), prop_oneof![
+            3 => Just(PartKind::Whole),
+            1 => (0usize..4).prop_map(PartKind::Aborted),
+            1 => Just(PartKind::Unexpected),
+        ]), 1..6),
+        cuts in proptest::collection::vec(any::<usize>(), 0..8),
     ) {
-        let segments: Vec<(u64, u64)> = segments.into_iter().map(|(off, len)| (off, len.min(TICKET_TO - off))).collect();
-        let total: u64 = segments.iter().map(|s| s.1).sum();
-        let mut pieces = vec![Piece::Frame(Frame::LaneBegin {
-            xfer: 1, ticket: TICKET, lane_index: 0, lane_count: 1, segment_count: segments.len() as u64, lane_bytes: total,
-        })];
-        for (offset, len) in &segments {
-            pieces.push(Piece::Frame(Frame::Segment { key: 1, offset: *offset, len: *len }));
-            pieces.push(Piece::Payload(*len as usize));
+        let mut pieces = Vec::new();
+        let mut expected_replies = Vec::new();
+        let mut expected_memory = vec![CANARY; REGION];
+        for (i, (segments, kind)) in parts.iter().enumerate() {
+            let xfer = 100 + i as u64;
+            match kind {
+                PartKind::Whole => {
+                    pieces.extend(part_pieces(xfer, TICKET, segments, None));
+                    let total: u64 = segments.iter().map(|s| s.1).sum();
+                    expected_replies.push(Frame::Done { xfer, bytes: total });
+                    for (off, len) in segments {
+                        expected_memory[*off as usize..(*off + *len) as usize].fill(0xAB);
+                    }
+                }
+                PartKind::Aborted(n) => {
+                    let n = (*n).min(segments.len());
+                    if n == segments.len() {
+                        // Past its last segment there is nothing to abort: the part ends whole.
+                        pieces.extend(part_pieces(xfer, TICKET, segments, None));
+                        let total: u64 = segments.iter().map(|s| s.1).sum();
+                        expected_replies.push(Frame::Done { xfer, bytes: total });
+                    } else {
+                        pieces.extend(part_pieces(xfer, TICKET, segments, Some(n)));
+                        let written: u64 = segments[..n].iter().map(|s| s.1).sum();
+                        expected_replies.push(Frame::CancelAck { xfer, bytes: written });
+                    }
+                    for (off, len) in &segments[..n] {
+                        expected_memory[*off as usize..(*off + *len) as usize].fill(0xAB);
+                    }
+                }
+                PartKind::Unexpected => {
+                    pieces.extend(part_pieces(xfer, TICKET + 1, segments, None));
+                    expected_replies.push(Frame::Refused { xfer, reason: ReasonCode::NOT_EXPECTED.0, message: String::new() });
+                }
+            }
         }
-        pieces.push(Piece::Frame(Frame::LaneEnd { segment_count: segments.len() as u64, lane_bytes: total }));
         let mut arena = Arena::new();
-        let outcome = run_lane(split(serialise(&pieces), &cuts), None, &mut arena);
-        prop_assert_eq!(outcome, LaneOutcome::Done { bytes: total });
-        assert_only_ticket_range_written(&arena);
-        for (offset, len) in segments {
-            let at = GUARD + offset as usize;
-            prop_assert!(arena.memory[at..at + len as usize].iter().all(|&b| b == 0xAB));
+        let served = run_lane(split(serialise(&pieces), &cuts), None, &mut arena);
+        prop_assert_eq!(&served.end, &LaneEnd::Closed, "{:?}", served);
+        prop_assert_eq!(served.replies.len(), expected_replies.len(), "{:?}", served);
+        for (got, want) in served.replies.iter().zip(&expected_replies) {
+            match (got, want) {
+                (Frame::Refused { xfer, reason, message }, Frame::Refused { xfer: w, reason: wr, .. }) => {
+                    prop_assert_eq!((xfer, reason), (w, wr));
+                    prop_assert!(!message.is_empty());
+                }
+                _ => prop_assert_eq!(got, want),
+            }
         }
+        prop_assert!(arena.memory[GUARD..GUARD + REGION] == expected_memory[..], "the region differs from the accepted pieces");
+        assert_only_ticket_range_written(&arena);
     }
 
-    /// The same lane cut short anywhere ends as a violation, a reset or a loss — never as done.
+    /// Two parts cut short anywhere: the part in progress is never confirmed; a clean end mid-part is a
+    /// violation and a reset answers it CANCEL_ACK.
     #[test]
-    fn truncated_lanes_are_never_done(cut_at in 0usize..200, end in prop_oneof![Just(None), Just(Some(SourceError::Reset(1)))]) {
-        let mut pieces = vec![Piece::Frame(Frame::LaneBegin { xfer: 1, ticket: TICKET, lane_index: 0, lane_count: 1, segment_count: 1, lane_bytes: 100 })];
-        pieces.push(Piece::Frame(Frame::Segment { key: 1, offset: TICKET_FROM, len: 100 }));
-        pieces.push(Piece::Payload(100));
-        pieces.push(Piece::Frame(Frame::LaneEnd { segment_count: 1, lane_bytes: 100 }));
+    fn truncated_lanes_never_confirm_the_part_in_progress(cut_at in 0usize..400, end in prop_oneof![Just(None), Just(Some(SourceError::Reset(1)))]) {
+        let mut pieces = part_pieces(1, TICKET, &[(TICKET_FROM, 100)], None);
+        pieces.extend(part_pieces(2, TICKET, &[(TICKET_FROM + 200, 50), (TICKET_FROM + 300, 50)], None));
+        let first_len = serialise(&pieces[..4]).len();
         let mut bytes = serialise(&pieces);
         let full = bytes.len();
         bytes.truncate(cut_at.min(full - 1));
+        let cut = bytes.len();
         let mut arena = Arena::new();
-        let outcome = run_lane(vec![Bytes::from(bytes)], end.clone(), &mut arena);
-        let ended_with_reason = match (&outcome, &end) {
-            (LaneOutcome::Violation(why), None) => !why.is_empty(),
-            (LaneOutcome::Cancelled { .. }, Some(SourceError::Reset(_))) => true,
-            _ => false,
-        };
-        prop_assert!(ended_with_reason, "{:?} for a lane cut at {} of {}", outcome, cut_at, full);
+        let served = run_lane(vec![Bytes::from(bytes)], end.clone(), &mut arena);
+        let done: Vec<u64> = served.replies.iter().filter(|r| matches!(r, Frame::Done { .. })).map(reply_xfer).collect();
+        if cut < first_len {
+            prop_assert!(done.is_empty(), "{:?}", served);
+        } else {
+            prop_assert_eq!(done, vec![1], "{:?}", served);
+        }
+        // Cut inside a frame or a part (a clean end there is a violation).
+        let mid_stream = cut != 0 && cut != first_len;
+        // A part began (its whole PART_BEGIN arrived) and did not end.
+        let begin_bytes = 33;
+        let part_begun = (begin_bytes..first_len).contains(&cut) || cut >= first_len + begin_bytes;
+        match (&served.end, &end) {
+            (LaneEnd::Violation(why), None) => prop_assert!(mid_stream && !why.is_empty(), "{:?}", served),
+            (LaneEnd::Closed, None) => prop_assert!(!mid_stream, "{:?}", served),
+            (LaneEnd::Reset(1), Some(_)) => {
+                let acks = served.replies.iter().filter(|r| matches!(r, Frame::CancelAck { .. })).count();
+                prop_assert_eq!(acks, usize::from(part_begun), "{:?}", served);
+                prop_assert_eq!(served.in_part.is_some(), part_begun, "{:?}", served);
+            }
+            _ => prop_assert!(false, "unexpected end {:?} for a lane cut at {} of {}", served, cut, full),
+        }
         assert_only_ticket_range_written(&arena);
+    }
+
+    /// Whatever bytes arrive as replies, the sender's decoder returns a frame or a reason, never panics,
+    /// and reads every well-formed frame back as it was encoded.
+    #[test]
+    fn reply_decoding_never_panics_and_round_trips(
+        frames in proptest::collection::vec(frame_strategy(1), 0..8),
+        garbage in proptest::collection::vec(any::<u8>(), 0..64),
+        cuts in proptest::collection::vec(any::<usize>(), 0..6),
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let mut encoded = Vec::new();
+        for f in &frames {
+            f.encode(&mut encoded);
+        }
+        let mut reader = FrameReader::new(MemorySource::new(split(encoded, &cuts), None));
+        let read: Vec<Frame> = runtime.block_on(async {
+            let mut out = Vec::new();
+            while let Ok(Some(f)) = reader.read_frame().await {
+                out.push(f);
+            }
+            out
+        });
+        prop_assert_eq!(read, frames);
+        let mut reader = FrameReader::new(MemorySource::new(split(garbage, &cuts), None));
+        runtime.block_on(async {
+            for _ in 0..64 {
+                match reader.read_frame().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => break,
+                    Err(ReadFail::Malformed(e)) => { assert!(!e.0.is_empty()); break }
+                    Err(ReadFail::Truncated(why)) => { assert!(!why.is_empty()); break }
+                    Err(ReadFail::Source(e)) => panic!("memory source failed: {e:?}"),
+                }
+            }
+        });
     }
 
     #[test]
@@ -229,45 +395,116 @@ proptest! {
     #[test]
     fn endpoint_bytes_round_trip(instance in any::<u64>(), fp in any::<[u8; 32]>(), ports in proptest::collection::vec(any::<u16>(), 1..5)) {
         let addresses = ports.iter().map(|p| std::net::SocketAddr::from(([10, 0, 0, 1], *p))).collect();
-        let info = EndpointInfo { wire_version: 1, instance, fingerprint: fp, addresses };
+        let info = EndpointInfo { wire_version: 2, instance, fingerprint: fp, addresses };
         prop_assert_eq!(EndpointInfo::decode(&info.encode()).unwrap(), info);
     }
 }
 
 #[test]
-fn a_segment_past_the_region_is_refused_before_any_byte_is_written() {
-    let pieces = [
-        Piece::Frame(Frame::LaneBegin { xfer: 1, ticket: TICKET, lane_index: 0, lane_count: 1, segment_count: 1, lane_bytes: 10 }),
+fn a_refused_part_is_discarded_and_the_next_part_is_served() {
+    // Part 1's second segment runs past the region: refused before a byte of it is written, the rest
+    // of the part (its payload and a third segment) is read and dropped; part 2 lands.
+    let mut pieces = vec![
+        Piece::Frame(Frame::PartBegin { xfer: 1, ticket: TICKET, part_index: 0, part_count: 1, bytes: 30 }),
+        Piece::Frame(Frame::Segment { key: 1, offset: TICKET_FROM, len: 10 }),
+        Piece::Payload(10),
         Piece::Frame(Frame::Segment { key: 1, offset: REGION as u64 - 5, len: 10 }),
         Piece::Payload(10),
-        Piece::Frame(Frame::LaneEnd { segment_count: 1, lane_bytes: 10 }),
+        Piece::Frame(Frame::Segment { key: 1, offset: TICKET_FROM + 20, len: 10 }),
+        Piece::Payload(10),
+        Piece::Frame(Frame::PartEnd { segments: 3, bytes: 30 }),
     ];
+    pieces.extend(part_pieces(2, TICKET, &[(TICKET_FROM + 100, 7)], None));
     let mut arena = Arena::new();
-    match run_lane(vec![Bytes::from(serialise(&pieces))], None, &mut arena) {
-        LaneOutcome::Refused(r) => assert_eq!(r.reason, kvgate_abi::ReasonCode::OUT_OF_RANGE, "{r:?}"),
-        other => panic!("expected a refusal, got {other:?}"),
+    let served = run_lane(vec![Bytes::from(serialise(&pieces))], None, &mut arena);
+    assert_eq!(served.end, LaneEnd::Closed, "{served:?}");
+    assert_eq!(served.replies.len(), 2, "{served:?}");
+    match &served.replies[0] {
+        Frame::Refused { xfer: 1, reason, .. } => assert_eq!(ReasonCode(*reason), ReasonCode::OUT_OF_RANGE),
+        other => panic!("expected a refusal of part 1, got {other:?}"),
     }
-    assert!(arena.memory.iter().all(|&b| b == CANARY));
+    assert_eq!(served.replies[1], Frame::Done { xfer: 2, bytes: 7 });
+    assert_eq!(served.refused, vec![PartId { xfer: 1, ticket: Ticket(TICKET) }]);
+    let m = &arena.memory;
+    let at = |off: u64| GUARD + off as usize;
+    assert!(m[at(TICKET_FROM)..at(TICKET_FROM + 10)].iter().all(|&b| b == 0xAB), "the first segment was written before the refusal");
+    assert!(m[at(TICKET_FROM + 20)..at(TICKET_FROM + 30)].iter().all(|&b| b == CANARY), "a segment after the refusal was written");
+    assert!(m[at(TICKET_FROM + 100)..at(TICKET_FROM + 107)].iter().all(|&b| b == 0xAB));
+    assert!(m[GUARD + REGION..].iter().all(|&b| b == CANARY));
+    assert_only_ticket_range_written(&arena);
 }
 
 #[test]
 fn an_unknown_frame_type_is_a_violation() {
     let mut arena = Arena::new();
-    match run_lane(vec![Bytes::from_static(&[0x7f, 1, 2, 3])], None, &mut arena) {
-        LaneOutcome::Violation(why) => assert!(why.contains("0x7f"), "{why}"),
+    match run_lane(vec![Bytes::from_static(&[0x7f, 1, 2, 3])], None, &mut arena).end {
+        LaneEnd::Violation(why) => assert!(why.contains("0x7f"), "{why}"),
         other => panic!("expected a violation, got {other:?}"),
     }
 }
 
 #[test]
+fn version_1_lane_frames_are_unknown_now() {
+    // LANE_BEGIN (0x10) of wire version 1 with a plausible body.
+    let mut old = vec![0x10];
+    old.extend_from_slice(&[0u8; 40]);
+    let mut arena = Arena::new();
+    match run_lane(vec![Bytes::from(old)], None, &mut arena).end {
+        LaneEnd::Violation(why) => assert!(why.contains("0x10"), "{why}"),
+        other => panic!("expected a violation, got {other:?}"),
+    }
+}
+
+#[test]
+fn empty_segments_and_foreign_aborts_are_violations() {
+    let begin = Piece::Frame(Frame::PartBegin { xfer: 5, ticket: TICKET, part_index: 0, part_count: 1, bytes: 10 });
+    let cases = [
+        (vec![begin.clone(), Piece::Frame(Frame::Segment { key: 1, offset: TICKET_FROM, len: 0 })], "empty SEGMENT"),
+        (vec![begin.clone(), Piece::Frame(Frame::PartAbort { xfer: 6 })], "PART_ABORT for transfer 6"),
+        (vec![begin.clone(), Piece::Frame(Frame::Done { xfer: 5, bytes: 10 })], "expected SEGMENT"),
+        (vec![Piece::Frame(Frame::PartEnd { segments: 0, bytes: 0 })], "expected PART_BEGIN"),
+        (vec![Piece::Frame(Frame::PartBegin { xfer: 5, ticket: TICKET, part_index: 2, part_count: 2, bytes: 0 })], "is not a part"),
+    ];
+    for (pieces, needle) in cases {
+        let mut arena = Arena::new();
+        let served = run_lane(vec![Bytes::from(serialise(&pieces))], None, &mut arena);
+        match &served.end {
+            LaneEnd::Violation(why) => assert!(why.contains(needle), "{needle}: {why}"),
+            other => panic!("{needle}: expected a violation, got {other:?}"),
+        }
+        assert!(served.replies.is_empty(), "{needle}: {served:?}");
+        assert!(arena.memory.iter().all(|&b| b == CANARY));
+    }
+}
+
+#[test]
+fn a_refused_message_longer_than_the_limit_is_malformed() {
+    let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let mut bytes = vec![frame_type_refused()];
+    bytes.extend_from_slice(&9u64.to_le_bytes());
+    bytes.extend_from_slice(&1u32.to_le_bytes());
+    bytes.extend_from_slice(&((kvgate_plugin_quic::wire::MAX_REFUSAL_MESSAGE_BYTES + 1) as u16).to_le_bytes());
+    bytes.extend(std::iter::repeat_n(b'x', 2000));
+    let mut reader = FrameReader::new(MemorySource::new([Bytes::from(bytes)], None));
+    match runtime.block_on(reader.read_frame()) {
+        Err(ReadFail::Malformed(e)) => assert!(e.0.contains("exceeds"), "{e}"),
+        other => panic!("expected a malformed frame, got {other:?}"),
+    }
+}
+
+fn frame_type_refused() -> u8 {
+    kvgate_plugin_quic::wire::frame_type::REFUSED
+}
+
+#[test]
 fn the_end_of_a_stream_is_told_from_trailing_bytes() {
     let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
-    let end = Frame::LaneEnd { segment_count: 1, lane_bytes: 2 }.to_bytes();
+    let end = Frame::PartEnd { segments: 1, bytes: 2 }.to_bytes();
     let read = |chunks: Vec<Bytes>, end_with: Option<SourceError>| {
         let mut reader = FrameReader::new(MemorySource::new(chunks, end_with));
         runtime.block_on(async {
             let frame = reader.read_frame().await.expect("frame");
-            assert!(matches!(frame, Some(Frame::LaneEnd { .. })), "{frame:?}");
+            assert!(matches!(frame, Some(Frame::PartEnd { .. })), "{frame:?}");
             reader.expect_end().await
         })
     };
@@ -277,5 +514,5 @@ fn the_end_of_a_stream_is_told_from_trailing_bytes() {
     assert_eq!(read(vec![Bytes::from(trailing)], None), Ok(false));
     assert_eq!(read(vec![Bytes::from(end.clone()), Bytes::from_static(&[1])], None), Ok(false));
     let reset = read(vec![Bytes::from(end)], Some(SourceError::Reset(5)));
-    assert_eq!(reset, Err(kvgate_plugin_quic::reader::ReadFail::Source(SourceError::Reset(5))));
+    assert_eq!(reset, Err(ReadFail::Source(SourceError::Reset(5))));
 }

@@ -62,22 +62,37 @@ fn loopback_sized_datagrams_carry_data_from_the_first_packet() {
 }
 
 #[test]
-fn finished_lanes_end_their_streams_without_stop_sending() {
-    let (a, b) = pair(test_config());
-    const LANES: u64 = 20;
-    for i in 0..LANES {
-        move_and_check(&a, &b, 4096, i + 1);
+fn transfers_share_long_lived_lanes_and_stop_no_stream() {
+    let config = kvgate_plugin_quic::QuicConfig { connections_per_peer: 2, lanes_per_connection: 3, ..test_config() };
+    let (a, b) = pair(config);
+    const TRANSFERS: u64 = 40;
+    for i in 0..TRANSFERS {
+        move_and_check(&a, &b, if i % 2 == 0 { 4096 } else { 300 << 10 }, i + 1);
     }
     wait_baseline(&a, WAIT);
-    // Both sides read the other's end of each lane stream instead of stopping it: at most the control
-    // streams' STOP_SENDING remain (one per connection and side).
-    let stop_sending = |stats: Vec<quinn::ConnectionStats>| stats.iter().map(|s| s.frame_tx.stop_sending).sum::<u64>();
+    // One stream per lane for the life of the connections, whatever the number of transfers.
+    assert_eq!(a.plugin.lane_streams_opened(), 2 * 3, "lanes were reopened");
+    assert!(b.plugin.lane_streams_opened() <= 2 * 3, "b reopened its lanes to a");
+    // Lanes are never stopped or reset: at most the control streams' STOP_SENDING remain (one per
+    // connection and side).
+    let stop_sending = |stats: Vec<quinn::ConnectionStats>| stats.iter().map(|s| s.frame_tx.stop_sending + s.frame_tx.reset_stream).sum::<u64>();
     let connections = a.plugin.outgoing_connection_stats().len() as u64;
-    assert!(connections >= 1);
+    assert_eq!(connections, 2);
     let sent_by_sender = stop_sending(a.plugin.outgoing_connection_stats());
     let sent_by_receiver = stop_sending(b.plugin.incoming_connection_stats());
-    assert!(sent_by_sender <= connections, "sender stopped {sent_by_sender} streams for {LANES} lanes");
-    assert!(sent_by_receiver <= connections, "receiver stopped {sent_by_receiver} streams for {LANES} lanes");
+    assert!(sent_by_sender <= connections, "sender stopped or reset {sent_by_sender} streams for {TRANSFERS} transfers");
+    assert!(sent_by_receiver <= connections, "receiver stopped or reset {sent_by_receiver} streams for {TRANSFERS} transfers");
+}
+
+#[test]
+fn a_single_lane_carries_every_transfer() {
+    let config = kvgate_plugin_quic::QuicConfig { connections_per_peer: 1, endpoints: 1, lanes_per_connection: 1, ..test_config() };
+    let (a, b) = pair(config);
+    for (i, len) in [1usize, 64 << 10, 1 << 20, 0, 4095].into_iter().enumerate() {
+        move_and_check(&a, &b, len, i as u64 + 1);
+    }
+    wait_baseline(&a, WAIT);
+    assert_eq!(a.plugin.lane_streams_opened(), 1);
 }
 
 #[test]
