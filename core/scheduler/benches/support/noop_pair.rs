@@ -35,19 +35,24 @@ impl NoopPair {
     pub fn pump(&mut self) {
         loop {
             let mut moved = false;
+            // Executed commands go back to their core (`recycle_command`), as a driver that reuses
+            // the buffers of submits and incoming expects does.
             while let Some(command) = self.receiver.poll_command() {
                 moved = true;
-                if let Command::ToPeer { message, .. } = command {
-                    self.sender.handle_peer_message(self.now, A, message);
+                match command {
+                    Command::ToPeer { message, .. } => self.sender.handle_peer_message(self.now, A, message),
+                    executed @ Command::ExpectIncoming { .. } => self.receiver.recycle_command(executed),
+                    _ => {}
                 }
             }
             while let Some(command) = self.sender.poll_command() {
                 moved = true;
                 match command {
                     Command::ToPeer { message, .. } => self.receiver.handle_peer_message(self.now, B, message),
-                    Command::Submit { xfer, segments, .. } => {
+                    Command::Submit { xfer, ref segments, .. } => {
                         let bytes = segments.iter().map(|s| s.len).sum();
                         self.sender.handle_plugin_event(self.now, SLOT, &Event::succeeded(xfer, bytes));
+                        self.sender.recycle_command(command);
                     }
                     _ => {}
                 }

@@ -42,6 +42,34 @@ impl Core {
         Ok(total)
     }
 
+    /// Check one part of an expect (as `check_local_slices`, then every region must be registered
+    /// with `plugin`) and resolve it into the plugin's ranges; returns its byte count and ranges.
+    fn resolve_expect_part(&mut self, room: RoomKey, plugin: PluginSlot, slices: &[Slice]) -> Result<(u64, Vec<LocalRange>), Refusal> {
+        let mut total = 0u64;
+        let mut ranges = self.spare_ranges.pop().unwrap_or_default();
+        ranges.reserve(slices.len());
+        let mut missing_key = false;
+        for slice in slices {
+            let Some(region) = self.regions.get(&slice.region) else {
+                return Err(Refusal { room, reason: RefusalReason::UnknownRegion });
+            };
+            let end = slice.offset.checked_add(slice.len);
+            if slice.len == 0 || end.is_none_or(|end| end > region.len) {
+                return Err(Refusal { room, reason: RefusalReason::SliceOutOfRange });
+            }
+            total = total.saturating_add(slice.len);
+            match region.key_for(plugin) {
+                Some(key) => ranges.push(LocalRange { key, offset: slice.offset, len: slice.len }),
+                None => missing_key = true,
+            }
+        }
+        // A slice out of range anywhere in the part is reported before a region the plugin lacks.
+        if missing_key {
+            return Err(Refusal { room, reason: RefusalReason::UnknownRegion });
+        }
+        Ok((total, ranges))
+    }
+
     pub(super) fn engine_expect(
         &mut self,
         now: Nanos,
@@ -75,16 +103,14 @@ impl Core {
             Lookup::Absent | Lookup::Older(_) => {}
         }
         let mut recv_parts = smallvec::SmallVec::with_capacity(parts.len());
+        // Each part's ranges in the plugin's keys, resolved in the one pass that checks the slices.
+        let mut part_ranges: smallvec::SmallVec<[Vec<LocalRange>; 1]> = smallvec::SmallVec::with_capacity(parts.len());
         let mut bytes_total = 0u64;
         for part in &parts {
-            let bytes = self.check_local_slices(key, part)?;
+            let (bytes, ranges) = self.resolve_expect_part(key, plugin, part)?;
             bytes_total += bytes;
             recv_parts.push(RecvPart { bytes, done: false, ticket_open: true });
-            for slice in part {
-                if self.regions[&slice.region].key_for(plugin).is_none() {
-                    return Self::refuse(key, RefusalReason::UnknownRegion);
-                }
-            }
+            part_ranges.push(ranges);
         }
         if self.live_rooms >= self.config.max_inflight_rooms {
             // CONFORMANCE: TIME-11
@@ -114,13 +140,9 @@ impl Core {
         self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Receiver, state: RoomState::WaitingSender });
         let remaining = deadline.saturating_sub(now);
         let mut tickets = Vec::with_capacity(parts.len());
-        for (index, part) in parts.iter().enumerate() {
+        for (index, ranges) in part_ranges.into_iter().enumerate() {
             let ticket = Ticket(ticket_base + index as u64);
             self.tickets.insert(ticket.0, super::TicketRef { slot, epoch, part: index as u32 });
-            let ranges = part
-                .iter()
-                .map(|s| LocalRange { key: self.regions[&s.region].key_for(plugin).unwrap_or_default(), offset: s.offset, len: s.len })
-                .collect();
             self.commands.push_back(Command::ExpectIncoming { plugin, peer, ticket, timeout: remaining, ranges });
             tickets.push(ticket);
         }
@@ -305,6 +327,7 @@ impl Core {
             SourceSlice { key, offset: slice.offset, len: slice.len }
         });
         let max_segments = self.config.max_segments_per_submit;
+        let spare = self.spare_segments.pop().unwrap_or_default();
         let room = self.slots[slot as usize].room.as_mut().expect("live slot");
         let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
         let target = &mut parts[part as usize];
@@ -313,7 +336,7 @@ impl Core {
             return Err(PlaceError::LengthMismatch);
         }
         let (segments, cursor_slice, cursor_offset) =
-            map_chunk(sources, slices.len(), &target.dest, target.cursor_slice, target.cursor_offset, max_segments)
+            map_chunk(sources, slices.len(), &target.dest, target.cursor_slice, target.cursor_offset, max_segments, spare)
                 .map_err(|_| PlaceError::TooManySegments)?;
         target.cursor_slice = cursor_slice;
         target.cursor_offset = cursor_offset;

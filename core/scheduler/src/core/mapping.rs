@@ -17,9 +17,10 @@ pub(crate) struct SourceSlice {
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct TooManySegments;
 
-/// Map `sources` onto `dest` starting at `(cursor_slice, cursor_offset)`. The caller guarantees
-/// the destination has room for every source byte. Returns the segments and the new cursor.
-/// `source_count` sizes the output (sources are usually resolved on the fly, not collected).
+/// Map `sources` onto `dest` starting at `(cursor_slice, cursor_offset)`, into `segments` (an empty
+/// buffer, possibly reused). The caller guarantees the destination has room for every source byte.
+/// Returns the segments and the new cursor. `source_count` sizes the output (sources are usually
+/// resolved on the fly, not collected).
 pub(crate) fn map_chunk(
     sources: impl IntoIterator<Item = SourceSlice>,
     source_count: usize,
@@ -27,8 +28,10 @@ pub(crate) fn map_chunk(
     cursor_slice: u32,
     cursor_offset: u64,
     max_segments: u64,
+    mut segments: Vec<Segment>,
 ) -> Result<(Vec<Segment>, u32, u64), TooManySegments> {
-    let mut segments = Vec::with_capacity(source_count.min(max_segments as usize) + 1);
+    debug_assert!(segments.is_empty());
+    segments.reserve(source_count.min(max_segments as usize) + 1);
     let mut dest_index = cursor_slice as usize;
     let mut dest_offset = cursor_offset;
     for source in sources {
@@ -73,11 +76,11 @@ mod tests {
     #[test]
     fn splits_at_both_sides_boundaries() {
         let dest = [dst(100, 10), dst(500, 5)];
-        let (segments, slice, offset) = map_chunk([src(0, 4), src(50, 8)], 2, &dest, 0, 0, 10).unwrap();
+        let (segments, slice, offset) = map_chunk([src(0, 4), src(50, 8)], 2, &dest, 0, 0, 10, Vec::new()).unwrap();
         let shape: Vec<(u64, u64, u64)> = segments.iter().map(|s| (s.local_offset, s.remote_offset, s.len)).collect();
         assert_eq!(shape, vec![(0, 100, 4), (50, 104, 6), (56, 500, 2)]);
         assert_eq!((slice, offset), (1, 2));
-        let (segments, slice, offset) = map_chunk([src(7, 3)], 1, &dest, slice, offset, 10).unwrap();
+        let (segments, slice, offset) = map_chunk([src(7, 3)], 1, &dest, slice, offset, 10, Vec::new()).unwrap();
         assert_eq!((segments[0].remote_offset, segments[0].len), (502, 3));
         assert_eq!((slice, offset), (2, 0));
     }
@@ -85,7 +88,7 @@ mod tests {
     #[test]
     fn refuses_past_max_segments_and_accepts_at_it() {
         let dest = [dst(0, 1), dst(10, 1), dst(20, 1)];
-        assert!(map_chunk([src(0, 3)], 1, &dest, 0, 0, 3).is_ok());
-        assert_eq!(map_chunk([src(0, 3)], 1, &dest, 0, 0, 2), Err(TooManySegments));
+        assert!(map_chunk([src(0, 3)], 1, &dest, 0, 0, 3, Vec::new()).is_ok());
+        assert_eq!(map_chunk([src(0, 3)], 1, &dest, 0, 0, 2, Vec::new()), Err(TooManySegments));
     }
 }

@@ -80,6 +80,10 @@ enum Lookup {
 /// Most emptied sender part lists kept for reuse, and the largest capacity kept.
 const SPARE_SEND_PARTS: usize = 64;
 const SPARE_SEND_PARTS_CAPACITY: usize = 4;
+/// Most command buffers (segments, ranges) handed back by `recycle_command` kept for reuse, and the
+/// largest capacity kept (in elements): a huge submit's buffer is freed, not pinned.
+const SPARE_COMMAND_BUFFERS: usize = 64;
+const SPARE_COMMAND_BUFFER_CAPACITY: usize = 1024;
 
 /// One gateway's scheduler. Deterministic: the same inputs give the same outputs.
 pub struct Core {
@@ -109,6 +113,11 @@ pub struct Core {
     /// room in steady state).
     spare_send_parts: Vec<Vec<room::SendPart>>,
     state_fifos: [VecDeque<(u32, u32, Nanos)>; RoomState::COUNT],
+    /// Emptied buffers of executed commands (`recycle_command`), reused by the next `Submit` and
+    /// `ExpectIncoming` (at most `SPARE_COMMAND_BUFFERS` of each, of at most
+    /// `SPARE_COMMAND_BUFFER_CAPACITY` elements).
+    spare_segments: Vec<Vec<kvgate_abi::Segment>>,
+    spare_ranges: Vec<Vec<kvgate_abi::LocalRange>>,
 }
 
 impl Core {
@@ -133,6 +142,8 @@ impl Core {
             tombstone_fifo: VecDeque::new(),
             spare_send_parts: Vec::new(),
             state_fifos: Default::default(),
+            spare_segments: Vec::new(),
+            spare_ranges: Vec::new(),
         })
     }
 
@@ -252,6 +263,35 @@ impl Core {
     /// The next command for the driver, in order.
     pub fn poll_command(&mut self) -> Option<Command> {
         self.commands.pop_front()
+    }
+
+    /// Optional: hand back a command the driver has executed, so the core reuses its buffer (a
+    /// `Submit`'s segments, an `ExpectIncoming`'s ranges) for a later command of that kind. A driver
+    /// that recycles every command causes no heap allocation for them in steady state; dropping a
+    /// command instead is always correct. Other commands are simply dropped.
+    pub fn recycle_command(&mut self, command: Command) {
+        match command {
+            Command::Submit { segments, .. } => Self::keep_spare(&mut self.spare_segments, segments),
+            Command::ExpectIncoming { ranges, .. } => Self::keep_spare(&mut self.spare_ranges, ranges),
+            _ => {}
+        }
+    }
+
+    /// Keep an emptied buffer for reuse, if it is small enough and the pool has room.
+    fn keep_spare<T>(pool: &mut Vec<Vec<T>>, mut buffer: Vec<T>) {
+        if buffer.capacity() != 0
+            && buffer.capacity() <= SPARE_COMMAND_BUFFER_CAPACITY
+            && pool.len() < SPARE_COMMAND_BUFFERS
+        {
+            buffer.clear();
+            pool.push(buffer);
+        }
+    }
+
+    /// Command buffers held for reuse: (segment buffers, range buffers).
+    #[cfg(test)]
+    pub(crate) fn spare_command_buffers(&self) -> (usize, usize) {
+        (self.spare_segments.len(), self.spare_ranges.len())
     }
 
     /// When the core next needs `handle_timeout` (None: no timer armed). It may be a little early
@@ -482,8 +522,13 @@ impl Core {
     }
 
     fn transfer_budget(&self, bytes: u64) -> Nanos {
-        let per_byte_ns = (bytes as u128 * 1_000_000_000u128) / self.config.min_bandwidth_bytes_per_s as u128;
-        Nanos::from_ms(self.config.transfer_base_ms).saturating_add(Nanos(per_byte_ns.min(u64::MAX as u128) as u64))
+        let bandwidth = self.config.min_bandwidth_bytes_per_s;
+        // The 64-bit division when the product fits (below ~18 GB), the 128-bit one otherwise.
+        let per_byte_ns = match bytes.checked_mul(1_000_000_000) {
+            Some(scaled) => scaled / bandwidth,
+            None => ((bytes as u128 * 1_000_000_000u128) / bandwidth as u128).min(u64::MAX as u128) as u64,
+        };
+        Nanos::from_ms(self.config.transfer_base_ms).saturating_add(Nanos(per_byte_ns))
     }
 
     fn push_engine(&mut self, event: RoomEvent) {
@@ -492,5 +537,47 @@ impl Core {
 
     fn push_peer(&mut self, peer: PeerId, message: PeerMessage) {
         self.commands.push_back(Command::ToPeer { peer, message });
+    }
+}
+
+#[cfg(test)]
+mod recycle_tests {
+    use super::*;
+
+    fn segments(capacity: usize) -> Command {
+        Command::Submit {
+            plugin: PluginSlot(0),
+            xfer: kvgate_abi::XferId(1),
+            peer: PeerId(1),
+            ticket: kvgate_abi::Ticket(1),
+            timeout: Nanos::ZERO,
+            segments: Vec::with_capacity(capacity),
+        }
+    }
+
+    #[test]
+    fn recycled_buffers_are_kept_up_to_their_capacity_and_count_limits() {
+        let mut core = Core::new(CoreConfig::default()).unwrap();
+        core.recycle_command(segments(SPARE_COMMAND_BUFFER_CAPACITY));
+        assert_eq!(core.spare_command_buffers(), (1, 0), "a buffer at the capacity limit is kept");
+        core.recycle_command(segments(SPARE_COMMAND_BUFFER_CAPACITY + 1));
+        assert_eq!(core.spare_command_buffers(), (1, 0), "a buffer past the capacity limit is freed");
+        core.recycle_command(segments(0));
+        assert_eq!(core.spare_command_buffers(), (1, 0), "an unallocated buffer is not kept");
+        for _ in 1..SPARE_COMMAND_BUFFERS {
+            core.recycle_command(segments(4));
+        }
+        assert_eq!(core.spare_command_buffers(), (SPARE_COMMAND_BUFFERS, 0), "the pool fills to its limit");
+        core.recycle_command(segments(4));
+        assert_eq!(core.spare_command_buffers(), (SPARE_COMMAND_BUFFERS, 0), "and no further");
+        let ranges = Command::ExpectIncoming {
+            plugin: PluginSlot(0),
+            peer: PeerId(1),
+            ticket: kvgate_abi::Ticket(1),
+            timeout: Nanos::ZERO,
+            ranges: Vec::with_capacity(1),
+        };
+        core.recycle_command(ranges);
+        assert_eq!(core.spare_command_buffers(), (SPARE_COMMAND_BUFFERS, 1));
     }
 }

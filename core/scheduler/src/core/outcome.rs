@@ -264,8 +264,8 @@ impl Core {
         self.sync_wheel_entry(Nanos::ZERO, slot);
         self.unlink_peer(slot);
         let entry = &mut self.slots[slot as usize];
-        let room = entry.room.take().expect("drop of a live slot");
-        entry.epoch = entry.epoch.wrapping_add(1);
+        // Worked on in place (the room is large: no move out of the slab).
+        let room = entry.room.as_mut().expect("drop of a live slot");
         if let std::collections::hash_map::Entry::Occupied(entry) = self.keys[room.role as usize].entry(room.key.room) {
             if *entry.get() == slot {
                 entry.remove();
@@ -291,7 +291,13 @@ impl Core {
             self.metrics.tombstones -= 1;
         }
         debug_assert!(room.armed == 0 && room.wheel_entry == NIL);
-        if let RoleData::Sender { parts, .. } = room.data {
+        let spare = match &mut room.data {
+            RoleData::Sender { parts, .. } => Some(std::mem::take(parts)),
+            RoleData::Receiver { .. } => None,
+        };
+        entry.room = None;
+        entry.epoch = entry.epoch.wrapping_add(1);
+        if let Some(parts) = spare {
             self.recycle_send_parts(parts);
         }
         self.free_slots.push(slot);
