@@ -256,6 +256,69 @@ fn cancelled_ticket_stops_the_receiver_and_reports_quiesced() {
     wait_baseline(&b, WAIT);
 }
 
+/// One connection with one lane: every transfer queues on the same stream.
+fn one_lane_slow_config() -> kvgate_plugin_quic::QuicConfig {
+    kvgate_plugin_quic::QuicConfig { connections_per_peer: 1, endpoints: 1, lanes_per_connection: 1, ..slow_config() }
+}
+
+#[test]
+fn cancelling_one_transfer_leaves_the_next_on_its_lane_intact() {
+    let (a, b) = pair(one_lane_slow_config());
+    let (big, small) = (128usize << 20, 64usize << 10);
+    let src = Buffer::random(big + small, 21);
+    let dst = Buffer::zeroed(big + small);
+    let r = route(&a, PEER_B, &b, &src, &dst);
+    expect(&b, PEER_A, Ticket(5), &[LocalRange { key: r.dst_key, offset: 0, len: (big + small) as u64 }], WAIT);
+    submit(&a, PEER_B, XferId(1), Ticket(5), &[one_segment(&r, 0, 0, big as u64)], WAIT).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    // Queued behind the big transfer on the only lane.
+    submit(&a, PEER_B, XferId(2), Ticket(5), &[one_segment(&r, big as u64, big as u64, small as u64)], WAIT).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    a.plugin.cancel(XferId(1));
+    assert_failed(&a.events.terminal(XferId(1), WAIT), ReasonCode::CANCELLED);
+    a.events.quiesced(XferId(1), WAIT);
+    let after_quiesce = dst.snapshot()[..big].to_vec();
+    let second = a.events.terminal(XferId(2), WAIT);
+    assert_eq!(second.kind, EventKind::SUCCEEDED, "{second:?}");
+    let d = dst.snapshot();
+    assert_eq!(checksum(&d[big..]), checksum(&src.snapshot()[big..]), "the second transfer's bytes differ");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(dst.snapshot()[..big] == after_quiesce[..], "bytes of the cancelled transfer landed after QUIESCED");
+    assert_eq!(a.plugin.lane_streams_opened(), 1, "the lane was reopened");
+    b.plugin.cancel_incoming(PEER_A, Ticket(5));
+    wait_baseline(&a, WAIT);
+    wait_baseline(&b, WAIT);
+}
+
+#[test]
+fn a_revoked_ticket_discards_its_part_and_the_lane_goes_on() {
+    let (a, b) = pair(one_lane_slow_config());
+    let (big, small) = (128usize << 20, 64usize << 10);
+    let src = Buffer::random(big + small, 22);
+    let dst = Buffer::zeroed(big + small);
+    let r = route(&a, PEER_B, &b, &src, &dst);
+    expect(&b, PEER_A, Ticket(6), &[LocalRange { key: r.dst_key, offset: 0, len: big as u64 }], WAIT);
+    expect(&b, PEER_A, Ticket(7), &[LocalRange { key: r.dst_key, offset: big as u64, len: small as u64 }], WAIT);
+    submit(&a, PEER_B, XferId(1), Ticket(6), &[one_segment(&r, 0, 0, big as u64)], WAIT).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    submit(&a, PEER_B, XferId(2), Ticket(7), &[one_segment(&r, big as u64, big as u64, small as u64)], WAIT).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    b.plugin.cancel_incoming(PEER_A, Ticket(6));
+    // Nothing under the revoked ticket is written from here on: the rest of its part is discarded.
+    let frozen = dst.snapshot()[..big].to_vec();
+    assert_failed(&a.events.terminal(XferId(1), WAIT), ReasonCode::NOT_EXPECTED);
+    a.events.quiesced(XferId(1), WAIT);
+    let second = a.events.terminal(XferId(2), WAIT);
+    assert_eq!(second.kind, EventKind::SUCCEEDED, "{second:?}");
+    assert_eq!(checksum(&dst.snapshot()[big..]), checksum(&src.snapshot()[big..]), "the second transfer's bytes differ");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(dst.snapshot()[..big] == frozen[..], "a write under the revoked ticket landed");
+    assert_eq!(a.plugin.lane_streams_opened(), 1, "the lane was reopened");
+    b.plugin.cancel_incoming(PEER_A, Ticket(7));
+    wait_baseline(&a, WAIT);
+    wait_baseline(&b, WAIT);
+}
+
 #[test]
 fn transfer_timeout_ends_the_transfer_inside_the_plugin() {
     let (a, b) = pair(slow_config());
