@@ -13,6 +13,7 @@ pub mod png_plot;
 pub mod reference;
 pub mod report;
 pub mod results;
+pub mod rounds;
 pub mod stats;
 pub mod svg;
 pub mod system;
@@ -66,6 +67,10 @@ pub struct BenchArgs {
     /// Most rooms in flight at once in a data-path cell (fewer when fewer transfers fit the pools).
     #[arg(long)]
     pub inflight: Option<u64>,
+    /// How many rounds each plugin's target cell runs, each with its own reference (the median
+    /// round is reported; 1..=15).
+    #[arg(long)]
+    pub target_rounds: Option<u64>,
     /// Rooms for the rooms-per-second figure.
     #[arg(long)]
     pub control_rooms: Option<u64>,
@@ -109,6 +114,7 @@ impl BenchArgs {
         };
         set(&mut plan.cell_budget_ms, self.cell_ms);
         set(&mut plan.inflight_rooms, self.inflight);
+        set(&mut plan.target_rounds, self.target_rounds);
         set(&mut plan.control_rooms, self.control_rooms);
         set(&mut plan.core_rooms_in_flight, self.core_rooms);
         set(&mut plan.core_aborts, self.core_aborts);
@@ -246,15 +252,31 @@ async fn bench_plugin(binary: &Path, dir: &Path, entry: &matrix::MatrixEntry, pl
         result.skip_reason = format!("reference not measured, ratios are 0: {why}");
     }
     let budget = CopyBudget { min_copies: plan.min_rooms_per_cell, budget: Duration::from_millis(plan.cell_budget_ms) };
-    for (block, blocks) in plan.cells() {
-        bar.set_message(format!("{plugin}: {} x {blocks}", stats::size_label(block)));
-        match run_cell(&rig, reference, block, blocks, plan.inflight_rooms, budget).await {
-            Ok(cell) => result.cells.push(cell),
-            Err(e) => {
-                bar.println(format!("{plugin}: {} x {blocks}: {e:#}", stats::size_label(block)));
-                result.cells.push(results::CellResult { block_bytes: block, blocks, transfer_bytes: block * blocks, failures: 1, ..Default::default() });
+    let cells = plan.cells();
+    let target = rounds::target_cell(plugin, &cells);
+    for (block, blocks) in cells {
+        let label = format!("{plugin}: {} x {blocks}", stats::size_label(block));
+        let round_count = if target == Some((block, blocks)) { plan.target_rounds } else { 1 };
+        let mut done = Vec::new();
+        let mut error = None;
+        for round in 0..round_count {
+            bar.set_message(if round_count > 1 { format!("{label} (target cell, round {} of {round_count})", round + 1) } else { label.clone() });
+            match run_cell(&rig, reference, block, blocks, plan.inflight_rooms, budget).await {
+                Ok(cell) => done.push(cell),
+                Err(e) => {
+                    bar.println(format!("{label}: {e:#}"));
+                    error = Some(e);
+                    break;
+                }
             }
         }
+        let mut cell = rounds::median_round(done).unwrap_or_else(|| results::CellResult { block_bytes: block, blocks, transfer_bytes: block * blocks, ..Default::default() });
+        if let Some(e) = error {
+            // A round that could not run is a failure of the cell, beside whatever rounds did run.
+            cell.failures += 1;
+            cell.failure_reasons.push(format!("{e:#}"));
+        }
+        result.cells.push(cell);
         bar.inc(1);
     }
     rig.stop();

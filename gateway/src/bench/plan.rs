@@ -30,6 +30,9 @@ pub struct Plan {
     pub cell_budget_ms: u64,
     /// Rooms each cell times at least, however long they take.
     pub min_rooms_per_cell: u64,
+    /// How many times each plugin's target cell runs (each round with its own reference); the
+    /// median round is reported, so one burst of other work on the machine cannot decide a target.
+    pub target_rounds: u64,
     /// Most rooms in flight at once in a data-path cell (each on its own pool slot; fewer when fewer
     /// transfers of the cell's size fit the pools, see [`POOL_LARGEST_TRANSFERS`]).
     pub inflight_rooms: u64,
@@ -57,6 +60,7 @@ impl Plan {
             max_transfer_bytes: FULL_MAX_TRANSFER_BYTES,
             cell_budget_ms: 1_000,
             min_rooms_per_cell: 5,
+            target_rounds: 5,
             inflight_rooms: 8,
             control_rooms: 5_000,
             control_concurrency: 32,
@@ -75,6 +79,7 @@ impl Plan {
             max_transfer_bytes: QUICK_MAX_TRANSFER_BYTES,
             cell_budget_ms: 250,
             min_rooms_per_cell: 3,
+            target_rounds: 5,
             inflight_rooms: 8,
             control_rooms: 1_000,
             control_concurrency: 16,
@@ -131,6 +136,7 @@ impl Plan {
         range("cell_budget_ms", self.cell_budget_ms, 1, 60_000);
         range("min_rooms_per_cell", self.min_rooms_per_cell, 1, MAX_ROOMS_PER_CELL);
         range("inflight_rooms", self.inflight_rooms, 1, MAX_INFLIGHT_ROOMS);
+        range("target_rounds", self.target_rounds, 1, super::rounds::MAX_TARGET_ROUNDS);
         range("control_rooms", self.control_rooms, 1, 1_000_000);
         range("control_concurrency", self.control_concurrency, 1, 1_024);
         range("core_rooms_in_flight", self.core_rooms_in_flight, 1, MAX_CORE_ROOMS_IN_FLIGHT);
@@ -194,6 +200,13 @@ mod tests {
         let mut plan = Plan::quick();
         plan.max_transfer_bytes = 4 * KIB - 1;
         assert!(!plan.validate().is_empty());
+        let mut plan = Plan::quick();
+        plan.target_rounds = super::super::rounds::MAX_TARGET_ROUNDS;
+        assert!(plan.validate().is_empty());
+        plan.target_rounds = super::super::rounds::MAX_TARGET_ROUNDS + 1;
+        assert!(plan.validate()[0].starts_with("target_rounds"));
+        plan.target_rounds = 0;
+        assert!(plan.validate()[0].starts_with("target_rounds"));
         let mut plan = Plan::quick();
         plan.api_aborts = plan.api_rooms_in_flight + 1;
         assert!(plan.validate()[0].starts_with("api_aborts"));

@@ -32,6 +32,9 @@ path gets to one core's memcpy, not to the machine's copy bandwidth. **TCP loopb
 connection, block by block, a 1-byte acknowledgement per transfer. **ucx_perftest** (UCX) is `ucp_am_bw` server + \
 client on 127.0.0.1 over the same UCX transport as the plugin's config, one message per block; it reports a rate, so \
 its p50 is the transfer's bytes at that rate.
+- **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
+default 5), each round a whole cell with its own reference; the round with the median ratio is reported, with every \
+round's ratio beside it, and a failure in any round counts.
 
 ";
 
@@ -74,7 +77,11 @@ fn ratio_target(report: &BenchReport, plugin: &str, name: &str, min: f64, pick: 
     }
     match pick(p) {
         Some(c) if c.reference_gbps > 0.0 => {
-            let figure = format!("ratio at {} x {} ({:.2} / {:.2} GB/s)", size_label(c.block_bytes), c.blocks, c.throughput_gbps, c.reference_gbps);
+            let mut figure = format!("ratio at {} x {} ({:.2} / {:.2} GB/s)", size_label(c.block_bytes), c.blocks, c.throughput_gbps, c.reference_gbps);
+            let rounds = super::rounds::rounds_note(c);
+            if !rounds.is_empty() {
+                figure = format!("{figure}; {rounds}");
+            }
             check(name, figure, Some(c.ratio), min, String::new())
         }
         _ if !p.skip_reason.is_empty() => check(name, "ratio".into(), None, min, p.skip_reason.clone()),
@@ -130,6 +137,10 @@ pub fn table(report: &BenchReport) -> String {
             }
             if !c.reference_error.is_empty() {
                 notes.push(format!("reference failed: {}", c.reference_error.lines().next().unwrap_or_default()));
+            }
+            let rounds = super::rounds::rounds_note(c);
+            if !rounds.is_empty() {
+                notes.push(rounds);
             }
             let _ = writeln!(
                 out,
@@ -250,6 +261,9 @@ pub fn markdown(report: &BenchReport, plot_svg: Option<&str>) -> String {
         }
         for c in p.cells.iter().filter(|c| c.failures > 0) {
             let _ = writeln!(out, "\n{} x {}: {} rooms failed: {}", size_label(c.block_bytes), c.blocks, c.failures, c.failure_reasons.join(", "));
+        }
+        for c in p.cells.iter().filter(|c| c.round_ratios.len() > 1) {
+            let _ = writeln!(out, "\n{} x {} (a target cell): {}.", size_label(c.block_bytes), c.blocks, super::rounds::rounds_note(c));
         }
         for c in p.cells.iter().filter(|c| !c.reference_error.is_empty()) {
             let first = c.reference_error.lines().next().unwrap_or_default();

@@ -79,6 +79,10 @@ pub struct CellResult {
     pub gateway_cpu_seconds: f64,
     /// CPU seconds the bench process (both engines' engine-API clients) used meanwhile.
     pub engine_cpu_seconds: f64,
+    /// For a target cell run in rounds (`--target-rounds`): every round's ratio, in the order they
+    /// ran; the figures above are the median round's. Empty for a cell run once.
+    #[serde(default)]
+    pub round_ratios: Vec<f64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
