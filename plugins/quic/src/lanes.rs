@@ -22,6 +22,9 @@ pub const SEGMENT_HEADER_BYTES: usize = 25;
 pub const PART_END_BYTES: usize = 17;
 pub const PART_ABORT_BYTES: usize = 9;
 
+// A part of one class-sized segment fits in one staging buffer of its class.
+const _: () = assert!(PART_BEGIN_BYTES + SEGMENT_HEADER_BYTES + PART_END_BYTES <= HEADER_ROOM_BYTES);
+
 /// One transfer's share of bytes on one lane.
 pub struct Part {
     pub t: Arc<Transfer>,
@@ -348,8 +351,5 @@ mod tests {
         assert_eq!(encoded(Frame::Segment { key: 1, offset: 2, len: 3 }), SEGMENT_HEADER_BYTES);
         assert_eq!(encoded(Frame::PartEnd { segments: 1, bytes: 3 }), PART_END_BYTES);
         assert_eq!(encoded(Frame::PartAbort { xfer: 1 }), PART_ABORT_BYTES);
-        // A part of one class-sized segment fits in one staging buffer of its class.
-        assert!(PART_BEGIN_BYTES + SEGMENT_HEADER_BYTES + PART_END_BYTES <= HEADER_ROOM_BYTES);
-        assert!(PART_BEGIN_BYTES <= crate::staging::MAX_FRAME_HEADER_BYTES);
     }
 }

@@ -5,13 +5,9 @@
 use bytes::Bytes;
 use std::sync::{Arc, Mutex};
 
-/// Room past a buffer's class size for frame headers: a lane of one class-sized segment (LANE_BEGIN,
-/// SEGMENT and LANE_END frames, 83 bytes) fits in one buffer of its class.
+/// Room past a buffer's class size for frame headers: a part of one class-sized segment (PART_BEGIN,
+/// SEGMENT and PART_END frames, 75 bytes) fits in one buffer of its class.
 pub const HEADER_ROOM_BYTES: usize = 128;
-
-/// The largest frame header (LANE_BEGIN, 41 bytes): a buffer is full once fewer bytes than this are
-/// free, so a header appended to a buffer that is not full never makes it grow.
-pub const MAX_FRAME_HEADER_BYTES: usize = 41;
 
 /// Smallest chunk class: a lane smaller than this still gets a buffer of this size.
 pub const SMALLEST_CHUNK_BYTES: usize = 4096;
@@ -86,11 +82,6 @@ impl StagingPool {
         }
     }
 
-    /// How full a buffer from `take` may get (frames and payload) before it is flushed.
-    pub fn fill_limit(buf: &Vec<u8>) -> usize {
-        buf.capacity().saturating_sub(MAX_FRAME_HEADER_BYTES)
-    }
-
     /// The size class of a buffer from `take`.
     pub fn class_bytes(buf: &Vec<u8>) -> usize {
         buf.capacity().saturating_sub(HEADER_ROOM_BYTES)
@@ -147,13 +138,13 @@ mod tests {
     }
 
     #[test]
-    fn a_small_lane_gets_a_small_buffer() {
+    fn a_small_part_gets_a_small_buffer() {
         let pool = StagingPool::new(1 << 20, 1 << 30);
         assert_eq!(StagingPool::class_bytes(&pool.take(1)), 4096);
         assert_eq!(StagingPool::class_bytes(&pool.take(4096 + HEADER_ROOM_BYTES)), 4096);
         assert_eq!(StagingPool::class_bytes(&pool.take(4097 + HEADER_ROOM_BYTES)), 8192);
-        // A 64 KiB lane with its three frames (83 bytes) fits in the 64 KiB class.
-        assert_eq!(StagingPool::class_bytes(&pool.take(65536 + 83)), 65536);
+        // A 64 KiB part with its three frames (75 bytes) fits in the 64 KiB class.
+        assert_eq!(StagingPool::class_bytes(&pool.take(65536 + 75)), 65536);
         assert_eq!(StagingPool::class_bytes(&pool.take(65536 + HEADER_ROOM_BYTES + 1)), 131072);
         assert_eq!(StagingPool::class_bytes(&pool.take(1 << 20)), 1 << 20);
         assert_eq!(StagingPool::class_bytes(&pool.take(usize::MAX)), 1 << 20);
