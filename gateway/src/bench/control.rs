@@ -44,6 +44,7 @@ fn minimal_offset(i: u64) -> u64 {
 
 /// `rooms` minimal rooms, `concurrency` at once, each waited for on both sides.
 pub async fn rooms_per_second(rig: &Rig, rooms: u64, concurrency: u64) -> anyhow::Result<RoomsPerSecond> {
+    let cpu_before = rig.cpu_used();
     let started = Instant::now();
     let runs: Vec<_> = stream::iter(0..rooms)
         .map(|i| {
@@ -59,6 +60,8 @@ pub async fn rooms_per_second(rig: &Rig, rooms: u64, concurrency: u64) -> anyhow
         .collect()
         .await;
     let wall = started.elapsed();
+    let cpu_after = rig.cpu_used();
+    let per_room_us = |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
     let latencies: Vec<Duration> = runs.iter().filter_map(|r| r.as_ref().ok().filter(|r| r.succeeded).map(|r| r.latency)).collect();
     let failures = rooms - latencies.len() as u64;
     Ok(RoomsPerSecond {
@@ -69,6 +72,8 @@ pub async fn rooms_per_second(rig: &Rig, rooms: u64, concurrency: u64) -> anyhow
         rooms_per_second: latencies.len() as f64 / wall.as_secs_f64().max(1e-9),
         latency_p50_ms: millis(percentile(&latencies, 50.0)),
         latency_p99_ms: millis(percentile(&latencies, 99.0)),
+        gateway_cpu_us_per_room: per_room_us(cpu_after.0, cpu_before.0),
+        engine_cpu_us_per_room: per_room_us(cpu_after.1, cpu_before.1),
     })
 }
 

@@ -180,8 +180,8 @@ fn control_lines(report: &BenchReport) -> String {
     if let Some(r) = &c.rooms_per_second {
         let _ = writeln!(
             out,
-            "control  rooms/s through the engine API: {:.0} ({} rooms of {} B, {} at once, {} failed; room p50 {:.2} ms, p99 {:.2} ms)",
-            r.rooms_per_second, r.rooms, r.bytes_per_room, r.concurrency, r.failures, r.latency_p50_ms, r.latency_p99_ms
+            "control  rooms/s through the engine API: {:.0} ({} rooms of {} B, {} at once, {} failed; room p50 {:.2} ms, p99 {:.2} ms; CPU per room: gateways {:.0} us, engines {:.0} us)",
+            r.rooms_per_second, r.rooms, r.bytes_per_room, r.concurrency, r.failures, r.latency_p50_ms, r.latency_p99_ms, r.gateway_cpu_us_per_room, r.engine_cpu_us_per_room
         );
     }
     for a in [&c.abort_to_terminal_core, &c.abort_to_terminal_engine_api].into_iter().flatten() {
@@ -320,6 +320,21 @@ mod tests {
         let t = targets(&r);
         assert!(t[3].verdict.contains("ucx_perftest (Debian ucx-utils) is not installed"), "{}", t[3].verdict);
         assert_eq!(t[3].measured, None, "no ratio without a reference");
+    }
+
+    #[test]
+    fn the_rooms_per_second_line_carries_the_cpu_per_room() {
+        let mut r = report_with(0.5, 5.0, 100_000);
+        r.control_path.rooms_per_second = Some(crate::bench::results::RoomsPerSecond {
+            rooms: 1000,
+            rooms_per_second: 6500.0,
+            gateway_cpu_us_per_room: 148.4,
+            engine_cpu_us_per_room: 97.0,
+            ..Default::default()
+        });
+        let line = control_lines(&r);
+        assert!(line.contains("rooms/s through the engine API: 6500"), "{line}");
+        assert!(line.contains("CPU per room: gateways 148 us, engines 97 us"), "{line}");
     }
 
     #[test]

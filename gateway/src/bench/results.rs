@@ -107,6 +107,13 @@ pub struct RoomsPerSecond {
     pub rooms_per_second: f64,
     pub latency_p50_ms: f64,
     pub latency_p99_ms: f64,
+    /// CPU (user + system) both gateway processes spent per room, in microseconds: the control
+    /// path's cost, which bounds rooms per second on a machine with few cores.
+    #[serde(default)]
+    pub gateway_cpu_us_per_room: f64,
+    /// The same for the bench process (both engines' engine-API clients).
+    #[serde(default)]
+    pub engine_cpu_us_per_room: f64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
