@@ -9,16 +9,26 @@ use std::collections::VecDeque;
 
 /// A room's entry value: no entry.
 pub(crate) const NO_ENTRY: u32 = u32::MAX;
-/// A room's entry value: waiting in the nursery (any other value is a wheel handle).
-pub(crate) const IN_NURSERY: u32 = u32::MAX - 1;
+/// A room's entry value with this bit set: waiting in the nursery, at the entry whose sequence
+/// number (mod 2^31) is in the low bits. Any other value is a wheel handle (below this bit).
+const NURSERY_BIT: u32 = 1 << 31;
+const SEQUENCE_MASK: u32 = NURSERY_BIT - 1;
+/// A nursery entry whose room left the nursery before its span ended (skipped, its slot unread).
+const LEFT: u32 = u32::MAX;
+
+/// Whether a room's entry value says it waits in the nursery.
+pub(crate) fn in_nursery(entry: u32) -> bool {
+    entry != NO_ENTRY && entry & NURSERY_BIT != 0
+}
 
 /// The nursery's span: a room enters it only if its earliest deadline is at or after the end of the
 /// current span (64 wheel ticks, 64 ms), and moves to the wheel when that end passes. Spans are
 /// aligned, so the core wakes at most once per span for the nursery.
 const NURSERY_SPAN_NS: u64 = 64 * TICK_NS;
 
-/// A room waiting in the nursery: its slot, the slot's epoch, and when it moves to the wheel (never
-/// after the room's earliest deadline; non-decreasing along the FIFO).
+/// A room waiting in the nursery: its slot (`LEFT` once the room left early), the slot's epoch, and
+/// when it moves to the wheel (never after the room's earliest deadline; non-decreasing along the
+/// FIFO).
 #[derive(Clone, Copy)]
 struct NurseryEntry {
     slot: u32,
@@ -39,7 +49,9 @@ pub(crate) fn decode_entry(payload: u64) -> (u32, u32) {
 pub(crate) struct Deadlines {
     pub wheel: Wheel,
     nursery: VecDeque<NurseryEntry>,
-    /// Rooms whose entry is `IN_NURSERY` (the FIFO may also hold stale entries of rooms that left).
+    /// The sequence number of the nursery's front entry (entry `seq` is at `seq - front_sequence`).
+    front_sequence: u64,
+    /// Rooms in the nursery (the FIFO also holds the entries of rooms that left it, marked `LEFT`).
     nursery_rooms: usize,
 }
 
@@ -68,76 +80,95 @@ impl Deadlines {
     fn place(&mut self, now: Nanos, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
         let promote_at = self.promote_time(now);
         if deadline >= promote_at {
+            let sequence = self.front_sequence + self.nursery.len() as u64;
             self.nursery.push_back(NurseryEntry { slot, epoch, promote_at });
             self.nursery_rooms += 1;
-            IN_NURSERY
+            NURSERY_BIT | (sequence as u32 & SEQUENCE_MASK)
         } else {
-            self.wheel.insert(deadline, encode_entry(slot, epoch)).raw()
+            self.wheel_insert(slot, epoch, deadline)
         }
+    }
+
+    fn wheel_insert(&mut self, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
+        let raw = self.wheel.insert(deadline, encode_entry(slot, epoch)).raw();
+        assert!(raw < NURSERY_BIT, "timer wheel handles stay below 2^31");
+        raw
+    }
+
+    /// A room leaves the nursery before its span ended: its entry is marked, so that the nursery
+    /// never reads the room's slot again.
+    fn leave_nursery(&mut self, entry: u32) {
+        let offset = (entry & SEQUENCE_MASK).wrapping_sub(self.front_sequence as u32) & SEQUENCE_MASK;
+        let held = &mut self.nursery[offset as usize];
+        debug_assert_ne!(held.slot, LEFT, "a room leaves the nursery once");
+        held.slot = LEFT;
+        self.nursery_rooms -= 1;
     }
 
     /// The room's earliest deadline may have moved earlier, to `deadline`; returns its entry value.
     pub fn lower(&mut self, now: Nanos, entry: u32, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
-        match entry {
-            NO_ENTRY => self.place(now, slot, epoch, deadline),
-            IN_NURSERY => {
-                if self.newest_promote_time().is_some_and(|at| deadline >= at) {
-                    IN_NURSERY
-                } else {
-                    // Its nursery entry goes stale (skipped when it comes up).
-                    self.nursery_rooms -= 1;
-                    self.wheel.insert(deadline, encode_entry(slot, epoch)).raw()
-                }
-            }
-            raw => {
-                let handle = TimerHandle::from_raw(raw);
-                if Wheel::tick_of(deadline) < self.wheel.tick(handle) {
-                    self.wheel.rearm(handle, deadline, encode_entry(slot, epoch));
-                }
-                raw
-            }
+        if entry == NO_ENTRY {
+            return self.place(now, slot, epoch, deadline);
         }
+        if in_nursery(entry) {
+            if self.newest_promote_time().is_some_and(|at| deadline >= at) {
+                return entry;
+            }
+            self.leave_nursery(entry);
+            return self.wheel_insert(slot, epoch, deadline);
+        }
+        let handle = TimerHandle::from_raw(entry);
+        if Wheel::tick_of(deadline) < self.wheel.tick(handle) {
+            self.wheel.rearm(handle, deadline, encode_entry(slot, epoch));
+        }
+        entry
     }
 
     /// The room's earliest deadline is now `earliest` (None: nothing armed); returns its entry value.
     pub fn sync(&mut self, now: Nanos, entry: u32, slot: u32, epoch: u32, earliest: Option<Nanos>) -> u32 {
-        match (earliest, entry) {
-            (None, NO_ENTRY) => NO_ENTRY,
-            (None, IN_NURSERY) => {
-                self.nursery_rooms -= 1;
+        match earliest {
+            None if entry == NO_ENTRY => NO_ENTRY,
+            None if in_nursery(entry) => {
+                self.leave_nursery(entry);
                 NO_ENTRY
             }
-            (None, raw) => {
-                self.wheel.cancel(TimerHandle::from_raw(raw));
+            None => {
+                self.wheel.cancel(TimerHandle::from_raw(entry));
                 NO_ENTRY
             }
-            (Some(deadline), NO_ENTRY | IN_NURSERY) => self.lower(now, entry, slot, epoch, deadline),
-            (Some(deadline), raw) => {
-                let handle = TimerHandle::from_raw(raw);
+            Some(deadline) if entry == NO_ENTRY || in_nursery(entry) => self.lower(now, entry, slot, epoch, deadline),
+            Some(deadline) => {
+                let handle = TimerHandle::from_raw(entry);
                 if Wheel::tick_of(deadline) != self.wheel.tick(handle) {
                     self.wheel.rearm(handle, deadline, encode_entry(slot, epoch));
                 }
-                raw
+                entry
             }
         }
     }
 
-    /// Take the next nursery entry due at `now` (its slot and epoch; the caller moves the room to
-    /// the wheel with `promote` if its entry is still `IN_NURSERY`, and ignores it otherwise).
+    /// Take the next room whose nursery span ended at `now` (its slot and epoch); the caller moves it
+    /// to the wheel with `promote`. Entries of rooms that left are dropped on the way.
     pub fn pop_nursery(&mut self, now: Nanos) -> Option<(u32, u32)> {
-        let front = self.nursery.front()?;
-        if front.promote_at > now {
-            return None;
+        loop {
+            let front = *self.nursery.front()?;
+            if front.promote_at > now {
+                return None;
+            }
+            self.nursery.pop_front();
+            self.front_sequence += 1;
+            if front.slot != LEFT {
+                return Some((front.slot, front.epoch));
+            }
         }
-        let front = self.nursery.pop_front().expect("front exists");
-        Some((front.slot, front.epoch))
     }
 
-    /// Move a room out of the nursery into the wheel at its earliest deadline (None: no entry).
+    /// Move a room out of the nursery (just popped) into the wheel at its earliest deadline (None:
+    /// no entry).
     pub fn promote(&mut self, slot: u32, epoch: u32, earliest: Option<Nanos>) -> u32 {
         self.nursery_rooms -= 1;
         match earliest {
-            Some(deadline) => self.wheel.insert(deadline, encode_entry(slot, epoch)).raw(),
+            Some(deadline) => self.wheel_insert(slot, epoch, deadline),
             None => NO_ENTRY,
         }
     }
@@ -161,9 +192,8 @@ mod tests {
     /// Pop everything due at `now` the way the core does: nursery first, then the wheel.
     fn fire(deadlines: &mut Deadlines, entries: &mut [u32], earliest: &[Option<Nanos>], now: Nanos) -> Vec<u32> {
         while let Some((slot, _)) = deadlines.pop_nursery(now) {
-            if entries[slot as usize] == IN_NURSERY {
-                entries[slot as usize] = deadlines.promote(slot, 0, earliest[slot as usize]);
-            }
+            assert!(in_nursery(entries[slot as usize]), "only rooms still in the nursery come up");
+            entries[slot as usize] = deadlines.promote(slot, 0, earliest[slot as usize]);
         }
         let mut fired = Vec::new();
         while let Some(payload) = deadlines.wheel.pop_expired(now) {
@@ -180,14 +210,14 @@ mod tests {
         let now = Nanos(10 * MS);
         let far = Nanos(10_000 * MS);
         let mut entries = [deadlines.lower(now, NO_ENTRY, 0, 0, far)];
-        assert_eq!(entries[0], IN_NURSERY);
+        assert!(in_nursery(entries[0]));
         assert_eq!(deadlines.wheel.len(), 0);
         assert_eq!(deadlines.len(), 1);
         // The driver is woken at the end of the nursery span, never after the deadline.
         let wake = deadlines.next_deadline().unwrap();
         assert!(wake <= far && wake > now, "wake {wake} for a deadline {far}");
         assert!(fire(&mut deadlines, &mut entries, &[Some(far)], wake).is_empty());
-        assert_ne!(entries[0], IN_NURSERY, "promoted at the end of its span");
+        assert!(!in_nursery(entries[0]), "promoted at the end of its span");
         assert_eq!(deadlines.wheel.len(), 1);
         assert!(fire(&mut deadlines, &mut entries, &[Some(far)], Nanos(far.0 - 1)).is_empty());
         assert_eq!(fire(&mut deadlines, &mut entries, &[Some(far)], far), vec![0]);
@@ -200,12 +230,12 @@ mod tests {
         let now = Nanos(10 * MS);
         // Within the current span: straight to the wheel.
         let near = deadlines.lower(now, NO_ENTRY, 0, 0, Nanos(12 * MS));
-        assert_ne!(near, IN_NURSERY);
+        assert!(!in_nursery(near));
         // Far, then lowered to a near deadline: moves to the wheel and fires at the near one.
         let mut entries = [near, deadlines.lower(now, NO_ENTRY, 1, 0, Nanos(10_000 * MS))];
-        assert_eq!(entries[1], IN_NURSERY);
+        assert!(in_nursery(entries[1]));
         entries[1] = deadlines.lower(now, entries[1], 1, 0, Nanos(20 * MS));
-        assert_ne!(entries[1], IN_NURSERY);
+        assert!(!in_nursery(entries[1]));
         assert_eq!(deadlines.len(), 2);
         let earliest = [Some(Nanos(12 * MS)), Some(Nanos(20 * MS))];
         assert_eq!(fire(&mut deadlines, &mut entries, &earliest, Nanos(12 * MS)), vec![0]);

@@ -19,7 +19,7 @@ use crate::metrics::{LateSource, Metrics};
 use crate::table::{transition, IllegalTransition, RoomInput};
 use crate::timer::TimerKind;
 use crate::wheel::{Wheel, TICK_NS};
-use deadlines::{decode_entry, Deadlines, IN_NURSERY};
+use deadlines::{decode_entry, Deadlines};
 use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
 use id_table::SequentialIdTable;
 use room::{Room, Slot, NIL};
@@ -223,10 +223,10 @@ impl Core {
         // Rooms whose nursery span ended move to the wheel first (their deadlines may be due now).
         while let Some((slot, epoch)) = self.deadlines.pop_nursery(now) {
             let entry = &mut self.slots[slot as usize];
-            let Some(room) = entry.room.as_mut().filter(|_| entry.epoch == epoch) else { continue };
-            if room.wheel_entry == IN_NURSERY {
-                room.wheel_entry = self.deadlines.promote(slot, epoch, room.earliest_wheel_deadline());
-            }
+            debug_assert_eq!(entry.epoch, epoch, "a room leaves the nursery before its slot is reused");
+            let room = entry.room.as_mut().expect("a room in the nursery is held");
+            debug_assert!(deadlines::in_nursery(room.wheel_entry));
+            room.wheel_entry = self.deadlines.promote(slot, epoch, room.earliest_wheel_deadline());
         }
         while let Some(payload) = self.deadlines.wheel.pop_expired(now) {
             let (slot, epoch) = decode_entry(payload);
