@@ -1,5 +1,6 @@
 //! Moves the same bytes over plain tokio TCP on loopback and through the QUIC plugin (two instances in
-//! this process) in one run, and prints QUIC's throughput as a ratio of TCP's for 64 KiB and 4 MiB blocks.
+//! this process) in one run, and prints QUIC's throughput as a ratio of TCP's for 64 KiB and 4 MiB blocks
+//! (one transfer per block; the plugin carries them on its long-lived lanes).
 //!
 //! `cargo bench -p kvgate-plugin-quic --bench throughput_vs_tcp`
 //! Environment: `KVGATE_BENCH_MIB` (bytes per case, default 1024), `KVGATE_QUIC_BENCH_CONFIG` (TOML
@@ -168,8 +169,10 @@ fn quic_run(config: &QuicConfig, total: u64, block: usize) -> Duration {
     let replies = b.plugin.incoming_connection_stats();
     let sum = |s: &[quinn::ConnectionStats], f: fn(&quinn::ConnectionStats) -> u64| s.iter().map(f).sum::<u64>();
     println!(
-        "  quic path: {} connections, {} datagrams sent ({} back), {} lost, {} congestion events, mtu {:?}, rtt {:?}, cwnd {:?}",
+        "  quic path: {} connections, {} lane streams for {} transfers, {} datagrams sent ({} back), {} lost, {} congestion events, mtu {:?}, rtt {:?}, cwnd {:?}",
         stats.len(),
+        a.plugin.lane_streams_opened(),
+        count + 1,
         sum(&stats, |s| s.udp_tx.datagrams),
         sum(&replies, |s| s.udp_tx.datagrams),
         sum(&stats, |s| s.path.lost_packets),

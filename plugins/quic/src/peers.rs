@@ -168,6 +168,10 @@ pub fn start(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) {
 
 /// The peer's connections once they are up, or why they are not.
 pub async fn ready(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) -> Result<Arc<Links>, PluginError> {
+    // The common case (connections up) takes only the status's read lock.
+    if let PeerStatus::Ready(links) = &*entry.status.borrow() {
+        return Ok(links.clone());
+    }
     let mut rx = entry.status.subscribe();
     ensure_connecting(shared, entry);
     loop {
