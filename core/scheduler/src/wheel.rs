@@ -236,12 +236,17 @@ impl Wheel {
     /// Pop one timer due at `now` (its payload), or None when none is due. Timers are popped one
     /// at a time so that the caller may cancel or arm others between pops (a due timer not yet
     /// popped can still be cancelled).
+    #[inline]
     pub fn pop_expired(&mut self, now: Nanos) -> Option<u64> {
-        let now_tick = now.0 / TICK_NS;
-        if now_tick < self.quiet_until {
+        if now.0 / TICK_NS < self.quiet_until {
             // Nothing is due (a skipped cascade only moves timers that are not due yet).
             return None;
         }
+        self.pop_expired_slow(now)
+    }
+
+    fn pop_expired_slow(&mut self, now: Nanos) -> Option<u64> {
+        let now_tick = now.0 / TICK_NS;
         loop {
             let head = self.heads[PENDING];
             if head != NIL {

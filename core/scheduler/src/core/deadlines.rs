@@ -53,6 +53,8 @@ pub(crate) struct Deadlines {
     front_sequence: u64,
     /// Rooms in the nursery (the FIFO also holds the entries of rooms that left it, marked `LEFT`).
     nursery_rooms: usize,
+    /// The promote time of the nursery's newest entry (meaningful while the nursery is not empty).
+    newest_promote_at: Nanos,
 }
 
 impl Deadlines {
@@ -64,8 +66,8 @@ impl Deadlines {
     /// When a room entering the nursery at `now` would move to the wheel.
     fn promote_time(&self, now: Nanos) -> Nanos {
         let end_of_span = Nanos((now.0 / NURSERY_SPAN_NS).saturating_add(1).saturating_mul(NURSERY_SPAN_NS));
-        match self.nursery.back() {
-            Some(last) => end_of_span.max(last.promote_at),
+        match self.newest_promote_time() {
+            Some(last) => end_of_span.max(last),
             None => end_of_span,
         }
     }
@@ -73,7 +75,7 @@ impl Deadlines {
     /// The latest promote time of the nursery (a room whose earliest deadline is at or after it may
     /// stay in the nursery, whichever entry is its own).
     fn newest_promote_time(&self) -> Option<Nanos> {
-        self.nursery.back().map(|last| last.promote_at)
+        (!self.nursery.is_empty()).then_some(self.newest_promote_at)
     }
 
     /// A new entry for a room that has none, due at `deadline`; returns the room's entry value.
@@ -82,6 +84,7 @@ impl Deadlines {
         if deadline >= promote_at {
             let sequence = self.front_sequence + self.nursery.len() as u64;
             self.nursery.push_back(NurseryEntry { slot, epoch, promote_at });
+            self.newest_promote_at = promote_at;
             self.nursery_rooms += 1;
             NURSERY_BIT | (sequence as u32 & SEQUENCE_MASK)
         } else {
@@ -149,7 +152,15 @@ impl Deadlines {
 
     /// Take the next room whose nursery span ended at `now` (its slot and epoch); the caller moves it
     /// to the wheel with `promote`. Entries of rooms that left are dropped on the way.
+    #[inline]
     pub fn pop_nursery(&mut self, now: Nanos) -> Option<(u32, u32)> {
+        match self.nursery.front() {
+            Some(front) if front.promote_at <= now => self.pop_nursery_slow(now),
+            _ => None,
+        }
+    }
+
+    fn pop_nursery_slow(&mut self, now: Nanos) -> Option<(u32, u32)> {
         loop {
             let front = *self.nursery.front()?;
             if front.promote_at > now {

@@ -197,7 +197,7 @@ impl Core {
                 }
                 let mut parts = self.spare_send_parts();
                 parts.reserve_exact(part as usize + 1);
-                parts.resize(part as usize + 1, SendPart::default());
+                parts.resize_with(part as usize + 1, SendPart::default);
                 parts[part as usize].held.push(HeldChunk { slices: slices.into_boxed_slice(), last });
                 parts[part as usize].next_chunk = 1;
                 parts[part as usize].last_seen = last;
@@ -271,7 +271,7 @@ impl Core {
             }
             let RoleData::Sender { parts, .. } = &mut self.room_mut(slot).data else { unreachable!() };
             if part as usize >= parts.len() {
-                parts.resize(part as usize + 1, SendPart::default());
+                parts.resize_with(part as usize + 1, SendPart::default);
             }
             let target = &mut parts[part as usize];
             target.held.push(HeldChunk { slices: slices.into_boxed_slice(), last });

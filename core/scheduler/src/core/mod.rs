@@ -261,6 +261,7 @@ impl Core {
     }
 
     /// The next command for the driver, in order.
+    #[inline]
     pub fn poll_command(&mut self) -> Option<Command> {
         self.commands.pop_front()
     }
@@ -269,6 +270,7 @@ impl Core {
     /// `Submit`'s segments, an `ExpectIncoming`'s ranges) for a later command of that kind. A driver
     /// that recycles every command causes no heap allocation for them in steady state; dropping a
     /// command instead is always correct. Other commands are simply dropped.
+    #[inline]
     pub fn recycle_command(&mut self, command: Command) {
         match command {
             Command::Submit { segments, .. } => Self::keep_spare(&mut self.spare_segments, segments),

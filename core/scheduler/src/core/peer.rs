@@ -311,7 +311,7 @@ impl Core {
         let RoleData::Sender { notice, parts } = &mut room.data else { unreachable!() };
         *notice = true;
         parts.reserve_exact(notice_parts.len().saturating_sub(parts.len()));
-        parts.resize(notice_parts.len(), SendPart::default());
+        parts.resize_with(notice_parts.len(), SendPart::default);
         let mut bytes_total = 0;
         for ((part, notice_part), ticket) in parts.iter_mut().zip(&notice_parts).zip(tickets) {
             let mut dest = smallvec::SmallVec::with_capacity(notice_part.len());
