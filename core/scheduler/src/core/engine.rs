@@ -314,7 +314,7 @@ impl Core {
             bytes += slice.len;
         }
         let regions = &self.regions;
-        let mut cached: Option<(RegionId, kvgate_abi::LocalKey)> = None;
+        // Starts with the last key resolved: a chunk from one region needs no second lookup.
         let sources = slices.iter().map(move |slice| {
             let key = match cached {
                 Some((region, key)) if region == slice.region => key,

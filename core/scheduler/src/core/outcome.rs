@@ -259,13 +259,13 @@ impl Core {
     /// Forget a settled room entirely (tombstone expired or evicted; the caller took it off the
     /// tombstone FIFO).
     pub(super) fn drop_room(&mut self, slot: u32) {
-        self.disarm_all(slot, &TimerKind::ALL);
-        // Nothing armed: this only releases the entry (the time is not used).
-        self.sync_wheel_entry(Nanos::ZERO, slot);
-        self.unlink_peer(slot);
         let entry = &mut self.slots[slot as usize];
         // Worked on in place (the room is large: no move out of the slab).
         let room = entry.room.as_mut().expect("drop of a live slot");
+        // A settled room holds no deadline entry and is in no peer list (`settle` released the
+        // entry; success, release and tombstone creation unlink it): only its tombstone bit is set.
+        debug_assert!(room.wheel_entry == NIL && !room.in_peer_list && room.armed & !TimerKind::Tombstone.bit() == 0);
+        room.armed = 0;
         if let std::collections::hash_map::Entry::Occupied(entry) = self.keys[room.role as usize].entry(room.key.room) {
             if *entry.get() == slot {
                 entry.remove();
@@ -290,7 +290,6 @@ impl Core {
         if matches!(room.state, RoomState::Succeeded | RoomState::Failed) {
             self.metrics.tombstones -= 1;
         }
-        debug_assert!(room.armed == 0 && room.wheel_entry == NIL);
         let spare = match &mut room.data {
             RoleData::Sender { parts, .. } => Some(std::mem::take(parts)),
             RoleData::Receiver { .. } => None,
