@@ -249,6 +249,37 @@ proptest! {
         }
     }
 
+    /// Hostile bytes after well-formed parts (some refused and being discarded when the tail starts):
+    /// the parts before the tail are answered in order, nothing outside the ticket is written.
+    #[test]
+    fn hostile_tails_after_good_parts_never_write_outside_the_ticket(
+        good in proptest::collection::vec((segments_in_ticket(), any::<bool>()), 0..4),
+        cut_into_last in any::<bool>(),
+        tail in proptest::collection::vec(piece_strategy(1), 0..10),
+        cuts in proptest::collection::vec(any::<usize>(), 0..6),
+    ) {
+        let mut pieces = Vec::new();
+        for (i, (segments, expected)) in good.iter().enumerate() {
+            let ticket = if *expected { TICKET } else { TICKET + 1 };
+            pieces.extend(part_pieces(200 + i as u64, ticket, segments, None));
+        }
+        let whole_parts = good.len() - usize::from(cut_into_last && !good.is_empty());
+        if whole_parts < good.len() {
+            // The last part loses its PART_END: the tail lands inside it (writing or discarding).
+            pieces.pop();
+        }
+        pieces.extend(tail);
+        let mut arena = Arena::new();
+        let served = run_lane(split(serialise(&pieces), &cuts), None, &mut arena);
+        assert_only_ticket_range_written(&arena);
+        prop_assert!(served.replies.len() >= whole_parts, "{:?}", served);
+        for (i, r) in served.replies.iter().take(whole_parts).enumerate() {
+            prop_assert_eq!(reply_xfer(r), 200 + i as u64, "{:?}", served);
+            let expected = good[i].1;
+            prop_assert_eq!(matches!(r, Frame::Done { .. }), expected, "{:?}", served);
+        }
+    }
+
     /// Well-formed parts back to back on one lane (whole, aborted, or under an unexpected ticket): each is
     /// answered once and in order, and exactly the bytes of the accepted pieces land.
     #[test]
