@@ -71,6 +71,8 @@ pub async fn serve_lane<S: LaneIo>(
         if let Err(end) = receive_part(reader, ctx, id, bytes, on_refused).await {
             return (end, Some(id));
         }
+        // Parts may arrive faster than they are served: yield to other tasks once the budget is spent.
+        tokio::task::coop::consume_budget().await;
     }
 }
 

@@ -284,6 +284,9 @@ impl LaneWriter<'_> {
             if let Err(e) = self.write_part(part).await {
                 return e;
             }
+            // A lane that always has a part queued and room in quinn never waits: let the worker run
+            // other tasks (quinn's connection driver among them) once its budget is spent.
+            tokio::task::coop::consume_budget().await;
         }
     }
 
