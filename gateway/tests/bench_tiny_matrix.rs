@@ -101,11 +101,12 @@ fn tiny_bench_writes_a_complete_report() {
     assert_eq!(frozen["missing_terminal"], 0);
 
     let targets = report["targets"].as_array().expect("targets");
-    assert_eq!(targets.len(), 5, "shm, quic, ucx-sm, ucx-tcp, abort");
+    assert_eq!(targets.len(), 6, "shm, quic, ucx-sm, ucx-tcp, abort in the core, abort through the engine API");
     assert!(targets.iter().all(|t| !t["verdict"].as_str().unwrap().is_empty()));
     // Not at 4 MiB in this tiny matrix, and not 100 000 rooms: both said, not guessed.
     assert!(targets[0]["verdict"].as_str().unwrap().starts_with("not measured"));
     assert!(targets[4]["verdict"].as_str().unwrap().starts_with("not measured: only 2000 rooms"));
+    assert!(targets[5]["verdict"].as_str().unwrap().starts_with("not measured: only 50 rooms"));
     for ucx in &targets[2..4] {
         // A ratio (met or missed) where ucx_perftest ran; otherwise why not.
         let verdict = ucx["verdict"].as_str().unwrap();

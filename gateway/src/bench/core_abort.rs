@@ -1,5 +1,5 @@
 //! Abort-to-terminal latency with 100 000 rooms in flight, measured in kvgate-core in this process
-//! (the engine API cannot hold that many rooms cheaply on 2 cores). Half the rooms are receivers
+//! (the core's own cost; control.rs measures the same through the engine API). Half the rooms are receivers
 //! waiting for their sender, half senders holding a chunk; each timed abort is replaced by a fresh
 //! room so the count stays constant. Drives the core like the driver does; never fakes an outcome.
 

@@ -66,7 +66,7 @@ impl Plan {
             control_concurrency: 32,
             core_rooms_in_flight: 100_000,
             core_aborts: 10_000,
-            api_rooms_in_flight: 10_000,
+            api_rooms_in_flight: 100_000,
             api_aborts: 1_000,
             frozen_rooms: 64,
         }
@@ -85,8 +85,8 @@ impl Plan {
             control_concurrency: 16,
             core_rooms_in_flight: 100_000,
             core_aborts: 2_000,
-            api_rooms_in_flight: 2_000,
-            api_aborts: 200,
+            api_rooms_in_flight: 100_000,
+            api_aborts: 500,
             frozen_rooms: 16,
         }
     }
@@ -184,7 +184,10 @@ mod tests {
             assert_eq!(plan.cells().len() + plan.left_out().len(), plan.block_sizes_bytes.len() * plan.blocks_per_transfer.len());
             assert!(plan.cells().contains(&(4 * MIB, 1)), "the shm target cell (4 MiB x 1) must run");
         }
-        assert_eq!(Plan::quick().core_rooms_in_flight, 100_000);
+        for plan in [Plan::quick(), Plan::full()] {
+            assert_eq!(plan.core_rooms_in_flight, 100_000, "the abort target's rooms, in the core");
+            assert_eq!(plan.api_rooms_in_flight, 100_000, "the abort target's rooms, through the engine API");
+        }
     }
 
     #[test]

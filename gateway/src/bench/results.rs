@@ -88,7 +88,7 @@ pub struct CellResult {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ControlPath {
     pub rooms_per_second: Option<RoomsPerSecond>,
-    /// kvgate-core in this process (the engine API cannot hold 100 000 rooms cheaply here).
+    /// kvgate-core in this process: the core's own cost, without the engine API or the peer link.
     pub abort_to_terminal_core: Option<AbortLatency>,
     /// Through two gateways and the engine API, with fewer rooms in flight.
     pub abort_to_terminal_engine_api: Option<AbortLatency>,
