@@ -71,9 +71,9 @@ impl NoopPair {
         let parts = vec![vec![Slice::new(REGION, 0, 4096)]];
         self.receiver.handle_engine(self.now, EngineRequest::Expect { room, peer: B, parts, timeout_ms: None }).unwrap();
         self.pump();
-        let slices = vec![Slice::new(REGION, 0, 4096)];
-        let send = EngineRequest::Send { room, peer: Some(A), part: 0, chunk: 0, slices, last: true };
-        self.sender.handle_engine(self.now, send).unwrap();
+        // The send's slices borrowed (`handle_send`), as from an engine's own buffer.
+        let slices = [Slice::new(REGION, 0, 4096)];
+        self.sender.handle_send(self.now, room, Some(A), 0, 0, &slices, true).unwrap();
         self.pump();
         self.receiver.handle_timeout(self.now);
         self.sender.handle_timeout(self.now);

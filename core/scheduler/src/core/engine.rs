@@ -20,6 +20,29 @@ pub(super) enum PlaceError {
     TooManySegments,
 }
 
+/// A send's slices: owned (from `EngineRequest::Send`) or borrowed (`Core::handle_send`). Copied
+/// only when the chunk must be held (before the expect notice).
+pub(super) enum SendSlices<'a> {
+    Owned(Vec<Slice>),
+    Borrowed(&'a [Slice]),
+}
+
+impl SendSlices<'_> {
+    fn as_slice(&self) -> &[Slice] {
+        match self {
+            SendSlices::Owned(slices) => slices,
+            SendSlices::Borrowed(slices) => slices,
+        }
+    }
+
+    fn into_boxed(self) -> Box<[Slice]> {
+        match self {
+            SendSlices::Owned(slices) => slices.into_boxed_slice(),
+            SendSlices::Borrowed(slices) => slices.into(),
+        }
+    }
+}
+
 impl Core {
     fn refuse(room: RoomKey, reason: RefusalReason) -> Result<(), Refusal> {
         Err(Refusal { room, reason })
@@ -158,13 +181,13 @@ impl Core {
         peer: Option<PeerId>,
         part: u32,
         chunk: u32,
-        slices: Vec<Slice>,
+        slices: SendSlices<'_>,
         last: bool,
     ) -> Result<(), Refusal> {
-        if slices.is_empty() {
+        if slices.as_slice().is_empty() {
             return Self::refuse(key, RefusalReason::EmptyRequest);
         }
-        if slices.len() as u64 > self.config.max_slices_per_request {
+        if slices.as_slice().len() as u64 > self.config.max_slices_per_request {
             return Self::refuse(key, RefusalReason::TooManySlices);
         }
         if part as u64 >= self.config.max_parts_per_room {
@@ -178,7 +201,7 @@ impl Core {
                 return Self::refuse(key, RefusalReason::PeerNotConnected);
             }
         }
-        self.check_local_slices(key, &slices)?;
+        self.check_local_slices(key, slices.as_slice())?;
         match self.lookup(key, Role::Sender) {
             Lookup::Newer => Self::refuse(key, RefusalReason::StaleGeneration),
             Lookup::Same(slot) => self.send_to_existing(now, slot, peer, part, chunk, slices, last),
@@ -198,7 +221,7 @@ impl Core {
                 let mut parts = self.spare_send_parts();
                 parts.reserve_exact(part as usize + 1);
                 parts.resize_with(part as usize + 1, SendPart::default);
-                parts[part as usize].held.push(HeldChunk { slices: slices.into_boxed_slice(), last });
+                parts[part as usize].held.push(HeldChunk { slices: slices.into_boxed(), last });
                 parts[part as usize].next_chunk = 1;
                 parts[part as usize].last_seen = last;
                 let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, RoleData::Sender {
@@ -229,7 +252,7 @@ impl Core {
         peer: Option<PeerId>,
         part: u32,
         chunk: u32,
-        slices: Vec<Slice>,
+        slices: SendSlices<'_>,
         last: bool,
     ) -> Result<(), Refusal> {
         let pending_full = self.metrics.pending_sends >= self.config.max_pending_sends;
@@ -274,7 +297,7 @@ impl Core {
                 parts.resize_with(part as usize + 1, SendPart::default);
             }
             let target = &mut parts[part as usize];
-            target.held.push(HeldChunk { slices: slices.into_boxed_slice(), last });
+            target.held.push(HeldChunk { slices: slices.into_boxed(), last });
             target.next_chunk += 1;
             target.last_seen = last;
             self.metrics.pending_sends += 1;
@@ -282,7 +305,7 @@ impl Core {
             let _ = self.apply(now, slot, RoomInput::Send);
             return Ok(());
         }
-        let segments = match self.place_chunk(now, slot, part, &slices, last) {
+        let segments = match self.place_chunk(now, slot, part, slices.as_slice(), last) {
             Ok(segments) => segments,
             Err(PlaceError::UnknownRegion) => return Self::refuse(key, RefusalReason::UnknownRegion),
             Err(PlaceError::LengthMismatch) => return Self::refuse(key, RefusalReason::LengthMismatch),

@@ -21,6 +21,7 @@ use crate::timer::TimerKind;
 use crate::wheel::{Wheel, TICK_NS};
 use deadlines::{decode_entry, Deadlines};
 use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
+use engine::SendSlices;
 use id_table::SequentialIdTable;
 use room::{Room, Slot, NIL};
 use rustc_hash::FxHashMap;
@@ -157,13 +158,37 @@ impl Core {
         let result = match request {
             EngineRequest::Expect { room, peer, parts, timeout_ms } => self.engine_expect(now, room, peer, parts, timeout_ms),
             EngineRequest::Send { room, peer, part, chunk, slices, last } => {
-                self.engine_send(now, room, peer, part, chunk, slices, last)
+                self.engine_send(now, room, peer, part, chunk, SendSlices::Owned(slices), last)
             }
             EngineRequest::Abort { room, role } => {
                 self.engine_abort(now, room, role);
                 Ok(())
             }
         };
+        self.count_refusal(result)
+    }
+
+    /// An engine's send with its slices borrowed: exactly `handle_engine(EngineRequest::Send {..})`
+    /// (same checks, refusals, counters and commands) without a `Vec` per chunk. The core copies the
+    /// slices only when it must hold the chunk (sent before the receiver's expect notice).
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_send(
+        &mut self,
+        now: Nanos,
+        room: RoomKey,
+        peer: Option<PeerId>,
+        part: u32,
+        chunk: u32,
+        slices: &[Slice],
+        last: bool,
+    ) -> Result<(), Refusal> {
+        let result = self.engine_send(now, room, peer, part, chunk, SendSlices::Borrowed(slices), last);
+        self.count_refusal(result)
+    }
+
+    /// Count a refusal (and a late engine message when the room is over or stale).
+    #[inline]
+    fn count_refusal(&mut self, result: Result<(), Refusal>) -> Result<(), Refusal> {
         if let Err(refusal) = &result {
             self.metrics.refusals[refusal.reason.index()] += 1;
             if matches!(refusal.reason, RefusalReason::RoomTerminal | RefusalReason::StaleGeneration) {
