@@ -29,6 +29,11 @@ const ENDPOINT_CLOSE_WAIT_MS: u64 = 200;
 /// a receiver in the same process).
 const SHUTDOWN_IDLE_SLEEP_US: u64 = 50;
 
+/// The one UCP endpoint to a remote instance, shared by every peer id the host connected to that
+/// instance. A second UCP endpoint to the same worker must never exist: over TCP, UCT pairs the
+/// sockets of both processes by per-address connection sequence numbers, so the sockets of a second
+/// endpoint can end up carrying the remote's endpoint to us, and closing it (a `disconnect` of the
+/// second peer id) would break the first peer's replies.
 struct PeerConn {
     ep: ucp_ep_h,
     /// Created with `UCP_ERR_HANDLING_MODE_PEER` (may be force-closed; failures reported).
@@ -38,6 +43,8 @@ struct PeerConn {
     /// A pidfd on the peer's process, when it runs on this host and the endpoint has no peer-failure
     /// handling (shared memory): readable once that process has exited.
     process_fd: Option<i32>,
+    /// The peer ids using this endpoint (closed when the last one leaves).
+    users: Vec<PeerId>,
 }
 
 enum ReqKind {
@@ -81,13 +88,21 @@ pub struct Engine {
     worker: Worker,
     receiver: Box<RefCell<Receiver>>,
     worker_fd: i32,
-    peers: HashMap<PeerId, PeerConn>,
-    ep_tokens: HashMap<u64, PeerId>,
+    /// Connected peer ids and the remote instance each one names.
+    peers: HashMap<PeerId, u64>,
+    /// One endpoint per remote instance.
+    conns: HashMap<u64, PeerConn>,
+    /// Endpoint tokens (the error callback's argument) and the instance each one reaches.
+    ep_tokens: HashMap<u64, u64>,
     xfers: HashMap<u64, Outgoing>,
     requests: HashMap<u64, Req>,
     next_token: u64,
     timers: BinaryHeap<Reverse<(Instant, u64)>>,
     last_sweep: Instant,
+    /// Replies to a sender whose `connect` the host made but whose endpoint this thread has not
+    /// created yet (its `Connect` command is queued behind the progress round that took the
+    /// sender's writes): sent once the endpoint exists, dropped (logged) if it never will.
+    replies_awaiting_endpoint: Vec<(u64, ReplyHeader)>,
 }
 
 impl Engine {
@@ -107,12 +122,14 @@ impl Engine {
             receiver,
             worker_fd,
             peers: HashMap::new(),
+            conns: HashMap::new(),
             ep_tokens: HashMap::new(),
             xfers: HashMap::new(),
             requests: HashMap::new(),
             next_token: 1,
             timers: BinaryHeap::new(),
             last_sweep: Instant::now(),
+            replies_awaiting_endpoint: Vec::new(),
         }))
     }
 
@@ -128,7 +145,8 @@ impl Engine {
         let busy_poll = Duration::from_micros(self.shared.config.busy_poll_us);
         let mut last_activity = Instant::now();
         loop {
-            let commands: Vec<Command> = if self.shared.commands_pending.swap(false, Ordering::SeqCst) {
+            let held = self.shared.commands_held_for_tests.load(Ordering::SeqCst);
+            let commands: Vec<Command> = if !held && self.shared.commands_pending.swap(false, Ordering::SeqCst) {
                 self.shared.lock().commands.drain(..).collect()
             } else {
                 Vec::new()
@@ -140,6 +158,9 @@ impl Engine {
                     return;
                 }
                 self.handle(command);
+            }
+            if !self.replies_awaiting_endpoint.is_empty() {
+                self.retry_replies_awaiting_endpoint();
             }
             let mut rounds = 0;
             while rounds < MAX_PROGRESS_ROUNDS_PER_ITERATION && self.worker.progress() > 0 {
@@ -191,7 +212,7 @@ impl Engine {
         }
         let timeout_ms = wait.as_micros().div_ceil(1000) as i32;
         self.shared.progress_thread_sleeping.store(true, Ordering::SeqCst);
-        if self.shared.commands_pending.load(Ordering::SeqCst) {
+        if self.shared.commands_pending.load(Ordering::SeqCst) && !self.shared.commands_held_for_tests.load(Ordering::SeqCst) {
             self.shared.progress_thread_sleeping.store(false, Ordering::SeqCst);
             return;
         }
@@ -209,9 +230,9 @@ impl Engine {
 
     fn handle(&mut self, command: Command) {
         match command {
-            Command::Connect { peer, worker_address, process } => self.connect(peer, &worker_address, process),
+            Command::Connect { peer, instance, worker_address, process } => self.connect(peer, instance, &worker_address, process),
             Command::Disconnect { peer } => {
-                self.drop_peer(peer, "peer disconnected by the host", false, false, true);
+                self.drop_peer(peer, "peer disconnected by the host", false, false, true, false);
             }
             Command::Submit(job) => self.start(job),
             Command::Cancel(xfer) => self.fail(xfer.0, ReasonCode::CANCELLED, "cancelled by the host".into()),
@@ -221,9 +242,15 @@ impl Engine {
         }
     }
 
-    fn connect(&mut self, peer: PeerId, address: &[u8], process: Option<u32>) {
-        if self.peers.contains_key(&peer) {
-            self.drop_peer(peer, "peer reconnected (new incarnation)", false, false, true);
+    fn connect(&mut self, peer: PeerId, instance: u64, address: &[u8], process: Option<u32>) {
+        if let Some(&old) = self.peers.get(&peer) {
+            // A reconnect ends the peer's transfers; the endpoint stays when it reaches the same instance.
+            self.drop_peer(peer, "peer reconnected (new incarnation)", false, false, true, old == instance);
+        }
+        if let Some(conn) = self.conns.get_mut(&instance) {
+            conn.users.push(peer);
+            self.peers.insert(peer, instance);
+            return;
         }
         let token = self.token();
         let try_peer_mode = !self.shared.config.shared_memory_only();
@@ -234,13 +261,15 @@ impl Engine {
         }
         match created {
             Ok((ep, peer_failure_handling)) => {
-                self.ep_tokens.insert(token, peer);
+                self.ep_tokens.insert(token, instance);
                 let watched = process.filter(|_| !peer_failure_handling);
                 let process_fd = watched.and_then(|pid| open_process_fd(peer, pid));
-                self.peers.insert(peer, PeerConn { ep, peer_failure_handling, token, rkeys: HashMap::new(), process_fd });
+                let conn = PeerConn { ep, peer_failure_handling, token, rkeys: HashMap::new(), process_fd, users: vec![peer] };
+                self.conns.insert(instance, conn);
+                self.peers.insert(peer, instance);
                 if let (Some(pid), None) = (watched, process_fd) {
                     if process_gone(pid) {
-                        self.peer_process_exited(peer, pid);
+                        self.peer_process_exited(instance, pid);
                     }
                 }
             }
@@ -255,45 +284,78 @@ impl Engine {
         }
     }
 
-    /// Fail every transfer to `peer` with `PEER_LOST`, close its endpoint (by force where UCX allows)
-    /// and forget it. With `close_quiesces`, its transfers quiesce once the close completes.
+    /// The endpoint `peer` uses.
+    fn conn_of(&self, peer: PeerId) -> Option<&PeerConn> {
+        self.peers.get(&peer).and_then(|instance| self.conns.get(instance))
+    }
+
+    /// The remote instance is gone (goodbye, endpoint failure, process exit): every peer id that
+    /// names it is marked down and dropped (`why` gets the peer id), and its endpoint closed by force.
+    /// Peer ids whose endpoint this thread has not made yet are marked down too (their transfers
+    /// are then refused with `PEER_LOST`).
+    fn drop_instance(&mut self, instance: u64, why: impl Fn(PeerId) -> String) {
+        for info in self.shared.lock().peers.values_mut().filter(|p| p.instance == instance) {
+            info.down = true;
+        }
+        let users = self.conns.get(&instance).map(|c| c.users.clone()).unwrap_or_default();
+        for peer in users {
+            self.drop_peer(peer, &why(peer), true, true, true, false);
+        }
+    }
+
+    /// Fail every transfer to `peer` with `PEER_LOST` and forget the peer; close its endpoint (by force
+    /// where UCX allows) when no other peer id uses it and `keep_endpoint` is false. With
+    /// `close_quiesces`, its transfers quiesce once the close completes; on an endpoint that stays
+    /// open they end with a cancel message and quiesce on the receiver's answer, as any failure.
     /// `peer_gone`: the peer said goodbye or UCX declared it dead, so closing by force cannot upset it.
-    fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool, peer_gone: bool, close_quiesces: bool) {
+    fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool, peer_gone: bool, close_quiesces: bool, keep_endpoint: bool) {
+        let instance = self.peers.get(&peer).copied();
+        let shared_with_others = instance.and_then(|i| self.conns.get(&i)).is_some_and(|c| c.users.iter().any(|p| *p != peer));
+        let closes_endpoint = instance.is_some() && !shared_with_others && !keep_endpoint;
         let victims: Vec<u64> = self.xfers.iter().filter(|(_, x)| x.job.peer == peer).map(|(id, _)| *id).collect();
         for xfer in &victims {
-            if let Some(x) = self.xfers.get_mut(xfer) {
-                x.next_segment = x.job.segments.len();
-                x.final_sent = true;
-                x.cancel_sent = true;
-                x.closing = close_quiesces;
+            if closes_endpoint {
+                if let Some(x) = self.xfers.get_mut(xfer) {
+                    x.next_segment = x.job.segments.len();
+                    x.final_sent = true;
+                    x.cancel_sent = true;
+                    x.closing = close_quiesces;
+                }
             }
             self.fail(*xfer, ReasonCode::PEER_LOST, why.to_string());
         }
+        self.peers.remove(&peer);
         let mut closed_at_once = true;
-        if let Some(conn) = self.peers.remove(&peer) {
-            self.ep_tokens.remove(&conn.token);
-            if let Some(fd) = conn.process_fd {
-                unsafe { libc::close(fd) };
+        if let Some(instance) = instance {
+            if let Some(conn) = self.conns.get_mut(&instance) {
+                conn.users.retain(|p| *p != peer);
             }
-            for (_, rkey) in conn.rkeys {
-                ucp::rkey_destroy(rkey);
-            }
-            let token = self.token();
-            let force = conn.peer_failure_handling || peer_gone;
-            match ucp::close_ep(conn.ep, force, Some(receiver::send_done), token) {
-                Posted::Pending(request) => {
-                    closed_at_once = false;
-                    let xfers = if close_quiesces { victims.clone() } else { Vec::new() };
-                    let kind = ReqKind::Close { xfers };
-                    self.requests.insert(token, Req { request, kind, _header: Vec::new() });
+            let conn = if closes_endpoint { self.conns.remove(&instance) } else { None };
+            if let Some(conn) = conn {
+                self.ep_tokens.remove(&conn.token);
+                if let Some(fd) = conn.process_fd {
+                    unsafe { libc::close(fd) };
                 }
-                Posted::Done => {}
-                Posted::Failed(status) => {
-                    tracing::warn!(reason = "transport_error", peer = peer.0, "ucx endpoint close: {}", ucp::status_text(status));
+                for (_, rkey) in conn.rkeys {
+                    ucp::rkey_destroy(rkey);
+                }
+                let token = self.token();
+                let force = conn.peer_failure_handling || peer_gone;
+                match ucp::close_ep(conn.ep, force, Some(receiver::send_done), token) {
+                    Posted::Pending(request) => {
+                        closed_at_once = false;
+                        let xfers = if close_quiesces { victims.clone() } else { Vec::new() };
+                        let kind = ReqKind::Close { xfers };
+                        self.requests.insert(token, Req { request, kind, _header: Vec::new() });
+                    }
+                    Posted::Done => {}
+                    Posted::Failed(status) => {
+                        tracing::warn!(reason = "transport_error", peer = peer.0, "ucx endpoint close: {}", ucp::status_text(status));
+                    }
                 }
             }
         }
-        if closed_at_once && close_quiesces {
+        if closes_endpoint && closed_at_once && close_quiesces {
             self.closed(&victims);
         }
         if announce_down {
@@ -353,7 +415,7 @@ impl Engine {
             if x.terminal || x.posted >= max_posted {
                 return;
             }
-            let Some(conn) = self.peers.get(&x.job.peer) else { return };
+            let Some(conn) = self.conn_of(x.job.peer) else { return };
             let ep = conn.ep;
             if x.next_segment >= x.job.segments.len() {
                 if !x.final_sent {
@@ -477,7 +539,8 @@ impl Engine {
     }
 
     fn rkey_for(&mut self, peer: PeerId, remote_key: u64, xfer: u64) -> Result<ucp_rkey_h, String> {
-        let conn = self.peers.get_mut(&peer).ok_or("no endpoint")?;
+        let instance = *self.peers.get(&peer).ok_or("no endpoint")?;
+        let conn = self.conns.get_mut(&instance).ok_or("no endpoint")?;
         if let Some(rkey) = conn.rkeys.get(&remote_key) {
             return Ok(*rkey);
         }
@@ -560,8 +623,8 @@ impl Engine {
         for request in cancellable {
             ucp::request_cancel(&self.worker, request);
         }
+        let ep = self.conn_of(peer).map(|c| c.ep);
         let x = self.xfers.get_mut(&xfer).unwrap();
-        let ep = self.peers.get(&peer).map(|c| c.ep);
         let needs_cancel_message = mode == ResolvedMode::Am && x.awaiting_reply && !x.cancel_sent;
         let needs_flush = mode == ResolvedMode::Put && x.any_put_posted && !x.final_sent;
         match ep {
@@ -617,15 +680,7 @@ impl Engine {
         let activity =
             !(completions.is_empty() && failures.is_empty() && notices.is_empty() && replies.is_empty() && byes.is_empty());
         for instance in byes {
-            let peer = self.shared.lock().instance_to_peer.get(&instance).copied();
-            if let Some(peer) = peer {
-                if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
-                    p.down = true;
-                }
-                if self.peers.contains_key(&peer) {
-                    self.drop_peer(peer, &format!("peer {} shut down", peer.0), true, true, true);
-                }
-            }
+            self.drop_instance(instance, |peer| format!("peer {} shut down", peer.0));
         }
         for (token, status) in completions {
             if token & RECV_TOKEN_BIT != 0 {
@@ -635,12 +690,9 @@ impl Engine {
             self.on_complete(token, status);
         }
         for (token, status) in failures {
-            if let Some(peer) = self.ep_tokens.get(&token).copied() {
-                if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
-                    p.down = true;
-                }
-                let why = format!("UCX endpoint to peer {} failed: {}", peer.0, ucp::status_text(status));
-                self.drop_peer(peer, &why, true, true, true);
+            if let Some(instance) = self.ep_tokens.get(&token).copied() {
+                let status = ucp::status_text(status);
+                self.drop_instance(instance, |peer| format!("UCX endpoint to peer {} failed: {status}", peer.0));
             }
         }
         for notice in notices {
@@ -698,9 +750,13 @@ impl Engine {
     }
 
     fn send_reply(&mut self, sender: u64, header: ReplyHeader) {
-        let peer = self.shared.lock().instance_to_peer.get(&sender).copied();
-        let Some(ep) = peer.and_then(|p| self.peers.get(&p)).map(|c| c.ep) else {
-            tracing::warn!(reason = "peer_unreachable", xfer = header.xfer, "ucx reply dropped: no endpoint to sender {sender:#x}");
+        // The endpoint to the sender's instance, whichever peer id (or ids) the host knows it by.
+        let Some(ep) = self.conns.get(&sender).map(|c| c.ep) else {
+            if self.endpoint_coming(sender) {
+                self.replies_awaiting_endpoint.push((sender, header));
+            } else {
+                tracing::warn!(reason = "peer_unreachable", xfer = header.xfer, "ucx reply dropped: no endpoint to sender {sender:#x}");
+            }
             return;
         };
         let bytes = header.encode();
@@ -711,6 +767,21 @@ impl Engine {
         });
         if let Err(status) = self.track(token, posted, ReqKind::Other, bytes) {
             tracing::warn!(reason = "transport_error", "ucx reply to a sender failed: {}", ucp::status_text(status));
+        }
+    }
+
+    /// Whether the host connected a peer id naming `instance` (not down) whose endpoint is not made
+    /// yet: its `Connect` command is queued (the registry and the queue change under one lock).
+    fn endpoint_coming(&self, instance: u64) -> bool {
+        !self.conns.contains_key(&instance) && self.shared.lock().peers.values().any(|p| p.instance == instance && !p.down)
+    }
+
+    /// After a batch of commands: send the replies whose endpoint now exists; drop (logged) those
+    /// whose endpoint will not come (the connect failed or was undone).
+    fn retry_replies_awaiting_endpoint(&mut self) {
+        for (sender, header) in std::mem::take(&mut self.replies_awaiting_endpoint) {
+            // `send_reply` sends, queues again while the endpoint is still coming, or drops.
+            self.send_reply(sender, header);
         }
     }
 
@@ -745,32 +816,30 @@ impl Engine {
     /// exited is a lost peer, as UCX's error handler would report over TCP. Runs every
     /// `SWEEP_INTERVAL_MS`, so a killed peer fails its transfers within about that.
     fn check_peer_processes(&mut self) {
-        let exited: Vec<PeerId> = self
-            .peers
+        let exited: Vec<u64> = self
+            .conns
             .iter()
-            .filter_map(|(peer, conn)| conn.process_fd.map(|fd| (*peer, fd)))
+            .filter_map(|(instance, conn)| conn.process_fd.map(|fd| (*instance, fd)))
             .filter(|&(_, fd)| {
                 let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
                 let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
                 ready > 0 && pfd.revents != 0
             })
-            .map(|(peer, _)| peer)
+            .map(|(instance, _)| instance)
             .collect();
-        for peer in exited {
-            self.peer_process_exited(peer, 0);
+        for instance in exited {
+            self.peer_process_exited(instance, 0);
         }
     }
 
-    fn peer_process_exited(&mut self, peer: PeerId, pid: u32) {
-        if let Some(p) = self.shared.lock().peers.get_mut(&peer) {
-            p.down = true;
-        }
-        let why = if pid != 0 {
-            format!("peer {} process {pid} is gone", peer.0)
-        } else {
-            format!("peer {} process exited", peer.0)
-        };
-        self.drop_peer(peer, &why, true, true, true);
+    fn peer_process_exited(&mut self, instance: u64, pid: u32) {
+        self.drop_instance(instance, |peer| {
+            if pid != 0 {
+                format!("peer {} process {pid} is gone", peer.0)
+            } else {
+                format!("peer {} process exited", peer.0)
+            }
+        });
     }
 
     fn sweep_tickets(&mut self, now: Instant) {
@@ -783,7 +852,7 @@ impl Engine {
         if in_use {
             return; // destroyed with the endpoint
         }
-        for conn in self.peers.values_mut() {
+        for conn in self.conns.values_mut() {
             if let Some(rkey) = conn.rkeys.remove(&id) {
                 ucp::rkey_destroy(rkey);
             }
@@ -823,7 +892,7 @@ impl Engine {
     fn say_goodbye(&mut self) {
         let bye = wire::encode_bye(self.shared.instance);
         let mut tokens = Vec::new();
-        let eps: Vec<ucp_ep_h> = self.peers.values().map(|c| c.ep).collect();
+        let eps: Vec<ucp_ep_h> = self.conns.values().map(|c| c.ep).collect();
         for ep in eps {
             let token = self.token();
             let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
@@ -854,7 +923,7 @@ impl Engine {
         self.say_goodbye();
         let peers: Vec<PeerId> = self.peers.keys().copied().collect();
         for peer in peers {
-            self.drop_peer(peer, "plugin shutting down", false, false, false);
+            self.drop_peer(peer, "plugin shutting down", false, false, false, false);
         }
         let close_until = Instant::now() + Duration::from_millis(ENDPOINT_CLOSE_WAIT_MS);
         self.progress_until(close_until, |e| {

@@ -102,6 +102,7 @@ impl PluginFactory for UcxFactory {
             boot_id: crate::wire::this_boot_id(),
             wake_fd,
             commands_pending: AtomicBool::new(false),
+            commands_held_for_tests: AtomicBool::new(false),
             progress_thread_sleeping: AtomicBool::new(false),
             healthy: AtomicBool::new(true),
             workers_alive: AtomicU64::new(0),
@@ -165,6 +166,15 @@ impl UcxPlugin {
     pub fn mode(&self) -> ResolvedMode {
         self.shared.mode
     }
+
+    /// Test hook: while `hold` is true the progress thread keeps progressing UCX (peers' messages
+    /// are received and answered) but leaves the host's calls queued, as a loaded machine may for a
+    /// while; releasing it runs them. Not part of the `Plugin` interface.
+    #[doc(hidden)]
+    pub fn hold_commands_for_tests(&self, hold: bool) {
+        self.shared.commands_held_for_tests.store(hold, Ordering::SeqCst);
+        self.shared.wake();
+    }
 }
 
 impl UcxPlugin {
@@ -188,9 +198,8 @@ impl UcxPlugin {
         let decoded = EndpointBytes::decode(endpoint)?;
         let mut registry = self.shared.lock();
         self.usable(&registry, "connect")?;
-        if let Some(old) = registry.peers.get(&peer) {
-            let old_instance = old.instance;
-            registry.instance_to_peer.remove(&old_instance);
+        if let Some(old_instance) = registry.peers.get(&peer).map(|old| old.instance) {
+            registry.forget_instance_of(peer, old_instance);
         }
         registry.instance_to_peer.insert(decoded.instance, peer);
         registry.peers.insert(
@@ -199,7 +208,7 @@ impl UcxPlugin {
         );
         let same_host = decoded.boot_id == self.shared.boot_id && decoded.boot_id != [0; 16];
         let process = (same_host && decoded.pid != 0).then_some(decoded.pid);
-        registry.commands.push_back(Command::Connect { peer, worker_address: decoded.worker_address, process });
+        registry.commands.push_back(Command::Connect { peer, instance: decoded.instance, worker_address: decoded.worker_address, process });
         drop(registry);
         self.shared.wake();
         Ok(())
@@ -207,8 +216,10 @@ impl UcxPlugin {
 
     pub fn disconnect(&self, peer: PeerId) {
         let mut registry = self.shared.lock();
-        if let Some(info) = registry.peers.remove(&peer) {
-            registry.instance_to_peer.remove(&info.instance);
+        if let Some(instance) = registry.peers.get(&peer).map(|info| info.instance) {
+            // Another peer id connected to the same instance keeps receiving its writes.
+            registry.forget_instance_of(peer, instance);
+            registry.peers.remove(&peer);
             registry.commands.push_back(Command::Disconnect { peer });
         }
         drop(registry);

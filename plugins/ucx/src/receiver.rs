@@ -152,13 +152,16 @@ impl Receiver {
             }
             let dest = region.addr + header.offset;
             let memh = region.map.memh;
-            let ticket = registry
+            let ticket_peer = registry
                 .tickets
-                .get_mut(&header.ticket)
+                .get(&header.ticket)
+                .map(|t| t.peer)
                 .ok_or((ReasonCode::NOT_EXPECTED, format!("no ticket {}", header.ticket)))?;
-            if ticket.peer != peer {
-                return Err((ReasonCode::NOT_EXPECTED, format!("ticket {} belongs to peer {}, write came from peer {}", header.ticket, ticket.peer.0, peer.0)));
+            // Several peer ids may name one instance: the ticket's peer must be one of them.
+            if ticket_peer != peer && !registry.sender_is_peer(header.sender, ticket_peer) {
+                return Err((ReasonCode::NOT_EXPECTED, format!("ticket {} belongs to peer {}, write came from peer {}", header.ticket, ticket_peer.0, peer.0)));
             }
+            let ticket = registry.tickets.get_mut(&header.ticket).expect("looked up above");
             if !ticket.authorises(now) {
                 return Err((ReasonCode::NOT_EXPECTED, format!("ticket {} cancelled or expired", header.ticket)));
             }
@@ -251,7 +254,10 @@ impl Receiver {
             let now = Instant::now();
             let registry = self.shared.lock();
             let peer = registry.instance_to_peer.get(&header.sender).copied();
-            let ok = peer.is_some() && registry.tickets.get(&header.ticket).is_some_and(|t| Some(t.peer) == peer && t.authorises(now));
+            let ok = peer.is_some()
+                && registry.tickets.get(&header.ticket).is_some_and(|t| {
+                    (Some(t.peer) == peer || registry.sender_is_peer(header.sender, t.peer)) && t.authorises(now)
+                });
             drop(registry);
             if !ok {
                 self.fail(key, ReasonCode::NOT_EXPECTED, format!("empty transfer under unknown or revoked ticket {}", header.ticket));

@@ -97,8 +97,9 @@ pub struct OutgoingJob {
 
 /// Work for the progress thread.
 pub enum Command {
+    /// `instance`: the remote plugin instance (one UCX endpoint per instance, shared by its peer ids);
     /// `process`: the peer's pid when it runs on this host (watched where UCX reports no peer failure).
-    Connect { peer: PeerId, worker_address: Vec<u8>, process: Option<u32> },
+    Connect { peer: PeerId, instance: u64, worker_address: Vec<u8>, process: Option<u32> },
     Disconnect { peer: PeerId },
     Submit(Box<OutgoingJob>),
     Cancel(XferId),
@@ -115,6 +116,8 @@ pub struct Registry {
     pub remote_keys: HashMap<u64, Arc<RemoteRegion>>,
     pub next_remote_key: u64,
     pub peers: HashMap<PeerId, PeerInfo>,
+    /// The peer id incoming writes from a remote instance are attributed to: the latest connected of
+    /// the peer ids that name it (several may; see [`Registry::forget_instance_of`]).
     pub instance_to_peer: HashMap<u64, PeerId>,
     pub tickets: HashMap<u64, TicketState>,
     /// Outgoing transfers submitted and not yet terminal.
@@ -128,6 +131,26 @@ pub struct Registry {
 impl Registry {
     pub fn live_tickets(&self, now: Instant) -> u64 {
         self.tickets.values().filter(|t| t.authorises(now)).count() as u64
+    }
+
+    /// `peer` (connected to `instance`) is going away or moving: incoming writes from `instance` are
+    /// attributed to another peer id still connected to it, or to none. Call before removing `peer`
+    /// from `peers`.
+    pub fn forget_instance_of(&mut self, peer: PeerId, instance: u64) {
+        if self.instance_to_peer.get(&instance) != Some(&peer) {
+            return;
+        }
+        let other = self.peers.iter().find(|(p, info)| **p != peer && info.instance == instance).map(|(p, _)| *p);
+        match other {
+            Some(other) => self.instance_to_peer.insert(instance, other),
+            None => self.instance_to_peer.remove(&instance),
+        };
+    }
+
+    /// Whether a write from `sender` (a remote instance) may use a ticket the host opened for
+    /// `ticket_peer`: that peer id must be connected to that instance.
+    pub fn sender_is_peer(&self, sender: u64, ticket_peer: PeerId) -> bool {
+        self.peers.get(&ticket_peer).is_some_and(|info| info.instance == sender)
     }
 }
 
@@ -146,6 +169,10 @@ pub struct Shared {
     pub wake_fd: i32,
     /// Set by `wake` after queueing a command; the progress thread takes the lock only when it is set.
     pub commands_pending: AtomicBool,
+    /// Test hook ([`crate::UcxPlugin::hold_commands_for_tests`]): while set, the progress thread
+    /// progresses the worker but takes no command, so a test can order a peer's writes before a
+    /// queued `connect`. Always false outside tests.
+    pub commands_held_for_tests: AtomicBool,
     /// Set by the progress thread while it sleeps (or is about to): only then does `wake` write `wake_fd`.
     pub progress_thread_sleeping: AtomicBool,
     pub healthy: AtomicBool,

@@ -77,6 +77,22 @@ pub struct PeerProcess {
 
 static SPAWNED: AtomicU64 = AtomicU64::new(0);
 
+/// Set to `1` to keep every peer's stderr log after the peer is dropped (for diagnosing a failure).
+pub const KEEP_LOGS_ENV: &str = "KVGATE_CONFORMANCE_KEEP_LOGS";
+/// How many of a peer's last stderr lines a failure report quotes.
+pub const STDERR_TAIL_LINES: usize = 4;
+
+fn keep_logs() -> bool {
+    std::env::var(KEEP_LOGS_ENV).is_ok_and(|v| v == "1")
+}
+
+/// The last `lines` lines of a log file, joined with " | " (empty when unreadable or empty).
+fn tail_of(path: &std::path::Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let tail: Vec<&str> = text.lines().rev().take(lines).collect();
+    tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+}
+
 impl PeerProcess {
     pub fn spawn(cmd: &PeerCommand, role: &str) -> Result<PeerProcess, String> {
         let n = SPAWNED.fetch_add(1, Ordering::Relaxed);
@@ -176,10 +192,17 @@ impl PeerProcess {
                 }
             }
         };
-        let text = std::fs::read_to_string(&self.stderr_path).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().rev().take(4).collect();
-        let stderr_tail = tail.into_iter().rev().collect::<Vec<_>>().join(" | ");
-        NoReply::Died { status, stderr_tail }
+        NoReply::Died { status, stderr_tail: self.stderr_tail(STDERR_TAIL_LINES) }
+    }
+
+    /// The last `lines` lines the peer wrote to its stderr so far (for a failure report).
+    pub fn stderr_tail(&self, lines: usize) -> String {
+        tail_of(&self.stderr_path, lines)
+    }
+
+    /// Where the peer's stderr goes (kept after the peer is dropped when `KVGATE_CONFORMANCE_KEEP_LOGS=1`).
+    pub fn stderr_path(&self) -> &std::path::Path {
+        &self.stderr_path
     }
 
     /// A copy of every event received so far.
@@ -262,6 +285,10 @@ impl Drop for PeerProcess {
         if !self.dead {
             self.kill();
         }
-        let _ = std::fs::remove_file(&self.stderr_path);
+        if keep_logs() {
+            eprintln!("kvgate-conformance: {} peer (pid {}) stderr kept at {}", self.role, self.pid, self.stderr_path.display());
+        } else {
+            let _ = std::fs::remove_file(&self.stderr_path);
+        }
     }
 }
