@@ -93,7 +93,7 @@ impl std::error::Error for IllegalTransition {}
 /// `Failed` are none (a tombstone expiry keeps the state; the core then drops the room), and
 /// `Quarantined` only moves to `Failed` (memory released), never back to a live state.
 // CONFORMANCE: ABORT-5
-pub fn transition(state: RoomState, input: RoomInput) -> Result<RoomState, IllegalTransition> {
+pub const fn transition(state: RoomState, input: RoomInput) -> Result<RoomState, IllegalTransition> {
     use RoomInput as I;
     use RoomState as S;
     let next = match (state, input) {
@@ -137,6 +137,37 @@ pub fn transition(state: RoomState, input: RoomInput) -> Result<RoomState, Illeg
     Ok(next)
 }
 
+/// `transition` evaluated once at compile time: `NEXT[state][input]` is the next state's index in
+/// `RoomState::ALL`, or `ILLEGAL`. The core's hot path reads this; `transition` stays the one
+/// declaration of the table.
+const ILLEGAL: u8 = u8::MAX;
+const NEXT: [[u8; RoomInput::ALL.len()]; RoomState::COUNT] = {
+    let mut table = [[ILLEGAL; RoomInput::ALL.len()]; RoomState::COUNT];
+    let mut s = 0;
+    while s < RoomState::COUNT {
+        let mut i = 0;
+        while i < RoomInput::ALL.len() {
+            let input = RoomInput::ALL[i];
+            table[s][input as usize] = match transition(RoomState::ALL[s], input) {
+                Ok(next) => next as u8,
+                Err(_) => ILLEGAL,
+            };
+            i += 1;
+        }
+        s += 1;
+    }
+    table
+};
+
+/// `transition(state, input)` by table lookup.
+#[inline]
+pub(crate) fn transition_by_table(state: RoomState, input: RoomInput) -> Result<RoomState, IllegalTransition> {
+    match NEXT[state as usize][input as usize] {
+        ILLEGAL => Err(IllegalTransition { state, input }),
+        next => Ok(RoomState::ALL[next as usize]),
+    }
+}
+
 /// The table as text, one line per (state, input), for the snapshot test and the docs.
 pub fn render_table() -> String {
     let mut out = String::new();
@@ -150,4 +181,18 @@ pub fn render_table() -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_compiled_table_agrees_with_the_declared_one_everywhere() {
+        for state in RoomState::ALL {
+            for input in RoomInput::ALL {
+                assert_eq!(transition_by_table(state, input), transition(state, input), "{state:?} + {input:?}");
+            }
+        }
+    }
 }

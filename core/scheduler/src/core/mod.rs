@@ -16,7 +16,7 @@ mod view;
 use crate::api::*;
 use crate::config::{ConfigError, CoreConfig};
 use crate::metrics::{LateSource, Metrics};
-use crate::table::{transition, IllegalTransition, RoomInput};
+use crate::table::{transition_by_table, IllegalTransition, RoomInput};
 use crate::timer::TimerKind;
 use crate::wheel::{Wheel, TICK_NS};
 use deadlines::{decode_entry, Deadlines};
@@ -450,29 +450,38 @@ impl Core {
 
     /// Apply one input through the transition table.
     fn apply(&mut self, now: Nanos, slot: u32, input: RoomInput) -> Result<RoomState, IllegalTransition> {
-        let from = self.room_at(slot).state;
-        let to = transition(from, input)?;
+        let entry = &mut self.slots[slot as usize];
+        let epoch = entry.epoch;
+        let room = entry.room.as_mut().expect("live slot");
+        let from = room.state;
+        let to = transition_by_table(from, input)?;
         if to == from {
             return Ok(to);
         }
-        {
-            let room = self.room_mut(slot);
-            room.state = to;
-            room.state_entered = now;
-        }
+        room.state = to;
+        room.state_entered = now;
+        let (key, role) = (room.key, room.role);
         self.metrics.rooms_by_state[from.index()] -= 1;
         self.metrics.rooms_by_state[to.index()] += 1;
         if !from.is_terminal() {
+            // The room leaving is most often its state's oldest: its entry is the front, dropped
+            // without reading the slot again.
+            let fifo = &mut self.state_fifos[from.index()];
+            if fifo.front().is_some_and(|&(front, front_epoch, _)| front == slot && front_epoch == epoch) {
+                fifo.pop_front();
+            }
             self.refresh_state_fifo(from);
             if to.is_terminal() {
                 self.live_rooms -= 1;
             }
         }
         if !to.is_terminal() {
-            self.push_state_fifo(slot, to, now);
-            let room = self.room_at(slot);
-            let event = RoomEvent::StateChanged { room: room.key, role: room.role, state: to };
-            self.commands.push_back(Command::ToEngine(event));
+            let fifo = &mut self.state_fifos[to.index()];
+            if fifo.is_empty() {
+                self.metrics.oldest_entered_by_state[to.index()] = Some(now);
+            }
+            fifo.push_back((slot, epoch, now));
+            self.commands.push_back(Command::ToEngine(RoomEvent::StateChanged { room: key, role, state: to }));
         }
         Ok(to)
     }
