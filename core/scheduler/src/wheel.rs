@@ -236,6 +236,12 @@ impl Wheel {
     /// Pop one timer due at `now` (its payload), or None when none is due. Timers are popped one
     /// at a time so that the caller may cancel or arm others between pops (a due timer not yet
     /// popped can still be cancelled).
+    /// Whether a timer may be due at `now` (false: `pop_expired` would return None).
+    #[inline]
+    pub fn may_be_due(&self, now: Nanos) -> bool {
+        now.0 / TICK_NS >= self.quiet_until
+    }
+
     #[inline]
     pub fn pop_expired(&mut self, now: Nanos) -> Option<u64> {
         if now.0 / TICK_NS < self.quiet_until {

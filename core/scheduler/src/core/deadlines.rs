@@ -150,6 +150,12 @@ impl Deadlines {
         }
     }
 
+    /// Whether a nursery span or a wheel timer may be due at `now` (false: certainly nothing).
+    #[inline]
+    pub fn may_be_due(&self, now: Nanos) -> bool {
+        self.nursery.front().is_some_and(|front| front.promote_at <= now) || self.wheel.may_be_due(now)
+    }
+
     /// Take the next room whose nursery span ended at `now` (its slot and epoch); the caller moves it
     /// to the wheel with `promote`. Entries of rooms that left are dropped on the way.
     #[inline]
