@@ -1,5 +1,6 @@
 //! The `Core` state machine: rooms in a slab, keys in a fast hash, deadlines in one timer wheel
-//! (at most one entry per room, at its earliest deadline) plus a FIFO of tombstone expiries.
+//! (at most one entry per room, at its earliest deadline; a far deadline waits in a nursery FIFO
+//! first, see `deadlines`) plus a FIFO of tombstone expiries.
 //! Inputs are `handle_*(now, ..)`, outputs `poll_command()` / `poll_timeout()`; it never does IO,
 //! never reads a clock and never calls a plugin. Cost per event does not depend on the room count.
 
@@ -332,7 +333,8 @@ impl Core {
     }
 
     /// When the core next needs `handle_timeout` (None: no timer armed). It may be a little early
-    /// (a wheel level boundary): calling `handle_timeout` then is cheap and correct.
+    /// (a wheel level boundary, or the end of a 64 ms nursery span): calling `handle_timeout` then is
+    /// cheap and correct.
     pub fn poll_timeout(&self) -> Option<Nanos> {
         let tombstone = self.tombstone_fifo.front().map(|&(_, _, expiry)| Wheel::fire_time(expiry));
         match (self.deadlines.next_deadline(), tombstone) {
