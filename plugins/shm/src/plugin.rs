@@ -359,7 +359,7 @@ impl Plugin for ShmPlugin {
         }
         let transfer = self.plan(&state, request)?;
         let spans_chunks = transfer.total_bytes > self.shared.config.chunk_bytes;
-        let has_deadline = transfer.deadline.is_some();
+        let wake_timer = transfer.deadline.is_some_and(|d| state.timer.must_wake_for(d));
         state.insert(request.xfer, transfer);
         drop(state);
         if spans_chunks {
@@ -367,7 +367,7 @@ impl Plugin for ShmPlugin {
         } else {
             self.shared.work_ready.notify_one();
         }
-        if has_deadline {
+        if wake_timer {
             self.shared.timer_wake.notify_one();
         }
         Ok(())

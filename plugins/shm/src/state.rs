@@ -75,6 +75,32 @@ pub struct State {
     pub shutting_down: bool,
     /// False once a worker died or the instance shut down.
     pub healthy: bool,
+    /// What the timer thread is doing, so a submit wakes it only for a deadline earlier than the
+    /// one it sleeps towards (a wake-up per transfer costs two context switches).
+    pub timer: TimerSleep,
+}
+
+/// The timer thread's sleep, as last recorded under the state lock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TimerSleep {
+    /// Running (it reads the deadline set again before it sleeps, so nothing needs waking).
+    #[default]
+    Awake,
+    /// Sleeping until this instant.
+    Until(Instant),
+    /// Sleeping with no deadline to wait for.
+    Indefinitely,
+}
+
+impl TimerSleep {
+    /// Whether a new transfer due at `deadline` must wake the timer.
+    pub fn must_wake_for(self, deadline: Instant) -> bool {
+        match self {
+            TimerSleep::Awake => false,
+            TimerSleep::Until(wake) => deadline < wake,
+            TimerSleep::Indefinitely => true,
+        }
+    }
 }
 
 impl State {
@@ -224,6 +250,7 @@ impl State {
 mod tests {
     use super::*;
     use kvgate_abi::{event_flags, EventKind};
+    use std::time::Duration;
 
     /// A transfer of `chunks` chunks of 10 bytes (addresses are never dereferenced here).
     fn transfer(chunks: u64, deadline: Option<Instant>) -> Transfer {
@@ -240,6 +267,17 @@ mod tests {
             local_keys: vec![LocalKey(1)],
             mappings: Vec::new(),
         }
+    }
+
+    #[test]
+    fn the_timer_is_woken_only_for_a_deadline_before_its_own() {
+        let now = Instant::now();
+        let later = now + Duration::from_millis(5);
+        assert!(!TimerSleep::Awake.must_wake_for(now), "a running timer reads the deadlines itself");
+        assert!(TimerSleep::Indefinitely.must_wake_for(later));
+        assert!(TimerSleep::Until(later).must_wake_for(now), "an earlier deadline wakes it");
+        assert!(!TimerSleep::Until(later).must_wake_for(later), "the same instant does not");
+        assert!(!TimerSleep::Until(now).must_wake_for(later));
     }
 
     fn kinds(state: &mut State) -> Vec<(EventKind, bool)> {

@@ -4,7 +4,7 @@
 
 use crate::config::ShmConfig;
 use crate::plan::copy_chunk;
-use crate::state::{Job, State};
+use crate::state::{Job, State, TimerSleep};
 use kvgate_abi::{sdk::Sink, Event, ReasonCode};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -172,12 +172,18 @@ pub fn timer_loop(shared: &Shared) {
             state = shared.lock();
             continue;
         }
+        // Recorded under the lock the wait releases, so a submit that reads it cannot miss the sleep.
         state = match next {
             Some(deadline) => {
+                state.timer = TimerSleep::Until(deadline);
                 let wait = deadline.saturating_duration_since(Instant::now());
                 shared.timer_wake.wait_timeout(state, wait).unwrap_or_else(|p| p.into_inner()).0
             }
-            None => shared.timer_wake.wait(state).unwrap_or_else(|p| p.into_inner()),
+            None => {
+                state.timer = TimerSleep::Indefinitely;
+                shared.timer_wake.wait(state).unwrap_or_else(|p| p.into_inner())
+            }
         };
+        state.timer = TimerSleep::Awake;
     }
 }
