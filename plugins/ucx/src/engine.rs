@@ -70,6 +70,8 @@ struct Outgoing {
     next_segment: usize,
     posted: u64,
     data_messages: u64,
+    /// The index of the last segment with bytes (active-message mode: its message carries the commit).
+    last_data_segment: Option<usize>,
     final_sent: bool,
     cancel_sent: bool,
     awaiting_reply: bool,
@@ -426,13 +428,15 @@ impl Engine {
                 }
                 return;
             }
-            let segment = x.job.segments[x.next_segment];
+            let index = x.next_segment;
+            let carries_commit = x.last_data_segment == Some(index);
+            let segment = x.job.segments[index];
             self.xfers.get_mut(&xfer).unwrap().next_segment += 1;
             if segment.len == 0 {
                 continue;
             }
             let result = match mode {
-                ResolvedMode::Am => self.post_data(xfer, ep, &segment),
+                ResolvedMode::Am => self.post_data(xfer, ep, &segment, carries_commit),
                 ResolvedMode::Put => self.post_put(xfer, ep, &segment),
             };
             if let Err((reason, message)) = result {
@@ -459,7 +463,15 @@ impl Engine {
         }
     }
 
-    fn post_data(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), (ReasonCode, String)> {
+    /// Post one data message; `carries_commit`: it is the transfer's last, and tells the receiver how
+    /// many messages and bytes to expect (no separate `AM_COMMIT` follows).
+    fn post_data(
+        &mut self,
+        xfer: u64,
+        ep: ucp_ep_h,
+        segment: &crate::shared::ResolvedSegment,
+        carries_commit: bool,
+    ) -> Result<(), (ReasonCode, String)> {
         let x = self.xfers.get(&xfer).unwrap();
         let header = DataHeader {
             sender: self.shared.instance,
@@ -468,6 +480,7 @@ impl Engine {
             region: segment.remote_region,
             offset: segment.remote_offset,
             len: segment.len,
+            commit: carries_commit.then_some((x.data_messages + 1, x.job.total_bytes)),
         }
         .encode();
         let token = self.token();
@@ -495,6 +508,7 @@ impl Engine {
         x.posted += pending as u64;
         x.data_messages += 1;
         x.awaiting_reply = true;
+        x.final_sent |= carries_commit;
         Ok(())
     }
 
@@ -986,11 +1000,13 @@ fn reason_for(status: ucs_status_t) -> ReasonCode {
 
 impl Outgoing {
     fn new(job: Box<OutgoingJob>) -> Outgoing {
+        let last_data_segment = job.segments.iter().rposition(|s| s.len > 0);
         Outgoing {
             job,
             next_segment: 0,
             posted: 0,
             data_messages: 0,
+            last_data_segment,
             final_sent: false,
             cancel_sent: false,
             awaiting_reply: false,

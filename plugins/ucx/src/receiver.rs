@@ -130,7 +130,14 @@ impl Receiver {
     fn on_data(&mut self, header: DataHeader, data: *mut c_void, length: usize, rndv: bool) -> ucs_status_t {
         let key = (header.sender, header.xfer);
         let rec = self.record(header.sender, header.xfer, header.ticket);
+        if let Some(commit) = header.commit {
+            // The transfer's last message: every other one has arrived (messages keep their order).
+            rec.expected = Some(commit);
+        }
         if rec.failed.is_some() || rec.cancelled || rec.final_reply_sent {
+            if header.commit.is_some() {
+                self.check_complete(key);
+            }
             return if rndv { ucs_status_t::UCS_ERR_REJECTED } else { ucs_status_t::UCS_OK };
         }
         let now = Instant::now();

@@ -119,7 +119,8 @@ impl RemoteKeyBytes {
     }
 }
 
-/// Header of an `AM_DATA` message: one segment of one transfer.
+/// Header of an `AM_DATA` message: one segment of one transfer. The transfer's last data message
+/// carries its commit (`segments` messages, `bytes` in total), which saves a separate `AM_COMMIT`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DataHeader {
     pub sender: u64,
@@ -128,6 +129,8 @@ pub struct DataHeader {
     pub region: u64,
     pub offset: u64,
     pub len: u64,
+    /// `(segments, bytes)` on the last data message of the transfer.
+    pub commit: Option<(u64, u64)>,
 }
 
 /// Header of `AM_COMMIT` (all data sent: `segments` messages, `bytes` in total) and `AM_CANCEL`.
@@ -164,11 +167,24 @@ fn decode_words<const N: usize>(bytes: &[u8]) -> Option<[u64; N]> {
 
 impl DataHeader {
     pub fn encode(&self) -> Vec<u8> {
-        encode_words(&[self.sender, self.xfer, self.ticket, self.region, self.offset, self.len])
+        let mut out = encode_words(&[self.sender, self.xfer, self.ticket, self.region, self.offset, self.len]);
+        if let Some((segments, bytes)) = self.commit {
+            out.extend_from_slice(&encode_words(&[segments, bytes]));
+        }
+        out
     }
+    /// Six words, or eight with the commit.
     pub fn decode(bytes: &[u8]) -> Option<DataHeader> {
-        let [sender, xfer, ticket, region, offset, len] = decode_words::<6>(bytes)?;
-        Some(DataHeader { sender, xfer, ticket, region, offset, len })
+        let (words, commit) = match bytes.len() {
+            48 => (bytes, None),
+            64 => {
+                let [segments, total] = decode_words::<2>(&bytes[48..])?;
+                (&bytes[..48], Some((segments, total)))
+            }
+            _ => return None,
+        };
+        let [sender, xfer, ticket, region, offset, len] = decode_words::<6>(words)?;
+        Some(DataHeader { sender, xfer, ticket, region, offset, len, commit })
     }
 }
 
@@ -222,9 +238,13 @@ mod tests {
 
     #[test]
     fn headers_round_trip_and_refuse_wrong_lengths() {
-        let d = DataHeader { sender: 1, xfer: 2, ticket: 3, region: 4, offset: 5, len: 6 };
+        let d = DataHeader { sender: 1, xfer: 2, ticket: 3, region: 4, offset: 5, len: 6, commit: None };
         assert_eq!(DataHeader::decode(&d.encode()), Some(d));
         assert_eq!(DataHeader::decode(&d.encode()[1..]), None);
+        let last = DataHeader { commit: Some((7, 8)), ..d };
+        assert_eq!(last.encode().len(), 64);
+        assert_eq!(DataHeader::decode(&last.encode()), Some(last));
+        assert_eq!(DataHeader::decode(&last.encode()[..56]), None);
         let c = CommitHeader { sender: 1, xfer: 2, ticket: 3, segments: 4, bytes: 5 };
         assert_eq!(CommitHeader::decode(&c.encode()), Some(c));
         let r = ReplyHeader { xfer: 9, code: 6 };

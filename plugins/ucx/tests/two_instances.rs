@@ -67,6 +67,37 @@ fn scatter_gather(config: &str) {
     baseline(&a, &b);
 }
 
+/// Zero-length segments before, between and after the data (the last message with bytes carries
+/// the commit in active-message mode; empty ones send nothing): every transfer succeeds with its bytes.
+fn empty_segments_around_the_data(config: &str) {
+    let (a, b) = pair(config);
+    let src = buffer(&a, 4096, 51);
+    let dst = buffer(&b, 4096, 52);
+    let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+    expect(&b, 3, PEER_A, LONG, &[LocalRange { key: dst.key, offset: 0, len: 4096 }]);
+    let seg = |offset: u64, len: u64| Segment { local: src.key, local_offset: offset, remote, remote_offset: offset, len };
+    let shapes: [Vec<Segment>; 4] = [
+        vec![seg(0, 100), seg(100, 0), seg(100, 0)],
+        vec![seg(200, 0), seg(200, 100), seg(300, 0)],
+        vec![seg(400, 100), seg(500, 0), seg(500, 100)],
+        vec![seg(600, 0), seg(600, 0)],
+    ];
+    for (i, segments) in shapes.iter().enumerate() {
+        let xfer = 60 + i as u64;
+        submit(&a, xfer, PEER_B, 3, LONG, segments).unwrap();
+        let end = a.log.terminal_of(XferId(xfer), WAIT_LIMIT);
+        let bytes: u64 = segments.iter().map(|s| s.len).sum();
+        assert_eq!((end.kind, end.bytes), (EventKind::SUCCEEDED, bytes), "shape {i}: {end:?}");
+    }
+    for (from, to) in [(0, 100), (200, 300), (400, 600)] {
+        assert_eq!(&src.bytes[from..to], &dst.bytes[from..to], "bytes {from}..{to}");
+    }
+    let untouched = random_bytes(4096, 52);
+    assert_eq!(&dst.bytes[100..200], &untouched[100..200], "an empty segment wrote");
+    b.plugin.cancel_incoming(PEER_A, Ticket(3));
+    baseline(&a, &b);
+}
+
 /// Cancel right after submit: exactly one terminal event, then quiesced (flag or event), and the
 /// stats return to their baseline.
 fn cancel_then_quiesced(config: &str) {
@@ -291,7 +322,7 @@ macro_rules! per_transport {
     };
 }
 
-per_transport!(data_integrity, scatter_gather, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight, shutdown_with_zero_grace);
+per_transport!(data_integrity, scatter_gather, empty_segments_around_the_data, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight, shutdown_with_zero_grace);
 
 #[test]
 fn tcp_receiver_refuses() {
