@@ -292,3 +292,19 @@ impl Drop for PeerProcess {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_of_quotes_the_last_lines_in_order() {
+        let path = std::env::temp_dir().join(format!("kvgate-conformance-tail-test-{}.log", std::process::id()));
+        std::fs::write(&path, "one\ntwo\nthree\nfour\nfive\n").unwrap();
+        assert_eq!(tail_of(&path, STDERR_TAIL_LINES), "two | three | four | five");
+        assert_eq!(tail_of(&path, 5), "one | two | three | four | five");
+        assert_eq!(tail_of(&path, 6), "one | two | three | four | five");
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(tail_of(&path, STDERR_TAIL_LINES), "", "an unreadable log quotes nothing");
+    }
+}
