@@ -222,14 +222,13 @@ impl Core {
         if let Some(&(_, _, last)) = self.tombstone_fifo.back() {
             expiry = expiry.max(last);
         }
-        let epoch = self.epoch(slot);
-        {
-            let room = self.room_mut(slot);
-            room.set_timer(TimerKind::Tombstone, expiry);
-        }
-        // Nothing else is armed once settled: this releases the room's wheel entry.
-        debug_assert_eq!(self.room_at(slot).earliest_wheel_deadline(), None);
-        self.sync_wheel_entry(now, slot);
+        let entry = &mut self.slots[slot as usize];
+        let epoch = entry.epoch;
+        let room = entry.room.as_mut().expect("live slot");
+        room.set_timer(TimerKind::Tombstone, expiry);
+        // Nothing else is armed once settled: the room's deadline entry (if any) is released.
+        debug_assert_eq!(room.earliest_wheel_deadline(), None);
+        room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, None);
         self.tombstone_fifo.push_back((slot, epoch, expiry));
         self.metrics.tombstones += 1;
         while self.metrics.tombstones > self.config.max_tombstones {
