@@ -41,10 +41,24 @@ pub struct ConformanceArgs {
     pub peer_mode: bool,
 }
 
+/// The filter of a peer process's log (tracing syntax); default [`PEER_LOG_DEFAULT`].
+pub const PEER_LOG_ENV: &str = "KVGATE_CONFORMANCE_PEER_LOG";
+/// A peer logs warnings and errors unless [`PEER_LOG_ENV`] says otherwise.
+pub const PEER_LOG_DEFAULT: &str = "warn";
+
+/// A peer's log goes to its stderr (its stdout carries the control protocol), where the controller
+/// keeps it for failure reports. A subscriber already installed by the host binary stays.
+fn init_peer_logging() {
+    let filter = std::env::var(PEER_LOG_ENV).unwrap_or_else(|_| PEER_LOG_DEFAULT.to_string());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(PEER_LOG_DEFAULT));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
+}
+
 /// Run the harness (or, with `--peer-mode`, a peer process). Returns the process exit status:
 /// 0 when no clause failed, [`EXIT_CLAUSE_FAILED`] when one did, [`EXIT_HARNESS_ERROR`] on a usage error.
 pub fn run(args: ConformanceArgs) -> i32 {
     if args.peer_mode {
+        init_peer_logging();
         return crate::peer::server::peer_main();
     }
     let (limits, plugin_config) = match config::load(args.config.as_deref(), args.quick) {

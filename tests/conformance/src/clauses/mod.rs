@@ -11,6 +11,7 @@ pub mod obs;
 pub mod res;
 pub mod time;
 
+use crate::controller::STDERR_TAIL_LINES;
 use crate::peer::protocol::CallError;
 use crate::world::{Ctx, Pair, Verdict};
 use std::time::Duration;
@@ -20,9 +21,21 @@ pub type CheckResult = Result<String, Verdict>;
 /// Open a pair, run `body`, then always finish the pair (run-wide ledger checks, peers closed).
 pub fn with_pair(ctx: &mut Ctx, body: impl FnOnce(&mut Pair, &mut Ctx) -> CheckResult) -> CheckResult {
     let mut pair = Pair::open(ctx)?;
-    let result = body(&mut pair, ctx);
+    let result = body(&mut pair, ctx).map_err(|v| with_peer_logs(v, &pair.tx.stderr_tail(STDERR_TAIL_LINES), &pair.rx.stderr_tail(STDERR_TAIL_LINES)));
     pair.finish(ctx);
     result
+}
+
+/// A failure's evidence with the last lines each peer logged (the plugin's own warnings), so a
+/// failure seen once can be diagnosed from the report alone.
+fn with_peer_logs(verdict: Verdict, sender_tail: &str, receiver_tail: &str) -> Verdict {
+    match verdict {
+        Verdict::Fail(what) if !(sender_tail.is_empty() && receiver_tail.is_empty()) => {
+            let quote = |tail: &str| if tail.is_empty() { "(nothing)".to_string() } else { tail.to_string() };
+            Verdict::Fail(format!("{what} [sender stderr: {}] [receiver stderr: {}]", quote(sender_tail), quote(receiver_tail)))
+        }
+        other => other,
+    }
 }
 
 pub fn fail<T>(what: impl Into<String>) -> Result<T, Verdict> {
@@ -54,5 +67,18 @@ pub fn verdict_of(failures: Vec<String>, pass_evidence: String) -> CheckResult {
         let n = failures.len();
         let shown: Vec<String> = failures.into_iter().take(4).collect();
         fail(format!("{} problem(s): {}", n, shown.join("; ")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_quotes_what_the_peers_logged_and_a_pass_does_not() {
+        let quoted = with_peer_logs(Verdict::Fail("no reply".into()), "WARN ucx: reply dropped", "");
+        assert!(matches!(&quoted, Verdict::Fail(m) if m == "no reply [sender stderr: WARN ucx: reply dropped] [receiver stderr: (nothing)]"), "{quoted:?}");
+        assert!(matches!(with_peer_logs(Verdict::Fail("x".into()), "", ""), Verdict::Fail(m) if m == "x"), "nothing logged: unchanged");
+        assert!(matches!(with_peer_logs(Verdict::Unsupported("no GPU".into()), "a", "b"), Verdict::Unsupported(m) if m == "no GPU"));
     }
 }
