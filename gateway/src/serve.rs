@@ -7,7 +7,7 @@ use crate::config::GatewayConfig;
 use crate::driver::{Driver, DriverInput, DriverParts};
 use crate::engine_api::{bind_unix_socket, serve_engine_api, EngineApiService};
 use crate::metrics::GatewayMetrics;
-use crate::peer_link::{server_tls, start_peer_links, LocalIdentity, PeerEvent};
+use crate::peer_link::{server_tls, start_peer_links, LocalIdentity};
 use anyhow::Context;
 use kvgate_client::proto;
 use kvgate_client::proto::peer_link_server::PeerLinkServer;
@@ -86,17 +86,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     });
     let driver_done = spawn_driver_thread(driver, input_rx, plugin_rx)?;
 
-    // Peer events go through their own small forwarding task into the driver's input queue.
-    let (peer_tx, mut peer_rx) = mpsc::channel::<PeerEvent>(config.driver.event_queue_len as usize);
-    let forward = input_tx.clone();
-    tokio::spawn(async move {
-        while let Some(event) = peer_rx.recv().await {
-            if forward.send(DriverInput::Peer(event)).await.is_err() {
-                return;
-            }
-        }
-    });
-    let peer_service = start_peer_links(config.clone(), identity.clone(), peer_tx)?;
+    let peer_service = start_peer_links(config.clone(), identity.clone(), input_tx.clone())?;
     // Accepted sockets get TCP_NODELAY from `nodelay_incoming` (tonic ignores `Server::tcp_nodelay` there).
     let mut peer_server = tonic::transport::Server::builder();
     if let Some(tls) = server_tls(&config)? {

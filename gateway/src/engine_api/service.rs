@@ -104,43 +104,47 @@ impl EngineApi for EngineApiService {
         let permit = self.watchers.clone().try_acquire_owned().map_err(|_| {
             ApiError::new(tonic::Code::ResourceExhausted, "too_many_watchers", "engine_api.max_watchers streams are open already").to_status()
         })?;
-        let mut events = self.watch.subscribe();
-        let stream = async_stream_of(move |tx: mpsc::Sender<Result<proto::RoomEvent, Status>>| async move {
-            let _permit = permit;
-            loop {
-                match events.recv().await {
-                    Ok(event) => {
-                        if filter.is_some() && event.key != filter {
-                            continue;
-                        }
-                        if tx.send(Ok(event)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Err(broadcast::error::RecvError::Lagged(n)) => {
-                        let status = ApiError::new(
-                            tonic::Code::ResourceExhausted,
-                            "watch_lagged",
-                            format!("{n} events were missed (engine_api.watch_buffer_events); re-read rooms with ListRooms and watch again"),
-                        );
-                        let _ = tx.send(Err(status.to_status())).await;
-                        return;
-                    }
-                    Err(broadcast::error::RecvError::Closed) => return,
-                }
-            }
-        });
+        let watcher = Watcher { events: self.watch.subscribe(), filter, _permit: permit, ended: false };
+        let stream: EventStream = Box::pin(futures_util::stream::unfold(watcher, Watcher::next_item));
         Ok(Response::new(stream))
     }
 }
 
-/// A stream fed by a spawned task through a small channel (ends when the task returns).
-fn async_stream_of<F, Fut>(producer: F) -> EventStream
-where
-    F: FnOnce(mpsc::Sender<Result<proto::RoomEvent, Status>>) -> Fut,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let (tx, rx) = mpsc::channel(256);
-    tokio::spawn(producer(tx));
-    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+/// One `Watch` stream, read straight from the broadcast by the RPC's own response stream (no
+/// forwarding task or second queue per event: tonic drains every event already queued into one
+/// write). Holds its `max_watchers` permit until the client goes away.
+struct Watcher {
+    events: broadcast::Receiver<proto::RoomEvent>,
+    filter: Option<proto::RoomKey>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    /// Set after the `watch_lagged` error: the stream ends with it.
+    ended: bool,
+}
+
+impl Watcher {
+    async fn next_item(mut self) -> Option<(Result<proto::RoomEvent, Status>, Self)> {
+        if self.ended {
+            return None;
+        }
+        loop {
+            match self.events.recv().await {
+                Ok(event) => {
+                    if self.filter.is_some() && event.key != self.filter {
+                        continue;
+                    }
+                    return Some((Ok(event), self));
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    let status = ApiError::new(
+                        tonic::Code::ResourceExhausted,
+                        "watch_lagged",
+                        format!("{n} events were missed (engine_api.watch_buffer_events); re-read rooms with ListRooms and watch again"),
+                    );
+                    self.ended = true;
+                    return Some((Err(status.to_status()), self));
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }
 }

@@ -51,11 +51,12 @@ pub fn dials(local_name: &str, peer: &str) -> bool {
     local_name < peer
 }
 
-/// Starts one task per configured peer; returns the gRPC service that accepts dialled links.
+/// Starts one task per configured peer; returns the gRPC service that accepts dialled links. Peer
+/// events go straight into the driver's input queue as `DriverInput::Peer`.
 pub fn start_peer_links(
     config: Arc<GatewayConfig>,
     identity: Arc<LocalIdentity>,
-    events: mpsc::Sender<PeerEvent>,
+    events: mpsc::Sender<crate::driver::DriverInput>,
 ) -> anyhow::Result<PeerLinkService> {
     let tls = match &config.peer_link.tls {
         Some(t) => Some(Arc::new(tls::PeerTls::load(t)?)),

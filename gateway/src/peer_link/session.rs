@@ -5,6 +5,7 @@
 
 use super::{dial, LocalIdentity};
 use crate::config::{GatewayConfig, PeerEntry};
+use crate::driver::DriverInput;
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -80,7 +81,8 @@ pub(super) struct PeerTask {
     pub config: Arc<GatewayConfig>,
     pub peer: PeerEntry,
     pub identity: Arc<LocalIdentity>,
-    pub events: mpsc::Sender<PeerEvent>,
+    /// The driver's input queue: peer events go straight in (no forwarding task in between).
+    pub events: mpsc::Sender<DriverInput>,
     pub incoming: mpsc::Receiver<Session>,
     pub tls: Option<Arc<super::tls::PeerTls>>,
 }
@@ -120,7 +122,7 @@ impl PeerTask {
         let failed = Arc::new(SendFailure::default());
         let sender = PeerSender { tx: session.outbound.clone(), failed: failed.clone() };
         tracing::info!(peer = %name, session = id, incarnation = session.hello.incarnation, "peer link up");
-        if self.events.send(PeerEvent::Up { name: name.clone(), session: id, hello: session.hello.clone(), sender: sender.clone() }).await.is_err() {
+        if self.events.send(DriverInput::Peer(PeerEvent::Up { name: name.clone(), session: id, hello: session.hello.clone(), sender: sender.clone() })).await.is_err() {
             return None;
         }
         let interval = Duration::from_millis(self.config.peer_link.heartbeat_interval_ms);
@@ -136,7 +138,7 @@ impl PeerTask {
                         last_heard = Instant::now();
                         if matches!(frame, Frame::Heartbeat(_)) { continue; }
                         if let Frame::Hello(_) = frame { break ("protocol_violation", "a second hello on a live link".into()); }
-                        if self.events.send(PeerEvent::Frame { session: id, frame }).await.is_err() { return None; }
+                        if self.events.send(DriverInput::Peer(PeerEvent::Frame { session: id, frame })).await.is_err() { return None; }
                     }
                     Ok(Some(PeerFrame { frame: None })) => last_heard = Instant::now(),
                     Ok(None) => break ("peer_lost", "the peer closed the link".into()),
@@ -164,7 +166,7 @@ impl PeerTask {
             }
         };
         tracing::warn!(peer = %name, session = id, reason, "peer link lost: {detail}");
-        let _ = self.events.send(PeerEvent::Lost { name, session: id, reason, detail }).await;
+        let _ = self.events.send(DriverInput::Peer(PeerEvent::Lost { name, session: id, reason, detail })).await;
         replacement
     }
 }
