@@ -11,41 +11,50 @@ use kvgate_core::{Command, Outcome, Role, RoomEvent, RoomState};
 
 impl Driver {
     pub(super) fn execute(&mut self, command: Command) {
-        match command {
+        let command = match command {
+            Command::ToEngine(event) => return self.room_event(event),
+            other => other,
+        };
+        match &command {
             Command::Submit { plugin, xfer, peer, ticket, timeout, segments } => {
-                let request = SubmitRequest { xfer, peer, ticket, timeout_ns: timeout.0, segments: RSlice::from_slice(&segments) };
-                let Some(opened) = self.plugins.get(plugin.0 as usize) else { return };
-                if let RResult::RErr(e) = opened.transport().submit(request) {
-                    tracing::debug!(plugin = opened.name(), xfer = xfer.0, "submit refused: {e}");
-                    self.feedback.push_back((plugin, Event::failed_quiesced(xfer, e.code, e.message.to_string())));
+                let request = SubmitRequest { xfer: *xfer, peer: *peer, ticket: *ticket, timeout_ns: timeout.0, segments: RSlice::from_slice(segments) };
+                if let Some(opened) = self.plugins.get(plugin.0 as usize) {
+                    if let RResult::RErr(e) = opened.transport().submit(request) {
+                        tracing::debug!(plugin = opened.name(), xfer = xfer.0, "submit refused: {e}");
+                        self.feedback.push_back((*plugin, Event::failed_quiesced(*xfer, e.code, e.message.to_string())));
+                    }
                 }
             }
             Command::Cancel { plugin, xfer } => {
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
-                    opened.transport().cancel(xfer);
+                    opened.transport().cancel(*xfer);
                 }
             }
             Command::ExpectIncoming { plugin, peer, ticket, timeout, ranges } => {
-                let request = IncomingRequest { ticket, peer, timeout_ns: timeout.0, ranges: RSlice::from_slice(&ranges) };
-                let Some(opened) = self.plugins.get(plugin.0 as usize) else { return };
-                if let RResult::RErr(e) = opened.transport().expect_incoming(request) {
-                    self.feedback.push_back((plugin, Event::incoming_failed(peer, ticket, e.code, e.message.to_string())));
+                let request = IncomingRequest { ticket: *ticket, peer: *peer, timeout_ns: timeout.0, ranges: RSlice::from_slice(ranges) };
+                if let Some(opened) = self.plugins.get(plugin.0 as usize) {
+                    if let RResult::RErr(e) = opened.transport().expect_incoming(request) {
+                        self.feedback.push_back((*plugin, Event::incoming_failed(*peer, *ticket, e.code, e.message.to_string())));
+                    }
                 }
             }
             Command::CancelIncoming { plugin, peer, ticket } => {
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
-                    opened.transport().cancel_incoming(peer, ticket);
+                    opened.transport().cancel_incoming(*peer, *ticket);
                 }
             }
             Command::ToPeer { peer, message } => match self.peers.session(peer.0) {
                 // A full queue makes the session task declare the peer lost; the core then learns it.
                 Some(state) => {
-                    state.sender.send(Frame::Core(codec::encode(&message)));
+                    state.sender.send(Frame::Core(codec::encode(message)));
                 }
                 None => tracing::debug!(peer = peer.0, kind = message.kind_str(), room = %message.room(), "message for a gone peer session dropped"),
             },
-            Command::ToEngine(event) => self.room_event(event),
+            Command::ToEngine(_) => {} // delivered above, before the match
         }
+        // The plugin call borrowed the segments (or ranges) only for its duration: the core may
+        // reuse the buffer for a later command.
+        self.core.recycle_command(command);
     }
 
     fn room_event(&mut self, event: RoomEvent) {
