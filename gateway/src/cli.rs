@@ -98,6 +98,15 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime")
 }
 
+/// The gateway's runtime: `driver.io_threads` worker threads (0: tokio's default, one per CPU).
+fn serve_runtime(io_threads: u64) -> tokio::runtime::Runtime {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if io_threads > 0 {
+        builder.worker_threads(io_threads as usize);
+    }
+    builder.enable_all().build().expect("tokio runtime")
+}
+
 pub fn main() -> i32 {
     let cli = Cli::parse();
     match cli.command {
@@ -110,7 +119,7 @@ pub fn main() -> i32 {
             for warning in single_underscore_env_warnings() {
                 tracing::warn!("{warning}");
             }
-            match runtime().block_on(crate::serve::serve(config)) {
+            match serve_runtime(config.driver.io_threads).block_on(crate::serve::serve(config)) {
                 Ok(()) => 0,
                 Err(e) => {
                     tracing::error!("gateway failed: {e:#}");

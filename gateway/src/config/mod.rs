@@ -167,11 +167,18 @@ pub struct DriverSection {
     /// At shutdown, how long the driver waits for plugins to quiesce the transfers of the rooms it
     /// aborted before it shuts them down (their shutdown then quiesces the rest).
     pub shutdown_grace_ms: u64,
+    /// Threads of the runtime that serves the engine API, the peer links and the admin listener (the
+    /// driver has its own thread, plugins their own): 0 = one per CPU. On a machine with few cores,
+    /// 1 costs less CPU per room (fewer hand-offs between threads; see gateway/README.md).
+    pub io_threads: u64,
 }
+
+/// Most runtime threads `driver.io_threads` accepts.
+pub const MAX_IO_THREADS: u64 = 256;
 
 impl Default for DriverSection {
     fn default() -> Self {
-        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536, shutdown_grace_ms: 2000 }
+        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536, shutdown_grace_ms: 2000, io_threads: 0 }
     }
 }
 

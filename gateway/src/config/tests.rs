@@ -123,4 +123,9 @@ fn shutdown_grace_is_checked_at_and_just_past_its_bounds() {
     }
     let e = errors_of("[driver]\nshutdown_grace_ms = 60001\n");
     assert!(e.contains("driver.shutdown_grace_ms = 60001") && e.contains("0..=60000"), "{e}");
+    for ok in [0, 1, super::MAX_IO_THREADS] {
+        assert_eq!(load_config_from_str(&format!("[driver]\nio_threads = {ok}\n")).unwrap().driver.io_threads, ok);
+    }
+    let e = errors_of(&format!("[driver]\nio_threads = {}\n", super::MAX_IO_THREADS + 1));
+    assert!(e.contains("driver.io_threads = 257") && e.contains("0..=256"), "{e}");
 }
