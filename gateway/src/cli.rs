@@ -94,10 +94,6 @@ fn load_or_exit(path: Option<&std::path::Path>) -> Result<GatewayConfig, i32> {
     })
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime")
-}
-
 /// The gateway's runtime: `driver.io_threads` worker threads (0: tokio's default, one per CPU).
 fn serve_runtime(io_threads: u64) -> tokio::runtime::Runtime {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
