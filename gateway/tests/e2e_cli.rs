@@ -18,7 +18,11 @@ fn kvgate(args: &[&str]) -> (i32, String, String) {
 async fn rooms_and_abort_commands_act_on_a_running_gateway_and_every_failure_is_logged() {
     let _serial = serial();
     let dir = work_dir();
-    let settings = PairSettings { bootstrap_timeout_ms: 1_500, stuck_room_warn_ms: vec![300, 700], ..PairSettings::default() };
+    // The prefill side's own copy of room 802 (made by the decode side's expect notice) waits for a
+    // send too: its bootstrap deadline is set well past the decode side's, so the room this test
+    // watches ends with its own `bootstrap_timeout` rather than racing to a `sender_failed`.
+    let prefill_bootstrap = vec![("KVGATE__SCHEDULER__BOOTSTRAP_TIMEOUT_MS".to_string(), "10000".to_string())];
+    let settings = PairSettings { bootstrap_timeout_ms: 1_500, stuck_room_warn_ms: vec![300, 700], env_prefill: prefill_bootstrap, ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let shape = small_shape();
     let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
