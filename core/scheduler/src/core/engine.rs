@@ -4,7 +4,7 @@
 
 use super::mapping::{map_chunk, SourceSlice};
 use super::room::{ChunkXfer, HeldChunk, RecvPart, RoleData, Room, SendPart, XferState};
-use super::{Core, Lookup, XferRef};
+use super::{Core, LocalRegion, Lookup, XferRef};
 use crate::api::*;
 use crate::metrics::{HarmlessAbort, LateSource};
 use crate::table::RoomInput;
@@ -53,16 +53,22 @@ impl Core {
     fn check_local_slices(&self, room: RoomKey, slices: &[Slice]) -> Result<u64, Refusal> {
         let mut total = 0u64;
         for slice in slices {
-            let Some(region) = self.regions.get(&slice.region) else {
-                return Err(Refusal { room, reason: RefusalReason::UnknownRegion });
-            };
-            let end = slice.offset.checked_add(slice.len);
-            if slice.len == 0 || end.is_none_or(|end| end > region.len) {
-                return Err(Refusal { room, reason: RefusalReason::SliceOutOfRange });
-            }
+            self.region_of_slice(room, slice)?;
             total = total.saturating_add(slice.len);
         }
         Ok(total)
+    }
+
+    /// The registered region `slice` names, if the slice is non-empty and lies inside it.
+    fn region_of_slice(&self, room: RoomKey, slice: &Slice) -> Result<&LocalRegion, Refusal> {
+        let Some(region) = self.regions.get(&slice.region) else {
+            return Err(Refusal { room, reason: RefusalReason::UnknownRegion });
+        };
+        let end = slice.offset.checked_add(slice.len);
+        if slice.len == 0 || end.is_none_or(|end| end > region.len) {
+            return Err(Refusal { room, reason: RefusalReason::SliceOutOfRange });
+        }
+        Ok(region)
     }
 
     /// Check one part of an expect (as `check_local_slices`, then every region must be registered
@@ -73,13 +79,7 @@ impl Core {
         ranges.reserve(slices.len());
         let mut missing_key = false;
         for slice in slices {
-            let Some(region) = self.regions.get(&slice.region) else {
-                return Err(Refusal { room, reason: RefusalReason::UnknownRegion });
-            };
-            let end = slice.offset.checked_add(slice.len);
-            if slice.len == 0 || end.is_none_or(|end| end > region.len) {
-                return Err(Refusal { room, reason: RefusalReason::SliceOutOfRange });
-            }
+            let region = self.region_of_slice(room, slice)?;
             total = total.saturating_add(slice.len);
             match region.key_for(plugin) {
                 Some(key) => ranges.push(LocalRange { key, offset: slice.offset, len: slice.len }),
