@@ -59,7 +59,7 @@ fn big_submit(c: &mut Criterion) {
                 bench.receiver.handle_engine(bench.now, EngineRequest::Expect { room, peer: B, parts: vec![dest], timeout_ms: None }).unwrap();
                 while let Some(command) = bench.receiver.poll_command() {
                     if let Command::ToPeer { message, .. } = command {
-                        bench.sender.handle_peer_message(bench.now, A, message);
+                        bench.sender.handle_peer_message(bench.now, A, &message);
                     }
                 }
                 while bench.sender.poll_command().is_some() {}

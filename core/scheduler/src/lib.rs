@@ -11,9 +11,10 @@
 //!   timer at `poll_timeout()`;
 //! - report a synchronous `submit` error as `Event::failed_quiesced(xfer, code, message)`;
 //! - call `handle_remote_region` after `handle_peer_up` of the peer's current incarnation;
-//! - optionally: send with `handle_send` (slices borrowed, no `Vec` per chunk) instead of
-//!   `handle_engine(EngineRequest::Send {..})`, and hand executed commands back with
-//!   `recycle_command` so the core reuses their buffers (segments, ranges).
+//! - optionally: send with `handle_send` and expect with `handle_expect` (slices borrowed, no `Vec`
+//!   per request) instead of `handle_engine(EngineRequest::Send / Expect {..})`, and hand executed
+//!   commands back with `recycle_command` so the core reuses their buffers (segments, ranges, sent
+//!   notices' parts and tickets). Peer messages are handed in borrowed (`&PeerMessage`).
 //!
 //! Decisions: a chunk that maps to more than `max_segments_per_submit` segments is refused
 //! (`too_many_segments`), never split; every room gets exactly one `Terminal` then one `Reusable`

@@ -1,6 +1,7 @@
-//! `Core::handle_send` (slices borrowed) against `handle_engine(EngineRequest::Send {..})` (slices
-//! owned): the same script of sends, held before and after the expect notice, accepted and
-//! refused, must give the same results, the same commands in the same order and the same metrics.
+//! `Core::handle_send` / `handle_expect` (slices borrowed, executed commands recycled) against
+//! `handle_engine(EngineRequest::Send / Expect {..})` (owned, nothing recycled): the same script of
+//! expects and sends, held before and after the expect notice, accepted and refused, must give the
+//! same results, the same commands in the same order and the same metrics.
 
 use kvgate_core::*;
 
@@ -46,9 +47,15 @@ impl Pair {
         result
     }
 
-    fn expect(&mut self, room: RoomKey, parts: Vec<Vec<Slice>>) {
-        self.receiver.handle_engine(self.now, EngineRequest::Expect { room, peer: B, parts, timeout_ms: None }).unwrap();
+    fn expect(&mut self, room: RoomKey, parts: Vec<Vec<Slice>>, timeout_ms: Option<u64>) -> Result<(), Refusal> {
+        let result = if self.borrowed {
+            let borrowed: Vec<&[Slice]> = parts.iter().map(|part| &part[..]).collect();
+            self.receiver.handle_expect(self.now, room, B, &borrowed, timeout_ms)
+        } else {
+            self.receiver.handle_engine(self.now, EngineRequest::Expect { room, peer: B, parts, timeout_ms })
+        };
         self.pump();
+        result
     }
 
     /// Deliver peer messages both ways and succeed every submit.
@@ -58,15 +65,19 @@ impl Pair {
             while let Some(command) = self.receiver.poll_command() {
                 moved = true;
                 self.log.push(command.clone());
-                if let Command::ToPeer { message, .. } = command {
+                if let Command::ToPeer { message, .. } = &command {
                     self.sender.handle_peer_message(self.now, A, message);
+                }
+                // The borrowed run hands executed commands back, so later notices reuse buffers.
+                if self.borrowed {
+                    self.receiver.recycle_command(command);
                 }
             }
             while let Some(command) = self.sender.poll_command() {
                 moved = true;
                 self.log.push(command.clone());
                 match command {
-                    Command::ToPeer { message, .. } => self.receiver.handle_peer_message(self.now, B, message),
+                    Command::ToPeer { message, .. } => self.receiver.handle_peer_message(self.now, B, &message),
                     Command::Submit { xfer, segments, .. } => {
                         let bytes = segments.iter().map(|s| s.len).sum();
                         self.sender.handle_plugin_event(self.now, SLOT, &kvgate_abi::Event::succeeded(xfer, bytes));
@@ -99,8 +110,20 @@ fn run(borrowed: bool) -> (Vec<Result<(), Refusal>>, Vec<Command>, Metrics) {
         pair.send(held, 0, 2, &[slice(0, 8)], true),
     ];
     // The expect arrives: the held chunks are submitted and the room succeeds.
-    pair.expect(held, vec![vec![slice(0, 200), slice(1000, 56)]]);
-    pair.expect(direct, vec![vec![slice(0, 64)], vec![slice(64, 64)]]);
+    results.extend([
+        pair.expect(held, vec![vec![slice(0, 200), slice(1000, 56)]], None),
+        pair.expect(direct, vec![vec![slice(0, 64)], vec![slice(64, 64)]], Some(5_000)),
+        // Refused expects: duplicate, empty part, no parts, unknown region, out of range, zero timeout.
+        pair.expect(direct, vec![vec![slice(0, 64)]], None),
+        pair.expect(RoomKey::new(7, 0), vec![vec![slice(0, 8)], vec![]], None),
+        pair.expect(RoomKey::new(7, 0), vec![], None),
+        pair.expect(RoomKey::new(7, 0), vec![vec![Slice::new(UNKNOWN_REGION, 0, 8)]], None),
+        pair.expect(RoomKey::new(7, 0), vec![vec![slice(1 << 20, 8)]], None),
+        pair.expect(RoomKey::new(7, 0), vec![vec![slice(0, 8)]], Some(0)),
+        // A third room with three parts of different sizes, after the buffers of two notices were
+        // handed back (borrowed run): the reused buffers must carry exactly this room's slices.
+        pair.expect(RoomKey::new(8, 0), vec![vec![slice(0, 8), slice(16, 8), slice(32, 8)], vec![slice(64, 8)], vec![slice(128, 8)]], None),
+    ]);
     results.extend([
         // After the notice: placed and submitted at once.
         pair.send(direct, 0, 0, &[slice(500, 64)], true),
@@ -112,13 +135,22 @@ fn run(borrowed: bool) -> (Vec<Result<(), Refusal>>, Vec<Command>, Metrics) {
         pair.send(held, 0, 2, &[slice(0, 8)], true),
         pair.send(RoomKey::new(2, 0), 1, 1, &[slice(0, 8)], true),
     ]);
-    pair.expect(RoomKey::new(3, 5), vec![vec![slice(0, 8)]]);
+    results.push(pair.expect(RoomKey::new(3, 5), vec![vec![slice(0, 8)]], None));
     results.push(pair.send(RoomKey::new(3, 4), 0, 0, &[slice(0, 8)], true));
-    (results, pair.log, pair.sender.metrics().clone())
+    // One part after notices of three parts: the reused part list must shrink to one.
+    results.push(pair.expect(RoomKey::new(9, 0), vec![vec![slice(256, 8)]], None));
+    let mut metrics = pair.sender.metrics().clone();
+    // Both cores' counters (refusals of expects live in the receiver's).
+    let receiver = pair.receiver.metrics();
+    for (sum, add) in metrics.refusals.iter_mut().zip(&receiver.refusals) {
+        *sum += add;
+    }
+    metrics.rooms_created += receiver.rooms_created;
+    (results, pair.log, metrics)
 }
 
 #[test]
-fn borrowed_and_owned_sends_give_the_same_results_commands_and_metrics() {
+fn borrowed_and_owned_sends_and_expects_give_the_same_results_commands_and_metrics() {
     let (owned_results, owned_log, owned_metrics) = run(false);
     let (borrowed_results, borrowed_log, borrowed_metrics) = run(true);
     assert_eq!(borrowed_results, owned_results);
@@ -136,6 +168,8 @@ fn borrowed_and_owned_sends_give_the_same_results_commands_and_metrics() {
         RefusalReason::UnknownPart,
         RefusalReason::RoomTerminal,
         RefusalReason::StaleGeneration,
+        RefusalReason::DuplicateExpect,
+        RefusalReason::InvalidTimeout,
     ] {
         assert!(refused.contains(&reason), "{reason:?} not exercised: {refused:?}");
     }

@@ -85,7 +85,7 @@ fn sender_room_deadline_follows_the_notice() {
     pair.link_up = false;
     pair.drive(); // the notice is lost with the link down; deliver it by hand
     let notice = pair.decode.to_peer[0].clone();
-    pair.prefill.core.handle_peer_message(pair.now, DECODE_ID, notice);
+    pair.prefill.core.handle_peer_message(pair.now, DECODE_ID, &notice);
     pair.drive();
     pair.advance_ms(300);
     assert_eq!(pair.prefill.failure(room), Some(FailReason::RoomTimeout));

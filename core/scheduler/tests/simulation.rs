@@ -486,7 +486,7 @@ impl Sim {
                 if link_epoch != self.link_epoch {
                     return; // sent on a link that has since died
                 }
-                self.nodes[to].core.handle_peer_message(now, peer_of(1 - to), message);
+                self.nodes[to].core.handle_peer_message(now, peer_of(1 - to), &message);
                 self.drain(to);
             }
             Action::Plugin { node, event } => {

@@ -218,10 +218,10 @@ fn late_peer_messages_are_counted_and_never_touch_another_room() {
     // CONFORMANCE: ABORT-8
     let mut pair = Pair::new();
     pair.expect(key(1), &[&[(0, 8)]]).unwrap();
-    pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, PeerMessage::PartDone { room: key(2), part: 0, bytes: 8 });
-    pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, PeerMessage::Matched { room: RoomKey::new(1, 5) });
-    pair.decode.core.handle_peer_message(pair.now, PeerId(55), PeerMessage::PartDone { room: key(1), part: 0, bytes: 8 });
-    pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, PeerMessage::Quiesced { room: key(1) });
+    pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::PartDone { room: key(2), part: 0, bytes: 8 });
+    pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::Matched { room: RoomKey::new(1, 5) });
+    pair.decode.core.handle_peer_message(pair.now, PeerId(55), &PeerMessage::PartDone { room: key(1), part: 0, bytes: 8 });
+    pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::Quiesced { room: key(1) });
     pair.drive();
     assert_eq!(pair.decode.core.metrics().late_messages[LateSource::Peer.index()], 4);
     assert_eq!(pair.decode.state(pair.now, key(1), Role::Receiver), Some(RoomState::WaitingSender));

@@ -137,7 +137,7 @@ impl Driver {
                 }
             }
             Frame::Core(message) => match codec::decode(message) {
-                Ok(message) => self.core.handle_peer_message(now, peer, message),
+                Ok(message) => self.core.handle_peer_message(now, peer, &message),
                 Err(e) => {
                     self.metrics.count_bad_peer_frame();
                     tracing::warn!(peer = %state.name, "undecodable peer message dropped: {e}");

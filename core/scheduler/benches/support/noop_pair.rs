@@ -36,11 +36,15 @@ impl NoopPair {
         loop {
             let mut moved = false;
             // Executed commands go back to their core (`recycle_command`), as a driver that reuses
-            // the buffers of submits and incoming expects does.
+            // the buffers of submits, incoming expects and sent notices does. A message is
+            // delivered borrowed: the sending core gets its buffers back, as after serialising.
             while let Some(command) = self.receiver.poll_command() {
                 moved = true;
                 match command {
-                    Command::ToPeer { message, .. } => self.sender.handle_peer_message(self.now, A, message),
+                    Command::ToPeer { ref message, .. } => {
+                        self.sender.handle_peer_message(self.now, A, message);
+                        self.receiver.recycle_command(command);
+                    }
                     executed @ Command::ExpectIncoming { .. } => self.receiver.recycle_command(executed),
                     _ => {}
                 }
@@ -48,7 +52,7 @@ impl NoopPair {
             while let Some(command) = self.sender.poll_command() {
                 moved = true;
                 match command {
-                    Command::ToPeer { message, .. } => self.receiver.handle_peer_message(self.now, B, message),
+                    Command::ToPeer { ref message, .. } => self.receiver.handle_peer_message(self.now, B, message),
                     Command::Submit { xfer, ref segments, .. } => {
                         let bytes = segments.iter().map(|s| s.len).sum();
                         self.sender.handle_plugin_event(self.now, SLOT, &Event::succeeded(xfer, bytes));
@@ -68,8 +72,9 @@ impl NoopPair {
         let room = RoomKey::new(self.next_room, 0);
         self.next_room += 1;
         self.now = self.now.saturating_add(Nanos(1_000));
-        let parts = vec![vec![Slice::new(REGION, 0, 4096)]];
-        self.receiver.handle_engine(self.now, EngineRequest::Expect { room, peer: B, parts, timeout_ms: None }).unwrap();
+        // The expect's parts borrowed (`handle_expect`), as from an engine's own buffer.
+        let part = [Slice::new(REGION, 0, 4096)];
+        self.receiver.handle_expect(self.now, room, B, &[&part[..]], None).unwrap();
         self.pump();
         // The send's slices borrowed (`handle_send`), as from an engine's own buffer.
         let slices = [Slice::new(REGION, 0, 4096)];

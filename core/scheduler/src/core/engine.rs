@@ -93,24 +93,24 @@ impl Core {
         Ok((total, ranges))
     }
 
-    pub(super) fn engine_expect(
+    pub(super) fn engine_expect<P: AsRef<[Slice]>>(
         &mut self,
         now: Nanos,
         key: RoomKey,
         peer: PeerId,
-        parts: Vec<Vec<Slice>>,
+        parts: &[P],
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
         if timeout_ms == Some(0) {
             return Self::refuse(key, RefusalReason::InvalidTimeout);
         }
-        if parts.is_empty() || parts.iter().any(|p| p.is_empty()) {
+        if parts.is_empty() || parts.iter().any(|p| p.as_ref().is_empty()) {
             return Self::refuse(key, RefusalReason::EmptyRequest);
         }
         if parts.len() as u64 > self.config.max_parts_per_room {
             return Self::refuse(key, RefusalReason::TooManyParts);
         }
-        if parts.iter().any(|p| p.len() as u64 > self.config.max_slices_per_request) {
+        if parts.iter().any(|p| p.as_ref().len() as u64 > self.config.max_slices_per_request) {
             return Self::refuse(key, RefusalReason::TooManySlices);
         }
         let Some(plugin) = self.peers.get(&peer).map(|entry| entry.plugin) else {
@@ -129,8 +129,8 @@ impl Core {
         // Each part's ranges in the plugin's keys, resolved in the one pass that checks the slices.
         let mut part_ranges: smallvec::SmallVec<[Vec<LocalRange>; 1]> = smallvec::SmallVec::with_capacity(parts.len());
         let mut bytes_total = 0u64;
-        for part in &parts {
-            let (bytes, ranges) = self.resolve_expect_part(key, plugin, part)?;
+        for part in parts {
+            let (bytes, ranges) = self.resolve_expect_part(key, plugin, part.as_ref())?;
             bytes_total += bytes;
             recv_parts.push(RecvPart { bytes, done: false, ticket_open: true });
             part_ranges.push(ranges);
@@ -162,13 +162,15 @@ impl Core {
         self.arm(now, slot, TimerKind::Room, deadline);
         self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Receiver, state: RoomState::WaitingSender });
         let remaining = deadline.saturating_sub(now);
-        let mut tickets = Vec::with_capacity(parts.len());
+        let mut tickets = self.spare_tickets.pop().unwrap_or_default();
+        tickets.reserve(parts.len());
         for (index, ranges) in part_ranges.into_iter().enumerate() {
             let ticket = Ticket(ticket_base + index as u64);
             self.tickets.insert(ticket.0, super::TicketRef { slot, epoch, part: index as u32 });
             self.commands.push_back(Command::ExpectIncoming { plugin, peer, ticket, timeout: remaining, ranges });
             tickets.push(ticket);
         }
+        let parts = self.notice_parts(parts);
         self.push_peer(peer, PeerMessage::ExpectNotice { room: key, parts, tickets, deadline_remaining: remaining });
         Ok(())
     }

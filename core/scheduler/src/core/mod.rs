@@ -86,6 +86,8 @@ const SPARE_SEND_PARTS_CAPACITY: usize = 4;
 /// largest capacity kept (in elements): a huge submit's buffer is freed, not pinned.
 const SPARE_COMMAND_BUFFERS: usize = 64;
 const SPARE_COMMAND_BUFFER_CAPACITY: usize = 1024;
+/// Most parts of a notice part list kept for reuse (`recycle_command`).
+const SPARE_NOTICE_PARTS: usize = 64;
 
 /// One gateway's scheduler. Deterministic: the same inputs give the same outputs.
 pub struct Core {
@@ -120,6 +122,10 @@ pub struct Core {
     /// `SPARE_COMMAND_BUFFER_CAPACITY` elements).
     spare_segments: Vec<Vec<kvgate_abi::Segment>>,
     spare_ranges: Vec<Vec<kvgate_abi::LocalRange>>,
+    /// Part lists and ticket lists of sent expect notices (`recycle_command`) and of owned expect
+    /// requests, reused by the next notice (same bounds, see `keep_spare_notice_parts`).
+    spare_notice_parts: Vec<Vec<Vec<Slice>>>,
+    spare_tickets: Vec<Vec<kvgate_abi::Ticket>>,
 }
 
 impl Core {
@@ -146,6 +152,8 @@ impl Core {
             state_fifos: Default::default(),
             spare_segments: Vec::new(),
             spare_ranges: Vec::new(),
+            spare_notice_parts: Vec::new(),
+            spare_tickets: Vec::new(),
         })
     }
 
@@ -157,7 +165,12 @@ impl Core {
     /// stale room is counted as a late engine message). An abort is never refused.
     pub fn handle_engine(&mut self, now: Nanos, request: EngineRequest) -> Result<(), Refusal> {
         let result = match request {
-            EngineRequest::Expect { room, peer, parts, timeout_ms } => self.engine_expect(now, room, peer, parts, timeout_ms),
+            EngineRequest::Expect { room, peer, parts, timeout_ms } => {
+                let result = self.engine_expect(now, room, peer, &parts, timeout_ms);
+                // The notice got its own copy: the request's buffer is kept for a later notice.
+                self.keep_spare_notice_parts(parts);
+                result
+            }
             EngineRequest::Send { room, peer, part, chunk, slices, last } => {
                 self.engine_send(now, room, peer, part, chunk, SendSlices::Owned(slices), last)
             }
@@ -184,6 +197,22 @@ impl Core {
         last: bool,
     ) -> Result<(), Refusal> {
         let result = self.engine_send(now, room, peer, part, chunk, SendSlices::Borrowed(slices), last);
+        self.count_refusal(result)
+    }
+
+    /// An engine's expect with its parts borrowed (`&[Vec<Slice>]`, `&[&[Slice]]`, ..): exactly
+    /// `handle_engine(EngineRequest::Expect {..})` (same checks, refusals, counters and commands)
+    /// without the request's own `Vec`s. The expect notice's buffers come from notices handed back
+    /// with `recycle_command`.
+    pub fn handle_expect<P: AsRef<[Slice]>>(
+        &mut self,
+        now: Nanos,
+        room: RoomKey,
+        peer: PeerId,
+        parts: &[P],
+        timeout_ms: Option<u64>,
+    ) -> Result<(), Refusal> {
+        let result = self.engine_expect(now, room, peer, parts, timeout_ms);
         self.count_refusal(result)
     }
 
@@ -231,8 +260,9 @@ impl Core {
         self.peer_lost(now, peer, cause);
     }
 
-    /// A message from a peer gateway's core.
-    pub fn handle_peer_message(&mut self, now: Nanos, peer: PeerId, message: PeerMessage) {
+    /// A message from a peer gateway's core, borrowed: the core copies what it keeps, so the driver
+    /// may reuse the message's buffers (e.g. its decode buffers) afterwards.
+    pub fn handle_peer_message(&mut self, now: Nanos, peer: PeerId, message: &PeerMessage) {
         self.peer_message(now, peer, message);
     }
 
@@ -302,17 +332,52 @@ impl Core {
         self.commands.pop_front()
     }
 
-    /// Optional: hand back a command the driver has executed, so the core reuses its buffer (a
-    /// `Submit`'s segments, an `ExpectIncoming`'s ranges) for a later command of that kind. A driver
-    /// that recycles every command causes no heap allocation for them in steady state; dropping a
-    /// command instead is always correct. Other commands are simply dropped.
+    /// Optional: hand back a command the driver has executed, so the core reuses its buffers (a
+    /// `Submit`'s segments, an `ExpectIncoming`'s ranges, a sent `ExpectNotice`'s parts and
+    /// tickets) for a later command of that kind. A driver that recycles every command (and uses
+    /// `handle_send` / `handle_expect`) causes no heap allocation for them in steady state; dropping
+    /// a command instead is always correct. Other commands are simply dropped.
     #[inline]
     pub fn recycle_command(&mut self, command: Command) {
         match command {
             Command::Submit { segments, .. } => Self::keep_spare(&mut self.spare_segments, segments),
             Command::ExpectIncoming { ranges, .. } => Self::keep_spare(&mut self.spare_ranges, ranges),
+            Command::ToPeer { message: PeerMessage::ExpectNotice { parts, tickets, .. }, .. } => {
+                self.keep_spare_notice_parts(parts);
+                Self::keep_spare(&mut self.spare_tickets, tickets);
+            }
             _ => {}
         }
+    }
+
+    /// Keep a notice's part list (with its parts' slice buffers) for reuse, if it is small enough
+    /// (at most `SPARE_NOTICE_PARTS` parts and `SPARE_COMMAND_BUFFER_CAPACITY` slices in all) and
+    /// the pool has room.
+    fn keep_spare_notice_parts(&mut self, parts: Vec<Vec<Slice>>) {
+        let slices: usize = parts.iter().map(Vec::capacity).sum();
+        if parts.capacity() != 0
+            && parts.capacity() <= SPARE_NOTICE_PARTS
+            && slices <= SPARE_COMMAND_BUFFER_CAPACITY
+            && self.spare_notice_parts.len() < SPARE_COMMAND_BUFFERS
+        {
+            self.spare_notice_parts.push(parts);
+        }
+    }
+
+    /// The parts of a new expect notice: a copy of `parts`, in a reused buffer when there is one.
+    fn notice_parts<P: AsRef<[Slice]>>(&mut self, parts: &[P]) -> Vec<Vec<Slice>> {
+        let mut notice = self.spare_notice_parts.pop().unwrap_or_default();
+        notice.truncate(parts.len());
+        for (index, part) in parts.iter().enumerate() {
+            match notice.get_mut(index) {
+                Some(buffer) => {
+                    buffer.clear();
+                    buffer.extend_from_slice(part.as_ref());
+                }
+                None => notice.push(part.as_ref().to_vec()),
+            }
+        }
+        notice
     }
 
     /// Keep an emptied buffer for reuse, if it is small enough and the pool has room.
@@ -330,6 +395,12 @@ impl Core {
     #[cfg(test)]
     pub(crate) fn spare_command_buffers(&self) -> (usize, usize) {
         (self.spare_segments.len(), self.spare_ranges.len())
+    }
+
+    /// Notice buffers held for reuse: (part lists, ticket lists).
+    #[cfg(test)]
+    pub(crate) fn spare_notice_buffers(&self) -> (usize, usize) {
+        (self.spare_notice_parts.len(), self.spare_tickets.len())
     }
 
     /// When the core next needs `handle_timeout` (None: no timer armed). It may be a little early
@@ -627,5 +698,44 @@ mod recycle_tests {
         };
         core.recycle_command(ranges);
         assert_eq!(core.spare_command_buffers(), (SPARE_COMMAND_BUFFERS, 1));
+    }
+
+    fn notice(parts: Vec<Vec<Slice>>, tickets: usize) -> Command {
+        let message = PeerMessage::ExpectNotice {
+            room: RoomKey::new(1, 0),
+            parts,
+            tickets: Vec::with_capacity(tickets),
+            deadline_remaining: Nanos::ZERO,
+        };
+        Command::ToPeer { peer: PeerId(1), message }
+    }
+
+    #[test]
+    fn recycled_notices_are_kept_within_their_part_slice_and_count_limits() {
+        let mut core = Core::new(CoreConfig::default()).unwrap();
+        core.recycle_command(notice(vec![Vec::with_capacity(SPARE_COMMAND_BUFFER_CAPACITY)], 1));
+        assert_eq!(core.spare_notice_buffers(), (1, 1), "a notice at the slice limit is kept");
+        core.recycle_command(notice(vec![Vec::with_capacity(SPARE_COMMAND_BUFFER_CAPACITY), Vec::with_capacity(1)], 1));
+        assert_eq!(core.spare_notice_buffers(), (1, 2), "parts past the slice limit are freed");
+        let mut parts = Vec::with_capacity(SPARE_NOTICE_PARTS + 1);
+        parts.push(Vec::with_capacity(1));
+        core.recycle_command(notice(parts, 0));
+        assert_eq!(core.spare_notice_buffers(), (1, 2), "a part list past the part limit is freed, no empty ticket list kept");
+        for _ in 1..SPARE_COMMAND_BUFFERS {
+            core.recycle_command(notice(vec![Vec::with_capacity(2)], 1));
+        }
+        assert_eq!(core.spare_notice_buffers().0, SPARE_COMMAND_BUFFERS, "the pool fills to its limit");
+        core.recycle_command(notice(vec![Vec::with_capacity(2)], 1));
+        assert_eq!(core.spare_notice_buffers().0, SPARE_COMMAND_BUFFERS, "and no further");
+        // A reused list takes exactly the new parts (fewer, more, different lengths).
+        let a = Slice::new(RegionId(1), 0, 8);
+        let b = Slice::new(RegionId(2), 8, 16);
+        assert_eq!(core.notice_parts(&[[a, b]]), vec![vec![a, b]]);
+        let mut core = Core::new(CoreConfig::default()).unwrap();
+        core.recycle_command(notice(vec![vec![a, a, a], vec![b], vec![b, b]], 1));
+        assert_eq!(core.notice_parts(&[&[b][..]]), vec![vec![b]]);
+        core.recycle_command(notice(vec![vec![a]], 1));
+        let parts: [&[Slice]; 3] = [&[b, b], &[a], &[a, b, a]];
+        assert_eq!(core.notice_parts(&parts), vec![vec![b, b], vec![a], vec![a, b, a]]);
     }
 }

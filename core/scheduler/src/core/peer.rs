@@ -102,9 +102,9 @@ impl Core {
         }
     }
 
-    pub(super) fn peer_message(&mut self, now: Nanos, peer: PeerId, message: PeerMessage) {
-        match message {
-            PeerMessage::ExpectNotice { room, parts, tickets, deadline_remaining } => {
+    pub(super) fn peer_message(&mut self, now: Nanos, peer: PeerId, message: &PeerMessage) {
+        match *message {
+            PeerMessage::ExpectNotice { room, ref parts, ref tickets, deadline_remaining } => {
                 self.on_expect_notice(now, peer, room, parts, tickets, deadline_remaining)
             }
             PeerMessage::Matched { room } => match self.peer_room(room, Role::Receiver, peer) {
@@ -217,8 +217,8 @@ impl Core {
         now: Nanos,
         peer: PeerId,
         key: RoomKey,
-        parts: Vec<Vec<Slice>>,
-        tickets: Vec<Ticket>,
+        parts: &[Vec<Slice>],
+        tickets: &[Ticket],
         remaining: Nanos,
     ) {
         if !self.peers.contains_key(&peer) {
@@ -279,8 +279,8 @@ impl Core {
         now: Nanos,
         slot: u32,
         peer: PeerId,
-        notice_parts: Vec<Vec<Slice>>,
-        tickets: Vec<Ticket>,
+        notice_parts: &[Vec<Slice>],
+        tickets: &[Ticket],
         remaining: Nanos,
     ) -> Result<(), FailReason> {
         let held_parts = match &self.room_at(slot).data {
@@ -296,7 +296,7 @@ impl Core {
         }
         // Check every destination slice first (nothing changes on error), then resolve in place.
         let remote = &self.peers[&peer].remote_regions;
-        for part in &notice_parts {
+        for part in notice_parts {
             for slice in part {
                 let Some(&(len, _)) = remote.get(&slice.region) else { return Err(FailReason::UnknownRemoteRegion) };
                 if slice.len == 0 || slice.offset.checked_add(slice.len).is_none_or(|end| end > len) {
@@ -313,7 +313,7 @@ impl Core {
         parts.reserve_exact(notice_parts.len().saturating_sub(parts.len()));
         parts.resize_with(notice_parts.len(), SendPart::default);
         let mut bytes_total = 0;
-        for ((part, notice_part), ticket) in parts.iter_mut().zip(&notice_parts).zip(tickets) {
+        for ((part, notice_part), &ticket) in parts.iter_mut().zip(notice_parts).zip(tickets) {
             let mut dest = smallvec::SmallVec::with_capacity(notice_part.len());
             let mut total = 0u64;
             for slice in notice_part {

@@ -228,7 +228,7 @@ impl Pair {
             Command::ToPeer { peer, message } => {
                 self.decode.to_peer.push(message.clone());
                 if self.link_up && peer == PREFILL_ID {
-                    self.prefill.core.handle_peer_message(self.now, DECODE_ID, message);
+                    self.prefill.core.handle_peer_message(self.now, DECODE_ID, &message);
                 }
             }
             Command::ExpectIncoming { ticket, .. } => self.decode.tickets_opened.push(ticket),
@@ -250,7 +250,7 @@ impl Pair {
                 assert_eq!(peer, DECODE_ID);
                 self.prefill.to_peer.push(message.clone());
                 if self.link_up {
-                    self.decode.core.handle_peer_message(self.now, PREFILL_ID, message);
+                    self.decode.core.handle_peer_message(self.now, PREFILL_ID, &message);
                 }
             }
             Command::Submit { xfer, ticket, timeout, segments, .. } => {
