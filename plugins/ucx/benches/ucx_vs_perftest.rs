@@ -19,7 +19,8 @@
 //! `KVGATE_UCX_BENCH_WINDOW` (messages in flight on both sides, default 8),
 //! `KVGATE_UCX_BENCH_REPEAT` (measurements per point, default 3),
 //! `KVGATE_UCX_BENCH_ONLY` (`tcp`|`sm`|`sm-put`), `KVGATE_UCX_BENCH_SIZES` (bytes, comma-separated),
-//! `KVGATE_UCX_BENCH_PLUGIN_EXTRA` (TOML lines appended to the plugin's config, e.g. `busy_poll_us = 0`).
+//! `KVGATE_UCX_BENCH_PLUGIN_EXTRA` (TOML lines appended to the plugin's config, e.g. `busy_poll_us = 0`),
+//! `KVGATE_UCX_BENCH_PLUGIN_ONLY=1` (skip `ucx_perftest`; for profiling the plugin alone, no ratio).
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, PluginFactory, Sink};
 use kvgate_abi::*;
@@ -198,6 +199,7 @@ fn main() {
     let repeat = env_u64("KVGATE_UCX_BENCH_REPEAT", 3).max(1);
     let only = std::env::var("KVGATE_UCX_BENCH_ONLY").ok();
     let extra = std::env::var("KVGATE_UCX_BENCH_PLUGIN_EXTRA").unwrap_or_default();
+    let plugin_only = env_u64("KVGATE_UCX_BENCH_PLUGIN_ONLY", 0) != 0;
     let sizes: Vec<usize> = std::env::var("KVGATE_UCX_BENCH_SIZES")
         .ok()
         .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
@@ -221,7 +223,8 @@ fn main() {
             let (mut references, mut ours, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
             let mut errors = Vec::new();
             for _ in 0..repeat {
-                match (perftest(t, size, iters, window), plugin(t, size, iters, window, &extra)) {
+                let reference = if plugin_only { Ok(1.0) } else { perftest(t, size, iters, window) };
+                match (reference, plugin(t, size, iters, window, &extra)) {
                     (Ok(r), Ok(p)) => {
                         references.push(r);
                         ours.push(p);

@@ -186,8 +186,11 @@ impl Engine {
                 last_activity = now;
                 continue;
             }
-            let in_flight = !self.requests.is_empty() || self.receiver.borrow().pending_receives() > 0;
-            if in_flight && now.duration_since(last_activity) < busy_poll {
+            // Poll for `busy_poll_us` after the last activity whatever is in flight: a sender's
+            // transfers awaiting their reply have no UCX request pending, and a receiver between two
+            // messages of a stream has nothing pending at all; sleeping there makes the peer pay a
+            // wake-up signal (a socket write) and this thread a wake-up for every message.
+            if now.duration_since(last_activity) < busy_poll {
                 // Yield rather than spin: on a small machine the thread that would complete the
                 // work (the host, a receiver in the same process) may be waiting for this core.
                 std::thread::yield_now();

@@ -146,14 +146,14 @@ impl Receiver {
             let peer = *registry
                 .instance_to_peer
                 .get(&header.sender)
-                .ok_or((ReasonCode::NOT_EXPECTED, format!("write from unknown sender instance {:#x}", header.sender)))?;
+                .ok_or_else(|| (ReasonCode::NOT_EXPECTED, format!("write from unknown sender instance {:#x}", header.sender)))?;
             if header.len != length as u64 {
                 return Err((ReasonCode::PROTOCOL_VIOLATION, format!("header says {} bytes, message has {length}", header.len)));
             }
             let region = registry
                 .regions
                 .get(&header.region)
-                .ok_or((ReasonCode::UNKNOWN_KEY, format!("no registered region {}", header.region)))?;
+                .ok_or_else(|| (ReasonCode::UNKNOWN_KEY, format!("no registered region {}", header.region)))?;
             if header.offset.checked_add(header.len).is_none_or(|end| end > region.len) {
                 return Err((ReasonCode::OUT_OF_RANGE, format!("{}+{} outside region {} of {} bytes", header.offset, header.len, header.region, region.len)));
             }
@@ -163,7 +163,7 @@ impl Receiver {
                 .tickets
                 .get(&header.ticket)
                 .map(|t| t.peer)
-                .ok_or((ReasonCode::NOT_EXPECTED, format!("no ticket {}", header.ticket)))?;
+                .ok_or_else(|| (ReasonCode::NOT_EXPECTED, format!("no ticket {}", header.ticket)))?;
             // Several peer ids may name one instance: the ticket's peer must be one of them.
             if ticket_peer != peer && !registry.sender_is_peer(header.sender, ticket_peer) {
                 return Err((ReasonCode::NOT_EXPECTED, format!("ticket {} belongs to peer {}, write came from peer {}", header.ticket, ticket_peer.0, peer.0)));
