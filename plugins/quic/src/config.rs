@@ -10,6 +10,12 @@ use std::path::PathBuf;
 /// their length stays below 2^14 bytes.
 pub const MAX_MIN_MTU_BYTES: u16 = 16000;
 
+/// Smallest non-zero `malloc_trim_threshold_bytes`: glibc's own default (128 KiB).
+pub const MIN_MALLOC_TRIM_THRESHOLD_BYTES: u64 = 128 << 10;
+
+/// Largest `malloc_trim_threshold_bytes` (1 GiB; `mallopt` takes an `int`).
+pub const MAX_MALLOC_TRIM_THRESHOLD_BYTES: u64 = 1 << 30;
+
 /// Largest datagram `segmentation_offload` may be combined with (see there).
 pub const MAX_GSO_DATAGRAM_BYTES: u16 = 1500;
 
@@ -120,6 +126,15 @@ pub struct QuicConfig {
     /// SO_RCVBUF / SO_SNDBUF requested for each UDP socket (the kernel caps it at `net.core.rmem_max`).
     /// Default 4194304, range 65536..=1073741824.
     pub socket_buffer_bytes: usize,
+    /// Process-wide, opt-in: glibc's `M_TRIM_THRESHOLD` (`mallopt`), set at open when non-zero: free
+    /// memory at the top of a malloc heap is kept up to this many bytes instead of being handed back to
+    /// the kernel. quinn copies every received datagram into a fresh buffer (64 KiB on loopback), which
+    /// glibc's default (128 KiB, dynamic) hands back and faults in again: measured on loopback, a tenth
+    /// of all the CPU went to those page faults. It is the host process's allocator, so it stays the
+    /// host's choice (the gateway or the operator's config); the same as the environment
+    /// `GLIBC_TUNABLES=glibc.malloc.trim_threshold=N`. Default 0 (leave the allocator alone), range 0 or
+    /// 131072..=1073741824; refused when non-zero on a target without glibc.
+    pub malloc_trim_threshold_bytes: u64,
     /// Most segments one submit may carry. Default 1048576, range 1..=16777216.
     pub max_segments_per_submit: u64,
     /// Most live outgoing transfers. Default 65536, range 1..=16777216.
@@ -167,6 +182,7 @@ impl Default for QuicConfig {
             write_chunk_bytes: 256 * 1024,
             staging_pool_bytes: 64 << 20,
             socket_buffer_bytes: 4 << 20,
+            malloc_trim_threshold_bytes: 0,
             max_segments_per_submit: 1 << 20,
             max_inflight_transfers: 65536,
             max_live_tickets: 65536,
@@ -273,6 +289,12 @@ impl QuicConfig {
         check_range("write_chunk_bytes", self.write_chunk_bytes, 4096, 16 << 20)?;
         check_range("staging_pool_bytes", self.staging_pool_bytes, 0, 1 << 32)?;
         check_range("socket_buffer_bytes", self.socket_buffer_bytes, 65536, 1 << 30)?;
+        if self.malloc_trim_threshold_bytes != 0 {
+            check_range("malloc_trim_threshold_bytes", self.malloc_trim_threshold_bytes, MIN_MALLOC_TRIM_THRESHOLD_BYTES, MAX_MALLOC_TRIM_THRESHOLD_BYTES)?;
+            if !crate::allocator::TRIM_THRESHOLD_SUPPORTED {
+                return Err(invalid("malloc_trim_threshold_bytes", "is set, but this build does not use glibc's allocator"));
+            }
+        }
         check_range("max_segments_per_submit", self.max_segments_per_submit, 1, 1 << 24)?;
         check_range("max_inflight_transfers", self.max_inflight_transfers, 1, 1 << 24)?;
         check_range("max_live_tickets", self.max_live_tickets, 1, 1 << 24)?;

@@ -5,6 +5,7 @@
 //! Built in through [`module`]; loadable as `libkvgate_quic.so` (crate `kvgate-plugin-quic-so`).
 //! Configuration keys: see [`QuicConfig`]. Wire format: see [`wire`].
 
+mod allocator;
 pub mod config;
 pub mod incoming;
 mod lanes;

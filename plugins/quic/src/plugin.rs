@@ -111,6 +111,12 @@ impl QuicPlugin {
             (Some(cert), Some(key)) => Identity::from_pem_files(cert, key)?,
             _ => Identity::self_signed()?,
         };
+        if config.malloc_trim_threshold_bytes != 0 {
+            crate::allocator::set_malloc_trim_threshold(config.malloc_trim_threshold_bytes).map_err(|why| {
+                PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: `malloc_trim_threshold_bytes`: {why}"))
+            })?;
+            tracing::info!(bytes = config.malloc_trim_threshold_bytes, "quic: glibc malloc trim threshold set (process-wide)");
+        }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads)
             .thread_name("kvgate-quic")

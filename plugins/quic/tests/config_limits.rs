@@ -127,6 +127,20 @@ fn lanes_stay_below_the_concurrent_stream_limit() {
 }
 
 #[test]
+fn the_malloc_trim_threshold_is_zero_or_within_its_range() {
+    assert_eq!(parse("").unwrap().malloc_trim_threshold_bytes, 0, "the allocator is left alone by default");
+    parse("malloc_trim_threshold_bytes = 0").unwrap();
+    for ok in [131072u64, 1 << 30] {
+        parse(&format!("malloc_trim_threshold_bytes = {ok}")).unwrap_or_else(|e| panic!("{ok} refused: {e}"));
+    }
+    for bad in [1u64, 131071, (1 << 30) + 1] {
+        let err = parse(&format!("malloc_trim_threshold_bytes = {bad}")).expect_err("out of range");
+        assert_eq!(err.code, ReasonCode::INVALID_ARGUMENT);
+        assert!(err.message.contains("malloc_trim_threshold_bytes"), "{err}");
+    }
+}
+
+#[test]
 fn keep_alive_must_be_below_the_idle_timeout() {
     let err = parse("idle_timeout_ms = 1000\nkeep_alive_interval_ms = 1000").unwrap_err();
     assert!(err.message.contains("keep_alive_interval_ms"), "{err}");
