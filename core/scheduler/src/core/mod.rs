@@ -10,6 +10,7 @@ mod id_table;
 mod mapping;
 mod outcome;
 mod peer;
+mod peer_keyed;
 mod plugin;
 mod room;
 mod view;
@@ -27,6 +28,7 @@ use id_table::SequentialIdTable;
 use room::{Room, Slot, NIL};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
+use peer_keyed::{peer_keyed_map, PeerKeyedMap};
 
 
 /// A local region as the core knows it.
@@ -46,7 +48,7 @@ struct PeerEntry {
     incarnation: u64,
     plugin: PluginSlot,
     room_head: u32,
-    remote_regions: FxHashMap<RegionId, (u64, RemoteKey)>,
+    remote_regions: PeerKeyedMap<RegionId, (u64, RemoteKey)>,
 }
 
 /// Where an outgoing transfer id points.
@@ -96,8 +98,8 @@ pub struct Core {
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
     /// Room id -> slot, one table per role (indexed by `role as usize`): an 8-byte key hashes
-    /// faster and packs tighter than `(id, role)`.
-    keys: [FxHashMap<u64, u32>; 2],
+    /// faster and packs tighter than `(id, role)`. Keyed hash: room ids may come from peers.
+    keys: [PeerKeyedMap<u64, u32>; 2],
     /// Transfer id -> chunk, ticket -> part: both issued in increasing order.
     xfers: SequentialIdTable<XferRef>,
     tickets: SequentialIdTable<TicketRef>,
@@ -137,7 +139,7 @@ impl Core {
             metrics: Metrics::default(),
             slots: Vec::new(),
             free_slots: Vec::new(),
-            keys: Default::default(),
+            keys: [peer_keyed_map(), peer_keyed_map()],
             xfers: SequentialIdTable::default(),
             tickets: SequentialIdTable::default(),
             peers: FxHashMap::default(),

@@ -19,7 +19,7 @@ impl Core {
             }
             self.peer_lost(now, peer, PeerLoss::Restarted);
         }
-        let entry = PeerEntry { incarnation, plugin, room_head: NIL, remote_regions: Default::default() };
+        let entry = PeerEntry { incarnation, plugin, room_head: NIL, remote_regions: super::peer_keyed_map() };
         self.peers.insert(peer, entry);
     }
 
