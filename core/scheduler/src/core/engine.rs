@@ -145,17 +145,18 @@ impl Core {
         }
         let ticket_base = self.next_ticket;
         self.next_ticket += parts.len() as u64;
-        let mut room = Room::new(key, Role::Receiver, RoomState::WaitingSender, now, RoleData::Receiver {
-            ticket_base,
-            parts: recv_parts,
-        });
         let room_timeout_ms = timeout_ms.unwrap_or(self.config.room_timeout_ms).min(self.config.max_room_timeout_ms);
-        room.deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
-        room.bytes_total = bytes_total;
-        room.in_flight = parts.len() as u32;
-        room.touch(now, LastEvent::Expect);
-        let deadline = room.deadline;
-        let slot = self.insert_room(room);
+        let deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
+        let in_flight = parts.len() as u32;
+        let slot = self.insert_room(|| {
+            let data = RoleData::Receiver { ticket_base, parts: recv_parts };
+            let mut room = Room::new(key, Role::Receiver, RoomState::WaitingSender, now, data);
+            room.deadline = deadline;
+            room.bytes_total = bytes_total;
+            room.in_flight = in_flight;
+            room.touch(now, LastEvent::Expect);
+            room
+        });
         let epoch = self.epoch(slot);
         self.link_peer(slot, peer);
         self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
@@ -226,14 +227,14 @@ impl Core {
                 parts[part as usize].held.push(HeldChunk { slices: slices.into_boxed(), last });
                 parts[part as usize].next_chunk = 1;
                 parts[part as usize].last_seen = last;
-                let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, RoleData::Sender {
-                    notice: false,
-                    parts,
+                let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
+                let slot = self.insert_room(|| {
+                    let data = RoleData::Sender { notice: false, parts };
+                    let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, data);
+                    room.deadline = deadline;
+                    room.touch(now, LastEvent::Send);
+                    room
                 });
-                room.deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
-                room.touch(now, LastEvent::Send);
-                let deadline = room.deadline;
-                let slot = self.insert_room(room);
                 self.metrics.pending_sends += 1;
                 if let Some(peer) = peer {
                     self.link_peer(slot, peer);

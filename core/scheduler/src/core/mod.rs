@@ -454,18 +454,22 @@ impl Core {
 
     // ----- slab, keys, states, timers -----
 
+    #[inline]
     fn room_at(&self, slot: u32) -> &Room {
         self.slots[slot as usize].room.as_ref().expect("live slot")
     }
 
+    #[inline]
     fn room_mut(&mut self, slot: u32) -> &mut Room {
         self.slots[slot as usize].room.as_mut().expect("live slot")
     }
 
+    #[inline]
     fn epoch(&self, slot: u32) -> u32 {
         self.slots[slot as usize].epoch
     }
 
+    #[inline]
     fn lookup(&self, key: RoomKey, role: Role) -> Lookup {
         match self.keys[role as usize].get(&key.room) {
             None => Lookup::Absent,
@@ -482,23 +486,25 @@ impl Core {
         }
     }
 
-    /// Put a new room in the slab and the key table (replacing an older generation's entry).
-    fn insert_room(&mut self, room: Room) -> u32 {
-        let (key, role) = (room.key.room, room.role);
-        let state = room.state;
-        let entered = room.state_entered;
+    /// Put a new room, built by `build`, in the slab and the key table (replacing an older
+    /// generation's entry). The slot is claimed first so the room is built in place, not copied.
+    #[inline(always)]
+    fn insert_room(&mut self, build: impl FnOnce() -> Room) -> u32 {
         let slot = match self.free_slots.pop() {
             Some(slot) => {
                 let entry = &mut self.slots[slot as usize];
                 entry.epoch = entry.epoch.wrapping_add(1);
-                entry.room = Some(room);
                 slot
             }
             None => {
-                self.slots.push(Slot { epoch: 0, room: Some(room) });
+                self.slots.push(Slot { epoch: 0, room: None });
                 (self.slots.len() - 1) as u32
             }
         };
+        let room = self.slots[slot as usize].room.insert(build());
+        let (key, role) = (room.key.room, room.role);
+        let state = room.state;
+        let entered = room.state_entered;
         self.keys[role as usize].insert(key, slot);
         self.metrics.rooms_created += 1;
         self.metrics.rooms_by_state[state.index()] += 1;
@@ -572,6 +578,7 @@ impl Core {
     }
 
     /// Whether `slot` holds a room and is at `epoch`.
+    #[inline]
     fn slot_is(&self, slot: u32, epoch: u32) -> bool {
         let entry = &self.slots[slot as usize];
         entry.epoch == epoch && entry.room.is_some()
@@ -596,11 +603,13 @@ impl Core {
 
     /// Disarm a timer: nothing moves in the wheel (the room's entry, if now early, finds nothing
     /// due and is re-armed at the next deadline).
+    #[inline]
     fn disarm(&mut self, slot: u32, kind: TimerKind) {
         self.room_mut(slot).armed &= !kind.bit();
     }
 
     /// Disarm several of the room's timers with one slab lookup.
+    #[inline]
     fn disarm_all(&mut self, slot: u32, kinds: &[TimerKind]) {
         let room = self.room_mut(slot);
         for &kind in kinds {
@@ -617,6 +626,7 @@ impl Core {
         room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, room.earliest_wheel_deadline());
     }
 
+    #[inline]
     fn timer_deadline(&self, slot: u32, kind: TimerKind) -> Option<Nanos> {
         self.room_at(slot).timer(kind)
     }
@@ -638,6 +648,7 @@ impl Core {
     }
 
     // CONFORMANCE: ABORT-8
+    #[inline]
     fn count_late(&mut self, source: LateSource) {
         self.metrics.late_messages[source.index()] += 1;
     }
@@ -652,10 +663,12 @@ impl Core {
         Nanos::from_ms(self.config.transfer_base_ms).saturating_add(Nanos(per_byte_ns))
     }
 
+    #[inline]
     fn push_engine(&mut self, event: RoomEvent) {
         self.commands.push_back(Command::ToEngine(event));
     }
 
+    #[inline]
     fn push_peer(&mut self, peer: PeerId, message: PeerMessage) {
         self.commands.push_back(Command::ToPeer { peer, message });
     }

@@ -246,11 +246,13 @@ impl Core {
             Role::Sender => RoleData::Sender { notice: false, parts: Vec::new() },
             Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: SmallVec::new() },
         };
-        let mut room = Room::new(key, role, RoomState::Failed, now, data);
-        room.tombstone_only = true;
-        room.failure = Some(Failure { reason, phase: Phase::Bootstrap, peer_reason: None, plugin_reason: None });
-        room.last_event = if reason == FailReason::Aborted { LastEvent::Aborted } else { LastEvent::Failed };
-        let slot = self.insert_room(room);
+        let slot = self.insert_room(|| {
+            let mut room = Room::new(key, role, RoomState::Failed, now, data);
+            room.tombstone_only = true;
+            room.failure = Some(Failure { reason, phase: Phase::Bootstrap, peer_reason: None, plugin_reason: None });
+            room.last_event = if reason == FailReason::Aborted { LastEvent::Aborted } else { LastEvent::Failed };
+            room
+        });
         self.metrics.rooms_created -= 1;
         self.settle(now, slot);
     }

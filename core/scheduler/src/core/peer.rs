@@ -253,11 +253,14 @@ impl Core {
                 if let Lookup::Older(old) = lookup {
                     self.supersede(now, old);
                 }
-                let data = RoleData::Sender { notice: false, parts: self.spare_send_parts() };
-                let mut room = super::room::Room::new(key, Role::Sender, RoomState::WaitingSend, now, data);
-                room.deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
-                let deadline = room.deadline;
-                let slot = self.insert_room(room);
+                let parts = self.spare_send_parts();
+                let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
+                let slot = self.insert_room(|| {
+                    let data = RoleData::Sender { notice: false, parts };
+                    let mut room = super::room::Room::new(key, Role::Sender, RoomState::WaitingSend, now, data);
+                    room.deadline = deadline;
+                    room
+                });
                 self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
                 self.arm(now, slot, TimerKind::Room, deadline);
                 self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Sender, state: RoomState::WaitingSend });
