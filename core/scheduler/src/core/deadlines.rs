@@ -109,7 +109,17 @@ impl Deadlines {
     }
 
     /// The room's earliest deadline may have moved earlier, to `deadline`; returns its entry value.
+    /// The common case (a room in the nursery whose new deadline is still past the nursery's
+    /// newest promote time) is answered inline; the rest is `lower_slow`.
+    #[inline]
     pub fn lower(&mut self, now: Nanos, entry: u32, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
+        if in_nursery(entry) && self.newest_promote_time().is_some_and(|at| deadline >= at) {
+            return entry;
+        }
+        self.lower_slow(now, entry, slot, epoch, deadline)
+    }
+
+    fn lower_slow(&mut self, now: Nanos, entry: u32, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
         if entry == NO_ENTRY {
             return self.place(now, slot, epoch, deadline);
         }

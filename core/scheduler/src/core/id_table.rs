@@ -26,7 +26,21 @@ impl<V: Copy> Default for SequentialIdTable<V> {
 
 impl<V: Copy> SequentialIdTable<V> {
     /// Insert `id`, which must be higher than every id inserted before (ids skipped are absent).
+    #[inline]
     pub fn insert(&mut self, id: u64, value: V) {
+        // The common case: the next id, and the window within its bound after the insert.
+        if !self.window.is_empty()
+            && id == self.base + self.window.len() as u64
+            && self.window.len() < 2 * (self.window_live + 1) + WINDOW_SLACK_IDS
+        {
+            self.window.push_back(Some(value));
+            self.window_live += 1;
+            return;
+        }
+        self.insert_slow(id, value);
+    }
+
+    fn insert_slow(&mut self, id: u64, value: V) {
         if self.window.is_empty() {
             self.base = id;
         }
