@@ -11,6 +11,7 @@ pub mod incoming;
 mod lanes;
 mod net;
 pub mod outgoing;
+mod packet_crypto;
 mod peers;
 mod plugin;
 pub mod reader;

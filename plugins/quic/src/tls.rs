@@ -87,7 +87,8 @@ impl KnownPeers {
     }
 }
 
-/// ring's provider with the TLS 1.3 suites ordered by `preferred` first. Every suite stays offered,
+/// ring's provider (QUIC packet protection of the AES-GCM suites by aws-lc-rs, see `packet_crypto`)
+/// with the TLS 1.3 suites ordered by `preferred` first. Every suite stays offered,
 /// so instances configured differently still agree on one (the server follows the client's order).
 pub fn provider(preferred: CipherSuite) -> Arc<CryptoProvider> {
     use rustls::crypto::ring::cipher_suite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256};
@@ -102,6 +103,8 @@ pub fn provider(preferred: CipherSuite) -> Arc<CryptoProvider> {
             suites.push(s);
         }
     }
+    // The same suites on the wire; only the AES-GCM packet protection runs on aws-lc-rs.
+    let suites = suites.into_iter().map(crate::packet_crypto::with_fast_packet_protection).collect();
     Arc::new(CryptoProvider { cipher_suites: suites, ..rustls::crypto::ring::default_provider() })
 }
 
