@@ -3,6 +3,8 @@
 //! `valgrind --tool=callgrind`: `lifecycle_loop [N] [WARMUP]`
 //! (defaults 100 000 and 110 000, past `max_tombstones` so the slab is at its steady size);
 //! `--toggle-collect='*measured_lifecycles*'` counts the measured loop alone.
+//! `KVGATE_LOOP_MAX_TOMBSTONES` overrides `max_tombstones` (default 100 000, as the bench): a small
+//! value keeps the slab in cache and shows what the cache misses of a large one cost.
 
 use kvgate_core::*;
 
@@ -14,7 +16,9 @@ fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<u64>().expect("a count"));
     let count = args.next().unwrap_or(100_000);
     let warmup = args.next().unwrap_or(110_000);
-    let config = CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones: 100_000, max_pending_sends: 1_000_000, ..CoreConfig::default() };
+    let max_tombstones =
+        std::env::var("KVGATE_LOOP_MAX_TOMBSTONES").ok().map(|v| v.parse::<u64>().expect("a count")).unwrap_or(100_000);
+    let config = CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones, max_pending_sends: 1_000_000, ..CoreConfig::default() };
     let mut pair = NoopPair::new(config);
     for _ in 0..warmup {
         pair.lifecycle();
