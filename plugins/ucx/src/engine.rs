@@ -4,14 +4,15 @@
 //! is bounded by a deadline or `busy_poll_us`.
 
 use crate::config::ResolvedMode;
-use crate::receiver::{self, Receiver, COMPLETIONS, EP_ERRORS, RECV_TOKEN_BIT, REPLY_EARLY_BIT};
+use crate::fast_map::FastMap;
+use crate::receiver::{self, Receiver, SenderNotice, COMPLETIONS, EP_ERRORS, RECV_TOKEN_BIT, REPLY_EARLY_BIT};
 use crate::shared::{Command, OutgoingJob, Shared};
 use crate::ucp::{self, ucp_ep_h, ucp_rkey_h, ucs_status_t, Posted, Worker};
 use crate::wire::{self, CommitHeader, DataHeader, ReplyHeader};
 use kvgate_abi::{Event, LocalKey, PeerId, ReasonCode, XferId};
 use std::cell::RefCell;
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -91,13 +92,13 @@ pub struct Engine {
     receiver: Box<RefCell<Receiver>>,
     worker_fd: i32,
     /// Connected peer ids and the remote instance each one names.
-    peers: HashMap<PeerId, u64>,
+    peers: FastMap<PeerId, u64>,
     /// One endpoint per remote instance.
-    conns: HashMap<u64, PeerConn>,
+    conns: FastMap<u64, PeerConn>,
     /// Endpoint tokens (the error callback's argument) and the instance each one reaches.
-    ep_tokens: HashMap<u64, u64>,
-    xfers: HashMap<u64, Outgoing>,
-    requests: HashMap<u64, Req>,
+    ep_tokens: FastMap<u64, u64>,
+    xfers: FastMap<u64, Outgoing>,
+    requests: FastMap<u64, Req>,
     next_token: u64,
     timers: BinaryHeap<Reverse<(Instant, u64)>>,
     last_sweep: Instant,
@@ -105,6 +106,14 @@ pub struct Engine {
     /// created yet (its `Connect` command is queued behind the progress round that took the
     /// sender's writes): sent once the endpoint exists, dropped (logged) if it never will.
     replies_awaiting_endpoint: Vec<(u64, ReplyHeader)>,
+    /// Buffers reused every round (commands taken from the queue, completions and endpoint failures
+    /// gathered by callbacks, transfers to pump), so a steady stream allocates nothing for them.
+    command_buffer: VecDeque<Command>,
+    completion_buffer: Vec<(u64, ucs_status_t)>,
+    failure_buffer: Vec<(u64, ucs_status_t)>,
+    pump_buffer: Vec<u64>,
+    notice_buffer: Vec<SenderNotice>,
+    reply_buffer: Vec<(u64, ReplyHeader)>,
 }
 
 impl Engine {
@@ -123,15 +132,21 @@ impl Engine {
             worker,
             receiver,
             worker_fd,
-            peers: HashMap::new(),
-            conns: HashMap::new(),
-            ep_tokens: HashMap::new(),
-            xfers: HashMap::new(),
-            requests: HashMap::new(),
+            peers: FastMap::default(),
+            conns: FastMap::default(),
+            ep_tokens: FastMap::default(),
+            xfers: FastMap::default(),
+            requests: FastMap::default(),
             next_token: 1,
             timers: BinaryHeap::new(),
             last_sweep: Instant::now(),
             replies_awaiting_endpoint: Vec::new(),
+            command_buffer: VecDeque::new(),
+            completion_buffer: Vec::new(),
+            failure_buffer: Vec::new(),
+            pump_buffer: Vec::new(),
+            notice_buffer: Vec::new(),
+            reply_buffer: Vec::new(),
         }))
     }
 
@@ -148,19 +163,19 @@ impl Engine {
         let mut last_activity = Instant::now();
         loop {
             let held = self.shared.commands_held_for_tests.load(Ordering::SeqCst);
-            let commands: Vec<Command> = if !held && self.shared.commands_pending.swap(false, Ordering::SeqCst) {
-                self.shared.lock().commands.drain(..).collect()
-            } else {
-                Vec::new()
-            };
+            let mut commands = std::mem::take(&mut self.command_buffer);
+            if !held && self.shared.commands_pending.swap(false, Ordering::SeqCst) {
+                std::mem::swap(&mut self.shared.lock().commands, &mut commands);
+            }
             let mut activity = !commands.is_empty();
-            for command in commands {
+            while let Some(command) = commands.pop_front() {
                 if let Command::Shutdown = command {
                     self.shutdown();
                     return;
                 }
                 self.handle(command);
             }
+            self.command_buffer = commands;
             if !self.replies_awaiting_endpoint.is_empty() {
                 self.retry_replies_awaiting_endpoint();
             }
@@ -168,6 +183,10 @@ impl Engine {
             while rounds < MAX_PROGRESS_ROUNDS_PER_ITERATION && self.worker.progress() > 0 {
                 rounds += 1;
                 activity = true;
+                // Complete and answer what this round finished before progressing further: a receiver
+                // taking a burst of messages then replies to each as it lands (not after the burst),
+                // so the sender's window keeps moving instead of refilling in bursts.
+                self.drain();
             }
             activity |= self.drain();
             if activity {
@@ -400,15 +419,17 @@ impl Engine {
     }
 
     fn pump_all(&mut self) {
-        let ready: Vec<u64> = self
-            .xfers
-            .iter()
-            .filter(|(_, x)| !x.terminal && (x.next_segment < x.job.segments.len() || !x.final_sent))
-            .map(|(id, _)| *id)
-            .collect();
-        for xfer in ready {
+        let mut ready = std::mem::take(&mut self.pump_buffer);
+        ready.extend(
+            self.xfers
+                .iter()
+                .filter(|(_, x)| !x.terminal && (x.next_segment < x.job.segments.len() || !x.final_sent))
+                .map(|(id, _)| *id),
+        );
+        for xfer in ready.drain(..) {
             self.pump(xfer);
         }
+        self.pump_buffer = ready;
     }
 
     /// Post as many operations of `xfer` as its window allows, then its commit or flush.
@@ -688,36 +709,46 @@ impl Engine {
 
     /// Completions, endpoint failures and replies gathered by callbacks during progress.
     fn drain(&mut self) -> bool {
-        let completions = COMPLETIONS.with(|c| std::mem::take(&mut *c.borrow_mut()));
-        let failures = EP_ERRORS.with(|c| std::mem::take(&mut *c.borrow_mut()));
-        let (notices, replies, byes) = {
-            let mut r = self.receiver.borrow_mut();
-            (std::mem::take(&mut r.notices), std::mem::take(&mut r.replies), std::mem::take(&mut r.byes))
-        };
-        let activity =
-            !(completions.is_empty() && failures.is_empty() && notices.is_empty() && replies.is_empty() && byes.is_empty());
+        // Swap with this thread's reused buffers (empty, capacity kept) rather than take.
+        let mut completions = std::mem::take(&mut self.completion_buffer);
+        let mut failures = std::mem::take(&mut self.failure_buffer);
+        COMPLETIONS.with(|c| std::mem::swap(&mut *c.borrow_mut(), &mut completions));
+        EP_ERRORS.with(|c| std::mem::swap(&mut *c.borrow_mut(), &mut failures));
+        let byes = std::mem::take(&mut self.receiver.borrow_mut().byes);
+        let mut activity = !(completions.is_empty() && failures.is_empty() && byes.is_empty());
         for instance in byes {
             self.drop_instance(instance, |peer| format!("peer {} shut down", peer.0));
         }
-        for (token, status) in completions {
+        for (token, status) in completions.drain(..) {
             if token & RECV_TOKEN_BIT != 0 {
                 self.receiver.borrow_mut().on_recv_done(token, status);
                 continue;
             }
             self.on_complete(token, status);
         }
-        for (token, status) in failures {
+        for (token, status) in failures.drain(..) {
             if let Some(instance) = self.ep_tokens.get(&token).copied() {
                 let status = ucp::status_text(status);
                 self.drop_instance(instance, |peer| format!("UCX endpoint to peer {} failed: {status}", peer.0));
             }
         }
-        for notice in notices {
+        self.completion_buffer = completions;
+        self.failure_buffer = failures;
+        // Taken after the completions: a receive that just finished answers in this same round.
+        let mut notices = std::mem::take(&mut self.notice_buffer);
+        let mut replies = std::mem::take(&mut self.reply_buffer);
+        {
+            let mut r = self.receiver.borrow_mut();
+            std::mem::swap(&mut r.notices, &mut notices);
+            std::mem::swap(&mut r.replies, &mut replies);
+        }
+        activity |= !(notices.is_empty() && replies.is_empty());
+        for notice in notices.drain(..) {
             self.on_reply(notice.xfer, notice.code);
         }
-        for (sender, header) in replies {
-            self.send_reply(sender, header);
-        }
+        self.send_replies(&mut replies);
+        self.notice_buffer = notices;
+        self.reply_buffer = replies;
         // Replies sent during the loop may have queued more work for the next round.
         let more = self.receiver.borrow().replies.len() + self.receiver.borrow().notices.len();
         activity || more > 0
@@ -766,17 +797,38 @@ impl Engine {
         self.maybe_finish(xfer);
     }
 
-    fn send_reply(&mut self, sender: u64, header: ReplyHeader) {
+    /// Send `replies` (emptied): one `AM_REPLY` message per sender for up to
+    /// `MAX_REPLIES_PER_MESSAGE` of them, each sender's replies in the order they were made.
+    fn send_replies(&mut self, replies: &mut Vec<(u64, ReplyHeader)>) {
+        replies.sort_by_key(|(sender, _)| *sender); // stable
+        let mut start = 0;
+        while start < replies.len() {
+            let sender = replies[start].0;
+            let mut end = start + 1;
+            while end < replies.len() && replies[end].0 == sender && end - start < wire::MAX_REPLIES_PER_MESSAGE {
+                end += 1;
+            }
+            self.send_reply_message(sender, &replies[start..end]);
+            start = end;
+        }
+        replies.clear();
+    }
+
+    /// One message carrying `replies` (all to `sender`).
+    fn send_reply_message(&mut self, sender: u64, replies: &[(u64, ReplyHeader)]) {
         // The endpoint to the sender's instance, whichever peer id (or ids) the host knows it by.
         let Some(ep) = self.conns.get(&sender).map(|c| c.ep) else {
             if self.endpoint_coming(sender) {
-                self.replies_awaiting_endpoint.push((sender, header));
+                self.replies_awaiting_endpoint.extend_from_slice(replies);
             } else {
-                tracing::warn!(reason = "peer_unreachable", xfer = header.xfer, "ucx reply dropped: no endpoint to sender {sender:#x}");
+                for (_, header) in replies {
+                    tracing::warn!(reason = "peer_unreachable", xfer = header.xfer, "ucx reply dropped: no endpoint to sender {sender:#x}");
+                }
             }
             return;
         };
-        let bytes = header.encode();
+        let mut bytes = Vec::with_capacity(16 * replies.len());
+        wire::encode_replies(replies.iter().map(|(_, h)| h), &mut bytes);
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
         let posted = ucp::classify(unsafe {
@@ -796,10 +848,9 @@ impl Engine {
     /// After a batch of commands: send the replies whose endpoint now exists; drop (logged) those
     /// whose endpoint will not come (the connect failed or was undone).
     fn retry_replies_awaiting_endpoint(&mut self) {
-        for (sender, header) in std::mem::take(&mut self.replies_awaiting_endpoint) {
-            // `send_reply` sends, queues again while the endpoint is still coming, or drops.
-            self.send_reply(sender, header);
-        }
+        // `send_replies` sends, queues again while the endpoint is still coming, or drops.
+        let mut waiting = std::mem::take(&mut self.replies_awaiting_endpoint);
+        self.send_replies(&mut waiting);
     }
 
     fn fire_timers(&mut self, now: Instant) {

@@ -6,10 +6,12 @@
 //! - [`ucp`]: the small safe wrapper over UCP; [`wire`]: bytes exchanged with peers;
 //! - [`shared`]: books shared by the API threads and the progress thread; [`engine`]: that thread;
 //! - [`receiver`]: the receiver side of the active-message protocol; [`plugin`]: the `Plugin` face;
+//! - [`fast_map`]: seeded fast hash maps for the per-message books;
 //! - [`ucx_log`]: UCX's log lines go to `tracing`, never to the host's stdout.
 
 pub mod config;
 pub mod engine;
+pub mod fast_map;
 pub mod plugin;
 pub mod receiver;
 pub mod shared;

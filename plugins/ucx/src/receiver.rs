@@ -4,13 +4,13 @@
 //! callbacks; never blocks and never writes outside a ticket's ranges.
 
 use crate::config::ResolvedMode;
+use crate::fast_map::FastMap;
 use crate::shared::Shared;
 use crate::ucp::{self, ucp_ep_h, ucs_status_t, Posted};
 use crate::wire::{CommitHeader, DataHeader, ReplyHeader};
 use kvgate_abi::{Event, PeerId, ReasonCode, Ticket};
 use kvgate_ucx_sys as sys;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Instant;
@@ -53,6 +53,23 @@ struct IncomingXfer {
     final_reply_sent: bool,
 }
 
+impl IncomingXfer {
+    fn new(ticket: u64, peer: PeerId) -> IncomingXfer {
+        IncomingXfer {
+            ticket,
+            peer,
+            landed_bytes: 0,
+            landed_segments: 0,
+            pending: 0,
+            expected: None,
+            failed: None,
+            early_refusal_sent: false,
+            cancelled: false,
+            final_reply_sent: false,
+        }
+    }
+}
+
 struct PendingRecv {
     request: *mut c_void,
     key: (u64, u64),
@@ -69,8 +86,8 @@ pub struct SenderNotice {
 pub struct Receiver {
     shared: Arc<Shared>,
     worker: sys::ucp_worker_h,
-    records: HashMap<(u64, u64), IncomingXfer>,
-    pending: HashMap<u64, PendingRecv>,
+    records: FastMap<(u64, u64), IncomingXfer>,
+    pending: FastMap<u64, PendingRecv>,
     next_token: u64,
     /// Replies to send once progress returns: (sender instance, header). They go out on this
     /// instance's own endpoint to that sender (never on UCX's reply endpoint, which UCX may destroy
@@ -86,8 +103,8 @@ impl Receiver {
         Receiver {
             shared,
             worker,
-            records: HashMap::new(),
-            pending: HashMap::new(),
+            records: FastMap::default(),
+            pending: FastMap::default(),
             next_token: 1,
             replies: Vec::new(),
             notices: Vec::new(),
@@ -100,20 +117,11 @@ impl Receiver {
     }
 
     fn record(&mut self, sender: u64, xfer: u64, ticket: u64) -> &mut IncomingXfer {
-        let peer = self.shared.lock().instance_to_peer.get(&sender).copied().unwrap_or(PeerId(0));
-        let rec = self.records.entry((sender, xfer)).or_insert_with(|| IncomingXfer {
-            ticket,
-            peer,
-            landed_bytes: 0,
-            landed_segments: 0,
-            pending: 0,
-            expected: None,
-            failed: None,
-            early_refusal_sent: false,
-            cancelled: false,
-            final_reply_sent: false,
-        });
-        rec
+        let shared = &self.shared;
+        self.records.entry((sender, xfer)).or_insert_with(|| {
+            let peer = shared.lock().instance_to_peer.get(&sender).copied().unwrap_or(PeerId(0));
+            IncomingXfer::new(ticket, peer)
+        })
     }
 
     fn fail(&mut self, key: (u64, u64), reason: ReasonCode, message: String) {
@@ -129,19 +137,24 @@ impl Receiver {
     /// `AM_DATA`: validate, then copy (eager) or start a receive straight into the region (rendezvous).
     fn on_data(&mut self, header: DataHeader, data: *mut c_void, length: usize, rndv: bool) -> ucs_status_t {
         let key = (header.sender, header.xfer);
-        let rec = self.record(header.sender, header.xfer, header.ticket);
+        // One lock for the whole check (the record's peer, the region, the ticket).
+        let mut registry = self.shared.lock();
+        let rec = self.records.entry(key).or_insert_with(|| {
+            let peer = registry.instance_to_peer.get(&header.sender).copied().unwrap_or(PeerId(0));
+            IncomingXfer::new(header.ticket, peer)
+        });
         if let Some(commit) = header.commit {
             // The transfer's last message: every other one has arrived (messages keep their order).
             rec.expected = Some(commit);
         }
         if rec.failed.is_some() || rec.cancelled || rec.final_reply_sent {
+            drop(registry);
             if header.commit.is_some() {
                 self.check_complete(key);
             }
             return if rndv { ucs_status_t::UCS_ERR_REJECTED } else { ucs_status_t::UCS_OK };
         }
         let now = Instant::now();
-        let mut registry = self.shared.lock();
         let verdict: Result<(u64, sys::ucp_mem_h), (ReasonCode, String)> = (|| {
             let peer = *registry
                 .instance_to_peer
@@ -407,8 +420,8 @@ pub unsafe extern "C" fn am_reply(
     _length: usize,
     _param: *const sys::ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    if let (Some(header), Some(mut receiver)) = (ReplyHeader::decode(header_bytes(header, header_length)), receiver_of(arg)) {
-        receiver.notices.push(SenderNotice { xfer: header.xfer, code: header.code });
+    if let (Some(replies), Some(mut receiver)) = (crate::wire::decode_replies(header_bytes(header, header_length)), receiver_of(arg)) {
+        receiver.notices.extend(replies.map(|r| SenderNotice { xfer: r.xfer, code: r.code }));
     }
     ucs_status_t::UCS_OK
 }

@@ -3,10 +3,11 @@
 //! Owns bookkeeping under one mutex; never calls into a UCX worker (only the progress thread does).
 
 use crate::config::{ResolvedMode, UcxConfig};
+use crate::fast_map::{FastMap, FastSet};
 use crate::ucp::{Context, MemMap};
 use kvgate_abi::sdk::Sink;
 use kvgate_abi::{LocalKey, LocalRange, PeerId, Segment, Ticket, XferId};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -111,19 +112,19 @@ pub enum Command {
 /// Everything under the one lock.
 #[derive(Default)]
 pub struct Registry {
-    pub regions: HashMap<u64, Arc<LocalRegion>>,
+    pub regions: FastMap<u64, Arc<LocalRegion>>,
     pub next_local_key: u64,
-    pub remote_keys: HashMap<u64, Arc<RemoteRegion>>,
+    pub remote_keys: FastMap<u64, Arc<RemoteRegion>>,
     pub next_remote_key: u64,
-    pub peers: HashMap<PeerId, PeerInfo>,
+    pub peers: FastMap<PeerId, PeerInfo>,
     /// The peer id incoming writes from a remote instance are attributed to: the latest connected of
     /// the peer ids that name it (several may; see [`Registry::forget_instance_of`]).
-    pub instance_to_peer: HashMap<u64, PeerId>,
-    pub tickets: HashMap<u64, TicketState>,
+    pub instance_to_peer: FastMap<u64, PeerId>,
+    pub tickets: FastMap<u64, TicketState>,
     /// Outgoing transfers submitted and not yet terminal.
-    pub live_xfers: HashSet<u64>,
+    pub live_xfers: FastSet<u64>,
     /// Outgoing transfers terminal but not yet quiesced.
-    pub unquiesced_xfers: HashSet<u64>,
+    pub unquiesced_xfers: FastSet<u64>,
     pub commands: VecDeque<Command>,
     pub shut_down: bool,
 }

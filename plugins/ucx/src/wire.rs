@@ -198,6 +198,32 @@ impl CommitHeader {
     }
 }
 
+/// Most replies one `AM_REPLY` message carries (16 bytes each, in the message's header).
+pub const MAX_REPLIES_PER_MESSAGE: usize = 64;
+
+/// Several replies to one sender in one message: `replies` back to back (1..=`MAX_REPLIES_PER_MESSAGE`).
+pub fn encode_replies<'a>(replies: impl IntoIterator<Item = &'a ReplyHeader>, out: &mut Vec<u8>) {
+    out.clear();
+    for r in replies {
+        out.extend_from_slice(&r.xfer.to_le_bytes());
+        out.extend_from_slice(&(r.code as u64).to_le_bytes());
+    }
+    debug_assert!(!out.is_empty() && out.len() <= 16 * MAX_REPLIES_PER_MESSAGE);
+}
+
+/// The replies of one `AM_REPLY` message; `None` (the whole message refused) unless it holds 1 to
+/// `MAX_REPLIES_PER_MESSAGE` well-formed replies.
+pub fn decode_replies(bytes: &[u8]) -> Option<impl Iterator<Item = ReplyHeader> + '_> {
+    let count = bytes.len() / 16;
+    if bytes.len() % 16 != 0 || count == 0 || count > MAX_REPLIES_PER_MESSAGE {
+        return None;
+    }
+    if bytes.chunks_exact(16).any(|pair| ReplyHeader::decode(pair).is_none()) {
+        return None;
+    }
+    Some(bytes.chunks_exact(16).filter_map(ReplyHeader::decode))
+}
+
 impl ReplyHeader {
     pub fn encode(&self) -> Vec<u8> {
         encode_words(&[self.xfer, self.code as u64])
@@ -250,5 +276,26 @@ mod tests {
         let r = ReplyHeader { xfer: 9, code: 6 };
         assert_eq!(ReplyHeader::decode(&r.encode()), Some(r));
         assert_eq!(ReplyHeader::decode(&encode_words(&[1, u64::MAX])), None);
+    }
+
+    #[test]
+    fn reply_batches_round_trip_and_refuse_bad_lengths_and_codes() {
+        let replies: Vec<ReplyHeader> = (0..MAX_REPLIES_PER_MESSAGE as u64).map(|i| ReplyHeader { xfer: i + 1, code: i as u32 }).collect();
+        let mut bytes = Vec::new();
+        encode_replies(&replies, &mut bytes);
+        assert_eq!(decode_replies(&bytes).unwrap().collect::<Vec<_>>(), replies);
+        encode_replies(&replies[..1], &mut bytes);
+        assert_eq!(bytes, replies[0].encode(), "one reply reads as the single-reply format");
+        assert_eq!(decode_replies(&bytes).unwrap().collect::<Vec<_>>(), replies[..1]);
+        assert!(decode_replies(&[]).is_none());
+        assert!(decode_replies(&bytes[..15]).is_none());
+        let mut too_many = Vec::new();
+        for _ in 0..=MAX_REPLIES_PER_MESSAGE {
+            too_many.extend_from_slice(&replies[0].encode());
+        }
+        assert!(decode_replies(&too_many).is_none());
+        let mut bad_code = replies[0].encode();
+        bad_code.extend_from_slice(&encode_words(&[2, u64::MAX]));
+        assert!(decode_replies(&bad_code).is_none(), "one malformed reply refuses the message");
     }
 }
