@@ -1,19 +1,6 @@
 //! The hash for the core's maps keyed by ids that a peer gateway chooses: room ids (an expect notice
 //! or a failure message creates a room or tombstone under the peer's id) and remote region ids (the
 //! peer announces them). It only builds maps; it never decides what goes into them.
-//!
-//! Such keys are attacker-controlled as far as the core is concerned. With an unkeyed hash (FxHash)
-//! a peer could choose ids that all land in one probe sequence and make every operation on the
-//! table linear in its size. These maps use foldhash (the default hasher of hashbrown, in the same
-//! class as ahash with a random state: a folded multiply of the input with secret seeds) with a
-//! per-map seed and a process-wide shared seed, both drawn from the OS through std's `RandomState`:
-//! a peer cannot compute a colliding set in advance, and one found against one map does not carry
-//! over to another. It does not claim resistance against an attacker who recovers the seeds from
-//! precise timing of this core's table operations; SipHash-1-3 (std's own map) would, at about
-//! 130 instructions per hash and some 1 800 instructions per room lifecycle here (25 %). Nothing
-//! iterates these maps, so the seeds never change the core's outputs. Maps keyed by ids that the
-//! local driver or engines assign (peers, local regions) and the core's own ids (transfer ids,
-//! tickets) keep FxHash.
 
 use foldhash::fast::SeedableRandomState;
 use foldhash::SharedSeed;
@@ -21,7 +8,18 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::OnceLock;
 
-/// A map keyed by ids a peer chooses (see the module docs).
+/// A map keyed by ids a peer chooses. Such keys are attacker-controlled as far as the core is
+/// concerned: with an unkeyed hash (FxHash) a peer could choose ids that all land in one probe
+/// sequence and make every operation on the table linear in its size. These maps use foldhash (the
+/// default hasher of hashbrown; in the class of ahash with a random state: a folded multiply of the
+/// input with secret seeds) with a per-map seed and a process-wide shared seed, both drawn from the
+/// OS through std's `RandomState`: a peer cannot compute a colliding set in advance, and one found
+/// against one map does not carry over to another. It does not claim resistance against an attacker
+/// who recovers the seeds from precise timing of this core's table operations; SipHash-1-3 (std's
+/// own map) would, at about 130 instructions per hash, some 1 800 instructions (25 %) per room
+/// lifecycle here. Nothing iterates these maps, so the seeds never change the core's outputs. Maps
+/// keyed by ids that the local driver or engines assign (peers, local regions) and the core's own
+/// ids (transfer ids, tickets) keep FxHash.
 pub(crate) type PeerKeyedMap<K, V> = HashMap<K, V, SeedableRandomState>;
 
 /// 64 bits from the OS's randomness (std seeds `RandomState` from it; each call differs).
