@@ -84,7 +84,9 @@ impl Lane {
 
     /// Hand a part (already counted by `Transfer::lane_opening`) to the lane; it is settled exactly once.
     /// The queue holds at most one part per live transfer and lane (`max_inflight_transfers` bounds it).
-    pub fn submit(&self, part: Part) {
+    /// A part refused by a dead lane is failed on the runtime behind `defer` when given (the host's
+    /// thread, inside `submit`, reports no event), else right here.
+    pub fn submit(&self, part: Part, defer: Option<&tokio::runtime::Handle>) {
         let bytes = part.plan.bytes;
         self.outstanding_bytes.fetch_add(bytes, Ordering::Relaxed);
         self.unstaged_bytes.fetch_add(bytes, Ordering::Relaxed);
@@ -92,7 +94,13 @@ impl Lane {
             self.unstaged_bytes.fetch_sub(bytes, Ordering::Relaxed);
             self.outstanding_bytes.fetch_sub(bytes, Ordering::Relaxed);
             let why = self.waiting.lock().expect("lane lock").closed.clone();
-            settle_failed(&part.t, &why.unwrap_or_else(|| PluginError::new(ReasonCode::PEER_LOST, "the lane to the peer is closed")));
+            let why = why.unwrap_or_else(|| PluginError::new(ReasonCode::PEER_LOST, "the lane to the peer is closed"));
+            match defer {
+                Some(handle) => {
+                    handle.spawn(async move { settle_failed(&part.t, &why) });
+                }
+                None => settle_failed(&part.t, &why),
+            }
         }
     }
 

@@ -7,6 +7,7 @@
 
 mod allocator;
 pub mod config;
+mod deadlines;
 pub mod incoming;
 mod lanes;
 mod net;

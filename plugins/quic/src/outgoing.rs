@@ -4,7 +4,7 @@
 //! part is confirmed).
 
 use crate::lanes::Part;
-use crate::peers::{self, PeerEntry};
+use crate::peers::{self, Links, PeerEntry};
 use crate::plugin::Shared;
 use crate::transfers::Transfer;
 use kvgate_abi::ReasonCode;
@@ -62,7 +62,20 @@ async fn stopped(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
-/// Drive one transfer: wait for the peer's connections, hand each part to a lane, enforce the deadline.
+/// Hand each part of `t` to one of the peer's lanes (least loaded first), until the transfer stops.
+/// With `defer` (called on the host's thread), a part a dead lane refuses is failed on that runtime.
+pub fn dispatch(t: &Arc<Transfer>, links: &Links, entry: &PeerEntry, parts: Vec<LanePlan>, ticket: u64, defer: Option<&tokio::runtime::Handle>) {
+    let count = parts.len() as u32;
+    let lanes = links.pick_lanes(parts.len(), entry.first_connection_for(parts.len()));
+    for (index, (plan, lane)) in parts.into_iter().zip(lanes).enumerate() {
+        if !t.lane_opening() {
+            break;
+        }
+        lane.submit(Part { t: t.clone(), ticket, index: index as u32, count, plan }, defer);
+    }
+}
+
+/// Drive one transfer whose peer was not ready at submit: wait for the peer's connections, hand each part to a lane, enforce the deadline.
 pub async fn run_transfer(shared: Arc<Shared>, t: Arc<Transfer>, entry: Arc<PeerEntry>, parts: Vec<LanePlan>, ticket: u64, deadline: Instant) {
     let mut stop = t.stop_signal();
     let timeout_ms = deadline.saturating_duration_since(Instant::now()).as_millis();
@@ -81,14 +94,7 @@ pub async fn run_transfer(shared: Arc<Shared>, t: Arc<Transfer>, entry: Arc<Peer
             return;
         }
     };
-    let count = parts.len() as u32;
-    let lanes = links.pick_lanes(parts.len(), entry.first_connection_for(parts.len()));
-    for (index, (plan, lane)) in parts.into_iter().zip(lanes).enumerate() {
-        if !t.lane_opening() {
-            break;
-        }
-        lane.submit(Part { t: t.clone(), ticket, index: index as u32, count, plan });
-    }
+    dispatch(&t, &links, &entry, parts, ticket, None);
     tokio::select! {
         _ = tokio::time::sleep_until(deadline) => {
             t.fail(ReasonCode::TIMEOUT, format!("the transfer timeout ({timeout_ms} ms from submit) passed"));

@@ -166,6 +166,14 @@ pub fn start(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) {
     ensure_connecting(shared, entry)
 }
 
+/// The peer's connections if they are up right now (only the status's read lock).
+pub fn ready_now(entry: &PeerEntry) -> Option<Arc<Links>> {
+    match &*entry.status.borrow() {
+        PeerStatus::Ready(links) => Some(links.clone()),
+        _ => None,
+    }
+}
+
 /// The peer's connections once they are up, or why they are not.
 pub async fn ready(shared: &Arc<Shared>, entry: &Arc<PeerEntry>) -> Result<Arc<Links>, PluginError> {
     // The common case (connections up) takes only the status's read lock.

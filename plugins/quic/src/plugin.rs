@@ -40,6 +40,8 @@ pub struct Shared {
     pub transport: Arc<quinn::TransportConfig>,
     /// Staging buffers of outgoing stream data (`write_chunk_bytes` each, `staging_pool_bytes` idle at most).
     pub staging: Arc<StagingPool>,
+    /// Deadlines of the transfers dispatched at submit (see `deadlines`).
+    pub deadlines: Arc<crate::deadlines::Deadlines>,
     pub endpoints: Vec<quinn::Endpoint>,
     pub handle: tokio::runtime::Handle,
     /// Lane streams this instance opened (diagnostics: lanes are long-lived, not one per transfer).
@@ -167,6 +169,7 @@ impl QuicPlugin {
             tickets: Tickets::default(),
             transport,
             staging,
+            deadlines: Arc::default(),
             endpoints,
             handle: runtime.handle().clone(),
             lane_streams_opened: std::sync::atomic::AtomicU64::new(0),
@@ -178,6 +181,7 @@ impl QuicPlugin {
         for endpoint in &shared.endpoints {
             runtime.spawn(crate::server::accept_loop(shared.clone(), endpoint.clone()));
         }
+        runtime.spawn(shared.deadlines.clone().run());
         drop(_context);
         Ok(QuicPlugin { shared, runtime: Mutex::new(Some(runtime)) })
     }
@@ -338,7 +342,17 @@ impl Plugin for QuicPlugin {
         let lanes = plan_lanes(&segments, total, max_lanes, shared.config.min_lane_bytes);
         let deadline = tokio::time::Instant::now() + self.timeout_of(request.timeout_ns);
         let t = shared.transfers.admit(request.xfer, request.peer, total, lanes.len(), shared.config.max_inflight_transfers)?;
-        shared.handle.spawn(run_transfer(shared.clone(), t, entry, lanes, request.ticket.0, deadline));
+        match crate::peers::ready_now(&entry) {
+            // Connections up: the parts go to their lanes now and the instance's deadline task keeps
+            // the deadline (no task, timer or wake-up of the transfer's own).
+            Some(links) => {
+                crate::outgoing::dispatch(&t, &links, &entry, lanes, request.ticket.0, Some(&shared.handle));
+                shared.deadlines.watch(&t, deadline, self.timeout_of(request.timeout_ns).as_millis());
+            }
+            None => {
+                shared.handle.spawn(run_transfer(shared.clone(), t, entry, lanes, request.ticket.0, deadline));
+            }
+        }
         Ok(())
     }
 
