@@ -4,7 +4,8 @@
 
 use super::datapath::{fresh_room, move_room, Rig};
 use super::results::{AbortLatency, FrozenPeer, RoomsPerSecond};
-use super::stats::{micros, millis, percentile};
+use super::rounds::median_abort_round;
+use super::stats::{millis, percentile};
 use crate::demo::engine::wait_terminal;
 use crate::demo::gateways::{PairSettings, DECODE_NAME, PREFILL_NAME};
 use anyhow::{bail, Context};
@@ -78,8 +79,11 @@ pub async fn rooms_per_second(rig: &Rig, rooms: u64, concurrency: u64) -> anyhow
 }
 
 /// Put `in_flight` rooms in flight on the decode gateway (expects with no sender), then abort
-/// `aborts` of them one by one, timing abort call to the `Terminal` event on the watch stream.
-pub async fn abort_to_terminal_api(rig: &Rig, in_flight: u64, aborts: u64) -> anyhow::Result<AbortLatency> {
+/// `aborts` of them one by one in each of `rounds` rounds (fewer rounds when fewer fit: every abort
+/// takes a room of its own), timing abort call to the `Terminal` event on the watch stream. The
+/// figure is the round with the median p99 (`rounds::median_abort_round`): a burst of other work on
+/// the machine moves one round, not the figure; the pooled tail of every round is reported beside it.
+pub async fn abort_to_terminal_api(rig: &Rig, in_flight: u64, aborts: u64, rounds: u64) -> anyhow::Result<AbortLatency> {
     let decode = rig.decode.clone();
     let rooms: Vec<u64> = (0..in_flight).map(|_| fresh_room()).collect();
     let refused: Vec<String> = stream::iter(rooms.iter().copied().enumerate())
@@ -97,29 +101,27 @@ pub async fn abort_to_terminal_api(rig: &Rig, in_flight: u64, aborts: u64) -> an
     if !refused.is_empty() {
         bail!("{} of {in_flight} expects refused (first: {})", refused.len(), refused[0]);
     }
-    let step = (in_flight / aborts.max(1)).max(1);
-    let mut samples = Vec::new();
+    let aborts = aborts.clamp(1, in_flight.max(1));
+    let rounds = rounds.clamp(1, (in_flight / aborts).max(1));
+    let step = (in_flight / (aborts * rounds)).max(1);
+    let mut samples: Vec<Vec<Duration>> = Vec::new();
     let mut missing = 0;
-    for k in 0..aborts.min(in_flight) {
-        let room = rooms[(k * step) as usize];
-        let mut rx = decode.events.listen(room);
-        let t0 = Instant::now();
-        decode.client.abort(room_key(room, 0), "bench: abort-to-terminal").await.map_err(|s| anyhow::anyhow!("abort refused: {}", s.message()))?;
-        match wait_terminal(&mut rx, t0, Duration::from_millis(ABORT_TERMINAL_WAIT_MS)).await {
-            Ok(o) => samples.push(o.seen_after),
-            Err(_) => missing += 1,
+    for r in 0..rounds {
+        let mut round = Vec::with_capacity(aborts as usize);
+        for k in 0..aborts {
+            let room = rooms[((r * aborts + k) * step) as usize];
+            let mut rx = decode.events.listen(room);
+            let t0 = Instant::now();
+            decode.client.abort(room_key(room, 0), "bench: abort-to-terminal").await.map_err(|s| anyhow::anyhow!("abort refused: {}", s.message()))?;
+            match wait_terminal(&mut rx, t0, Duration::from_millis(ABORT_TERMINAL_WAIT_MS)).await {
+                Ok(o) => round.push(o.seen_after),
+                Err(_) => missing += 1,
+            }
+            decode.events.forget(room);
         }
-        decode.events.forget(room);
+        samples.push(round);
     }
-    Ok(AbortLatency {
-        path: "engine API, two gateways (abort RPC to Terminal on the watch stream)".into(),
-        rooms_in_flight: in_flight,
-        aborts: samples.len() as u64,
-        p50_us: micros(percentile(&samples, 50.0)),
-        p99_us: micros(percentile(&samples, 99.0)),
-        max_us: micros(percentile(&samples, 100.0)),
-        missing_terminal: missing,
-    })
+    Ok(median_abort_round("engine API, two gateways (abort RPC to Terminal on the watch stream)", in_flight, &samples, missing))
 }
 
 /// `rooms` rooms mid-transfer (expect posted, first of two chunks sent), then SIGSTOP of the decode

@@ -108,6 +108,9 @@ pub fn abort_to_terminal_in_core(rooms_in_flight: u64, aborts: u64) -> Result<Ab
         p99_us: micros(percentile(&samples, 99.0)),
         max_us: micros(percentile(&samples, 100.0)),
         missing_terminal: missing,
+        pooled_p99_us: micros(percentile(&samples, 99.0)),
+        pooled_max_us: micros(percentile(&samples, 100.0)),
+        round_p99_us: Vec::new(),
     })
 }
 

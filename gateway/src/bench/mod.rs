@@ -68,7 +68,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub inflight: Option<u64>,
     /// How many rounds each plugin's target cell runs, each with its own reference (the median
-    /// round is reported; 1..=15).
+    /// round is reported; 1..=15); the engine-API abort target runs as many rounds of `--api-aborts`
+    /// (the round with the median p99 is reported).
     #[arg(long)]
     pub target_rounds: Option<u64>,
     /// Rooms for the rooms-per-second figure.
@@ -83,7 +84,7 @@ pub struct BenchArgs {
     /// Rooms held in flight through the engine API while aborts are timed.
     #[arg(long)]
     pub api_rooms: Option<u64>,
-    /// Aborts timed through the engine API.
+    /// Aborts timed through the engine API, per round (see `--target-rounds`).
     #[arg(long)]
     pub api_aborts: Option<u64>,
     /// Rooms in flight when the decode gateway is frozen.
@@ -305,7 +306,7 @@ async fn bench_control(binary: &Path, dir: &Path, plan: &Plan, bar: &ProgressBar
             }
             bar.inc(1);
             bar.set_message(format!("abort-to-terminal through the engine API, {} rooms in flight", plan.api_rooms_in_flight));
-            match control::abort_to_terminal_api(&rig, plan.api_rooms_in_flight, plan.api_aborts).await {
+            match control::abort_to_terminal_api(&rig, plan.api_rooms_in_flight, plan.api_aborts, plan.target_rounds).await {
                 Ok(r) => out.abort_to_terminal_engine_api = Some(r),
                 Err(e) => out.errors.push(format!("abort-to-terminal through the engine API: {e:#}")),
             }

@@ -34,7 +34,7 @@ client on 127.0.0.1 over the same UCX transport as the plugin's config, one mess
 its p50 is the transfer's bytes at that rate.
 - **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
 default 5), each round a whole cell with its own reference; the round with the median ratio is reported, with every \
-round's ratio beside it, and a failure in any round counts.
+round's ratio beside it, and a failure in any round counts. The engine-API abort target runs as many rounds of `--api-aborts` aborts over the same rooms in flight; the round with the median p99 is reported, with every round's p99 and the p99 and max of all aborts pooled beside it, and a missing terminal in any round counts.
 
 ";
 
@@ -98,7 +98,13 @@ pub const ABORT_TARGET_P99_US: f64 = 1_000.0;
 /// option that sets its rooms in flight).
 fn abort_target(abort: Option<&AbortLatency>, path: &str, absent: &str, flag: &str) -> TargetCheck {
     let measured = abort.filter(|a| a.rooms_in_flight >= ABORT_TARGET_ROOMS_IN_FLIGHT && a.missing_terminal == 0).map(|a| a.p99_us);
-    let figure = abort.map(|a| format!("p99 of {} aborts, {} rooms in flight, {path} (us)", a.aborts, a.rooms_in_flight)).unwrap_or_else(|| "p99 (us)".into());
+    let figure = abort
+        .map(|a| {
+            let note = super::rounds::abort_rounds_note(a);
+            let rounds = if note.is_empty() { String::new() } else { format!("; {note}") };
+            format!("p99 of {} aborts, {} rooms in flight, {path} (us){rounds}", a.aborts, a.rooms_in_flight)
+        })
+        .unwrap_or_else(|| "p99 (us)".into());
     let why = match abort {
         None => absent.to_string(),
         Some(a) if a.missing_terminal > 0 => format!("{} aborts had no terminal event", a.missing_terminal),
@@ -203,6 +209,10 @@ fn control_lines(report: &BenchReport) -> String {
             "control  abort-to-terminal, {} rooms in flight, {} aborts: p50 {:.1} us, p99 {:.1} us, max {:.1} us, missing {}  [{}]",
             a.rooms_in_flight, a.aborts, a.p50_us, a.p99_us, a.max_us, a.missing_terminal, a.path
         );
+        let note = super::rounds::abort_rounds_note(a);
+        if !note.is_empty() {
+            let _ = writeln!(out, "         {note}");
+        }
     }
     if let Some(f) = &c.frozen_peer {
         let _ = writeln!(

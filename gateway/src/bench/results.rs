@@ -121,12 +121,23 @@ pub struct AbortLatency {
     /// `kvgate-core in process` or `engine API, two gateways`.
     pub path: String,
     pub rooms_in_flight: u64,
+    /// Aborts timed (in every round together).
     pub aborts: u64,
+    /// p50, p99 and max of the round with the median p99 when the measurement ran in rounds, else of
+    /// every sample.
     pub p50_us: f64,
     pub p99_us: f64,
     pub max_us: f64,
-    /// Aborted rooms whose terminal event never came within the wait bound.
+    /// Aborted rooms whose terminal event never came within the wait bound, in every round.
     pub missing_terminal: u64,
+    /// Each round's p99, in the order they ran (empty for a measurement in one round).
+    #[serde(default)]
+    pub round_p99_us: Vec<f64>,
+    /// p99 and max of every sample of every round pooled (equal to `p99_us`/`max_us` in one round).
+    #[serde(default)]
+    pub pooled_p99_us: f64,
+    #[serde(default)]
+    pub pooled_max_us: f64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -1,9 +1,12 @@
-//! Repeated rounds of a target cell: which cell of a plugin carries its target, and how several
-//! rounds of that cell (each with its own reference) become one reported cell, the median round by
-//! ratio. Never measures; never hides a failure of any round.
+//! Repeated rounds of a target measurement: which cell of a plugin carries its target, how several
+//! rounds of that cell (each with its own reference) become one reported cell (the median round by
+//! ratio), and how rounds of timed aborts become one latency figure (the median round by p99).
+//! Never measures; never hides a failure of any round.
 
 use super::report::SHM_TARGET_CELL;
-use super::results::CellResult;
+use super::results::{AbortLatency, CellResult};
+use super::stats::{micros, percentile};
+use std::time::Duration;
 
 /// Most rounds `--target-rounds` accepts (each round is a whole cell plus its reference).
 pub const MAX_TARGET_ROUNDS: u64 = 15;
@@ -53,9 +56,80 @@ pub fn rounds_note(cell: &CellResult) -> String {
     format!("median of {} rounds, ratios {lo:.3}-{hi:.3}", cell.round_ratios.len())
 }
 
+/// One abort-to-terminal figure from rounds of timed aborts (`rounds[i]`: the samples of round i):
+/// p50/p99/max of the round with the median p99 (the lower median for an even count), every
+/// round's p99 in `round_p99_us` (left empty for one round), the pooled p99 and max of all samples,
+/// and `missing` (terminals that never came, in any round) kept whole.
+pub fn median_abort_round(path: &str, rooms_in_flight: u64, rounds: &[Vec<Duration>], missing: u64) -> AbortLatency {
+    let all: Vec<Duration> = rounds.iter().flatten().copied().collect();
+    let p99s: Vec<f64> = rounds.iter().map(|r| micros(percentile(r, 99.0))).collect();
+    let mut order: Vec<usize> = (0..rounds.len()).collect();
+    order.sort_by(|&a, &b| p99s[a].total_cmp(&p99s[b]));
+    let median: &[Duration] = order.get(order.len().saturating_sub(1) / 2).map(|&i| rounds[i].as_slice()).unwrap_or(&[]);
+    AbortLatency {
+        path: path.to_string(),
+        rooms_in_flight,
+        aborts: all.len() as u64,
+        p50_us: micros(percentile(median, 50.0)),
+        p99_us: micros(percentile(median, 99.0)),
+        max_us: micros(percentile(median, 100.0)),
+        missing_terminal: missing,
+        round_p99_us: if rounds.len() > 1 { p99s } else { Vec::new() },
+        pooled_p99_us: micros(percentile(&all, 99.0)),
+        pooled_max_us: micros(percentile(&all, 100.0)),
+    }
+}
+
+/// `median of 5 rounds by p99, round p99s 210-1350 us; all 2500 aborts pooled: p99 980 us, max 4100 us`
+/// for a figure measured in rounds; empty otherwise.
+pub fn abort_rounds_note(a: &AbortLatency) -> String {
+    if a.round_p99_us.len() < 2 {
+        return String::new();
+    }
+    let lo = a.round_p99_us.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = a.round_p99_us.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    format!(
+        "median of {} rounds by p99, round p99s {lo:.0}-{hi:.0} us; all {} aborts pooled: p99 {:.0} us, max {:.0} us",
+        a.round_p99_us.len(),
+        a.aborts,
+        a.pooled_p99_us,
+        a.pooled_max_us
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn us(values: &[u64]) -> Vec<Duration> {
+        values.iter().map(|&v| Duration::from_micros(v)).collect()
+    }
+
+    #[test]
+    fn the_median_abort_round_stands_and_the_pooled_tail_is_kept() {
+        // Round p99s (nearest rank of 4 samples = the largest): 400, 9000, 300.
+        let rounds = vec![us(&[100, 200, 300, 400]), us(&[100, 100, 100, 9_000]), us(&[150, 150, 150, 300])];
+        let a = median_abort_round("here", 100_000, &rounds, 2);
+        assert_eq!(a.p99_us, 400.0, "the round with the median p99");
+        assert_eq!(a.p50_us, 200.0, "its own p50");
+        assert_eq!(a.round_p99_us, vec![400.0, 9_000.0, 300.0], "in the order they ran");
+        assert_eq!(a.pooled_max_us, 9_000.0, "the worst sample of any round is kept");
+        assert_eq!(a.aborts, 12);
+        assert_eq!(a.missing_terminal, 2);
+        assert_eq!(abort_rounds_note(&a), "median of 3 rounds by p99, round p99s 300-9000 us; all 12 aborts pooled: p99 9000 us, max 9000 us");
+    }
+
+    #[test]
+    fn one_abort_round_is_its_own_figure_and_no_round_is_zero() {
+        let a = median_abort_round("here", 10, &[us(&[5, 7, 9])], 0);
+        assert_eq!((a.p50_us, a.p99_us, a.max_us, a.pooled_p99_us), (7.0, 9.0, 9.0, 9.0));
+        assert!(a.round_p99_us.is_empty());
+        assert_eq!(abort_rounds_note(&a), "", "one round is not a median");
+        let even = median_abort_round("here", 10, &[us(&[50]), us(&[10]), us(&[40]), us(&[20])], 0);
+        assert_eq!(even.p99_us, 20.0, "the lower median of an even count");
+        let none = median_abort_round("here", 10, &[], 3);
+        assert_eq!((none.aborts, none.p99_us, none.missing_terminal), (0, 0.0, 3));
+    }
 
     fn round(ratio: f64, failures: u64, reason: &str) -> CellResult {
         CellResult {
