@@ -5,6 +5,10 @@
 //! UCX's threshold, received straight into the registered destination with `ucp_am_recv_data_nbx`,
 //! over CMA on shared memory) and is compared with `ucp_am_bw`, which does the same (`am_rndv_recv`).
 //! `sm-put`: the plugin forced to put + flush, compared with `ucp_put_bw` (not a target: see README).
+//! Both sides run with the same UCX settings (`UCX_TLS`, `UCX_NET_DEVICES`; no threshold is changed)
+//! and the same endpoint mode: over TCP the plugin's endpoints use UCX peer-failure handling, so the
+//! reference runs `ucx_perftest -e` (without it UCX 1.13 chooses other large-message protocols and
+//! the reference reads about 1.5x faster at 1 MiB); shared memory has no peer-failure mode on either.
 //! What differs and cannot be made equal: `ucx_perftest` busy-polls one thread per process on both
 //! sides; the plugin runs both instances in this process, each with its own progress thread that
 //! polls `busy_poll_us` after activity and then sleeps on the worker's event fd, and a transfer
