@@ -3,7 +3,9 @@
 
 use kvgate_abi::{PluginError, ReasonCode};
 
-const ENDPOINT_MAGIC: &[u8; 8] = b"KVUCXEP2";
+/// Bumped with each change to the messages peers exchange (3: `AM_REPLY` carries up to 64 replies), so
+/// that instances of different versions refuse each other's endpoint bytes instead of dropping messages.
+const ENDPOINT_MAGIC: &[u8; 8] = b"KVUCXEP3";
 const RKEY_MAGIC: &[u8; 8] = b"KVUCXRK1";
 
 /// Active-message ids registered on every worker.
