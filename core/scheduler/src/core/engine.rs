@@ -121,6 +121,7 @@ impl Core {
             Lookup::Same(slot) if self.room_at(slot).state.is_terminal() => {
                 return Self::refuse(key, RefusalReason::RoomTerminal)
             }
+            Lookup::Settled(_) => return Self::refuse(key, RefusalReason::RoomTerminal),
             Lookup::Same(_) => return Self::refuse(key, RefusalReason::DuplicateExpect),
             Lookup::Newer => return Self::refuse(key, RefusalReason::StaleGeneration),
             Lookup::Absent | Lookup::Older(_) => {}
@@ -208,6 +209,8 @@ impl Core {
         match self.lookup(key, Role::Sender) {
             Lookup::Newer => Self::refuse(key, RefusalReason::StaleGeneration),
             Lookup::Same(slot) => self.send_to_existing(now, slot, peer, part, chunk, slices, last),
+            // CONFORMANCE: ABORT-6
+            Lookup::Settled(_) => Self::refuse(key, RefusalReason::RoomTerminal),
             lookup @ (Lookup::Absent | Lookup::Older(_)) => {
                 if self.live_rooms >= self.config.max_inflight_rooms {
                     return Self::refuse(key, RefusalReason::TooManyRooms);
@@ -411,10 +414,10 @@ impl Core {
         }
     }
 
-    /// A newer generation replaces `old`: a live one fails `superseded`; either way its key entry
-    /// is taken over by the new room.
+    /// A newer generation replaces `old` (NIL: a settled one): a live one fails `superseded`;
+    /// either way its key entry is taken over by the new room.
     pub(super) fn supersede(&mut self, now: Nanos, old: u32) {
-        if !self.room_at(old).state.is_terminal() {
+        if old != super::NIL && !self.room_at(old).state.is_terminal() {
             self.fail_room(now, old, RoomInput::Superseded, FailReason::Superseded, None, None);
         }
     }
@@ -439,6 +442,13 @@ impl Core {
                         self.fail_room(now, slot, RoomInput::EngineAbort, FailReason::Aborted, None, None);
                         aborted_any = true;
                     } else if room.failure.is_some_and(|f| f.reason == FailReason::Aborted) {
+                        harmless = HarmlessAbort::Duplicate;
+                    } else if harmless != HarmlessAbort::Duplicate {
+                        harmless = HarmlessAbort::AfterTerminal;
+                    }
+                }
+                Lookup::Settled(seq) => {
+                    if self.tombstone_at(seq).failure.is_some_and(|f| f.reason == FailReason::Aborted) {
                         harmless = HarmlessAbort::Duplicate;
                     } else if harmless != HarmlessAbort::Duplicate {
                         harmless = HarmlessAbort::AfterTerminal;

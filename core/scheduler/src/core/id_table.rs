@@ -63,6 +63,23 @@ impl<V: Copy> SequentialIdTable<V> {
         }
     }
 
+    /// Replace the value of `id` if it is held (a settled room's ids are re-pointed at its
+    /// tombstone record); an id not held stays absent.
+    pub fn replace(&mut self, id: u64, value: V) {
+        match id.checked_sub(self.base) {
+            Some(offset) if offset < self.window.len() as u64 => {
+                if let Some(held) = self.window[offset as usize].as_mut() {
+                    *held = value;
+                }
+            }
+            _ => {
+                if let Some(held) = self.overflow.get_mut(&id) {
+                    *held = value;
+                }
+            }
+        }
+    }
+
     pub fn remove(&mut self, id: u64) -> Option<V> {
         match id.checked_sub(self.base) {
             Some(offset) if offset < self.window.len() as u64 => {
@@ -119,6 +136,14 @@ mod tests {
                     table.insert(next, step);
                     model.insert(next, step);
                     assert!(table.window.len() <= 2 * table.window_live + WINDOW_SLACK_IDS);
+                }
+                2 if step % 5 == 0 => {
+                    // Re-point a held id (or try one never inserted): the value changes, absence stays.
+                    let id = next - next_random(&mut rng) % (64.min(next));
+                    table.replace(id, step + 1_000_000);
+                    if let Some(held) = model.get_mut(&id) {
+                        *held = step + 1_000_000;
+                    }
                 }
                 2 => {
                     // Mostly recent ids, sometimes an old one, sometimes one never inserted.

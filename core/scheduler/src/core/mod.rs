@@ -1,6 +1,6 @@
 //! The `Core` state machine: rooms in a slab, keys in a fast hash, deadlines in one timer wheel
 //! (at most one entry per room, at its earliest deadline; a far deadline waits in a nursery FIFO
-//! first, see `deadlines`) plus a FIFO of tombstone expiries.
+//! first, see `deadlines`), settled rooms as compact records in a tombstone FIFO (`tombstone`).
 //! Inputs are `handle_*(now, ..)`, outputs `poll_command()` / `poll_timeout()`; it never does IO,
 //! never reads a clock and never calls a plugin. Cost per event does not depend on the room count.
 
@@ -13,6 +13,7 @@ mod peer;
 mod peer_keyed;
 mod plugin;
 mod room;
+mod tombstone;
 mod view;
 
 use crate::api::*;
@@ -26,6 +27,7 @@ use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
 use engine::SendSlices;
 use id_table::SequentialIdTable;
 use room::{Room, Slot, NIL};
+use tombstone::{Tombstone, TOMBSTONE_KEY_BIT, TOMBSTONE_SLOT};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use peer_keyed::{peer_keyed_map, PeerKeyedMap};
@@ -51,7 +53,8 @@ struct PeerEntry {
     remote_regions: PeerKeyedMap<RegionId, (u64, RemoteKey)>,
 }
 
-/// Where an outgoing transfer id points.
+/// Where an outgoing transfer id points: a room's chunk, or (`slot == TOMBSTONE_SLOT`) entry `part`
+/// of the tombstone record whose truncated sequence number is `epoch`.
 #[derive(Clone, Copy)]
 struct XferRef {
     slot: u32,
@@ -61,7 +64,8 @@ struct XferRef {
     plugin: PluginSlot,
 }
 
-/// Where an incoming ticket points.
+/// Where an incoming ticket points: a room's part, or (`slot == TOMBSTONE_SLOT`) entry `part` of
+/// the tombstone record whose truncated sequence number is `epoch`.
 #[derive(Clone, Copy)]
 struct TicketRef {
     slot: u32,
@@ -73,9 +77,11 @@ struct TicketRef {
 enum Lookup {
     /// No room with this id and role.
     Absent,
-    /// The room of exactly this generation.
+    /// The room of exactly this generation, in the slab (live or quarantined).
     Same(u32),
-    /// A room of a lower generation (to be superseded or replaced).
+    /// The room of exactly this generation, settled: its tombstone record's sequence number.
+    Settled(u64),
+    /// A room of a lower generation (to be superseded or replaced): its slot, NIL when settled.
     Older(u32),
     /// A room of a higher generation: the key is stale.
     Newer,
@@ -97,9 +103,10 @@ pub struct Core {
     metrics: Metrics,
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
-    /// Room id -> slot, one table per role (indexed by `role as usize`): an 8-byte key hashes
-    /// faster and packs tighter than `(id, role)`. Keyed hash: room ids may come from peers.
-    keys: [PeerKeyedMap<u64, u32>; 2],
+    /// Room id -> slot, or tombstone record (`TOMBSTONE_KEY_BIT | seq`), one table per role
+    /// (indexed by `role as usize`): an 8-byte key hashes faster and packs tighter than
+    /// `(id, role)`. Keyed hash: room ids may come from peers.
+    keys: [PeerKeyedMap<u64, u64>; 2],
     /// Transfer id -> chunk, ticket -> part: both issued in increasing order.
     xfers: SequentialIdTable<XferRef>,
     tickets: SequentialIdTable<TicketRef>,
@@ -111,9 +118,12 @@ pub struct Core {
     next_xfer: u64,
     next_ticket: u64,
     live_rooms: u64,
-    /// Settled rooms in settle order with their expiry (slot, epoch, expiry): every tombstone
-    /// lives `tombstone_ttl_ms`, so this is expiry order too; the oldest is evicted first.
-    tombstone_fifo: VecDeque<(u32, u32, Nanos)>,
+    /// Settled rooms as compact records in settle order: every tombstone lives
+    /// `tombstone_ttl_ms`, so this is expiry order too; the oldest is evicted first. Their slab
+    /// slots are free.
+    tombstones: VecDeque<Tombstone>,
+    /// The sequence number of `tombstones`' front record (record `seq` is at `seq - front`).
+    tombstone_front_seq: u64,
     /// Emptied part lists of dropped sender rooms, reused by new ones (at most
     /// `SPARE_SEND_PARTS` lists of at most `SPARE_SEND_PARTS_CAPACITY` parts: no heap block per
     /// room in steady state).
@@ -149,7 +159,8 @@ impl Core {
             next_xfer: 1,
             next_ticket: 1,
             live_rooms: 0,
-            tombstone_fifo: VecDeque::new(),
+            tombstones: VecDeque::new(),
+            tombstone_front_seq: 0,
             spare_send_parts: Vec::new(),
             state_fifos: Default::default(),
             spare_segments: Vec::new(),
@@ -279,7 +290,7 @@ impl Core {
     #[inline]
     pub fn handle_timeout(&mut self, now: Nanos) {
         // Most calls find nothing due: three front checks, inlined into the driver.
-        let tombstone_due = self.tombstone_fifo.front().is_some_and(|&(_, _, expiry)| Wheel::tick_of(expiry) <= now.0 / TICK_NS);
+        let tombstone_due = self.tombstones.front().is_some_and(|record| Wheel::tick_of(record.expiry) <= now.0 / TICK_NS);
         if tombstone_due || self.deadlines.may_be_due(now) {
             self.fire_due(now);
         }
@@ -317,14 +328,11 @@ impl Core {
             }
         }
         // Tombstones expire in FIFO order (`tombstone_ttl_ms` after they settled).
-        while let Some(&(slot, epoch, expiry)) = self.tombstone_fifo.front() {
-            if Wheel::tick_of(expiry) > now_tick {
+        while let Some(record) = self.tombstones.front() {
+            if Wheel::tick_of(record.expiry) > now_tick {
                 break;
             }
-            self.tombstone_fifo.pop_front();
-            debug_assert!(self.slot_is(slot, epoch), "the tombstone FIFO names only held tombstones");
-            self.room_mut(slot).touch(now, LastEvent::TimerFired);
-            self.drop_room(slot);
+            self.drop_oldest_tombstone();
         }
     }
 
@@ -409,7 +417,7 @@ impl Core {
     /// (a wheel level boundary, or the end of a 64 ms nursery span): calling `handle_timeout` then is
     /// cheap and correct.
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        let tombstone = self.tombstone_fifo.front().map(|&(_, _, expiry)| Wheel::fire_time(expiry));
+        let tombstone = self.tombstones.front().map(|record| Wheel::fire_time(record.expiry));
         match (self.deadlines.next_deadline(), tombstone) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -428,12 +436,12 @@ impl Core {
     /// Timer entries held: wheel entries (at most one per room) plus tombstone expiries (for leak
     /// checks: 0 once every room is dropped).
     pub fn armed_timers(&self) -> usize {
-        self.deadlines.len() + self.tombstone_fifo.len()
+        self.deadlines.len() + self.tombstones.len()
     }
 
-    /// Rooms held in the slab (live, quarantined and tombstoned).
+    /// Rooms held: in the slab (live and quarantined) plus tombstone records.
     pub fn held_rooms(&self) -> usize {
-        self.slots.len() - self.free_slots.len()
+        self.slots.len() - self.free_slots.len() + self.tombstones.len()
     }
 
     // ----- the timer table's one match -----
@@ -473,7 +481,19 @@ impl Core {
     fn lookup(&self, key: RoomKey, role: Role) -> Lookup {
         match self.keys[role as usize].get(&key.room) {
             None => Lookup::Absent,
-            Some(&slot) => {
+            Some(&value) if value & TOMBSTONE_KEY_BIT != 0 => {
+                let seq = value & !TOMBSTONE_KEY_BIT;
+                let generation = self.tombstone_at(seq).key.generation;
+                if generation == key.generation {
+                    Lookup::Settled(seq)
+                } else if generation < key.generation {
+                    Lookup::Older(NIL)
+                } else {
+                    Lookup::Newer
+                }
+            }
+            Some(&value) => {
+                let slot = value as u32;
                 let generation = self.room_at(slot).key.generation;
                 if generation == key.generation {
                     Lookup::Same(slot)
@@ -505,7 +525,7 @@ impl Core {
         let (key, role) = (room.key.room, room.role);
         let state = room.state;
         let entered = room.state_entered;
-        self.keys[role as usize].insert(key, slot);
+        self.keys[role as usize].insert(key, slot as u64);
         self.metrics.rooms_created += 1;
         self.metrics.rooms_by_state[state.index()] += 1;
         if !state.is_terminal() {

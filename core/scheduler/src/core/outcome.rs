@@ -1,8 +1,8 @@
-//! How rooms end: failure (first cause wins), success, quarantine release, tombstones and the final
-//! drop. Every terminal path goes through here so each room gets exactly one `Terminal` and one
+//! How rooms end: failure (first cause wins), success, quarantine release and tombstone creation (the
+//! records: `tombstone`). Every terminal path goes through here so each room gets exactly one `Terminal` and one
 //! `Reusable`. It never revives a terminal room.
 
-use super::room::{RoleData, Room, XferState, NIL};
+use super::room::{RoleData, Room, XferState};
 use smallvec::SmallVec;
 use super::Core;
 use crate::api::*;
@@ -181,8 +181,9 @@ impl Core {
     }
 
     /// After a quiesce or a late terminal event: release the quarantine if nothing is left.
+    /// A slot already freed (the room settled while the event was handled) has nothing left.
     pub(super) fn check_release(&mut self, now: Nanos, slot: u32) {
-        let room = self.room_at(slot);
+        let Some(room) = self.slots[slot as usize].room.as_ref() else { return };
         if room.state == RoomState::Quarantined && Self::nothing_in_flight(room) {
             self.release_quarantine(now, slot, RoomInput::Quiesced, ReleaseCause::Quiesced);
         }
@@ -214,31 +215,6 @@ impl Core {
         }
     }
 
-    /// A terminal room whose memory is reusable: remember it as a tombstone, bounded in time and count.
-    /// Its expiry joins the tombstone FIFO (one constant ttl: settle order is expiry order; a clock
-    /// that steps back never puts an expiry before the one ahead of it).
-    fn settle(&mut self, now: Nanos, slot: u32) {
-        let mut expiry = now.saturating_add(Nanos::from_ms(self.config.tombstone_ttl_ms));
-        if let Some(&(_, _, last)) = self.tombstone_fifo.back() {
-            expiry = expiry.max(last);
-        }
-        let entry = &mut self.slots[slot as usize];
-        let epoch = entry.epoch;
-        let room = entry.room.as_mut().expect("live slot");
-        room.set_timer(TimerKind::Tombstone, expiry);
-        // Nothing else is armed once settled: the room's deadline entry (if any) is released.
-        debug_assert_eq!(room.earliest_wheel_deadline(), None);
-        room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, None);
-        self.tombstone_fifo.push_back((slot, epoch, expiry));
-        self.metrics.tombstones += 1;
-        while self.metrics.tombstones > self.config.max_tombstones {
-            let Some((old, old_epoch, _)) = self.tombstone_fifo.pop_front() else { break };
-            debug_assert!(self.slot_is(old, old_epoch), "the tombstone FIFO names only held tombstones");
-            self.metrics.tombstones_evicted += 1;
-            self.drop_room(old);
-        }
-    }
-
     /// Remember a room that never existed here (an abort before the counterpart), so its late
     /// counterpart is refused.
     pub(super) fn create_tombstone(&mut self, now: Nanos, key: RoomKey, role: Role, reason: FailReason) {
@@ -255,51 +231,5 @@ impl Core {
         });
         self.metrics.rooms_created -= 1;
         self.settle(now, slot);
-    }
-
-    /// Forget a settled room entirely (tombstone expired or evicted; the caller took it off the
-    /// tombstone FIFO).
-    pub(super) fn drop_room(&mut self, slot: u32) {
-        let entry = &mut self.slots[slot as usize];
-        // Worked on in place (the room is large: no move out of the slab).
-        let room = entry.room.as_mut().expect("drop of a live slot");
-        // A settled room holds no deadline entry and is in no peer list (`settle` released the
-        // entry; success, release and tombstone creation unlink it): only its tombstone bit is set.
-        debug_assert!(room.wheel_entry == NIL && !room.in_peer_list && room.armed & !TimerKind::Tombstone.bit() == 0);
-        room.armed = 0;
-        if let std::collections::hash_map::Entry::Occupied(entry) = self.keys[room.role as usize].entry(room.key.room) {
-            if *entry.get() == slot {
-                entry.remove();
-            }
-        }
-        match &room.data {
-            RoleData::Sender { parts, .. } => {
-                for part in parts {
-                    for chunk in &part.chunks {
-                        self.xfers.remove(chunk.xfer);
-                    }
-                    self.metrics.pending_sends -= part.held.len() as u64;
-                }
-            }
-            RoleData::Receiver { ticket_base, parts } => {
-                for index in 0..parts.len() as u64 {
-                    self.tickets.remove(ticket_base + index);
-                }
-            }
-        }
-        self.metrics.rooms_by_state[room.state.index()] -= 1;
-        if matches!(room.state, RoomState::Succeeded | RoomState::Failed) {
-            self.metrics.tombstones -= 1;
-        }
-        let spare = match &mut room.data {
-            RoleData::Sender { parts, .. } => Some(std::mem::take(parts)),
-            RoleData::Receiver { .. } => None,
-        };
-        entry.room = None;
-        entry.epoch = entry.epoch.wrapping_add(1);
-        if let Some(parts) = spare {
-            self.recycle_send_parts(parts);
-        }
-        self.free_slots.push(slot);
     }
 }

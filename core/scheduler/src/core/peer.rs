@@ -179,6 +179,14 @@ impl Core {
         peer_reason: FailReason,
     ) {
         match self.lookup(key, to) {
+            Lookup::Settled(seq) => {
+                let bound = self.tombstone_at(seq).peer;
+                self.count_late(LateSource::Peer);
+                if to == Role::Sender && bound.is_none_or(|bound| bound == peer) {
+                    // The receiver waits for our word that nothing more lands.
+                    self.push_peer(peer, PeerMessage::Quiesced { room: key });
+                }
+            }
             Lookup::Same(slot) => {
                 if self.room_at(slot).peer().is_some_and(|bound| bound != peer) {
                     return self.count_late(LateSource::Peer);
@@ -227,6 +235,20 @@ impl Core {
         let lookup = self.lookup(key, Role::Sender);
         let slot = match lookup {
             Lookup::Newer => return self.count_late(LateSource::Peer),
+            Lookup::Settled(seq) => {
+                let failure = self.tombstone_at(seq).failure;
+                self.count_late(LateSource::Peer);
+                if let Some(failure) = failure {
+                    // Tell the receiver at once why this room is already over here.
+                    let message = if failure.reason == FailReason::Aborted {
+                        PeerMessage::Abort { room: key, reason: failure.reason, to: Role::Receiver }
+                    } else {
+                        PeerMessage::RoomFailed { room: key, reason: failure.reason, to: Role::Receiver }
+                    };
+                    self.push_peer(peer, message);
+                }
+                return;
+            }
             Lookup::Same(slot) => {
                 let room = self.room_at(slot);
                 if room.peer().is_some_and(|bound| bound != peer) || room.state != RoomState::WaitingExpect {

@@ -42,6 +42,9 @@ impl Core {
         if xref.plugin != plugin {
             return self.violation(ViolationClause::WrongPlugin);
         }
+        if xref.slot == super::TOMBSTONE_SLOT {
+            return self.settled_xfer_event(xref, event);
+        }
         debug_assert_eq!(self.epoch(xref.slot), xref.epoch);
         let slot = xref.slot;
         let (state, bytes) = {
@@ -195,6 +198,9 @@ impl Core {
             }
             return;
         };
+        if tref.slot == super::TOMBSTONE_SLOT {
+            return self.settled_ticket_event(tref, event);
+        }
         let slot = tref.slot;
         debug_assert_eq!(self.epoch(slot), tref.epoch);
         let live = !self.room_at(slot).state.is_terminal();

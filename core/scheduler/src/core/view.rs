@@ -2,6 +2,7 @@
 //! a room and costs nothing unless asked.
 
 use super::room::Room;
+use super::tombstone::TOMBSTONE_KEY_BIT;
 use super::Core;
 use crate::api::*;
 use crate::timer::TimerKind;
@@ -32,13 +33,19 @@ impl Core {
 
     /// The admin view of one room (ages computed at `now`).
     pub fn room(&self, now: Nanos, room: RoomKey, role: Role) -> Option<RoomView> {
-        let slot = *self.keys[role as usize].get(&room.room)?;
-        let held = self.slots[slot as usize].room.as_ref()?;
+        let value = *self.keys[role as usize].get(&room.room)?;
+        if value & TOMBSTONE_KEY_BIT != 0 {
+            let record = self.tombstone_at(value & !TOMBSTONE_KEY_BIT);
+            return (record.key == room).then(|| self.view_of_tombstone(now, record));
+        }
+        let held = self.slots[value as usize].room.as_ref()?;
         (held.key == room).then(|| self.view_of(now, held))
     }
 
-    /// Every room the core holds (live, quarantined and tombstoned), in slab order.
+    /// Every room the core holds: live and quarantined rooms in slab order, then tombstones
+    /// oldest first.
     pub fn rooms(&self, now: Nanos) -> impl Iterator<Item = RoomView> + '_ {
-        self.slots.iter().filter_map(move |slot| slot.room.as_ref().map(|room| self.view_of(now, room)))
+        let held = self.slots.iter().filter_map(move |slot| slot.room.as_ref().map(|room| self.view_of(now, room)));
+        held.chain(self.tombstones.iter().map(move |record| self.view_of_tombstone(now, record)))
     }
 }

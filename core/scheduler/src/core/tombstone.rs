@@ -1,0 +1,301 @@
+//! Settled rooms as compact tombstone records: when a room settles its slab slot and part lists are
+//! freed at once, and a small record (key, outcome, what the admin view shows, its transfer ids and
+//! tickets) joins a FIFO, evicted oldest first by count and age. It never revives a room.
+
+use super::room::{RoleData, XferState, NIL};
+use super::{Core, TicketRef, XferRef};
+use crate::api::*;
+use crate::metrics::{LateSource, ViolationClause};
+use crate::wheel::Wheel;
+use kvgate_abi::{Event, EventKind, PeerId};
+use smallvec::SmallVec;
+
+/// The `slot` of a transfer or ticket reference that names a tombstone record (its `epoch` is then
+/// the record's sequence number, truncated: at most `max_tombstones` < 2^32 records are held).
+pub(super) const TOMBSTONE_SLOT: u32 = NIL;
+
+/// A key-table value with this bit set names a tombstone record (the other bits: its sequence
+/// number); without it, a slab slot.
+pub(super) const TOMBSTONE_KEY_BIT: u64 = 1 << 63;
+
+/// One transfer id (sender) or ticket (receiver) of a settled room, with what classifies a late
+/// plugin event for it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SettledId {
+    pub id: u64,
+    /// Sender: the chunk's bytes (checked by a late `SUCCEEDED`). Receiver: unused.
+    pub bytes: u64,
+    /// Sender: the chunk's state. Receiver: unused.
+    pub state: XferState,
+    /// Receiver: whether the ticket was still open. Sender: unused.
+    pub ticket_open: bool,
+}
+
+/// A settled room as remembered until its tombstone expires or is evicted.
+#[derive(Clone, Debug)]
+pub(crate) struct Tombstone {
+    /// The record's sequence number (the FIFO's front has `Core::tombstone_front_seq`).
+    pub seq: u64,
+    pub key: RoomKey,
+    pub role: Role,
+    /// `Succeeded` or `Failed`.
+    pub state: RoomState,
+    pub last_event: LastEvent,
+    pub peer: Option<PeerId>,
+    pub plugin: Option<PluginSlot>,
+    pub created: Nanos,
+    pub last_event_at: Nanos,
+    /// When the tombstone expires (`tombstone_ttl_ms` after it settled, never before the one ahead).
+    pub expiry: Nanos,
+    pub parts: u32,
+    pub parts_done: u32,
+    pub bytes_total: u64,
+    pub bytes_done: u64,
+    pub failure: Option<Failure>,
+    /// Sender: every chunk's transfer id in part then chunk order. Receiver: every part's ticket.
+    /// One inline (most rooms have one part of one chunk).
+    pub ids: SmallVec<[SettledId; 1]>,
+}
+
+impl Core {
+    /// The record with sequence number `seq` (held: the key table and the id tables name only
+    /// held records).
+    #[inline]
+    pub(super) fn tombstone_at(&self, seq: u64) -> &Tombstone {
+        let record = &self.tombstones[(seq - self.tombstone_front_seq) as usize];
+        debug_assert_eq!(record.seq, seq);
+        record
+    }
+
+    /// The record a transfer or ticket reference names by its truncated sequence number.
+    #[inline]
+    fn tombstone_index_of(&self, seq32: u32) -> usize {
+        let index = seq32.wrapping_sub(self.tombstone_front_seq as u32) as usize;
+        debug_assert_eq!(self.tombstones[index].seq as u32, seq32);
+        index
+    }
+
+    /// A terminal room whose memory is reusable: remember it as a tombstone record, bounded in
+    /// time and count, and free its slot and part lists now. Its expiry is one constant ttl away
+    /// (settle order is expiry order; a clock that steps back never puts an expiry before the one
+    /// ahead of it).
+    pub(super) fn settle(&mut self, now: Nanos, slot: u32) {
+        let mut expiry = now.saturating_add(Nanos::from_ms(self.config.tombstone_ttl_ms));
+        if let Some(last) = self.tombstones.back() {
+            expiry = expiry.max(last.expiry);
+        }
+        let seq = self.tombstone_front_seq + self.tombstones.len() as u64;
+        let entry = &mut self.slots[slot as usize];
+        let epoch = entry.epoch;
+        let room = entry.room.as_mut().expect("live slot");
+        // Nothing is armed once settled: the room's deadline entry (if any) is released.
+        debug_assert_eq!(room.earliest_wheel_deadline(), None);
+        debug_assert!(!room.in_peer_list, "a settled room is unlinked from its peer first");
+        debug_assert!(matches!(room.state, RoomState::Succeeded | RoomState::Failed));
+        room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, None);
+        room.armed = 0;
+        let mut ids = SmallVec::new();
+        let mut dropped_held = 0u64;
+        match &room.data {
+            RoleData::Sender { parts, .. } => {
+                let plugin = room.plugin();
+                for part in parts {
+                    dropped_held += part.held.len() as u64;
+                    for chunk in &part.chunks {
+                        let index = ids.len() as u32;
+                        ids.push(SettledId { id: chunk.xfer, bytes: chunk.bytes, state: chunk.state, ticket_open: false });
+                        let plugin = plugin.expect("a room with transfers has a plugin");
+                        let xref = XferRef { slot: TOMBSTONE_SLOT, epoch: seq as u32, part: index, chunk: 0, plugin };
+                        self.xfers.replace(chunk.xfer, xref);
+                    }
+                }
+            }
+            RoleData::Receiver { ticket_base, parts } => {
+                for (index, part) in parts.iter().enumerate() {
+                    let ticket = ticket_base + index as u64;
+                    ids.push(SettledId { id: ticket, bytes: 0, state: XferState::Succeeded, ticket_open: part.ticket_open });
+                    self.tickets.replace(ticket, TicketRef { slot: TOMBSTONE_SLOT, epoch: seq as u32, part: index as u32 });
+                }
+            }
+        }
+        let record = Tombstone {
+            seq,
+            key: room.key,
+            role: room.role,
+            state: room.state,
+            last_event: room.last_event,
+            peer: room.peer(),
+            plugin: room.plugin(),
+            created: room.created,
+            last_event_at: room.last_event_at,
+            expiry,
+            parts: room.part_count(),
+            parts_done: room.parts_done,
+            bytes_total: room.bytes_total,
+            bytes_done: room.bytes_done,
+            failure: room.failure,
+            ids,
+        };
+        if let Some(value) = self.keys[record.role as usize].get_mut(&record.key.room) {
+            if *value == slot as u64 {
+                *value = TOMBSTONE_KEY_BIT | seq;
+            }
+        }
+        self.metrics.pending_sends -= dropped_held;
+        let spare = match &mut room.data {
+            RoleData::Sender { parts, .. } => Some(std::mem::take(parts)),
+            RoleData::Receiver { .. } => None,
+        };
+        entry.room = None;
+        entry.epoch = entry.epoch.wrapping_add(1);
+        if let Some(parts) = spare {
+            self.recycle_send_parts(parts);
+        }
+        self.free_slots.push(slot);
+        self.tombstones.push_back(record);
+        self.metrics.tombstones += 1;
+        while self.metrics.tombstones > self.config.max_tombstones {
+            self.metrics.tombstones_evicted += 1;
+            self.drop_oldest_tombstone();
+        }
+    }
+
+    /// Forget the oldest tombstone entirely (expired or evicted): its key, transfer ids, tickets.
+    pub(super) fn drop_oldest_tombstone(&mut self) {
+        let Some(record) = self.tombstones.pop_front() else { return };
+        debug_assert_eq!(record.seq, self.tombstone_front_seq);
+        self.tombstone_front_seq += 1;
+        if let std::collections::hash_map::Entry::Occupied(entry) = self.keys[record.role as usize].entry(record.key.room) {
+            if *entry.get() == TOMBSTONE_KEY_BIT | record.seq {
+                entry.remove();
+            }
+        }
+        match record.role {
+            Role::Sender => {
+                for settled in &record.ids {
+                    self.xfers.remove(settled.id);
+                }
+            }
+            Role::Receiver => {
+                for settled in &record.ids {
+                    self.tickets.remove(settled.id);
+                }
+            }
+        }
+        self.metrics.rooms_by_state[record.state.index()] -= 1;
+        self.metrics.tombstones -= 1;
+    }
+
+    /// The admin view of a tombstone (its next deadline is its expiry).
+    pub(super) fn view_of_tombstone(&self, now: Nanos, record: &Tombstone) -> RoomView {
+        RoomView {
+            room: record.key,
+            role: record.role,
+            state: record.state,
+            age: now.saturating_sub(record.created),
+            peer: record.peer.map(|peer| peer.0),
+            plugin: record.plugin,
+            last_event: record.last_event,
+            last_event_age: now.saturating_sub(record.last_event_at),
+            next_deadline: Some(Wheel::fire_time(record.expiry)),
+            parts: record.parts,
+            parts_done: record.parts_done,
+            bytes_total: record.bytes_total,
+            bytes_done: record.bytes_done,
+            failure: record.failure,
+        }
+    }
+
+    /// A plugin event for a transfer of a settled (terminal) room: exactly what the event does to
+    /// a terminal room's chunk (a late event or a counted violation; the room never changes state).
+    pub(super) fn settled_xfer_event(&mut self, xref: XferRef, event: &Event) {
+        let index = self.tombstone_index_of(xref.epoch);
+        let chunk = xref.part as usize;
+        let (state, bytes) = {
+            let settled = &self.tombstones[index].ids[chunk];
+            (settled.state, settled.bytes)
+        };
+        let set_state = |core: &mut Core, new: XferState| core.tombstones[index].ids[chunk].state = new;
+        match event.kind {
+            EventKind::SUCCEEDED => match state {
+                XferState::InFlight if event.bytes == bytes => {
+                    set_state(self, XferState::Succeeded);
+                    self.metrics.bytes_moved += bytes;
+                    self.tombstones[index].bytes_done += bytes;
+                }
+                XferState::InFlight => {
+                    self.metrics.violations[ViolationClause::SucceededBytesMismatch.index()] += 1;
+                    set_state(self, XferState::FailedQuiesced);
+                }
+                XferState::ForcedSilent => {
+                    self.count_late(LateSource::Plugin);
+                    set_state(self, XferState::Succeeded);
+                }
+                _ => self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1,
+            },
+            EventKind::FAILED => {
+                let known_reason = event.reason.0 != 0 && event.reason.is_known();
+                if !known_reason {
+                    self.metrics.violations[ViolationClause::UnknownReasonCode.index()] += 1;
+                }
+                let quiesced = event.flags & kvgate_abi::event_flags::QUIESCED != 0;
+                let next = if quiesced { XferState::FailedQuiesced } else { XferState::FailedUnquiesced };
+                match state {
+                    XferState::InFlight => set_state(self, next),
+                    XferState::ForcedSilent => {
+                        self.count_late(LateSource::Plugin);
+                        if quiesced {
+                            set_state(self, XferState::FailedQuiesced);
+                        }
+                    }
+                    _ => self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1,
+                }
+            }
+            EventKind::QUIESCED => match state {
+                XferState::FailedUnquiesced | XferState::ForcedSilent => set_state(self, XferState::FailedQuiesced),
+                XferState::InFlight => {
+                    self.metrics.violations[ViolationClause::QuiescedBeforeTerminal.index()] += 1;
+                    set_state(self, XferState::FailedQuiesced);
+                }
+                XferState::Succeeded | XferState::FailedQuiesced => {
+                    self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1
+                }
+            },
+            EventKind::PROGRESS => {
+                if state != XferState::InFlight {
+                    self.metrics.violations[ViolationClause::EventAfterTerminal.index()] += 1;
+                }
+            }
+            _ => self.metrics.violations[ViolationClause::UnknownEventKind.index()] += 1,
+        }
+    }
+
+    /// A plugin event for a ticket of a settled (terminal) receiver room: exactly what the event
+    /// does to a terminal receiver (a late event or a counted violation).
+    pub(super) fn settled_ticket_event(&mut self, tref: TicketRef, event: &Event) {
+        let index = self.tombstone_index_of(tref.epoch);
+        let part = tref.part as usize;
+        match event.kind {
+            EventKind::QUIESCED => {
+                let record = &mut self.tombstones[index];
+                let settled = &mut record.ids[part];
+                if !settled.ticket_open {
+                    // The answer to the cancel sent on success: expected, nothing to do.
+                    if record.state != RoomState::Succeeded {
+                        self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1;
+                    }
+                    return;
+                }
+                settled.ticket_open = false;
+            }
+            EventKind::INCOMING_FAILED => {
+                let known_reason = event.reason.0 != 0 && event.reason.is_known();
+                if !known_reason {
+                    self.metrics.violations[ViolationClause::UnknownReasonCode.index()] += 1;
+                }
+                self.count_late(LateSource::Plugin);
+            }
+            _ => self.metrics.violations[ViolationClause::UnknownEventKind.index()] += 1,
+        }
+    }
+}
