@@ -4,6 +4,7 @@
 //! is bounded by a deadline or `busy_poll_us`.
 
 use crate::config::ResolvedMode;
+use crate::deadline_heap::DeadlineHeap;
 use crate::fast_map::FastMap;
 use crate::receiver::{self, Receiver, SenderNotice, COMPLETIONS, EP_ERRORS, RECV_TOKEN_BIT, REPLY_EARLY_BIT};
 use crate::shared::{Command, OutgoingJob, Shared};
@@ -11,8 +12,7 @@ use crate::ucp::{self, ucp_ep_h, ucp_rkey_h, ucs_status_t, Posted, Worker};
 use crate::wire::{self, CommitHeader, DataHeader, ReplyHeader};
 use kvgate_abi::{Event, LocalKey, PeerId, ReasonCode, XferId};
 use std::cell::RefCell;
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -100,7 +100,7 @@ pub struct Engine {
     xfers: FastMap<u64, Outgoing>,
     requests: FastMap<u64, Req>,
     next_token: u64,
-    timers: BinaryHeap<Reverse<(Instant, u64)>>,
+    timers: DeadlineHeap,
     last_sweep: Instant,
     /// Replies to a sender whose `connect` the host made but whose endpoint this thread has not
     /// created yet (its `Connect` command is queued behind the progress round that took the
@@ -138,7 +138,7 @@ impl Engine {
             xfers: FastMap::default(),
             requests: FastMap::default(),
             next_token: 1,
-            timers: BinaryHeap::new(),
+            timers: DeadlineHeap::default(),
             last_sweep: Instant::now(),
             replies_awaiting_endpoint: Vec::new(),
             command_buffer: VecDeque::new(),
@@ -231,7 +231,7 @@ impl Engine {
             }
         }
         let mut wait = Duration::from_millis(SWEEP_INTERVAL_MS);
-        if let Some(Reverse((at, _))) = self.timers.peek() {
+        if let Some((at, _)) = self.timers.peek() {
             wait = wait.min(at.saturating_duration_since(now));
         }
         let timeout_ms = wait.as_micros().div_ceil(1000) as i32;
@@ -414,7 +414,7 @@ impl Engine {
             return;
         }
         self.xfers.insert(xfer, Outgoing::new(job));
-        self.timers.push(Reverse((deadline, xfer)));
+        self.timers.push(deadline, xfer);
         self.pump(xfer);
     }
 
@@ -687,7 +687,7 @@ impl Engine {
             drop(registry);
             x.unquiesced = true;
             let deadline = Instant::now() + Duration::from_millis(self.shared.config.quiesce_timeout_ms);
-            self.timers.push(Reverse((deadline, xfer)));
+            self.timers.push(deadline, xfer);
             self.shared.sink.deliver(Event::failed(XferId(xfer), reason, message));
         }
     }
@@ -701,6 +701,8 @@ impl Engine {
             return;
         }
         let x = self.xfers.remove(&xfer).unwrap();
+        let xfers = &self.xfers;
+        self.timers.drop_stale(xfers.len(), |id| xfers.contains_key(&id));
         if x.unquiesced {
             self.shared.lock().unquiesced_xfers.remove(&xfer);
             self.shared.sink.deliver(Event::quiesced(XferId(xfer)));
@@ -854,7 +856,7 @@ impl Engine {
     }
 
     fn fire_timers(&mut self, now: Instant) {
-        while let Some(Reverse((at, xfer))) = self.timers.peek().copied() {
+        while let Some((at, xfer)) = self.timers.peek() {
             if at > now {
                 return;
             }

@@ -10,6 +10,7 @@
 //! - [`ucx_log`]: UCX's log lines go to `tracing`, never to the host's stdout.
 
 pub mod config;
+pub mod deadline_heap;
 pub mod engine;
 pub mod fast_map;
 pub mod plugin;
