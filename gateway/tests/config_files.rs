@@ -1,5 +1,6 @@
-//! Every example in configs/ loads; `kvgate config check|default` work from the command line,
-//! including `KVGATE__SECTION__KEY` overrides and the warning for single-underscore variables.
+//! Every example in configs/ loads, and its plugin tables parse with the plugin's own parser;
+//! `kvgate config check|default` work from the command line, including `KVGATE__SECTION__KEY`
+//! overrides and the warning for single-underscore variables.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -29,6 +30,15 @@ fn every_example_config_loads_and_names_its_peer_consistently() {
         let text = std::fs::read_to_string(file).unwrap();
         let config = kvgate::config::load_config_from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         assert!(text.lines().filter(|l| l.trim_start().starts_with('#')).count() >= 3, "{} needs comments", file.display());
+        for (plugin, table) in &config.plugins.config {
+            let table = toml::to_string(table).unwrap();
+            let parsed = match plugin.as_str() {
+                "shm" => kvgate_plugin_shm::ShmConfig::parse(&table).map(drop),
+                "quic" => kvgate_plugin_quic::QuicConfig::parse(&table).map(drop),
+                _ => Ok(()),
+            };
+            parsed.unwrap_or_else(|e| panic!("{}: [plugins.config.{plugin}]: {e:?}", file.display()));
+        }
         names.insert(file.clone(), config);
     }
     // Within a deployment, each gateway lists the other by its name.

@@ -50,6 +50,7 @@ segmentation_offload = false
 initial_congestion_window_bytes = 1048576
 write_chunk_bytes = 1048576
 send_window_bytes = 4194304
+malloc_trim_threshold_bytes = 67108864
 ";
 
 /// Where the UCX plugin library is: `--ucx-library`, else next to the running `kvgate` (where cargo
@@ -124,6 +125,7 @@ mod tests {
         assert_eq!(quic.settings.plugin_config, QUIC_LOOPBACK_CONFIG);
         let parsed = kvgate_plugin_quic::QuicConfig::parse(QUIC_LOOPBACK_CONFIG).expect("the QUIC plugin accepts the bench's config");
         assert_eq!(parsed.initial_mtu_bytes, 65507);
+        assert_eq!(parsed.malloc_trim_threshold_bytes, 64 << 20, "the README's loopback block, whole");
     }
 
     #[test]

@@ -22,7 +22,7 @@ again. Up to `in flight` rooms run at once, each on its own slot of the pools (f
 fit the pools). GB/s = bytes of the timed rooms / wall time of the cell. Outside the timed window: filling the source \
 pool, a warm-up room whose destination bytes are compared with the source (`verified`), and the reference. `CPU gw / eng`: cores the two gateway processes (plugin threads \
 included) and the engines' process kept busy meanwhile (from /proc, 10 ms ticks); 2 cores is all this machine has.
-- **Plugin settings**: shm and the gateways at their defaults; QUIC with its loopback tuning (64 KiB datagrams from the first packet, 4 MiB in flight per connection: plugins/quic/README.md; its defaults are sized for real networks); UCX with the transports of plugins/ucx/conformance/sm.toml and tcp.toml.
+- **Plugin settings**: shm and the gateways at their defaults; QUIC with its loopback tuning (64 KiB datagrams from the first packet, 4 MiB in flight per connection, glibc's trim threshold at 64 MiB: plugins/quic/README.md; its defaults are sized for real networks); UCX with the transports of plugins/ucx/conformance/sm.toml and tcp.toml.
 - **References** move the same bytes in the same run, one transfer after the other, with no pipelining; memcpy and \
 TCP run half their time just before the cell's rooms and half just after: \
 **memcpy** (shm) is one thread copying block by block between this process's mappings of the same pool files, over \
