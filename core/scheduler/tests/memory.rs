@@ -60,3 +60,26 @@ fn sender_room_holding_one_chunk_costs_at_most_512_bytes() {
     assert_eq!(core.metrics().pending_sends, ROOMS);
     assert!(per_room <= BYTES_PER_ROOM_LIMIT, "{per_room} B per room > {BYTES_PER_ROOM_LIMIT} B");
 }
+
+/// A settled room costs far less than a live one: 200 000 tombstones (engine aborts of rooms not
+/// yet here, one per role) must each cost at most 192 bytes (key entry and FIFO growth included).
+const BYTES_PER_TOMBSTONE_LIMIT: isize = 192;
+
+#[test]
+fn tombstone_costs_at_most_192_bytes() {
+    let _one_at_a_time = MEASURING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let now = Nanos::from_ms(1);
+    let config = CoreConfig { max_tombstones: 1_000_000, ..CoreConfig::default() };
+    let mut core = Core::new(config).unwrap();
+    let before = LIVE_BYTES.load(Ordering::Relaxed);
+    for n in 0..ROOMS {
+        core.handle_engine(now, EngineRequest::Abort { room: RoomKey::new(n, 0), role: None }).unwrap();
+        while core.poll_command().is_some() {}
+    }
+    let tombstones = 2 * ROOMS;
+    let per_tombstone = (LIVE_BYTES.load(Ordering::Relaxed) - before) / tombstones as isize;
+    println!("memory per tombstone: {per_tombstone} B");
+    assert_eq!(core.metrics().tombstones, tombstones);
+    assert_eq!(core.live_rooms(), 0);
+    assert!(per_tombstone <= BYTES_PER_TOMBSTONE_LIMIT, "{per_tombstone} B per tombstone > {BYTES_PER_TOMBSTONE_LIMIT} B");
+}

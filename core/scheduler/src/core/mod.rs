@@ -483,7 +483,7 @@ impl Core {
             None => Lookup::Absent,
             Some(&value) if value & TOMBSTONE_KEY_BIT != 0 => {
                 let seq = value & !TOMBSTONE_KEY_BIT;
-                let generation = self.tombstone_at(seq).key.generation;
+                let generation = self.tombstone_at(seq).key().generation;
                 if generation == key.generation {
                     Lookup::Settled(seq)
                 } else if generation < key.generation {

@@ -180,7 +180,7 @@ impl Core {
     ) {
         match self.lookup(key, to) {
             Lookup::Settled(seq) => {
-                let bound = self.tombstone_at(seq).peer;
+                let bound = self.tombstone_at(seq).peer();
                 self.count_late(LateSource::Peer);
                 if to == Role::Sender && bound.is_none_or(|bound| bound == peer) {
                     // The receiver waits for our word that nothing more lands.

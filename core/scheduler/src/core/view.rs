@@ -36,7 +36,7 @@ impl Core {
         let value = *self.keys[role as usize].get(&room.room)?;
         if value & TOMBSTONE_KEY_BIT != 0 {
             let record = self.tombstone_at(value & !TOMBSTONE_KEY_BIT);
-            return (record.key == room).then(|| self.view_of_tombstone(now, record));
+            return (record.key() == room).then(|| self.view_of_tombstone(now, record));
         }
         let held = self.slots[value as usize].room.as_ref()?;
         (held.key == room).then(|| self.view_of(now, held))
