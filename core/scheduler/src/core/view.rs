@@ -1,5 +1,5 @@
-//! The admin view of rooms (`RoomView`), built on demand from the slab. Read-only: it never changes
-//! a room and costs nothing unless asked.
+//! The admin view of rooms (`RoomView`), built on demand from the slab and the tombstone records.
+//! Read-only: it never changes a room and costs nothing unless asked.
 
 use super::room::Room;
 use super::tombstone::TOMBSTONE_KEY_BIT;
