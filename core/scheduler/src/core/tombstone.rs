@@ -170,11 +170,26 @@ impl Core {
             self.recycle_send_parts(parts);
         }
         self.free_slots.push(slot);
-        self.tombstones.push_back(record);
-        self.metrics.tombstones += 1;
-        while self.metrics.tombstones > self.config.max_tombstones {
+        // The oldest leaves before the new one joins (the same records go): a full FIFO is a ring
+        // of exactly `max_tombstones` records, so the new record is written where the evicted one
+        // was just read, in cache.
+        while self.metrics.tombstones >= self.config.max_tombstones {
             self.metrics.tombstones_evicted += 1;
             self.drop_oldest_tombstone();
+        }
+        self.reserve_tombstone();
+        self.tombstones.push_back(record);
+        self.metrics.tombstones += 1;
+    }
+
+    /// Room for one more record: the FIFO grows by doubling, but never past `max_tombstones`.
+    #[inline]
+    fn reserve_tombstone(&mut self) {
+        let (len, capacity) = (self.tombstones.len(), self.tombstones.capacity());
+        if len == capacity {
+            let limit = usize::try_from(self.config.max_tombstones).unwrap_or(usize::MAX);
+            let target = (2 * capacity).max(4).min(limit).max(len + 1);
+            self.tombstones.reserve_exact(target - len);
         }
     }
 
@@ -329,5 +344,19 @@ mod tests {
         println!("tombstone record: {record} B, slab slot: {slot} B");
         assert!(record <= 128, "{record} B");
         assert!(record < slot);
+    }
+
+    #[test]
+    fn a_full_fifo_is_a_ring_of_exactly_max_tombstones_records() {
+        for max_tombstones in [1u64, 3, 5, 100] {
+            let config = crate::CoreConfig { max_tombstones, ..crate::CoreConfig::default() };
+            let mut core = Core::new(config).unwrap();
+            for n in 0..3 * max_tombstones {
+                core.engine_abort(Nanos::from_ms(1), RoomKey::new(n, 0), Some(Role::Sender));
+                assert_eq!(core.tombstones.len() as u64, (n + 1).min(max_tombstones));
+                assert!(core.tombstones.capacity() as u64 <= max_tombstones, "capacity {}", core.tombstones.capacity());
+            }
+            assert_eq!(core.metrics.tombstones_evicted, 2 * max_tombstones);
+        }
     }
 }
