@@ -5,6 +5,8 @@
 //! `--toggle-collect='*measured_lifecycles*'` counts the measured loop alone.
 //! `KVGATE_LOOP_MAX_TOMBSTONES` overrides `max_tombstones` (default 100 000, as the bench): a small
 //! value keeps the slab in cache and shows what the cache misses of a large one cost.
+//! `KVGATE_LOOP_IDLE_ROOMS` puts that many idle rooms in flight first (as the bench's
+//! `lifecycle_with_idle_rooms`), to count what a lifecycle costs beside them.
 
 use kvgate_core::*;
 
@@ -19,7 +21,9 @@ fn main() {
     let max_tombstones =
         std::env::var("KVGATE_LOOP_MAX_TOMBSTONES").ok().map(|v| v.parse::<u64>().expect("a count")).unwrap_or(100_000);
     let config = CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones, max_pending_sends: 1_000_000, ..CoreConfig::default() };
+    let idle_rooms = std::env::var("KVGATE_LOOP_IDLE_ROOMS").ok().map(|v| v.parse::<u64>().expect("a count")).unwrap_or(0);
     let mut pair = NoopPair::new(config);
+    pair.add_idle_rooms(idle_rooms);
     for _ in 0..warmup {
         pair.lifecycle();
     }

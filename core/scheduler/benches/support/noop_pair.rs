@@ -85,7 +85,6 @@ impl NoopPair {
     }
 
     /// Rooms that wait for a sender that never comes (receiver side only).
-    #[allow(dead_code)] // the example does not use it
     pub fn add_idle_rooms(&mut self, count: u64) {
         for n in 0..count {
             let room = RoomKey::new(u64::MAX / 2 + n, 0);
