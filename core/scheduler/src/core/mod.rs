@@ -315,8 +315,7 @@ impl Core {
             }
             self.room_mut(slot).wheel_entry = NIL;
             // Fire the room's due timers earliest first; a handler may disarm the others.
-            loop {
-                let Some(kind) = self.room_at(slot).due_timer(now_tick) else { break };
+            while let Some(kind) = self.room_at(slot).due_timer(now_tick) {
                 self.room_mut(slot).armed &= !kind.bit();
                 self.on_timer(now, slot, kind);
                 if !self.slot_is(slot, epoch) {

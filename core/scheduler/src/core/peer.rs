@@ -220,6 +220,17 @@ impl Core {
         }
     }
 
+    /// An expect notice for a room that is already over on this side: tell the receiver at once why
+    /// (an abort as an abort, any other failure as the room's failure).
+    fn tell_receiver_room_is_over(&mut self, peer: PeerId, key: RoomKey, reason: FailReason) {
+        let message = if reason == FailReason::Aborted {
+            PeerMessage::Abort { room: key, reason, to: Role::Receiver }
+        } else {
+            PeerMessage::RoomFailed { room: key, reason, to: Role::Receiver }
+        };
+        self.push_peer(peer, message);
+    }
+
     fn on_expect_notice(
         &mut self,
         now: Nanos,
@@ -239,13 +250,7 @@ impl Core {
                 let failure = self.tombstone_at(seq).failure;
                 self.count_late(LateSource::Peer);
                 if let Some(failure) = failure {
-                    // Tell the receiver at once why this room is already over here.
-                    let message = if failure.reason == FailReason::Aborted {
-                        PeerMessage::Abort { room: key, reason: failure.reason, to: Role::Receiver }
-                    } else {
-                        PeerMessage::RoomFailed { room: key, reason: failure.reason, to: Role::Receiver }
-                    };
-                    self.push_peer(peer, message);
+                    self.tell_receiver_room_is_over(peer, key, failure.reason);
                 }
                 return;
             }
@@ -255,13 +260,7 @@ impl Core {
                     let terminal_failure = room.failure.filter(|_| room.state.is_terminal());
                     self.count_late(LateSource::Peer);
                     if let Some(failure) = terminal_failure {
-                        // Tell the receiver at once why this room is already over here.
-                        let message = if failure.reason == FailReason::Aborted {
-                            PeerMessage::Abort { room: key, reason: failure.reason, to: Role::Receiver }
-                        } else {
-                            PeerMessage::RoomFailed { room: key, reason: failure.reason, to: Role::Receiver }
-                        };
-                        self.push_peer(peer, message);
+                        self.tell_receiver_room_is_over(peer, key, failure.reason);
                     }
                     return;
                 }
