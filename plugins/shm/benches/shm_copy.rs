@@ -127,6 +127,12 @@ fn gbps(bytes: usize, t: Duration) -> f64 {
 
 /// Interleaved rounds of both copies; prints medians and the ratio.
 fn ratio_report() {
+    let config = std::env::var("KVGATE_SHM_BENCH_CONFIG").unwrap_or_else(|_| PLUGIN_CONFIG.to_string());
+    println!(
+        "shm_copy: plugin config {:?}; streaming stores (transfers >= streaming_stores_min_bytes) use {}; memcpy is glibc's",
+        config,
+        kvgate_plugin_shm::stream_copy::streaming_instructions()
+    );
     for shape in &SHAPES {
         let mut bench = Bench::new(shape);
         for _ in 0..3 {

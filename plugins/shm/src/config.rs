@@ -25,6 +25,14 @@ pub struct ShmConfig {
     /// Pre-fault a peer's mapping when its key is imported (`MAP_POPULATE`), so the first copy into
     /// it takes no page faults. Default true.
     pub populate_mappings: bool,
+    /// Copy large transfers with non-temporal (streaming) stores, which write around the cache: the
+    /// copying core does not read each destination line in before overwriting it, and the transfer
+    /// does not evict the caches of the processes beside it. Default true.
+    pub streaming_stores: bool,
+    /// Transfers of at least this many bytes use streaming stores (when `streaming_stores`); smaller
+    /// ones a plain memcpy, since their destination is likely still cached when it is read.
+    /// Default 1 MiB, allowed 0..=2^48 (0 streams every transfer).
+    pub streaming_stores_min_bytes: u64,
 }
 
 pub const DEFAULT_WORKERS: u32 = 2;
@@ -38,6 +46,8 @@ pub const DEFAULT_MAX_SEGMENTS_PER_SUBMIT: u64 = 1 << 20;
 pub const MAX_MAX_SEGMENTS_PER_SUBMIT: u64 = 1 << 24;
 pub const DEFAULT_MAX_TRANSFER_BYTES: u64 = 1 << 40;
 pub const MAX_MAX_TRANSFER_BYTES: u64 = 1 << 48;
+pub const DEFAULT_STREAMING_STORES_MIN_BYTES: u64 = 1 << 20;
+pub const MAX_STREAMING_STORES_MIN_BYTES: u64 = 1 << 48;
 
 impl Default for ShmConfig {
     fn default() -> Self {
@@ -48,6 +58,8 @@ impl Default for ShmConfig {
             max_segments_per_submit: DEFAULT_MAX_SEGMENTS_PER_SUBMIT,
             max_transfer_bytes: DEFAULT_MAX_TRANSFER_BYTES,
             populate_mappings: true,
+            streaming_stores: true,
+            streaming_stores_min_bytes: DEFAULT_STREAMING_STORES_MIN_BYTES,
         }
     }
 }
@@ -69,7 +81,13 @@ impl ShmConfig {
         check_range("max_inflight_transfers", self.max_inflight_transfers, 1, MAX_MAX_INFLIGHT_TRANSFERS)?;
         check_range("max_segments_per_submit", self.max_segments_per_submit, 1, MAX_MAX_SEGMENTS_PER_SUBMIT)?;
         check_range("max_transfer_bytes", self.max_transfer_bytes, 1, MAX_MAX_TRANSFER_BYTES)?;
+        check_range("streaming_stores_min_bytes", self.streaming_stores_min_bytes, 0, MAX_STREAMING_STORES_MIN_BYTES)?;
         Ok(())
+    }
+
+    /// Whether a transfer of `total_bytes` is copied with streaming stores.
+    pub fn streams(&self, total_bytes: u64) -> bool {
+        self.streaming_stores && total_bytes >= self.streaming_stores_min_bytes
     }
 }
 
@@ -97,9 +115,11 @@ mod tests {
     fn every_key_parses() {
         let c = ShmConfig::parse(
             "workers = 3\nchunk_bytes = 8192\nmax_inflight_transfers = 7\nmax_segments_per_submit = 9\n\
-             max_transfer_bytes = 100\npopulate_mappings = false",
+             max_transfer_bytes = 100\npopulate_mappings = false\nstreaming_stores = false\n\
+             streaming_stores_min_bytes = 65536",
         )
         .unwrap();
+        assert_eq!((c.streaming_stores, c.streaming_stores_min_bytes), (false, 65536));
         assert_eq!((c.workers, c.chunk_bytes, c.max_inflight_transfers), (3, 8192, 7));
         assert_eq!((c.max_segments_per_submit, c.max_transfer_bytes, c.populate_mappings), (9, 100, false));
     }
@@ -122,12 +142,13 @@ mod tests {
     #[test]
     fn every_limit_at_and_past_its_bounds() {
         type Setter = fn(&mut ShmConfig, u64);
-        let limits: [(&str, u64, u64, Setter); 5] = [
+        let limits: [(&str, u64, u64, Setter); 6] = [
             ("workers", 1, MAX_WORKERS as u64, |c, v| c.workers = v as u32),
             ("chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES, |c, v| c.chunk_bytes = v),
             ("max_inflight_transfers", 1, MAX_MAX_INFLIGHT_TRANSFERS, |c, v| c.max_inflight_transfers = v),
             ("max_segments_per_submit", 1, MAX_MAX_SEGMENTS_PER_SUBMIT, |c, v| c.max_segments_per_submit = v),
             ("max_transfer_bytes", 1, MAX_MAX_TRANSFER_BYTES, |c, v| c.max_transfer_bytes = v),
+            ("streaming_stores_min_bytes", 0, MAX_STREAMING_STORES_MIN_BYTES, |c, v| c.streaming_stores_min_bytes = v),
         ];
         for (key, min, max, set) in limits {
             for ok in [min, max] {
@@ -135,7 +156,7 @@ mod tests {
                 set(&mut c, ok);
                 assert!(c.validate().is_ok(), "{key} = {ok} must be accepted");
             }
-            for bad in [min - 1, max + 1] {
+            for bad in [min.checked_sub(1), Some(max + 1)].into_iter().flatten() {
                 let mut c = ShmConfig::default();
                 set(&mut c, bad);
                 let e = c.validate().unwrap_err();
@@ -143,6 +164,19 @@ mod tests {
                 assert!(e.message.contains(key), "{key} = {bad}: {e}");
             }
         }
+    }
+
+    /// The threshold is inclusive, and `streaming_stores = false` turns streaming off at any size.
+    #[test]
+    fn streaming_applies_at_and_above_the_threshold_only() {
+        let c = ShmConfig::default();
+        assert!(!c.streams(DEFAULT_STREAMING_STORES_MIN_BYTES - 1));
+        assert!(c.streams(DEFAULT_STREAMING_STORES_MIN_BYTES));
+        let every = ShmConfig { streaming_stores_min_bytes: 0, ..ShmConfig::default() };
+        assert!(every.streams(0));
+        let off = ShmConfig { streaming_stores: false, streaming_stores_min_bytes: 0, ..ShmConfig::default() };
+        assert!(!off.streams(1 << 40));
+        assert!(ShmConfig::parse("streaming_stores_min_bytes = -1").is_err());
     }
 
     #[test]

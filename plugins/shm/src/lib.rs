@@ -11,6 +11,7 @@ pub mod mapping;
 pub mod plan;
 pub mod plugin;
 pub mod state;
+pub mod stream_copy;
 pub mod wire;
 pub mod workers;
 

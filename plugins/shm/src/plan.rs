@@ -2,6 +2,8 @@
 //! cursor that hands out chunks of at most `chunk_bytes`, so several workers can share one transfer.
 //! Pure bookkeeping: never dereferences an address (only [`copy_chunk`] does, on the worker's behalf).
 
+use crate::stream_copy::{copy_streaming_unfenced, store_fence};
+
 /// One contiguous copy, with both addresses already checked against their regions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
@@ -58,25 +60,27 @@ impl Cursor {
     }
 }
 
-/// Copy one chunk.
+/// Copy one chunk, with streaming stores when `streaming` (then fenced before returning, so a
+/// completion published afterwards is ordered after every byte).
 ///
 /// # Safety
 /// Every piece's `src..src+len` must be readable and `dst..dst+len` writable for the whole call, and
 /// no destination range may overlap a source range.
-pub unsafe fn copy_chunk(pieces: &[Piece], chunk: Chunk) {
+pub unsafe fn copy_chunk(pieces: &[Piece], chunk: Chunk, streaming: bool) {
     let mut piece = chunk.piece;
     let mut offset = chunk.offset;
     let mut left = chunk.bytes;
     while left > 0 {
         let p = pieces[piece];
         let take = (p.len - offset).min(left);
+        let (src, dst) = ((p.src + offset as usize) as *const u8, (p.dst + offset as usize) as *mut u8);
         // SAFETY: guaranteed by the caller; `offset + take <= p.len`.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                (p.src + offset as usize) as *const u8,
-                (p.dst + offset as usize) as *mut u8,
-                take as usize,
-            );
+            if streaming {
+                copy_streaming_unfenced(dst, src, take as usize);
+            } else {
+                std::ptr::copy_nonoverlapping(src, dst, take as usize);
+            }
         }
         left -= take;
         offset += take;
@@ -84,6 +88,9 @@ pub unsafe fn copy_chunk(pieces: &[Piece], chunk: Chunk) {
             piece += 1;
             offset = 0;
         }
+    }
+    if streaming {
+        store_fence();
     }
 }
 
@@ -125,6 +132,12 @@ mod tests {
 
     #[test]
     fn copy_chunk_copies_exactly_the_chunk() {
+        for streaming in [false, true] {
+            copy_chunk_copies_exactly_the_chunk_with(streaming);
+        }
+    }
+
+    fn copy_chunk_copies_exactly_the_chunk_with(streaming: bool) {
         let src: Vec<u8> = (0..40u8).collect();
         let mut dst = vec![0xEEu8; 40];
         let p = vec![
@@ -133,11 +146,11 @@ mod tests {
         ];
         let mut cursor = Cursor::default();
         let first = cursor.next_chunk(&p, 12).unwrap();
-        unsafe { copy_chunk(&p, first) };
+        unsafe { copy_chunk(&p, first, streaming) };
         assert_eq!(&dst[20..32], &src[0..12]);
         assert_eq!(dst[32], 0xEE);
         let second = cursor.next_chunk(&p, 12).unwrap();
-        unsafe { copy_chunk(&p, second) };
+        unsafe { copy_chunk(&p, second, streaming) };
         assert_eq!(&dst[20..35], &src[0..15]);
         assert_eq!(&dst[0..9], &src[15..24]);
         assert_eq!(dst[9], 0xEE);

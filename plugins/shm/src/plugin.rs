@@ -172,6 +172,7 @@ impl ShmPlugin {
             pieces: Arc::new(pieces),
             cursor: Cursor::default(),
             total_bytes,
+            streaming: config.streams(total_bytes),
             copied_bytes: 0,
             active_chunks: 0,
             failed: false,

@@ -32,6 +32,8 @@ pub struct Transfer {
     pub pieces: Arc<Vec<Piece>>,
     pub cursor: Cursor,
     pub total_bytes: u64,
+    /// Copied with streaming stores (`ShmConfig::streams`).
+    pub streaming: bool,
     pub copied_bytes: u64,
     /// Chunks a worker is copying right now; `QUIESCED` waits for 0.
     pub active_chunks: u32,
@@ -51,6 +53,8 @@ pub struct Job {
     pub xfer: XferId,
     pub pieces: Arc<Vec<Piece>>,
     pub chunk: Chunk,
+    /// Copy with streaming stores (decided per transfer at submit).
+    pub streaming: bool,
 }
 
 #[derive(Debug, Default)]
@@ -184,7 +188,7 @@ impl State {
             }
             if let Some(chunk) = chunk {
                 t.active_chunks += 1;
-                return Some(Job { xfer, pieces: Arc::clone(&t.pieces), chunk });
+                return Some(Job { xfer, pieces: Arc::clone(&t.pieces), chunk, streaming: t.streaming });
             }
         }
         None
@@ -259,6 +263,7 @@ mod tests {
             pieces: Arc::new(vec![Piece { src: 0, dst: 0, len: 10 * chunks }]),
             cursor: Cursor::default(),
             total_bytes: 10 * chunks,
+            streaming: false,
             copied_bytes: 0,
             active_chunks: 0,
             failed: false,

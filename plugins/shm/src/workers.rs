@@ -130,7 +130,7 @@ pub fn worker_loop(shared: &Shared) {
             // SAFETY: the pieces were checked against their regions at submit; the local region cannot
             // be deregistered (deregister waits on `chunk_done`) nor the peer mapping unmapped (the
             // transfer holds it) while this chunk is active.
-            unsafe { copy_chunk(&job.pieces, job.chunk) }
+            unsafe { copy_chunk(&job.pieces, job.chunk, job.streaming) }
         }));
         state = shared.lock();
         state.complete(&job);
