@@ -1,4 +1,4 @@
-//! The `Core` state machine: rooms in a slab, keys in a fast hash, deadlines in one timer wheel
+//! The `Core` state machine: rooms in a slab, keys in a seeded open-addressing table (`key_table`), deadlines in one timer wheel
 //! (at most one entry per room, at its earliest deadline; a far deadline waits in a nursery FIFO
 //! first, see `deadlines`), settled rooms as compact records in a tombstone FIFO (`tombstone`).
 //! Inputs are `handle_*(now, ..)`, outputs `poll_command()` / `poll_timeout()`; it never does IO,
@@ -7,6 +7,7 @@
 mod deadlines;
 mod engine;
 mod id_table;
+mod key_table;
 mod mapping;
 mod outcome;
 mod peer;
@@ -27,6 +28,7 @@ use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
 use engine::SendSlices;
 use id_table::SequentialIdTable;
 use room::{Room, Slot, NIL};
+use key_table::KeyTable;
 use tombstone::{Tombstone, TOMBSTONE_KEY_BIT, TOMBSTONE_SLOT};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
@@ -103,10 +105,10 @@ pub struct Core {
     metrics: Metrics,
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
-    /// Room id -> slot, or tombstone record (`TOMBSTONE_KEY_BIT | seq`), one table per role
-    /// (indexed by `role as usize`): an 8-byte key hashes faster and packs tighter than
-    /// `(id, role)`. Keyed hash: room ids may come from peers.
-    keys: [PeerKeyedMap<u64, u64>; 2],
+    /// Room id -> slot, or tombstone record (`tombstone_key_value(seq)`), one table per role
+    /// (indexed by `role as usize`): an 8-byte key hashes faster than `(id, role)`. Keyed hash: room
+    /// ids may come from peers. The ids live in the rooms and records (`key_value_room_id`).
+    keys: [KeyTable; 2],
     /// Transfer id -> chunk, ticket -> part: both issued in increasing order.
     xfers: SequentialIdTable<XferRef>,
     tickets: SequentialIdTable<TicketRef>,
@@ -149,7 +151,7 @@ impl Core {
             metrics: Metrics::default(),
             slots: Vec::new(),
             free_slots: Vec::new(),
-            keys: [peer_keyed_map(), peer_keyed_map()],
+            keys: [KeyTable::new(), KeyTable::new()],
             xfers: SequentialIdTable::default(),
             tickets: SequentialIdTable::default(),
             peers: FxHashMap::default(),
@@ -476,12 +478,30 @@ impl Core {
         self.slots[slot as usize].epoch
     }
 
+    /// The room id of the held room or tombstone record a key-table value names.
+    #[inline]
+    fn key_value_room_id(&self, value: u32) -> u64 {
+        if value & TOMBSTONE_KEY_BIT != 0 {
+            self.tombstone_at(self.tombstone_seq_of_key_value(value)).key().room
+        } else {
+            self.room_at(value).key.room
+        }
+    }
+
+    /// The key-table value held for room id `id` in `role`'s table, if any.
+    #[inline]
+    fn key_value(&self, id: u64, role: Role) -> Option<u32> {
+        let keys = &self.keys[role as usize];
+        let index = keys.find(keys.hash(id), |value| self.key_value_room_id(value) == id)?;
+        Some(keys.value_at(index))
+    }
+
     #[inline]
     fn lookup(&self, key: RoomKey, role: Role) -> Lookup {
-        match self.keys[role as usize].get(&key.room) {
+        match self.key_value(key.room, role) {
             None => Lookup::Absent,
-            Some(&value) if value & TOMBSTONE_KEY_BIT != 0 => {
-                let seq = value & !TOMBSTONE_KEY_BIT;
+            Some(value) if value & TOMBSTONE_KEY_BIT != 0 => {
+                let seq = self.tombstone_seq_of_key_value(value);
                 let generation = self.tombstone_at(seq).key().generation;
                 if generation == key.generation {
                     Lookup::Settled(seq)
@@ -491,8 +511,7 @@ impl Core {
                     Lookup::Newer
                 }
             }
-            Some(&value) => {
-                let slot = value as u32;
+            Some(slot) => {
                 let generation = self.room_at(slot).key.generation;
                 if generation == key.generation {
                     Lookup::Same(slot)
@@ -524,7 +543,14 @@ impl Core {
         let (key, role) = (room.key.room, room.role);
         let state = room.state;
         let entered = room.state_entered;
-        self.keys[role as usize].insert(key, slot as u64);
+        // The key's entry (an older generation's, if any) now names the new room.
+        assert!(slot < TOMBSTONE_KEY_BIT, "slab slots stay below 2^31");
+        let hash = self.keys[role as usize].hash(key);
+        let held = self.keys[role as usize].find(hash, |value| self.key_value_room_id(value) == key);
+        match held {
+            Some(index) => self.keys[role as usize].set_value_at(index, slot),
+            None => self.keys[role as usize].insert_new(hash, slot),
+        }
         self.metrics.rooms_created += 1;
         self.metrics.rooms_by_state[state.index()] += 1;
         if !state.is_terminal() {

@@ -27,11 +27,17 @@ fn os_random_u64() -> u64 {
     RandomState::new().hash_one(0x6b76_6761_7465_u64)
 }
 
-/// An empty map with its own random seed.
-pub(crate) fn peer_keyed_map<K, V>() -> PeerKeyedMap<K, V> {
+/// A hash state with its own random seed, for one table keyed by peer-chosen ids (a `PeerKeyedMap`
+/// or the core's room-key table, `key_table`).
+pub(crate) fn peer_keyed_hash_state() -> SeedableRandomState {
     static SHARED_SEED: OnceLock<SharedSeed> = OnceLock::new();
     let shared = SHARED_SEED.get_or_init(|| SharedSeed::from_u64(os_random_u64()));
-    HashMap::with_hasher(SeedableRandomState::with_seed(os_random_u64(), shared))
+    SeedableRandomState::with_seed(os_random_u64(), shared)
+}
+
+/// An empty map with its own random seed.
+pub(crate) fn peer_keyed_map<K, V>() -> PeerKeyedMap<K, V> {
+    HashMap::with_hasher(peer_keyed_hash_state())
 }
 
 #[cfg(test)]

@@ -14,9 +14,16 @@ use smallvec::SmallVec;
 /// the record's sequence number, truncated: at most `max_tombstones` < 2^32 records are held).
 pub(super) const TOMBSTONE_SLOT: u32 = NIL;
 
-/// A key-table value with this bit set names a tombstone record (the other bits: its sequence
-/// number); without it, a slab slot.
-pub(super) const TOMBSTONE_KEY_BIT: u64 = 1 << 63;
+/// A key-table value with this bit set names a tombstone record (the low 30 bits: its sequence
+/// number, truncated: at most `max_tombstones` < 2^30 records are held); without it, a slab slot.
+pub(super) const TOMBSTONE_KEY_BIT: u32 = 1 << 31;
+const TOMBSTONE_KEY_SEQ_MASK: u32 = (1 << 30) - 1;
+
+/// The key-table value of the tombstone record with sequence number `seq`.
+#[inline]
+pub(super) fn tombstone_key_value(seq: u64) -> u32 {
+    TOMBSTONE_KEY_BIT | (seq as u32 & TOMBSTONE_KEY_SEQ_MASK)
+}
 
 /// One transfer id (sender) or ticket (receiver) of a settled room, with what classifies a late
 /// plugin event for it.
@@ -81,6 +88,14 @@ impl Core {
     #[inline]
     pub(super) fn tombstone_at(&self, seq: u64) -> &Tombstone {
         &self.tombstones[(seq - self.tombstone_front_seq) as usize]
+    }
+
+    /// The sequence number of the held record a key-table value (`TOMBSTONE_KEY_BIT` set) names.
+    #[inline]
+    pub(super) fn tombstone_seq_of_key_value(&self, value: u32) -> u64 {
+        let offset = (value & TOMBSTONE_KEY_SEQ_MASK).wrapping_sub(self.tombstone_front_seq as u32) & TOMBSTONE_KEY_SEQ_MASK;
+        debug_assert!((offset as usize) < self.tombstones.len(), "key values name only held tombstones");
+        self.tombstone_front_seq + offset as u64
     }
 
     /// The record a transfer or ticket reference names by its truncated sequence number.
@@ -154,10 +169,11 @@ impl Core {
             failure: room.failure,
             ids,
         };
-        if let Some(value) = self.keys[record.role as usize].get_mut(&record.room_id) {
-            if *value == slot as u64 {
-                *value = TOMBSTONE_KEY_BIT | seq;
-            }
+        // The room's key entry now names the record (unless a newer generation took the key over).
+        let keys = &mut self.keys[record.role as usize];
+        let hash = keys.hash(record.room_id);
+        if let Some(index) = keys.find_value(hash, slot) {
+            keys.set_value_at(index, tombstone_key_value(seq));
         }
         self.metrics.pending_sends -= dropped_held;
         let spare = match &mut room.data {
@@ -198,10 +214,11 @@ impl Core {
         let Some(record) = self.tombstones.pop_front() else { return };
         let seq = self.tombstone_front_seq;
         self.tombstone_front_seq += 1;
-        if let std::collections::hash_map::Entry::Occupied(entry) = self.keys[record.role as usize].entry(record.room_id) {
-            if *entry.get() == TOMBSTONE_KEY_BIT | seq {
-                entry.remove();
-            }
+        // Its key entry goes, unless a newer generation took the key over.
+        let keys = &mut self.keys[record.role as usize];
+        let hash = keys.hash(record.room_id);
+        if let Some(index) = keys.find_value(hash, tombstone_key_value(seq)) {
+            keys.remove_at(index);
         }
         match record.role {
             Role::Sender => {

@@ -33,9 +33,9 @@ impl Core {
 
     /// The admin view of one room (ages computed at `now`).
     pub fn room(&self, now: Nanos, room: RoomKey, role: Role) -> Option<RoomView> {
-        let value = *self.keys[role as usize].get(&room.room)?;
+        let value = self.key_value(room.room, role)?;
         if value & TOMBSTONE_KEY_BIT != 0 {
-            let record = self.tombstone_at(value & !TOMBSTONE_KEY_BIT);
+            let record = self.tombstone_at(self.tombstone_seq_of_key_value(value));
             return (record.key() == room).then(|| self.view_of_tombstone(now, record));
         }
         let held = self.slots[value as usize].room.as_ref()?;
