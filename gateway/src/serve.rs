@@ -13,7 +13,7 @@ use kvgate_client::proto;
 use kvgate_client::proto::peer_link_server::PeerLinkServer;
 use std::path::PathBuf;
 use std::sync::Arc;
-use tokio::sync::{broadcast, mpsc, watch};
+use tokio::sync::{mpsc, watch};
 
 fn hostname() -> String {
     nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "localhost".into())
@@ -64,7 +64,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
             .collect(),
     });
     let (input_tx, input_rx) = mpsc::channel(config.driver.event_queue_len as usize);
-    let (watch_tx, _) = broadcast::channel(config.engine_api.watch_buffer_events as usize);
+    let watch_tx = crate::engine_api::WatchFeed::new(config.engine_api.watch_buffer_events as usize);
     let (stop_tx, stop_rx) = watch::channel(false);
 
     // Bind every listener before anything is announced, so a bad address fails start-up.

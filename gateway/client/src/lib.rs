@@ -166,7 +166,13 @@ impl Client {
 
     /// Room events (every room when `key` is `None`).
     pub async fn watch(&self, key: Option<RoomKey>) -> Result<tonic::Streaming<RoomEvent>, Status> {
-        Ok(self.inner.clone().watch(proto::WatchRequest { key }).await?.into_inner())
+        Ok(self.inner.clone().watch(proto::WatchRequest { key, outcomes_only: false }).await?.into_inner())
+    }
+
+    /// Only the outcomes (`Terminal`, `Reusable`) of every room, or of `key`: what an engine needs to
+    /// finish requests and reuse memory, at a fraction of the gateway's cost per room.
+    pub async fn watch_outcomes(&self, key: Option<RoomKey>) -> Result<tonic::Streaming<RoomEvent>, Status> {
+        Ok(self.inner.clone().watch(proto::WatchRequest { key, outcomes_only: true }).await?.into_inner())
     }
 }
 

@@ -27,8 +27,9 @@ included) and the engines' process kept busy meanwhile (from /proc, 10 ms ticks)
 TCP run half their time just before the cell's rooms and half just after: \
 **memcpy** (shm) is one thread copying block by block between this process's mappings of the same pool files, over \
 the same slots in the same order as the rooms used them. The shm plugin copies with its worker threads (`workers`, \
-default 2) and the gateway overlaps rooms, so on 2 cores a ratio above 1 is possible: the ratio says how close the whole \
-path gets to one core's memcpy, not to the machine's copy bandwidth. **TCP loopback** (QUIC) is one blocking \
+default 2), with non-temporal stores for transfers of 1 MiB and more (`streaming_stores_min_bytes`; glibc's memcpy \
+uses cached stores at these sizes), and the gateway overlaps rooms, so on 2 cores a ratio above 1 is possible: the \
+ratio says how close the whole path gets to one core's memcpy, not to the machine's copy bandwidth. **TCP loopback** (QUIC) is one blocking \
 connection, block by block, a 1-byte acknowledgement per transfer. **ucx_perftest** (UCX) is `ucp_am_bw` server + \
 client on 127.0.0.1 over the same UCX transport as the plugin's config, one message per block; it reports a rate, so \
 its p50 is the transfer's bytes at that rate.

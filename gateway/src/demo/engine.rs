@@ -22,10 +22,10 @@ pub struct EventRouter {
 }
 
 impl EventRouter {
-    /// Start routing `client`'s watch stream (every room).
+    /// Start routing `client`'s watch stream (every room; outcomes only, which is all `run_room` reads).
     pub async fn start(client: &Client) -> anyhow::Result<EventRouter> {
         let router = EventRouter::default();
-        let mut stream = client.watch(None).await.context("watch")?;
+        let mut stream = client.watch_outcomes(None).await.context("watch")?;
         let rooms = router.rooms.clone();
         tokio::spawn(async move {
             while let Ok(Some(event)) = stream.message().await {

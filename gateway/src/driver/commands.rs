@@ -57,6 +57,13 @@ impl Driver {
         self.core.recycle_command(command);
     }
 
+    /// The name of the plugin carrying a room ("none" before one was chosen).
+    fn room_plugin_name(&self, view: Option<&kvgate_core::RoomView>) -> &str {
+        view.and_then(|v| v.plugin).map(|s| self.plugin_name(s)).unwrap_or("none")
+    }
+
+    /// One room event: its metrics and log line, then the wire event for the `Watch` streams.
+    /// Progress events (state changes, parts done) are not even built while no stream wants them.
     fn room_event(&mut self, event: RoomEvent) {
         let now = self.now();
         let key = (event.room(), event.role());
@@ -64,9 +71,6 @@ impl Driver {
             self.stuck.track(now, key.0, key.1);
             RoomClock { first_seen: now, ..Default::default() }
         });
-        let view = self.core.room(now, event.room(), event.role());
-        let peer_name = view.as_ref().and_then(|v| v.peer).and_then(|p| self.peers.name_of(p)).unwrap_or("-").to_string();
-        let plugin_name = view.as_ref().and_then(|v| v.plugin).map(|s| self.plugin_name(s).to_string()).unwrap_or_else(|| "none".into());
         let at_ms = now.as_ms();
         let wire = match &event {
             RoomEvent::StateChanged { state, .. } => {
@@ -74,32 +78,42 @@ impl Driver {
                     if let Some(c) = self.room_clock.get_mut(&key) {
                         c.transfer_started.get_or_insert(now);
                     }
-                    self.metrics.observe_bootstrap(&plugin_name, now.saturating_sub(clock.first_seen));
+                    let view = self.core.room(now, key.0, key.1);
+                    self.metrics.observe_bootstrap(self.room_plugin_name(view.as_ref()), now.saturating_sub(clock.first_seen));
+                }
+                if !self.watch.wants_progress() {
+                    return;
                 }
                 proto::room_event::Event::StateChanged(proto::StateChanged { state: state.as_str().into() })
             }
             RoomEvent::PartSucceeded { part, bytes, .. } => {
+                if !self.watch.wants_progress() {
+                    return;
+                }
                 proto::room_event::Event::StateChanged(proto::StateChanged { state: format!("part_{part}_succeeded_{bytes}_bytes") })
             }
             RoomEvent::Terminal { room, role, outcome, elapsed } => {
+                let view = self.core.room(now, *room, *role);
                 let bytes = view.as_ref().map(|v| v.bytes_done).unwrap_or(0);
+                let plugin_name = self.room_plugin_name(view.as_ref());
                 match outcome {
                     Outcome::Succeeded => {
                         if *role == Role::Sender {
                             let transfer = now.saturating_sub(clock.transfer_started.unwrap_or(clock.first_seen));
-                            self.metrics.observe_transfer(&plugin_name, bytes, transfer);
+                            self.metrics.observe_transfer(plugin_name, bytes, transfer);
                         }
                         tracing::debug!(room = %room, role = role.as_str(), elapsed_ms = elapsed.as_ms(), bytes, "room succeeded");
                         proto::room_event::Event::Terminal(proto::Terminal { succeeded: true, elapsed_ms: elapsed.as_ms(), bytes, ..Default::default() })
                     }
                     Outcome::Failed(failure) => {
+                        let peer_name = view.as_ref().and_then(|v| v.peer).and_then(|p| self.peers.name_of(p)).unwrap_or("-");
                         tracing::warn!(
                             room = %room, role = role.as_str(), reason = failure.reason.as_str(), phase = failure.phase.as_str(),
                             peer = %peer_name, plugin = %plugin_name, elapsed_ms = elapsed.as_ms(),
                             peer_reason = failure.peer_reason.map(|r| r.as_str()), plugin_reason = failure.plugin_reason_str(),
                             "room failed"
                         );
-                        self.metrics.count_failure(failure.reason.as_str(), failure.phase.as_str(), &plugin_name);
+                        self.metrics.count_failure(failure.reason.as_str(), failure.phase.as_str(), plugin_name);
                         proto::room_event::Event::Terminal(proto::Terminal {
                             succeeded: false,
                             reason: failure.reason.as_str().into(),
@@ -116,8 +130,7 @@ impl Driver {
             }
         };
         let room = event.room();
-        // No receiver is not an error: nobody is watching.
-        let _ = self.watch.send(proto::RoomEvent {
+        self.watch.publish(proto::RoomEvent {
             key: Some(proto::RoomKey { room: room.room, generation: room.generation }),
             event: Some(wire),
             at_ms,

@@ -19,13 +19,12 @@ use crate::config::GatewayConfig;
 use crate::metrics::GatewayMetrics;
 use crate::peer_link::PeerEvent;
 use kvgate_abi::{Event, EventKind};
-use kvgate_client::proto;
 use kvgate_core::{Core, Nanos, PluginSlot, Role, RoomKey};
 use kvgate_host::OpenedPlugin;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 /// Everything the driver is asked, except plugin events (which have their own queue).
@@ -46,7 +45,7 @@ pub struct DriverParts {
     pub core: Core,
     pub plugins: Vec<OpenedPlugin>,
     pub plugin_listing: Vec<PluginStatus>,
-    pub watch: broadcast::Sender<proto::RoomEvent>,
+    pub watch: crate::engine_api::WatchFeed,
     pub metrics: Arc<GatewayMetrics>,
 }
 
@@ -63,7 +62,7 @@ pub struct Driver {
     plugin_unhealthy: Vec<Option<String>>,
     regions: regions::Regions,
     peers: peers::Peers,
-    watch: broadcast::Sender<proto::RoomEvent>,
+    watch: crate::engine_api::WatchFeed,
     metrics: Arc<GatewayMetrics>,
     /// Plugin events produced by the driver itself (a submit refused synchronously), fed back in order.
     feedback: VecDeque<PluginEventMsg>,

@@ -5,7 +5,9 @@
 mod auth;
 mod listen;
 mod service;
+mod watch_feed;
 
 pub use auth::BearerCheck;
 pub use listen::{bind_unix_socket, serve_engine_api};
 pub use service::EngineApiService;
+pub use watch_feed::WatchFeed;

@@ -7,19 +7,20 @@ use kvgate_client::proto::{self, engine_api_server::EngineApi, register_memory_r
 use kvgate_core::{RegionId, RoomKey, Slice};
 use std::pin::Pin;
 use std::sync::Arc;
-use tokio::sync::{broadcast, mpsc, oneshot, Semaphore};
+use super::watch_feed::{WatchFeed, Watcher};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 #[derive(Clone)]
 pub struct EngineApiService {
     driver: mpsc::Sender<DriverInput>,
-    watch: broadcast::Sender<proto::RoomEvent>,
+    watch: WatchFeed,
     watchers: Arc<Semaphore>,
 }
 
 impl EngineApiService {
-    pub fn new(driver: mpsc::Sender<DriverInput>, watch: broadcast::Sender<proto::RoomEvent>, max_watchers: u64) -> Self {
+    pub fn new(driver: mpsc::Sender<DriverInput>, watch: WatchFeed, max_watchers: u64) -> Self {
         EngineApiService { driver, watch, watchers: Arc::new(Semaphore::new(max_watchers as usize)) }
     }
 
@@ -100,51 +101,12 @@ impl EngineApi for EngineApiService {
     type WatchStream = EventStream;
 
     async fn watch(&self, request: Request<proto::WatchRequest>) -> Result<Response<EventStream>, Status> {
-        let filter = request.into_inner().key;
+        let request = request.into_inner();
         let permit = self.watchers.clone().try_acquire_owned().map_err(|_| {
             ApiError::new(tonic::Code::ResourceExhausted, "too_many_watchers", "engine_api.max_watchers streams are open already").to_status()
         })?;
-        let watcher = Watcher { events: self.watch.subscribe(), filter, _permit: permit, ended: false };
+        let watcher = self.watch.subscribe(request.key, request.outcomes_only, permit);
         let stream: EventStream = Box::pin(futures_util::stream::unfold(watcher, Watcher::next_item));
         Ok(Response::new(stream))
-    }
-}
-
-/// One `Watch` stream, read straight from the broadcast by the RPC's own response stream (no
-/// forwarding task or second queue per event: tonic drains every event already queued into one
-/// write). Holds its `max_watchers` permit until the client goes away.
-struct Watcher {
-    events: broadcast::Receiver<proto::RoomEvent>,
-    filter: Option<proto::RoomKey>,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-    /// Set after the `watch_lagged` error: the stream ends with it.
-    ended: bool,
-}
-
-impl Watcher {
-    async fn next_item(mut self) -> Option<(Result<proto::RoomEvent, Status>, Self)> {
-        if self.ended {
-            return None;
-        }
-        loop {
-            match self.events.recv().await {
-                Ok(event) => {
-                    if self.filter.is_some() && event.key != self.filter {
-                        continue;
-                    }
-                    return Some((Ok(event), self));
-                }
-                Err(broadcast::error::RecvError::Lagged(n)) => {
-                    let status = ApiError::new(
-                        tonic::Code::ResourceExhausted,
-                        "watch_lagged",
-                        format!("{n} events were missed (engine_api.watch_buffer_events); re-read rooms with ListRooms and watch again"),
-                    );
-                    self.ended = true;
-                    return Some((Err(status.to_status()), self));
-                }
-                Err(broadcast::error::RecvError::Closed) => return None,
-            }
-        }
     }
 }
