@@ -232,3 +232,55 @@ fn settled_rooms_refuse_late_requests_and_messages_like_any_terminal_room() {
     assert_eq!(pair.prefill.core.metrics().tombstones, 0);
     assert_eq!(pair.prefill.core.held_rooms(), 1);
 }
+
+/// Many tombstones over a few reused ids, against a model of the FIFO: an evicted record's key is
+/// free (the key table drops it lazily, in sweeps) and a held record's is not, across every sweep
+/// and generation change.
+#[test]
+fn keys_of_evicted_tombstones_are_free_and_held_ones_answer_through_every_sweep() {
+    const MAX_TOMBSTONES: usize = 8;
+    let config = CoreConfig { max_tombstones: MAX_TOMBSTONES as u64, ..CoreConfig::default() };
+    let mut core = Core::new(config).unwrap();
+    let now = Nanos::from_ms(1);
+    // The model: FIFO of (id, generation, seq); id -> (generation, seq) of its latest record.
+    let mut fifo = std::collections::VecDeque::new();
+    let mut latest: std::collections::HashMap<u64, (u32, u64)> = std::collections::HashMap::new();
+    let mut next_seq = 0u64;
+    let mut rng = 0x5eed_u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for step in 0..40_000u64 {
+        // Mostly a small pool of ids (held and stale entries share the table), sometimes a new one.
+        let id = if next() % 8 == 0 { 1_000_000 + step } else { next() % 24 };
+        let generation = (next() % 3) as u32;
+        let held = latest.get(&id).copied().filter(|&(_, seq)| seq + MAX_TOMBSTONES as u64 >= next_seq);
+        let creates = match held {
+            Some((held_generation, _)) => held_generation < generation,
+            None => true,
+        };
+        core.handle_engine(now, EngineRequest::Abort { room: RoomKey::new(id, generation), role: Some(Role::Sender) }).unwrap();
+        while core.poll_command().is_some() {}
+        if creates {
+            fifo.push_back((id, generation, next_seq));
+            latest.insert(id, (generation, next_seq));
+            next_seq += 1;
+            if fifo.len() > MAX_TOMBSTONES {
+                fifo.pop_front();
+            }
+        }
+        assert_eq!(core.metrics().tombstones, fifo.len() as u64, "step {step}");
+        for probe in [id, next() % 24] {
+            let expected = latest.get(&probe).copied().filter(|&(_, seq)| seq + MAX_TOMBSTONES as u64 >= next_seq);
+            for probe_generation in 0..3 {
+                let view = core.room(now, RoomKey::new(probe, probe_generation), Role::Sender);
+                let held_here = expected.is_some_and(|(held_generation, _)| held_generation == probe_generation);
+                assert_eq!(view.is_some(), held_here, "step {step}: id {probe} generation {probe_generation}");
+            }
+        }
+    }
+    assert!(core.metrics().tombstones_evicted > 10_000);
+}

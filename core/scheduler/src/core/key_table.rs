@@ -1,17 +1,17 @@
 //! The room-key table: room id (chosen by engines and peers) -> where the room is (a slab slot or a
 //! tombstone record), as 8-byte entries (the id's 32-bit seeded hash and a 32-bit value) in one
 //! linear-probing array. The ids themselves stay in the rooms and records; it never decides what a
-//! value means, and it never compares ids itself (the caller's closure does).
+//! value means, and it never compares ids itself (the caller's closures do).
 //!
-//! Why not a `HashMap<u64, u64>`: every room inserts one key and every evicted tombstone removes
-//! one, at a random place in a table as large as `max_tombstones`. A hashbrown map spends 16 bytes
-//! per bucket plus a control byte and, with peer-chosen ids churning, grows to twice its live size;
-//! this table spends 8 bytes per slot at a load of at most one half, so the same keys take half the
-//! cache lines. Removal shifts the rest of the cluster back (no deleted markers, never a rehash
-//! in place), and the stored hashes let it grow without reading one id.
+//! Why not a `HashMap<u64, u64>`: every room inserts one key and every evicted tombstone drops one,
+//! at a random place in a table as large as `max_tombstones`. A hashbrown map spends 16 bytes per
+//! bucket plus a control byte; this table spends 8 bytes per slot. And an evicted tombstone's entry
+//! is not looked up at all: it goes stale where it is (its value names a record no longer held,
+//! which the caller's `is_stale` recognises) and sweeps drop stale entries in one pass over the
+//! array, in memory order. So a room costs one random cache line here (at insert), not two.
 
 use super::peer_keyed::peer_keyed_hash_state;
-use foldhash::fast::SeedableRandomState;
+use foldhash::quality::SeedableRandomState;
 use std::hash::BuildHasher;
 
 /// An entry's value when the slot is empty (never a valid value: see `KeyTable::insert_new`).
@@ -24,10 +24,20 @@ const MAX_LOAD_NUMERATOR: usize = 1;
 const MAX_LOAD_DENOMINATOR: usize = 2;
 /// The first allocation, in slots.
 const MIN_SLOTS: usize = 16;
-/// Most slots a table may have: the stored hash has 32 bits, so a slot's home is well defined up to
-/// 2^32 slots; beyond it the core would hold more than 2^31 rooms, which `max_inflight_rooms` and
-/// `max_tombstones` (each at most 2^24) exclude.
-pub(crate) const MAX_KEY_TABLE_SLOTS: usize = 1 << 32;
+/// When an insert finds the table at its load limit, stale entries are swept first; if the rest
+/// still fill more than `GROW_ABOVE_NUMERATOR / GROW_ABOVE_DENOMINATOR` of the slots the table
+/// doubles, so an insert never sweeps again before an eighth of the slots has filled.
+const GROW_ABOVE_NUMERATOR: usize = 3;
+const GROW_ABOVE_DENOMINATOR: usize = 8;
+/// A sweep is due once `slots / SWEEP_AFTER_EVICTIONS_DIVISOR` evictions happened since the last
+/// one: a stale entry is never older than that many evictions (see `note_eviction`), and a sweep's
+/// pass costs a few slots per eviction.
+const SWEEP_AFTER_EVICTIONS_DIVISOR: usize = 4;
+/// Most slots a table may have (2^28: 2 GiB of entries). Entries are rooms in the slab plus held
+/// tombstones (each bounded by its limit, at most 2^24) plus stale entries; the bound keeps a stale
+/// entry younger than 2^26 evictions, so the caller's 30-bit tombstone sequence numbers never alias
+/// a stale value with a held one.
+pub(crate) const MAX_KEY_TABLE_SLOTS: usize = 1 << 28;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Entry {
@@ -44,13 +54,16 @@ pub(crate) struct KeyTable {
     hasher: SeedableRandomState,
     /// A power of two in length (or empty).
     entries: Vec<Entry>,
+    /// Entries in use, stale ones included.
     len: usize,
+    /// Evictions (`note_eviction`) since the last sweep.
+    evictions_since_sweep: usize,
 }
 
 impl KeyTable {
     /// An empty table with its own random seed.
     pub fn new() -> KeyTable {
-        KeyTable { hasher: peer_keyed_hash_state(), entries: Vec::new(), len: 0 }
+        KeyTable { hasher: peer_keyed_hash_state(), entries: Vec::new(), len: 0, evictions_since_sweep: 0 }
     }
 
     /// The id's hash, as this table stores it.
@@ -71,7 +84,7 @@ impl KeyTable {
     }
 
     /// The index of the entry with `hash` whose value `is_id` accepts (the caller checks the id the
-    /// value names), if any.
+    /// value names, and refuses stale values), if any.
     #[inline]
     pub fn find(&self, hash: u32, mut is_id: impl FnMut(u32) -> bool) -> Option<usize> {
         if self.entries.is_empty() {
@@ -113,12 +126,12 @@ impl KeyTable {
     }
 
     /// Insert an entry for an id the caller found absent (`find` returned None). `value` must not be
-    /// `u32::MAX`.
+    /// `u32::MAX`. `is_stale` tells the values of stale entries, should the table need a sweep.
     #[inline]
-    pub fn insert_new(&mut self, hash: u32, value: u32) {
+    pub fn insert_new(&mut self, hash: u32, value: u32, is_stale: impl FnMut(u32) -> bool) {
         assert!(value != EMPTY, "the empty marker is not a value");
         if (self.len + 1) * MAX_LOAD_DENOMINATOR > self.entries.len() * MAX_LOAD_NUMERATOR {
-            self.grow();
+            self.make_room(is_stale);
         }
         let mask = self.mask();
         let mut index = hash as usize & mask;
@@ -153,8 +166,48 @@ impl KeyTable {
         self.len -= 1;
     }
 
-    /// Double the slots (the first time: `MIN_SLOTS`), re-placing every entry by its stored hash.
+    /// One tombstone was evicted (its entry, if the caller still had one, is now stale). Returns
+    /// whether a sweep is due (`sweep`): the caller must sweep before the next eviction.
+    #[inline]
+    pub fn note_eviction(&mut self) -> bool {
+        if self.len == 0 {
+            // Nothing held, nothing can be stale.
+            self.evictions_since_sweep = 0;
+            return false;
+        }
+        self.evictions_since_sweep += 1;
+        self.evictions_since_sweep >= self.entries.len() / SWEEP_AFTER_EVICTIONS_DIVISOR
+    }
+
+    /// Drop every entry whose value `is_stale` accepts, in one pass in memory order.
     #[cold]
+    pub fn sweep(&mut self, mut is_stale: impl FnMut(u32) -> bool) {
+        self.evictions_since_sweep = 0;
+        let mut index = 0;
+        while index < self.entries.len() {
+            let value = self.entries[index].value;
+            if value != EMPTY && is_stale(value) {
+                // The rest of the cluster may shift into this slot: look at it again.
+                self.remove_at(index);
+            } else {
+                index += 1;
+            }
+        }
+    }
+
+    /// At the load limit: sweep stale entries if evictions happened since the last sweep, then
+    /// double until the rest fill at most three eighths of the slots.
+    #[cold]
+    fn make_room(&mut self, is_stale: impl FnMut(u32) -> bool) {
+        if self.evictions_since_sweep > 0 {
+            self.sweep(is_stale);
+        }
+        while (self.len + 1) * GROW_ABOVE_DENOMINATOR > self.entries.len() * GROW_ABOVE_NUMERATOR {
+            self.grow();
+        }
+    }
+
+    /// Double the slots (the first time: `MIN_SLOTS`), re-placing every entry by its stored hash.
     fn grow(&mut self) {
         let slots = (2 * self.entries.len()).max(MIN_SLOTS);
         assert!(slots <= MAX_KEY_TABLE_SLOTS, "room-key table past {MAX_KEY_TABLE_SLOTS} slots");
@@ -216,7 +269,7 @@ mod tests {
                 (_, Some(_)) => {}
                 (_, None) => {
                     next_value += 1;
-                    table.insert_new(table.hash(id), next_value);
+                    table.insert_new(table.hash(id), next_value, |_| false);
                     by_id.insert(id, next_value);
                     by_value.insert(next_value, id);
                 }
@@ -239,9 +292,9 @@ mod tests {
             let last_slot = MIN_SLOTS as u32 - 1;
             // Five entries homed at the last slot wrap to slots 0..4; one homed at slot 1 sits behind them.
             for value in 0..5 {
-                table.insert_new(last_slot, value);
+                table.insert_new(last_slot, value, |_| false);
             }
-            table.insert_new(1, 100);
+            table.insert_new(1, 100, |_| false);
             assert_eq!(table.slots(), MIN_SLOTS);
             for (removed, &value) in remove_order.iter().enumerate() {
                 let index = table.find_value(last_slot, value as u32).expect("held");
@@ -266,13 +319,13 @@ mod tests {
         for slots in [MIN_SLOTS, 2 * MIN_SLOTS, 4 * MIN_SLOTS] {
             while table.len() < slots * MAX_LOAD_NUMERATOR / MAX_LOAD_DENOMINATOR {
                 let hash = table.hash(value as u64);
-                table.insert_new(hash, value);
+                table.insert_new(hash, value, |_| false);
                 values.push((hash, value));
                 value += 1;
                 assert_eq!(table.slots(), slots, "at most half full: {} entries", table.len());
             }
             let hash = table.hash(value as u64);
-            table.insert_new(hash, value);
+            table.insert_new(hash, value, |_| false);
             values.push((hash, value));
             value += 1;
             assert_eq!(table.slots(), 2 * slots, "one past half full doubles");
@@ -282,10 +335,111 @@ mod tests {
         }
     }
 
+    /// Stale entries (as the core's evicted tombstones) are never found, sweeps drop exactly them,
+    /// and the held entries sharing their clusters stay reachable.
+    #[test]
+    fn stale_entries_are_never_found_and_sweeps_drop_exactly_them() {
+        let mut rng = 5u64;
+        let mut table = KeyTable::new();
+        let mut held: Vec<(u32, u32)> = Vec::new();
+        let mut stale: std::collections::HashSet<u32> = std::collections::HashSet::new();
+        let mut stale_hashes: Vec<(u32, u32)> = Vec::new();
+        let mut value = 0u32;
+        for round in 0..60 {
+            for _ in 0..200 {
+                // Few distinct homes, so stale and held entries share clusters.
+                let hash = (next_random(&mut rng) % 64) as u32 * 0x9E37;
+                let swept = std::cell::Cell::new(false);
+                table.insert_new(hash, value, |v| {
+                    swept.set(true);
+                    stale.contains(&v)
+                });
+                if swept.get() {
+                    // The insert swept (its load limit): the stale entries are gone.
+                    stale.clear();
+                    stale_hashes.clear();
+                }
+                held.push((hash, value));
+                value += 1;
+            }
+            // Every other held entry goes stale (lazily: nothing is removed).
+            let mut index = 0;
+            held.retain(|&(hash, v)| {
+                index += 1;
+                if index % 2 == 0 {
+                    return true;
+                }
+                stale.insert(v);
+                stale_hashes.push((hash, v));
+                table.note_eviction();
+                false
+            });
+            if round % 3 == 0 {
+                table.sweep(|v| stale.contains(&v));
+                stale.clear();
+                stale_hashes.clear();
+            }
+            assert_eq!(table.len(), held.len() + stale.len(), "round {round}");
+            for &(hash, v) in &stale_hashes {
+                assert_eq!(table.find(hash, |found| found == v && !stale.contains(&found)), None);
+                assert!(table.find_value(hash, v).is_some(), "a stale entry stays until a sweep");
+            }
+            for &(hash, v) in &held {
+                assert!(table.find_value(hash, v).is_some(), "held value {v} lost in round {round}");
+            }
+        }
+    }
+
+    /// A sweep is due at exactly a quarter of the slots in evictions, not one before; it resets
+    /// the count.
+    #[test]
+    fn a_sweep_is_due_after_a_quarter_of_the_slots_in_evictions() {
+        let mut table = KeyTable::new();
+        for value in 0..40 {
+            table.insert_new(table.hash(value as u64), value, |_| false);
+        }
+        let due_after = table.slots() / SWEEP_AFTER_EVICTIONS_DIVISOR;
+        assert_eq!(table.slots(), 128);
+        for eviction in 1..due_after {
+            assert!(!table.note_eviction(), "not due after {eviction} evictions");
+        }
+        assert!(table.note_eviction(), "due after {due_after} evictions");
+        table.sweep(|value| value < 10);
+        assert_eq!(table.len(), 30);
+        assert!(!table.note_eviction(), "the count restarts after a sweep");
+    }
+
+    /// At the load limit an insert sweeps stale entries instead of growing when few are held, and
+    /// grows when the held ones fill more than three eighths of the slots.
+    #[test]
+    fn an_insert_at_the_load_limit_sweeps_before_it_grows() {
+        let mut table = KeyTable::new();
+        let mut value = 0u32;
+        // Fill to the load limit of 64 slots with 32 entries.
+        while table.len() < 32 {
+            table.insert_new(table.hash(value as u64), value, |_| false);
+            value += 1;
+        }
+        assert_eq!(table.slots(), 64);
+        // 20 of them become stale through evictions: the next insert sweeps them, no growth.
+        table.note_eviction();
+        table.insert_new(table.hash(value as u64), value, |held| held < 20);
+        value += 1;
+        assert_eq!((table.slots(), table.len()), (64, 13));
+        // Fill again with nothing stale: past half full it doubles.
+        while table.len() < 32 {
+            table.insert_new(table.hash(value as u64), value, |_| false);
+            value += 1;
+        }
+        table.note_eviction();
+        table.insert_new(table.hash(value as u64), value, |held| held < 20);
+        assert_eq!((table.slots(), table.len()), (128, 33), "more than three eighths of 64 slots held after the sweep: doubled");
+    }
+
     #[test]
     #[should_panic(expected = "the empty marker is not a value")]
     fn the_empty_marker_is_refused_as_a_value() {
-        KeyTable::new().insert_new(0, u32::MAX);
+        KeyTable::new().insert_new(0, u32::MAX, |_| false);
     }
 
     /// Ids that all collide under an unkeyed multiplicative hash (FxHash, see `peer_keyed`) get

@@ -29,7 +29,7 @@ use engine::SendSlices;
 use id_table::SequentialIdTable;
 use room::{Room, Slot, NIL};
 use key_table::KeyTable;
-use tombstone::{Tombstone, TOMBSTONE_KEY_BIT, TOMBSTONE_SLOT};
+use tombstone::{key_value_is_stale, Tombstone, TOMBSTONE_KEY_BIT, TOMBSTONE_SLOT};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use peer_keyed::{peer_keyed_map, PeerKeyedMap};
@@ -478,21 +478,22 @@ impl Core {
         self.slots[slot as usize].epoch
     }
 
-    /// The room id of the held room or tombstone record a key-table value names.
+    /// Whether a key-table value names the held room or tombstone record of room id `id` (a stale
+    /// value names nothing).
     #[inline]
-    fn key_value_room_id(&self, value: u32) -> u64 {
+    fn key_value_names(&self, value: u32, id: u64) -> bool {
         if value & TOMBSTONE_KEY_BIT != 0 {
-            self.tombstone_at(self.tombstone_seq_of_key_value(value)).key().room
+            self.held_tombstone_seq(value).is_some_and(|seq| self.tombstone_at(seq).key().room == id)
         } else {
-            self.room_at(value).key.room
+            self.room_at(value).key.room == id
         }
     }
 
-    /// The key-table value held for room id `id` in `role`'s table, if any.
+    /// The key-table value held for room id `id` in `role`'s table, if any (never a stale one).
     #[inline]
     fn key_value(&self, id: u64, role: Role) -> Option<u32> {
         let keys = &self.keys[role as usize];
-        let index = keys.find(keys.hash(id), |value| self.key_value_room_id(value) == id)?;
+        let index = keys.find(keys.hash(id), |value| self.key_value_names(value, id))?;
         Some(keys.value_at(index))
     }
 
@@ -501,7 +502,7 @@ impl Core {
         match self.key_value(key.room, role) {
             None => Lookup::Absent,
             Some(value) if value & TOMBSTONE_KEY_BIT != 0 => {
-                let seq = self.tombstone_seq_of_key_value(value);
+                let seq = self.held_tombstone_seq(value).expect("key_value returns held values");
                 let generation = self.tombstone_at(seq).key().generation;
                 if generation == key.generation {
                     Lookup::Settled(seq)
@@ -546,10 +547,11 @@ impl Core {
         // The key's entry (an older generation's, if any) now names the new room.
         assert!(slot < TOMBSTONE_KEY_BIT, "slab slots stay below 2^31");
         let hash = self.keys[role as usize].hash(key);
-        let held = self.keys[role as usize].find(hash, |value| self.key_value_room_id(value) == key);
+        let held = self.keys[role as usize].find(hash, |value| self.key_value_names(value, key));
+        let (front_seq, tombstones) = (self.tombstone_front_seq, self.tombstones.len());
         match held {
             Some(index) => self.keys[role as usize].set_value_at(index, slot),
-            None => self.keys[role as usize].insert_new(hash, slot),
+            None => self.keys[role as usize].insert_new(hash, slot, |value| key_value_is_stale(value, front_seq, tombstones)),
         }
         self.metrics.rooms_created += 1;
         self.metrics.rooms_by_state[state.index()] += 1;

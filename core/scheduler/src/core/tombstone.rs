@@ -25,6 +25,24 @@ pub(super) fn tombstone_key_value(seq: u64) -> u32 {
     TOMBSTONE_KEY_BIT | (seq as u32 & TOMBSTONE_KEY_SEQ_MASK)
 }
 
+/// The place in the FIFO (from the front, at sequence number `front_seq`, `held` records) of the
+/// record a key-table value with `TOMBSTONE_KEY_BIT` names, or None when that record was evicted
+/// (the entry is stale: evicted records leave their key entries to the table's sweeps). Exact
+/// because a stale entry is swept before 2^26 more evictions (`key_table::MAX_KEY_TABLE_SLOTS`)
+/// and at most `max_tombstones` <= 2^24 records are held: the 30-bit distance of a stale value
+/// from the front is at least 2^30 - 2^26, past every held record.
+#[inline]
+pub(super) fn held_tombstone_offset(value: u32, front_seq: u64, held: usize) -> Option<usize> {
+    let offset = (value & TOMBSTONE_KEY_SEQ_MASK).wrapping_sub(front_seq as u32) & TOMBSTONE_KEY_SEQ_MASK;
+    ((offset as usize) < held).then_some(offset as usize)
+}
+
+/// Whether a key-table value names a tombstone record no longer held.
+#[inline]
+pub(super) fn key_value_is_stale(value: u32, front_seq: u64, held: usize) -> bool {
+    value & TOMBSTONE_KEY_BIT != 0 && held_tombstone_offset(value, front_seq, held).is_none()
+}
+
 /// One transfer id (sender) or ticket (receiver) of a settled room, with what classifies a late
 /// plugin event for it.
 #[derive(Clone, Copy, Debug)]
@@ -90,12 +108,19 @@ impl Core {
         &self.tombstones[(seq - self.tombstone_front_seq) as usize]
     }
 
-    /// The sequence number of the held record a key-table value (`TOMBSTONE_KEY_BIT` set) names.
+    /// The sequence number of the record a key-table value (`TOMBSTONE_KEY_BIT` set) names, if it
+    /// is still held (None: a stale entry).
     #[inline]
-    pub(super) fn tombstone_seq_of_key_value(&self, value: u32) -> u64 {
-        let offset = (value & TOMBSTONE_KEY_SEQ_MASK).wrapping_sub(self.tombstone_front_seq as u32) & TOMBSTONE_KEY_SEQ_MASK;
-        debug_assert!((offset as usize) < self.tombstones.len(), "key values name only held tombstones");
-        self.tombstone_front_seq + offset as u64
+    pub(super) fn held_tombstone_seq(&self, value: u32) -> Option<u64> {
+        let offset = held_tombstone_offset(value, self.tombstone_front_seq, self.tombstones.len())?;
+        Some(self.tombstone_front_seq + offset as u64)
+    }
+
+    /// Drop the stale entries of `role`'s key table (records evicted since its last sweep).
+    #[cold]
+    fn sweep_keys(&mut self, role: Role) {
+        let (front_seq, held) = (self.tombstone_front_seq, self.tombstones.len());
+        self.keys[role as usize].sweep(|value| key_value_is_stale(value, front_seq, held));
     }
 
     /// The record a transfer or ticket reference names by its truncated sequence number.
@@ -169,12 +194,6 @@ impl Core {
             failure: room.failure,
             ids,
         };
-        // The room's key entry now names the record (unless a newer generation took the key over).
-        let keys = &mut self.keys[record.role as usize];
-        let hash = keys.hash(record.room_id);
-        if let Some(index) = keys.find_value(hash, slot) {
-            keys.set_value_at(index, tombstone_key_value(seq));
-        }
         self.metrics.pending_sends -= dropped_held;
         let spare = match &mut room.data {
             RoleData::Sender { parts, .. } => Some(std::mem::take(parts)),
@@ -194,8 +213,17 @@ impl Core {
             self.drop_oldest_tombstone();
         }
         self.reserve_tombstone();
+        let (role, room_id) = (record.role, record.room_id);
         self.tombstones.push_back(record);
         self.metrics.tombstones += 1;
+        // The room's key entry now names the record (unless a newer generation took the key over);
+        // only once the record is held, so a sweep during the evictions above never finds its
+        // value stale.
+        let keys = &mut self.keys[role as usize];
+        let hash = keys.hash(room_id);
+        if let Some(index) = keys.find_value(hash, slot) {
+            keys.set_value_at(index, tombstone_key_value(seq));
+        }
     }
 
     /// Room for one more record: the FIFO grows by doubling, but never past `max_tombstones`.
@@ -212,13 +240,15 @@ impl Core {
     /// Forget the oldest tombstone entirely (expired or evicted): its key, transfer ids, tickets.
     pub(super) fn drop_oldest_tombstone(&mut self) {
         let Some(record) = self.tombstones.pop_front() else { return };
-        let seq = self.tombstone_front_seq;
         self.tombstone_front_seq += 1;
-        // Its key entry goes, unless a newer generation took the key over.
-        let keys = &mut self.keys[record.role as usize];
-        let hash = keys.hash(record.room_id);
-        if let Some(index) = keys.find_value(hash, tombstone_key_value(seq)) {
-            keys.remove_at(index);
+        // Its key entry (unless a newer generation took the key over) is stale from now on, left
+        // where it is for a sweep: no random read of the key table per eviction. A sweep is due in
+        // a table after a quarter of its slots in evictions of either role (the sequence numbers
+        // are shared), so every stale entry goes while its value still reads as stale.
+        for role in Role::ALL {
+            if self.keys[role as usize].note_eviction() {
+                self.sweep_keys(role);
+            }
         }
         match record.role {
             Role::Sender => {

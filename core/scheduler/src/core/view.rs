@@ -35,7 +35,7 @@ impl Core {
     pub fn room(&self, now: Nanos, room: RoomKey, role: Role) -> Option<RoomView> {
         let value = self.key_value(room.room, role)?;
         if value & TOMBSTONE_KEY_BIT != 0 {
-            let record = self.tombstone_at(self.tombstone_seq_of_key_value(value));
+            let record = self.tombstone_at(self.held_tombstone_seq(value)?);
             return (record.key() == room).then(|| self.view_of_tombstone(now, record));
         }
         let held = self.slots[value as usize].room.as_ref()?;
