@@ -239,17 +239,9 @@ impl Core {
 
     /// Forget the oldest tombstone entirely (expired or evicted): its key, transfer ids, tickets.
     pub(super) fn drop_oldest_tombstone(&mut self) {
-        let Some(record) = self.tombstones.pop_front() else { return };
-        self.tombstone_front_seq += 1;
-        // Its key entry (unless a newer generation took the key over) is stale from now on, left
-        // where it is for a sweep: no random read of the key table per eviction. A sweep is due in
-        // a table after a quarter of its slots in evictions of either role (the sequence numbers
-        // are shared), so every stale entry goes while its value still reads as stale.
-        for role in Role::ALL {
-            if self.keys[role as usize].note_eviction() {
-                self.sweep_keys(role);
-            }
-        }
+        // The record is read in place (not moved out of the ring: it is two cache lines).
+        let Some(record) = self.tombstones.front() else { return };
+        let state = record.state;
         match record.role {
             Role::Sender => {
                 for settled in &record.ids {
@@ -262,7 +254,18 @@ impl Core {
                 }
             }
         }
-        self.metrics.rooms_by_state[record.state.index()] -= 1;
+        self.tombstones.pop_front();
+        self.tombstone_front_seq += 1;
+        // Its key entry (unless a newer generation took the key over) is stale from now on, left
+        // where it is for a sweep: no random read of the key table per eviction. A sweep is due in
+        // a table after a quarter of its slots in evictions of either role (the sequence numbers
+        // are shared), so every stale entry goes while its value still reads as stale.
+        for role in Role::ALL {
+            if self.keys[role as usize].note_eviction() {
+                self.sweep_keys(role);
+            }
+        }
+        self.metrics.rooms_by_state[state.index()] -= 1;
         self.metrics.tombstones -= 1;
     }
 
