@@ -142,30 +142,6 @@ impl KeyTable {
         self.len += 1;
     }
 
-    /// Remove the entry at `index` (from `find`): the entries after it in its cluster that may move
-    /// back do, so every probe still ends at the first free slot.
-    pub fn remove_at(&mut self, index: usize) {
-        debug_assert!(self.entries[index].value != EMPTY);
-        let mask = self.mask();
-        let mut hole = index;
-        let mut next = index;
-        loop {
-            next = (next + 1) & mask;
-            let entry = self.entries[next];
-            if entry.value == EMPTY {
-                break;
-            }
-            let home = entry.hash as usize & mask;
-            // The entry may fill the hole if the hole lies on its probe path (from home to next).
-            if next.wrapping_sub(home) & mask >= next.wrapping_sub(hole) & mask {
-                self.entries[hole] = entry;
-                hole = next;
-            }
-        }
-        self.entries[hole] = FREE;
-        self.len -= 1;
-    }
-
     /// One tombstone was evicted (its entry, if the caller still had one, is now stale). Returns
     /// whether a sweep is due (`sweep`): the caller must sweep before the next eviction.
     #[inline]
@@ -179,19 +155,42 @@ impl KeyTable {
         self.evictions_since_sweep >= self.entries.len() / SWEEP_AFTER_EVICTIONS_DIVISOR
     }
 
-    /// Drop every entry whose value `is_stale` accepts, in one pass in memory order.
+    /// Drop every entry whose value `is_stale` accepts, in one pass in memory order: from just after
+    /// a free slot (so every cluster is met from its start), a stale entry frees its slot and a
+    /// held one not at its home moves back to the first free slot from its home. Each entry is thus
+    /// re-placed after the entries before it in its cluster, as if inserted again in that order.
     #[cold]
     pub fn sweep(&mut self, mut is_stale: impl FnMut(u32) -> bool) {
         self.evictions_since_sweep = 0;
-        let mut index = 0;
-        while index < self.entries.len() {
-            let value = self.entries[index].value;
-            if value != EMPTY && is_stale(value) {
-                // The rest of the cluster may shift into this slot: look at it again.
-                self.remove_at(index);
-            } else {
-                index += 1;
+        if self.len == 0 {
+            return;
+        }
+        let slots = self.entries.len();
+        let mask = slots - 1;
+        // At most half the slots are in use: there is a free one.
+        let start = self.entries.iter().position(|entry| entry.value == EMPTY).expect("a free slot");
+        for step in 1..slots {
+            let index = (start + step) & mask;
+            let entry = self.entries[index];
+            if entry.value == EMPTY {
+                continue;
             }
+            if is_stale(entry.value) {
+                self.entries[index] = FREE;
+                self.len -= 1;
+                continue;
+            }
+            let home = entry.hash as usize & mask;
+            if home == index {
+                continue;
+            }
+            // Its home is at or before `index` in this cluster: the probe stops at `index` at the latest.
+            self.entries[index] = FREE;
+            let mut target = home;
+            while self.entries[target].value != EMPTY {
+                target = (target + 1) & mask;
+            }
+            self.entries[target] = entry;
         }
     }
 
@@ -240,24 +239,30 @@ mod tests {
         table.find(table.hash(id), |value| ids.get(&value) == Some(&id))
     }
 
-    /// Random inserts, value changes and removals against a reference map, with ids drawn from a
-    /// small range (so removals hit clusters) and from a huge one.
+    /// Random inserts, value changes and removals (a value goes stale, as an evicted tombstone's;
+    /// sweeps now and then) against a reference map, with ids drawn from a small range (so stale
+    /// and held entries share clusters) and from a huge one.
     #[test]
     fn matches_a_reference_map() {
         let mut rng = 7u64;
         let mut table = KeyTable::new();
         let mut by_id: HashMap<u64, u32> = HashMap::new();
         let mut by_value: HashMap<u32, u64> = HashMap::new();
+        let mut stale: std::collections::HashSet<u32> = std::collections::HashSet::new();
         let mut next_value = 0u32;
         for step in 0..200_000u32 {
             let id = if next_random(&mut rng) % 2 == 0 { next_random(&mut rng) % 4096 } else { next_random(&mut rng) };
             let found = find_id(&table, &by_value, id);
             assert_eq!(found.map(|index| table.value_at(index)), by_id.get(&id).copied(), "step {step}, id {id}");
             match (next_random(&mut rng) % 3, found) {
-                (0, Some(index)) => {
-                    table.remove_at(index);
+                (0, Some(_)) => {
                     let value = by_id.remove(&id).unwrap();
                     by_value.remove(&value);
+                    stale.insert(value);
+                    if table.note_eviction() || next_random(&mut rng) % 64 == 0 {
+                        table.sweep(|value| stale.contains(&value));
+                        stale.clear();
+                    }
                 }
                 (1, Some(index)) => {
                     next_value += 1;
@@ -269,12 +274,19 @@ mod tests {
                 (_, Some(_)) => {}
                 (_, None) => {
                     next_value += 1;
-                    table.insert_new(table.hash(id), next_value, |_| false);
+                    let swept = std::cell::Cell::new(false);
+                    table.insert_new(table.hash(id), next_value, |value| {
+                        swept.set(true);
+                        stale.contains(&value)
+                    });
+                    if swept.get() {
+                        stale.clear();
+                    }
                     by_id.insert(id, next_value);
                     by_value.insert(next_value, id);
                 }
             }
-            assert_eq!(table.len(), by_id.len());
+            assert_eq!(table.len(), by_id.len() + stale.len(), "step {step}");
         }
         for (&id, &value) in &by_id {
             let index = find_id(&table, &by_value, id).expect("every held id is found");
@@ -284,7 +296,7 @@ mod tests {
     }
 
     /// Entries that share one home slot (and wrap around the end of the array) are all found, and
-    /// removing any of them keeps the others reachable.
+    /// sweeping any of them away keeps the others reachable.
     #[test]
     fn colliding_hashes_wrap_and_survive_removals_in_any_order() {
         for remove_order in [[0usize, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3]] {
@@ -297,8 +309,8 @@ mod tests {
             table.insert_new(1, 100, |_| false);
             assert_eq!(table.slots(), MIN_SLOTS);
             for (removed, &value) in remove_order.iter().enumerate() {
-                let index = table.find_value(last_slot, value as u32).expect("held");
-                table.remove_at(index);
+                assert!(table.find_value(last_slot, value as u32).is_some(), "held");
+                table.sweep(|held| held == value as u32);
                 assert_eq!(table.find_value(last_slot, value as u32), None);
                 for &other in &remove_order[removed + 1..] {
                     assert!(table.find_value(last_slot, other as u32).is_some(), "{other} lost after removing {value}");
