@@ -49,7 +49,7 @@ impl ReferenceKind {
                  (a rate: ref p50 is the transfer's bytes at that rate)"
             }
             ReferenceKind::UcxPerftest(UcxTransport::Tcp) => {
-                "ucx_perftest -t ucp_am_bw, UCX_TLS=tcp, UCX_NET_DEVICES=lo, server + client on 127.0.0.1, one message per block \
+                "ucx_perftest -t ucp_am_bw -e, UCX_TLS=tcp, UCX_NET_DEVICES=lo, server + client on 127.0.0.1, one message per block \
                  (a rate: ref p50 is the transfer's bytes at that rate)"
             }
         }
@@ -93,6 +93,17 @@ impl UcxTransport {
     pub fn perftest_test(self) -> &'static str {
         "ucp_am_bw"
     }
+    /// Extra `ucx_perftest` arguments that give its endpoints the mode the plugin's use. Over TCP the
+    /// plugin's endpoints handle peer failure (`UCP_ERR_HANDLING_MODE_PEER`: a dead peer fails its
+    /// transfers), and `-e` asks the same of the reference; without it UCX 1.13 picks other
+    /// large-message protocols, so the reference would measure a different path. Shared memory has
+    /// no peer-failure mode in UCX 1.13, on either side. The plugin's own benchmark does the same.
+    pub fn perftest_extra_args(self) -> &'static [&'static str] {
+        match self {
+            UcxTransport::SharedMemory => &[],
+            UcxTransport::Tcp => &["-e"],
+        }
+    }
 }
 
 /// The longest one `ucx_perftest` run (server or client) may take before `timeout` kills it.
@@ -119,12 +130,13 @@ pub fn perftest_messages(block: u64, blocks: u64, min_copies: u64, plugin_bytes_
 pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64) -> Result<f64, String> {
     let port = free_tcp_port()?;
     let (size, iters, warmup, port_text) = (block.to_string(), messages.to_string(), (messages / 10).max(10).to_string(), port.to_string());
-    let args = ["-t", transport.perftest_test(), "-s", &size, "-n", &iters, "-w", &warmup, "-p", &port_text, "-f"];
+    let mut args = vec!["-t", transport.perftest_test(), "-s", &size, "-n", &iters, "-w", &warmup, "-p", &port_text, "-f"];
+    args.extend_from_slice(transport.perftest_extra_args());
     let timeout = PERFTEST_TIMEOUT_S.to_string();
     let server = Command::new("timeout")
         .arg(&timeout)
         .arg("ucx_perftest")
-        .args(args)
+        .args(&args)
         .envs(transport.ucx_env().iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -148,7 +160,7 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64) -> 
         .arg(&timeout)
         .arg("ucx_perftest")
         .arg("127.0.0.1")
-        .args(args)
+        .args(&args)
         .envs(transport.ucx_env().iter().copied())
         .stdin(Stdio::null())
         .output()

@@ -31,7 +31,8 @@ default 2), with non-temporal stores for transfers of 1 MiB and more (`streaming
 uses cached stores at these sizes), and the gateway overlaps rooms, so on 2 cores a ratio above 1 is possible: the \
 ratio says how close the whole path gets to one core's memcpy, not to the machine's copy bandwidth. **TCP loopback** (QUIC) is one blocking \
 connection, block by block, a 1-byte acknowledgement per transfer. **ucx_perftest** (UCX) is `ucp_am_bw` server + \
-client on 127.0.0.1 over the same UCX transport as the plugin's config, one message per block; it reports a rate, so \
+client on 127.0.0.1 over the same UCX transport as the plugin's config, with `-e` on TCP (the peer-failure endpoint \
+mode the plugin's TCP endpoints use), one message per block; it reports a rate, so \
 its p50 is the transfer's bytes at that rate.
 - **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
 default 5), each round a whole cell with its own reference; the round with the median ratio is reported, with every \
