@@ -206,10 +206,16 @@ impl KeyTable {
         }
     }
 
+    /// The slot count after growing from `slots`; panics past `MAX_KEY_TABLE_SLOTS`.
+    fn grown_slots(slots: usize) -> usize {
+        let grown = (2 * slots).max(MIN_SLOTS);
+        assert!(grown <= MAX_KEY_TABLE_SLOTS, "room-key table past {MAX_KEY_TABLE_SLOTS} slots");
+        grown
+    }
+
     /// Double the slots (the first time: `MIN_SLOTS`), re-placing every entry by its stored hash.
     fn grow(&mut self) {
-        let slots = (2 * self.entries.len()).max(MIN_SLOTS);
-        assert!(slots <= MAX_KEY_TABLE_SLOTS, "room-key table past {MAX_KEY_TABLE_SLOTS} slots");
+        let slots = KeyTable::grown_slots(self.entries.len());
         let old = std::mem::replace(&mut self.entries, vec![FREE; slots]);
         let mask = slots - 1;
         for entry in old.into_iter().filter(|entry| entry.value != EMPTY) {
@@ -446,6 +452,18 @@ mod tests {
         table.note_eviction();
         table.insert_new(table.hash(value as u64), value, |held| held < 20);
         assert_eq!((table.slots(), table.len()), (128, 33), "more than three eighths of 64 slots held after the sweep: doubled");
+    }
+
+    #[test]
+    fn grows_up_to_max_key_table_slots() {
+        assert_eq!(KeyTable::grown_slots(0), MIN_SLOTS);
+        assert_eq!(KeyTable::grown_slots(MAX_KEY_TABLE_SLOTS / 2), MAX_KEY_TABLE_SLOTS);
+    }
+
+    #[test]
+    #[should_panic(expected = "room-key table past")]
+    fn does_not_grow_past_max_key_table_slots() {
+        KeyTable::grown_slots(MAX_KEY_TABLE_SLOTS);
     }
 
     #[test]

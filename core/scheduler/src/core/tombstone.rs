@@ -396,6 +396,30 @@ mod tests {
         assert!(record < slot);
     }
 
+    /// Key-table values carry 30 bits of a record's sequence number: held records resolve across
+    /// the 2^30 wrap, the record just evicted and one evicted 2^26 records ago (the most a sweep
+    /// lets a stale entry age) read as stale, with the most records a core may hold (2^24).
+    #[test]
+    fn tombstone_key_values_resolve_across_the_30_bit_wrap_and_stale_ones_never_alias() {
+        const MOST_HELD: usize = 1 << 24;
+        assert!(crate::config::CoreConfig { max_tombstones: MOST_HELD as u64 + 1, ..Default::default() }.validate().is_err());
+        for front_seq in [0u64, (1 << 30) - 2, (1 << 30) - 2 + (1 << 40), u32::MAX as u64 + 7] {
+            for offset in [0, 1, 2, MOST_HELD - 1] {
+                let value = tombstone_key_value(front_seq + offset as u64);
+                assert_eq!(held_tombstone_offset(value, front_seq, MOST_HELD), Some(offset), "front {front_seq}");
+                assert!(!key_value_is_stale(value, front_seq, MOST_HELD));
+            }
+            for age in [1u64, 2, 1 << 26] {
+                let Some(evicted) = front_seq.checked_sub(age) else { continue };
+                let value = tombstone_key_value(evicted);
+                assert_eq!(held_tombstone_offset(value, front_seq, MOST_HELD), None, "front {front_seq}, age {age}");
+                assert!(key_value_is_stale(value, front_seq, MOST_HELD));
+            }
+            // A slab slot is never stale.
+            assert!(!key_value_is_stale(7, front_seq, MOST_HELD));
+        }
+    }
+
     #[test]
     fn a_full_fifo_is_a_ring_of_exactly_max_tombstones_records() {
         for max_tombstones in [1u64, 3, 5, 100] {
