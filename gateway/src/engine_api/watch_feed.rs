@@ -122,15 +122,20 @@ mod tests {
     fn permit() -> tokio::sync::OwnedSemaphorePermit {
         Arc::new(Semaphore::new(1)).try_acquire_owned().unwrap()
     }
-    fn kind(item: Option<(Result<proto::RoomEvent, tonic::Status>, Watcher)>) -> (String, Watcher) {
-        let (event, watcher) = item.expect("an event");
-        let event = event.expect("not an error");
-        let name = match event.event.unwrap() {
-            proto::room_event::Event::StateChanged(_) => "state",
-            proto::room_event::Event::Terminal(_) => "terminal",
-            proto::room_event::Event::Reusable(_) => "reusable",
-        };
-        (format!("{name}:{}", event.key.unwrap().room), watcher)
+    /// Every event a stream yields until the feed is gone, as `kind:room`.
+    async fn drain(mut watcher: Watcher) -> Vec<String> {
+        let mut got = Vec::new();
+        while let Some((event, next)) = watcher.next_item().await {
+            let event = event.expect("not an error");
+            let name = match event.event.unwrap() {
+                proto::room_event::Event::StateChanged(_) => "state",
+                proto::room_event::Event::Terminal(_) => "terminal",
+                proto::room_event::Event::Reusable(_) => "reusable",
+            };
+            got.push(format!("{name}:{}", event.key.unwrap().room));
+            watcher = next;
+        }
+        got
     }
 
     /// Progress is wanted exactly while a full stream is open; outcomes-only streams do not count.
@@ -162,29 +167,8 @@ mod tests {
             feed.publish(e);
         }
         drop(feed);
-        let mut got = Vec::new();
-        let mut w = outcomes;
-        while let Some(item) = w.next_item().await {
-            let (k, next) = kind(Some(item));
-            got.push(k);
-            w = next;
-        }
-        assert_eq!(got, ["terminal:1", "reusable:1", "terminal:7", "reusable:7"]);
-        let mut got = Vec::new();
-        let mut w = full;
-        while let Some(item) = w.next_item().await {
-            let (k, next) = kind(Some(item));
-            got.push(k);
-            w = next;
-        }
-        assert_eq!(got, ["state:1", "terminal:1", "state:7", "reusable:1", "terminal:7", "reusable:7"]);
-        let mut got = Vec::new();
-        let mut w = room_7;
-        while let Some(item) = w.next_item().await {
-            let (k, next) = kind(Some(item));
-            got.push(k);
-            w = next;
-        }
-        assert_eq!(got, ["terminal:7", "reusable:7"]);
+        assert_eq!(drain(outcomes).await, ["terminal:1", "reusable:1", "terminal:7", "reusable:7"]);
+        assert_eq!(drain(full).await, ["state:1", "terminal:1", "state:7", "reusable:1", "terminal:7", "reusable:7"]);
+        assert_eq!(drain(room_7).await, ["terminal:7", "reusable:7"]);
     }
 }
