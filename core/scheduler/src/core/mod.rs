@@ -89,6 +89,19 @@ enum Lookup {
     Newer,
 }
 
+/// What a held room or tombstone of generation `held` is to a request for generation `wanted` of
+/// the same id: `same`, `older` (to be superseded or replaced), or newer (the request is stale).
+#[inline(always)]
+fn by_generation(held: u32, wanted: u32, same: Lookup, older: Lookup) -> Lookup {
+    if held == wanted {
+        same
+    } else if held < wanted {
+        older
+    } else {
+        Lookup::Newer
+    }
+}
+
 /// Most emptied sender part lists kept for reuse, and the largest capacity kept.
 const SPARE_SEND_PARTS: usize = 64;
 const SPARE_SEND_PARTS_CAPACITY: usize = 4;
@@ -503,25 +516,9 @@ impl Core {
             None => Lookup::Absent,
             Some(value) if value & TOMBSTONE_KEY_BIT != 0 => {
                 let seq = self.held_tombstone_seq(value).expect("key_value returns held values");
-                let generation = self.tombstone_at(seq).key().generation;
-                if generation == key.generation {
-                    Lookup::Settled(seq)
-                } else if generation < key.generation {
-                    Lookup::Older(NIL)
-                } else {
-                    Lookup::Newer
-                }
+                by_generation(self.tombstone_at(seq).key().generation, key.generation, Lookup::Settled(seq), Lookup::Older(NIL))
             }
-            Some(slot) => {
-                let generation = self.room_at(slot).key.generation;
-                if generation == key.generation {
-                    Lookup::Same(slot)
-                } else if generation < key.generation {
-                    Lookup::Older(slot)
-                } else {
-                    Lookup::Newer
-                }
-            }
+            Some(slot) => by_generation(self.room_at(slot).key.generation, key.generation, Lookup::Same(slot), Lookup::Older(slot)),
         }
     }
 
