@@ -1,4 +1,5 @@
-//! Benchmarks of kvgate-core with a no-op plugin: full room lifecycles per second, cost of one
+//! Benchmarks of kvgate-core with a no-op plugin: full room lifecycles per second (both cores of a
+//! pair on one CPU, and each side's core alone: one gateway's share), cost of one
 //! lifecycle with 10 vs 1 000 000 idle rooms (the ratio is the figure), a 100 000-segment submit
 //! against a plain segment-building loop (reference), and core memory per in-flight room (counting
 //! global allocator). `KVGATE_BENCH_IDLE_ROOMS` overrides the large idle count.
@@ -16,7 +17,15 @@ static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 #[path = "support/noop_pair.rs"]
 mod noop_pair;
-use noop_pair::{NoopPair as Bench, A, B, REGION};
+use noop_pair::{NoopPair as Bench, Side, A, B, REGION};
+#[path = "support/one_side.rs"]
+mod one_side;
+use one_side::OneSide;
+
+/// Lifecycles recorded by the pair, then replayed by one side's core, at a time.
+const REPLAY_BATCH: u64 = 1_000;
+/// Lifecycles before measuring one side: past `max_tombstones`, so both cores are at steady size.
+const ONE_SIDE_WARMUP: u64 = 110_000;
 
 fn bench_config() -> CoreConfig {
     CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones: 100_000, max_pending_sends: 1_000_000, ..CoreConfig::default() }
@@ -27,7 +36,30 @@ fn lifecycles(c: &mut Criterion) {
     group.throughput(Throughput::Elements(1));
     let mut bench = Bench::new(bench_config());
     group.bench_function("full_lifecycle_noop_plugin", |b| b.iter(|| bench.lifecycle()));
+    // One gateway's share: the inputs one side's core got from the pair, replayed into a core of
+    // that side alone (the pair's run is outside the timing).
+    for (name, side) in [("receiver_side_alone", Side::Receiver), ("sender_side_alone", Side::Sender)] {
+        let mut one = OneSide::new(bench_config(), side);
+        replay_batches(&mut one, ONE_SIDE_WARMUP);
+        group.bench_function(name, |b| b.iter_custom(|iters| replay_batches(&mut one, iters)));
+        one.check_in_step();
+    }
     group.finish();
+}
+
+/// Records and replays `lifecycles` in batches; returns the time spent replaying.
+fn replay_batches(one: &mut OneSide, lifecycles: u64) -> Duration {
+    let mut replaying = Duration::ZERO;
+    let mut left = lifecycles;
+    while left > 0 {
+        let batch = left.min(REPLAY_BATCH);
+        one.record(batch);
+        let start = std::time::Instant::now();
+        one.replay();
+        replaying += start.elapsed();
+        left -= batch;
+    }
+    replaying
 }
 
 fn idle_rooms(c: &mut Criterion) {

@@ -7,12 +7,20 @@
 //! value keeps the slab in cache and shows what the cache misses of a large one cost.
 //! `KVGATE_LOOP_IDLE_ROOMS` puts that many idle rooms in flight first (as the bench's
 //! `lifecycle_with_idle_rooms`), to count what a lifecycle costs beside them.
+//! `KVGATE_LOOP_SIDE=receiver|sender` measures one gateway's share instead: the pair records that
+//! side's inputs in batches and a shadow core of that side replays them (`measured_replay`).
 
 use kvgate_core::*;
 
 #[path = "../benches/support/noop_pair.rs"]
 mod noop_pair;
-use noop_pair::NoopPair;
+use noop_pair::{NoopPair, Side};
+#[path = "../benches/support/one_side.rs"]
+mod one_side;
+use one_side::OneSide;
+
+/// Lifecycles recorded, then replayed, at a time in one-side mode.
+const REPLAY_BATCH: u64 = 1_000;
 
 fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<u64>().expect("a count"));
@@ -22,6 +30,16 @@ fn main() {
         std::env::var("KVGATE_LOOP_MAX_TOMBSTONES").ok().map(|v| v.parse::<u64>().expect("a count")).unwrap_or(100_000);
     let config = CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones, max_pending_sends: 1_000_000, ..CoreConfig::default() };
     let idle_rooms = std::env::var("KVGATE_LOOP_IDLE_ROOMS").ok().map(|v| v.parse::<u64>().expect("a count")).unwrap_or(0);
+    let side = match std::env::var("KVGATE_LOOP_SIDE").as_deref() {
+        Err(_) | Ok("") | Ok("both") => None,
+        Ok("receiver") => Some(Side::Receiver),
+        Ok("sender") => Some(Side::Sender),
+        Ok(other) => panic!("KVGATE_LOOP_SIDE={other}: expected receiver, sender or both"),
+    };
+    if let Some(side) = side {
+        assert_eq!(idle_rooms, 0, "KVGATE_LOOP_IDLE_ROOMS applies to the pair only");
+        return one_side(config, side, count, warmup);
+    }
     let mut pair = NoopPair::new(config);
     pair.add_idle_rooms(idle_rooms);
     for _ in 0..warmup {
@@ -41,4 +59,34 @@ fn measured_lifecycles(pair: &mut NoopPair, count: u64) {
     for _ in 0..count {
         pair.lifecycle();
     }
+}
+
+fn one_side(config: CoreConfig, side: Side, count: u64, warmup: u64) {
+    let mut one = OneSide::new(config, side);
+    in_batches(&mut one, warmup, &mut |one| one.replay());
+    let mut elapsed = std::time::Duration::ZERO;
+    in_batches(&mut one, count, &mut |one| {
+        let start = std::time::Instant::now();
+        measured_replay(one);
+        elapsed += start.elapsed();
+    });
+    one.check_in_step();
+    println!("{side:?} side alone, {count} lifecycles replayed in {elapsed:?}: {:.0} ns each", elapsed.as_nanos() as f64 / count as f64);
+}
+
+/// Records `total` lifecycles `REPLAY_BATCH` at a time, calling `replay` after each batch.
+fn in_batches(one: &mut OneSide, total: u64, replay: &mut dyn FnMut(&mut OneSide)) {
+    let mut left = total;
+    while left > 0 {
+        let n = left.min(REPLAY_BATCH);
+        one.record(n);
+        replay(one);
+        left -= n;
+    }
+}
+
+/// The measured replay, kept out of line so callgrind can count it alone.
+#[inline(never)]
+fn measured_replay(one: &mut OneSide) {
+    one.replay();
 }

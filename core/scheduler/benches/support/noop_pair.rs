@@ -1,6 +1,8 @@
 //! Two kvgate cores wired back to back with a plugin that succeeds every submit at once: the
 //! no-op pair that `benches/core_bench.rs` and `examples/lifecycle_loop.rs` both drive.
 //! Included by path from each (`#[path = ..] mod noop_pair;`); it owns no measurement.
+//! It can also record every input one side's core receives (`record`), so that a second core of
+//! that side can replay them alone (`one_side.rs`): one gateway's share of a lifecycle.
 
 use kvgate_core::*;
 
@@ -15,21 +17,63 @@ pub struct NoopPair {
     pub receiver: Core,
     pub sender: Core,
     pub next_room: u64,
+    /// While `Some`, every input of that side's core is appended to `recorded`.
+    pub record: Option<Side>,
+    pub recorded: Vec<Input>,
+}
+
+/// Which core of the pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The decode side: expects, then receives.
+    Receiver,
+    /// The prefill side: sends, submits to the plugin.
+    Sender,
+}
+
+/// One input to one core, as the pair delivered it.
+pub enum Input {
+    Expect { now: Nanos, room: RoomKey },
+    Send { now: Nanos, room: RoomKey },
+    PeerMessage { now: Nanos, from: PeerId, message: PeerMessage },
+    PluginEvent { now: Nanos, event: Event },
+    Timeout { now: Nanos },
+}
+
+/// The expect's one part: a page of the registered region.
+pub const EXPECT_PART: [Slice; 1] = [Slice { region: REGION, offset: 0, len: 4096 }];
+/// The send's one chunk: the same page on the sender.
+pub const SEND_SLICES: [Slice; 1] = [Slice { region: REGION, offset: 0, len: 4096 }];
+
+/// A core of `side` as the pair sets it up: peer up, region registered, remote region known.
+pub fn new_side(config: CoreConfig, now: Nanos, side: Side) -> Core {
+    let mut core = Core::new(config).unwrap();
+    let peer = match side {
+        Side::Receiver => B,
+        Side::Sender => A,
+    };
+    core.handle_peer_up(now, peer, 1, SLOT);
+    let info = RegionInfo { id: REGION, len: 1 << 40, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(SLOT, LocalKey(1))] };
+    core.handle_region_registered(now, info);
+    if side == Side::Sender {
+        core.handle_remote_region(now, A, REGION, 1 << 40, RemoteKey(2));
+    }
+    core
 }
 
 impl NoopPair {
     pub fn new(config: CoreConfig) -> NoopPair {
-        let now = Nanos::from_ms(1);
-        let mut receiver = Core::new(config.clone()).unwrap();
-        let mut sender = Core::new(config).unwrap();
-        receiver.handle_peer_up(now, B, 1, SLOT);
-        sender.handle_peer_up(now, A, 1, SLOT);
-        for core in [&mut receiver, &mut sender] {
-            let info = RegionInfo { id: REGION, len: 1 << 40, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(SLOT, LocalKey(1))] };
-            core.handle_region_registered(now, info);
-        }
-        sender.handle_remote_region(now, A, REGION, 1 << 40, RemoteKey(2));
-        NoopPair { now, receiver, sender, next_room: 0 }
+        let now = Self::START;
+        let receiver = new_side(config.clone(), now, Side::Receiver);
+        let sender = new_side(config, now, Side::Sender);
+        NoopPair { now, receiver, sender, next_room: 0, record: None, recorded: Vec::new() }
+    }
+
+    /// The clock of a new pair.
+    pub const START: Nanos = Nanos(1_000_000);
+
+    fn recording(&self, side: Side) -> bool {
+        self.record == Some(side)
     }
 
     pub fn pump(&mut self) {
@@ -42,6 +86,9 @@ impl NoopPair {
                 moved = true;
                 match command {
                     Command::ToPeer { ref message, .. } => {
+                        if self.recording(Side::Sender) {
+                            self.recorded.push(Input::PeerMessage { now: self.now, from: A, message: message.clone() });
+                        }
                         self.sender.handle_peer_message(self.now, A, message);
                         self.receiver.recycle_command(command);
                     }
@@ -52,10 +99,19 @@ impl NoopPair {
             while let Some(command) = self.sender.poll_command() {
                 moved = true;
                 match command {
-                    Command::ToPeer { ref message, .. } => self.receiver.handle_peer_message(self.now, B, message),
+                    Command::ToPeer { ref message, .. } => {
+                        if self.recording(Side::Receiver) {
+                            self.recorded.push(Input::PeerMessage { now: self.now, from: B, message: message.clone() });
+                        }
+                        self.receiver.handle_peer_message(self.now, B, message)
+                    }
                     Command::Submit { xfer, ref segments, .. } => {
                         let bytes = segments.iter().map(|s| s.len).sum();
-                        self.sender.handle_plugin_event(self.now, SLOT, &Event::succeeded(xfer, bytes));
+                        let event = Event::succeeded(xfer, bytes);
+                        if self.recording(Side::Sender) {
+                            self.recorded.push(Input::PluginEvent { now: self.now, event: event.clone() });
+                        }
+                        self.sender.handle_plugin_event(self.now, SLOT, &event);
                         self.sender.recycle_command(command);
                     }
                     _ => {}
@@ -72,16 +128,24 @@ impl NoopPair {
         let room = RoomKey::new(self.next_room, 0);
         self.next_room += 1;
         self.now = self.now.saturating_add(Nanos(1_000));
+        let now = self.now;
         // The expect's parts borrowed (`handle_expect`), as from an engine's own buffer.
-        let part = [Slice::new(REGION, 0, 4096)];
-        self.receiver.handle_expect(self.now, room, B, &[&part[..]], None).unwrap();
+        if self.recording(Side::Receiver) {
+            self.recorded.push(Input::Expect { now, room });
+        }
+        self.receiver.handle_expect(now, room, B, &[&EXPECT_PART[..]], None).unwrap();
         self.pump();
         // The send's slices borrowed (`handle_send`), as from an engine's own buffer.
-        let slices = [Slice::new(REGION, 0, 4096)];
-        self.sender.handle_send(self.now, room, Some(A), 0, 0, &slices, true).unwrap();
+        if self.recording(Side::Sender) {
+            self.recorded.push(Input::Send { now, room });
+        }
+        self.sender.handle_send(now, room, Some(A), 0, 0, &SEND_SLICES, true).unwrap();
         self.pump();
-        self.receiver.handle_timeout(self.now);
-        self.sender.handle_timeout(self.now);
+        if self.record.is_some() {
+            self.recorded.push(Input::Timeout { now });
+        }
+        self.receiver.handle_timeout(now);
+        self.sender.handle_timeout(now);
     }
 
     /// Rooms that wait for a sender that never comes (receiver side only).
