@@ -9,10 +9,14 @@
 //! and the same endpoint mode: over TCP the plugin's endpoints use UCX peer-failure handling, so the
 //! reference runs `ucx_perftest -e` (without it UCX 1.13 chooses other large-message protocols and
 //! the reference reads about 1.5x faster at 1 MiB); shared memory has no peer-failure mode on either.
+//! Like `ucx_perftest`'s server and client, and like two gateways, the receiving instance runs in its
+//! own process by default: this benchmark re-run as a child (`KVGATE_UCX_BENCH_RECEIVER=thread` keeps
+//! it in this process instead, as earlier figures were taken).
 //! What differs and cannot be made equal: `ucx_perftest` busy-polls one thread per process on both
-//! sides; the plugin runs both instances in this process, each with its own progress thread that
-//! polls `busy_poll_us` after activity and then sleeps on the worker's event fd, and a transfer
-//! counts only once the receiver's reply arrives (the reference counts a send once UCX completes it).
+//! sides; each plugin instance has its own progress thread that polls `busy_poll_us` after activity
+//! and then sleeps on the worker's event fd, the sending side also has this benchmark's thread, and a
+//! transfer counts only once the receiver's reply arrives (the reference counts a send once UCX
+//! completes it).
 //! Each point is measured `KVGATE_UCX_BENCH_REPEAT` times, reference and plugin alternating; the
 //! median ratio is reported with the smallest and largest, and the load average before and after.
 //!
@@ -24,12 +28,14 @@
 //! `KVGATE_UCX_BENCH_REPEAT` (measurements per point, default 3),
 //! `KVGATE_UCX_BENCH_ONLY` (`tcp`|`sm`|`sm-put`), `KVGATE_UCX_BENCH_SIZES` (bytes, comma-separated),
 //! `KVGATE_UCX_BENCH_PLUGIN_EXTRA` (TOML lines appended to the plugin's config, e.g. `busy_poll_us = 0`),
-//! `KVGATE_UCX_BENCH_PLUGIN_ONLY=1` (skip `ucx_perftest`; for profiling the plugin alone, no ratio).
+//! `KVGATE_UCX_BENCH_PLUGIN_ONLY=1` (skip `ucx_perftest`; for profiling the plugin alone, no ratio),
+//! `KVGATE_UCX_BENCH_RECEIVER` (`process`, the default, or `thread`).
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, PluginFactory, Sink};
 use kvgate_abi::*;
 use kvgate_plugin_ucx::UcxFactory;
-use std::process::{Command, Stdio};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -124,34 +130,24 @@ fn perftest(t: &Transport, size: usize, iters: u64, window: u64) -> Result<f64, 
     Ok(numbers[5] * 1048576.0 / 1e9)
 }
 
-/// The plugin: two instances in this process, `iters` transfers of `size` bytes from A to B with
-/// `window` in flight; GB/s from the first submit to the last `SUCCEEDED`.
-fn plugin(t: &Transport, size: usize, iters: u64, window: u64, extra: &str) -> Result<f64, String> {
+/// The plugin: instance A in this process, instance B (the receiver) in a child process or in this
+/// one; `iters` transfers of `size` bytes from A to B with `window` in flight; GB/s from the first
+/// submit to the last `SUCCEEDED`.
+fn plugin(t: &Transport, size: usize, iters: u64, window: u64, extra: &str, placement: Placement) -> Result<f64, String> {
     let config = format!("{}{extra}\n", t.plugin_config);
     let (tx_a, rx_a) = mpsc::channel::<Event>();
     let sink_a = Sink::new(sink_from_fn(move |e| {
         let _ = tx_a.send(e);
     }));
-    let sink_b = Sink::new(sink_from_fn(|_e| {}));
     let a = UcxFactory::open(&config, sink_a).map_err(|e| e.to_string())?;
-    let b = UcxFactory::open(&config, sink_b).map_err(|e| e.to_string())?;
-    a.connect(PeerId(2), &b.local_endpoint()).map_err(|e| e.to_string())?;
-    b.connect(PeerId(1), &a.local_endpoint()).map_err(|e| e.to_string())?;
     let mut src = vec![0xa5u8; size];
-    let mut dst = vec![0u8; size];
-    let desc = |buf: &mut Vec<u8>| RegionDesc {
-        kind: MemoryKind::HOST,
-        device: -1,
-        addr: buf.as_mut_ptr() as u64,
-        len: buf.len() as u64,
-        ..Default::default()
+    let src_reg = a.register(&host_region(&mut src)).map_err(|e| e.to_string())?;
+    let receiver = match placement {
+        Placement::Process => Receiver::Process(ChildReceiver::spawn(&config, size, &a.local_endpoint())?),
+        Placement::Thread => Receiver::Thread(InProcessReceiver::open(&config, size, &a.local_endpoint())?),
     };
-    let src_reg = a.register(&desc(&mut src)).map_err(|e| e.to_string())?;
-    let dst_reg = b.register(&desc(&mut dst)).map_err(|e| e.to_string())?;
-    let remote = a.import_remote_key(PeerId(2), &dst_reg.remote_key).map_err(|e| e.to_string())?;
-    let ranges = [LocalRange { key: dst_reg.key, offset: 0, len: size as u64 }];
-    b.expect_incoming(&IncomingRequest { ticket: Ticket(1), peer: PeerId(1), timeout_ns: 3_600_000_000_000, ranges: ranges[..].into() })
-        .map_err(|e| e.to_string())?;
+    a.connect(PeerId(2), receiver.endpoint()).map_err(|e| e.to_string())?;
+    let remote = a.import_remote_key(PeerId(2), receiver.remote_key()).map_err(|e| e.to_string())?;
     let segment = [Segment { local: src_reg.key, local_offset: 0, remote, remote_offset: 0, len: size as u64 }];
     let mut next = 1u64;
     let mut run = |count: u64| -> Result<Duration, String> {
@@ -182,9 +178,155 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, extra: &str) -> R
     run((iters / 10).max(10))?;
     let elapsed = run(iters)?;
     a.shutdown();
-    b.shutdown();
-    drop((src, dst));
+    drop(receiver);
+    drop(src);
     Ok((size as u64 * iters) as f64 / elapsed.as_secs_f64() / 1e9)
+}
+
+/// Where instance B, the receiver, runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Placement {
+    /// This benchmark re-run as a child process (as `ucx_perftest`'s server, and as a peer gateway).
+    Process,
+    /// A second instance in this process.
+    Thread,
+}
+
+const CHILD_CONFIG_ENV: &str = "KVGATE_UCX_BENCH_CHILD_CONFIG";
+const CHILD_SIZE_ENV: &str = "KVGATE_UCX_BENCH_CHILD_BYTES";
+/// How long the parent waits for each line of the child's setup.
+const CHILD_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn host_region(buf: &mut [u8]) -> RegionDesc {
+    RegionDesc { kind: MemoryKind::HOST, device: -1, addr: buf.as_mut_ptr() as u64, len: buf.len() as u64, ..Default::default() }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Result<Vec<u8>, String> {
+    (0..text.len() & !1).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).map_err(|e| format!("bad hex from the child: {e}"))).collect()
+}
+
+/// Instance B with its destination buffer registered and ticket 1 authorised for peer 1 over it.
+struct InProcessReceiver {
+    plugin: kvgate_plugin_ucx::UcxPlugin,
+    remote_key: Vec<u8>,
+    endpoint: Vec<u8>,
+    _dst: Vec<u8>,
+}
+
+impl InProcessReceiver {
+    fn open(config: &str, size: usize, sender_endpoint: &[u8]) -> Result<InProcessReceiver, String> {
+        let plugin = UcxFactory::open(config, Sink::new(sink_from_fn(|_e| {}))).map_err(|e| e.to_string())?;
+        plugin.connect(PeerId(1), sender_endpoint).map_err(|e| e.to_string())?;
+        let mut dst = vec![0u8; size];
+        let dst_reg = plugin.register(&host_region(&mut dst)).map_err(|e| e.to_string())?;
+        let ranges = [LocalRange { key: dst_reg.key, offset: 0, len: size as u64 }];
+        let request = IncomingRequest { ticket: Ticket(1), peer: PeerId(1), timeout_ns: 3_600_000_000_000, ranges: ranges[..].into() };
+        plugin.expect_incoming(&request).map_err(|e| e.to_string())?;
+        let endpoint = plugin.local_endpoint().to_vec();
+        Ok(InProcessReceiver { plugin, remote_key: dst_reg.remote_key.to_vec(), endpoint, _dst: dst })
+    }
+}
+
+impl Drop for InProcessReceiver {
+    fn drop(&mut self) {
+        self.plugin.shutdown();
+    }
+}
+
+/// The child process side: instance B opened, connected to the parent (whose endpoint comes first
+/// on stdin), its endpoint and remote key printed, then `ready`; it lives until stdin closes.
+fn child_receiver(config: &str) {
+    let size: usize = std::env::var(CHILD_SIZE_ENV).ok().and_then(|v| v.parse().ok()).expect("KVGATE_UCX_BENCH_CHILD_BYTES");
+    let mut lines = std::io::stdin().lock().lines();
+    let parent = unhex(lines.next().expect("the parent's endpoint").expect("stdin").trim()).expect("the parent's endpoint");
+    let receiver = InProcessReceiver::open(config, size, &parent).expect("the receiving instance");
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "endpoint {}\nrkey {}\nready", hex(&receiver.endpoint), hex(&receiver.remote_key)).and_then(|_| out.flush()).expect("stdout");
+    for _ in lines.map_while(Result::ok) {}
+    drop(receiver);
+}
+
+/// Instance B in a child process (this benchmark re-run with `CHILD_CONFIG_ENV`).
+struct ChildReceiver {
+    child: Child,
+    endpoint: Vec<u8>,
+    remote_key: Vec<u8>,
+}
+
+impl ChildReceiver {
+    fn spawn(config: &str, size: usize, sender_endpoint: &[u8]) -> Result<ChildReceiver, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = Command::new(exe)
+            .env(CHILD_CONFIG_ENV, config)
+            .env(CHILD_SIZE_ENV, size.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start the receiving child process: {e}"))?;
+        let mut stdin = child.stdin.take().expect("piped");
+        writeln!(stdin, "{}", hex(sender_endpoint)).and_then(|_| stdin.flush()).map_err(|e| e.to_string())?;
+        child.stdin = Some(stdin);
+        let (tx, lines) = mpsc::channel();
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut receiver = ChildReceiver { child, endpoint: Vec::new(), remote_key: Vec::new() };
+        loop {
+            let line = lines.recv_timeout(CHILD_SETUP_TIMEOUT).map_err(|_| "the receiving child process ended or went silent during setup".to_string())?;
+            if let Some(text) = line.strip_prefix("endpoint ") {
+                receiver.endpoint = unhex(text.trim())?;
+            } else if let Some(text) = line.strip_prefix("rkey ") {
+                receiver.remote_key = unhex(text.trim())?;
+            } else if line == "ready" {
+                return Ok(receiver);
+            }
+        }
+    }
+}
+
+impl Drop for ChildReceiver {
+    fn drop(&mut self) {
+        // Closing stdin ends the child, which shuts its instance down; a stuck one is killed.
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + CHILD_SETUP_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+enum Receiver {
+    Process(ChildReceiver),
+    Thread(InProcessReceiver),
+}
+
+impl Receiver {
+    fn endpoint(&self) -> &[u8] {
+        match self {
+            Receiver::Process(c) => &c.endpoint,
+            Receiver::Thread(r) => &r.endpoint,
+        }
+    }
+    fn remote_key(&self) -> &[u8] {
+        match self {
+            Receiver::Process(c) => &c.remote_key,
+            Receiver::Thread(r) => &r.remote_key,
+        }
+    }
 }
 
 fn load_average() -> String {
@@ -205,6 +347,9 @@ fn median(values: &mut [f64]) -> f64 {
 }
 
 fn main() {
+    if let Ok(config) = std::env::var(CHILD_CONFIG_ENV) {
+        return child_receiver(&config);
+    }
     // `cargo bench` passes `--bench`; `cargo test` runs benches with no flag only when asked: skip then.
     if !std::env::args().any(|a| a == "--bench") {
         return;
@@ -215,13 +360,19 @@ fn main() {
     let only = std::env::var("KVGATE_UCX_BENCH_ONLY").ok();
     let extra = std::env::var("KVGATE_UCX_BENCH_PLUGIN_EXTRA").unwrap_or_default();
     let plugin_only = env_u64("KVGATE_UCX_BENCH_PLUGIN_ONLY", 0) != 0;
+    let placement = match std::env::var("KVGATE_UCX_BENCH_RECEIVER").as_deref() {
+        Err(_) | Ok("") | Ok("process") => Placement::Process,
+        Ok("thread") => Placement::Thread,
+        Ok(other) => panic!("KVGATE_UCX_BENCH_RECEIVER={other}: expected process or thread"),
+    };
     let sizes: Vec<usize> = std::env::var("KVGATE_UCX_BENCH_SIZES")
         .ok()
         .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect())
         .unwrap_or_else(|| SIZES.to_vec());
     println!(
-        "UCX plugin vs ucx_perftest, {} MiB per measurement, window {window} on both sides, {repeat} runs per point, load average {}",
+        "UCX plugin vs ucx_perftest, {} MiB per measurement, window {window} on both sides, {repeat} runs per point, plugin receiver in {}, load average {}",
         total >> 20,
+        if placement == Placement::Process { "a child process" } else { "this process" },
         load_average()
     );
     if !extra.is_empty() {
@@ -239,7 +390,7 @@ fn main() {
             let mut errors = Vec::new();
             for _ in 0..repeat {
                 let reference = if plugin_only { Ok(1.0) } else { perftest(t, size, iters, window) };
-                match (reference, plugin(t, size, iters, window, &extra)) {
+                match (reference, plugin(t, size, iters, window, &extra, placement)) {
                     (Ok(r), Ok(p)) => {
                         references.push(r);
                         ours.push(p);
