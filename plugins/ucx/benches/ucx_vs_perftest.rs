@@ -140,8 +140,8 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, extra: &str, plac
         let _ = tx_a.send(e);
     }));
     let a = UcxFactory::open(&config, sink_a).map_err(|e| e.to_string())?;
-    let mut src = vec![0xa5u8; size];
-    let src_reg = a.register(&host_region(&mut src)).map_err(|e| e.to_string())?;
+    let mut src = PageAligned::filled(size, 0xa5);
+    let src_reg = a.register(&host_region(src.bytes())).map_err(|e| e.to_string())?;
     let receiver = match placement {
         Placement::Process => Receiver::Process(ChildReceiver::spawn(&config, size, &a.local_endpoint())?),
         Placement::Thread => Receiver::Thread(InProcessReceiver::open(&config, size, &a.local_endpoint())?),
@@ -197,6 +197,42 @@ const CHILD_SIZE_ENV: &str = "KVGATE_UCX_BENCH_CHILD_BYTES";
 /// How long the parent waits for each line of the child's setup.
 const CHILD_SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// A page-aligned buffer, as `ucx_perftest`'s (which UCX allocates, `UCP_MEM_MAP_ALLOCATE`) and as a
+/// gateway's pools (mapped files). A heap `Vec` of 64 KiB starts mid-page: it spans one page more, and
+/// `process_vm_readv` between two such buffers measured 12-25 % slower here than between aligned ones.
+struct PageAligned {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl PageAligned {
+    const PAGE: usize = 4096;
+
+    fn filled(len: usize, byte: u8) -> PageAligned {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), Self::PAGE).expect("a buffer size");
+        // SAFETY: the layout has a non-zero size; a null result is handled. Zeroed, so initialised.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        let mut buffer = PageAligned { ptr, layout };
+        buffer.bytes().fill(byte);
+        buffer
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` holds `layout.size()` bytes owned by this buffer, zeroed by `filled`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.layout.size()) }
+    }
+}
+
+impl Drop for PageAligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `filled` with this layout, freed once.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
 fn host_region(buf: &mut [u8]) -> RegionDesc {
     RegionDesc { kind: MemoryKind::HOST, device: -1, addr: buf.as_mut_ptr() as u64, len: buf.len() as u64, ..Default::default() }
 }
@@ -214,15 +250,15 @@ struct InProcessReceiver {
     plugin: kvgate_plugin_ucx::UcxPlugin,
     remote_key: Vec<u8>,
     endpoint: Vec<u8>,
-    _dst: Vec<u8>,
+    _dst: PageAligned,
 }
 
 impl InProcessReceiver {
     fn open(config: &str, size: usize, sender_endpoint: &[u8]) -> Result<InProcessReceiver, String> {
         let plugin = UcxFactory::open(config, Sink::new(sink_from_fn(|_e| {}))).map_err(|e| e.to_string())?;
         plugin.connect(PeerId(1), sender_endpoint).map_err(|e| e.to_string())?;
-        let mut dst = vec![0u8; size];
-        let dst_reg = plugin.register(&host_region(&mut dst)).map_err(|e| e.to_string())?;
+        let mut dst = PageAligned::filled(size, 0);
+        let dst_reg = plugin.register(&host_region(dst.bytes())).map_err(|e| e.to_string())?;
         let ranges = [LocalRange { key: dst_reg.key, offset: 0, len: size as u64 }];
         let request = IncomingRequest { ticket: Ticket(1), peer: PeerId(1), timeout_ns: 3_600_000_000_000, ranges: ranges[..].into() };
         plugin.expect_incoming(&request).map_err(|e| e.to_string())?;
