@@ -22,8 +22,6 @@ use noop_pair::{NoopPair as Bench, Side, A, B, REGION};
 mod one_side;
 use one_side::OneSide;
 
-/// Lifecycles recorded by the pair, then replayed by one side's core, at a time.
-const REPLAY_BATCH: u64 = 1_000;
 /// Lifecycles before measuring one side: past `max_tombstones`, so both cores are at steady size.
 const ONE_SIDE_WARMUP: u64 = 110_000;
 
@@ -40,26 +38,11 @@ fn lifecycles(c: &mut Criterion) {
     // that side alone (the pair's run is outside the timing).
     for (name, side) in [("receiver_side_alone", Side::Receiver), ("sender_side_alone", Side::Sender)] {
         let mut one = OneSide::new(bench_config(), side);
-        replay_batches(&mut one, ONE_SIDE_WARMUP);
-        group.bench_function(name, |b| b.iter_custom(|iters| replay_batches(&mut one, iters)));
+        one.in_batches(ONE_SIDE_WARMUP, OneSide::replay);
+        group.bench_function(name, |b| b.iter_custom(|iters| one.in_batches(iters, OneSide::replay)));
         one.check_in_step();
     }
     group.finish();
-}
-
-/// Records and replays `lifecycles` in batches; returns the time spent replaying.
-fn replay_batches(one: &mut OneSide, lifecycles: u64) -> Duration {
-    let mut replaying = Duration::ZERO;
-    let mut left = lifecycles;
-    while left > 0 {
-        let batch = left.min(REPLAY_BATCH);
-        one.record(batch);
-        let start = std::time::Instant::now();
-        one.replay();
-        replaying += start.elapsed();
-        left -= batch;
-    }
-    replaying
 }
 
 fn idle_rooms(c: &mut Criterion) {

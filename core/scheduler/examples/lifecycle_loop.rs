@@ -19,9 +19,6 @@ use noop_pair::{NoopPair, Side};
 mod one_side;
 use one_side::OneSide;
 
-/// Lifecycles recorded, then replayed, at a time in one-side mode.
-const REPLAY_BATCH: u64 = 1_000;
-
 fn main() {
     let mut args = std::env::args().skip(1).map(|a| a.parse::<u64>().expect("a count"));
     let count = args.next().unwrap_or(100_000);
@@ -63,26 +60,10 @@ fn measured_lifecycles(pair: &mut NoopPair, count: u64) {
 
 fn one_side(config: CoreConfig, side: Side, count: u64, warmup: u64) {
     let mut one = OneSide::new(config, side);
-    in_batches(&mut one, warmup, &mut |one| one.replay());
-    let mut elapsed = std::time::Duration::ZERO;
-    in_batches(&mut one, count, &mut |one| {
-        let start = std::time::Instant::now();
-        measured_replay(one);
-        elapsed += start.elapsed();
-    });
+    one.in_batches(warmup, OneSide::replay);
+    let elapsed = one.in_batches(count, measured_replay);
     one.check_in_step();
     println!("{side:?} side alone, {count} lifecycles replayed in {elapsed:?}: {:.0} ns each", elapsed.as_nanos() as f64 / count as f64);
-}
-
-/// Records `total` lifecycles `REPLAY_BATCH` at a time, calling `replay` after each batch.
-fn in_batches(one: &mut OneSide, total: u64, replay: &mut dyn FnMut(&mut OneSide)) {
-    let mut left = total;
-    while left > 0 {
-        let n = left.min(REPLAY_BATCH);
-        one.record(n);
-        replay(one);
-        left -= n;
-    }
 }
 
 /// The measured replay, kept out of line so callgrind can count it alone.

@@ -6,6 +6,9 @@
 use super::noop_pair::{new_side, Input, NoopPair, Side, EXPECT_PART, SEND_SLICES, A, B, SLOT};
 use kvgate_core::*;
 
+/// Lifecycles recorded by the pair, then replayed by the shadow core, at a time.
+pub const REPLAY_BATCH: u64 = 1_000;
+
 /// A pair that records one side, and the shadow core of that side.
 pub struct OneSide {
     pub pair: NoopPair,
@@ -27,6 +30,22 @@ impl OneSide {
         for _ in 0..count {
             self.pair.lifecycle();
         }
+    }
+
+    /// Records and replays `lifecycles` in batches of `REPLAY_BATCH`, `replay` doing each batch's
+    /// replay; returns the time spent in `replay` alone.
+    pub fn in_batches(&mut self, lifecycles: u64, replay: impl Fn(&mut OneSide)) -> std::time::Duration {
+        let mut replaying = std::time::Duration::ZERO;
+        let mut left = lifecycles;
+        while left > 0 {
+            let batch = left.min(REPLAY_BATCH);
+            self.record(batch);
+            let start = std::time::Instant::now();
+            replay(self);
+            replaying += start.elapsed();
+            left -= batch;
+        }
+        replaying
     }
 
     /// Feeds the recorded inputs to the shadow core and executes its commands as the pair's
