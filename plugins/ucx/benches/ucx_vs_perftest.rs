@@ -39,6 +39,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+use support::{hex, unhex};
+
 struct Transport {
     name: &'static str,
     ucx_env: &'static [(&'static str, &'static str)],
@@ -237,14 +241,6 @@ fn host_region(buf: &mut [u8]) -> RegionDesc {
     RegionDesc { kind: MemoryKind::HOST, device: -1, addr: buf.as_mut_ptr() as u64, len: buf.len() as u64, ..Default::default() }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Result<Vec<u8>, String> {
-    (0..text.len() & !1).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).map_err(|e| format!("bad hex from the child: {e}"))).collect()
-}
-
 /// Instance B with its destination buffer registered and ticket 1 authorised for peer 1 over it.
 struct InProcessReceiver {
     plugin: kvgate_plugin_ucx::UcxPlugin,
@@ -278,7 +274,7 @@ impl Drop for InProcessReceiver {
 fn child_receiver(config: &str) {
     let size: usize = std::env::var(CHILD_SIZE_ENV).ok().and_then(|v| v.parse().ok()).expect("KVGATE_UCX_BENCH_CHILD_BYTES");
     let mut lines = std::io::stdin().lock().lines();
-    let parent = unhex(lines.next().expect("the parent's endpoint").expect("stdin").trim()).expect("the parent's endpoint");
+    let parent = unhex(lines.next().expect("the parent's endpoint").expect("stdin").trim());
     let receiver = InProcessReceiver::open(config, size, &parent).expect("the receiving instance");
     let mut out = std::io::stdout().lock();
     writeln!(out, "endpoint {}\nrkey {}\nready", hex(&receiver.endpoint), hex(&receiver.remote_key)).and_then(|_| out.flush()).expect("stdout");
@@ -319,9 +315,9 @@ impl ChildReceiver {
         loop {
             let line = lines.recv_timeout(CHILD_SETUP_TIMEOUT).map_err(|_| "the receiving child process ended or went silent during setup".to_string())?;
             if let Some(text) = line.strip_prefix("endpoint ") {
-                receiver.endpoint = unhex(text.trim())?;
+                receiver.endpoint = unhex(text.trim());
             } else if let Some(text) = line.strip_prefix("rkey ") {
-                receiver.remote_key = unhex(text.trim())?;
+                receiver.remote_key = unhex(text.trim());
             } else if line == "ready" {
                 return Ok(receiver);
             }

@@ -18,14 +18,6 @@ const REGION_BYTES: usize = 64 << 20;
 /// How long the child lives at most if its parent forgets it.
 const CHILD_LIFETIME: Duration = Duration::from_secs(60);
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Vec<u8> {
-    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap()).collect()
-}
-
 /// The child: a receiver that prints its endpoint and remote key, connects back, authorises ticket 1,
 /// answers `sum OFFSET LEN` with a checksum, and lives until killed (or `CHILD_LIFETIME`).
 #[test]

@@ -8,6 +8,17 @@ use kvgate_plugin_ucx::{UcxFactory, UcxPlugin};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+/// Bytes as lowercase hex, for passing endpoints and keys between processes on a text line.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of `hex`'s text; panics on anything else (both ends are this crate's own code).
+pub fn unhex(text: &str) -> Vec<u8> {
+    assert!(text.len() % 2 == 0, "odd-length hex: {text:?}");
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex digits")).collect()
+}
+
 /// The most any single wait in these tests may take before the test fails.
 pub const WAIT_LIMIT: Duration = Duration::from_secs(20);
 
