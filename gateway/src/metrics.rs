@@ -35,6 +35,7 @@ pub struct GatewayMetrics {
     transfer_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     bootstrap_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     failures: Family<Labels, Counter>,
+    stuck_rooms: Family<Labels, Counter>,
     peer_up: Family<Labels, Gauge>,
     /// Incremented from plugin threads when the driver's plugin event queue is full.
     pub plugin_events_dropped: Counter<u64, AtomicU64>,
@@ -48,6 +49,7 @@ impl Default for GatewayMetrics {
             transfer_seconds: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
             bootstrap_seconds: Family::new_with_constructor(seconds_histogram as fn() -> Histogram),
             failures: Family::default(),
+            stuck_rooms: Family::default(),
             peer_up: Family::default(),
             plugin_events_dropped: Counter::default(),
             bad_peer_frames: Counter::default(),
@@ -70,6 +72,10 @@ impl GatewayMetrics {
     pub fn count_failure(&self, reason: &str, phase: &str, plugin: &str) {
         self.failures.get_or_create(&labels(&[("reason", reason), ("phase", phase), ("plugin", plugin)])).inc();
     }
+    /// `rooms` more rooms found still live at the stuck-room warning age `age_ms`.
+    pub fn count_stuck_rooms(&self, age_ms: u64, rooms: u64) {
+        self.stuck_rooms.get_or_create(&labels(&[("age_ms", &age_ms.to_string())])).inc_by(rooms);
+    }
     pub fn set_peer_up(&self, peer: &str, up: bool) {
         self.peer_up.get_or_create(&labels(&[("peer", peer)])).set(up as i64);
     }
@@ -86,6 +92,7 @@ impl GatewayMetrics {
         registry.register("transfer_seconds", "Time from first transfer to success, by plugin", self.transfer_seconds.clone());
         registry.register("bootstrap_seconds", "Time from room creation to bytes moving, by plugin", self.bootstrap_seconds.clone());
         registry.register("room_failures", "Failed rooms by reason, phase and plugin", self.failures.clone());
+        registry.register("stuck_rooms", "Rooms found still live at each admin.stuck_room_warn_ms age, named in the log or not", self.stuck_rooms.clone());
         registry.register("peer_up", "1 while the peer link is up", self.peer_up.clone());
         registry.register("plugin_events_dropped", "Plugin events dropped because driver.plugin_event_queue_len was full", self.plugin_events_dropped.clone());
         registry.register("bad_peer_frames", "Peer frames that could not be decoded", self.bad_peer_frames.clone());

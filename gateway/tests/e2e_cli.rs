@@ -1,5 +1,6 @@
 //! The operator's side against running gateways: `kvgate rooms`, `kvgate abort ROOM`,
-//! `kvgate plugins list|inspect`, the stuck-room warning and the one log line every failure gets.
+//! `kvgate plugins list|inspect`, the stuck-room warning (named, or counted past its line ration) and
+//! the one log line every failure gets.
 
 mod common;
 
@@ -68,6 +69,65 @@ async fn rooms_and_abort_commands_act_on_a_running_gateway_and_every_failure_is_
     let text = metrics(&pair.decode.admin).await;
     assert!(sample(&text, "kvgate_room_failures_total{reason=\"bootstrap_timeout\",phase=\"bootstrap\",plugin=\"shm\"}").is_some_and(|v| v >= 1.0), "{text}");
     assert!(sample(&text, "kvgate_aborts_total").is_some_and(|v| v >= 1.0), "{text}");
+    for age in [300, 700] {
+        assert_eq!(sample(&text, &format!("kvgate_stuck_rooms_total{{age_ms=\"{age}\"}}")), Some(1.0), "{text}");
+    }
+    pair.stop();
+}
+
+/// The sum of the counts in the `N more rooms still live at AGE ms` summary lines.
+fn summarized_at(log: &str, age: u64) -> u64 {
+    let marker = format!(" more rooms still live at {age} ms");
+    log.lines()
+        .filter_map(|l| {
+            let at = l.find(&marker)?;
+            l[..at].rsplit(' ').next()?.parse::<u64>().ok()
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stuck_rooms_past_the_line_ration_are_counted_in_a_summary_line_not_dropped() {
+    let _serial = serial();
+    let dir = work_dir();
+    const ROOMS: u64 = 4;
+    // One named line a second (the ration's bound is 1 line at once): of four rooms stuck together,
+    // one is named at 300 ms and the rest are counted; at 700 ms the ration has not refilled.
+    let ration = vec![("KVGATE__ADMIN__STUCK_ROOM_WARN_LINES_PER_S".to_string(), "1".to_string())];
+    let prefill_bootstrap = vec![("KVGATE__SCHEDULER__BOOTSTRAP_TIMEOUT_MS".to_string(), "10000".to_string())];
+    let settings = PairSettings {
+        bootstrap_timeout_ms: 1_500,
+        stuck_room_warn_ms: vec![300, 700],
+        env_decode: ration,
+        env_prefill: prefill_bootstrap,
+        ..PairSettings::default()
+    };
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let shape = small_shape();
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, ROOMS).await;
+    let started = Instant::now();
+    let mut ends = Vec::new();
+    for n in 0..ROOMS {
+        ends.push(decode.events.listen(900 + n));
+        expect_into(&decode, &shape, 900 + n, n, PREFILL_NAME, 0).await.unwrap();
+    }
+    for rx in &mut ends {
+        let o = wait_terminal(rx, started, Duration::from_secs(10)).await.unwrap();
+        assert_eq!(o.reason, "bootstrap_timeout");
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let log = pair.decode.log();
+    let named = |age: u64| log.lines().filter(|l| l.contains(&format!("room still live at {age} ms"))).count() as u64;
+    assert!(named(300) + named(700) >= 1, "the ration's one line is used:\n{log}");
+    assert!(named(300) + named(700) <= 2, "at most one line a second, and the rooms ended within 1.5 s:\n{log}");
+    for age in [300, 700] {
+        assert_eq!(named(age) + summarized_at(&log, age), ROOMS, "every stuck room at {age} ms named or counted:\n{log}");
+    }
+    assert!(summarized_at(&log, 300) >= ROOMS - 1, "{log}");
+    let text = metrics(&pair.decode.admin).await;
+    for age in [300, 700] {
+        assert_eq!(sample(&text, &format!("kvgate_stuck_rooms_total{{age_ms=\"{age}\"}}")), Some(ROOMS as f64), "{text}");
+    }
     pair.stop();
 }
 

@@ -190,11 +190,18 @@ pub struct AdminSection {
     pub listen: String,
     /// A room still live at each of these ages gets one warning log line (per room, per age).
     pub stuck_room_warn_ms: Vec<u64>,
+    /// At most this many of those lines per second (a burst of one second's worth); past it, the
+    /// rooms that reach an age together are counted in one summary line instead of named one by one,
+    /// so that many rooms stuck at once never stall the driver writing their lines.
+    pub stuck_room_warn_lines_per_s: u64,
 }
+
+/// Most `admin.stuck_room_warn_lines_per_s` accepts.
+pub const MAX_STUCK_ROOM_WARN_LINES_PER_S: u64 = 100_000;
 
 impl Default for AdminSection {
     fn default() -> Self {
-        AdminSection { listen: "127.0.0.1:9100".to_string(), stuck_room_warn_ms: vec![5_000, 30_000] }
+        AdminSection { listen: "127.0.0.1:9100".to_string(), stuck_room_warn_ms: vec![5_000, 30_000], stuck_room_warn_lines_per_s: 100 }
     }
 }
 

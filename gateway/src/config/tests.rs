@@ -129,3 +129,12 @@ fn shutdown_grace_is_checked_at_and_just_past_its_bounds() {
     let e = errors_of(&format!("[driver]\nio_threads = {}\n", super::MAX_IO_THREADS + 1));
     assert!(e.contains("driver.io_threads = 257") && e.contains("0..=256"), "{e}");
 }
+
+#[test]
+fn stuck_room_warning_rate_is_checked_at_and_just_past_its_bounds() {
+    for ok in [0, 1, super::MAX_STUCK_ROOM_WARN_LINES_PER_S] {
+        assert_eq!(load_config_from_str(&format!("[admin]\nstuck_room_warn_lines_per_s = {ok}\n")).unwrap().admin.stuck_room_warn_lines_per_s, ok);
+    }
+    let e = errors_of(&format!("[admin]\nstuck_room_warn_lines_per_s = {}\n", super::MAX_STUCK_ROOM_WARN_LINES_PER_S + 1));
+    assert!(e.contains("admin.stuck_room_warn_lines_per_s = 100001") && e.contains("0..=100000"), "{e}");
+}

@@ -81,7 +81,8 @@ struct RoomClock {
 impl Driver {
     pub fn new(parts: DriverParts) -> Driver {
         let slots = parts.plugins.len();
-        let stuck = stuck::StuckQueues::new(&parts.config.admin.stuck_room_warn_ms);
+        let admin = &parts.config.admin;
+        let stuck = stuck::StuckQueues::new(&admin.stuck_room_warn_ms, admin.stuck_room_warn_lines_per_s, Nanos(0));
         Driver {
             core: parts.core,
             origin: Instant::now(),
