@@ -133,8 +133,39 @@ impl Drop for GatewayProcess {
 }
 
 /// A free TCP port on 127.0.0.1 (bound then released).
+/// Lowest port `free_port` picks from: below it are the well-known and registered services.
+pub const PICKED_PORT_MIN: u16 = 10_000;
+/// How many random ports `free_port` tries before it takes one from the kernel instead.
+pub const PORT_PICK_ATTEMPTS: u32 = 64;
+
+/// A port free on 127.0.0.1 for a gateway about to start. Picked at random below the kernel's
+/// ephemeral range (`net.ipv4.ip_local_port_range`), because a port the kernel hands out for `:0` is
+/// also what it hands to outgoing connections: one of those (a peer link dialling, an admin request)
+/// could take it before the gateway binds it, and the gateway then fails with `Address already in
+/// use`. Falls back to the kernel's choice when no port below the range is free after
+/// `PORT_PICK_ATTEMPTS` tries, or when the range leaves no room below it.
 pub fn free_port() -> u16 {
+    let ephemeral_start = ephemeral_port_range().map_or(32_768, |(low, _)| low);
+    pick_free_port(PICKED_PORT_MIN..ephemeral_start, PORT_PICK_ATTEMPTS)
+}
+
+fn pick_free_port(candidates: std::ops::Range<u16>, attempts: u32) -> u16 {
+    if !candidates.is_empty() {
+        for _ in 0..attempts {
+            let port = rand::random_range(candidates.clone());
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return port;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+/// The kernel's ephemeral port range, if it can be read.
+fn ephemeral_port_range() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut bounds = text.split_whitespace().map(|v| v.parse::<u16>().ok());
+    Some((bounds.next()??, bounds.next()??))
 }
 
 /// `["a", "b"]` with each path quoted as a TOML basic string.
@@ -333,5 +364,30 @@ mod tests {
         let config = crate::config::load_config_from_str(&generated(&PairSettings::default())).expect("the generated config loads");
         assert!(config.plugins.libraries.is_empty());
         assert!(config.plugins.config.is_empty());
+    }
+
+    #[test]
+    fn a_picked_port_is_free_and_below_the_ephemeral_range() {
+        let (low, high) = ephemeral_port_range().expect("/proc/sys/net/ipv4/ip_local_port_range");
+        assert!(low <= high);
+        for _ in 0..20 {
+            let port = free_port();
+            assert!(low <= PICKED_PORT_MIN || (PICKED_PORT_MIN..low).contains(&port), "{port} not below {low}");
+            std::net::TcpListener::bind(("127.0.0.1", port)).expect("the picked port is free");
+        }
+    }
+
+    #[test]
+    fn port_picking_falls_back_to_the_kernel_after_its_attempts() {
+        // The only candidate is taken: every attempt fails and the kernel's choice comes back.
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        assert_ne!(pick_free_port(port..port + 1, PORT_PICK_ATTEMPTS), port);
+        // Zero attempts, or no candidates, go straight to the kernel.
+        assert_ne!(pick_free_port(port..port + 1, 0), port);
+        assert_ne!(pick_free_port(port..port, PORT_PICK_ATTEMPTS), port);
+        // One attempt at a free candidate finds it.
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        assert_eq!(pick_free_port(free..free + 1, 1), free);
     }
 }
