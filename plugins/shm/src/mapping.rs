@@ -123,7 +123,8 @@ impl PeerMapping {
     /// maps or unmaps memory meanwhile (an allocator growing, a runtime thread) waits for all of it:
     /// 0.6-1.6 s for a fresh 1 GiB file here, long enough for a gateway to miss its peer-link
     /// heartbeats. Between chunks the lock is free (the same 1 GiB: the longest such wait 3 ms).
-    /// A kernel without `MADV_POPULATE_WRITE` (before 5.14) leaves the mapping to fault on first use.
+    /// A kernel without `MADV_POPULATE_WRITE` (before 5.14) leaves the mapping to fault on first use,
+    /// with one warning.
     fn populate(&self, chunk: usize) {
         let chunk = chunk.max(page_size() as usize);
         let mut done = 0;
@@ -131,6 +132,11 @@ impl PeerMapping {
             let n = chunk.min(self.map_len - done);
             // SAFETY: a range inside our own live mapping; madvise only faults its pages in.
             if unsafe { libc::madvise((self.map_addr + done) as *mut libc::c_void, n, MADV_POPULATE_WRITE) } != 0 {
+                let e = std::io::Error::last_os_error();
+                tracing::warn!(
+                    reason = "populate_unavailable", done, total = self.map_len,
+                    "shm: pre-faulting a peer mapping stopped (madvise MADV_POPULATE_WRITE: {e}); the rest faults on first use (populate_mappings)"
+                );
                 return;
             }
             done += n;
