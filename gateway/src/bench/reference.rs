@@ -128,7 +128,9 @@ pub fn perftest_messages(block: u64, blocks: u64, min_copies: u64, plugin_bytes_
 /// prints MiB/s and calls it MB/s). Both run under `timeout`; the server is stopped (through
 /// `timeout`, which forwards SIGTERM to it) whatever happens.
 pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64) -> Result<f64, String> {
-    let port = free_tcp_port()?;
+    // The same picking as the gateways' ports: below the ephemeral range, out of the way of the
+    // outgoing connections the running gateways make meanwhile.
+    let port = crate::demo::gateways::free_port();
     let (size, iters, warmup, port_text) = (block.to_string(), messages.to_string(), (messages / 10).max(10).to_string(), port.to_string());
     let mut args = vec!["-t", transport.perftest_test(), "-s", &size, "-n", &iters, "-w", &warmup, "-p", &port_text, "-f"];
     args.extend_from_slice(transport.perftest_extra_args());
@@ -216,10 +218,6 @@ pub fn parse_perftest_overall_mib_s(output: &str) -> Option<f64> {
         let fields: Vec<f64> = line.split_whitespace().filter_map(|f| f.parse().ok()).collect();
         (fields.len() >= 8).then(|| fields[5]).filter(|v| v.is_finite() && *v > 0.0)
     })
-}
-
-fn free_tcp_port() -> Result<u16, String> {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).map_err(|e| format!("no free TCP port: {e}"))
 }
 
 /// Where transfer `n` of a reference starts: `slots = (stride, depth)` are the pool slots the plugin's
