@@ -18,7 +18,9 @@
 //! transfer counts only once the receiver's reply arrives (the reference counts a send once UCX
 //! completes it).
 //! Each point is measured `KVGATE_UCX_BENCH_REPEAT` times, reference and plugin alternating; the
-//! median ratio is reported with the smallest and largest, and the load average before and after.
+//! median of the per-run ratios is reported (the target's figure) with the smallest and largest, then
+//! the ratio of the two medians (less moved by one slow run on either side when runs vary by ±20 %,
+//! as TCP loopback runs here do), and the load average before and after.
 //!
 //! `cargo bench -p kvgate-plugin-ucx --bench ucx_vs_perftest`; on a machine shared with builds, run the
 //! built binary under `chrt -r 10 ... --bench` so that both sides run ahead of them (ucx_perftest's
@@ -29,7 +31,8 @@
 //! `KVGATE_UCX_BENCH_ONLY` (`tcp`|`sm`|`sm-put`), `KVGATE_UCX_BENCH_SIZES` (bytes, comma-separated),
 //! `KVGATE_UCX_BENCH_PLUGIN_EXTRA` (TOML lines appended to the plugin's config, e.g. `busy_poll_us = 0`),
 //! `KVGATE_UCX_BENCH_PLUGIN_ONLY=1` (skip `ucx_perftest`; for profiling the plugin alone, no ratio),
-//! `KVGATE_UCX_BENCH_RECEIVER` (`process`, the default, or `thread`).
+//! `KVGATE_UCX_BENCH_RECEIVER` (`process`, the default, or `thread`),
+//! `KVGATE_UCX_BENCH_EACH=1` (print every measurement, not only the median and spread).
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, PluginFactory, Sink};
 use kvgate_abi::*;
@@ -392,6 +395,7 @@ fn main() {
     let only = std::env::var("KVGATE_UCX_BENCH_ONLY").ok();
     let extra = std::env::var("KVGATE_UCX_BENCH_PLUGIN_EXTRA").unwrap_or_default();
     let plugin_only = env_u64("KVGATE_UCX_BENCH_PLUGIN_ONLY", 0) != 0;
+    let each = env_u64("KVGATE_UCX_BENCH_EACH", 0) != 0;
     let placement = match std::env::var("KVGATE_UCX_BENCH_RECEIVER").as_deref() {
         Err(_) | Ok("") | Ok("process") => Placement::Process,
         Ok("thread") => Placement::Thread,
@@ -411,8 +415,8 @@ fn main() {
         println!("plugin config extra: {extra:?}");
     }
     println!(
-        "{:<6} {:<11} {:>7} {:>18} {:>18} {:>7} {:>15}",
-        "tls", "reference", "size", "ucx_perftest GB/s", "plugin GB/s", "ratio", "ratio min..max"
+        "{:<6} {:<11} {:>7} {:>18} {:>18} {:>7} {:>15} {:>14}",
+        "tls", "reference", "size", "ucx_perftest GB/s", "plugin GB/s", "ratio", "ratio min..max", "medians ratio"
     );
     let mut worst: Option<f64> = None;
     for t in TRANSPORTS.iter().filter(|t| only.as_deref().is_none_or(|o| o == t.name)) {
@@ -424,6 +428,9 @@ fn main() {
                 let reference = if plugin_only { Ok(1.0) } else { perftest(t, size, iters, window) };
                 match (reference, plugin(t, size, iters, window, &extra, placement)) {
                     (Ok(r), Ok(p)) => {
+                        if each {
+                            println!("  run {}: ucx_perftest {r:.2} GB/s, plugin {p:.2} GB/s, ratio {:.0}%", references.len() + 1, p / r * 100.0);
+                        }
                         references.push(r);
                         ours.push(p);
                         ratios.push(p / r);
@@ -440,16 +447,18 @@ fn main() {
             if t.name != "sm-put" {
                 worst = Some(worst.map_or(ratio, |w| w.min(ratio)));
             }
+            let (reference, plugin) = (median(&mut references), median(&mut ours));
             println!(
-                "{:<6} {:<11} {:>7} {:>18.2} {:>18.2} {:>6.0}% {:>7.0}..{:.0}%{}",
+                "{:<6} {:<11} {:>7} {:>18.2} {:>18.2} {:>6.0}% {:>7.0}..{:.0}% {:>13.0}%{}",
                 t.name,
                 t.perftest_test,
                 size_text(size),
-                median(&mut references),
-                median(&mut ours),
+                reference,
+                plugin,
                 ratio * 100.0,
                 lowest * 100.0,
                 highest * 100.0,
+                plugin / reference * 100.0,
                 if errors.is_empty() { String::new() } else { format!(" ({} failed runs)", errors.len()) }
             );
         }
