@@ -447,18 +447,18 @@ fn main() {
             if t.name != "sm-put" {
                 worst = Some(worst.map_or(ratio, |w| w.min(ratio)));
             }
-            let (reference, plugin) = (median(&mut references), median(&mut ours));
+            let (reference_median, plugin_median) = (median(&mut references), median(&mut ours));
             println!(
                 "{:<6} {:<11} {:>7} {:>18.2} {:>18.2} {:>6.0}% {:>7.0}..{:.0}% {:>13.0}%{}",
                 t.name,
                 t.perftest_test,
                 size_text(size),
-                reference,
-                plugin,
+                reference_median,
+                plugin_median,
                 ratio * 100.0,
                 lowest * 100.0,
                 highest * 100.0,
-                plugin / reference * 100.0,
+                plugin_median / reference_median * 100.0,
                 if errors.is_empty() { String::new() } else { format!(" ({} failed runs)", errors.len()) }
             );
         }
