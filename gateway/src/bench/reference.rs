@@ -45,11 +45,11 @@ impl ReferenceKind {
             ReferenceKind::Memcpy => "memcpy, 1 thread, block by block between the same two pool files",
             ReferenceKind::TcpLoopback => "TCP loopback, 1 blocking connection (std::net, TCP_NODELAY), block by block, 1-byte ack per transfer",
             ReferenceKind::UcxPerftest(UcxTransport::SharedMemory) => {
-                "ucx_perftest -t ucp_am_bw, UCX_TLS=posix,sysv,cma, server + client on 127.0.0.1, one message per block \
+                "ucx_perftest -t ucp_am_bw, UCX_TLS=posix,sysv,cma, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block \
                  (a rate: ref p50 is the transfer's bytes at that rate)"
             }
             ReferenceKind::UcxPerftest(UcxTransport::Tcp) => {
-                "ucx_perftest -t ucp_am_bw -e, UCX_TLS=tcp, UCX_NET_DEVICES=lo, server + client on 127.0.0.1, one message per block \
+                "ucx_perftest -t ucp_am_bw -e, UCX_TLS=tcp, UCX_NET_DEVICES=lo, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block \
                  (a rate: ref p50 is the transfer's bytes at that rate)"
             }
         }
@@ -106,6 +106,14 @@ impl UcxTransport {
     }
 }
 
+/// Set on both `ucx_perftest` processes: glibc then writes this byte's complement into every block it
+/// hands out (`MALLOC_PERTURB_`, glibc's documented malloc tunable). Over TCP `ucx_perftest` takes
+/// its buffers from `posix_memalign` and never writes its send buffer, so without it every byte it
+/// sends is read from the kernel's shared zero page; the gateways send from written pool pages. With
+/// it both sides move bytes from written memory. Shared-memory buffers come from `shmget`, not malloc:
+/// no change there. `ucx_perftest` mallocs nothing per message, so the cost is at setup only.
+pub const PERFTEST_WRITTEN_BUFFERS_ENV: (&str, &str) = ("MALLOC_PERTURB_", "165");
+
 /// The longest one `ucx_perftest` run (server or client) may take before `timeout` kills it.
 pub const PERFTEST_TIMEOUT_S: u64 = 120;
 /// How long the `ucx_perftest` server may take to say it waits for its client.
@@ -134,13 +142,7 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64) -> 
     let (size, iters, warmup, port_text) = (block.to_string(), messages.to_string(), (messages / 10).max(10).to_string(), port.to_string());
     let mut args = vec!["-t", transport.perftest_test(), "-s", &size, "-n", &iters, "-w", &warmup, "-p", &port_text, "-f"];
     args.extend_from_slice(transport.perftest_extra_args());
-    let timeout = PERFTEST_TIMEOUT_S.to_string();
-    let server = Command::new("timeout")
-        .arg(&timeout)
-        .arg("ucx_perftest")
-        .args(&args)
-        .envs(transport.ucx_env().iter().copied())
-        .stdin(Stdio::null())
+    let server = perftest_command(transport, None, &args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -158,13 +160,7 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64) -> 
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let client = Command::new("timeout")
-        .arg(&timeout)
-        .arg("ucx_perftest")
-        .arg("127.0.0.1")
-        .args(&args)
-        .envs(transport.ucx_env().iter().copied())
-        .stdin(Stdio::null())
+    let client = perftest_command(transport, Some("127.0.0.1"), &args)
         .output()
         .map_err(|e| format!("ucx_perftest client: {e}"))?;
     drop(server);
@@ -172,6 +168,19 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64) -> 
     parse_perftest_overall_mib_s(&text)
         .map(|mib_s| mib_s * 1_048_576.0 / 1e9)
         .ok_or_else(|| format!("no result line in ucx_perftest output ({}):\n{text}\n{}", client.status, String::from_utf8_lossy(&client.stderr)))
+}
+
+/// `timeout ucx_perftest [server] args` with the transport's UCX environment and written buffers
+/// ([`PERFTEST_WRITTEN_BUFFERS_ENV`]), stdin closed: the server when `server` is `None`, else the
+/// client of that server.
+fn perftest_command(transport: UcxTransport, server: Option<&str>, args: &[&str]) -> Command {
+    let mut command = Command::new("timeout");
+    command.arg(PERFTEST_TIMEOUT_S.to_string()).arg("ucx_perftest");
+    command.args(server).args(args);
+    command.envs(transport.ucx_env().iter().copied());
+    command.env(PERFTEST_WRITTEN_BUFFERS_ENV.0, PERFTEST_WRITTEN_BUFFERS_ENV.1);
+    command.stdin(Stdio::null());
+    command
 }
 
 /// A `timeout ucx_perftest` server: on drop, SIGTERM to `timeout` (it passes it on to ucx_perftest;
@@ -336,6 +345,27 @@ mod tests {
         assert_eq!(perftest_messages(64 << 20, 1, 3, 0), 16, "at least 16 messages");
         assert_eq!(perftest_messages(8, 100_000, 3, 0), MAX_PERFTEST_MESSAGES, "capped");
         assert_eq!(perftest_messages(1 << 20, 1, 3, 1 << 30), 1024, "about what the plugin moved");
+    }
+
+    #[test]
+    fn perftest_processes_run_with_written_buffers_and_the_transport_env() {
+        for transport in [UcxTransport::Tcp, UcxTransport::SharedMemory] {
+            for server in [None, Some("127.0.0.1")] {
+                let command = perftest_command(transport, server, &["-t", "ucp_am_bw"]);
+                let envs: Vec<(String, String)> = command
+                    .get_envs()
+                    .filter_map(|(k, v)| Some((k.to_str()?.to_string(), v?.to_str()?.to_string())))
+                    .collect();
+                let perturb = envs.iter().find(|(k, _)| k == "MALLOC_PERTURB_").map(|(_, v)| v.parse::<u8>());
+                assert!(matches!(perturb, Some(Ok(b)) if b != 0), "{transport:?} {server:?}: {envs:?}");
+                for (key, value) in transport.ucx_env() {
+                    assert!(envs.contains(&(key.to_string(), value.to_string())), "{transport:?}: {key} missing");
+                }
+                let args: Vec<_> = command.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+                assert_eq!(args[1], "ucx_perftest");
+                assert_eq!(args.get(2).map(String::as_str), Some(server.unwrap_or("-t")));
+            }
+        }
     }
 
     #[test]

@@ -32,8 +32,9 @@ uses cached stores at these sizes), and the gateway overlaps rooms, so on 2 core
 ratio says how close the whole path gets to one core's memcpy, not to the machine's copy bandwidth. **TCP loopback** (QUIC) is one blocking \
 connection, block by block, a 1-byte acknowledgement per transfer. **ucx_perftest** (UCX) is `ucp_am_bw` server + \
 client on 127.0.0.1 over the same UCX transport as the plugin's config, with `-e` on TCP (the peer-failure endpoint \
-mode the plugin's TCP endpoints use), one message per block; it reports a rate, so \
-its p50 is the transfer's bytes at that rate.
+mode the plugin's TCP endpoints use), one message per block, with `MALLOC_PERTURB_` set so that glibc writes its \
+buffers (over TCP it never writes its send buffer otherwise, and sends the kernel's cached zero page where the \
+gateways send written pool pages); it reports a rate, so its p50 is the transfer's bytes at that rate.
 - **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
 default 5), each round a whole cell with its own reference; the round with the median ratio is reported, with every \
 round's ratio beside it, and a failure in any round counts. The engine-API abort target runs as many rounds of `--api-aborts` aborts over the same rooms in flight; the round with the median p99 is reported, with every round's p99 and the p99 and max of all aborts pooled beside it, and a missing terminal in any round counts.
