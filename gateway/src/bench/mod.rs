@@ -67,6 +67,9 @@ pub struct BenchArgs {
     /// Most rooms in flight at once in a data-path cell (fewer when fewer transfers fit the pools).
     #[arg(long)]
     pub inflight: Option<u64>,
+    /// Each round of a plugin's target cell (and its reference) runs at least this long.
+    #[arg(long)]
+    pub target_cell_ms: Option<u64>,
     /// How many rounds each plugin's target cell runs, each with its own reference (the median
     /// round is reported; 1..=15); the engine-API abort target runs as many rounds of `--api-aborts`
     /// (the round with the median p99 is reported).
@@ -114,6 +117,7 @@ impl BenchArgs {
             }
         };
         set(&mut plan.cell_budget_ms, self.cell_ms);
+        set(&mut plan.target_cell_budget_ms, self.target_cell_ms);
         set(&mut plan.inflight_rooms, self.inflight);
         set(&mut plan.target_rounds, self.target_rounds);
         set(&mut plan.control_rooms, self.control_rooms);
@@ -184,12 +188,14 @@ async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport>
     bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}").expect("template"));
     bar.enable_steady_tick(Duration::from_millis(200));
     println!(
-        "kvgate bench{}: {} cells per plugin (transfers up to {}), up to {} rooms in flight per cell, >= {} ms per cell; work dir {}",
+        "kvgate bench{}: {} cells per plugin (transfers up to {}), up to {} rooms in flight per cell, >= {} ms per cell ({} target-cell rounds of >= {} ms); work dir {}",
         if args.quick { " --quick" } else { "" },
         cells.len(),
         stats::size_label(plan.slot_bytes()),
         plan.inflight_rooms,
         plan.cell_budget_ms,
+        plan.target_rounds,
+        plan.target_cell_budget_ms,
         dir.display()
     );
     if !plan.left_out().is_empty() {
@@ -253,11 +259,13 @@ async fn bench_plugin(binary: &Path, dir: &Path, entry: &matrix::MatrixEntry, pl
         result.skip_reason = format!("reference not measured, ratios are 0: {why}");
     }
     let budget = CopyBudget { min_copies: plan.min_rooms_per_cell, budget: Duration::from_millis(plan.cell_budget_ms) };
+    let target_budget = CopyBudget { budget: Duration::from_millis(plan.target_cell_budget_ms), ..budget };
     let cells = plan.cells();
     let target = rounds::target_cell(plugin, &cells);
     for (block, blocks) in cells {
         let label = format!("{plugin}: {} x {blocks}", stats::size_label(block));
-        let round_count = if target == Some((block, blocks)) { plan.target_rounds } else { 1 };
+        let is_target = target == Some((block, blocks));
+        let (round_count, budget) = if is_target { (plan.target_rounds, target_budget) } else { (1, budget) };
         let mut done = Vec::new();
         let mut error = None;
         for round in 0..round_count {

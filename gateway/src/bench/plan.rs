@@ -12,6 +12,8 @@ pub const QUICK_MAX_TRANSFER_BYTES: u64 = 128 << 20;
 pub const MAX_MAX_TRANSFER_BYTES: u64 = 4 << 30;
 /// Most rooms one cell may time, however fast it is (bounds memory for latency samples).
 pub const MAX_ROOMS_PER_CELL: u64 = 2_000;
+/// Longest budget a cell (or a target cell's round) may be given, in milliseconds.
+pub const MAX_CELL_BUDGET_MS: u64 = 60_000;
 /// Most rooms in flight through the engine API at once in a data-path cell.
 pub const MAX_INFLIGHT_ROOMS: u64 = 16;
 /// The pools hold this many of the plan's largest transfer; a cell with smaller transfers cuts them
@@ -28,6 +30,11 @@ pub struct Plan {
     pub max_transfer_bytes: u64,
     /// How long each cell keeps starting rooms (and its reference keeps copying), at least.
     pub cell_budget_ms: u64,
+    /// How long each round of a target cell keeps starting rooms (and its reference keeps copying),
+    /// at least: longer than a matrix cell, because a target is decided on it. At 250 ms a 64 MiB
+    /// UCX TCP cell times about 12 rooms and its rounds spread 0.49-1.31 here; at 1 000 ms about
+    /// 50 rooms, and 0.78-1.07.
+    pub target_cell_budget_ms: u64,
     /// Rooms each cell times at least, however long they take.
     pub min_rooms_per_cell: u64,
     /// How many times each plugin's target cell runs (each round with its own reference); the
@@ -59,6 +66,7 @@ impl Plan {
             blocks_per_transfer: vec![1, 10, 100, 1_000, 10_000],
             max_transfer_bytes: FULL_MAX_TRANSFER_BYTES,
             cell_budget_ms: 1_000,
+            target_cell_budget_ms: 2_000,
             min_rooms_per_cell: 5,
             target_rounds: 5,
             inflight_rooms: 8,
@@ -78,6 +86,7 @@ impl Plan {
             blocks_per_transfer: vec![1, 100, 10_000],
             max_transfer_bytes: QUICK_MAX_TRANSFER_BYTES,
             cell_budget_ms: 250,
+            target_cell_budget_ms: 1_000,
             min_rooms_per_cell: 3,
             target_rounds: 5,
             inflight_rooms: 8,
@@ -133,7 +142,8 @@ impl Plan {
             }
         };
         range("max_transfer_bytes", self.max_transfer_bytes, 4 * KIB, MAX_MAX_TRANSFER_BYTES);
-        range("cell_budget_ms", self.cell_budget_ms, 1, 60_000);
+        range("cell_budget_ms", self.cell_budget_ms, 1, MAX_CELL_BUDGET_MS);
+        range("target_cell_budget_ms", self.target_cell_budget_ms, 1, MAX_CELL_BUDGET_MS);
         range("min_rooms_per_cell", self.min_rooms_per_cell, 1, MAX_ROOMS_PER_CELL);
         range("inflight_rooms", self.inflight_rooms, 1, MAX_INFLIGHT_ROOMS);
         range("target_rounds", self.target_rounds, 1, super::rounds::MAX_TARGET_ROUNDS);
@@ -210,6 +220,18 @@ mod tests {
         assert!(plan.validate()[0].starts_with("target_rounds"));
         plan.target_rounds = 0;
         assert!(plan.validate()[0].starts_with("target_rounds"));
+        for budget in [0, MAX_CELL_BUDGET_MS + 1] {
+            let mut plan = Plan::quick();
+            plan.target_cell_budget_ms = budget;
+            assert!(plan.validate()[0].starts_with("target_cell_budget_ms"), "{budget}");
+            plan.target_cell_budget_ms = 1;
+            plan.cell_budget_ms = budget;
+            assert!(plan.validate()[0].starts_with("cell_budget_ms"), "{budget}");
+        }
+        let mut plan = Plan::quick();
+        plan.target_cell_budget_ms = MAX_CELL_BUDGET_MS;
+        plan.cell_budget_ms = MAX_CELL_BUDGET_MS;
+        assert!(plan.validate().is_empty());
         let mut plan = Plan::quick();
         plan.api_aborts = plan.api_rooms_in_flight + 1;
         assert!(plan.validate()[0].starts_with("api_aborts"));

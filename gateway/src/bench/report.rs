@@ -36,7 +36,8 @@ mode the plugin's TCP endpoints use), one message per block, with `MALLOC_PERTUR
 buffers (over TCP it never writes its send buffer otherwise, and sends the kernel's cached zero page where the \
 gateways send written pool pages); it reports a rate, so its p50 is the transfer's bytes at that rate.
 - **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
-default 5), each round a whole cell with its own reference; the round with the median ratio is reported, with every \
+default 5), each round a whole cell with its own reference, and each round runs longer than a matrix cell \
+(`--target-cell-ms`: 1 000 ms with `--quick`, 2 000 ms in the full run); the round with the median ratio is reported, with every \
 round's ratio beside it, and a failure in any round counts. The engine-API abort target runs as many rounds of `--api-aborts` aborts over the same rooms in flight; the round with the median p99 is reported, with every round's p99 and the p99 and max of all aborts pooled beside it, and a missing terminal in any round counts.
 
 ";
