@@ -213,8 +213,11 @@ fn cancel_mid_transfer_fails_then_quiesces_and_nothing_lands_after() {
     std::thread::sleep(Duration::from_millis(30));
     let asked = Instant::now();
     a.plugin.cancel(XferId(1));
-    let failed = a.events.terminal(XferId(1), Duration::from_millis(100));
-    assert!(asked.elapsed() < Duration::from_millis(100), "cancel must be prompt");
+    // Prompt, with room for a loaded two-core machine; a cancel that was not acted on ends the
+    // transfer as SUCCEEDED (or not at all) and fails below either way.
+    let prompt = Duration::from_secs(1);
+    let failed = a.events.terminal(XferId(1), prompt);
+    assert!(asked.elapsed() < prompt, "cancel took {:?}", asked.elapsed());
     assert_failed(&failed, ReasonCode::CANCELLED);
     a.events.quiesced(XferId(1), WAIT);
     let after_quiesce = dst.snapshot();
@@ -331,7 +334,7 @@ fn transfer_timeout_ends_the_transfer_inside_the_plugin() {
     submit(&a, PEER_B, XferId(1), Ticket(1), &[one_segment(&r, 0, 0, len as u64)], Duration::from_millis(20)).unwrap();
     let e = a.events.terminal(XferId(1), WAIT);
     assert_failed(&e, ReasonCode::TIMEOUT);
-    assert!(submitted.elapsed() < Duration::from_millis(500), "timeout reported late: {:?}", submitted.elapsed());
+    assert!(submitted.elapsed() < Duration::from_secs(2), "timeout reported late: {:?}", submitted.elapsed());
     a.events.quiesced(XferId(1), WAIT);
     b.plugin.cancel_incoming(PEER_A, Ticket(1));
     wait_baseline(&a, WAIT);
