@@ -245,7 +245,7 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
             },
             None => {
                 let plugin_bytes_in_budget = (cell.throughput_gbps * 1e9 * budget.budget.as_secs_f64()) as u64;
-                perftest_figure(kind, block, blocks, budget, plugin_bytes_in_budget).await
+                perftest_figure(kind, block, blocks, depth, budget, plugin_bytes_in_budget).await
             }
         };
         match figure {
@@ -293,11 +293,12 @@ fn figure_of_copies(bytes: u64, copies: &[Duration]) -> ReferenceFigure {
 }
 
 /// `ucx_perftest` streaming `block`-byte messages between its own buffers, about as many bytes as the
-/// plugin moved in the cell; a rate, so p50 = p99 = one transfer's bytes at that rate.
-async fn perftest_figure(kind: ReferenceKind, block: u64, blocks: u64, budget: CopyBudget, plugin_bytes_in_budget: u64) -> anyhow::Result<ReferenceFigure> {
+/// plugin moved in the cell, with as many messages outstanding as the cell had rooms in flight
+/// (`in_flight`); a rate, so p50 = p99 = one transfer's bytes at that rate.
+async fn perftest_figure(kind: ReferenceKind, block: u64, blocks: u64, in_flight: u64, budget: CopyBudget, plugin_bytes_in_budget: u64) -> anyhow::Result<ReferenceFigure> {
     let ReferenceKind::UcxPerftest(transport) = kind else { anyhow::bail!("{kind:?} is not a ucx_perftest reference") };
     let messages = perftest_messages(block, blocks, budget.min_copies, plugin_bytes_in_budget);
-    let gbps = tokio::task::spawn_blocking(move || ucx_perftest_gbps(transport, block, messages)).await?.map_err(anyhow::Error::msg)?;
+    let gbps = tokio::task::spawn_blocking(move || ucx_perftest_gbps(transport, block, messages, in_flight)).await?.map_err(anyhow::Error::msg)?;
     let per_transfer = Duration::from_secs_f64((block * blocks) as f64 / (gbps * 1e9));
     Ok(ReferenceFigure { gbps, p50: per_transfer, p99: per_transfer })
 }

@@ -45,12 +45,12 @@ impl ReferenceKind {
             ReferenceKind::Memcpy => "memcpy, 1 thread, block by block between the same two pool files",
             ReferenceKind::TcpLoopback => "TCP loopback, 1 blocking connection (std::net, TCP_NODELAY), block by block, 1-byte ack per transfer",
             ReferenceKind::UcxPerftest(UcxTransport::SharedMemory) => {
-                "ucx_perftest -t ucp_am_bw, UCX_TLS=posix,sysv,cma, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block \
-                 (a rate: ref p50 is the transfer's bytes at that rate)"
+                "ucx_perftest -t ucp_am_bw, UCX_TLS=posix,sysv,cma, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block, \
+                 as many outstanding (-O) as the cell's rooms in flight (a rate: ref p50 is the transfer's bytes at that rate)"
             }
             ReferenceKind::UcxPerftest(UcxTransport::Tcp) => {
-                "ucx_perftest -t ucp_am_bw -e, UCX_TLS=tcp, UCX_NET_DEVICES=lo, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block \
-                 (a rate: ref p50 is the transfer's bytes at that rate)"
+                "ucx_perftest -t ucp_am_bw -e, UCX_TLS=tcp, UCX_NET_DEVICES=lo, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block, \
+                 as many outstanding (-O) as the cell's rooms in flight (a rate: ref p50 is the transfer's bytes at that rate)"
             }
         }
     }
@@ -134,13 +134,16 @@ pub fn perftest_messages(block: u64, blocks: u64, min_copies: u64, plugin_bytes_
 /// One `ucx_perftest` server + client run on 127.0.0.1: `messages` messages of `block` bytes from the
 /// client to the server over `transport`; the client's overall bandwidth in GB/s (1e9 bytes/s; UCX
 /// prints MiB/s and calls it MB/s). Both run under `timeout`; the server is stopped (through
-/// `timeout`, which forwards SIGTERM to it) whatever happens.
-pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64) -> Result<f64, String> {
+/// `timeout`, which forwards SIGTERM to it) whatever happens. `outstanding` messages are in flight at
+/// once (`-O`, at least 1 and at most `messages`): the cell's rooms in flight, so that UCX itself does
+/// the same job with the same concurrency.
+pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64, outstanding: u64) -> Result<f64, String> {
     // The same picking as the gateways' ports: below the ephemeral range, out of the way of the
     // outgoing connections the running gateways make meanwhile.
     let port = crate::demo::gateways::free_port();
     let (size, iters, warmup, port_text) = (block.to_string(), messages.to_string(), (messages / 10).max(10).to_string(), port.to_string());
-    let mut args = vec!["-t", transport.perftest_test(), "-s", &size, "-n", &iters, "-w", &warmup, "-p", &port_text, "-f"];
+    let outstanding = outstanding.clamp(1, messages.max(1)).to_string();
+    let mut args = vec!["-t", transport.perftest_test(), "-s", &size, "-n", &iters, "-w", &warmup, "-O", &outstanding, "-p", &port_text, "-f"];
     args.extend_from_slice(transport.perftest_extra_args());
     let server = perftest_command(transport, None, &args)
         .stdout(Stdio::null())
@@ -379,8 +382,10 @@ mod tests {
             eprintln!("ucx_perftest not installed: nothing to check");
             return;
         }
-        let gbps = ucx_perftest_gbps(UcxTransport::Tcp, 64 << 10, 200).expect("ucx_perftest over TCP loopback");
-        assert!(gbps > 0.0);
+        for outstanding in [1, 8] {
+            let gbps = ucx_perftest_gbps(UcxTransport::Tcp, 64 << 10, 200, outstanding).expect("ucx_perftest over TCP loopback");
+            assert!(gbps > 0.0, "-O {outstanding}");
+        }
     }
 
     #[test]

@@ -23,7 +23,8 @@ fit the pools). GB/s = bytes of the timed rooms / wall time of the cell. Outside
 pool, a warm-up room whose destination bytes are compared with the source (`verified`), and the reference. `CPU gw / eng`: cores the two gateway processes (plugin threads \
 included) and the engines' process kept busy meanwhile (from /proc, 10 ms ticks); 2 cores is all this machine has.
 - **Plugin settings**: shm and the gateways at their defaults; QUIC with its loopback tuning (64 KiB datagrams from the first packet, 4 MiB in flight per connection, glibc's trim threshold at 64 MiB: plugins/quic/README.md; its defaults are sized for real networks); UCX with the transports of plugins/ucx/conformance/sm.toml and tcp.toml.
-- **References** move the same bytes in the same run, one transfer after the other, with no pipelining; memcpy and \
+- **References** move the same bytes in the same run, one transfer after the other, with no pipelining (except \
+ucx_perftest, below); memcpy and \
 TCP run half their time just before the cell's rooms and half just after: \
 **memcpy** (shm) is one thread copying block by block between this process's mappings of the same pool files, over \
 the same slots in the same order as the rooms used them. The shm plugin copies with its worker threads (`workers`, \
@@ -32,7 +33,9 @@ uses cached stores at these sizes), and the gateway overlaps rooms, so on 2 core
 ratio says how close the whole path gets to one core's memcpy, not to the machine's copy bandwidth. **TCP loopback** (QUIC) is one blocking \
 connection, block by block, a 1-byte acknowledgement per transfer. **ucx_perftest** (UCX) is `ucp_am_bw` server + \
 client on 127.0.0.1 over the same UCX transport as the plugin's config, with `-e` on TCP (the peer-failure endpoint \
-mode the plugin's TCP endpoints use), one message per block, with `MALLOC_PERTURB_` set so that glibc writes its \
+mode the plugin's TCP endpoints use), one message per block, as many messages outstanding (`-O`) as the cell had \
+rooms in flight (the one reference that pipelines: UCX doing the same job with the same concurrency; with `-O 1` \
+a quiet machine's 64 MiB reference read up to 9.9 GB/s over shared memory, where 8 outstanding read 5.9-6.8), with `MALLOC_PERTURB_` set so that glibc writes its \
 buffers (over TCP it never writes its send buffer otherwise, and sends the kernel's cached zero page where the \
 gateways send written pool pages); it reports a rate, so its p50 is the transfer's bytes at that rate.
 - **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
