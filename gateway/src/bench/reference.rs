@@ -141,10 +141,8 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64, out
     // The same picking as the gateways' ports: below the ephemeral range, out of the way of the
     // outgoing connections the running gateways make meanwhile.
     let port = crate::demo::gateways::free_port();
-    let (size, iters, warmup, port_text) = (block.to_string(), messages.to_string(), (messages / 10).max(10).to_string(), port.to_string());
-    let outstanding = outstanding.clamp(1, messages.max(1)).to_string();
-    let mut args = vec!["-t", transport.perftest_test(), "-s", &size, "-n", &iters, "-w", &warmup, "-O", &outstanding, "-p", &port_text, "-f"];
-    args.extend_from_slice(transport.perftest_extra_args());
+    let owned = perftest_args(transport, block, messages, outstanding, port);
+    let args: Vec<&str> = owned.iter().map(String::as_str).collect();
     let server = perftest_command(transport, None, &args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -171,6 +169,31 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64, out
     parse_perftest_overall_mib_s(&text)
         .map(|mib_s| mib_s * 1_048_576.0 / 1e9)
         .ok_or_else(|| format!("no result line in ucx_perftest output ({}):\n{text}\n{}", client.status, String::from_utf8_lossy(&client.stderr)))
+}
+
+/// The arguments both `ucx_perftest` processes get: test, message size and count, warm-up (a tenth,
+/// at least 10), outstanding messages (`-O`, clamped to 1..=`messages`), port, and the transport's
+/// endpoint mode.
+fn perftest_args(transport: UcxTransport, block: u64, messages: u64, outstanding: u64, port: u16) -> Vec<String> {
+    let outstanding = outstanding.clamp(1, messages.max(1));
+    let mut args: Vec<String> = [
+        "-t".to_string(),
+        transport.perftest_test().to_string(),
+        "-s".to_string(),
+        block.to_string(),
+        "-n".to_string(),
+        messages.to_string(),
+        "-w".to_string(),
+        (messages / 10).max(10).to_string(),
+        "-O".to_string(),
+        outstanding.to_string(),
+        "-p".to_string(),
+        port.to_string(),
+        "-f".to_string(),
+    ]
+    .into();
+    args.extend(transport.perftest_extra_args().iter().map(|a| a.to_string()));
+    args
 }
 
 /// `timeout ucx_perftest [server] args` with the transport's UCX environment and written buffers
@@ -352,6 +375,21 @@ mod tests {
         assert_eq!(perftest_messages(64 << 20, 1, 3, 0), 16, "at least 16 messages");
         assert_eq!(perftest_messages(8, 100_000, 3, 0), MAX_PERFTEST_MESSAGES, "capped");
         assert_eq!(perftest_messages(1 << 20, 1, 3, 1 << 30), 1024, "about what the plugin moved");
+    }
+
+    #[test]
+    fn perftest_outstanding_messages_are_the_rooms_in_flight_within_bounds() {
+        let outstanding = |o: u64, messages: u64| {
+            let args = perftest_args(UcxTransport::Tcp, 4096, messages, o, 1);
+            let at = args.iter().position(|a| a == "-O").expect("-O is passed");
+            args[at + 1].parse::<u64>().expect("a count")
+        };
+        assert_eq!(outstanding(8, 200), 8);
+        assert_eq!(outstanding(0, 200), 1, "at least one");
+        assert_eq!(outstanding(1, 200), 1);
+        assert_eq!(outstanding(200, 200), 200, "at most the messages");
+        assert_eq!(outstanding(201, 200), 200);
+        assert!(perftest_args(UcxTransport::Tcp, 4096, 200, 8, 1).contains(&"-e".to_string()), "TCP keeps its endpoint mode");
     }
 
     #[test]

@@ -34,8 +34,8 @@ ratio says how close the whole path gets to one core's memcpy, not to the machin
 connection, block by block, a 1-byte acknowledgement per transfer. **ucx_perftest** (UCX) is `ucp_am_bw` server + \
 client on 127.0.0.1 over the same UCX transport as the plugin's config, with `-e` on TCP (the peer-failure endpoint \
 mode the plugin's TCP endpoints use), one message per block, as many messages outstanding (`-O`) as the cell had \
-rooms in flight (the one reference that pipelines: UCX doing the same job with the same concurrency; with `-O 1` \
-a quiet machine's 64 MiB reference read up to 9.9 GB/s over shared memory, where 8 outstanding read 5.9-6.8), with `MALLOC_PERTURB_` set so that glibc writes its \
+rooms in flight (the one reference that pipelines: UCX doing the same job with the same concurrency), with \
+`MALLOC_PERTURB_` set so that glibc writes its \
 buffers (over TCP it never writes its send buffer otherwise, and sends the kernel's cached zero page where the \
 gateways send written pool pages); it reports a rate, so its p50 is the transfer's bytes at that rate.
 - **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
