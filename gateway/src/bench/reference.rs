@@ -175,23 +175,10 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64, out
 /// at least 10), outstanding messages (`-O`, clamped to 1..=`messages`), port, and the transport's
 /// endpoint mode.
 fn perftest_args(transport: UcxTransport, block: u64, messages: u64, outstanding: u64, port: u16) -> Vec<String> {
-    let outstanding = outstanding.clamp(1, messages.max(1));
-    let mut args: Vec<String> = [
-        "-t".to_string(),
-        transport.perftest_test().to_string(),
-        "-s".to_string(),
-        block.to_string(),
-        "-n".to_string(),
-        messages.to_string(),
-        "-w".to_string(),
-        (messages / 10).max(10).to_string(),
-        "-O".to_string(),
-        outstanding.to_string(),
-        "-p".to_string(),
-        port.to_string(),
-        "-f".to_string(),
-    ]
-    .into();
+    let (size, count, warmup) = (block.to_string(), messages.to_string(), (messages / 10).max(10).to_string());
+    let (outstanding, port) = (outstanding.clamp(1, messages.max(1)).to_string(), port.to_string());
+    let fixed = ["-t", transport.perftest_test(), "-s", &size, "-n", &count, "-w", &warmup, "-O", &outstanding, "-p", &port, "-f"];
+    let mut args: Vec<String> = fixed.iter().map(|a| a.to_string()).collect();
     args.extend(transport.perftest_extra_args().iter().map(|a| a.to_string()));
     args
 }
