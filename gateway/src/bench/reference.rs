@@ -45,11 +45,11 @@ impl ReferenceKind {
             ReferenceKind::Memcpy => "memcpy, 1 thread, block by block between the same two pool files",
             ReferenceKind::TcpLoopback => "TCP loopback, 1 blocking connection (std::net, TCP_NODELAY), block by block, 1-byte ack per transfer",
             ReferenceKind::UcxPerftest(UcxTransport::SharedMemory) => {
-                "ucx_perftest -t ucp_am_bw, UCX_TLS=posix,sysv,cma, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block, \
+                "ucx_perftest -t ucp_am_bw, UCX_TLS=posix,sysv,cma, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block, all from one block-sized buffer, \
                  as many outstanding (-O) as the cell's rooms in flight (a rate: ref p50 is the transfer's bytes at that rate)"
             }
             ReferenceKind::UcxPerftest(UcxTransport::Tcp) => {
-                "ucx_perftest -t ucp_am_bw -e, UCX_TLS=tcp, UCX_NET_DEVICES=lo, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block, \
+                "ucx_perftest -t ucp_am_bw -e, UCX_TLS=tcp, UCX_NET_DEVICES=lo, server + client on 127.0.0.1, buffers written first (MALLOC_PERTURB_), one message per block, all from one block-sized buffer, \
                  as many outstanding (-O) as the cell's rooms in flight (a rate: ref p50 is the transfer's bytes at that rate)"
             }
         }

@@ -26,6 +26,13 @@ pub struct Machine {
     /// Always `none` today: the bench has no GPU path here.
     pub gpu: String,
     pub kernel: String,
+    /// `model name` from `/proc/cpuinfo` (empty when unreadable).
+    #[serde(default)]
+    pub cpu_model: String,
+    /// The largest CPU cache of CPU 0 (its last level), in KiB; 0 when sysfs does not say. Blocks that
+    /// fit it are read from cache by a reference that sends every message from one buffer.
+    #[serde(default)]
+    pub last_level_cache_kib: u64,
     /// `/proc/loadavg` (1, 5, 15 minutes) when the run started and when it ended: other work on the
     /// machine while it measured.
     pub load_average_start: String,

@@ -28,8 +28,42 @@ pub fn machine() -> Machine {
         memory_gib: memory_kib / (1024.0 * 1024.0),
         gpu: if has_nvidia_gpu() { "nvidia (present, not used by this bench)".into() } else { "none".into() },
         kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").map(|s| s.trim().to_string()).unwrap_or_default(),
+        cpu_model: std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|t| cpu_model_of(&t)).unwrap_or_default(),
+        last_level_cache_kib: last_level_cache_kib(Path::new("/sys/devices/system/cpu/cpu0/cache")),
         load_average_start: String::new(),
         load_average_end: load_average(),
+    }
+}
+
+/// The first `model name` of a `/proc/cpuinfo` text.
+pub fn cpu_model_of(cpuinfo: &str) -> Option<String> {
+    cpuinfo.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string())
+}
+
+/// The size of the highest-level cache listed under `dir` (`/sys/devices/system/cpu/cpu0/cache`:
+/// `index*/level` and `index*/size`, sizes such as `32768K`), in KiB; 0 when none can be read.
+pub fn last_level_cache_kib(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let mut best = (0u64, 0u64);
+    for entry in entries.flatten() {
+        let read = |name: &str| std::fs::read_to_string(entry.path().join(name)).ok();
+        let level = read("level").and_then(|t| t.trim().parse::<u64>().ok());
+        let size = read("size").and_then(|t| cache_size_kib(t.trim()));
+        if let (Some(level), Some(size)) = (level, size) {
+            best = best.max((level, size));
+        }
+    }
+    best.1
+}
+
+/// `32768K` (sysfs' form), `32M` or a plain byte count, in KiB.
+fn cache_size_kib(text: &str) -> Option<u64> {
+    if let Some(k) = text.strip_suffix('K') {
+        k.parse().ok()
+    } else if let Some(m) = text.strip_suffix('M') {
+        m.parse::<u64>().ok().map(|m| m * 1024)
+    } else {
+        text.parse::<u64>().ok().map(|b| b / 1024)
     }
 }
 
@@ -95,6 +129,29 @@ mod tests {
         assert!(process_cpu(std::process::id() as i32).is_some(), "this process has a stat line");
         assert_eq!(load_average().split(' ').count(), 3, "three load averages");
         assert_eq!(cpu_of_stat_line("garbage", 100), None);
+    }
+
+    #[test]
+    fn the_last_level_cache_is_the_highest_level_listed() {
+        let dir = std::env::temp_dir().join(format!("kvgate-cache-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for (index, level, size) in [("index0", "1", "32K"), ("index2", "2", "512K"), ("index3", "3", "32768K"), ("index1", "1", "32K")] {
+            std::fs::create_dir_all(dir.join(index)).unwrap();
+            std::fs::write(dir.join(index).join("level"), format!("{level}\n")).unwrap();
+            std::fs::write(dir.join(index).join("size"), format!("{size}\n")).unwrap();
+        }
+        assert_eq!(last_level_cache_kib(&dir), 32 * 1024);
+        // A level without a readable size is skipped, not taken as 0 KiB.
+        std::fs::create_dir_all(dir.join("index4")).unwrap();
+        std::fs::write(dir.join("index4").join("level"), "4\n").unwrap();
+        assert_eq!(last_level_cache_kib(&dir), 32 * 1024);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(last_level_cache_kib(&dir), 0, "no directory, no figure");
+        assert_eq!(cache_size_kib("8M"), Some(8192));
+        assert_eq!(cache_size_kib("1048576"), Some(1024));
+        assert_eq!(cache_size_kib("big"), None);
+        assert_eq!(cpu_model_of("processor\t: 0\nmodel name\t: AMD EPYC\n").as_deref(), Some("AMD EPYC"));
+        assert_eq!(cpu_model_of("processor\t: 0\n"), None);
     }
 
     #[test]

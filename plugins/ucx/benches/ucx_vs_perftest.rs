@@ -38,7 +38,10 @@
 //! `KVGATE_UCX_BENCH_PLUGIN_EXTRA` (TOML lines appended to the plugin's config, e.g. `busy_poll_us = 0`),
 //! `KVGATE_UCX_BENCH_PLUGIN_ONLY=1` (skip `ucx_perftest`; for profiling the plugin alone, no ratio),
 //! `KVGATE_UCX_BENCH_RECEIVER` (`process`, the default, or `thread`),
-//! `KVGATE_UCX_BENCH_EACH=1` (print every measurement, not only the median and spread).
+//! `KVGATE_UCX_BENCH_EACH=1` (print every measurement, not only the median and spread),
+//! `KVGATE_UCX_BENCH_SLOTS` (default 1, at most 4096: the plugin cycles through this many message-sized
+//! slots on both sides, as a gateway cycles through its pool; `ucx_perftest` always sends from one
+//! buffer, so with more slots than fit the CPU's caches the ratio compares memory with cache).
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, PluginFactory, Sink};
 use kvgate_abi::*;
@@ -95,6 +98,8 @@ const SIZES: &[usize] = &[64 << 10, 1 << 20, 4 << 20];
 const PERFTEST_WRITTEN_BUFFERS_ENV: (&str, &str) = ("MALLOC_PERTURB_", "165");
 /// The longest one ucx_perftest run may take before it is killed and reported as failed.
 const PERFTEST_TIMEOUT_S: u64 = 120;
+/// Most slots `KVGATE_UCX_BENCH_SLOTS` may name (each side allocates slots x message size).
+const MAX_SLOTS: u64 = 4096;
 /// The longest one plugin completion may take before the benchmark gives up.
 const PLUGIN_EVENT_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -148,24 +153,31 @@ fn perftest(t: &Transport, size: usize, iters: u64, window: u64) -> Result<f64, 
 }
 
 /// The plugin: instance A in this process, instance B (the receiver) in a child process or in this
-/// one; `iters` transfers of `size` bytes from A to B with `window` in flight; GB/s from the first
-/// submit to the last `SUCCEEDED`.
-fn plugin(t: &Transport, size: usize, iters: u64, window: u64, extra: &str, placement: Placement) -> Result<f64, String> {
+/// one; `iters` transfers of `size` bytes from A to B with `window` in flight, cycling through
+/// `slots` slots of `size` bytes on both sides; GB/s from the first submit to the last `SUCCEEDED`.
+fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, extra: &str, placement: Placement) -> Result<f64, String> {
     let config = format!("{}{extra}\n", t.plugin_config);
     let (tx_a, rx_a) = mpsc::channel::<Event>();
     let sink_a = Sink::new(sink_from_fn(move |e| {
         let _ = tx_a.send(e);
     }));
     let a = UcxFactory::open(&config, sink_a).map_err(|e| e.to_string())?;
-    let mut src = PageAligned::filled(size, 0xa5);
+    let pool = size * slots as usize;
+    let mut src = PageAligned::filled(pool, 0xa5);
     let src_reg = a.register(&host_region(src.bytes())).map_err(|e| e.to_string())?;
     let receiver = match placement {
-        Placement::Process => Receiver::Process(ChildReceiver::spawn(&config, size, &a.local_endpoint())?),
-        Placement::Thread => Receiver::Thread(InProcessReceiver::open(&config, size, &a.local_endpoint())?),
+        Placement::Process => Receiver::Process(ChildReceiver::spawn(&config, pool, &a.local_endpoint())?),
+        Placement::Thread => Receiver::Thread(InProcessReceiver::open(&config, pool, &a.local_endpoint())?),
     };
     a.connect(PeerId(2), receiver.endpoint()).map_err(|e| e.to_string())?;
     let remote = a.import_remote_key(PeerId(2), receiver.remote_key()).map_err(|e| e.to_string())?;
-    let segment = [Segment { local: src_reg.key, local_offset: 0, remote, remote_offset: 0, len: size as u64 }];
+    // Transfer n uses slot n % slots, the same offset on both sides (slot 0 only, by default).
+    let slot_segments: Vec<[Segment; 1]> = (0..slots)
+        .map(|i| {
+            let offset = i * size as u64;
+            [Segment { local: src_reg.key, local_offset: offset, remote, remote_offset: offset, len: size as u64 }]
+        })
+        .collect();
     let mut next = 1u64;
     let mut run = |count: u64| -> Result<Duration, String> {
         let started = Instant::now();
@@ -177,7 +189,7 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, extra: &str, plac
                     peer: PeerId(2),
                     ticket: Ticket(1),
                     timeout_ns: 60_000_000_000,
-                    segments: segment[..].into(),
+                    segments: slot_segments[(next % slots) as usize][..].into(),
                 };
                 a.submit(&request).map_err(|e| e.to_string())?;
                 next += 1;
@@ -401,6 +413,7 @@ fn main() {
     }
     let total = env_u64("KVGATE_UCX_BENCH_BYTES", 512 << 20);
     let window = env_u64("KVGATE_UCX_BENCH_WINDOW", 8).max(1);
+    let slots = env_u64("KVGATE_UCX_BENCH_SLOTS", 1).clamp(1, MAX_SLOTS);
     let repeat = env_u64("KVGATE_UCX_BENCH_REPEAT", 3).max(1);
     let only = std::env::var("KVGATE_UCX_BENCH_ONLY").ok();
     let extra = std::env::var("KVGATE_UCX_BENCH_PLUGIN_EXTRA").unwrap_or_default();
@@ -421,6 +434,9 @@ fn main() {
         if placement == Placement::Process { "a child process" } else { "this process" },
         load_average()
     );
+    if slots > 1 {
+        println!("the plugin cycles through {slots} slots on each side; ucx_perftest sends from one buffer");
+    }
     if !extra.is_empty() {
         println!("plugin config extra: {extra:?}");
     }
@@ -436,7 +452,7 @@ fn main() {
             let mut errors = Vec::new();
             for _ in 0..repeat {
                 let reference = if plugin_only { Ok(1.0) } else { perftest(t, size, iters, window) };
-                match (reference, plugin(t, size, iters, window, &extra, placement)) {
+                match (reference, plugin(t, size, iters, window, slots, &extra, placement)) {
                     (Ok(r), Ok(p)) => {
                         if each {
                             println!("  run {}: ucx_perftest {r:.2} GB/s, plugin {p:.2} GB/s, ratio {:.0}%", references.len() + 1, p / r * 100.0);
