@@ -73,6 +73,7 @@ fn tiny_bench_writes_a_complete_report() {
                     assert!(c["transfers"].as_u64().unwrap() >= 3, "{at}: at least min_rooms_per_cell timed rooms");
                     let in_flight = c["rooms_in_flight"].as_u64().unwrap();
                     assert!((1..=8).contains(&in_flight), "{at}: rooms_in_flight {in_flight} within 1..=--inflight");
+                    assert_eq!(c["warm_up_rooms"].as_u64(), Some(in_flight), "{at}: every slot the cell uses moved once before the timed rooms");
                 }
             }
             _ => {

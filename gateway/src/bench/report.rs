@@ -20,7 +20,8 @@ One transfer is one room: the decode engine's `Expect` and the prefill engine's 
 (latency = from the two calls to the later terminal event), then both `Reusable` events before its pool slot is used \
 again. Up to `in flight` rooms run at once, each on its own slot of the pools (fewer for transfers so large that fewer \
 fit the pools). GB/s = bytes of the timed rooms / wall time of the cell. Outside the timed window: filling the source \
-pool, a warm-up room whose destination bytes are compared with the source (`verified`), and the reference. `CPU gw / eng`: cores the two gateway processes (plugin threads \
+pool, a warm-up room whose destination bytes are compared with the source (`verified`), one untimed room on \
+every other slot the cell uses (so that no timed room is the first to touch its slot's pages), and the reference. `CPU gw / eng`: cores the two gateway processes (plugin threads \
 included) and the engines' process kept busy meanwhile (from /proc, 10 ms ticks); 2 cores is all this machine has.
 - **Plugin settings**: shm and the gateways at their defaults; QUIC with its loopback tuning (64 KiB datagrams from the first packet, 4 MiB in flight per connection, glibc's trim threshold at 64 MiB: plugins/quic/README.md; its defaults are sized for real networks); UCX with the transports of plugins/ucx/conformance/sm.toml and tcp.toml.
 - **References** move the same bytes in the same run, one transfer after the other, with no pipelining (except \

@@ -63,6 +63,10 @@ pub struct CellResult {
     pub rooms_in_flight: u64,
     /// Rooms that moved the bytes through the two gateways (timed ones, warm-up excluded).
     pub transfers: u64,
+    /// Untimed rooms before the timed ones: the verified room, then one on every other slot the cell
+    /// uses, so the timed rooms find every slot already moved once (`rooms_in_flight` in all).
+    #[serde(default)]
+    pub warm_up_rooms: u64,
     /// Rooms that did not succeed on both sides, or whose bytes did not match.
     pub failures: u64,
     /// The distinct reasons of those failures (reason codes from the gateways, or the bench's own
