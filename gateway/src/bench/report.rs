@@ -19,7 +19,8 @@ One transfer is one room: the decode engine's `Expect` and the prefill engine's 
 (one part, one chunk of `blocks` slices of `block` bytes) issued together, then both sides' `Terminal` events \
 (latency = from the two calls to the later terminal event), then both `Reusable` events before its pool slot is used \
 again. Up to `in flight` rooms run at once, each on its own slot of the pools (fewer for transfers so large that fewer \
-fit the pools). GB/s = bytes of the timed rooms / wall time of the cell. Outside the timed window: filling the source \
+fit the pools). Every cell is a write (the prefill gateway's plugin moves the bytes into the decode side's pool): the \
+plugin interface is a write engine with no read operation, so no plugin has read cells. GB/s = bytes of the timed rooms / wall time of the cell. Outside the timed window: filling the source \
 pool, a warm-up room whose destination bytes are compared with the source (`verified`), one untimed room on \
 every other slot the cell uses (so that no timed room is the first to touch its slot's pages), and the reference. `CPU gw / eng`: cores the two gateway processes (plugin threads \
 included) and the engines' process kept busy meanwhile (from /proc, 10 ms ticks); 2 cores is all this machine has.
