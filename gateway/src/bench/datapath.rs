@@ -165,9 +165,10 @@ struct ReferenceFigure {
     p99: Duration,
 }
 
-/// Run one cell: a verified warm-up room, one untimed room on every other slot it uses, then timed rooms (up to `inflight_rooms` at once, each on
-/// its own pool slot) for at least `budget`; the reference moves the same bytes for as long (memcpy
-/// and TCP half before the rooms and half after, `ucx_perftest` after).
+/// Run one cell: a verified warm-up room, one untimed room on every other slot it uses, then timed
+/// rooms (up to `inflight_rooms` at once, each on its own pool slot) for at least `budget`; the
+/// reference moves the same bytes for as long (memcpy and TCP half before the rooms and half after,
+/// `ucx_perftest` after).
 pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, blocks: u64, inflight_rooms: u64, budget: CopyBudget) -> anyhow::Result<CellResult> {
     let verified = verified_room(rig, block, blocks).await?;
     let bytes = block * blocks;
