@@ -39,7 +39,7 @@
 //! `KVGATE_UCX_BENCH_PLUGIN_ONLY=1` (skip `ucx_perftest`; for profiling the plugin alone, no ratio),
 //! `KVGATE_UCX_BENCH_RECEIVER` (`process`, the default, or `thread`),
 //! `KVGATE_UCX_BENCH_EACH=1` (print every measurement, not only the median and spread),
-//! `KVGATE_UCX_BENCH_SLOTS` (default 1, at most 4096: the plugin cycles through this many message-sized
+//! `KVGATE_UCX_BENCH_SLOTS` (default 1, from 1 to 4096, anything else refused: the plugin cycles through this many message-sized
 //! slots on both sides, as a gateway cycles through its pool; `ucx_perftest` always sends from one
 //! buffer, so with more slots than fit the CPU's caches the ratio compares memory with cache).
 
@@ -413,7 +413,13 @@ fn main() {
     }
     let total = env_u64("KVGATE_UCX_BENCH_BYTES", 512 << 20);
     let window = env_u64("KVGATE_UCX_BENCH_WINDOW", 8).max(1);
-    let slots = env_u64("KVGATE_UCX_BENCH_SLOTS", 1).clamp(1, MAX_SLOTS);
+    let slots = match std::env::var("KVGATE_UCX_BENCH_SLOTS").as_deref() {
+        Err(_) | Ok("") => 1,
+        Ok(text) => match text.parse::<u64>() {
+            Ok(n) if (1..=MAX_SLOTS).contains(&n) => n,
+            _ => panic!("KVGATE_UCX_BENCH_SLOTS={text}: expected a whole number from 1 to {MAX_SLOTS}"),
+        },
+    };
     let repeat = env_u64("KVGATE_UCX_BENCH_REPEAT", 3).max(1);
     let only = std::env::var("KVGATE_UCX_BENCH_ONLY").ok();
     let extra = std::env::var("KVGATE_UCX_BENCH_PLUGIN_EXTRA").unwrap_or_default();
