@@ -173,7 +173,7 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
     let verified = verified_room(rig, block, blocks).await?;
     let bytes = block * blocks;
     let (stride, depth) = cell_slots(rig.slot_bytes * rig.slots, bytes, inflight_rooms);
-    let warm_up_failures = warm_slots(rig, stride, depth, block, blocks).await;
+    let (warm_rooms, warm_up_failures) = warm_slots(rig, stride, depth, block, blocks).await;
     // A memory reference runs half its budget just before the rooms and half just after, so a change
     // of load on this shared machine during the cell weighs on both sides alike.
     let half = CopyBudget { min_copies: budget.min_copies.div_ceil(2), budget: budget.budget / 2 };
@@ -225,7 +225,8 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
         transfer_bytes: bytes,
         rooms_in_flight: depth,
         transfers: latencies.len() as u64,
-        warm_up_rooms: depth,
+        // The verified room, then the rooms `warm_slots` ran.
+        warm_up_rooms: 1 + warm_rooms,
         failures,
         failure_reasons: reasons.iter().take(MAX_FAILURE_REASONS_PER_CELL).cloned().collect(),
         verified,
@@ -269,18 +270,19 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
 }
 
 /// One untimed room on each of the cell's slots after the first (the verified room used slot 0), all at
-/// once; the reasons of those that failed. A slot's first room is the first to touch its pages through
+/// once; how many ran, and the reasons of those that failed. A slot's first room is the first to touch its pages through
 /// the gateways' and the plugins' own mappings (page faults, UCX's first shared-memory copy from a
 /// process that never read them), which a cell timing only a few large rooms would otherwise measure:
 /// over UCX shared memory, 5 rooms of 10 000 x 4 KiB took 270 ms each on cold slots and a median
 /// 118 ms in steady state.
-async fn warm_slots(rig: &Rig, stride: u64, depth: u64, block: u64, blocks: u64) -> Vec<String> {
+async fn warm_slots(rig: &Rig, stride: u64, depth: u64, block: u64, blocks: u64) -> (u64, Vec<String>) {
     let mut tasks = tokio::task::JoinSet::new();
     for slot in 1..depth {
         tasks.spawn(slot_room(rig.prefill.clone(), rig.decode.clone(), slot * stride, block, blocks));
     }
-    let mut reasons = Vec::new();
+    let (mut ran, mut reasons) = (0u64, Vec::new());
     while let Some(joined) = tasks.join_next().await {
+        ran += 1;
         match joined {
             Ok((_, Ok(r))) if r.succeeded => {}
             Ok((_, Ok(r))) => reasons.push(r.reason),
@@ -288,7 +290,7 @@ async fn warm_slots(rig: &Rig, stride: u64, depth: u64, block: u64, blocks: u64)
             Err(e) => reasons.push(format!("warm-up room task: {e}")),
         }
     }
-    reasons
+    (ran, reasons)
 }
 
 async fn slot_room(prefill: Arc<Engine>, decode: Arc<Engine>, offset: u64, block: u64, blocks: u64) -> (u64, anyhow::Result<RoomRun>) {
