@@ -48,7 +48,10 @@ neither side reads from cache.
 - **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
 default 5), each round a whole cell with its own reference, and each round runs longer than a matrix cell \
 (`--target-cell-ms`: 1 000 ms with `--quick`, 2 000 ms in the full run); the round with the median ratio is reported, with every \
-round's ratio beside it, and a failure in any round counts. The engine-API abort target runs as many rounds of `--api-aborts` aborts over the same rooms in flight; the round with the median p99 is reported, with every round's p99 and the p99 and max of all aborts pooled beside it, and a missing terminal in any round counts.
+round's ratio beside it, the range of kvgate's and the reference's throughput over the rounds and the ratio of their \
+medians, and a failure in any round counts. When the reference's fastest round is more than 1.5 times its slowest, the \
+target line says that its ratio is not a steady reading (seen on one host: TCP loopback references at 64 MiB moving \
+1.4 GB/s in one round and 3.6 in another while kvgate's rounds stayed within 10 %). The engine-API abort target runs as many rounds of `--api-aborts` aborts over the same rooms in flight; the round with the median p99 is reported, with every round's p99 and the p99 and max of all aborts pooled beside it, and a missing terminal in any round counts.
 
 ";
 
@@ -242,6 +245,16 @@ fn control_lines(report: &BenchReport) -> String {
 }
 
 /// `32 MiB last-level cache, ` (or nothing when unknown).
+/// ` (AMD EPYC; family 25 model 17; AES-NI, AVX-512)`, or what of it is known.
+fn cpu_text(model: &str, features: &str) -> String {
+    let known: Vec<&str> = [model, features].into_iter().filter(|t| !t.is_empty()).collect();
+    if known.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", known.join("; "))
+    }
+}
+
 fn cache_text(kib: u64) -> String {
     match kib {
         0 => String::new(),
@@ -261,7 +274,7 @@ pub fn markdown(report: &BenchReport, plot_svg: Option<&str>) -> String {
         "Latest figures from this machine: {} CPUs{}, {}{:.0} GiB memory, GPU: {}, kernel {}. Finished {} UTC, {:.0} s of wall time, kvgate {}. \
          Load average (1, 5, 15 min) at the start: {}; at the end: {}.\n",
         m.cpus,
-        if m.cpu_model.is_empty() { String::new() } else { format!(" ({})", m.cpu_model) },
+        cpu_text(&m.cpu_model, &m.cpu_features),
         cache_text(m.last_level_cache_kib),
         m.memory_gib,
         m.gpu,
@@ -346,6 +359,26 @@ mod tests {
             },
             ..BenchReport::default()
         }
+    }
+
+    #[test]
+    fn the_method_text_quotes_the_steady_reference_bound() {
+        let bound = super::super::rounds::STEADY_REFERENCE_SPREAD;
+        assert!(WHAT_IS_MEASURED.contains(&format!("more than {bound} times its slowest")));
+    }
+
+    #[test]
+    fn the_machine_line_names_the_cpu_and_its_extensions() {
+        let mut report = report_with(1.0, 1.0, 100_000);
+        report.machine.cpus = 2;
+        report.machine.cpu_model = "AMD EPYC".into();
+        report.machine.cpu_features = "family 25 model 17; AES-NI, AVX-512".into();
+        let page = markdown(&report, None);
+        assert!(page.contains("2 CPUs (AMD EPYC; family 25 model 17; AES-NI, AVX-512), "), "{page}");
+        report.machine.cpu_model.clear();
+        assert!(markdown(&report, None).contains("2 CPUs (family 25 model 17; AES-NI, AVX-512), "));
+        report.machine.cpu_features.clear();
+        assert!(markdown(&report, None).contains("2 CPUs, "));
     }
 
     #[test]

@@ -33,6 +33,11 @@ pub struct Machine {
     /// fit it are read from cache by a reference that sends every message from one buffer.
     #[serde(default)]
     pub last_level_cache_kib: u64,
+    /// `cpu family` and `model` from `/proc/cpuinfo`, then which of the instruction-set extensions
+    /// the figures depend on the CPU has (`AES-NI`, `VAES`, `AVX2`, `AVX-512`): QUIC's packet
+    /// protection runs about twice as fast with AVX-512. Empty when unreadable.
+    #[serde(default)]
+    pub cpu_features: String,
     /// `/proc/loadavg` (1, 5, 15 minutes) when the run started and when it ended: other work on the
     /// machine while it measured.
     pub load_average_start: String,
@@ -94,6 +99,12 @@ pub struct CellResult {
     /// ran; the figures above are the median round's. Empty for a cell run once.
     #[serde(default)]
     pub round_ratios: Vec<f64>,
+    /// Every round's kvgate and reference throughput (GB/s), in the same order: a reference that
+    /// moves a lot between rounds makes the ratio an unsteady reading (`rounds::rounds_note`).
+    #[serde(default)]
+    pub round_throughput_gbps: Vec<f64>,
+    #[serde(default)]
+    pub round_reference_gbps: Vec<f64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

@@ -29,6 +29,8 @@ pub fn median_round(mut rounds: Vec<CellResult>) -> Option<CellResult> {
         return None;
     }
     let ratios: Vec<f64> = rounds.iter().map(|r| r.ratio).collect();
+    let throughputs: Vec<f64> = rounds.iter().map(|r| r.throughput_gbps).collect();
+    let references: Vec<f64> = rounds.iter().map(|r| r.reference_gbps).collect();
     let failures: u64 = rounds.iter().map(|r| r.failures).sum();
     let verified = rounds.iter().all(|r| r.verified);
     let mut reasons: Vec<String> = rounds.iter().flat_map(|r| r.failure_reasons.iter().cloned()).collect();
@@ -40,20 +42,56 @@ pub fn median_round(mut rounds: Vec<CellResult>) -> Option<CellResult> {
     let median = order[(order.len() - 1) / 2];
     let mut cell = rounds.swap_remove(median);
     cell.round_ratios = ratios;
+    cell.round_throughput_gbps = throughputs;
+    cell.round_reference_gbps = references;
     cell.failures = failures;
     cell.failure_reasons = reasons;
     cell.verified = verified;
     Some(cell)
 }
 
-/// `median of 5 rounds, ratios 0.612-0.981` for a cell run in rounds; empty otherwise.
+/// The largest spread (fastest / slowest round) of a target cell's reference that still counts as
+/// steady: past it the note says the reference ran at different speeds from round to round (as TCP
+/// loopback references at 64 MiB did on one host: 1.4 GB/s in one round, 3.6 in another). `BENCHMARKS.md`'s
+/// method text quotes it (tested).
+pub const STEADY_REFERENCE_SPREAD: f64 = 1.5;
+
+/// `median of 5 rounds, ratios 0.612-0.981` for a cell run in rounds, with the rounds' kvgate and
+/// reference throughput where they were recorded, and a warning when the reference's spread
+/// passes `STEADY_REFERENCE_SPREAD`; empty for a cell run once.
 pub fn rounds_note(cell: &CellResult) -> String {
     if cell.round_ratios.len() < 2 {
         return String::new();
     }
-    let lo = cell.round_ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = cell.round_ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    format!("median of {} rounds, ratios {lo:.3}-{hi:.3}", cell.round_ratios.len())
+    let (lo, hi) = min_max(&cell.round_ratios);
+    let mut note = format!("median of {} rounds, ratios {lo:.3}-{hi:.3}", cell.round_ratios.len());
+    if cell.round_reference_gbps.len() == cell.round_ratios.len() && cell.round_throughput_gbps.len() == cell.round_ratios.len() {
+        let (k_lo, k_hi) = min_max(&cell.round_throughput_gbps);
+        let (r_lo, r_hi) = min_max(&cell.round_reference_gbps);
+        note.push_str(&format!("; kvgate {k_lo:.2}-{k_hi:.2} GB/s, reference {r_lo:.2}-{r_hi:.2} GB/s"));
+        let reference_median = median_of(&cell.round_reference_gbps);
+        if reference_median > 0.0 {
+            note.push_str(&format!(", ratio of the medians {:.3}", median_of(&cell.round_throughput_gbps) / reference_median));
+        }
+        if r_lo > 0.0 && r_hi / r_lo > STEADY_REFERENCE_SPREAD {
+            note.push_str(&format!(
+                "; the reference's spread ({:.1}x) passes {STEADY_REFERENCE_SPREAD}x: it ran at different speeds from round to round, so this ratio is not a steady reading",
+                r_hi / r_lo
+            ));
+        }
+    }
+    note
+}
+
+/// The lower median, as rounds are picked.
+fn median_of(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len().saturating_sub(1) / 2).copied().unwrap_or(0.0)
+}
+
+fn min_max(values: &[f64]) -> (f64, f64) {
+    values.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)))
 }
 
 /// One abort-to-terminal figure from rounds of timed aborts (`rounds[i]`: the samples of round i):
@@ -135,6 +173,7 @@ mod tests {
         CellResult {
             ratio,
             throughput_gbps: ratio * 10.0,
+            reference_gbps: 10.0,
             failures,
             failure_reasons: if reason.is_empty() { vec![] } else { vec![reason.to_string()] },
             verified: true,
@@ -148,9 +187,24 @@ mod tests {
         assert_eq!(cell.ratio, 0.9);
         assert_eq!(cell.throughput_gbps, 9.0, "the figures are the median round's");
         assert_eq!(cell.round_ratios, vec![0.9, 0.5, 1.1], "in the order they ran");
+        assert_eq!(cell.round_throughput_gbps, vec![9.0, 5.0, 11.0], "in the order they ran");
+        assert_eq!(cell.round_reference_gbps, vec![10.0, 10.0, 10.0]);
         assert_eq!(cell.failures, 1, "a failure of another round is kept");
         assert_eq!(cell.failure_reasons, vec!["peer_lost".to_string()]);
-        assert_eq!(rounds_note(&cell), "median of 3 rounds, ratios 0.500-1.100");
+        assert_eq!(rounds_note(&cell), "median of 3 rounds, ratios 0.500-1.100; kvgate 5.00-11.00 GB/s, reference 10.00-10.00 GB/s, ratio of the medians 0.900");
+    }
+
+    #[test]
+    fn a_reference_spread_past_the_bound_is_called_unsteady_and_at_it_is_not() {
+        let with_reference = |ratio: f64, reference: f64| CellResult { reference_gbps: reference, ..round(ratio, 0, "") };
+        let at = median_round(vec![with_reference(1.0, 2.0), with_reference(1.0, 3.0)]).unwrap();
+        assert!(!rounds_note(&at).contains("not a steady reading"), "{}", rounds_note(&at));
+        let past = median_round(vec![with_reference(1.0, 2.0), with_reference(1.0, 3.01)]).unwrap();
+        assert!(rounds_note(&past).ends_with("the reference's spread (1.5x) passes 1.5x: it ran at different speeds from round to round, so this ratio is not a steady reading"), "{}", rounds_note(&past));
+        // A report written before the per-round throughputs were recorded keeps its old note.
+        let mut old = past.clone();
+        old.round_reference_gbps.clear();
+        assert_eq!(rounds_note(&old), "median of 2 rounds, ratios 1.000-1.000");
     }
 
     #[test]
