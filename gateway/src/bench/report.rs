@@ -244,7 +244,6 @@ fn control_lines(report: &BenchReport) -> String {
     out
 }
 
-/// `32 MiB last-level cache, ` (or nothing when unknown).
 /// ` (AMD EPYC; family 25 model 17; AES-NI, AVX-512)`, or what of it is known.
 fn cpu_text(model: &str, features: &str) -> String {
     let known: Vec<&str> = [model, features].into_iter().filter(|t| !t.is_empty()).collect();
@@ -255,6 +254,7 @@ fn cpu_text(model: &str, features: &str) -> String {
     }
 }
 
+/// `32 MiB last-level cache, ` (or nothing when unknown).
 fn cache_text(kib: u64) -> String {
     match kib {
         0 => String::new(),

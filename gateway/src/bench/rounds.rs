@@ -52,8 +52,8 @@ pub fn median_round(mut rounds: Vec<CellResult>) -> Option<CellResult> {
 
 /// The largest spread (fastest / slowest round) of a target cell's reference that still counts as
 /// steady: past it the note says the reference ran at different speeds from round to round (as TCP
-/// loopback references at 64 MiB did on one host: 1.4 GB/s in one round, 3.6 in another). `BENCHMARKS.md`'s
-/// method text quotes it (tested).
+/// loopback references at 64 MiB did on one host: 1.4 GB/s in one round, 3.6 in another).
+/// `BENCHMARKS.md`'s method text quotes it (tested).
 pub const STEADY_REFERENCE_SPREAD: f64 = 1.5;
 
 /// `median of 5 rounds, ratios 0.612-0.981` for a cell run in rounds, with the rounds' kvgate and
