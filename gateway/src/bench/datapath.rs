@@ -1,9 +1,9 @@
 //! The data-path matrix of one plugin through the real gateway path: a prefill and a decode
 //! `kvgate serve` (demo::gateways), two engines on the engine API (demo::engine) with shared-memory
 //! pools, one room per transfer (one part, one chunk of `blocks` slices), several rooms in flight on
-//! distinct pool slots. After each cell its reference moves the same bytes (the same slots, in the
-//! same order, where it copies memory: half just before the rooms, half just after). Never decides
-//! an outcome itself.
+//! distinct pool slots. Each cell's reference runs half just before the rooms and half just after
+//! (moving the same bytes over the same slots in the same order where it copies memory). Never
+//! decides an outcome itself.
 
 use super::reference::{memcpy_copies, perftest_messages, tcp_copies, ucx_perftest_gbps, CopyBudget, ReferenceKind};
 use super::results::CellResult;
@@ -130,7 +130,8 @@ pub async fn move_room(prefill: &Engine, decode: &Engine, room: u64, src: Vec<Sl
 }
 
 /// Zero `len` bytes of the destination slot, move one room into it and compare with the source.
-async fn verified_room(rig: &Rig, block: u64, blocks: u64) -> anyhow::Result<bool> {
+/// Whether one room moved the bytes intact, and how long it took.
+async fn verified_room(rig: &Rig, block: u64, blocks: u64) -> anyhow::Result<(bool, Duration)> {
     let len = (block * blocks) as usize;
     rig.dst_map.lock().unwrap_or_else(|e| e.into_inner())[..len].fill(0);
     let src = block_slices(rig.prefill.region, 0, block, blocks);
@@ -142,7 +143,7 @@ async fn verified_room(rig: &Rig, block: u64, blocks: u64) -> anyhow::Result<boo
         s[..len] == d[..len]
     })
     .await?;
-    Ok(run.succeeded && same)
+    Ok((run.succeeded && same, run.latency))
 }
 
 /// Most distinct failure reasons one cell keeps for the report (every failure is logged anyway).
@@ -165,20 +166,35 @@ struct ReferenceFigure {
     p99: Duration,
 }
 
+/// A `ucx_perftest` run: how many bytes it moved, at what rate (GB/s).
+struct PerftestRun {
+    bytes: u64,
+    gbps: f64,
+}
+
 /// Run one cell: a verified warm-up room, one untimed room on every other slot it uses, then timed
 /// rooms (up to `inflight_rooms` at once, each on its own pool slot) for at least `budget`; the
-/// reference moves the same bytes for as long (memcpy and TCP half before the rooms and half after,
-/// `ucx_perftest` after).
+/// reference moves the same bytes for about as long, half before the rooms and half after.
 pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, blocks: u64, inflight_rooms: u64, budget: CopyBudget) -> anyhow::Result<CellResult> {
-    let verified = verified_room(rig, block, blocks).await?;
+    let (verified, verified_latency) = verified_room(rig, block, blocks).await?;
     let bytes = block * blocks;
     let (stride, depth) = cell_slots(rig.slot_bytes * rig.slots, bytes, inflight_rooms);
     let (warm_rooms, warm_up_failures) = warm_slots(rig, stride, depth, block, blocks).await;
-    // A memory reference runs half its budget just before the rooms and half just after, so a change
+    // The reference runs half just before the rooms and half just after, so a change
     // of load on this shared machine during the cell weighs on both sides alike.
     let half = CopyBudget { min_copies: budget.min_copies.div_ceil(2), budget: budget.budget / 2 };
     let copies_before = match reference {
         Some(kind) if kind.copies_memory() => Some(memory_reference_copies(rig, kind, block, blocks, (stride, depth), half).await),
+        _ => None,
+    };
+    // `ucx_perftest` is sized by bytes, not time: its first half by the verified room's rate (one
+    // room alone, so usually slower than the cell and this half shorter than the second), its second
+    // half by what the rooms moved. Its figure is the bytes of both over their time.
+    let perftest_before = match reference {
+        Some(kind @ ReferenceKind::UcxPerftest(_)) => {
+            let guess_bytes = (bytes as f64 / verified_latency.as_secs_f64().max(1e-6) * half.budget.as_secs_f64()) as u64;
+            Some(perftest_run(kind, block, blocks, depth, half, guess_bytes).await)
+        }
         _ => None,
     };
     let cpu_before = rig.cpu_used();
@@ -248,8 +264,12 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
                 (Err(e), _) | (_, Err(e)) => Err(e),
             },
             None => {
-                let plugin_bytes_in_budget = (cell.throughput_gbps * 1e9 * budget.budget.as_secs_f64()) as u64;
-                perftest_figure(kind, block, blocks, depth, budget, plugin_bytes_in_budget).await
+                let plugin_bytes_in_half = (cell.throughput_gbps * 1e9 * half.budget.as_secs_f64()) as u64;
+                let after = perftest_run(kind, block, blocks, depth, half, plugin_bytes_in_half).await;
+                match (perftest_before.unwrap_or_else(|| Err(anyhow::anyhow!("{kind:?} has no first half"))), after) {
+                    (Ok(before), Ok(after)) => Ok(perftest_figure(block * blocks, &[before, after])),
+                    (Err(e), _) | (_, Err(e)) => Err(e),
+                }
             }
         };
         match figure {
@@ -320,20 +340,38 @@ fn figure_of_copies(bytes: u64, copies: &[Duration]) -> ReferenceFigure {
     ReferenceFigure { gbps: gbps(bytes * copies.len() as u64, total), p50: percentile(copies, 50.0), p99: percentile(copies, 99.0) }
 }
 
-/// `ucx_perftest` streaming `block`-byte messages between its own buffers, about as many bytes as the
-/// plugin moved in the cell, with as many messages outstanding as the cell had rooms in flight
-/// (`in_flight`); a rate, so p50 = p99 = one transfer's bytes at that rate.
-async fn perftest_figure(kind: ReferenceKind, block: u64, blocks: u64, in_flight: u64, budget: CopyBudget, plugin_bytes_in_budget: u64) -> anyhow::Result<ReferenceFigure> {
+/// `ucx_perftest` streaming `block`-byte messages between its own buffers, about `wanted_bytes`
+/// (within `perftest_messages`' bounds), with as many messages outstanding as the cell has rooms in
+/// flight (`in_flight`).
+async fn perftest_run(kind: ReferenceKind, block: u64, blocks: u64, in_flight: u64, budget: CopyBudget, wanted_bytes: u64) -> anyhow::Result<PerftestRun> {
     let ReferenceKind::UcxPerftest(transport) = kind else { anyhow::bail!("{kind:?} is not a ucx_perftest reference") };
-    let messages = perftest_messages(block, blocks, budget.min_copies, plugin_bytes_in_budget);
+    let messages = perftest_messages(block, blocks, budget.min_copies, wanted_bytes);
     let gbps = tokio::task::spawn_blocking(move || ucx_perftest_gbps(transport, block, messages, in_flight)).await?.map_err(anyhow::Error::msg)?;
-    let per_transfer = Duration::from_secs_f64((block * blocks) as f64 / (gbps * 1e9));
-    Ok(ReferenceFigure { gbps, p50: per_transfer, p99: per_transfer })
+    Ok(PerftestRun { bytes: messages * block, gbps })
+}
+
+/// One rate from `ucx_perftest` runs: their bytes over their summed time; p50 = p99 = one
+/// transfer's bytes (`transfer_bytes`) at that rate.
+fn perftest_figure(transfer_bytes: u64, runs: &[PerftestRun]) -> ReferenceFigure {
+    let bytes: u64 = runs.iter().map(|r| r.bytes).sum();
+    let seconds: f64 = runs.iter().filter(|r| r.gbps > 0.0).map(|r| r.bytes as f64 / (r.gbps * 1e9)).sum();
+    let gbps = if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 };
+    let per_transfer = if gbps > 0.0 { Duration::from_secs_f64(transfer_bytes as f64 / (gbps * 1e9)) } else { Duration::ZERO };
+    ReferenceFigure { gbps, p50: per_transfer, p99: per_transfer }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn perftest_halves_combine_by_bytes_over_time() {
+        // 1 GB at 1 GB/s and 3 GB at 3 GB/s: 4 GB in 2 s.
+        let f = perftest_figure(1 << 20, &[PerftestRun { bytes: 1_000_000_000, gbps: 1.0 }, PerftestRun { bytes: 3_000_000_000, gbps: 3.0 }]);
+        assert!((f.gbps - 2.0).abs() < 1e-9, "{}", f.gbps);
+        assert_eq!(f.p50, Duration::from_secs_f64((1u64 << 20) as f64 / 2e9));
+        assert_eq!(perftest_figure(1, &[PerftestRun { bytes: 1, gbps: 0.0 }]).gbps, 0.0, "no rate, no figure");
+    }
 
     #[test]
     fn cells_cut_the_pool_into_aligned_slots_up_to_the_inflight_bound() {

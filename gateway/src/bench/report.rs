@@ -26,8 +26,9 @@ every other slot the cell uses (so that no timed room is the first to touch its 
 included) and the engines' process kept busy meanwhile (from /proc, 10 ms ticks); 2 cores is all this machine has.
 - **Plugin settings**: shm and the gateways at their defaults; QUIC with its loopback tuning (64 KiB datagrams from the first packet, 4 MiB in flight per connection, glibc's trim threshold at 64 MiB: plugins/quic/README.md; its defaults are sized for real networks); UCX with the transports of plugins/ucx/conformance/sm.toml and tcp.toml.
 - **References** move the same bytes in the same run, one transfer after the other, with no pipelining (except \
-ucx_perftest, below); memcpy and \
-TCP run half their time just before the cell's rooms and half just after: \
+ucx_perftest, below); each runs half just before the cell's rooms and half just after (memcpy and TCP half their time; \
+ucx_perftest, which is sized in messages, a first half sized by the cell's verified room and a second by what the rooms \
+moved, its rate being both halves' bytes over their time): \
 **memcpy** (shm) is one thread copying block by block between this process's mappings of the same pool files, over \
 the same slots in the same order as the rooms used them. The shm plugin copies with its worker threads (`workers`, \
 default 2), with non-temporal stores for transfers of 1 MiB and more (`streaming_stores_min_bytes`; glibc's memcpy \
