@@ -353,8 +353,10 @@ async fn perftest_run(kind: ReferenceKind, block: u64, blocks: u64, in_flight: u
 /// One rate from `ucx_perftest` runs: their bytes over their summed time; p50 = p99 = one
 /// transfer's bytes (`transfer_bytes`) at that rate.
 fn perftest_figure(transfer_bytes: u64, runs: &[PerftestRun]) -> ReferenceFigure {
-    let bytes: u64 = runs.iter().map(|r| r.bytes).sum();
-    let seconds: f64 = runs.iter().filter(|r| r.gbps > 0.0).map(|r| r.bytes as f64 / (r.gbps * 1e9)).sum();
+    // A run that reported no rate has no time to weigh its bytes by: it is left out of both sums.
+    let timed = || runs.iter().filter(|r| r.gbps > 0.0);
+    let bytes: u64 = timed().map(|r| r.bytes).sum();
+    let seconds: f64 = timed().map(|r| r.bytes as f64 / (r.gbps * 1e9)).sum();
     let gbps = if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 };
     let per_transfer = if gbps > 0.0 { Duration::from_secs_f64(transfer_bytes as f64 / (gbps * 1e9)) } else { Duration::ZERO };
     ReferenceFigure { gbps, p50: per_transfer, p99: per_transfer }
@@ -371,6 +373,8 @@ mod tests {
         assert!((f.gbps - 2.0).abs() < 1e-9, "{}", f.gbps);
         assert_eq!(f.p50, Duration::from_secs_f64((1u64 << 20) as f64 / 2e9));
         assert_eq!(perftest_figure(1, &[PerftestRun { bytes: 1, gbps: 0.0 }]).gbps, 0.0, "no rate, no figure");
+        let one_unrated = perftest_figure(1, &[PerftestRun { bytes: 1_000_000_000, gbps: 0.0 }, PerftestRun { bytes: 2_000_000_000, gbps: 2.0 }]);
+        assert!((one_unrated.gbps - 2.0).abs() < 1e-9, "an unrated run's bytes do not inflate the rate: {}", one_unrated.gbps);
     }
 
     #[test]
