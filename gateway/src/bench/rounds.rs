@@ -5,7 +5,7 @@
 
 use super::report::SHM_TARGET_CELL;
 use super::results::{AbortLatency, CellResult};
-use super::stats::{micros, percentile};
+use super::stats::{micros, percentile, ratio};
 use std::time::Duration;
 
 /// Most rounds `--target-rounds` accepts (each round is a whole cell plus its reference).
@@ -69,9 +69,9 @@ pub fn rounds_note(cell: &CellResult) -> String {
         let (k_lo, k_hi) = min_max(&cell.round_throughput_gbps);
         let (r_lo, r_hi) = min_max(&cell.round_reference_gbps);
         note.push_str(&format!("; kvgate {k_lo:.2}-{k_hi:.2} GB/s, reference {r_lo:.2}-{r_hi:.2} GB/s"));
-        let reference_median = median_of(&cell.round_reference_gbps);
-        if reference_median > 0.0 {
-            note.push_str(&format!(", ratio of the medians {:.3}", median_of(&cell.round_throughput_gbps) / reference_median));
+        let of_medians = ratio(median_of(&cell.round_throughput_gbps), median_of(&cell.round_reference_gbps));
+        if of_medians > 0.0 {
+            note.push_str(&format!(", ratio of the medians {of_medians:.3}"));
         }
         if r_lo > 0.0 && r_hi / r_lo > STEADY_REFERENCE_SPREAD {
             note.push_str(&format!(
@@ -124,8 +124,7 @@ pub fn abort_rounds_note(a: &AbortLatency) -> String {
     if a.round_p99_us.len() < 2 {
         return String::new();
     }
-    let lo = a.round_p99_us.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = a.round_p99_us.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let (lo, hi) = min_max(&a.round_p99_us);
     format!(
         "median of {} rounds by p99, round p99s {lo:.0}-{hi:.0} us; all {} aborts pooled: p99 {:.0} us, max {:.0} us",
         a.round_p99_us.len(),
