@@ -41,7 +41,10 @@
 //! `KVGATE_UCX_BENCH_EACH=1` (print every measurement, not only the median and spread),
 //! `KVGATE_UCX_BENCH_SLOTS` (default 1, from 1 to 4096, anything else refused: the plugin cycles through this many message-sized
 //! slots on both sides, as a gateway cycles through its pool; `ucx_perftest` always sends from one
-//! buffer, so with more slots than fit the CPU's caches the ratio compares memory with cache).
+//! buffer, so with more slots than fit the CPU's caches the ratio compares memory with cache),
+//! `KVGATE_UCX_BENCH_SEGMENTS` (default 1, from 1 to 1024: messages per plugin transfer, as a gateway
+//! moves several blocks in one transfer; the window still counts messages, so `window / segments`
+//! transfers, at least one, are in flight, and each pays one receiver reply and one host event).
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, PluginFactory, Sink};
 use kvgate_abi::*;
@@ -100,6 +103,10 @@ const PERFTEST_WRITTEN_BUFFERS_ENV: (&str, &str) = ("MALLOC_PERTURB_", "165");
 const PERFTEST_TIMEOUT_S: u64 = 120;
 /// Most slots `KVGATE_UCX_BENCH_SLOTS` may name (each side allocates slots x message size).
 const MAX_SLOTS: u64 = 4096;
+/// Most messages one transfer may carry under `KVGATE_UCX_BENCH_SEGMENTS`.
+const MAX_SEGMENTS: u64 = 1024;
+/// Most bytes each side allocates for its slots (slots x segments x message size).
+const MAX_POOL_BYTES: u64 = 4 << 30;
 /// The longest one plugin completion may take before the benchmark gives up.
 const PLUGIN_EVENT_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -153,16 +160,22 @@ fn perftest(t: &Transport, size: usize, iters: u64, window: u64) -> Result<f64, 
 }
 
 /// The plugin: instance A in this process, instance B (the receiver) in a child process or in this
-/// one; `iters` transfers of `size` bytes from A to B with `window` in flight, cycling through
-/// `slots` slots of `size` bytes on both sides; GB/s from the first submit to the last `SUCCEEDED`.
-fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, extra: &str, placement: Placement) -> Result<f64, String> {
+/// one; `iters` messages of `size` bytes from A to B, `segments` messages per transfer, with `window`
+/// messages in flight (whole transfers: `window / segments`, at least one), cycling through `slots`
+/// slots of `segments x size` bytes on both sides; GB/s from the first submit to the last `SUCCEEDED`.
+#[allow(clippy::too_many_arguments)]
+fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segments: u64, extra: &str, placement: Placement) -> Result<f64, String> {
     let config = format!("{}{extra}\n", t.plugin_config);
     let (tx_a, rx_a) = mpsc::channel::<Event>();
     let sink_a = Sink::new(sink_from_fn(move |e| {
         let _ = tx_a.send(e);
     }));
     let a = UcxFactory::open(&config, sink_a).map_err(|e| e.to_string())?;
-    let pool = size * slots as usize;
+    let slot_bytes = size * segments as usize;
+    let pool = slot_bytes * slots as usize;
+    if pool as u64 > MAX_POOL_BYTES {
+        return Err(format!("{slots} slots x {segments} segments x {size} bytes is over {MAX_POOL_BYTES} bytes a side"));
+    }
     let mut src = PageAligned::filled(pool, 0xa5);
     let src_reg = a.register(&host_region(src.bytes())).map_err(|e| e.to_string())?;
     let receiver = match placement {
@@ -171,19 +184,25 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, extra
     };
     a.connect(PeerId(2), receiver.endpoint()).map_err(|e| e.to_string())?;
     let remote = a.import_remote_key(PeerId(2), receiver.remote_key()).map_err(|e| e.to_string())?;
-    // Transfer n uses slot n % slots, the same offset on both sides (slot 0 only, by default).
-    let slot_segments: Vec<[Segment; 1]> = (0..slots)
+    // Transfer n uses slot n % slots, the same offsets on both sides (slot 0 only, by default); its
+    // `segments` messages are the slot's consecutive message-sized pieces.
+    let slot_segments: Vec<Vec<Segment>> = (0..slots)
         .map(|i| {
-            let offset = i * size as u64;
-            [Segment { local: src_reg.key, local_offset: offset, remote, remote_offset: offset, len: size as u64 }]
+            (0..segments)
+                .map(|j| {
+                    let offset = i * slot_bytes as u64 + j * size as u64;
+                    Segment { local: src_reg.key, local_offset: offset, remote, remote_offset: offset, len: size as u64 }
+                })
+                .collect()
         })
         .collect();
+    let transfers_in_flight = (window / segments).max(1);
     let mut next = 1u64;
     let mut run = |count: u64| -> Result<Duration, String> {
         let started = Instant::now();
         let (mut submitted, mut done) = (0u64, 0u64);
         while done < count {
-            while submitted < count && submitted - done < window {
+            while submitted < count && submitted - done < transfers_in_flight {
                 let request = SubmitRequest {
                     xfer: XferId(next),
                     peer: PeerId(2),
@@ -204,12 +223,13 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, extra
         }
         Ok(started.elapsed())
     };
-    run((iters / 10).max(10))?;
-    let elapsed = run(iters)?;
+    let transfers = (iters / segments).max(1);
+    run((transfers / 10).max(10))?;
+    let elapsed = run(transfers)?;
     a.shutdown();
     drop(receiver);
     drop(src);
-    Ok((size as u64 * iters) as f64 / elapsed.as_secs_f64() / 1e9)
+    Ok((slot_bytes as u64 * transfers) as f64 / elapsed.as_secs_f64() / 1e9)
 }
 
 /// Where instance B, the receiver, runs.
@@ -420,6 +440,13 @@ fn main() {
             _ => panic!("KVGATE_UCX_BENCH_SLOTS={text}: expected a whole number from 1 to {MAX_SLOTS}"),
         },
     };
+    let segments = match std::env::var("KVGATE_UCX_BENCH_SEGMENTS").as_deref() {
+        Err(_) | Ok("") => 1,
+        Ok(text) => match text.parse::<u64>() {
+            Ok(n) if (1..=MAX_SEGMENTS).contains(&n) => n,
+            _ => panic!("KVGATE_UCX_BENCH_SEGMENTS={text}: expected a whole number from 1 to {MAX_SEGMENTS}"),
+        },
+    };
     let repeat = env_u64("KVGATE_UCX_BENCH_REPEAT", 3).max(1);
     let only = std::env::var("KVGATE_UCX_BENCH_ONLY").ok();
     let extra = std::env::var("KVGATE_UCX_BENCH_PLUGIN_EXTRA").unwrap_or_default();
@@ -443,6 +470,12 @@ fn main() {
     if slots > 1 {
         println!("the plugin cycles through {slots} slots on each side; ucx_perftest sends from one buffer");
     }
+    if segments > 1 {
+        println!(
+            "each plugin transfer carries {segments} messages (one receiver reply and one host event per transfer), {} transfers in flight",
+            (window / segments).max(1)
+        );
+    }
     if !extra.is_empty() {
         println!("plugin config extra: {extra:?}");
     }
@@ -458,7 +491,7 @@ fn main() {
             let mut errors = Vec::new();
             for _ in 0..repeat {
                 let reference = if plugin_only { Ok(1.0) } else { perftest(t, size, iters, window) };
-                match (reference, plugin(t, size, iters, window, slots, &extra, placement)) {
+                match (reference, plugin(t, size, iters, window, slots, segments, &extra, placement)) {
                     (Ok(r), Ok(p)) => {
                         if each {
                             println!("  run {}: ucx_perftest {r:.2} GB/s, plugin {p:.2} GB/s, ratio {:.0}%", references.len() + 1, p / r * 100.0);
