@@ -5,7 +5,7 @@ use crate::cli::PluginsCommand;
 use crate::plugin_setup::{describe, host_with_builtins};
 
 fn print(statuses: &[crate::driver::PluginStatus]) {
-    println!("{:<10} {:<8} {:<12} {:<22} {:<22} {}", "plugin", "abi", "status", "memory", "scope", "origin / reason");
+    println!("{:<10} {:<8} {:<12} {:<22} {:<22} origin / reason", "plugin", "abi", "status", "memory", "scope");
     for s in statuses {
         let abi = s.abi_version.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
         let detail = if s.reason.is_empty() { s.origin.clone() } else { format!("{} ({})", s.origin, s.reason) };

@@ -43,9 +43,9 @@ pub fn rooms(target: Target, all: bool) -> i32 {
     with_client(target, |client| async move {
         match client.list_rooms(all).await {
             Ok(rooms) => {
-                println!("{:<14} {:<4} {:<9} {:<16} {:<10} {:<8} {:>9} {:>14} {}", "room", "gen", "role", "state", "peer", "plugin", "age_ms", "bytes", "reason");
+                println!("{:<14} {:<4} {:<9} {:<16} {:<10} {:<8} {:>9} {:>14} reason", "room", "gen", "role", "state", "peer", "plugin", "age_ms", "bytes");
                 for r in &rooms {
-                    let key = r.key.clone().unwrap_or_default();
+                    let key = r.key.unwrap_or_default();
                     println!(
                         "{:<14} {:<4} {:<9} {:<16} {:<10} {:<8} {:>9} {:>14} {}",
                         key.room, key.generation, r.role, r.state, r.peer, r.plugin, r.age_ms, format!("{}/{}", r.bytes_done, r.bytes_total), r.reason

@@ -38,7 +38,7 @@ fn status_reason(result: Result<impl std::fmt::Debug, tonic::Status>) -> String 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_engine_calls_are_refused_with_a_reason_and_change_nothing() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
     let shape = small_shape();
@@ -95,7 +95,7 @@ async fn bad_engine_calls_are_refused_with_a_reason_and_change_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tcp_engine_api_refuses_a_wrong_or_missing_bearer_token() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, "right-token\n").unwrap();
@@ -176,7 +176,7 @@ async fn start_pair_without_link(dir: &std::path::Path, settings: &PairSettings,
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_links_use_mutual_tls_and_refuse_a_certificate_from_another_ca() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let (cluster_ca, cluster_ca_pem) = pki("kvgate cluster CA");
     let (rogue_ca, rogue_ca_pem) = pki("rogue CA");
@@ -211,7 +211,7 @@ async fn peer_links_use_mutual_tls_and_refuse_a_certificate_from_another_ca() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_certificate_from_the_right_ca_but_for_another_name_is_refused() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let (cluster_ca, cluster_ca_pem) = pki("kvgate cluster CA");
     let prefill_cert = leaf(&cluster_ca, &cluster_ca_pem);

@@ -17,7 +17,7 @@ fn kvgate(args: &[&str]) -> (i32, String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rooms_and_abort_commands_act_on_a_running_gateway_and_every_failure_is_logged() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     // The prefill side's own copy of room 802 (made by the decode side's expect notice) waits for a
     // send too: its bootstrap deadline is set well past the decode side's, so the room this test
@@ -88,7 +88,7 @@ fn summarized_at(log: &str, age: u64) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stuck_rooms_past_the_line_ration_are_counted_in_a_summary_line_not_dropped() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     const ROOMS: u64 = 4;
     // One named line a second (the ration's bound is 1 line at once): of four rooms stuck together,

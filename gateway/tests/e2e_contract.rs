@@ -38,7 +38,7 @@ fn failure_lines(log: &str, room: u64) -> Vec<String> {
 // CONFORMANCE: HANDSHAKE-1
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layout_mismatch_fails_the_room_before_any_byte_moves_and_harms_nothing_else() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
     let shape = small_shape();
@@ -108,7 +108,7 @@ async fn a_layout_mismatch_fails_the_room_before_any_byte_moves_and_harms_nothin
 // CONFORMANCE: RES-6
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_shutdown_ends_every_live_room_shuts_plugins_down_and_releases_registrations() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
     let shape = small_shape();
@@ -161,7 +161,7 @@ async fn gateway_shutdown_ends_every_live_room_shuts_plugins_down_and_releases_r
 // CONFORMANCE: OBS-3
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_failure_is_logged_every_time_with_reason_room_peer_phase_and_elapsed() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
     let shape = small_shape();
@@ -199,7 +199,7 @@ async fn every_failure_is_logged_every_time_with_reason_room_peer_phase_and_elap
 // CONFORMANCE: OBS-4
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_export_states_ages_reasons_violations_late_messages_and_quarantine_and_they_move() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
     let shape = small_shape();
@@ -245,7 +245,7 @@ async fn metrics_export_states_ages_reasons_violations_late_messages_and_quarant
 // CONFORMANCE: DATA-6
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watchers_that_stall_or_vanish_and_a_busy_scraper_change_no_room_outcome() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let settings = PairSettings { env_decode: vec![("KVGATE__ENGINE_API__WATCH_BUFFER_EVENTS".into(), "16".into())], ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();

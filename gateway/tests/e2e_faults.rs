@@ -20,7 +20,7 @@ fn bound(s: &PairSettings) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_of_a_prefill_gateway_fails_only_its_rooms_with_peer_lost_within_the_bound() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let settings = PairSettings::default();
     let members = [(DECODE_NAME, "", vec![]), (PREFILL_NAME, "", vec![]), ("prefill2", "", vec![])];
@@ -84,7 +84,7 @@ async fn sigkill_of_a_prefill_gateway_fails_only_its_rooms_with_peer_lost_within
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_of_the_decode_gateway_fails_its_rooms_on_the_prefill_side_with_peer_lost() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let settings = PairSettings::default();
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
@@ -123,7 +123,7 @@ async fn sigstop_of_the_decode_gateway_fails_its_rooms_on_the_prefill_side_with_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_from_either_engine_at_every_phase_ends_the_room_on_both_gateways() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let settings = PairSettings::default();
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
@@ -185,7 +185,7 @@ async fn abort_from_either_engine_at_every_phase_ends_the_room_on_both_gateways(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_prefill_gateway_is_a_new_incarnation_old_rooms_fail_and_new_rooms_work() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = work_dir();
     let settings = PairSettings::default();
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();

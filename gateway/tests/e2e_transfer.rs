@@ -37,12 +37,12 @@ async fn move_and_verify(plugin: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_caches_move_between_two_gateway_processes_over_shm_verified_by_checksum() {
-    let _serial = serial();
+    let _serial = serial().await;
     move_and_verify("shm").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_caches_move_between_two_gateway_processes_over_quic_verified_by_checksum() {
-    let _serial = serial();
+    let _serial = serial().await;
     move_and_verify("quic").await;
 }

@@ -34,7 +34,7 @@ impl Bench {
         let key = RoomKey::new(id, 0);
         let offset = (id * ROOM_BYTES) % REGION_BYTES;
         let slices = vec![Slice::new(REGION, offset, ROOM_BYTES)];
-        let request = if id % 2 == 0 {
+        let request = if id.is_multiple_of(2) {
             EngineRequest::Expect { room: key, peer: PEER, parts: vec![slices], timeout_ms: None }
         } else {
             EngineRequest::Send { room: key, peer: Some(PEER), part: 0, chunk: 0, slices, last: true }

@@ -228,9 +228,12 @@ pub struct Cluster {
     pub gateways: Vec<GatewayProcess>,
 }
 
+/// One gateway to start: its name, extra TOML, and extra environment variables.
+pub type Member<'a> = (&'a str, &'a str, Vec<(String, String)>);
+
 impl Cluster {
     /// Start `names` (with per-gateway extra TOML and environment) and wait until ready.
-    pub async fn start(binary: &Path, dir: &Path, settings: &PairSettings, members: &[(&str, &str, Vec<(String, String)>)]) -> anyhow::Result<Cluster> {
+    pub async fn start(binary: &Path, dir: &Path, settings: &PairSettings, members: &[Member<'_>]) -> anyhow::Result<Cluster> {
         let ports: Vec<(u16, u16)> = members.iter().map(|_| (free_port(), free_port())).collect();
         let tag = format!("{}-{}", settings.plugin, std::process::id());
         let mut gateways = Vec::new();

@@ -7,13 +7,15 @@ use kvgate::demo::engine::Engine;
 use kvgate::demo::http;
 use kvgate::demo::pool::{KvPool, KvShape};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
+use tokio::sync::{Mutex, MutexGuard};
 
-static SERIAL: Mutex<()> = Mutex::new(());
+/// An async lock: tests hold it across their awaits, and a test that panics holding it does not
+/// poison it for the rest.
+static SERIAL: Mutex<()> = Mutex::const_new(());
 
-pub fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+pub async fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().await
 }
 
 pub fn binary() -> PathBuf {

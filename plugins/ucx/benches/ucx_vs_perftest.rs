@@ -411,7 +411,7 @@ fn load_average() -> String {
 }
 
 fn size_text(size: usize) -> String {
-    if size >= 1 << 20 && size % (1 << 20) == 0 {
+    if size >= 1 << 20 && size.is_multiple_of(1 << 20) {
         format!("{} MiB", size >> 20)
     } else {
         format!("{} KiB", size >> 10)

@@ -361,11 +361,13 @@ impl Engine {
                     unsafe { libc::close(fd) };
                 }
                 for (_, rkey) in conn.rkeys {
-                    ucp::rkey_destroy(rkey);
+                    // SAFETY: unpacked by this thread, dropped from the books here, used by nothing in flight.
+                    unsafe { ucp::rkey_destroy(rkey) };
                 }
                 let token = self.token();
                 let force = conn.peer_failure_handling || peer_gone;
-                match ucp::close_ep(conn.ep, force, Some(receiver::send_done), token) {
+                // SAFETY: the endpoint leaves `conns` here, so it is closed once.
+                match unsafe { ucp::close_ep(conn.ep, force, Some(receiver::send_done), token) } {
                     Posted::Pending(request) => {
                         closed_at_once = false;
                         let xfers = if close_quiesces { victims.clone() } else { Vec::new() };
@@ -584,7 +586,8 @@ impl Engine {
         }
         let x = self.xfers.get(&xfer).ok_or("no transfer")?;
         let remote = x.job.remote_regions.iter().find(|r| r.id == remote_key).ok_or("remote key not held by the job")?;
-        let rkey = ucp::rkey_unpack(conn.ep, &remote.packed_rkey).map_err(|e| e.to_string())?;
+        // SAFETY: `conn.ep` is live while it is in `conns`.
+        let rkey = unsafe { ucp::rkey_unpack(conn.ep, &remote.packed_rkey) }.map_err(|e| e.to_string())?;
         conn.rkeys.insert(remote_key, rkey);
         Ok(rkey)
     }
@@ -659,7 +662,8 @@ impl Engine {
         let cancellable: Vec<*mut c_void> =
             x.tokens.iter().filter_map(|t| self.requests.get(t)).map(|r| r.request).collect();
         for request in cancellable {
-            ucp::request_cancel(&self.worker, request);
+            // SAFETY: tracked requests are freed only when they leave `requests`.
+            unsafe { ucp::request_cancel(&self.worker, request) };
         }
         let ep = self.conn_of(peer).map(|c| c.ep);
         let x = self.xfers.get_mut(&xfer).unwrap();
@@ -758,7 +762,8 @@ impl Engine {
 
     fn on_complete(&mut self, token: u64, status: ucs_status_t) {
         let Some(req) = self.requests.remove(&token) else { return };
-        ucp::request_free(req.request);
+        // SAFETY: removed from `requests` above, so freed once.
+        unsafe { ucp::request_free(req.request) };
         match req.kind {
             ReqKind::Xfer { xfer } => {
                 let Some(x) = self.xfers.get_mut(&xfer) else { return };
@@ -924,7 +929,8 @@ impl Engine {
         }
         for conn in self.conns.values_mut() {
             if let Some(rkey) = conn.rkeys.remove(&id) {
-                ucp::rkey_destroy(rkey);
+                // SAFETY: the last user of this rkey is gone; it leaves the books here.
+                unsafe { ucp::rkey_destroy(rkey) };
             }
         }
     }
@@ -1016,10 +1022,13 @@ impl Engine {
         // UCX must get every request back before the worker is destroyed; one still in progress is
         // released by UCX itself when it completes.
         for (_, req) in self.requests.drain() {
-            ucp::request_free(req.request);
+            // SAFETY: drained from `requests`, so freed once.
+            unsafe { ucp::request_free(req.request) };
         }
         for request in self.receiver.borrow().pending_requests() {
-            ucp::request_free(request);
+            // SAFETY: each pending receive's request, freed once here at shutdown; no receive
+            // completes after this (the worker is no longer progressed).
+            unsafe { ucp::request_free(request) };
         }
         self.shared.healthy.store(false, Ordering::Release);
     }

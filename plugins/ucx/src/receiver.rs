@@ -27,14 +27,26 @@ thread_local! {
     pub static EP_ERRORS: RefCell<Vec<(u64, ucs_status_t)>> = const { RefCell::new(Vec::new()) };
 }
 
+/// UCX send-completion callback: records (token, status) for the engine's drain.
+///
+/// # Safety
+/// Called by UCX on the progress thread, with the `user_data` the operation was posted with.
 pub unsafe extern "C" fn send_done(_request: *mut c_void, status: ucs_status_t, user_data: *mut c_void) {
     COMPLETIONS.with(|c| c.borrow_mut().push((user_data as u64, status)));
 }
 
+/// UCX receive-completion callback: records (token, status) for the engine's drain.
+///
+/// # Safety
+/// Called by UCX on the progress thread, with the `user_data` the receive was posted with.
 pub unsafe extern "C" fn recv_done(_request: *mut c_void, status: ucs_status_t, _length: usize, user_data: *mut c_void) {
     COMPLETIONS.with(|c| c.borrow_mut().push((user_data as u64, status)));
 }
 
+/// UCX endpoint error handler: records (endpoint token, status) for the engine's drain.
+///
+/// # Safety
+/// Called by UCX on the progress thread, with the endpoint's token as `arg`.
 pub unsafe extern "C" fn ep_failed(arg: *mut c_void, _ep: ucp_ep_h, status: ucs_status_t) {
     EP_ERRORS.with(|c| c.borrow_mut().push((arg as u64, status)));
 }
@@ -234,7 +246,8 @@ impl Receiver {
     pub fn on_recv_done(&mut self, token: u64, status: ucs_status_t) {
         let Some(p) = self.pending.remove(&token) else { return };
         if !p.request.is_null() {
-            ucp::request_free(p.request);
+            // SAFETY: removed from `pending` above, so freed once.
+            unsafe { ucp::request_free(p.request) };
         }
         self.release_ticket_write(p.ticket);
         if let Some(rec) = self.records.get_mut(&p.key) {
@@ -369,6 +382,11 @@ fn is_rndv(param: *const sys::ucp_am_recv_param_t) -> bool {
     unsafe { (*param).recv_attr & ucp::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0 }
 }
 
+/// UCX active-message handler for `AM_DATA`.
+///
+/// # Safety
+/// Called by UCX on the progress thread: `arg` is the `RefCell<Receiver>` the handler was set with,
+/// and `header`/`data` are valid for `header_length`/`length` bytes during the call.
 pub unsafe extern "C" fn am_data(
     arg: *mut c_void,
     header: *const c_void,
@@ -384,6 +402,10 @@ pub unsafe extern "C" fn am_data(
     receiver.on_data(header, data, length, rndv)
 }
 
+/// UCX active-message handler for `AM_COMMIT`.
+///
+/// # Safety
+/// As for [`am_data`].
 pub unsafe extern "C" fn am_commit(
     arg: *mut c_void,
     header: *const c_void,
@@ -398,6 +420,10 @@ pub unsafe extern "C" fn am_commit(
     ucs_status_t::UCS_OK
 }
 
+/// UCX active-message handler for `AM_CANCEL`.
+///
+/// # Safety
+/// As for [`am_data`].
 pub unsafe extern "C" fn am_cancel(
     arg: *mut c_void,
     header: *const c_void,
@@ -412,6 +438,10 @@ pub unsafe extern "C" fn am_cancel(
     ucs_status_t::UCS_OK
 }
 
+/// UCX active-message handler for `AM_REPLY`.
+///
+/// # Safety
+/// As for [`am_data`].
 pub unsafe extern "C" fn am_reply(
     arg: *mut c_void,
     header: *const c_void,
@@ -426,6 +456,10 @@ pub unsafe extern "C" fn am_reply(
     ucs_status_t::UCS_OK
 }
 
+/// UCX active-message handler for `AM_BYE`.
+///
+/// # Safety
+/// As for [`am_data`].
 pub unsafe extern "C" fn am_bye(
     arg: *mut c_void,
     header: *const c_void,

@@ -7,7 +7,7 @@ use crate::fast_map::{FastMap, FastSet};
 use crate::ucp::{Context, MemMap};
 use kvgate_abi::sdk::Sink;
 use kvgate_abi::{LocalKey, LocalRange, PeerId, Segment, Ticket, XferId};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -216,16 +216,15 @@ impl Drop for Shared {
     }
 }
 
+/// A submit's segments resolved, with the regions they use (held for the transfer's life).
+pub type ResolvedSubmit = (Vec<ResolvedSegment>, Vec<Arc<LocalRegion>>, Vec<Arc<RemoteRegion>>);
+
 /// Resolve and bounds-check the segments of a submit against the registry.
-pub fn resolve_segments(
-    registry: &Registry,
-    peer: PeerId,
-    segments: &[Segment],
-) -> Result<(Vec<ResolvedSegment>, Vec<Arc<LocalRegion>>, Vec<Arc<RemoteRegion>>), kvgate_abi::PluginError> {
+pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment]) -> Result<ResolvedSubmit, kvgate_abi::PluginError> {
     use kvgate_abi::{PluginError, ReasonCode};
     let mut resolved = Vec::with_capacity(segments.len());
-    let mut locals: HashMap<u64, Arc<LocalRegion>> = HashMap::new();
-    let mut remotes: HashMap<u64, Arc<RemoteRegion>> = HashMap::new();
+    let mut locals: FastMap<u64, Arc<LocalRegion>> = FastMap::default();
+    let mut remotes: FastMap<u64, Arc<RemoteRegion>> = FastMap::default();
     for (i, s) in segments.iter().enumerate() {
         let local = registry
             .regions

@@ -79,17 +79,17 @@ unsafe impl Sync for Context {}
 
 impl Context {
     pub fn new(config: &Config) -> Result<Arc<Context>, UcxError> {
-        let mut params = sys::ucp_params_t::default();
-        params.field_mask = (sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES
-            | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED
-            | sys::ucp_params_field::UCP_PARAM_FIELD_NAME)
-            .0 as u64;
-        params.features = (sys::ucp_feature::UCP_FEATURE_AM
-            | sys::ucp_feature::UCP_FEATURE_RMA
-            | sys::ucp_feature::UCP_FEATURE_WAKEUP)
-            .0 as u64;
-        params.mt_workers_shared = 1;
-        params.name = c"kvgate-ucx".as_ptr();
+        let params = sys::ucp_params_t {
+            field_mask: (sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES
+                | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED
+                | sys::ucp_params_field::UCP_PARAM_FIELD_NAME)
+                .0 as u64,
+            features: (sys::ucp_feature::UCP_FEATURE_AM | sys::ucp_feature::UCP_FEATURE_RMA | sys::ucp_feature::UCP_FEATURE_WAKEUP).0
+                as u64,
+            mt_workers_shared: 1,
+            name: c"kvgate-ucx".as_ptr(),
+            ..Default::default()
+        };
         let mut context = std::ptr::null_mut();
         check("ucp_init", unsafe {
             sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config.0, &mut context)
@@ -99,12 +99,14 @@ impl Context {
 
     /// Register `len` bytes at `addr` with UCX and pack its remote key.
     pub fn map(self: &Arc<Self>, addr: u64, len: u64) -> Result<MemMap, UcxError> {
-        let mut params = sys::ucp_mem_map_params_t::default();
-        params.field_mask =
-            (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
-                .0 as u64;
-        params.address = addr as *mut c_void;
-        params.length = len as usize;
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH)
+                .0 as u64,
+            address: addr as *mut c_void,
+            length: len as usize,
+            ..Default::default()
+        };
         let mut memh = std::ptr::null_mut();
         check("ucp_mem_map", unsafe { sys::ucp_mem_map(self.0, &params, &mut memh) })?;
         let mut buffer = std::ptr::null_mut();
@@ -153,14 +155,16 @@ unsafe impl Send for Worker {}
 
 impl Worker {
     pub fn new(context: &Arc<Context>) -> Result<Worker, UcxError> {
-        let mut params = sys::ucp_worker_params_t::default();
-        params.field_mask = (sys::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_THREAD_MODE
-            | sys::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_EVENTS)
-            .0 as u64;
-        params.thread_mode = sys::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE;
-        params.events = (sys::ucp_wakeup_event_types::UCP_WAKEUP_RX.0
-            | sys::ucp_wakeup_event_types::UCP_WAKEUP_TX.0
-            | sys::ucp_wakeup_event_types::UCP_WAKEUP_RMA.0) as _;
+        let params = sys::ucp_worker_params_t {
+            field_mask: (sys::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_THREAD_MODE
+                | sys::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_EVENTS)
+                .0 as u64,
+            thread_mode: sys::ucs_thread_mode_t::UCS_THREAD_MODE_SINGLE,
+            events: (sys::ucp_wakeup_event_types::UCP_WAKEUP_RX.0
+                | sys::ucp_wakeup_event_types::UCP_WAKEUP_TX.0
+                | sys::ucp_wakeup_event_types::UCP_WAKEUP_RMA.0) as _,
+            ..Default::default()
+        };
         let mut worker = std::ptr::null_mut();
         check("ucp_worker_create", unsafe { sys::ucp_worker_create(context.0, &params, &mut worker) })?;
         Ok(Worker { raw: worker, _context: context.clone() })
@@ -197,16 +201,17 @@ impl Worker {
     }
 
     pub fn set_am_handler(&self, id: u32, cb: sys::ucp_am_recv_callback_t, arg: *mut c_void) -> Result<(), UcxError> {
-        let mut params = sys::ucp_am_handler_param_t::default();
-        params.field_mask = (sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID
-            | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB
-            | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG
-            | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_FLAGS)
-            .0 as u64;
-        params.id = id;
-        params.cb = cb;
-        params.arg = arg;
-        params.flags = sys::ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0;
+        let params = sys::ucp_am_handler_param_t {
+            field_mask: (sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_ARG
+                | sys::ucp_am_handler_param_field::UCP_AM_HANDLER_PARAM_FIELD_FLAGS)
+                .0 as u64,
+            id,
+            cb,
+            arg,
+            flags: sys::ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0,
+        };
         check("ucp_worker_set_am_recv_handler", unsafe { sys::ucp_worker_set_am_recv_handler(self.raw, &params) })
     }
 
@@ -269,11 +274,11 @@ pub fn send_param(cb: sys::ucp_send_nbx_callback_t, user_data: u64, flags: u32, 
     let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
     let mut mask = sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA;
     if flags != 0 {
-        mask = mask | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS;
+        mask |= sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS;
         param.flags = flags;
     }
     if !memh.is_null() {
-        mask = mask | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_MEMH;
+        mask |= sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_MEMH;
         param.memh = memh;
     }
     param.op_attr_mask = mask.0;
@@ -287,7 +292,7 @@ pub fn recv_am_param(cb: sys::ucp_am_recv_data_nbx_callback_t, user_data: u64, m
     let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
     let mut mask = sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA;
     if !memh.is_null() {
-        mask = mask | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_MEMH;
+        mask |= sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_MEMH;
         param.memh = memh;
     }
     param.op_attr_mask = mask.0;
@@ -298,27 +303,38 @@ pub fn recv_am_param(cb: sys::ucp_am_recv_data_nbx_callback_t, user_data: u64, m
 
 /// Start closing an endpoint: by force (pending operations complete with an error; only for
 /// endpoints with peer-failure handling), or by flushing what is outstanding.
-pub fn close_ep(ep: ucp_ep_h, force: bool, cb: sys::ucp_send_nbx_callback_t, user_data: u64) -> Posted {
+///
+/// # Safety
+/// `ep` is a live endpoint of the worker this thread progresses, not closed before.
+pub unsafe fn close_ep(ep: ucp_ep_h, force: bool, cb: sys::ucp_send_nbx_callback_t, user_data: u64) -> Posted {
     let flags = if force { sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0 } else { 0 };
     let param = send_param(cb, user_data, flags, std::ptr::null_mut());
     classify(unsafe { sys::ucp_ep_close_nbx(ep, &param) })
 }
 
-pub fn request_free(request: *mut c_void) {
+/// # Safety
+/// `request` is a request UCX returned to this thread and that has not been freed.
+pub unsafe fn request_free(request: *mut c_void) {
     unsafe { sys::ucp_request_free(request) }
 }
 
-pub fn request_cancel(worker: &Worker, request: *mut c_void) {
+/// # Safety
+/// `request` is a live (not yet freed) request of `worker`.
+pub unsafe fn request_cancel(worker: &Worker, request: *mut c_void) {
     unsafe { sys::ucp_request_cancel(worker.raw, request) }
 }
 
-pub fn rkey_unpack(ep: ucp_ep_h, packed: &[u8]) -> Result<ucp_rkey_h, UcxError> {
+/// # Safety
+/// `ep` is a live endpoint of the worker this thread progresses.
+pub unsafe fn rkey_unpack(ep: ucp_ep_h, packed: &[u8]) -> Result<ucp_rkey_h, UcxError> {
     let mut rkey = std::ptr::null_mut();
     check("ucp_ep_rkey_unpack", unsafe { sys::ucp_ep_rkey_unpack(ep, packed.as_ptr() as *const c_void, &mut rkey) })?;
     Ok(rkey)
 }
 
-pub fn rkey_destroy(rkey: ucp_rkey_h) {
+/// # Safety
+/// `rkey` came from [`rkey_unpack`] and is destroyed once, with no operation using it in flight.
+pub unsafe fn rkey_destroy(rkey: ucp_rkey_h) {
     unsafe { sys::ucp_rkey_destroy(rkey) }
 }
 

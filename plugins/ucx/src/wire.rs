@@ -217,7 +217,7 @@ pub fn encode_replies<'a>(replies: impl IntoIterator<Item = &'a ReplyHeader>, ou
 /// `MAX_REPLIES_PER_MESSAGE` well-formed replies.
 pub fn decode_replies(bytes: &[u8]) -> Option<impl Iterator<Item = ReplyHeader> + '_> {
     let count = bytes.len() / 16;
-    if bytes.len() % 16 != 0 || count == 0 || count > MAX_REPLIES_PER_MESSAGE {
+    if !bytes.len().is_multiple_of(16) || count == 0 || count > MAX_REPLIES_PER_MESSAGE {
         return None;
     }
     if bytes.chunks_exact(16).any(|pair| ReplyHeader::decode(pair).is_none()) {

@@ -4,8 +4,11 @@
 use kvgate_abi::PluginModRef;
 use kvgate_host::PluginHost;
 
+/// A built-in plugin's name and the function that returns its module.
+pub type BuiltinModule = (&'static str, fn() -> PluginModRef);
+
 /// Built-in plugins linked into this binary, by name, as `builtin:NAME` selects them.
-pub fn builtin_modules() -> Vec<(&'static str, fn() -> PluginModRef)> {
+pub fn builtin_modules() -> Vec<BuiltinModule> {
     vec![
         ("shm", kvgate_plugin_shm::module),
         ("quic", kvgate_plugin_quic::module),

@@ -147,7 +147,7 @@ mod tests {
                 }
                 2 => {
                     // Mostly recent ids, sometimes an old one, sometimes one never inserted.
-                    let span = if next_random(&mut rng) % 8 == 0 { next } else { 64.min(next) };
+                    let span = if next_random(&mut rng).is_multiple_of(8) { next } else { 64.min(next) };
                     let id = next - next_random(&mut rng) % span;
                     assert_eq!(table.remove(id), model.remove(&id), "remove {id}");
                 }

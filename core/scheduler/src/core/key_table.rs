@@ -257,7 +257,7 @@ mod tests {
         let mut stale: std::collections::HashSet<u32> = std::collections::HashSet::new();
         let mut next_value = 0u32;
         for step in 0..200_000u32 {
-            let id = if next_random(&mut rng) % 2 == 0 { next_random(&mut rng) % 4096 } else { next_random(&mut rng) };
+            let id = if next_random(&mut rng).is_multiple_of(2) { next_random(&mut rng) % 4096 } else { next_random(&mut rng) };
             let found = find_id(&table, &by_value, id);
             assert_eq!(found.map(|index| table.value_at(index)), by_id.get(&id).copied(), "step {step}, id {id}");
             match (next_random(&mut rng) % 3, found) {
@@ -265,7 +265,7 @@ mod tests {
                     let value = by_id.remove(&id).unwrap();
                     by_value.remove(&value);
                     stale.insert(value);
-                    if table.note_eviction() || next_random(&mut rng) % 64 == 0 {
+                    if table.note_eviction() || next_random(&mut rng).is_multiple_of(64) {
                         table.sweep(|value| stale.contains(&value));
                         stale.clear();
                     }

@@ -15,7 +15,7 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// The bytes of `hex`'s text; panics on anything else (both ends are this crate's own code).
 pub fn unhex(text: &str) -> Vec<u8> {
-    assert!(text.len() % 2 == 0, "odd-length hex: {text:?}");
+    assert!(text.len().is_multiple_of(2), "odd-length hex: {text:?}");
     (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex digits")).collect()
 }
 

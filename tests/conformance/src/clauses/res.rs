@@ -96,7 +96,7 @@ pub fn res_2(ctx: &mut Ctx) -> CheckResult {
         while done < total {
             batch_no += 1;
             // Every eighth batch runs with the receiver frozen, a few transfers only.
-            let frozen = batch_no % 8 == 0;
+            let frozen = batch_no.is_multiple_of(8);
             let n = if frozen { 3.min(total - done) } else { batch.min(total - done) };
             if frozen {
                 p.rx.freeze();

@@ -52,15 +52,26 @@ impl Region {
         Ok(Region { path, addr: addr as *mut u8, len, _file: file })
     }
 
-    fn bytes_mut(&self, offset: u64, len: u64) -> Result<&mut [u8], String> {
+    fn check_range(&self, offset: u64, len: u64) -> Result<(), String> {
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(format!("range {offset}+{len} outside region of {} bytes", self.len));
         }
+        Ok(())
+    }
+
+    fn bytes(&self, offset: u64, len: u64) -> Result<&[u8], String> {
+        self.check_range(offset, len)?;
         // SAFETY: in bounds of the live mapping; plugins may write concurrently (bytes are plain data).
+        Ok(unsafe { std::slice::from_raw_parts(self.addr.add(offset as usize), len as usize) })
+    }
+
+    fn bytes_mut(&mut self, offset: u64, len: u64) -> Result<&mut [u8], String> {
+        self.check_range(offset, len)?;
+        // SAFETY: in bounds of the live mapping, borrowed mutably through `&mut self`.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.addr.add(offset as usize), len as usize) })
     }
 
-    pub fn fill(&self, offset: u64, len: u64, seed: u64) -> Result<(), String> {
+    pub fn fill(&mut self, offset: u64, len: u64, seed: u64) -> Result<(), String> {
         let bytes = self.bytes_mut(offset, len)?;
         SplitMix64::new(seed).fill(bytes);
         Ok(())
@@ -70,7 +81,7 @@ impl Region {
     pub fn checksum(&self, ranges: &[(u64, u64)]) -> Result<u64, String> {
         let mut total = 0xcbf2_9ce4_8422_2325u64;
         for &(offset, len) in ranges {
-            let h = hash_bytes(self.bytes_mut(offset, len)?);
+            let h = hash_bytes(self.bytes(offset, len)?);
             total = (total ^ h).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(29);
         }
         Ok(total)

@@ -133,6 +133,9 @@ fn done<E>(r: RResult<(), E>, f: impl Fn(&E) -> CallError) -> Outcome {
     }
 }
 
+// Every operation answers with an `Outcome`; failing ones return it early through `?` as `Err`, so
+// both sides of these `Result`s are the one reply type and boxing the error would buy nothing.
+#[allow(clippy::result_large_err)]
 impl Peer {
     fn t(&self) -> Result<&TransportBox, Outcome> {
         self.opened.as_ref().map(|o| o.transport()).ok_or(Outcome::PeerError { message: "plugin not open".into() })
@@ -203,7 +206,7 @@ impl Peer {
                 Outcome::Done
             }
             Op::Alloc { rid, len, seed } => {
-                let region = Region::create(rid, len).map_err(perr)?;
+                let mut region = Region::create(rid, len).map_err(perr)?;
                 region.fill(0, len, seed).map_err(perr)?;
                 self.regions.insert(rid, region);
                 Outcome::Done
@@ -250,7 +253,7 @@ impl Peer {
                 Outcome::Done
             }
             Op::Fill { rid, offset, len, seed } => {
-                let r = self.regions.get(&rid).ok_or_else(|| perr(format!("no region {rid}")))?;
+                let r = self.regions.get_mut(&rid).ok_or_else(|| perr(format!("no region {rid}")))?;
                 r.fill(offset, len, seed).map_err(perr)?;
                 Outcome::Done
             }

@@ -11,7 +11,7 @@ mod worker;
 pub use plugin::RefPlugin;
 
 use kvgate_abi::sdk::Sink;
-use kvgate_abi::{cap_flags, scope, Capabilities, MemoryKind, PluginError, PluginInfo, ReasonCode, ABI_VERSION};
+use kvgate_abi::{scope, Capabilities, MemoryKind, PluginError, PluginInfo, ReasonCode, ABI_VERSION};
 
 /// The one thing a mutant breaks. Every switch off is the faithful plugin.
 #[derive(Clone, Copy, Debug, Default)]
@@ -69,7 +69,8 @@ pub fn info(name: &str) -> PluginInfo {
         capabilities: Capabilities {
             memory_kinds: MemoryKind::HOST.bit(),
             scope: scope::SAME_HOST,
-            flags: cap_flags::PROGRESS_EVENTS & 0,
+            // No capability flags: no progress events, no receiver enforcement.
+            flags: 0,
             max_segments_per_submit: MAX_SEGMENTS_PER_SUBMIT,
             max_inflight_transfers: MAX_INFLIGHT_TRANSFERS,
             max_transfer_bytes: 0,
