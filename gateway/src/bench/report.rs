@@ -43,7 +43,7 @@ buffers (over TCP it never writes its send buffer otherwise, and sends the kerne
 gateways send written pool pages); it reports a rate, so its p50 is the transfer's bytes at that rate. It sends every \
 message from one buffer of one block (it has no way to cycle through a pool), so a block that fits the CPU's caches is \
 read from cache, while the gateways cycle through their pools' slots; over shared memory that alone halves the \
-plugin's rate (plugins/ucx/README.md, section \"Cache-resident references\"), so UCX ratios below the bulk cell read low. The \
+plugin's rate (docs/ucx-performance-record.md, section \"Cache-resident references\"), so UCX ratios below the bulk cell read low. The \
 UCX targets are taken at the bulk cell (64 MiB blocks): where that is larger than the last-level cache named above, \
 neither side reads from cache.
 - **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
