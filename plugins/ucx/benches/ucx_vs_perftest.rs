@@ -159,6 +159,11 @@ fn perftest(t: &Transport, size: usize, iters: u64, window: u64) -> Result<f64, 
     Ok(numbers[5] * 1048576.0 / 1e9)
 }
 
+/// Whole transfers the plugin keeps in flight so that about `window` messages are: at least one.
+fn transfers_in_flight(window: u64, segments: u64) -> u64 {
+    (window / segments).max(1)
+}
+
 /// The plugin: instance A in this process, instance B (the receiver) in a child process or in this
 /// one; `iters` messages of `size` bytes from A to B, `segments` messages per transfer, with `window`
 /// messages in flight (whole transfers: `window / segments`, at least one), cycling through `slots`
@@ -196,13 +201,13 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
                 .collect()
         })
         .collect();
-    let transfers_in_flight = (window / segments).max(1);
+    let in_flight = transfers_in_flight(window, segments);
     let mut next = 1u64;
     let mut run = |count: u64| -> Result<Duration, String> {
         let started = Instant::now();
         let (mut submitted, mut done) = (0u64, 0u64);
         while done < count {
-            while submitted < count && submitted - done < transfers_in_flight {
+            while submitted < count && submitted - done < in_flight {
                 let request = SubmitRequest {
                     xfer: XferId(next),
                     peer: PeerId(2),
@@ -473,7 +478,7 @@ fn main() {
     if segments > 1 {
         println!(
             "each plugin transfer carries {segments} messages (one receiver reply and one host event per transfer), {} transfers in flight",
-            (window / segments).max(1)
+            transfers_in_flight(window, segments)
         );
     }
     if !extra.is_empty() {
