@@ -114,6 +114,18 @@ fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+/// A count from the environment: 1 when unset or empty, else a whole number from 1 to `max`; anything
+/// else stops the benchmark with a message naming the variable and the range.
+fn env_count(name: &str, max: u64) -> u64 {
+    match std::env::var(name).as_deref() {
+        Err(_) | Ok("") => 1,
+        Ok(text) => match text.parse::<u64>() {
+            Ok(n) if (1..=max).contains(&n) => n,
+            _ => panic!("{name}={text}: expected a whole number from 1 to {max}"),
+        },
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).unwrap_or(13337)
 }
@@ -438,20 +450,8 @@ fn main() {
     }
     let total = env_u64("KVGATE_UCX_BENCH_BYTES", 512 << 20);
     let window = env_u64("KVGATE_UCX_BENCH_WINDOW", 8).max(1);
-    let slots = match std::env::var("KVGATE_UCX_BENCH_SLOTS").as_deref() {
-        Err(_) | Ok("") => 1,
-        Ok(text) => match text.parse::<u64>() {
-            Ok(n) if (1..=MAX_SLOTS).contains(&n) => n,
-            _ => panic!("KVGATE_UCX_BENCH_SLOTS={text}: expected a whole number from 1 to {MAX_SLOTS}"),
-        },
-    };
-    let segments = match std::env::var("KVGATE_UCX_BENCH_SEGMENTS").as_deref() {
-        Err(_) | Ok("") => 1,
-        Ok(text) => match text.parse::<u64>() {
-            Ok(n) if (1..=MAX_SEGMENTS).contains(&n) => n,
-            _ => panic!("KVGATE_UCX_BENCH_SEGMENTS={text}: expected a whole number from 1 to {MAX_SEGMENTS}"),
-        },
-    };
+    let slots = env_count("KVGATE_UCX_BENCH_SLOTS", MAX_SLOTS);
+    let segments = env_count("KVGATE_UCX_BENCH_SEGMENTS", MAX_SEGMENTS);
     let repeat = env_u64("KVGATE_UCX_BENCH_REPEAT", 3).max(1);
     let only = std::env::var("KVGATE_UCX_BENCH_ONLY").ok();
     let extra = std::env::var("KVGATE_UCX_BENCH_PLUGIN_EXTRA").unwrap_or_default();
