@@ -57,7 +57,8 @@
 //! buffer, so with more slots than fit the CPU's caches the ratio compares memory with cache),
 //! `KVGATE_UCX_BENCH_SEGMENTS` (default 1, from 1 to 1024: messages per plugin transfer, as a gateway
 //! moves several blocks in one transfer; the window still counts messages, so `window / segments`
-//! transfers, at least one, are in flight, and each pays one receiver reply and one host event).
+//! transfers, at least one, are in flight, and each pays one receiver reply and one host event; the
+//! segments sit a message apart, since the plugin would join adjacent ones into one message).
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, PluginFactory, Sink};
 use kvgate_abi::*;
@@ -118,7 +119,7 @@ const PERFTEST_TIMEOUT_S: u64 = 120;
 const MAX_SLOTS: u64 = 4096;
 /// Most messages one transfer may carry under `KVGATE_UCX_BENCH_SEGMENTS`.
 const MAX_SEGMENTS: u64 = 1024;
-/// Most bytes each side allocates for its slots (slots x segments x message size).
+/// Most bytes each side allocates for its slots (slots x (2 x segments - 1) x message size).
 const MAX_POOL_BYTES: u64 = 4 << 30;
 /// The longest one plugin completion may take before the benchmark gives up.
 const PLUGIN_EVENT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -192,7 +193,9 @@ fn transfers_in_flight(window: u64, segments: u64) -> u64 {
 /// The plugin: instance A in this process, instance B (the receiver) in a child process or in this
 /// one; `iters` messages of `size` bytes from A to B, `segments` messages per transfer, with `window`
 /// messages in flight (whole transfers: `window / segments`, at least one), cycling through `slots`
-/// slots of `segments x size` bytes on both sides; GB/s from the first submit to the last `SUCCEEDED`.
+/// slots on both sides, each holding `segments` messages with a message-sized gap between two (the
+/// plugin joins segments that continue each other into one message; the gaps keep them apart);
+/// GB/s from the first submit to the last `SUCCEEDED`.
 #[allow(clippy::too_many_arguments)]
 fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segments: u64, extra: &str, placement: Placement, host: Host) -> Result<f64, String> {
     let config = format!("{}{extra}\n", t.plugin_config);
@@ -208,10 +211,10 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
         }
     };
     let a = Arc::new(UcxFactory::open(&config, sink_a).map_err(|e| e.to_string())?);
-    let slot_bytes = size * segments as usize;
+    let slot_bytes = size * (2 * segments as usize - 1);
     let pool = slot_bytes * slots as usize;
     if pool as u64 > MAX_POOL_BYTES {
-        return Err(format!("{slots} slots x {segments} segments x {size} bytes is over {MAX_POOL_BYTES} bytes a side"));
+        return Err(format!("{slots} slots of {segments} segments of {size} bytes, with gaps, is over {MAX_POOL_BYTES} bytes a side"));
     }
     let mut src = PageAligned::filled(pool, 0xa5);
     let src_reg = a.register(&host_region(src.bytes())).map_err(|e| e.to_string())?;
@@ -222,13 +225,13 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
     a.connect(PeerId(2), receiver.endpoint()).map_err(|e| e.to_string())?;
     let remote = a.import_remote_key(PeerId(2), receiver.remote_key()).map_err(|e| e.to_string())?;
     // Transfer n uses slot n % slots, the same offsets on both sides (slot 0 only, by default); its
-    // `segments` messages are the slot's consecutive message-sized pieces.
+    // `segments` messages are every other message-sized piece of the slot.
     let slot_segments: Arc<Vec<Vec<Segment>>> = Arc::new(
         (0..slots)
             .map(|i| {
                 (0..segments)
                     .map(|j| {
-                        let offset = i * slot_bytes as u64 + j * size as u64;
+                        let offset = i * slot_bytes as u64 + 2 * j * size as u64;
                         Segment { local: src_reg.key, local_offset: offset, remote, remote_offset: offset, len: size as u64 }
                     })
                     .collect()
@@ -281,7 +284,7 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
     a.shutdown();
     drop(receiver);
     drop(src);
-    Ok((slot_bytes as u64 * transfers) as f64 / elapsed.as_secs_f64() / 1e9)
+    Ok((size as u64 * segments * transfers) as f64 / elapsed.as_secs_f64() / 1e9)
 }
 
 /// Transfer `n` of the run: slot `n % slots`, to peer 2 under ticket 1.

@@ -50,12 +50,13 @@ pub struct TicketState {
 }
 
 impl TicketState {
+    /// `ranges` were checked against their regions (no end past a region, so none overflows).
     pub fn new(peer: PeerId, ranges: &[LocalRange], deadline: Instant) -> TicketState {
-        let ranges = ranges.iter().map(|r| ((r.key.0, r.offset), r.len)).collect();
-        TicketState { peer, ranges, deadline, cancelled: false, pending_writes: 0 }
+        TicketState { peer, ranges: joined_ranges(ranges), deadline, cancelled: false, pending_writes: 0 }
     }
 
-    /// Whether `[offset, offset + len)` of `region` lies inside one allowed range.
+    /// Whether `[offset, offset + len)` of `region` lies inside one allowed range (ranges that
+    /// overlap or touch count as one: see `joined_ranges`).
     pub fn allows(&self, region: u64, offset: u64, len: u64) -> bool {
         let Some(end) = offset.checked_add(len) else { return false };
         match self.ranges.range(..=(region, offset)).next_back() {
@@ -67,6 +68,51 @@ impl TicketState {
     pub fn authorises(&self, now: Instant) -> bool {
         !self.cancelled && now < self.deadline
     }
+}
+
+/// A ticket's ranges keyed by (region key, start), with ranges of one region that overlap or touch
+/// joined into one. The bytes allowed are the same; a message may then cover two ranges listed side
+/// by side, as the sender's joined segments do (`push_joined`). A range past `u64::MAX` allows nothing.
+fn joined_ranges(ranges: &[LocalRange]) -> BTreeMap<(u64, u64), u64> {
+    let mut spans: Vec<(u64, u64, u64)> =
+        ranges.iter().filter_map(|r| Some((r.key.0, r.offset, r.offset.checked_add(r.len)?))).collect();
+    spans.sort_unstable();
+    let mut joined: BTreeMap<(u64, u64), u64> = BTreeMap::new();
+    let mut current: Option<(u64, u64, u64)> = None;
+    for (key, start, end) in spans {
+        current = match current {
+            Some((k, s, e)) if k == key && start <= e => Some((k, s, e.max(end))),
+            Some((k, s, e)) => {
+                joined.insert((k, s), e - s);
+                Some((key, start, end))
+            }
+            None => Some((key, start, end)),
+        };
+    }
+    if let Some((k, s, e)) = current {
+        joined.insert((k, s), e - s);
+    }
+    joined
+}
+
+/// Append `next` to a transfer's resolved segments, or extend the last one when `next` continues
+/// it on both sides (same source registration, same remote region, no gap on either side): adjacent
+/// blocks of a pool then move as one message, with one rendezvous, one receiver check and one
+/// completion instead of one each. Empty segments are kept as they are.
+pub fn push_joined(resolved: &mut Vec<ResolvedSegment>, next: ResolvedSegment) {
+    if let Some(last) = resolved.last_mut() {
+        let continues = last.len > 0
+            && next.len > 0
+            && last.local_key == next.local_key
+            && last.remote_key == next.remote_key
+            && last.local_addr.checked_add(last.len) == Some(next.local_addr)
+            && last.remote_offset.checked_add(last.len) == Some(next.remote_offset);
+        if continues {
+            last.len += next.len;
+            return;
+        }
+    }
+    resolved.push(next);
 }
 
 /// One segment of an outgoing transfer, resolved at submit.
@@ -219,7 +265,8 @@ impl Drop for Shared {
 /// A submit's segments resolved, with the regions they use (held for the transfer's life).
 pub type ResolvedSubmit = (Vec<ResolvedSegment>, Vec<Arc<LocalRegion>>, Vec<Arc<RemoteRegion>>);
 
-/// Resolve and bounds-check the segments of a submit against the registry.
+/// Resolve and bounds-check the segments of a submit against the registry, joining segments that
+/// continue each other (`push_joined`).
 pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment]) -> Result<ResolvedSubmit, kvgate_abi::PluginError> {
     use kvgate_abi::{PluginError, ReasonCode};
     let mut resolved = Vec::with_capacity(segments.len());
@@ -251,7 +298,7 @@ pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment])
                 ),
             ));
         }
-        resolved.push(ResolvedSegment {
+        push_joined(&mut resolved, ResolvedSegment {
             local_addr: local.addr + s.local_offset,
             local_key: s.local.0,
             local_memh: local.map.memh as usize,
@@ -289,5 +336,74 @@ mod tests {
         assert!(!t.allows(2, 9, 2));
         assert!(!t.allows(3, 0, 1));
         assert!(!t.allows(1, u64::MAX, 2));
+    }
+
+    #[test]
+    fn ticket_ranges_that_touch_or_overlap_are_one_range() {
+        let range = |key: u64, offset: u64, len: u64| LocalRange { key: LocalKey(key), offset, len };
+        // Listed out of order: 0..100 and 100..150 touch, 140..160 overlaps them, 161..170 is past a
+        // one-byte gap, and region 2 starts where region 1's first range ends.
+        let ranges = [range(1, 100, 50), range(1, 161, 9), range(2, 150, 10), range(1, 0, 100), range(1, 140, 20)];
+        let t = TicketState::new(PeerId(1), &ranges, Instant::now() + Duration::from_secs(1));
+        assert!(t.allows(1, 0, 160), "touching and overlapping ranges join");
+        assert!(t.allows(1, 50, 100));
+        assert!(!t.allows(1, 0, 161), "the gap byte 160 stays outside");
+        assert!(!t.allows(1, 150, 15), "a message over the gap is refused");
+        assert!(t.allows(1, 161, 9));
+        assert!(!t.allows(1, 161, 10));
+        assert!(t.allows(2, 150, 10));
+        assert!(!t.allows(2, 140, 20), "ranges of other regions never join");
+        assert_eq!(t.ranges.len(), 3, "{:?}", t.ranges);
+    }
+
+    #[test]
+    fn a_range_with_the_same_start_as_another_does_not_shrink_it() {
+        let ranges = [LocalRange { key: LocalKey(1), offset: 0, len: 100 }, LocalRange { key: LocalKey(1), offset: 0, len: 10 }];
+        let t = TicketState::new(PeerId(1), &ranges, Instant::now() + Duration::from_secs(1));
+        assert!(t.allows(1, 0, 100));
+    }
+
+    fn resolved(local_key: u64, local_addr: u64, remote_key: u64, remote_offset: u64, len: u64) -> ResolvedSegment {
+        ResolvedSegment {
+            local_addr,
+            local_key,
+            local_memh: 0,
+            remote_key,
+            remote_region: 9,
+            remote_offset,
+            remote_addr: 0x9000 + remote_offset,
+            len,
+        }
+    }
+
+    fn shape(segments: &[ResolvedSegment]) -> Vec<(u64, u64, u64)> {
+        segments.iter().map(|s| (s.local_addr, s.remote_offset, s.len)).collect()
+    }
+
+    #[test]
+    fn segments_that_continue_each_other_on_both_sides_join() {
+        let mut out = Vec::new();
+        for i in 0..4 {
+            push_joined(&mut out, resolved(1, 0x1000 + i * 64, 2, 512 + i * 64, 64));
+        }
+        assert_eq!(shape(&out), [(0x1000, 512, 256)]);
+    }
+
+    #[test]
+    fn segments_with_a_gap_or_another_key_or_no_bytes_stay_apart() {
+        let cases: [(&str, [ResolvedSegment; 2]); 6] = [
+            ("gap at the source", [resolved(1, 0x1000, 2, 0, 64), resolved(1, 0x1041, 2, 64, 64)]),
+            ("gap at the destination", [resolved(1, 0x1000, 2, 0, 64), resolved(1, 0x1040, 2, 65, 64)]),
+            ("reversed", [resolved(1, 0x1040, 2, 64, 64), resolved(1, 0x1000, 2, 0, 64)]),
+            ("another source registration", [resolved(1, 0x1000, 2, 0, 64), resolved(3, 0x1040, 2, 64, 64)]),
+            ("another remote region", [resolved(1, 0x1000, 2, 0, 64), resolved(1, 0x1040, 4, 64, 64)]),
+            ("an empty segment", [resolved(1, 0x1000, 2, 0, 64), resolved(1, 0x1040, 2, 64, 0)]),
+        ];
+        for (what, [first, second]) in cases {
+            let mut out = Vec::new();
+            push_joined(&mut out, first);
+            push_joined(&mut out, second);
+            assert_eq!(out.len(), 2, "{what}: {:?}", shape(&out));
+        }
     }
 }

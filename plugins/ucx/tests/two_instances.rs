@@ -67,6 +67,47 @@ fn scatter_gather(config: &str) {
     baseline(&a, &b);
 }
 
+/// A transfer of 16 adjacent 64 KiB blocks into 16 ranges listed one per block, out of order (as a
+/// paged pool hands out neighbours): the sender joins the blocks into one message, the receiver's
+/// ticket joins the ranges, and every byte lands. Then blocks adjacent at the source but not at the
+/// destination, into ranges with gaps between them: they stay separate messages, and the gaps stay
+/// untouched.
+fn adjacent_blocks(config: &str) {
+    const BLOCK: u64 = 64 << 10;
+    const BLOCKS: u64 = 16;
+    let (a, b) = pair(config);
+    let src = buffer(&a, (2 * BLOCKS * BLOCK) as usize, 71);
+    let dst = buffer(&b, (3 * BLOCKS * BLOCK) as usize, 72);
+    let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+    let ranges: Vec<LocalRange> = (0..BLOCKS).rev().map(|i| LocalRange { key: dst.key, offset: i * BLOCK, len: BLOCK }).collect();
+    expect(&b, 8, PEER_A, LONG, &ranges);
+    let joined: Vec<Segment> =
+        (0..BLOCKS).map(|i| Segment { local: src.key, local_offset: i * BLOCK, remote, remote_offset: i * BLOCK, len: BLOCK }).collect();
+    submit(&a, 80, PEER_B, 8, LONG, &joined).unwrap();
+    let done = a.log.terminal_of(XferId(80), WAIT_LIMIT);
+    assert_eq!((done.kind, done.bytes), (EventKind::SUCCEEDED, BLOCKS * BLOCK), "{done:?}");
+    assert_eq!(&src.bytes[..(BLOCKS * BLOCK) as usize], &dst.bytes[..(BLOCKS * BLOCK) as usize]);
+    // Destination blocks every other block from BLOCKS * BLOCK on: a gap of one block between each.
+    let base = BLOCKS * BLOCK;
+    let ranges: Vec<LocalRange> = (0..BLOCKS).map(|i| LocalRange { key: dst.key, offset: base + 2 * i * BLOCK, len: BLOCK }).collect();
+    expect(&b, 9, PEER_A, LONG, &ranges);
+    let apart: Vec<Segment> = (0..BLOCKS)
+        .map(|i| Segment { local: src.key, local_offset: base + i * BLOCK, remote, remote_offset: base + 2 * i * BLOCK, len: BLOCK })
+        .collect();
+    submit(&a, 81, PEER_B, 9, LONG, &apart).unwrap();
+    let done = a.log.terminal_of(XferId(81), WAIT_LIMIT);
+    assert_eq!((done.kind, done.bytes), (EventKind::SUCCEEDED, BLOCKS * BLOCK), "{done:?}");
+    let untouched = random_bytes(dst.bytes.len(), 72);
+    for i in 0..BLOCKS as usize {
+        let (block, from) = (BLOCK as usize, base as usize);
+        assert_eq!(&dst.bytes[from + 2 * i * block..][..block], &src.bytes[from + i * block..][..block], "block {i}");
+        assert_eq!(&dst.bytes[from + (2 * i + 1) * block..][..block], &untouched[from + (2 * i + 1) * block..][..block], "gap after block {i}");
+    }
+    b.plugin.cancel_incoming(PEER_A, Ticket(8));
+    b.plugin.cancel_incoming(PEER_A, Ticket(9));
+    baseline(&a, &b);
+}
+
 /// Zero-length segments before, between and after the data (the last message with bytes carries
 /// the commit in active-message mode; empty ones send nothing): every transfer succeeds with its bytes.
 fn empty_segments_around_the_data(config: &str) {
@@ -322,7 +363,7 @@ macro_rules! per_transport {
     };
 }
 
-per_transport!(data_integrity, scatter_gather, empty_segments_around_the_data, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight, shutdown_with_zero_grace);
+per_transport!(data_integrity, scatter_gather, adjacent_blocks, empty_segments_around_the_data, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight, shutdown_with_zero_grace);
 
 #[test]
 fn tcp_receiver_refuses() {
