@@ -258,7 +258,22 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
                     d.submit_next();
                 }
             }
-            let outcome = finished.recv_timeout(PLUGIN_EVENT_TIMEOUT * 10).map_err(|_| "plugin run timeout".to_string())?;
+            // The same bound as the thread driver's: give up once no transfer completed for
+            // `PLUGIN_EVENT_TIMEOUT`.
+            let mut done_before = 0;
+            let outcome = loop {
+                match finished.recv_timeout(PLUGIN_EVENT_TIMEOUT) {
+                    Ok(outcome) => break outcome,
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        let done = driver.lock().unwrap_or_else(|p| p.into_inner()).done;
+                        if done == done_before {
+                            return Err("plugin event timeout".to_string());
+                        }
+                        done_before = done;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => return Err("the plugin's sink went away".to_string()),
+                }
+            };
             next = driver.lock().unwrap_or_else(|p| p.into_inner()).next;
             return outcome.map(|_| started.elapsed());
         }
@@ -681,5 +696,6 @@ fn main() {
             println!("worst median ratio over tcp and sm, plugin driven by {}: {:.0}%", host.describe(), w * 100.0);
         }
     }
-    println!("target >= 95%, judged on the plugin driven by its sink; load average now {}", load_average());
+    let judged_on = if hosts.contains(&Host::Sink) { ", judged on the plugin driven by its sink" } else { "" };
+    println!("target >= 95%{judged_on}; load average now {}", load_average());
 }
