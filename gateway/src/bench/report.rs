@@ -46,8 +46,9 @@ read from cache, while the gateways cycle through their pools' slots; over share
 plugin's rate (docs/ucx-performance-record.md, section \"Cache-resident references\"), so UCX ratios below the bulk cell read low. The \
 UCX targets are taken at the bulk cell (64 MiB blocks): where that is larger than the last-level cache named above, \
 neither side reads from cache. A room's blocks are adjacent in both pools, and the UCX plugin joins segments that \
-continue each other into one message, so in cells of more than one block it sends one message per room where \
-`ucx_perftest` sends one per block: those ratios include what joining gains. The targets are single-block cells.
+continue each other into messages of up to 4 MiB (`join_segments_max_bytes`), so in cells of more than one block it \
+sends one message per 4 MiB of a room where `ucx_perftest` sends one per block: those ratios include what joining \
+gains. The targets are single-block cells.
 - **Target cells** (shm 4 MiB x 1; the largest single-block cell of the others) run in rounds (`--target-rounds`, \
 default 5), each round a whole cell with its own reference, and each round runs longer than a matrix cell \
 (`--target-cell-ms`: 1 000 ms with `--quick`, 2 000 ms in the full run); the round with the median ratio is reported, with every \

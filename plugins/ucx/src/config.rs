@@ -69,6 +69,10 @@ pub struct UcxConfig {
     /// more (those are reported `QUIESCED` before it returns; the rest end `FAILED` without it). Goodbye
     /// messages and endpoint closes get their own small fixed bounds after it. Default 500; 0..=60000.
     pub shutdown_grace_ms: u64,
+    /// Most bytes one joined message may carry: segments that continue each other are joined while the
+    /// sum stays at or under it (a longer segment alone is sent as it is); a cancel waits at most for
+    /// the joined message in flight. 0 turns joining off. Default 4194304 (4 MiB); 0..=1073741824.
+    pub join_segments_max_bytes: u64,
 }
 
 impl Default for UcxConfig {
@@ -87,6 +91,7 @@ impl Default for UcxConfig {
             busy_poll_us: 200,
             quiesce_timeout_ms: 2000,
             shutdown_grace_ms: 500,
+            join_segments_max_bytes: 4 << 20,
         }
     }
 }
@@ -120,6 +125,7 @@ impl UcxConfig {
         check_range("busy_poll_us", self.busy_poll_us, 0, 100_000)?;
         check_range("quiesce_timeout_ms", self.quiesce_timeout_ms, 1, 600_000)?;
         check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 60_000)?;
+        check_range("join_segments_max_bytes", self.join_segments_max_bytes, 0, 1 << 30)?;
         for (key, value) in [("tls", &self.tls), ("devices", &self.devices), ("rndv_thresh", &self.rndv_thresh)] {
             if let Some(v) = value {
                 if v.trim().is_empty() || v.contains('\0') {
@@ -229,6 +235,7 @@ mod tests {
             ("busy_poll_us", 0, 100_000),
             ("quiesce_timeout_ms", 1, 600_000),
             ("shutdown_grace_ms", 0, 60_000),
+            ("join_segments_max_bytes", 0, 1 << 30),
         ];
         for &(key, min, max) in cases {
             assert!(UcxConfig::parse(&format!("{key} = {min}")).is_ok(), "{key} at min");

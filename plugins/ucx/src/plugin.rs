@@ -334,7 +334,7 @@ impl UcxPlugin {
             }
             Some(_) => {}
         }
-        let (segments, local_regions, remote_regions) = resolve_segments(&registry, request.peer, request.segments.as_slice())?;
+        let (segments, local_regions, remote_regions) = resolve_segments(&registry, request.peer, request.segments.as_slice(), config.join_segments_max_bytes)?;
         let total_bytes = segments.iter().map(|s| s.len).sum();
         registry.live_xfers.insert(request.xfer.0);
         registry.commands.push_back(Command::Submit(Box::new(OutgoingJob {

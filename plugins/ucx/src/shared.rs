@@ -96,13 +96,15 @@ fn joined_ranges(ranges: &[LocalRange]) -> BTreeMap<(u64, u64), u64> {
 }
 
 /// Append `next` to a transfer's resolved segments, or extend the last one when `next` continues
-/// it on both sides (same source registration, same remote region, no gap on either side): adjacent
-/// blocks of a pool then move as one message, with one rendezvous, one receiver check and one
-/// completion instead of one each. Empty segments are kept as they are.
-pub fn push_joined(resolved: &mut Vec<ResolvedSegment>, next: ResolvedSegment) {
+/// it on both sides (same source registration, same remote region, no gap on either side) and the
+/// two together hold at most `max_bytes`: adjacent blocks of a pool then move as one message, with
+/// one rendezvous, one receiver check and one completion instead of one each. Empty segments are
+/// kept as they are; `max_bytes` 0 joins nothing.
+pub fn push_joined(resolved: &mut Vec<ResolvedSegment>, next: ResolvedSegment, max_bytes: u64) {
     if let Some(last) = resolved.last_mut() {
         let continues = last.len > 0
             && next.len > 0
+            && last.len.checked_add(next.len).is_some_and(|sum| sum <= max_bytes)
             && last.local_key == next.local_key
             && last.remote_key == next.remote_key
             && last.local_addr.checked_add(last.len) == Some(next.local_addr)
@@ -266,8 +268,8 @@ impl Drop for Shared {
 pub type ResolvedSubmit = (Vec<ResolvedSegment>, Vec<Arc<LocalRegion>>, Vec<Arc<RemoteRegion>>);
 
 /// Resolve and bounds-check the segments of a submit against the registry, joining segments that
-/// continue each other (`push_joined`).
-pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment]) -> Result<ResolvedSubmit, kvgate_abi::PluginError> {
+/// continue each other up to `join_max_bytes` (`push_joined`).
+pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment], join_max_bytes: u64) -> Result<ResolvedSubmit, kvgate_abi::PluginError> {
     use kvgate_abi::{PluginError, ReasonCode};
     let mut resolved = Vec::with_capacity(segments.len());
     let mut locals: FastMap<u64, Arc<LocalRegion>> = FastMap::default();
@@ -298,7 +300,7 @@ pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment])
                 ),
             ));
         }
-        push_joined(&mut resolved, ResolvedSegment {
+        let segment = ResolvedSegment {
             local_addr: local.addr + s.local_offset,
             local_key: s.local.0,
             local_memh: local.map.memh as usize,
@@ -307,7 +309,8 @@ pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment])
             remote_offset: s.remote_offset,
             remote_addr: remote.addr + s.remote_offset,
             len: s.len,
-        });
+        };
+        push_joined(&mut resolved, segment, join_max_bytes);
         locals.entry(s.local.0).or_insert_with(|| local.clone());
         remotes.entry(s.remote.0).or_insert_with(|| remote.clone());
     }
@@ -384,9 +387,30 @@ mod tests {
     fn segments_that_continue_each_other_on_both_sides_join() {
         let mut out = Vec::new();
         for i in 0..4 {
-            push_joined(&mut out, resolved(1, 0x1000 + i * 64, 2, 512 + i * 64, 64));
+            push_joined(&mut out, resolved(1, 0x1000 + i * 64, 2, 512 + i * 64, 64), 1 << 20);
         }
         assert_eq!(shape(&out), [(0x1000, 512, 256)]);
+    }
+
+    #[test]
+    fn joining_stops_at_the_byte_limit() {
+        let blocks = |max_bytes: u64| {
+            let mut out = Vec::new();
+            for i in 0..4 {
+                push_joined(&mut out, resolved(1, 0x1000 + i * 64, 2, i * 64, 64), max_bytes);
+            }
+            shape(&out).iter().map(|s| s.2).collect::<Vec<u64>>()
+        };
+        assert_eq!(blocks(256), [256], "at the limit");
+        assert_eq!(blocks(255), [192, 64], "one byte under what four blocks need");
+        assert_eq!(blocks(128), [128, 128]);
+        assert_eq!(blocks(127), [64, 64, 64, 64]);
+        assert_eq!(blocks(0), [64, 64, 64, 64], "0 joins nothing");
+        // A segment longer than the limit on its own is kept whole, and nothing joins onto it.
+        let mut out = Vec::new();
+        push_joined(&mut out, resolved(1, 0x1000, 2, 0, 300), 256);
+        push_joined(&mut out, resolved(1, 0x1000 + 300, 2, 300, 10), 256);
+        assert_eq!(shape(&out), [(0x1000, 0, 300), (0x1000 + 300, 300, 10)]);
     }
 
     #[test]
@@ -401,8 +425,8 @@ mod tests {
         ];
         for (what, [first, second]) in cases {
             let mut out = Vec::new();
-            push_joined(&mut out, first);
-            push_joined(&mut out, second);
+            push_joined(&mut out, first, 1 << 20);
+            push_joined(&mut out, second, 1 << 20);
             assert_eq!(out.len(), 2, "{what}: {:?}", shape(&out));
         }
     }
