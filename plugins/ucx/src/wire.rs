@@ -3,9 +3,11 @@
 
 use kvgate_abi::{PluginError, ReasonCode};
 
-/// Bumped with each change to the messages peers exchange (3: `AM_REPLY` carries up to 64 replies), so
-/// that instances of different versions refuse each other's endpoint bytes instead of dropping messages.
-const ENDPOINT_MAGIC: &[u8; 8] = b"KVUCXEP3";
+/// Bumped with each change to the messages peers exchange or accept (3: `AM_REPLY` carries up to 64
+/// replies; 4: a data message may cover several touching ranges of a ticket, as senders join adjacent
+/// segments), so that instances of different versions refuse each other's endpoint bytes at `connect`
+/// instead of refusing or dropping messages later.
+const ENDPOINT_MAGIC: &[u8; 8] = b"KVUCXEP4";
 const RKEY_MAGIC: &[u8; 8] = b"KVUCXRK1";
 
 /// Active-message ids registered on every worker.
@@ -252,6 +254,10 @@ mod tests {
         let mut big_pid = ep.encode();
         big_pid[16..24].copy_from_slice(&(1u64 << 32).to_le_bytes());
         assert!(EndpointBytes::decode(&big_pid).is_err());
+        // The previous version's endpoint (its receivers refuse joined messages) is refused at connect.
+        let mut older = ep.encode();
+        older[..8].copy_from_slice(b"KVUCXEP3");
+        assert!(EndpointBytes::decode(&older).unwrap_err().message.contains("magic"));
         assert_ne!(this_boot_id(), [0u8; 16], "this host has a boot id");
     }
 
