@@ -409,32 +409,43 @@ impl Pair {
                 ctx.findings.add("RES-1", format!("[{}] transfer {xfer} got {} terminal events: {}", self.context, list.len(), seen.join(", ")));
             }
         }
-        // RES-3: QUIESCED only after a FAILED that did not carry the flag, at most once.
-        let mut state: BTreeMap<u64, &str> = BTreeMap::new();
-        for e in events.iter().filter(|e| e.flags & event_flags::INCOMING == 0) {
-            let kind = EventKind(e.kind);
-            let s = state.get(&e.xfer).copied().unwrap_or("live");
-            let next = match (s, kind) {
-                ("live", EventKind::SUCCEEDED) => "done",
-                ("live", EventKind::FAILED) if e.flags & event_flags::QUIESCED != 0 => "done",
-                ("live", EventKind::FAILED) => "failed",
-                ("failed", EventKind::QUIESCED) => "done",
-                ("done" | "failed", EventKind::PROGRESS) => {
-                    ctx.findings.add("RES-1", format!("[{}] {} after the transfer's terminal event (only QUIESCED may follow)", self.context, describe(e)));
-                    s
-                }
-                (_, EventKind::QUIESCED) => {
-                    ctx.findings.add(
-                        "RES-3",
-                        format!("[{}] {} came while the transfer was {s} (QUIESCED only follows a FAILED without the flag)", self.context, describe(e)),
-                    );
-                    s
-                }
-                _ => s,
-            };
-            state.insert(e.xfer, next);
+        let reused = |xfer: u64| self.xfers.get(&xfer).is_some_and(|x| x.accepted_submits > 1);
+        for (clause, finding) in event_order_findings(events, reused) {
+            ctx.findings.add(clause, format!("[{}] {finding}", self.context));
         }
     }
+}
+
+/// RES-1 and RES-3 on the order of one side's outgoing events: QUIESCED only after a FAILED that did
+/// not carry the flag, at most once; no PROGRESS after a terminal event. An id the harness submitted
+/// again after its first transfer ended (`reused`, DATA-3) starts a new life at its next terminal event.
+fn event_order_findings(events: &[WireEvent], reused: impl Fn(u64) -> bool) -> Vec<(&'static str, String)> {
+    let mut findings = Vec::new();
+    let mut state: BTreeMap<u64, &str> = BTreeMap::new();
+    for e in events.iter().filter(|e| e.flags & event_flags::INCOMING == 0) {
+        let kind = EventKind(e.kind);
+        let s = match state.get(&e.xfer).copied().unwrap_or("live") {
+            "done" if (kind == EventKind::SUCCEEDED || kind == EventKind::FAILED) && reused(e.xfer) => "live",
+            s => s,
+        };
+        let next = match (s, kind) {
+            ("live", EventKind::SUCCEEDED) => "done",
+            ("live", EventKind::FAILED) if e.flags & event_flags::QUIESCED != 0 => "done",
+            ("live", EventKind::FAILED) => "failed",
+            ("failed", EventKind::QUIESCED) => "done",
+            ("done" | "failed", EventKind::PROGRESS) => {
+                findings.push(("RES-1", format!("{} after the transfer's terminal event (only QUIESCED may follow)", describe(e))));
+                s
+            }
+            (_, EventKind::QUIESCED) => {
+                findings.push(("RES-3", format!("{} came while the transfer was {s} (QUIESCED only follows a FAILED without the flag)", describe(e))));
+                s
+            }
+            _ => s,
+        };
+        state.insert(e.xfer, next);
+    }
+    findings
 }
 
 /// OBS-1 and HYGIENE-1 on one event's fields.
@@ -487,4 +498,39 @@ pub fn op_name(op: &Op) -> &'static str {
 /// One segment covering `len` bytes at the given offsets.
 pub fn seg(src: &Src, src_off: u64, dst: &Dst, dst_off: u64, len: u64) -> Seg {
     Seg { local: src.key, local_offset: src_off, remote: dst.remote, remote_offset: dst_off, len }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(xfer: u64, kind: EventKind, flags: u32) -> WireEvent {
+        WireEvent { kind: kind.0, xfer, peer: 1, reason: 0, bytes: 0, flags, message: String::new(), t_ns: 0 }
+    }
+
+    #[test]
+    fn quiesced_only_follows_a_failed_without_the_flag() {
+        let ok = [event(1, EventKind::FAILED, 0), event(1, EventKind::QUIESCED, 0), event(2, EventKind::SUCCEEDED, 0)];
+        assert!(event_order_findings(&ok, |_| false).is_empty());
+        let late = [event(1, EventKind::SUCCEEDED, 0), event(1, EventKind::QUIESCED, 0)];
+        let findings = event_order_findings(&late, |_| false);
+        assert_eq!(findings.len(), 1, "{findings:?}");
+        assert_eq!(findings[0].0, "RES-3");
+        let twice = [event(1, EventKind::FAILED, event_flags::QUIESCED), event(1, EventKind::QUIESCED, 0)];
+        assert_eq!(event_order_findings(&twice, |_| false).len(), 1);
+        let progress_after = [event(1, EventKind::SUCCEEDED, 0), event(1, EventKind::PROGRESS, 0)];
+        assert_eq!(event_order_findings(&progress_after, |_| false)[0].0, "RES-1");
+    }
+
+    #[test]
+    fn an_id_submitted_again_after_it_ended_starts_a_new_life() {
+        // The first transfer succeeded; the second, under the same id, was cancelled mid-copy.
+        let events = [event(7, EventKind::SUCCEEDED, 0), event(7, EventKind::FAILED, 0), event(7, EventKind::QUIESCED, 0)];
+        assert!(event_order_findings(&events, |x| x == 7).is_empty());
+        // The same events for an id submitted once break RES-3.
+        assert_eq!(event_order_findings(&events, |_| false).len(), 1);
+        // A reused id still gets one QUIESCED per life.
+        let extra = [event(7, EventKind::SUCCEEDED, 0), event(7, EventKind::FAILED, 0), event(7, EventKind::QUIESCED, 0), event(7, EventKind::QUIESCED, 0)];
+        assert_eq!(event_order_findings(&extra, |x| x == 7).len(), 1);
+    }
 }
