@@ -207,7 +207,7 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
         })),
         Host::Sink => {
             let driver = driver.clone();
-            Sink::new(sink_from_fn(move |e| driver.lock().unwrap_or_else(|p| p.into_inner()).on_event(e)))
+            Sink::new(sink_from_fn(move |e| SinkDriver::books(&driver).on_event(e)))
         }
     };
     let a = Arc::new(UcxFactory::open(&config, sink_a).map_err(|e| e.to_string())?);
@@ -245,7 +245,7 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
         if host == Host::Sink {
             let (finished_tx, finished) = mpsc::channel();
             {
-                let mut d = driver.lock().unwrap_or_else(|p| p.into_inner());
+                let mut d = SinkDriver::books(&driver);
                 *d = SinkDriver {
                     plugin: Arc::downgrade(&a),
                     slots: slot_segments.clone(),
@@ -265,7 +265,7 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
                 match finished.recv_timeout(PLUGIN_EVENT_TIMEOUT) {
                     Ok(outcome) => break outcome,
                     Err(mpsc::RecvTimeoutError::Timeout) => {
-                        let done = driver.lock().unwrap_or_else(|p| p.into_inner()).done;
+                        let done = SinkDriver::books(&driver).done;
                         if done == done_before {
                             return Err("plugin event timeout".to_string());
                         }
@@ -274,7 +274,7 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
                     Err(mpsc::RecvTimeoutError::Disconnected) => return Err("the plugin's sink went away".to_string()),
                 }
             };
-            next = driver.lock().unwrap_or_else(|p| p.into_inner()).next;
+            next = SinkDriver::books(&driver).next;
             return outcome.map(|_| started.elapsed());
         }
         let (mut submitted, mut done) = (0u64, 0u64);
@@ -352,6 +352,11 @@ struct SinkDriver {
 }
 
 impl SinkDriver {
+    /// The books, locked (a panic in the sink leaves them usable for the error path).
+    fn books(driver: &Mutex<SinkDriver>) -> std::sync::MutexGuard<'_, SinkDriver> {
+        driver.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn submit_next(&mut self) {
         let Some(plugin) = self.plugin.upgrade() else { return self.finish(Err("the plugin is gone".into())) };
         match plugin.submit(&bench_request(self.next, &self.slots)) {

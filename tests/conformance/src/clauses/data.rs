@@ -190,10 +190,11 @@ pub fn data_3(ctx: &mut Ctx) -> CheckResult {
         }
         // A second submit of a live id. The first moves up to 64 MiB four times over (4000 segments
         // cycling through the same 1000 pieces), so it is still moving when the second arrives one
-        // call later, even from a plugin whose copy threads keep every core busy meanwhile. Accepting the second is right only if the
-        // first had ended by then: its terminal event, stamped by the sending peer's clock, comes no
-        // later than `DUPLICATE_SLACK_NS` after the second submit returned (a plugin may forget the id
-        // just before it delivers the event). A transfer still moving ends milliseconds later.
+        // call later, even from a plugin whose copy threads keep every core busy meanwhile. Accepting
+        // the second is right only if the first had ended by then: its terminal event, stamped by the
+        // sending peer's clock, comes no later than `DUPLICATE_SLACK_NS` after the second submit
+        // returned (a plugin may forget the id just before it delivers the event). A transfer still
+        // moving ends milliseconds later.
         let big = ctx.limits.max_data_bytes.min(64 << 20);
         let big_src = p.alloc_src(big, ctx.rng.next_u64(), ctx)?;
         let big_dst = p.alloc_dst(big, ctx.rng.next_u64(), ctx)?;
