@@ -107,13 +107,15 @@ pub struct Engine {
     /// sender's writes): sent once the endpoint exists, dropped (logged) if it never will.
     replies_awaiting_endpoint: Vec<(u64, ReplyHeader)>,
     /// Buffers reused every round (commands taken from the queue, completions and endpoint failures
-    /// gathered by callbacks, transfers to pump), so a steady stream allocates nothing for them.
+    /// gathered by callbacks, transfers to pump, replies and their encoded bytes), so a steady stream
+    /// allocates nothing for them.
     command_buffer: VecDeque<Command>,
     completion_buffer: Vec<(u64, ucs_status_t)>,
     failure_buffer: Vec<(u64, ucs_status_t)>,
     pump_buffer: Vec<u64>,
     notice_buffer: Vec<SenderNotice>,
     reply_buffer: Vec<(u64, ReplyHeader)>,
+    reply_bytes: Vec<u8>,
 }
 
 impl Engine {
@@ -147,6 +149,7 @@ impl Engine {
             pump_buffer: Vec::new(),
             notice_buffer: Vec::new(),
             reply_buffer: Vec::new(),
+            reply_bytes: Vec::new(),
         }))
     }
 
@@ -164,7 +167,8 @@ impl Engine {
         loop {
             let held = self.shared.commands_held_for_tests.load(Ordering::SeqCst);
             let mut commands = std::mem::take(&mut self.command_buffer);
-            if !held && self.shared.commands_pending.swap(false, Ordering::SeqCst) {
+            // Look before swapping: a swap writes the flag's cache line every round, even when idle.
+            if !held && self.shared.commands_pending.load(Ordering::Relaxed) && self.shared.commands_pending.swap(false, Ordering::SeqCst) {
                 std::mem::swap(&mut self.shared.lock().commands, &mut commands);
             }
             let mut activity = !commands.is_empty();
@@ -714,7 +718,22 @@ impl Engine {
     }
 
     /// Completions, endpoint failures and replies gathered by callbacks during progress.
+    /// Called after every progress round, and most find nothing: a small check, inlined into the
+    /// loop, before the call that swaps the queues out (whose frame alone cost more than the check).
+    #[inline(always)]
     fn drain(&mut self) -> bool {
+        let nothing_queued = COMPLETIONS.with(|c| c.borrow().is_empty())
+            && EP_ERRORS.with(|c| c.borrow().is_empty())
+            && {
+                let r = self.receiver.borrow();
+                r.byes.is_empty() && r.notices.is_empty() && r.replies.is_empty()
+            };
+        !nothing_queued && self.drain_queued()
+    }
+
+    /// [`Engine::drain`] once something is queued.
+    #[inline(never)]
+    fn drain_queued(&mut self) -> bool {
         // Swap with this thread's reused buffers (empty, capacity kept) rather than take.
         let mut completions = std::mem::take(&mut self.completion_buffer);
         let mut failures = std::mem::take(&mut self.failure_buffer);
@@ -807,7 +826,9 @@ impl Engine {
     /// Send `replies` (emptied): one `AM_REPLY` message per sender for up to
     /// `MAX_REPLIES_PER_MESSAGE` of them, each sender's replies in the order they were made.
     fn send_replies(&mut self, replies: &mut Vec<(u64, ReplyHeader)>) {
-        replies.sort_by_key(|(sender, _)| *sender); // stable
+        if replies.len() > 1 {
+            replies.sort_by_key(|(sender, _)| *sender); // stable
+        }
         let mut start = 0;
         while start < replies.len() {
             let sender = replies[start].0;
@@ -834,13 +855,20 @@ impl Engine {
             }
             return;
         };
-        let mut bytes = Vec::with_capacity(16 * replies.len());
+        // One buffer for every reply message: UCX reads it until the send completes, which is
+        // mostly at once (a short message); a send still pending keeps it and the next takes a new one.
+        let mut bytes = std::mem::take(&mut self.reply_bytes);
+        bytes.clear();
         wire::encode_replies(replies.iter().map(|(_, h)| h), &mut bytes);
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
         let posted = ucp::classify(unsafe {
             ucp::ucp_am_send_nbx(ep, wire::AM_REPLY, bytes.as_ptr() as *const c_void, bytes.len(), std::ptr::null(), 0, &param)
         });
+        if let Posted::Done = posted {
+            self.reply_bytes = bytes;
+            return;
+        }
         if let Err(status) = self.track(token, posted, ReqKind::Other, bytes) {
             tracing::warn!(reason = "transport_error", "ucx reply to a sender failed: {}", ucp::status_text(status));
         }

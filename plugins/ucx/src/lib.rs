@@ -6,7 +6,8 @@
 //! - [`ucp`]: the small safe wrapper over UCP; [`wire`]: bytes exchanged with peers;
 //! - [`shared`]: books shared by the API threads and the progress thread; [`engine`]: that thread;
 //! - [`receiver`]: the receiver side of the active-message protocol; [`plugin`]: the `Plugin` face;
-//! - [`fast_map`]: seeded fast hash maps for the per-message books;
+//! - [`fast_map`]: seeded fast hash maps for the per-message books; [`token_slab`]: books found by
+//!   the token a UCX completion hands back;
 //! - [`ucx_log`]: UCX's log lines go to `tracing`, never to the host's stdout.
 
 pub mod config;
@@ -16,6 +17,7 @@ pub mod fast_map;
 pub mod plugin;
 pub mod receiver;
 pub mod shared;
+pub mod token_slab;
 pub mod ucp;
 pub mod ucx_log;
 pub mod wire;

@@ -199,8 +199,14 @@ impl Registry {
     /// Whether a write from `sender` (a remote instance) may use a ticket the host opened for
     /// `ticket_peer`: that peer id must be connected to that instance.
     pub fn sender_is_peer(&self, sender: u64, ticket_peer: PeerId) -> bool {
-        self.peers.get(&ticket_peer).is_some_and(|info| info.instance == sender)
+        sender_is_peer(&self.peers, sender, ticket_peer)
     }
+}
+
+/// Whether the remote instance `sender` is the one `ticket_peer` names (several peer ids may name
+/// one instance). A free function so that a caller holding a ticket mutably can still ask.
+pub fn sender_is_peer(peers: &FastMap<PeerId, PeerInfo>, sender: u64, ticket_peer: PeerId) -> bool {
+    peers.get(&ticket_peer).is_some_and(|info| info.instance == sender)
 }
 
 /// Shared by every handle of one plugin instance.
