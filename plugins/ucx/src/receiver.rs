@@ -499,3 +499,101 @@ pub unsafe extern "C" fn am_bye(
     }
     ucs_status_t::UCS_OK
 }
+
+#[cfg(test)]
+mod tests {
+    //! The reply a transfer's record is due (`settle`), case by case: the receiver's side of
+    //! "exactly one final reply per transfer, and success only once every byte landed".
+    use super::*;
+
+    const KEY: (u64, u64) = (0xa11ce, 7);
+
+    fn record() -> IncomingXfer {
+        IncomingXfer::new(1, PeerId(2))
+    }
+
+    fn codes(replies: &[(u64, ReplyHeader)]) -> Vec<u32> {
+        assert!(replies.iter().all(|(sender, r)| *sender == KEY.0 && r.xfer == KEY.1), "replies go to the sender, about this transfer");
+        replies.iter().map(|(_, r)| r.code).collect()
+    }
+
+    #[test]
+    fn success_only_once_every_announced_byte_landed() {
+        let (mut rec, mut replies) = (record(), Vec::new());
+        rec.landed_segments = 2;
+        rec.landed_bytes = 2048;
+        assert!(!settle(&mut rec, KEY, &mut replies), "no commit yet: nothing to say");
+        rec.expected = Some((3, 3072));
+        assert!(!settle(&mut rec, KEY, &mut replies), "one message still missing");
+        assert!(replies.is_empty());
+        rec.landed_segments = 3;
+        rec.landed_bytes = 3072;
+        assert!(settle(&mut rec, KEY, &mut replies), "done: the record can go");
+        assert_eq!(codes(&replies), [0]);
+        assert!(!settle(&mut rec, KEY, &mut replies), "a final reply is sent once");
+        assert_eq!(replies.len(), 1);
+    }
+
+    #[test]
+    fn no_final_reply_while_a_receive_is_still_writing() {
+        let (mut rec, mut replies) = (record(), Vec::new());
+        rec.expected = Some((1, 64));
+        rec.landed_segments = 1;
+        rec.landed_bytes = 64;
+        rec.pending = 1;
+        assert!(!settle(&mut rec, KEY, &mut replies));
+        assert!(replies.is_empty());
+    }
+
+    #[test]
+    fn more_than_announced_is_a_protocol_violation() {
+        let (mut rec, mut replies) = (record(), Vec::new());
+        rec.expected = Some((1, 64));
+        rec.landed_segments = 2;
+        rec.landed_bytes = 128;
+        assert!(!settle(&mut rec, KEY, &mut replies), "a failed record stays as a tombstone");
+        assert_eq!(codes(&replies), [ReasonCode::PROTOCOL_VIOLATION.0]);
+    }
+
+    #[test]
+    fn a_refusal_is_answered_early_once_then_finally_after_the_commit() {
+        let (mut rec, mut replies) = (record(), Vec::new());
+        rec.failed = Some((ReasonCode::OUT_OF_RANGE, "outside".into()));
+        rec.pending = 1;
+        assert!(!settle(&mut rec, KEY, &mut replies));
+        assert!(!settle(&mut rec, KEY, &mut replies));
+        assert_eq!(codes(&replies), [ReasonCode::OUT_OF_RANGE.0 | REPLY_EARLY_BIT], "one early refusal while writes land");
+        rec.pending = 0;
+        rec.expected = Some((2, 128));
+        assert!(!settle(&mut rec, KEY, &mut replies));
+        assert_eq!(codes(&replies), [ReasonCode::OUT_OF_RANGE.0 | REPLY_EARLY_BIT, ReasonCode::OUT_OF_RANGE.0]);
+        assert!(rec.final_reply_sent);
+    }
+
+    #[test]
+    fn a_refusal_before_the_commit_and_with_nothing_pending_is_answered_early() {
+        let (mut rec, mut replies) = (record(), Vec::new());
+        rec.failed = Some((ReasonCode::NOT_EXPECTED, "no ticket".into()));
+        assert!(!settle(&mut rec, KEY, &mut replies));
+        assert_eq!(codes(&replies), [ReasonCode::NOT_EXPECTED.0 | REPLY_EARLY_BIT]);
+        assert!(!rec.final_reply_sent, "the final reply waits for the commit or the cancel");
+    }
+
+    #[test]
+    fn a_cancel_is_answered_once_nothing_can_land_with_the_refusal_if_any() {
+        let (mut rec, mut replies) = (record(), Vec::new());
+        rec.cancelled = true;
+        rec.pending = 1;
+        assert!(!settle(&mut rec, KEY, &mut replies));
+        assert!(replies.is_empty(), "a receive still writes: no answer yet");
+        rec.pending = 0;
+        assert!(!settle(&mut rec, KEY, &mut replies));
+        assert_eq!(codes(&replies), [ReasonCode::CANCELLED.0]);
+
+        let (mut refused, mut replies) = (record(), Vec::new());
+        refused.cancelled = true;
+        refused.failed = Some((ReasonCode::OUT_OF_RANGE, "outside".into()));
+        assert!(!settle(&mut refused, KEY, &mut replies));
+        assert_eq!(codes(&replies), [ReasonCode::OUT_OF_RANGE.0], "the refusal's reason, not a plain cancel");
+    }
+}
