@@ -73,6 +73,12 @@ pub struct UcxConfig {
     /// sum stays at or under it (a longer segment alone is sent as it is); a cancel waits at most for
     /// the joined message in flight. 0 turns joining off. Default 4194304 (4 MiB); 0..=1073741824.
     pub join_segments_max_bytes: u64,
+    /// How many finished incoming transfers one reply message may answer. While a burst of incoming
+    /// writes is being taken, a transfer's reply waits until this many are due, or until no other
+    /// write is still landing, or until the burst ends (at most 64 progress rounds), whichever comes
+    /// first; its sender sees `SUCCEEDED` that much later. 1 answers every transfer on its own.
+    /// Default 2; 1..=64 (the most replies one message carries).
+    pub reply_batch_transfers: u64,
 }
 
 impl Default for UcxConfig {
@@ -92,6 +98,7 @@ impl Default for UcxConfig {
             quiesce_timeout_ms: 2000,
             shutdown_grace_ms: 500,
             join_segments_max_bytes: 4 << 20,
+            reply_batch_transfers: 2,
         }
     }
 }
@@ -126,6 +133,7 @@ impl UcxConfig {
         check_range("quiesce_timeout_ms", self.quiesce_timeout_ms, 1, 600_000)?;
         check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 60_000)?;
         check_range("join_segments_max_bytes", self.join_segments_max_bytes, 0, 1 << 30)?;
+        check_range("reply_batch_transfers", self.reply_batch_transfers, 1, crate::wire::MAX_REPLIES_PER_MESSAGE as u64)?;
         for (key, value) in [("tls", &self.tls), ("devices", &self.devices), ("rndv_thresh", &self.rndv_thresh)] {
             if let Some(v) = value {
                 if v.trim().is_empty() || v.contains('\0') {
@@ -236,6 +244,7 @@ mod tests {
             ("quiesce_timeout_ms", 1, 600_000),
             ("shutdown_grace_ms", 0, 60_000),
             ("join_segments_max_bytes", 0, 1 << 30),
+            ("reply_batch_transfers", 1, 64),
         ];
         for &(key, min, max) in cases {
             assert!(UcxConfig::parse(&format!("{key} = {min}")).is_ok(), "{key} at min");
