@@ -34,8 +34,9 @@
 //!   wake-up of an idle virtual CPU costs tens of microseconds; the gap between the two rows is what
 //!   a host's hand-off costs there.
 //!
-//! Each point is measured `KVGATE_UCX_BENCH_REPEAT` times, reference and plugin alternating (each
-//! reference run followed by one run per driver, their order swapped every time); the median of the
+//! Each point is measured `KVGATE_UCX_BENCH_REPEAT` times, reference and plugin alternating (one
+//! reference run and one run per driver each time; the reference runs first one time and last the
+//! next, and the drivers' order is swapped every time); the median of the
 //! per-run ratios is reported (the target's figure) with the smallest and largest, then
 //! the ratio of the two medians (less moved by one slow run on either side when runs vary by ±20 %,
 //! as TCP loopback runs here do), then the interval that holds the median ratio with 90 %
@@ -670,21 +671,33 @@ fn main() {
             let mut pairs: Vec<Vec<(f64, f64)>> = vec![Vec::new(); hosts.len()];
             let mut errors = Vec::new();
             for run in 0..repeat {
-                let reference = if plugin_only { Ok(1.0) } else { perftest(t, size, iters, window) };
-                let reference = match reference {
+                // Alternate which side runs first (and the hosts' order) between runs, so that neither
+                // the reference nor a driver always runs right after the other: over TCP loopback a
+                // run's speed follows the run before it (fast or slow phases lasting a few runs).
+                let reference_first = run % 2 == 0;
+                let measure_reference = || if plugin_only { Ok(1.0) } else { perftest(t, size, iters, window) };
+                let early_reference = reference_first.then(measure_reference);
+                let order: Vec<usize> = if run % 2 == 0 { (0..hosts.len()).collect() } else { (0..hosts.len()).rev().collect() };
+                let ours: Vec<(usize, Result<f64, String>)> =
+                    order.into_iter().map(|i| (i, plugin(t, size, iters, window, slots, segments, &extra, placement, hosts[i]))).collect();
+                let reference = match early_reference.unwrap_or_else(measure_reference) {
                     Ok(r) => r,
                     Err(e) => {
                         errors.push(format!("reference: {e}"));
                         continue;
                     }
                 };
-                // Alternate the hosts' order between runs so that neither always runs right after the reference.
-                let order: Vec<usize> = if run % 2 == 0 { (0..hosts.len()).collect() } else { (0..hosts.len()).rev().collect() };
-                for i in order {
-                    match plugin(t, size, iters, window, slots, segments, &extra, placement, hosts[i]) {
+                for (i, result) in ours {
+                    match result {
                         Ok(p) => {
                             if each {
-                                println!("  run {}: ucx_perftest {reference:.2} GB/s, plugin ({}) {p:.2} GB/s, ratio {:.0}%", run + 1, hosts[i].name(), p / reference * 100.0);
+                                println!(
+                                    "  run {}: ucx_perftest {reference:.2} GB/s, plugin ({}) {p:.2} GB/s, ratio {:.0}%{}",
+                                    run + 1,
+                                    hosts[i].name(),
+                                    p / reference * 100.0,
+                                    if reference_first { "" } else { " (plugin first)" }
+                                );
                             }
                             pairs[i].push((reference, p));
                         }
