@@ -512,6 +512,14 @@ mod tests {
         IncomingXfer::new(1, PeerId(2))
     }
 
+    /// A record whose commit announced `expected` (segments, bytes) and where `landed` has landed.
+    fn committed(expected: (u64, u64), landed: (u64, u64)) -> IncomingXfer {
+        let mut rec = record();
+        rec.expected = Some(expected);
+        (rec.landed_segments, rec.landed_bytes) = landed;
+        rec
+    }
+
     fn codes(replies: &[(u64, ReplyHeader)]) -> Vec<u32> {
         assert!(replies.iter().all(|(sender, r)| *sender == KEY.0 && r.xfer == KEY.1), "replies go to the sender, about this transfer");
         replies.iter().map(|(_, r)| r.code).collect()
@@ -536,10 +544,7 @@ mod tests {
 
     #[test]
     fn no_final_reply_while_a_receive_is_still_writing() {
-        let (mut rec, mut replies) = (record(), Vec::new());
-        rec.expected = Some((1, 64));
-        rec.landed_segments = 1;
-        rec.landed_bytes = 64;
+        let (mut rec, mut replies) = (committed((1, 64), (1, 64)), Vec::new());
         rec.pending = 1;
         assert!(!settle(&mut rec, KEY, &mut replies));
         assert!(replies.is_empty());
@@ -547,10 +552,7 @@ mod tests {
 
     #[test]
     fn more_than_announced_is_a_protocol_violation() {
-        let (mut rec, mut replies) = (record(), Vec::new());
-        rec.expected = Some((1, 64));
-        rec.landed_segments = 2;
-        rec.landed_bytes = 128;
+        let (mut rec, mut replies) = (committed((1, 64), (2, 128)), Vec::new());
         assert!(!settle(&mut rec, KEY, &mut replies), "a failed record stays as a tombstone");
         assert_eq!(codes(&replies), [ReasonCode::PROTOCOL_VIOLATION.0]);
     }
