@@ -9,6 +9,7 @@ use crate::fast_map::FastMap;
 use crate::receiver::{self, Receiver, SenderNotice, COMPLETIONS, EP_ERRORS, RECV_TOKEN_BIT, REPLY_EARLY_BIT};
 use crate::shared::{Command, OutgoingJob, Shared};
 use crate::ucp::{self, ucp_ep_h, ucp_rkey_h, ucs_status_t, Posted, Worker};
+use crate::vec_pool::VecPool;
 use crate::wire::{self, CommitHeader, DataHeader, ReplyHeader};
 use kvgate_abi::{Event, LocalKey, PeerId, ReasonCode, XferId};
 use std::cell::RefCell;
@@ -29,6 +30,10 @@ const ENDPOINT_CLOSE_WAIT_MS: u64 = 200;
 /// How long a shutdown wait sleeps when a progress round found nothing to do (leaves the core to
 /// a receiver in the same process).
 const SHUTDOWN_IDLE_SLEEP_US: u64 = 50;
+/// Spare header and token vectors kept for reuse (one of each per transfer in flight is plenty).
+const SPARE_VECS: usize = 1024;
+/// Largest token list kept for reuse (a transfer that posted more frees its own).
+const SPARE_TOKEN_LIST_MAX: usize = 256;
 
 /// The one UCP endpoint to a remote instance, shared by every peer id the host connected to that
 /// instance. A second UCP endpoint to the same worker must never exist: over TCP, UCT pairs the
@@ -63,7 +68,7 @@ struct Req {
     request: *mut c_void,
     kind: ReqKind,
     /// An active-message header UCX may read until the request completes.
-    _header: Vec<u8>,
+    header: Vec<u8>,
 }
 
 struct Outgoing {
@@ -116,6 +121,9 @@ pub struct Engine {
     notice_buffer: Vec<SenderNotice>,
     reply_buffer: Vec<(u64, ReplyHeader)>,
     reply_bytes: Vec<u8>,
+    /// Active-message headers (kept alive until UCX completes their send) and transfers' token lists.
+    headers: VecPool<u8>,
+    token_lists: VecPool<u64>,
     /// `reply_batch_transfers`: replies held together while writes are still landing in a burst.
     reply_batch: usize,
     /// Inside the progress rounds of one loop iteration (replies may be held); false after them.
@@ -155,6 +163,8 @@ impl Engine {
             notice_buffer: Vec::new(),
             reply_buffer: Vec::new(),
             reply_bytes: Vec::new(),
+            headers: VecPool::new(SPARE_VECS, wire::MAX_HEADER_BYTES),
+            token_lists: VecPool::new(SPARE_VECS, SPARE_TOKEN_LIST_MAX),
             reply_batch,
             in_progress_burst: false,
         }))
@@ -386,7 +396,7 @@ impl Engine {
                         closed_at_once = false;
                         let xfers = if close_quiesces { victims.clone() } else { Vec::new() };
                         let kind = ReqKind::Close { xfers };
-                        self.requests.insert(token, Req { request, kind, _header: Vec::new() });
+                        self.requests.insert(token, Req { request, kind, header: Vec::new() });
                     }
                     Posted::Done => {}
                     Posted::Failed(status) => {
@@ -424,12 +434,14 @@ impl Engine {
         let deadline = job.deadline;
         if !self.peers.contains_key(&job.peer) {
             let peer = job.peer;
-            self.xfers.insert(xfer, Outgoing::new(job));
+            let tokens = self.token_lists.take();
+            self.xfers.insert(xfer, Outgoing::new(job, tokens));
             self.fail(xfer, ReasonCode::PEER_LOST, format!("no endpoint to peer {}", peer.0));
             self.maybe_finish(xfer);
             return;
         }
-        self.xfers.insert(xfer, Outgoing::new(job));
+        let tokens = self.token_lists.take();
+        self.xfers.insert(xfer, Outgoing::new(job, tokens));
         self.timers.push(deadline, xfer);
         self.pump(xfer);
     }
@@ -487,19 +499,26 @@ impl Engine {
         }
     }
 
+    /// Keep a posted request (and the header UCX may read until it completes) until its completion.
     fn track(&mut self, token: u64, posted: Posted, kind: ReqKind, header: Vec<u8>) -> Result<bool, ucs_status_t> {
         match posted {
-            Posted::Done => Ok(false),
+            Posted::Done => {
+                self.headers.give(header);
+                Ok(false)
+            }
             Posted::Pending(request) => {
                 if let ReqKind::Xfer { xfer } = kind {
                     if let Some(x) = self.xfers.get_mut(&xfer) {
                         x.tokens.push(token);
                     }
                 }
-                self.requests.insert(token, Req { request, kind, _header: header });
+                self.requests.insert(token, Req { request, kind, header });
                 Ok(true)
             }
-            Posted::Failed(status) => Err(status),
+            Posted::Failed(status) => {
+                self.headers.give(header);
+                Err(status)
+            }
         }
     }
 
@@ -513,7 +532,8 @@ impl Engine {
         carries_commit: bool,
     ) -> Result<(), (ReasonCode, String)> {
         let x = self.xfers.get(&xfer).unwrap();
-        let header = DataHeader {
+        let mut header = self.headers.take();
+        DataHeader {
             sender: self.shared.instance,
             xfer,
             ticket: x.job.ticket.0,
@@ -522,7 +542,7 @@ impl Engine {
             len: segment.len,
             commit: carries_commit.then_some((x.data_messages + 1, x.job.total_bytes)),
         }
-        .encode();
+        .encode_into(&mut header);
         let token = self.token();
         let param = ucp::send_param(
             Some(receiver::send_done),
@@ -554,14 +574,15 @@ impl Engine {
 
     fn send_commit(&mut self, xfer: u64, ep: ucp_ep_h, id: u32) {
         let x = self.xfers.get(&xfer).unwrap();
-        let header = CommitHeader {
+        let mut header = self.headers.take();
+        CommitHeader {
             sender: self.shared.instance,
             xfer,
             ticket: x.job.ticket.0,
             segments: x.data_messages,
             bytes: x.job.total_bytes,
         }
-        .encode();
+        .encode_into(&mut header);
         let token = self.token();
         let param = ucp::send_param(
             Some(receiver::send_done),
@@ -719,9 +740,11 @@ impl Engine {
             return;
         }
         let x = self.xfers.remove(&xfer).unwrap();
+        let unquiesced = x.unquiesced;
+        self.token_lists.give(x.tokens);
         let xfers = &self.xfers;
         self.timers.drop_stale(xfers.len(), |id| xfers.contains_key(&id));
-        if x.unquiesced {
+        if unquiesced {
             self.shared.lock().unquiesced_xfers.remove(&xfer);
             self.shared.sink.deliver(Event::quiesced(XferId(xfer)));
         }
@@ -795,6 +818,7 @@ impl Engine {
         let Some(req) = self.requests.remove(&token) else { return };
         // SAFETY: removed from `requests` above, so freed once.
         unsafe { ucp::request_free(req.request) };
+        self.headers.give(req.header);
         match req.kind {
             ReqKind::Xfer { xfer } => {
                 let Some(x) = self.xfers.get_mut(&xfer) else { return };
@@ -1113,7 +1137,7 @@ fn reason_for(status: ucs_status_t) -> ReasonCode {
 }
 
 impl Outgoing {
-    fn new(job: Box<OutgoingJob>) -> Outgoing {
+    fn new(job: Box<OutgoingJob>, tokens: Vec<u64>) -> Outgoing {
         let last_data_segment = job.segments.iter().rposition(|s| s.len > 0);
         Outgoing {
             job,
@@ -1129,7 +1153,7 @@ impl Outgoing {
             terminal: false,
             unquiesced: false,
             closing: false,
-            tokens: Vec::new(),
+            tokens,
         }
     }
 }

@@ -7,7 +7,7 @@
 //! - [`shared`]: books shared by the API threads and the progress thread; [`engine`]: that thread;
 //! - [`receiver`]: the receiver side of the active-message protocol; [`plugin`]: the `Plugin` face;
 //! - [`fast_map`]: seeded fast hash maps for the per-message books; [`token_slab`]: books found by
-//!   the token a UCX completion hands back;
+//!   the token a UCX completion hands back; [`vec_pool`]: spare vectors reused on the hot path;
 //! - [`ucx_log`]: UCX's log lines go to `tracing`, never to the host's stdout.
 
 pub mod config;
@@ -20,6 +20,7 @@ pub mod shared;
 pub mod token_slab;
 pub mod ucp;
 pub mod ucx_log;
+pub mod vec_pool;
 pub mod wire;
 
 pub use config::{ResolvedMode, TransferMode, UcxConfig};

@@ -278,8 +278,10 @@ pub type ResolvedSubmit = (Vec<ResolvedSegment>, Vec<Arc<LocalRegion>>, Vec<Arc<
 pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment], join_max_bytes: u64) -> Result<ResolvedSubmit, kvgate_abi::PluginError> {
     use kvgate_abi::{PluginError, ReasonCode};
     let mut resolved = Vec::with_capacity(segments.len());
-    let mut locals: FastMap<u64, Arc<LocalRegion>> = FastMap::default();
-    let mut remotes: FastMap<u64, Arc<RemoteRegion>> = FastMap::default();
+    // The regions the transfer holds, each once: a segment naming the region of the one before is
+    // skipped at once (the common case), the rest are sorted and deduplicated at the end.
+    let mut locals: Vec<Arc<LocalRegion>> = Vec::with_capacity(1);
+    let mut remotes: Vec<Arc<RemoteRegion>> = Vec::with_capacity(1);
     for (i, s) in segments.iter().enumerate() {
         let local = registry
             .regions
@@ -317,10 +319,24 @@ pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment],
             len: s.len,
         };
         push_joined(&mut resolved, segment, join_max_bytes);
-        locals.entry(s.local.0).or_insert_with(|| local.clone());
-        remotes.entry(s.remote.0).or_insert_with(|| remote.clone());
+        if locals.last().is_none_or(|l| l.key != s.local) {
+            locals.push(local.clone());
+        }
+        if remotes.last().is_none_or(|r| r.id != s.remote.0) {
+            remotes.push(remote.clone());
+        }
     }
-    Ok((resolved, locals.into_values().collect(), remotes.into_values().collect()))
+    each_once(&mut locals, |l| l.key.0);
+    each_once(&mut remotes, |r| r.id);
+    Ok((resolved, locals, remotes))
+}
+
+/// Keep one of each region in `regions` (by `key`).
+fn each_once<T>(regions: &mut Vec<Arc<T>>, key: impl Fn(&T) -> u64) {
+    if regions.len() > 1 {
+        regions.sort_unstable_by_key(|r| key(r));
+        regions.dedup_by_key(|r| key(r));
+    }
 }
 
 #[cfg(test)]
@@ -370,6 +386,20 @@ mod tests {
         let ranges = [LocalRange { key: LocalKey(1), offset: 0, len: 100 }, LocalRange { key: LocalKey(1), offset: 0, len: 10 }];
         let t = TicketState::new(PeerId(1), &ranges, Instant::now() + Duration::from_secs(1));
         assert!(t.allows(1, 0, 100));
+    }
+
+    #[test]
+    fn each_region_is_held_once_whatever_the_order_segments_name_them() {
+        let (a, b, c) = (Arc::new(1u64), Arc::new(2u64), Arc::new(3u64));
+        // As `resolve_segments` leaves them: repeats next to each other already skipped.
+        let mut regions = vec![a.clone(), b.clone(), a.clone(), c.clone(), b.clone()];
+        each_once(&mut regions, |r| *r);
+        let keys: Vec<u64> = regions.iter().map(|r| **r).collect();
+        assert_eq!(keys, [1, 2, 3]);
+        let mut one = vec![c.clone()];
+        each_once(&mut one, |r| *r);
+        assert_eq!(one.len(), 1);
+        assert_eq!(Arc::strong_count(&a), 2, "the duplicate holds were released");
     }
 
     fn resolved(local_key: u64, local_addr: u64, remote_key: u64, remote_offset: u64, len: u64) -> ResolvedSegment {

@@ -123,6 +123,9 @@ impl RemoteKeyBytes {
     }
 }
 
+/// Longest header a sender encodes: a data header with its commit (eight words).
+pub const MAX_HEADER_BYTES: usize = 64;
+
 /// Header of an `AM_DATA` message: one segment of one transfer. The transfer's last data message
 /// carries its commit (`segments` messages, `bytes` in total), which saves a separate `AM_COMMIT`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,7 +158,15 @@ pub struct ReplyHeader {
 }
 
 fn encode_words(words: &[u64]) -> Vec<u8> {
-    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+    let mut out = Vec::with_capacity(8 * words.len());
+    push_words(words, &mut out);
+    out
+}
+
+fn push_words(words: &[u64], out: &mut Vec<u8>) {
+    for w in words {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
 }
 
 fn decode_words<const N: usize>(bytes: &[u8]) -> Option<[u64; N]> {
@@ -171,11 +182,17 @@ fn decode_words<const N: usize>(bytes: &[u8]) -> Option<[u64; N]> {
 
 impl DataHeader {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = encode_words(&[self.sender, self.xfer, self.ticket, self.region, self.offset, self.len]);
-        if let Some((segments, bytes)) = self.commit {
-            out.extend_from_slice(&encode_words(&[segments, bytes]));
-        }
+        let mut out = Vec::with_capacity(MAX_HEADER_BYTES);
+        self.encode_into(&mut out);
         out
+    }
+    /// Encode into `out` (cleared first), reusing its allocation.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.clear();
+        push_words(&[self.sender, self.xfer, self.ticket, self.region, self.offset, self.len], out);
+        if let Some((segments, bytes)) = self.commit {
+            push_words(&[segments, bytes], out);
+        }
     }
     /// Six words, or eight with the commit.
     pub fn decode(bytes: &[u8]) -> Option<DataHeader> {
@@ -194,7 +211,14 @@ impl DataHeader {
 
 impl CommitHeader {
     pub fn encode(&self) -> Vec<u8> {
-        encode_words(&[self.sender, self.xfer, self.ticket, self.segments, self.bytes])
+        let mut out = Vec::with_capacity(40);
+        self.encode_into(&mut out);
+        out
+    }
+    /// Encode into `out` (cleared first), reusing its allocation.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        out.clear();
+        push_words(&[self.sender, self.xfer, self.ticket, self.segments, self.bytes], out);
     }
     pub fn decode(bytes: &[u8]) -> Option<CommitHeader> {
         let [sender, xfer, ticket, segments, bytes] = decode_words::<5>(bytes)?;
@@ -276,11 +300,18 @@ mod tests {
         assert_eq!(DataHeader::decode(&d.encode()), Some(d));
         assert_eq!(DataHeader::decode(&d.encode()[1..]), None);
         let last = DataHeader { commit: Some((7, 8)), ..d };
-        assert_eq!(last.encode().len(), 64);
+        assert_eq!(last.encode().len(), MAX_HEADER_BYTES);
+        let mut reused = vec![0xAA; 70];
+        last.encode_into(&mut reused);
+        assert_eq!(reused, last.encode(), "encode_into clears what the buffer held");
+        d.encode_into(&mut reused);
+        assert_eq!(DataHeader::decode(&reused), Some(d));
         assert_eq!(DataHeader::decode(&last.encode()), Some(last));
         assert_eq!(DataHeader::decode(&last.encode()[..56]), None);
         let c = CommitHeader { sender: 1, xfer: 2, ticket: 3, segments: 4, bytes: 5 };
         assert_eq!(CommitHeader::decode(&c.encode()), Some(c));
+        c.encode_into(&mut reused);
+        assert_eq!(CommitHeader::decode(&reused), Some(c), "encode_into clears what the buffer held");
         let r = ReplyHeader { xfer: 9, code: 6 };
         assert_eq!(ReplyHeader::decode(&r.encode()), Some(r));
         assert_eq!(ReplyHeader::decode(&encode_words(&[1, u64::MAX])), None);
