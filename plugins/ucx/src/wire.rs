@@ -186,9 +186,10 @@ impl DataHeader {
         self.encode_into(&mut out);
         out
     }
-    /// Encode into `out` (cleared first), reusing its allocation.
+    /// Encode into `out` (cleared first), reusing its allocation (sized for any header when new).
     pub fn encode_into(&self, out: &mut Vec<u8>) {
         out.clear();
+        out.reserve(MAX_HEADER_BYTES);
         push_words(&[self.sender, self.xfer, self.ticket, self.region, self.offset, self.len], out);
         if let Some((segments, bytes)) = self.commit {
             push_words(&[segments, bytes], out);
@@ -215,9 +216,10 @@ impl CommitHeader {
         self.encode_into(&mut out);
         out
     }
-    /// Encode into `out` (cleared first), reusing its allocation.
+    /// Encode into `out` (cleared first), reusing its allocation (sized for any header when new).
     pub fn encode_into(&self, out: &mut Vec<u8>) {
         out.clear();
+        out.reserve(MAX_HEADER_BYTES);
         push_words(&[self.sender, self.xfer, self.ticket, self.segments, self.bytes], out);
     }
     pub fn decode(bytes: &[u8]) -> Option<CommitHeader> {
