@@ -720,13 +720,15 @@ fn main() {
                 }
                 let (reference_median, plugin_median) = (median(&mut references), median(&mut ours));
                 let interval = median_interval(&ratios, INTERVAL_CONFIDENCE);
-                let interval_text = interval.map_or("-".to_string(), |i| format!("{:.0}..{:.0}%", i.low * 100.0, i.high * 100.0));
+                // One decimal: with hundreds of runs the interval is narrower than a point, and rounded to
+                // whole points an interval that just reaches below the target would read "95..96%".
+                let interval_text = interval.map_or("-".to_string(), |i| format!("{:.1}..{:.1}%", i.low * 100.0, i.high * 100.0));
                 let point_verdict = if t.name == "sm-put" { None } else { Some(verdict(interval, TARGET_RATIO)) };
                 if let Some(v) = point_verdict.filter(|v| i == judged && *v != Verdict::Met) {
                     short_of_target.push((format!("{} {}", t.name, size_text(size)), v, interval_text.clone()));
                 }
                 println!(
-                    "{:<6} {:<11} {:>7} {:<6} {:>18.2} {:>12.2} {:>6.0}% {:>7.0}..{:.0}% {:>13.0}% {:>13}  {}{}",
+                    "{:<6} {:<11} {:>7} {:<6} {:>18.2} {:>12.2} {:>6.1}% {:>7.0}..{:.0}% {:>13.0}% {:>13}  {}{}",
                     t.name,
                     t.perftest_test,
                     size_text(size),
