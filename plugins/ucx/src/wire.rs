@@ -182,7 +182,7 @@ fn decode_words<const N: usize>(bytes: &[u8]) -> Option<[u64; N]> {
 
 impl DataHeader {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(MAX_HEADER_BYTES);
+        let mut out = Vec::new();
         self.encode_into(&mut out);
         out
     }
@@ -212,7 +212,7 @@ impl DataHeader {
 
 impl CommitHeader {
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(40);
+        let mut out = Vec::new();
         self.encode_into(&mut out);
         out
     }
