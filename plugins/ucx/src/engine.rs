@@ -87,6 +87,8 @@ struct Outgoing {
     unquiesced: bool,
     /// Its endpoint is being closed; it quiesces when the close completes.
     closing: bool,
+    /// Listed in `Engine::stalled`: it has operations left to post and waits for room or an endpoint.
+    stalled: bool,
     /// Tokens of the requests it posted (some may have completed since).
     tokens: Vec<u64>,
 }
@@ -118,6 +120,10 @@ pub struct Engine {
     completion_buffer: Vec<(u64, ucs_status_t)>,
     failure_buffer: Vec<(u64, ucs_status_t)>,
     pump_buffer: Vec<u64>,
+    /// Transfers with operations left to post that `pump` had to leave: at
+    /// `max_posted_ops_per_transfer`, or with no endpoint yet. Only these are pumped again after
+    /// activity, so a loop round costs nothing per transfer merely awaiting its reply.
+    stalled: Vec<u64>,
     notice_buffer: Vec<SenderNotice>,
     reply_buffer: Vec<(u64, ReplyHeader)>,
     reply_bytes: Vec<u8>,
@@ -160,6 +166,7 @@ impl Engine {
             completion_buffer: Vec::new(),
             failure_buffer: Vec::new(),
             pump_buffer: Vec::new(),
+            stalled: Vec::new(),
             notice_buffer: Vec::new(),
             reply_buffer: Vec::new(),
             reply_bytes: Vec::new(),
@@ -209,6 +216,12 @@ impl Engine {
                 // window keeps moving, `reply_batch_transfers` at a time while more writes are landing.
                 self.in_progress_burst = true;
                 self.drain();
+                // A command queued meanwhile (a submit from the event sink, on this thread, or from
+                // the host) is taken now rather than after the burst: a transfer starts as soon as
+                // the one before it completes, as a window refilled on completion must.
+                if self.shared.commands_pending.load(Ordering::Relaxed) {
+                    break;
+                }
             }
             // The burst is over: whatever replies are held go now.
             self.in_progress_burst = false;
@@ -446,30 +459,55 @@ impl Engine {
         self.pump(xfer);
     }
 
+    /// Pump the stalled transfers again (those still stalled list themselves anew).
     fn pump_all(&mut self) {
-        let mut ready = std::mem::take(&mut self.pump_buffer);
-        ready.extend(
-            self.xfers
-                .iter()
-                .filter(|(_, x)| !x.terminal && (x.next_segment < x.job.segments.len() || !x.final_sent))
-                .map(|(id, _)| *id),
-        );
+        if self.stalled.is_empty() {
+            return;
+        }
+        let spare = std::mem::take(&mut self.pump_buffer);
+        let mut ready = std::mem::replace(&mut self.stalled, spare);
         for xfer in ready.drain(..) {
-            self.pump(xfer);
+            if let Some(x) = self.xfers.get_mut(&xfer) {
+                x.stalled = false;
+                self.pump(xfer);
+            }
         }
         self.pump_buffer = ready;
     }
 
-    /// Post as many operations of `xfer` as its window allows, then its commit or flush.
+    /// List `xfer` as stalled (once).
+    fn stall(&mut self, xfer: u64) {
+        if let Some(x) = self.xfers.get_mut(&xfer) {
+            if !x.stalled {
+                x.stalled = true;
+                self.stalled.push(xfer);
+            }
+        }
+    }
+
+    /// Post as many operations of `xfer` as its window allows, then its commit or flush; listed as
+    /// stalled when it has to stop with operations left.
     fn pump(&mut self, xfer: u64) {
         let max_posted = self.shared.config.max_posted_ops_per_transfer;
         let mode = self.shared.mode;
         loop {
             let Some(x) = self.xfers.get(&xfer) else { return };
-            if x.terminal || x.posted >= max_posted {
+            if x.terminal {
                 return;
             }
-            let Some(conn) = self.conn_of(x.job.peer) else { return };
+            let work_left = x.next_segment < x.job.segments.len() || !x.final_sent;
+            if x.posted >= max_posted {
+                if work_left {
+                    self.stall(xfer);
+                }
+                return;
+            }
+            let Some(conn) = self.conn_of(x.job.peer) else {
+                if work_left {
+                    self.stall(xfer);
+                }
+                return;
+            };
             let ep = conn.ep;
             if x.next_segment >= x.job.segments.len() {
                 if !x.final_sent {
@@ -1153,6 +1191,7 @@ impl Outgoing {
             terminal: false,
             unquiesced: false,
             closing: false,
+            stalled: false,
             tokens,
         }
     }

@@ -108,6 +108,43 @@ fn adjacent_blocks(config: &str) {
     baseline(&a, &b);
 }
 
+/// `max_posted_ops_per_transfer = 2`: transfers of 2 messages (at the bound), 3 (just past it) and
+/// 40, submitted together, their blocks a block apart on the destination so that none are joined:
+/// each succeeds with its bytes (a transfer held at the bound resumes as its operations complete).
+fn posted_ops_bound(config: &str) {
+    const BLOCK: u64 = 64 << 10; // above UCX's eager size: a sent block stays posted until its rendezvous ends
+    let counts = [2u64, 3, 40];
+    let total: u64 = counts.iter().sum();
+    let (a, b) = pair(&format!("{config}max_posted_ops_per_transfer = 2\n"));
+    let src = buffer(&a, (total * BLOCK) as usize, 91);
+    let dst = buffer(&b, (2 * total * BLOCK) as usize, 92);
+    let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+    let mut first = 0;
+    for (i, &n) in counts.iter().enumerate() {
+        let blocks = first..first + n;
+        let ranges: Vec<LocalRange> = blocks.clone().map(|k| LocalRange { key: dst.key, offset: 2 * k * BLOCK, len: BLOCK }).collect();
+        expect(&b, 20 + i as u64, PEER_A, LONG, &ranges);
+        let segments: Vec<Segment> =
+            blocks.map(|k| Segment { local: src.key, local_offset: k * BLOCK, remote, remote_offset: 2 * k * BLOCK, len: BLOCK }).collect();
+        submit(&a, 200 + i as u64, PEER_B, 20 + i as u64, LONG, &segments).unwrap();
+        first += n;
+    }
+    for (i, &n) in counts.iter().enumerate() {
+        let done = a.log.terminal_of(XferId(200 + i as u64), WAIT_LIMIT);
+        assert_eq!((done.kind, done.bytes), (EventKind::SUCCEEDED, n * BLOCK), "{n} messages: {done:?}");
+    }
+    let untouched = random_bytes(dst.bytes.len(), 92);
+    for k in 0..total as usize {
+        let block = BLOCK as usize;
+        assert_eq!(&dst.bytes[2 * k * block..][..block], &src.bytes[k * block..][..block], "block {k}");
+        assert_eq!(&dst.bytes[(2 * k + 1) * block..][..block], &untouched[(2 * k + 1) * block..][..block], "gap after block {k}");
+    }
+    for i in 0..counts.len() as u64 {
+        b.plugin.cancel_incoming(PEER_A, Ticket(20 + i));
+    }
+    baseline(&a, &b);
+}
+
 /// Zero-length segments before, between and after the data (the last message with bytes carries
 /// the commit in active-message mode; empty ones send nothing): every transfer succeeds with its bytes.
 fn empty_segments_around_the_data(config: &str) {
@@ -363,7 +400,7 @@ macro_rules! per_transport {
     };
 }
 
-per_transport!(data_integrity, scatter_gather, adjacent_blocks, empty_segments_around_the_data, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight, shutdown_with_zero_grace);
+per_transport!(data_integrity, scatter_gather, adjacent_blocks, posted_ops_bound, empty_segments_around_the_data, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight, shutdown_with_zero_grace);
 
 #[test]
 fn tcp_receiver_refuses() {
