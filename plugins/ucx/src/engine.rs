@@ -10,7 +10,7 @@ use crate::receiver::{self, Receiver, SenderNotice, COMPLETIONS, EP_ERRORS, RECV
 use crate::shared::{Command, OutgoingJob, Shared};
 use crate::ucp::{self, ucp_ep_h, ucp_rkey_h, ucs_status_t, Posted, Worker};
 use crate::vec_pool::VecPool;
-use crate::wire::{self, CommitHeader, DataHeader, ReplyHeader};
+use crate::wire::{self, CommitHeader, DataHeader, Header, ReplyHeader};
 use kvgate_abi::{Event, LocalKey, PeerId, ReasonCode, XferId};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};

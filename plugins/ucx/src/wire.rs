@@ -180,21 +180,35 @@ fn decode_words<const N: usize>(bytes: &[u8]) -> Option<[u64; N]> {
     Some(out)
 }
 
-impl DataHeader {
-    pub fn encode(&self) -> Vec<u8> {
+/// An active-message header of this plugin's protocol.
+pub trait Header {
+    /// Its words, appended to `out` (empty).
+    fn push_into(&self, out: &mut Vec<u8>);
+
+    /// Encode into `out` (cleared first), reusing its allocation (sized for any header when new).
+    fn encode_into(&self, out: &mut Vec<u8>) {
+        out.clear();
+        out.reserve(MAX_HEADER_BYTES);
+        self.push_into(out);
+    }
+
+    fn encode(&self) -> Vec<u8> {
         let mut out = Vec::new();
         self.encode_into(&mut out);
         out
     }
-    /// Encode into `out` (cleared first), reusing its allocation (sized for any header when new).
-    pub fn encode_into(&self, out: &mut Vec<u8>) {
-        out.clear();
-        out.reserve(MAX_HEADER_BYTES);
+}
+
+impl Header for DataHeader {
+    fn push_into(&self, out: &mut Vec<u8>) {
         push_words(&[self.sender, self.xfer, self.ticket, self.region, self.offset, self.len], out);
         if let Some((segments, bytes)) = self.commit {
             push_words(&[segments, bytes], out);
         }
     }
+}
+
+impl DataHeader {
     /// Six words, or eight with the commit.
     pub fn decode(bytes: &[u8]) -> Option<DataHeader> {
         let (words, commit) = match bytes.len() {
@@ -210,18 +224,13 @@ impl DataHeader {
     }
 }
 
-impl CommitHeader {
-    pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::new();
-        self.encode_into(&mut out);
-        out
-    }
-    /// Encode into `out` (cleared first), reusing its allocation (sized for any header when new).
-    pub fn encode_into(&self, out: &mut Vec<u8>) {
-        out.clear();
-        out.reserve(MAX_HEADER_BYTES);
+impl Header for CommitHeader {
+    fn push_into(&self, out: &mut Vec<u8>) {
         push_words(&[self.sender, self.xfer, self.ticket, self.segments, self.bytes], out);
     }
+}
+
+impl CommitHeader {
     pub fn decode(bytes: &[u8]) -> Option<CommitHeader> {
         let [sender, xfer, ticket, segments, bytes] = decode_words::<5>(bytes)?;
         Some(CommitHeader { sender, xfer, ticket, segments, bytes })
