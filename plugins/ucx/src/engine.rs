@@ -495,20 +495,16 @@ impl Engine {
             if x.terminal {
                 return;
             }
-            let work_left = x.next_segment < x.job.segments.len() || !x.final_sent;
-            if x.posted >= max_posted {
-                if work_left {
-                    self.stall(xfer);
+            let ep = match self.conn_of(x.job.peer) {
+                Some(conn) if x.posted < max_posted => conn.ep,
+                // At the posted-operations bound, or no endpoint yet: pumped again after activity.
+                _ => {
+                    if x.next_segment < x.job.segments.len() || !x.final_sent {
+                        self.stall(xfer);
+                    }
+                    return;
                 }
-                return;
-            }
-            let Some(conn) = self.conn_of(x.job.peer) else {
-                if work_left {
-                    self.stall(xfer);
-                }
-                return;
             };
-            let ep = conn.ep;
             if x.next_segment >= x.job.segments.len() {
                 if !x.final_sent {
                     match mode {
