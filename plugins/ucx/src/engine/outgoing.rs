@@ -1,0 +1,367 @@
+//! Outgoing transfers: posting their messages or puts within `max_posted_ops_per_transfer`, the commit
+//! or flush that ends them, and their way to a terminal event (`SUCCEEDED` on the receiver's reply or
+//! the flush, `FAILED` once, `QUIESCED` once nothing of theirs can land any more).
+
+use super::*;
+
+impl Engine {
+    pub(super) fn start(&mut self, job: Box<OutgoingJob>) {
+        let xfer = job.xfer.0;
+        let deadline = job.deadline;
+        if !self.peers.contains_key(&job.peer) {
+            let peer = job.peer;
+            let tokens = self.token_lists.take();
+            self.xfers.insert(xfer, Outgoing::new(job, tokens));
+            self.fail(xfer, ReasonCode::PEER_LOST, format!("no endpoint to peer {}", peer.0));
+            self.maybe_finish(xfer);
+            return;
+        }
+        let tokens = self.token_lists.take();
+        self.xfers.insert(xfer, Outgoing::new(job, tokens));
+        self.timers.push(deadline, xfer);
+        self.pump(xfer);
+    }
+
+    /// Pump the stalled transfers again (those still stalled list themselves anew).
+    pub(super) fn pump_all(&mut self) {
+        if self.stalled.is_empty() {
+            return;
+        }
+        let spare = std::mem::take(&mut self.pump_buffer);
+        let mut ready = std::mem::replace(&mut self.stalled, spare);
+        for xfer in ready.drain(..) {
+            if let Some(x) = self.xfers.get_mut(&xfer) {
+                x.stalled = false;
+                self.pump(xfer);
+            }
+        }
+        self.pump_buffer = ready;
+    }
+
+    /// List `xfer` as stalled (once).
+    fn stall(&mut self, xfer: u64) {
+        if let Some(x) = self.xfers.get_mut(&xfer) {
+            if !x.stalled {
+                x.stalled = true;
+                self.stalled.push(xfer);
+            }
+        }
+    }
+
+    /// Post as many operations of `xfer` as its window allows, then its commit or flush; listed as
+    /// stalled when it has to stop with operations left.
+    fn pump(&mut self, xfer: u64) {
+        let max_posted = self.shared.config.max_posted_ops_per_transfer;
+        let mode = self.shared.mode;
+        loop {
+            let Some(x) = self.xfers.get(&xfer) else { return };
+            if x.terminal {
+                return;
+            }
+            let ep = match self.conn_of(x.job.peer) {
+                Some(conn) if x.posted < max_posted => conn.ep,
+                // At the posted-operations bound, or no endpoint yet: pumped again after activity.
+                _ => {
+                    if x.next_segment < x.job.segments.len() || !x.final_sent {
+                        self.stall(xfer);
+                    }
+                    return;
+                }
+            };
+            if x.next_segment >= x.job.segments.len() {
+                if !x.final_sent {
+                    match mode {
+                        ResolvedMode::Am => self.send_commit(xfer, ep, wire::AM_COMMIT),
+                        ResolvedMode::Put => self.post_flush(xfer, ep),
+                    }
+                }
+                return;
+            }
+            let index = x.next_segment;
+            let carries_commit = x.last_data_segment == Some(index);
+            let segment = x.job.segments[index];
+            self.xfers.get_mut(&xfer).unwrap().next_segment += 1;
+            if segment.len == 0 {
+                continue;
+            }
+            let result = match mode {
+                ResolvedMode::Am => self.post_data(xfer, ep, &segment, carries_commit),
+                ResolvedMode::Put => self.post_put(xfer, ep, &segment),
+            };
+            if let Err((reason, message)) = result {
+                self.fail(xfer, reason, message);
+                self.maybe_finish(xfer);
+                return;
+            }
+        }
+    }
+
+    /// Post one data message; `carries_commit`: it is the transfer's last, and tells the receiver how
+    /// many messages and bytes to expect (no separate `AM_COMMIT` follows).
+    fn post_data(
+        &mut self,
+        xfer: u64,
+        ep: ucp_ep_h,
+        segment: &crate::shared::ResolvedSegment,
+        carries_commit: bool,
+    ) -> Result<(), (ReasonCode, String)> {
+        let x = self.xfers.get(&xfer).unwrap();
+        let mut header = self.headers.take();
+        DataHeader {
+            sender: self.shared.instance,
+            xfer,
+            ticket: x.job.ticket.0,
+            region: segment.remote_region,
+            offset: segment.remote_offset,
+            len: segment.len,
+            commit: carries_commit.then_some((x.data_messages + 1, x.job.total_bytes)),
+        }
+        .encode_into(&mut header);
+        let token = self.token();
+        let param = ucp::send_param(
+            Some(receiver::send_done),
+            token,
+            0,
+            segment.local_memh as ucp::ucp_mem_h,
+        );
+        let posted = ucp::classify(unsafe {
+            ucp::ucp_am_send_nbx(
+                ep,
+                wire::AM_DATA,
+                header.as_ptr() as *const c_void,
+                header.len(),
+                segment.local_addr as *const c_void,
+                segment.len as usize,
+                &param,
+            )
+        });
+        let pending = self
+            .track(token, posted, ReqKind::Xfer { xfer }, header)
+            .map_err(|s| (reason_for(s), format!("ucp_am_send_nbx: {}", ucp::status_text(s))))?;
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        x.posted += pending as u64;
+        x.data_messages += 1;
+        x.awaiting_reply = true;
+        x.final_sent |= carries_commit;
+        Ok(())
+    }
+
+    fn send_commit(&mut self, xfer: u64, ep: ucp_ep_h, id: u32) {
+        let x = self.xfers.get(&xfer).unwrap();
+        let mut header = self.headers.take();
+        CommitHeader {
+            sender: self.shared.instance,
+            xfer,
+            ticket: x.job.ticket.0,
+            segments: x.data_messages,
+            bytes: x.job.total_bytes,
+        }
+        .encode_into(&mut header);
+        let token = self.token();
+        let param = ucp::send_param(
+            Some(receiver::send_done),
+            token,
+            0,
+            std::ptr::null_mut(),
+        );
+        let posted = ucp::classify(unsafe {
+            ucp::ucp_am_send_nbx(ep, id, header.as_ptr() as *const c_void, header.len(), std::ptr::null(), 0, &param)
+        });
+        let result = self.track(token, posted, ReqKind::Xfer { xfer }, header);
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        x.final_sent = true;
+        if id == wire::AM_CANCEL {
+            x.cancel_sent = true;
+        }
+        match result {
+            Ok(pending) => {
+                x.posted += pending as u64;
+                x.awaiting_reply = true;
+            }
+            Err(status) => {
+                // The receiver will never answer this message; the endpoint is broken.
+                x.awaiting_reply = false;
+                let message = format!("ucp_am_send_nbx (control): {}", ucp::status_text(status));
+                self.fail(xfer, reason_for(status), message);
+            }
+        }
+    }
+
+    fn post_put(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), (ReasonCode, String)> {
+        let peer = self.xfers.get(&xfer).unwrap().job.peer;
+        let rkey = self.rkey_for(peer, segment.remote_key, xfer).map_err(|m| (ReasonCode::TRANSPORT_ERROR, m))?;
+        let token = self.token();
+        let param = ucp::send_param(Some(receiver::send_done), token, 0, segment.local_memh as ucp::ucp_mem_h);
+        let posted = ucp::classify(unsafe {
+            ucp::ucp_put_nbx(ep, segment.local_addr as *const c_void, segment.len as usize, segment.remote_addr, rkey, &param)
+        });
+        let pending = self
+            .track(token, posted, ReqKind::Xfer { xfer }, Vec::new())
+            .map_err(|s| (reason_for(s), format!("ucp_put_nbx: {}", ucp::status_text(s))))?;
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        x.posted += pending as u64;
+        x.any_put_posted = true;
+        Ok(())
+    }
+
+    /// Post the flush that makes a put-mode transfer's bytes visible remotely (or that quiesces it).
+    fn post_flush(&mut self, xfer: u64, ep: ucp_ep_h) {
+        let token = self.token();
+        let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
+        let posted = ucp::classify(unsafe { ucp::ucp_ep_flush_nbx(ep, &param) });
+        let result = self.track(token, posted, ReqKind::Flush { xfer }, Vec::new());
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        x.final_sent = true;
+        match result {
+            Ok(true) => x.posted += 1,
+            Ok(false) => self.flush_done(xfer, ucs_status_t::UCS_OK),
+            Err(status) => self.flush_done(xfer, status),
+        }
+    }
+
+    pub(super) fn flush_done(&mut self, xfer: u64, status: ucs_status_t) {
+        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        x.flush_done = true;
+        if !x.terminal {
+            if ucp::is_ok(status) {
+                self.succeed(xfer);
+            } else {
+                self.fail(xfer, reason_for(status), format!("ucp_ep_flush_nbx: {}", ucp::status_text(status)));
+            }
+        }
+        self.maybe_finish(xfer);
+    }
+
+    fn succeed(&mut self, xfer: u64) {
+        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        if x.terminal {
+            return;
+        }
+        x.terminal = true;
+        let bytes = x.job.total_bytes;
+        self.shared.lock().live_xfers.remove(&xfer);
+        self.shared.sink.deliver(Event::succeeded(XferId(xfer), bytes));
+    }
+
+    /// Make `xfer` terminal with `reason` (once) and start quiescing it.
+    pub(super) fn fail(&mut self, xfer: u64, reason: ReasonCode, message: String) {
+        let mode = self.shared.mode;
+        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        if x.terminal {
+            return;
+        }
+        x.terminal = true;
+        x.next_segment = x.job.segments.len();
+        let peer = x.job.peer;
+        // Stop what has not started; what is on the wire completes (or fails) through its callback.
+        let cancellable: Vec<*mut c_void> =
+            x.tokens.iter().filter_map(|t| self.requests.get(t)).map(|r| r.request).collect();
+        for request in cancellable {
+            // SAFETY: tracked requests are freed only when they leave `requests`.
+            unsafe { ucp::request_cancel(&self.worker, request) };
+        }
+        let ep = self.conn_of(peer).map(|c| c.ep);
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        let needs_cancel_message = mode == ResolvedMode::Am && x.awaiting_reply && !x.cancel_sent;
+        let needs_flush = mode == ResolvedMode::Put && x.any_put_posted && !x.final_sent;
+        match ep {
+            Some(ep) if needs_cancel_message => self.send_commit(xfer, ep, wire::AM_CANCEL),
+            Some(ep) if needs_flush => self.post_flush(xfer, ep),
+            None => {
+                let x = self.xfers.get_mut(&xfer).unwrap();
+                x.awaiting_reply = false;
+            }
+            _ => {}
+        }
+        let x = self.xfers.get_mut(&xfer).unwrap();
+        let quiesced = x.posted == 0 && !x.awaiting_reply && !x.closing && (mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done);
+        tracing::warn!(reason = reason.as_str(), xfer, peer = peer.0, quiesced, "ucx transfer failed: {message}");
+        let mut registry = self.shared.lock();
+        registry.live_xfers.remove(&xfer);
+        if quiesced {
+            drop(registry);
+            self.shared.sink.deliver(Event::failed_quiesced(XferId(xfer), reason, message));
+        } else {
+            registry.unquiesced_xfers.insert(xfer);
+            drop(registry);
+            x.unquiesced = true;
+            let deadline = Instant::now() + Duration::from_millis(self.shared.config.quiesce_timeout_ms);
+            self.timers.push(deadline, xfer);
+            self.shared.sink.deliver(Event::failed(XferId(xfer), reason, message));
+        }
+    }
+
+    /// Forget a terminal transfer once nothing of it is in flight; report `QUIESCED` if owed.
+    pub(super) fn maybe_finish(&mut self, xfer: u64) {
+        let mode = self.shared.mode;
+        let Some(x) = self.xfers.get(&xfer) else { return };
+        let flushed = mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done;
+        if !x.terminal || x.posted > 0 || x.awaiting_reply || !flushed || x.closing {
+            return;
+        }
+        let x = self.xfers.remove(&xfer).unwrap();
+        let unquiesced = x.unquiesced;
+        self.token_lists.give(x.tokens);
+        let xfers = &self.xfers;
+        self.timers.drop_stale(xfers.len(), |id| xfers.contains_key(&id));
+        if unquiesced {
+            self.shared.lock().unquiesced_xfers.remove(&xfer);
+            self.shared.sink.deliver(Event::quiesced(XferId(xfer)));
+        }
+    }
+
+    pub(super) fn on_reply(&mut self, xfer: u64, code: u32) {
+        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        if code & REPLY_EARLY_BIT != 0 {
+            let reason = ReasonCode(code & !REPLY_EARLY_BIT);
+            self.fail(xfer, reason, format!("receiver refused a segment: {reason}"));
+            return;
+        }
+        x.awaiting_reply = false;
+        if code == 0 {
+            if x.final_sent && !x.cancel_sent {
+                self.succeed(xfer);
+            }
+        } else {
+            let reason = ReasonCode(code);
+            self.fail(xfer, reason, format!("receiver refused the transfer: {reason}"));
+        }
+        self.maybe_finish(xfer);
+    }
+
+    pub(super) fn fail_users_of(&mut self, key: LocalKey) {
+        let users: Vec<u64> = self
+            .xfers
+            .iter()
+            .filter(|(_, x)| !x.terminal && x.job.segments.iter().any(|s| s.local_key == key.0))
+            .map(|(id, _)| *id)
+            .collect();
+        for xfer in users {
+            self.fail(xfer, ReasonCode::UNKNOWN_KEY, format!("source region {} deregistered", key.0));
+            self.maybe_finish(xfer);
+        }
+    }
+}
+
+impl Outgoing {
+    fn new(job: Box<OutgoingJob>, tokens: Vec<u64>) -> Outgoing {
+        let last_data_segment = job.segments.iter().rposition(|s| s.len > 0);
+        Outgoing {
+            job,
+            next_segment: 0,
+            posted: 0,
+            data_messages: 0,
+            last_data_segment,
+            final_sent: false,
+            cancel_sent: false,
+            awaiting_reply: false,
+            flush_done: false,
+            any_put_posted: false,
+            terminal: false,
+            unquiesced: false,
+            closing: false,
+            stalled: false,
+            tokens,
+        }
+    }
+}
