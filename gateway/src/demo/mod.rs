@@ -130,7 +130,8 @@ async fn move_rooms(pair: &GatewayPair, dir: &Path, plugin: &str, shape: &KvShap
     let (slot_tx, slot_rx) = async_channel_of_slots(slots);
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
-    let progress = tokio::spawn(progress_line(plugin.to_string(), done.clone(), args.rooms, shape.request_bytes()));
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let progress = tokio::spawn(progress_line(plugin.to_string(), done.clone(), args.rooms, shape.request_bytes(), terminal));
     let mut tasks = Vec::new();
     for i in 0..args.rooms {
         let slot = slot_rx.lock().await.recv().await.context("slot queue")?;
@@ -153,7 +154,12 @@ async fn move_rooms(pair: &GatewayPair, dir: &Path, plugin: &str, shape: &KvShap
     }
     let wall = started.elapsed();
     progress.abort();
-    println!("\r{plugin}: {}/{} rooms done in {:.2} s{:20}", results.len() + errors.len(), args.rooms, wall.as_secs_f64(), "");
+    let finished = format!("{plugin}: {}/{} rooms done in {:.2} s", results.len() + errors.len(), args.rooms, wall.as_secs_f64());
+    if terminal {
+        println!("\r{finished:60}");
+    } else {
+        println!("{finished}");
+    }
     Ok((results, errors, wall))
 }
 
@@ -173,14 +179,22 @@ fn async_channel_of_slots(slots: u64) -> SlotQueue {
     (tx, Arc::new(tokio::sync::Mutex::new(rx)))
 }
 
-async fn progress_line(plugin: String, done: Arc<AtomicU64>, total: u64, bytes_per_room: u64) {
+/// Progress while a plugin's rooms run: one line rewritten in place every 500 ms on a terminal; a
+/// line of its own every 2 s when the output goes to a file or a pipe (no carriage returns there).
+async fn progress_line(plugin: String, done: Arc<AtomicU64>, total: u64, bytes_per_room: u64, terminal: bool) {
     use std::io::Write;
     let started = Instant::now();
+    let every = Duration::from_millis(if terminal { 500 } else { 2000 });
     loop {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(every).await;
         let n = done.load(Ordering::Relaxed);
         let gb = (n * bytes_per_room) as f64 / 1e9;
-        print!("\r{plugin}: {n}/{total} rooms, {gb:.2} GB, {:.1} s", started.elapsed().as_secs_f64());
-        let _ = std::io::stdout().flush();
+        let line = format!("{plugin}: {n}/{total} rooms, {gb:.2} GB, {:.1} s", started.elapsed().as_secs_f64());
+        if terminal {
+            print!("\r{line}");
+            let _ = std::io::stdout().flush();
+        } else {
+            println!("{line}");
+        }
     }
 }
