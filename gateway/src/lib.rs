@@ -1,6 +1,6 @@
 //! kvgate: the gateway daemon and its CLI. One module per concern: `config`, `engine_api`,
-//! `peer_link`, `driver`, `admin`, `metrics`, `demo`, `cli`. The binary (`main.rs`) only calls
-//! [`cli::main`].
+//! `peer_link`, `driver`, `admin`, `metrics`, `demo`, `bench`, `serve`, `plugin_setup`, `logging`,
+//! `cli` (gateway/README.md has what each owns). The binary (`main.rs`) only calls [`cli::main`].
 
 pub mod admin;
 pub mod bench;
