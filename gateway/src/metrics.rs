@@ -232,4 +232,29 @@ mod tests {
             assert!(text.contains(expected), "missing {expected} in\n{text}");
         }
     }
+
+    #[test]
+    fn every_metric_is_listed_in_the_gateway_readme() {
+        let readme = include_str!("../README.md");
+        let listed = &readme[readme.find("## Metrics").expect("a Metrics section")..];
+        let listed = &listed[..listed[1..].find("\n## ").map_or(listed.len(), |i| i + 1)];
+        // A labelled family is rendered only once it has a member: give each one.
+        let m = GatewayMetrics::default();
+        m.observe_transfer("shm", 1 << 20, Nanos::from_ms(3));
+        m.observe_bootstrap("shm", Nanos::from_ms(1));
+        m.count_failure("peer_lost", "transfer", "shm");
+        m.count_stuck_rooms(5000, 1);
+        m.set_peer_up("decode", true);
+        let text = m.render(&snapshot());
+        let mut names = Vec::new();
+        for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE kvgate_")) {
+            let (name, kind) = line.split_once(' ').expect("# TYPE name kind");
+            // Counters are exposed (and listed) with their `_total` suffix.
+            names.push(if kind == "counter" { format!("{name}_total") } else { name.to_string() });
+        }
+        assert!(names.len() >= 24, "too few metrics read: {names:?}");
+        let missing: Vec<&String> =
+            names.iter().filter(|n| !listed.contains(&format!("`{n}`")) && !listed.contains(&format!("`{n}{{"))).collect();
+        assert!(missing.is_empty(), "metrics missing from gateway/README.md's Metrics section: {missing:?}");
+    }
 }
