@@ -12,13 +12,14 @@ fn undocumented<'a>(keys: impl IntoIterator<Item = &'a String>, readme: &str) ->
     keys.into_iter().filter(|key| !readme.contains(&format!("`{key}`"))).cloned().collect()
 }
 
+/// Every key of the gateway's configuration, as `section.key`.
+fn gateway_keys() -> Vec<String> {
+    dotted_keys(&kvgate::config::default_toml()).into_iter().map(|(section, key)| format!("{section}.{key}")).collect()
+}
+
 #[test]
 fn every_gateway_key_is_in_the_gateway_readme() {
-    let keys: Vec<String> = dotted_keys(&kvgate::config::default_toml())
-        .into_iter()
-        .filter(|(section, _)| section != "scheduler")
-        .map(|(section, key)| format!("{section}.{key}"))
-        .collect();
+    let keys: Vec<String> = gateway_keys().into_iter().filter(|k| !k.starts_with("scheduler.")).collect();
     assert!(keys.len() >= 20, "too few gateway keys read: {keys:?}");
     let missing = undocumented(&keys, GATEWAY_README);
     assert!(missing.is_empty(), "gateway keys missing from gateway/README.md: {missing:?}");
@@ -26,11 +27,7 @@ fn every_gateway_key_is_in_the_gateway_readme() {
 
 #[test]
 fn every_scheduler_key_is_in_the_top_level_readme() {
-    let keys: Vec<String> = dotted_keys(&kvgate::config::default_toml())
-        .into_iter()
-        .filter(|(section, _)| section == "scheduler")
-        .map(|(_, key)| key)
-        .collect();
+    let keys: Vec<String> = gateway_keys().iter().filter_map(|k| k.strip_prefix("scheduler.")).map(str::to_string).collect();
     assert!(keys.len() >= 10, "too few scheduler keys read: {keys:?}");
     let missing = undocumented(&keys, TOP_README);
     assert!(missing.is_empty(), "scheduler keys missing from README.md's [scheduler] table: {missing:?}");
@@ -38,8 +35,7 @@ fn every_scheduler_key_is_in_the_top_level_readme() {
 
 #[test]
 fn every_gateway_key_the_readme_table_names_is_accepted() {
-    let accepted: Vec<String> =
-        dotted_keys(&kvgate::config::default_toml()).into_iter().map(|(section, key)| format!("{section}.{key}")).collect();
+    let accepted = gateway_keys();
     // Plain `section.key` rows; the patterned ones (`peer_link.tls.{cert,key,ca}_file`,
     // `plugins.config.NAME`, `scheduler.*`, `[[peers]] ...`) name keys without a default.
     let named: Vec<String> = table_keys(section(GATEWAY_README, "## Configuration reference"))
