@@ -1,6 +1,6 @@
 //! kvgate: the gateway daemon and its CLI. One module per concern: `config`, `engine_api`,
-//! `peer_link`, `driver`, `admin`, `metrics`, `demo`, `bench`, `serve`, `plugin_setup`, `logging`,
-//! `cli` (gateway/README.md has what each owns). The binary (`main.rs`) only calls [`cli::main`].
+//! `peer_link`, `discovery`, `driver`, `admin`, `metrics`, `demo`, `bench`, `serve`, `plugin_setup`,
+//! `logging`, `cli` (gateway/README.md has what each owns). The binary (`main.rs`) only calls [`cli::main`].
 
 pub mod admin;
 pub mod bench;
@@ -10,6 +10,7 @@ mod cli_plugins;
 mod cli_remote;
 pub mod config;
 pub mod demo;
+pub mod discovery;
 pub mod driver;
 pub mod engine_api;
 pub mod logging;

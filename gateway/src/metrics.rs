@@ -40,6 +40,8 @@ pub struct GatewayMetrics {
     /// Incremented from plugin threads when the driver's plugin event queue is full.
     pub plugin_events_dropped: Counter<u64, AtomicU64>,
     bad_peer_frames: Counter,
+    discovery_registered: Gauge,
+    discovery_errors: Family<Labels, Counter>,
 }
 
 impl Default for GatewayMetrics {
@@ -53,6 +55,8 @@ impl Default for GatewayMetrics {
             peer_up: Family::default(),
             plugin_events_dropped: Counter::default(),
             bad_peer_frames: Counter::default(),
+            discovery_registered: Gauge::default(),
+            discovery_errors: Family::default(),
         }
     }
 }
@@ -82,6 +86,13 @@ impl GatewayMetrics {
     pub fn count_bad_peer_frame(&self) {
         self.bad_peer_frames.inc();
     }
+    /// Whether this gateway's discovery record is in etcd under a live lease.
+    pub fn set_discovery_registered(&self, registered: bool) {
+        self.discovery_registered.set(registered as i64);
+    }
+    pub fn count_discovery_error(&self, reason: &str) {
+        self.discovery_errors.get_or_create(&labels(&[("reason", reason)])).inc();
+    }
     /// Nothing to refresh today; kept so housekeeping has one place to update sampled gauges.
     pub fn set_plugin_events_dropped_now(&self) {}
 
@@ -96,6 +107,10 @@ impl GatewayMetrics {
         registry.register("peer_up", "1 while the peer link is up", self.peer_up.clone());
         registry.register("plugin_events_dropped", "Plugin events dropped because driver.plugin_event_queue_len was full", self.plugin_events_dropped.clone());
         registry.register("bad_peer_frames", "Peer frames that could not be decoded", self.bad_peer_frames.clone());
+        registry.register("discovery_registered", "1 while this gateway's discovery record is in etcd under a live lease", self.discovery_registered.clone());
+        let discovered = snapshot.peers.iter().filter(|p| p.source == crate::peer_link::PeerSource::Discovered.as_str()).count();
+        registry.register("discovery_peers", "Peers discovery added and still knows (withdrawn ones with a live link included)", gauge(discovered as i64));
+        registry.register("discovery_errors", "Discovery failures by reason (etcd calls, records refused)", self.discovery_errors.clone());
         register_core(&mut registry, snapshot);
         let mut text = String::new();
         encode(&mut text, &registry).expect("writing to a String cannot fail");

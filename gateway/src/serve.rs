@@ -7,7 +7,7 @@ use crate::config::GatewayConfig;
 use crate::driver::{Driver, DriverInput, DriverParts};
 use crate::engine_api::{bind_unix_socket, serve_engine_api, EngineApiService};
 use crate::metrics::GatewayMetrics;
-use crate::peer_link::{server_tls, start_peer_links, LocalIdentity};
+use crate::peer_link::{server_tls, LocalIdentity, PeerDirectory, PeerLinks};
 use anyhow::Context;
 use kvgate_client::proto;
 use kvgate_client::proto::peer_link_server::PeerLinkServer;
@@ -76,6 +76,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         Some(tokio::net::TcpListener::bind(&config.admin.listen).await.with_context(|| format!("admin.listen: bind {}", config.admin.listen))?)
     };
 
+    let (directory, static_links) = PeerDirectory::with_static(&config.peers);
     let driver = Driver::new(DriverParts {
         config: config.clone(),
         core,
@@ -83,10 +84,11 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         plugin_listing: listing,
         watch: watch_tx.clone(),
         metrics: metrics.clone(),
+        directory: directory.clone(),
     });
     let driver_done = spawn_driver_thread(driver, input_rx, plugin_rx)?;
 
-    let peer_service = start_peer_links(config.clone(), identity.clone(), input_tx.clone())?;
+    let (links, peer_service) = PeerLinks::start(config.clone(), identity.clone(), input_tx.clone(), directory, static_links)?;
     // Accepted sockets get TCP_NODELAY from `nodelay_incoming` (tonic ignores `Server::tcp_nodelay` there).
     let mut peer_server = tonic::transport::Server::builder();
     if let Some(tls) = server_tls(&config)? {
@@ -109,6 +111,11 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         let state = AdminState { driver: input_tx.clone(), metrics: metrics.clone() };
         tokio::spawn(serve_admin(listener, state, stop_rx.clone()));
     }
+    // Registered only now that every listener is bound: a peer that reads the record can dial at once.
+    let discovery_task = (!config.discovery.etcd_endpoints.is_empty()).then(|| {
+        let discovery = crate::discovery::Discovery { config: config.clone(), identity: identity.clone(), links, metrics: metrics.clone() };
+        tokio::spawn(discovery.run(stop_rx.clone()))
+    });
     tracing::info!(
         name = %config.gateway.name, incarnation = identity.incarnation, engine_socket = %config.engine_api.unix_socket,
         peer_listen = %config.peer_link.listen, admin = %config.admin.listen, "gateway ready"
@@ -127,6 +134,10 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let _ = driver_done.await;
     tokio::time::sleep(std::time::Duration::from_millis(SHUTDOWN_FLUSH_MS)).await;
     let _ = stop_tx.send(true);
+    if let Some(task) = discovery_task {
+        // It revokes this gateway's lease (bounded by discovery.request_timeout_ms).
+        let _ = task.await;
+    }
     if !config.engine_api.unix_socket.is_empty() {
         let _ = std::fs::remove_file(&config.engine_api.unix_socket);
     }

@@ -20,8 +20,9 @@ pub struct GatewayConfig {
     pub gateway: GatewaySection,
     pub engine_api: EngineApiSection,
     pub peer_link: PeerLinkSection,
-    /// Static peers: every gateway this one exchanges KV caches with.
+    /// Static peers: every gateway this one exchanges KV caches with (besides those `discovery` finds).
     pub peers: Vec<PeerEntry>,
+    pub discovery: DiscoverySection,
     pub plugins: PluginsSection,
     pub scheduler: kvgate_core::CoreConfig,
     pub driver: DriverSection,
@@ -136,6 +137,48 @@ pub struct PeerEntry {
     /// The name in its TLS certificate, when TLS is on; default: the host part of `address`.
     pub tls_name: String,
 }
+
+/// Peers found through etcd: this gateway registers itself under `key_prefix` with a lease and
+/// watches the prefix for the others. Off while `etcd_endpoints` is empty.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoverySection {
+    /// etcd client URLs (`http://10.0.0.5:2379`); empty turns discovery off.
+    pub etcd_endpoints: Vec<String>,
+    /// Every gateway of one deployment registers under this prefix as `<prefix><gateway.name>`.
+    pub key_prefix: String,
+    /// The lease on this gateway's record: it disappears this long after the gateway stops renewing it.
+    pub lease_ttl_s: u64,
+    /// Bound on connecting to etcd and on each etcd request.
+    pub request_timeout_ms: u64,
+    /// Wait after a failed etcd call before connecting and registering again.
+    pub retry_interval_ms: u64,
+    /// Most peers discovery may add; records past it are refused (`discovery_peer_limit`) and logged.
+    pub max_peers: u64,
+    /// The peer-link address peers dial, published in the record; default `peer_link.listen`.
+    pub advertise_address: String,
+    /// The name in this gateway's TLS certificate, published in the record; default: the host part of
+    /// the advertised address.
+    pub tls_name: String,
+}
+
+impl Default for DiscoverySection {
+    fn default() -> Self {
+        DiscoverySection {
+            etcd_endpoints: vec![],
+            key_prefix: "/kvgate/peers/".to_string(),
+            lease_ttl_s: 10,
+            request_timeout_ms: 3000,
+            retry_interval_ms: 1000,
+            max_peers: 256,
+            advertise_address: String::new(),
+            tls_name: String::new(),
+        }
+    }
+}
+
+/// Most peers `discovery.max_peers` may allow (as many as static `[[peers]]` entries).
+pub const MAX_DISCOVERED_PEERS: u64 = 1024;
 
 /// Which plugins to load and how to open them.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]

@@ -138,3 +138,40 @@ fn stuck_room_warning_rate_is_checked_at_and_just_past_its_bounds() {
     let e = errors_of(&format!("[admin]\nstuck_room_warn_lines_per_s = {}\n", super::MAX_STUCK_ROOM_WARN_LINES_PER_S + 1));
     assert!(e.contains("admin.stuck_room_warn_lines_per_s = 100001") && e.contains("0..=100000"), "{e}");
 }
+
+const ETCD: &str = "[discovery]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n";
+
+#[test]
+fn discovery_limits_are_checked_at_and_just_past_each_bound_only_when_it_is_on() {
+    let cases = [("lease_ttl_s", 2, 600), ("request_timeout_ms", 10, 60_000), ("retry_interval_ms", 10, 60_000), ("max_peers", 1, MAX_DISCOVERED_PEERS)];
+    for (key, min, max) in cases {
+        load_config_from_str(&format!("{ETCD}{key} = {min}\n")).unwrap();
+        load_config_from_str(&format!("{ETCD}{key} = {max}\n")).unwrap();
+        for bad in [min - 1, max + 1] {
+            let e = errors_of(&format!("{ETCD}{key} = {bad}\n"));
+            assert!(e.contains(&format!("discovery.{key} = {bad}")) && e.contains(&format!("{min}..={max}")), "{e}");
+            // Without endpoints the section is unused and not checked.
+            load_config_from_str(&format!("[discovery]\n{key} = {bad}\n")).unwrap();
+        }
+    }
+    let sixteen: Vec<String> = (0..16).map(|i| format!("\"http://10.0.0.{i}:2379\"")).collect();
+    load_config_from_str(&format!("[discovery]\netcd_endpoints = [{}]\n", sixteen.join(","))).unwrap();
+    let seventeen = format!("{},\"http://10.0.0.99:2379\"", sixteen.join(","));
+    let e = errors_of(&format!("[discovery]\netcd_endpoints = [{seventeen}]\n"));
+    assert!(e.contains("discovery.etcd_endpoints (count) = 17") && e.contains("1..=16"), "{e}");
+}
+
+#[test]
+fn discovery_addresses_and_prefix_are_checked() {
+    let e = errors_of("[discovery]\netcd_endpoints = [\"127.0.0.1:2379\", \"http://etcd\"]\n");
+    assert!(e.contains("discovery.etcd_endpoints[0]") && e.contains("discovery.etcd_endpoints[1]") && e.contains("http://host:port"), "{e}");
+    let e = errors_of(&format!("{ETCD}key_prefix = \"/kvgate/peers\"\n"));
+    assert!(e.contains("discovery.key_prefix") && e.contains("ending in /"), "{e}");
+    let e = errors_of(&format!("{ETCD}advertise_address = \"10.0.0.1\"\n"));
+    assert!(e.contains("discovery.advertise_address") && e.contains("host:port"), "{e}");
+    // A wildcard listen address cannot be dialled: the advertised one must be given.
+    let wildcard = format!("[peer_link]\nlisten = \"0.0.0.0:7100\"\n{ETCD}");
+    let e = errors_of(&wildcard);
+    assert!(e.contains("discovery.advertise_address") && e.contains("wildcard"), "{e}");
+    load_config_from_str(&format!("{wildcard}advertise_address = \"10.0.0.1:7100\"\n")).unwrap();
+}

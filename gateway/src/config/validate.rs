@@ -37,6 +37,7 @@ pub fn validate(config: &GatewayConfig) -> Vec<LimitError> {
     check_gateway_and_engine_api(config, &mut errors);
     check_peer_link(config, &mut errors);
     check_peers(config, &mut errors);
+    check_discovery(config, &mut errors);
     check_plugins_driver_admin_log(config, &mut errors);
     // The scheduler's own ranges (kvgate-core's `CoreConfig::ranges`), every one reported; then its
     // cross-field rules through `CoreConfig::validate`.
@@ -108,6 +109,44 @@ fn check_peers(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
         let valid_address = peer.address.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
         if !valid_address {
             errors.push(rule(&format!("{at}.address"), format!("{:?}", peer.address), "host:port"));
+        }
+    }
+}
+
+fn check_discovery(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
+    let d = &config.discovery;
+    if d.etcd_endpoints.is_empty() {
+        return;
+    }
+    errors.extend(check_range("discovery.etcd_endpoints (count)", d.etcd_endpoints.len() as u64, 1, 16));
+    for (i, endpoint) in d.etcd_endpoints.iter().enumerate() {
+        let valid = endpoint.strip_prefix("http://").is_some_and(|rest| rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()));
+        if !valid {
+            errors.push(rule(&format!("discovery.etcd_endpoints[{i}]"), format!("{endpoint:?}"), "http://host:port"));
+        }
+    }
+    if d.key_prefix.is_empty() || !d.key_prefix.ends_with('/') {
+        errors.push(rule("discovery.key_prefix", format!("{:?}", d.key_prefix), "a non-empty prefix ending in /"));
+    }
+    errors.extend(check_range("discovery.lease_ttl_s", d.lease_ttl_s, 2, 600));
+    errors.extend(check_range("discovery.request_timeout_ms", d.request_timeout_ms, 10, 60_000));
+    errors.extend(check_range("discovery.retry_interval_ms", d.retry_interval_ms, 10, 60_000));
+    errors.extend(check_range("discovery.max_peers", d.max_peers, 1, super::MAX_DISCOVERED_PEERS));
+    match d.advertise_address.is_empty() {
+        true => {
+            if config.peer_link.listen.parse::<SocketAddr>().is_ok_and(|a| a.ip().is_unspecified()) {
+                errors.push(rule(
+                    "discovery.advertise_address",
+                    "\"\"",
+                    "the address peers dial (required when peer_link.listen is a wildcard address)",
+                ));
+            }
+        }
+        false => {
+            let valid = d.advertise_address.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+            if !valid {
+                errors.push(rule("discovery.advertise_address", format!("{:?}", d.advertise_address), "host:port"));
+            }
         }
     }
 }

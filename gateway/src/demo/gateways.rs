@@ -33,6 +33,9 @@ pub struct PairSettings {
     /// The body of `[plugins.config.<plugin>]` of every gateway (the plugin's own TOML keys, e.g.
     /// `tls = "tcp"`); empty writes no such table.
     pub plugin_config: String,
+    /// Write every other gateway as a `[[peers]]` entry (false: they must find each other through
+    /// `[discovery]`, given in the extra TOML).
+    pub static_peers: bool,
 }
 
 impl Default for PairSettings {
@@ -50,6 +53,7 @@ impl Default for PairSettings {
             stuck_room_warn_ms: vec![5_000],
             plugin_libraries: vec![],
             plugin_config: String::new(),
+            static_peers: true,
         }
     }
 }
@@ -239,8 +243,12 @@ impl Cluster {
         let mut gateways = Vec::new();
         for (i, (name, extra, env)) in members.iter().enumerate() {
             let (port, admin) = ports[i];
-            let peers: Vec<(String, String)> =
-                members.iter().enumerate().filter(|(j, _)| *j != i).map(|(j, m)| (m.0.to_string(), format!("127.0.0.1:{}", ports[j].0))).collect();
+            let peers: Vec<(String, String)> = members
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i && settings.static_peers)
+                .map(|(j, m)| (m.0.to_string(), format!("127.0.0.1:{}", ports[j].0)))
+                .collect();
             let socket = dir.join(format!("{name}-{tag}.sock"));
             let config_path = dir.join(format!("{name}-{tag}.toml"));
             let log_path = dir.join(format!("{name}-{tag}.log"));

@@ -115,12 +115,14 @@ impl Driver {
     }
 
     fn peer_id_of(&self, name: &str) -> Result<PeerId, ApiError> {
-        if !self.config.peers.iter().any(|p| p.name == name) {
-            return Err(ApiError::invalid("unknown_peer", format!("{name:?} is not a configured peer (see [[peers]])")));
+        // A peer withdrawn from discovery whose link is still up keeps taking rooms until the link goes.
+        if let Some(peer) = self.peers.current(name) {
+            return Ok(peer);
         }
-        self.peers.current(name).ok_or_else(|| {
-            ApiError::new(tonic::Code::Unavailable, "peer_not_connected", format!("peer {name:?} is configured but its link is down"))
-        })
+        if self.directory.entry(name).is_none() {
+            return Err(ApiError::invalid("unknown_peer", format!("{name:?} is not a configured peer (see [[peers]]) nor one discovery found")));
+        }
+        Err(ApiError::new(tonic::Code::Unavailable, "peer_not_connected", format!("peer {name:?} is known but its link is down")))
     }
 
     fn submit_engine(&mut self, request: EngineRequest) -> Result<(), ApiError> {

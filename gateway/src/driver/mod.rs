@@ -47,6 +47,8 @@ pub struct DriverParts {
     pub plugin_listing: Vec<PluginStatus>,
     pub watch: crate::engine_api::WatchFeed,
     pub metrics: Arc<GatewayMetrics>,
+    /// The peers this gateway knows (static and discovered), shared with the peer links.
+    pub directory: Arc<crate::peer_link::PeerDirectory>,
 }
 
 /// How often the driver pops due stuck-room warnings (`stuck.rs`) and refreshes the dropped-event gauge.
@@ -62,6 +64,7 @@ pub struct Driver {
     plugin_unhealthy: Vec<Option<String>>,
     regions: regions::Regions,
     peers: peers::Peers,
+    directory: Arc<crate::peer_link::PeerDirectory>,
     watch: crate::engine_api::WatchFeed,
     metrics: Arc<GatewayMetrics>,
     /// Plugin events produced by the driver itself (a submit refused synchronously), fed back in order.
@@ -88,6 +91,7 @@ impl Driver {
             origin: Instant::now(),
             regions: regions::Regions::new(parts.config.engine_api.max_regions),
             peers: peers::Peers::default(),
+            directory: parts.directory,
             config: parts.config,
             plugins: parts.plugins,
             plugin_listing: parts.plugin_listing,

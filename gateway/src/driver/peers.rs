@@ -77,7 +77,7 @@ impl Driver {
             }
         }
         let local_prefs: Vec<String> = self.plugins.iter().map(|p| p.name().to_string()).collect();
-        let same_host = self.config.peers.iter().find(|p| p.name == name).is_some_and(|p| p.same_host);
+        let same_host = self.directory.entry(&name).is_some_and(|p| p.same_host);
         let candidates = shared_preferences(&self.config.gateway.name, &local_prefs, &hello);
         // kvgate-host's selection checks memory kind, scope and health of our own instance.
         let plugin = match select_plugin(&self.plugins, &candidates, same_host) {

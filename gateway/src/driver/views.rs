@@ -48,8 +48,11 @@ pub struct PluginStatus {
 #[derive(Clone, Debug, Serialize)]
 pub struct PeerStatus {
     pub name: String,
+    /// Empty for a discovered peer whose record is withdrawn (its link may still be up).
     pub address: String,
     pub up: bool,
+    /// `static` (`[[peers]]`) or `etcd` (discovery).
+    pub source: &'static str,
 }
 
 /// Everything the admin listener shows, taken in one driver turn.
@@ -133,10 +136,15 @@ impl Driver {
             }
         }
         let peers = self
-            .config
-            .peers
-            .iter()
-            .map(|p| PeerStatus { name: p.name.clone(), address: p.address.clone(), up: self.peers.is_up(&p.name) })
+            .directory
+            .list()
+            .into_iter()
+            .map(|(name, entry, source)| PeerStatus {
+                up: self.peers.is_up(&name),
+                address: entry.map(|e| e.address).unwrap_or_default(),
+                name,
+                source: source.as_str(),
+            })
             .collect();
         AdminSnapshot { now, metrics: self.core.metrics().clone(), rooms, plugins, peers, problems }
     }

@@ -5,16 +5,17 @@
 
 pub mod codec;
 mod dial;
+pub mod directory;
 mod server;
 mod session;
 mod tls;
 
+pub use directory::{PeerDirectory, PeerSource, Upsert};
 pub use server::PeerLinkService;
 pub use session::{PeerEvent, PeerSender, SessionId};
 
 use crate::config::{GatewayConfig, PeerEntry};
 use kvgate_client::proto::{self, PeerFrame};
-use std::collections::HashMap;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -51,34 +52,57 @@ pub fn dials(local_name: &str, peer: &str) -> bool {
     local_name < peer
 }
 
-/// Starts one task per configured peer; returns the gRPC service that accepts dialled links. Peer
-/// events go straight into the driver's input queue as `DriverInput::Peer`.
-pub fn start_peer_links(
+/// Starts the link tasks: one per peer, for the static ones now and for discovered ones as
+/// discovery adds them.
+#[derive(Clone)]
+pub struct PeerLinks {
     config: Arc<GatewayConfig>,
     identity: Arc<LocalIdentity>,
     events: mpsc::Sender<crate::driver::DriverInput>,
-) -> anyhow::Result<PeerLinkService> {
-    let tls = match &config.peer_link.tls {
-        Some(t) => Some(Arc::new(tls::PeerTls::load(t)?)),
-        None => None,
-    };
-    let mut incoming = HashMap::new();
-    for peer in &config.peers {
-        // Every peer task keeps a live incoming channel (a closed one would read as shutdown); the
-        // server only hands over links from peers that dial us.
-        let (session_tx, session_rx) = mpsc::channel(4);
-        incoming.insert(peer.name.clone(), session_tx);
+    tls: Option<Arc<tls::PeerTls>>,
+    directory: Arc<PeerDirectory>,
+}
+
+impl PeerLinks {
+    /// Starts the tasks of the static peers in `directory`'s `static_tasks`; returns the links (for
+    /// discovery) and the gRPC service that accepts dialled links. Peer events go straight into the
+    /// driver's input queue as `DriverInput::Peer`.
+    pub fn start(
+        config: Arc<GatewayConfig>,
+        identity: Arc<LocalIdentity>,
+        events: mpsc::Sender<crate::driver::DriverInput>,
+        directory: Arc<PeerDirectory>,
+        static_tasks: Vec<(PeerEntry, directory::NewPeer)>,
+    ) -> anyhow::Result<(PeerLinks, PeerLinkService)> {
+        let tls = match &config.peer_link.tls {
+            Some(t) => Some(Arc::new(tls::PeerTls::load(t)?)),
+            None => None,
+        };
+        let links = PeerLinks { config: config.clone(), identity: identity.clone(), events, tls, directory: directory.clone() };
+        for (peer, new) in static_tasks {
+            links.spawn(peer.name, new);
+        }
+        Ok((links, PeerLinkService::new(identity, config, directory)))
+    }
+
+    pub fn directory(&self) -> &Arc<PeerDirectory> {
+        &self.directory
+    }
+
+    /// Starts the link task of a peer the directory just added.
+    pub fn spawn(&self, name: String, new: directory::NewPeer) {
         let task = session::PeerTask {
-            config: config.clone(),
-            peer: peer.clone(),
-            identity: identity.clone(),
-            events: events.clone(),
-            incoming: session_rx,
-            tls: tls.clone(),
+            config: self.config.clone(),
+            name,
+            entry: new.entry,
+            directory: self.directory.clone(),
+            identity: self.identity.clone(),
+            events: self.events.clone(),
+            incoming: new.incoming,
+            tls: self.tls.clone(),
         };
         tokio::spawn(task.run());
     }
-    Ok(PeerLinkService::new(identity, config, incoming))
 }
 
 /// The server TLS config for the peer-link listener, when TLS is configured.

@@ -1,12 +1,12 @@
 //! The `PeerLink` gRPC service: accepts links dialled by peers whose name sorts before ours, checks
 //! their Hello (and, with TLS, that their certificate names the peer the Hello claims to be), and
-//! hands the session to that peer's task. Never accepts an unknown peer.
+//! hands the session to that peer's task. Never accepts an unknown peer (neither in `[[peers]]` nor
+//! discovered, or withdrawn from discovery).
 
 use super::session::Session;
-use super::LocalIdentity;
+use super::{LocalIdentity, PeerDirectory};
 use crate::config::GatewayConfig;
 use kvgate_client::proto::{peer_frame::Frame, peer_link_server::PeerLink, PeerFrame};
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,12 +17,12 @@ use tonic::{Request, Response, Status, Streaming};
 pub struct PeerLinkService {
     identity: Arc<LocalIdentity>,
     config: Arc<GatewayConfig>,
-    incoming: HashMap<String, mpsc::Sender<Session>>,
+    directory: Arc<PeerDirectory>,
 }
 
 impl PeerLinkService {
-    pub(super) fn new(identity: Arc<LocalIdentity>, config: Arc<GatewayConfig>, incoming: HashMap<String, mpsc::Sender<Session>>) -> Self {
-        PeerLinkService { identity, config, incoming }
+    pub(super) fn new(identity: Arc<LocalIdentity>, config: Arc<GatewayConfig>, directory: Arc<PeerDirectory>) -> Self {
+        PeerLinkService { identity, config, directory }
     }
 }
 
@@ -49,13 +49,13 @@ impl PeerLink for PeerLinkService {
             return Err(Status::failed_precondition(format!("version_mismatch: peer-link protocol {} (this gateway speaks {})", hello.protocol_version, super::PEER_PROTOCOL_VERSION)));
         }
         let dialler_is_peer = super::dials(&hello.name, &self.identity.name);
-        let Some(session_tx) = self.incoming.get(&hello.name).filter(|_| dialler_is_peer) else {
-            tracing::warn!(peer = %hello.name, "refused a peer link from an unconfigured or dialling peer");
-            return Err(Status::permission_denied(format!("unknown_peer: {:?} is not a configured peer that dials this gateway", hello.name)));
+        let known = self.directory.entry(&hello.name).zip(self.directory.incoming(&hello.name)).filter(|_| dialler_is_peer);
+        let Some((entry, session_tx)) = known else {
+            tracing::warn!(peer = %hello.name, "refused a peer link from an unknown or dialling peer (unknown_peer)");
+            return Err(Status::permission_denied(format!("unknown_peer: {:?} is not a configured or discovered peer that dials this gateway", hello.name)));
         };
         if self.config.peer_link.tls.is_some() {
-            let entry = self.config.peers.iter().find(|p| p.name == hello.name).expect("a configured peer (checked above)");
-            let expected = super::tls_name(entry);
+            let expected = super::tls_name(&entry);
             let leaf = client_certs.as_ref().and_then(|certs| certs.first().cloned());
             if let Err(why) = super::tls::check_certificate_name(leaf.as_ref(), &expected) {
                 tracing::warn!(peer = %hello.name, expected_name = %expected, "refused a peer link (peer_identity_mismatch): {why}");

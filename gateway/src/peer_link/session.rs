@@ -1,16 +1,17 @@
-//! One task per configured peer: obtain a session (dial it, or accept it from the server), run it
+//! One task per known peer: obtain a session (dial it, or accept it from the server), run it
 //! (heartbeats out, frames in, loss after `heartbeat_interval_ms * heartbeat_misses` of silence), then
-//! report the loss and start over. Never blocks the driver: frames out go through a bounded queue
-//! whose overflow is itself a loss.
+//! report the loss and start over; a discovered peer's task ends once its record is withdrawn and no
+//! session is left. Never blocks the driver: frames out go through a bounded queue whose overflow is
+//! itself a loss.
 
-use super::{dial, LocalIdentity};
+use super::{dial, LocalIdentity, PeerDirectory};
 use crate::config::{GatewayConfig, PeerEntry};
 use crate::driver::DriverInput;
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tonic::Streaming;
 
@@ -79,7 +80,10 @@ pub struct Session {
 
 pub(super) struct PeerTask {
     pub config: Arc<GatewayConfig>,
-    pub peer: PeerEntry,
+    pub name: String,
+    /// The entry to dial; `None` once the peer's discovery record is withdrawn.
+    pub entry: watch::Receiver<Option<PeerEntry>>,
+    pub directory: Arc<PeerDirectory>,
     pub identity: Arc<LocalIdentity>,
     /// The driver's input queue: peer events go straight in (no forwarding task in between).
     pub events: mpsc::Sender<DriverInput>,
@@ -89,36 +93,58 @@ pub(super) struct PeerTask {
 
 impl PeerTask {
     pub async fn run(mut self) {
-        let dialer = super::dials(&self.identity.name, &self.peer.name);
+        let dialer = super::dials(&self.identity.name, &self.name);
         let reconnect = Duration::from_millis(self.config.peer_link.reconnect_interval_ms);
         let mut next: Option<Session> = None;
         loop {
-            let session = match next.take() {
-                Some(s) => s,
-                None if dialer => match dial::dial(&self.config, &self.peer, &self.identity, self.tls.as_deref()).await {
+            let current = self.entry.borrow_and_update().clone();
+            let session = match (next.take(), current) {
+                (Some(s), _) => s,
+                (None, None) => {
+                    if self.directory.retire(&self.name) {
+                        tracing::info!(peer = %self.name, "peer withdrawn from discovery: its link task ends");
+                        return;
+                    }
+                    continue;
+                }
+                (None, Some(peer)) if dialer => match dial::dial(&self.config, &peer, &self.identity, self.tls.as_deref()).await {
                     Ok(s) => s,
                     Err(e) => {
-                        tracing::debug!(peer = %self.peer.name, "peer link dial failed: {e:#}");
-                        tokio::time::sleep(reconnect).await;
+                        tracing::debug!(peer = %self.name, "peer link dial failed: {e:#}");
+                        self.wait_or_entry_change(reconnect).await;
                         continue;
                     }
                 },
-                None => match self.incoming.recv().await {
-                    Some(s) => s,
-                    None => return,
+                (None, Some(_)) => tokio::select! {
+                    accepted = self.incoming.recv() => match accepted {
+                        Some(s) => s,
+                        None => return,
+                    },
+                    changed = self.entry.changed() => match changed {
+                        Ok(()) => continue,
+                        Err(_) => return,
+                    },
                 },
             };
             next = self.run_session(session).await;
             if dialer && next.is_none() {
-                tokio::time::sleep(reconnect).await;
+                self.wait_or_entry_change(reconnect).await;
             }
+        }
+    }
+
+    /// Sleeps `pause`, or less when the peer's entry changes (a new address, or withdrawn).
+    async fn wait_or_entry_change(&mut self, pause: Duration) {
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = self.entry.changed() => {}
         }
     }
 
     /// Runs until the session is lost; returns a newer session that replaced it, if any.
     async fn run_session(&mut self, mut session: Session) -> Option<Session> {
         let id = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
-        let name = self.peer.name.clone();
+        let name = self.name.clone();
         let failed = Arc::new(SendFailure::default());
         let sender = PeerSender { tx: session.outbound.clone(), failed: failed.clone() };
         tracing::info!(peer = %name, session = id, incarnation = session.hello.incarnation, "peer link up");

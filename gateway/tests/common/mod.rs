@@ -3,6 +3,8 @@
 //! processes, and a 2-core CI machine must not be oversubscribed into false heartbeat losses.
 #![allow(dead_code)]
 
+pub mod etcd;
+
 use kvgate::demo::engine::Engine;
 use kvgate::demo::http;
 use kvgate::demo::pool::{KvPool, KvShape};

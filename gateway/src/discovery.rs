@@ -1,0 +1,316 @@
+//! Peer discovery through etcd (`[discovery]`): registers this gateway as `<key_prefix><name>` under a
+//! lease it keeps alive, reads the prefix, then watches it, adding each peer it finds to the
+//! [`PeerDirectory`] (which starts its link) and withdrawing those whose record goes. Every failure is
+//! logged with its reason code and counted (`kvgate_discovery_errors_total{reason}`), then retried
+//! after `retry_interval_ms` from a fresh connection and a fresh lease. Never ends a live link: a peer
+//! whose record expired keeps its link until heartbeats say it is gone, so an etcd outage does not
+//! stop traffic between gateways that already know each other.
+
+use crate::config::{GatewayConfig, PeerEntry};
+use crate::metrics::GatewayMetrics;
+use crate::peer_link::{LocalIdentity, PeerLinks, Upsert};
+use etcd_client::{Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions};
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// What a gateway publishes about itself: enough for a peer to dial it and check its certificate.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+pub struct Record {
+    pub name: String,
+    /// Its peer-link address, `host:port`.
+    pub address: String,
+    /// The name in its TLS certificate; empty: the host part of `address`.
+    #[serde(default)]
+    pub tls_name: String,
+    /// Its host name: a peer with the same one may use same-host plugins with it.
+    #[serde(default)]
+    pub host: String,
+    #[serde(default)]
+    pub incarnation: u64,
+}
+
+impl Record {
+    /// The peer entry this record gives a gateway on `local_host`, or why the record is unusable.
+    pub fn to_peer(&self, key_name: &str, local_host: &str) -> Result<PeerEntry, String> {
+        if self.name != key_name {
+            return Err(format!("the record names {:?} but sits under the key of {key_name:?}", self.name));
+        }
+        let valid_address = self.address.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        if !valid_address {
+            return Err(format!("address {:?} is not host:port", self.address));
+        }
+        Ok(PeerEntry { name: self.name.clone(), address: self.address.clone(), same_host: !self.host.is_empty() && self.host == local_host, tls_name: self.tls_name.clone() })
+    }
+}
+
+/// A failure with its reason code (the `reason` label and log field).
+#[derive(Debug)]
+pub struct DiscoveryError {
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+fn failed(reason: &'static str, detail: impl Into<String>) -> DiscoveryError {
+    DiscoveryError { reason, detail: detail.into() }
+}
+
+/// `etcd_unreachable` for a failure to reach etcd at all (no connection, etcd unavailable), else `reason`.
+fn classify(e: &etcd_client::Error, reason: &'static str) -> &'static str {
+    match e {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => "etcd_unreachable",
+        etcd_client::Error::GRpcStatus(status) if status.code() == tonic::Code::Unavailable => "etcd_unreachable",
+        _ => reason,
+    }
+}
+
+/// Runs `call` for at most `limit`; a failed call is a `reason` failure naming `what` (or
+/// `etcd_unreachable`: see `classify`), a late one `etcd_unreachable`.
+async fn bounded<T>(limit: Duration, reason: &'static str, what: &str, call: impl Future<Output = Result<T, etcd_client::Error>>) -> Result<T, DiscoveryError> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(failed(classify(&e, reason), format!("{what}: {e}"))),
+        Err(_) => Err(failed("etcd_unreachable", format!("{what}: no answer within discovery.request_timeout_ms ({} ms)", limit.as_millis()))),
+    }
+}
+
+/// Resolves once `stop` is true (the watch guard is dropped here, so callers' futures stay `Send`).
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// The discovery task of one gateway.
+pub struct Discovery {
+    pub config: Arc<GatewayConfig>,
+    pub identity: Arc<LocalIdentity>,
+    pub links: PeerLinks,
+    pub metrics: Arc<GatewayMetrics>,
+}
+
+impl Discovery {
+    fn key_of(&self, name: &str) -> String {
+        format!("{}{name}", self.config.discovery.key_prefix)
+    }
+
+    fn own_record(&self) -> Record {
+        let d = &self.config.discovery;
+        let address = if d.advertise_address.is_empty() { self.config.peer_link.listen.clone() } else { d.advertise_address.clone() };
+        Record { name: self.identity.name.clone(), address, tls_name: d.tls_name.clone(), host: self.identity.host.clone(), incarnation: self.identity.incarnation }
+    }
+
+    /// Runs until `stop` turns true: then revokes this gateway's lease, so that peers see it leave at once.
+    pub async fn run(self, mut stop: watch::Receiver<bool>) {
+        let retry = Duration::from_millis(self.config.discovery.retry_interval_ms);
+        loop {
+            let outcome = self.session(&mut stop).await;
+            self.metrics.set_discovery_registered(false);
+            let Err(e) = outcome else { return };
+            self.metrics.count_discovery_error(e.reason);
+            tracing::warn!(reason = e.reason, endpoints = ?self.config.discovery.etcd_endpoints, "discovery: {}; again in {} ms", e.detail, retry.as_millis());
+            tokio::select! {
+                _ = tokio::time::sleep(retry) => {}
+                _ = stopped(&mut stop) => return,
+            }
+        }
+    }
+
+    /// One connection and one lease: register, read the peers, follow them. `Ok` when stopped.
+    async fn session(&self, stop: &mut watch::Receiver<bool>) -> Result<(), DiscoveryError> {
+        let d = &self.config.discovery;
+        let limit = Duration::from_millis(d.request_timeout_ms);
+        let ttl = Duration::from_secs(d.lease_ttl_s);
+        let options = ConnectOptions::new().with_connect_timeout(limit).with_timeout(limit);
+        let mut client = bounded(limit, "etcd_unreachable", "connect", Client::connect(&d.etcd_endpoints, Some(options))).await?;
+        let lease = bounded(limit, "etcd_request_failed", "lease grant", client.lease_grant(d.lease_ttl_s as i64, None)).await?.id();
+        self.register(&mut client, lease, limit).await?;
+        self.metrics.set_discovery_registered(true);
+        let own_key = self.key_of(&self.identity.name);
+        tracing::info!(key = %own_key, lease_ttl_s = d.lease_ttl_s, "discovery: registered");
+        let (mut keeper, mut acks) = bounded(limit, "etcd_request_failed", "lease keep-alive", client.lease_keep_alive(lease)).await?;
+        let snapshot = bounded(limit, "etcd_request_failed", "read peers", client.get(d.key_prefix.as_str(), Some(GetOptions::new().with_prefix()))).await?;
+        let revision = snapshot.header().map_or(0, |h| h.revision());
+        self.apply_snapshot(snapshot.kvs());
+        let watch_options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
+        let mut changes = bounded(limit, "etcd_request_failed", "watch peers", client.watch(d.key_prefix.as_str(), Some(watch_options))).await?;
+        let mut renew = tokio::time::interval(ttl / 3);
+        let mut last_ack = Instant::now();
+        let outcome = loop {
+            tokio::select! {
+                _ = stopped(stop) => break Ok(()),
+                _ = renew.tick() => {
+                    if let Err(e) = bounded(limit, "etcd_request_failed", "lease keep-alive", keeper.keep_alive()).await {
+                        break Err(e);
+                    }
+                }
+                ack = acks.message() => match ack {
+                    Ok(Some(answer)) if answer.ttl() > 0 => last_ack = Instant::now(),
+                    Ok(Some(_)) => break Err(failed("lease_expired", format!("etcd says the lease of {own_key} has expired"))),
+                    Ok(None) => break Err(failed("etcd_request_failed", "the lease keep-alive stream closed")),
+                    Err(e) => break Err(failed("etcd_request_failed", format!("lease keep-alive: {e}"))),
+                },
+                _ = tokio::time::sleep_until(last_ack + ttl) => {
+                    break Err(failed("lease_expired", format!("no keep-alive answer for discovery.lease_ttl_s ({} s): {own_key} may be gone", d.lease_ttl_s)));
+                }
+                message = changes.message() => match message {
+                    Ok(Some(response)) if response.canceled() => {
+                        break Err(failed("watch_canceled", format!("etcd cancelled the watch: {:?} (compacted at revision {})", response.cancel_reason(), response.compact_revision())));
+                    }
+                    Ok(Some(response)) => {
+                        for event in response.events() {
+                            let Some(kv) = event.kv() else { continue };
+                            match event.event_type() {
+                                EventType::Put => self.apply_put(kv),
+                                EventType::Delete => self.apply_delete(kv.key()),
+                            }
+                        }
+                    }
+                    Ok(None) => break Err(failed("etcd_request_failed", "the watch stream closed")),
+                    Err(e) => break Err(failed("etcd_request_failed", format!("watch: {e}"))),
+                },
+            }
+        };
+        if outcome.is_ok() {
+            match bounded(limit, "etcd_request_failed", "lease revoke", client.lease_revoke(lease)).await {
+                Ok(_) => tracing::info!(key = %own_key, "discovery: record withdrawn (lease revoked)"),
+                Err(e) => tracing::warn!(reason = e.reason, "discovery: {} (the record goes when its lease expires)", e.detail),
+            }
+        }
+        outcome
+    }
+
+    /// Puts this gateway's record under `lease` unless another gateway holds the name. A record of
+    /// the same name from this host (this gateway's previous run, its lease not yet expired) is taken over.
+    async fn register(&self, client: &mut Client, lease: i64, limit: Duration) -> Result<(), DiscoveryError> {
+        let key = self.key_of(&self.identity.name);
+        let value = serde_json::to_vec(&self.own_record()).expect("a record serialises");
+        let put = || TxnOp::put(key.as_str(), value.clone(), Some(PutOptions::new().with_lease(lease)));
+        let create = Txn::new().when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)]).and_then([put()]).or_else([TxnOp::get(key.as_str(), None)]);
+        let answer = bounded(limit, "etcd_request_failed", "register", client.txn(create)).await?;
+        if answer.succeeded() {
+            return Ok(());
+        }
+        let held = answer.op_responses().into_iter().find_map(|r| match r {
+            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| (kv.mod_revision(), serde_json::from_slice::<Record>(kv.value()))),
+            _ => None,
+        });
+        let Some((revision, record)) = held else {
+            return Err(failed("etcd_request_failed", format!("register {key}: the key exists but could not be read")));
+        };
+        match record {
+            Ok(r) if r.host == self.identity.host => {
+                let take_over = Txn::new().when([Compare::mod_revision(key.as_str(), CompareOp::Equal, revision)]).and_then([put()]);
+                let answer = bounded(limit, "etcd_request_failed", "register", client.txn(take_over)).await?;
+                if !answer.succeeded() {
+                    return Err(failed("name_taken", format!("{key} changed while this gateway was taking over its own earlier record")));
+                }
+                tracing::info!(key = %key, previous_incarnation = r.incarnation, "discovery: took over this host's earlier record of the same name");
+                Ok(())
+            }
+            Ok(r) => Err(failed(
+                "name_taken",
+                format!("{key} is held by another gateway (host {:?}, address {}): gateway.name must be unique in the deployment", r.host, r.address),
+            )),
+            Err(e) => Err(failed("name_taken", format!("{key} holds a record this gateway cannot read ({e}): not overwritten"))),
+        }
+    }
+
+    /// The name a key under the prefix stands for; `None` for this gateway's own key and for keys
+    /// outside the prefix.
+    fn peer_name<'k>(&self, key: &'k [u8]) -> Option<&'k str> {
+        let name = std::str::from_utf8(key).ok()?.strip_prefix(self.config.discovery.key_prefix.as_str())?;
+        (name != self.identity.name && !name.is_empty()).then_some(name)
+    }
+
+    /// Applies a full read of the prefix: every record in it, and a withdrawal for each discovered
+    /// peer no longer in it (gone while this gateway was not watching).
+    fn apply_snapshot(&self, kvs: &[KeyValue]) {
+        let mut present = HashSet::new();
+        for kv in kvs {
+            if let Some(name) = self.peer_name(kv.key()) {
+                present.insert(name.to_string());
+            }
+            self.apply_put(kv);
+        }
+        for name in self.links.directory().discovered_names() {
+            if !present.contains(&name) {
+                self.withdraw(&name);
+            }
+        }
+    }
+
+    fn apply_put(&self, kv: &KeyValue) {
+        let Some(name) = self.peer_name(kv.key()) else { return };
+        let entry = serde_json::from_slice::<Record>(kv.value()).map_err(|e| e.to_string()).and_then(|r| r.to_peer(name, &self.identity.host));
+        let entry = match entry {
+            Ok(entry) => entry,
+            Err(why) => {
+                self.metrics.count_discovery_error("bad_record");
+                tracing::warn!(reason = "bad_record", key = %String::from_utf8_lossy(kv.key()), "discovery: record ignored: {why}");
+                return;
+            }
+        };
+        let address = entry.address.clone();
+        match self.links.directory().upsert_discovered(entry, self.config.discovery.max_peers) {
+            (Upsert::Added, Some(new)) => {
+                tracing::info!(peer = %name, %address, "discovery: peer added");
+                self.links.spawn(name.to_string(), new);
+            }
+            (Upsert::Added, None) => unreachable!("an added peer comes with its task's channels"),
+            (Upsert::Updated, _) => tracing::debug!(peer = %name, %address, "discovery: peer record updated"),
+            (Upsert::StaticWins, _) => tracing::info!(peer = %name, "discovery: record ignored, [[peers]] configures this peer"),
+            (Upsert::LimitReached, _) => {
+                self.metrics.count_discovery_error("peer_limit");
+                tracing::warn!(reason = "peer_limit", peer = %name, max_peers = self.config.discovery.max_peers,
+                    "discovery: peer refused, discovery.max_peers discovered peers are known already");
+            }
+        }
+    }
+
+    fn apply_delete(&self, key: &[u8]) {
+        if let Some(name) = self.peer_name(key) {
+            self.withdraw(name);
+        }
+    }
+
+    fn withdraw(&self, name: &str) {
+        if self.links.directory().withdraw(name) {
+            tracing::info!(peer = %name, "discovery: peer withdrawn (its record is gone); a live link stays until it is lost");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(name: &str, address: &str, host: &str) -> Record {
+        Record { name: name.into(), address: address.into(), tls_name: String::new(), host: host.into(), incarnation: 7 }
+    }
+
+    #[test]
+    fn a_record_becomes_a_peer_same_host_only_with_the_same_host_name() {
+        let peer = record("decode-1", "10.0.0.2:7100", "node-b").to_peer("decode-1", "node-a").unwrap();
+        assert_eq!((peer.name.as_str(), peer.address.as_str(), peer.same_host), ("decode-1", "10.0.0.2:7100", false));
+        assert!(record("decode-1", "10.0.0.2:7100", "node-a").to_peer("decode-1", "node-a").unwrap().same_host);
+        assert!(!record("decode-1", "10.0.0.2:7100", "").to_peer("decode-1", "").unwrap().same_host);
+    }
+
+    #[test]
+    fn a_record_under_another_name_or_without_a_port_is_refused() {
+        let e = record("decode-1", "10.0.0.2:7100", "h").to_peer("decode-2", "h").unwrap_err();
+        assert!(e.contains("decode-1") && e.contains("decode-2"), "{e}");
+        let e = record("decode-1", "10.0.0.2", "h").to_peer("decode-1", "h").unwrap_err();
+        assert!(e.contains("host:port"), "{e}");
+    }
+
+    #[test]
+    fn a_record_from_a_later_version_with_more_fields_still_reads() {
+        let text = r#"{"name":"p","address":"10.0.0.1:7100","zone":"eu-1"}"#;
+        let r: Record = serde_json::from_str(text).unwrap();
+        assert_eq!(r.to_peer("p", "h").unwrap().address, "10.0.0.1:7100");
+    }
+}

@@ -1,0 +1,213 @@
+//! `[discovery]` against a real etcd: gateways with no `[[peers]]` find each other and move KV caches;
+//! a stopped gateway's record goes at once (lease revoked), a killed one's when its lease expires; a
+//! taken name is refused until it is free; `max_peers` at and just past its limit; malformed records;
+//! etcd down at start-up does not stop a gateway, which registers once etcd is up.
+
+mod common;
+
+use common::etcd::Etcd;
+use common::*;
+use kvgate::demo::engine::run_room;
+use kvgate::demo::gateways::{free_port, Cluster, GatewayPair, PairSettings};
+use kvgate::demo::http;
+use std::time::Duration;
+use tokio::time::Instant;
+
+fn discovery_toml(etcd: &Etcd, prefix: &str, extra: &str) -> String {
+    format!("[discovery]\netcd_endpoints = [\"{}\"]\nkey_prefix = \"{prefix}\"\nretry_interval_ms = 200\n{extra}", etcd.url())
+}
+
+fn discovered_pair(etcd: &Etcd, prefix: &str, extra: &str) -> PairSettings {
+    let table = discovery_toml(etcd, prefix, extra);
+    PairSettings { static_peers: false, extra_prefill: table.clone(), extra_decode: table, ..PairSettings::default() }
+}
+
+/// The peers `/plugins` lists on `admin`.
+async fn peers(admin: &str) -> Vec<serde_json::Value> {
+    let (code, body) = http::get(admin, "/plugins").await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+    value["peers"].as_array().cloned().unwrap_or_default()
+}
+
+/// Polls `check` every 50 ms until it holds; fails with `what` and `context()` after `within`.
+async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F, context: &dyn Fn() -> String)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while !check().await {
+        assert!(Instant::now() < deadline, "not within {within:?}: {what}\n{}", context());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn metric(admin: &str, series: &str) -> f64 {
+    sample(&metrics(admin).await, series).unwrap_or(0.0)
+}
+
+/// Both gateways' logs, read when called (the pair may be stopped by then).
+fn pair_logs(pair: &GatewayPair) -> impl Fn() -> String {
+    let paths = [pair.prefill.log_path.clone(), pair.decode.log_path.clone()];
+    move || paths.iter().map(|p| std::fs::read_to_string(p).unwrap_or_default()).collect::<Vec<_>>().join("\n")
+}
+
+/// A record another (fake) gateway published, as discovery writes them.
+async fn put_record(etcd: &Etcd, prefix: &str, name: &str, address: &str, host: &str) {
+    let value = serde_json::json!({"name": name, "address": address, "host": host, "incarnation": 1}).to_string();
+    etcd.client().await.unwrap().put(format!("{prefix}{name}"), value, None).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_with_no_static_peers_find_each_other_through_etcd_and_move_kv_caches() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let etcd = Etcd::started(dir.path()).await;
+    let prefix = "/kvgate-test/pair/";
+    // A long lease: the record must go at a clean stop because it is revoked, not because it expired.
+    let settings = discovered_pair(&etcd, prefix, "lease_ttl_s = 60\n");
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let logs = pair_logs(&pair);
+    for admin in [&pair.prefill.admin, &pair.decode.admin] {
+        eventually(Duration::from_secs(15), "each gateway sees the other up, found through etcd", || async {
+            let p = peers(admin).await;
+            p.len() == 1 && p[0]["up"] == true && p[0]["source"] == "etcd"
+        }, &logs).await;
+        assert_eq!(metric(admin, "kvgate_discovery_registered").await, 1.0);
+        assert_eq!(metric(admin, "kvgate_discovery_peers").await, 1.0);
+    }
+    assert_eq!(etcd.keys(prefix).await, [format!("{prefix}decode"), format!("{prefix}prefill")]);
+
+    let shape = small_shape();
+    let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 2).await;
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
+    for room in [201u64, 202] {
+        let r = run_room(&prefill, &decode, &shape, room, 0, 0).await.unwrap();
+        assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "room {room}: {r:?}\n{}", logs());
+    }
+    drop((prefill, decode));
+
+    // A clean stop revokes the lease: the record goes long before its 60 s would run out, and the
+    // other gateway forgets the peer once its link is gone.
+    let stopped_at = Instant::now();
+    pair.decode.stop(Duration::from_secs(10));
+    eventually(Duration::from_secs(10), "decode's record removed at its stop", || async { etcd.keys(prefix).await == [format!("{prefix}prefill")] }, &logs).await;
+    assert!(stopped_at.elapsed() < Duration::from_secs(20), "the record went by expiry, not by revocation");
+    eventually(Duration::from_secs(10), "prefill forgets the withdrawn peer", || async { peers(&pair.prefill.admin).await.is_empty() }, &logs).await;
+    assert!(pair.prefill.log().contains("discovery: peer withdrawn"), "{}", logs());
+    pair.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_gateway_s_record_expires_with_its_lease_and_its_peer_forgets_it() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let etcd = Etcd::started(dir.path()).await;
+    let prefix = "/kvgate-test/killed/";
+    let ttl_s = 2;
+    let settings = discovered_pair(&etcd, prefix, &format!("lease_ttl_s = {ttl_s}\n"));
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let logs = pair_logs(&pair);
+    eventually(Duration::from_secs(15), "prefill sees decode up", || async { peers(&pair.prefill.admin).await.first().is_some_and(|p| p["up"] == true) }, &logs).await;
+    // Past several lease periods the live gateways' records are still there (the lease is kept alive).
+    tokio::time::sleep(Duration::from_secs(2 * ttl_s)).await;
+    assert_eq!(etcd.keys(prefix).await.len(), 2, "{}", logs());
+
+    pair.decode.kill();
+    let killed_at = Instant::now();
+    eventually(Duration::from_secs(3 * ttl_s + 5), "the killed gateway's record expires", || async { etcd.keys(prefix).await == [format!("{prefix}prefill")] }, &logs).await;
+    let gone_after = killed_at.elapsed();
+    assert!(gone_after >= Duration::from_millis(ttl_s * 1000 / 2), "the record went after {gone_after:?}, before its lease could expire");
+    eventually(Duration::from_secs(10), "prefill forgets the peer", || async { peers(&pair.prefill.admin).await.is_empty() }, &logs).await;
+    assert_eq!(metric(&pair.prefill.admin, "kvgate_discovery_peers").await, 0.0);
+    pair.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_held_by_a_gateway_on_another_host_is_refused_until_it_is_free() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let etcd = Etcd::started(dir.path()).await;
+    let prefix = "/kvgate-test/taken/";
+    put_record(&etcd, prefix, "solo", "10.9.9.9:7100", "another-host").await;
+    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("solo", &discovery_toml(&etcd, prefix, ""), vec![])]).await.unwrap();
+    let solo = cluster.get("solo");
+    let taken = "kvgate_discovery_errors_total{reason=\"name_taken\"}";
+    eventually(Duration::from_secs(10), "name_taken counted", || async { metric(&solo.admin, taken).await >= 2.0 }, &|| solo.log()).await;
+    assert_eq!(metric(&solo.admin, "kvgate_discovery_registered").await, 0.0);
+    assert!(solo.log().contains("name_taken") && solo.log().contains("another-host"), "{}", solo.log());
+    // The other holder's record was left as it was.
+    let mut client = etcd.client().await.unwrap();
+    let held = client.get(format!("{prefix}solo"), None).await.unwrap();
+    assert!(String::from_utf8_lossy(held.kvs()[0].value()).contains("10.9.9.9:7100"));
+
+    client.delete(format!("{prefix}solo"), None).await.unwrap();
+    eventually(Duration::from_secs(10), "registered once the name is free", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
+    let held = client.get(format!("{prefix}solo"), None).await.unwrap();
+    assert!(String::from_utf8_lossy(held.kvs()[0].value()).contains(&solo.peer_listen));
+    cluster.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_peers_admits_peers_up_to_the_limit_and_refuses_the_next_and_malformed_records_are_ignored() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let etcd = Etcd::started(dir.path()).await;
+    let prefix = "/kvgate-test/limit/";
+    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    let table = discovery_toml(&etcd, prefix, "max_peers = 2\n");
+    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("gw", &table, vec![])]).await.unwrap();
+    let gw = cluster.get("gw");
+    eventually(Duration::from_secs(10), "registered", || async { metric(&gw.admin, "kvgate_discovery_registered").await == 1.0 }, &|| gw.log()).await;
+    // Nothing listens at these addresses: the peers stay down, which is all this test needs.
+    let nowhere = || format!("127.0.0.1:{}", free_port());
+    put_record(&etcd, prefix, "a-peer", &nowhere(), "h").await;
+    put_record(&etcd, prefix, "z-peer", &nowhere(), "h").await;
+    let names = || async { peers(&gw.admin).await.iter().map(|p| p["name"].as_str().unwrap_or("").to_string()).collect::<Vec<_>>() };
+    eventually(Duration::from_secs(10), "two peers at the limit", || async { names().await == ["a-peer", "z-peer"] }, &|| gw.log()).await;
+    put_record(&etcd, prefix, "m-peer", &nowhere(), "h").await;
+    let limit = "kvgate_discovery_errors_total{reason=\"peer_limit\"}";
+    eventually(Duration::from_secs(10), "the third refused", || async { metric(&gw.admin, limit).await == 1.0 }, &|| gw.log()).await;
+    assert_eq!(names().await, ["a-peer", "z-peer"]);
+    assert!(gw.log().contains("peer_limit"), "{}", gw.log());
+
+    // Malformed: not JSON, and a record naming another gateway than its key.
+    let mut client = etcd.client().await.unwrap();
+    client.put(format!("{prefix}junk"), "not json", None).await.unwrap();
+    let misfiled = serde_json::json!({"name": "someone-else", "address": nowhere()}).to_string();
+    client.put(format!("{prefix}misfiled"), misfiled, None).await.unwrap();
+    let bad = "kvgate_discovery_errors_total{reason=\"bad_record\"}";
+    eventually(Duration::from_secs(10), "two bad records counted", || async { metric(&gw.admin, bad).await == 2.0 }, &|| gw.log()).await;
+
+    // A withdrawn peer frees its place: the dialled one (a-peer sorts first, so it dials gw) and the
+    // one gw dials (z-peer) both go, and a new record is admitted.
+    client.delete(format!("{prefix}a-peer"), None).await.unwrap();
+    client.delete(format!("{prefix}z-peer"), None).await.unwrap();
+    eventually(Duration::from_secs(10), "both withdrawn peers forgotten", || async { names().await.is_empty() }, &|| gw.log()).await;
+    put_record(&etcd, prefix, "m-peer", &nowhere(), "h").await;
+    eventually(Duration::from_secs(10), "a record admitted again", || async { names().await == ["m-peer"] }, &|| gw.log()).await;
+    cluster.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_down_at_start_up_does_not_stop_the_gateway_which_registers_once_etcd_is_up() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let mut etcd = Etcd::on_free_port(dir.path());
+    let prefix = "/kvgate-test/late/";
+    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    let table = discovery_toml(&etcd, prefix, "request_timeout_ms = 500\n");
+    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("early", &table, vec![])]).await.unwrap();
+    let early = cluster.get("early");
+    let unreachable = "kvgate_discovery_errors_total{reason=\"etcd_unreachable\"}";
+    eventually(Duration::from_secs(10), "etcd_unreachable counted, again and again", || async { metric(&early.admin, unreachable).await >= 3.0 }, &|| early.log()).await;
+    assert_eq!(metric(&early.admin, "kvgate_discovery_registered").await, 0.0);
+    assert!(early.log().contains("etcd_unreachable"), "{}", early.log());
+
+    etcd.start().await;
+    eventually(Duration::from_secs(15), "registered once etcd is up", || async { metric(&early.admin, "kvgate_discovery_registered").await == 1.0 }, &|| early.log()).await;
+    assert_eq!(etcd.keys(prefix).await, [format!("{prefix}early")]);
+    cluster.stop();
+}
