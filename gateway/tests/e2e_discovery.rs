@@ -1,7 +1,8 @@
 //! `[discovery]` against a real etcd: gateways with no `[[peers]]` find each other and move KV caches;
 //! a stopped gateway's record goes at once (lease revoked), a killed one's when its lease expires; a
 //! taken name is refused until it is free; `max_peers` at and just past its limit; malformed records;
-//! etcd down at start-up does not stop a gateway, which registers once etcd is up.
+//! etcd down at start-up does not stop a gateway, which registers once etcd is up; etcd lost for
+//! longer than the lease does not cut linked gateways apart.
 
 mod common;
 
@@ -210,4 +211,48 @@ async fn etcd_down_at_start_up_does_not_stop_the_gateway_which_registers_once_et
     eventually(Duration::from_secs(15), "registered once etcd is up", || async { metric(&early.admin, "kvgate_discovery_registered").await == 1.0 }, &|| early.log()).await;
     assert_eq!(etcd.keys(prefix).await, [format!("{prefix}early")]);
     cluster.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linked_gateways_keep_moving_kv_caches_while_etcd_is_down_past_their_lease_and_register_again_after() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let mut etcd = Etcd::started(dir.path()).await;
+    let prefix = "/kvgate-test/outage/";
+    let ttl_s = 2;
+    let settings = discovered_pair(&etcd, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 500\n"));
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let logs = pair_logs(&pair);
+    eventually(Duration::from_secs(15), "linked through etcd", || async { peers(&pair.prefill.admin).await.first().is_some_and(|p| p["up"] == true) }, &logs).await;
+    let shape = small_shape();
+    let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 2).await;
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
+
+    etcd.kill();
+    // Past the lease: both gateways have lost their registration and counted why...
+    tokio::time::sleep(Duration::from_secs(ttl_s + 2)).await;
+    for admin in [&pair.prefill.admin, &pair.decode.admin] {
+        eventually(Duration::from_secs(5), "registration lost while etcd is down", || async { metric(admin, "kvgate_discovery_registered").await == 0.0 }, &logs).await;
+        let text = metrics(admin).await;
+        let counted: f64 = ["etcd_unreachable", "etcd_request_failed", "lease_expired"]
+            .iter()
+            .filter_map(|r| sample(&text, &format!("kvgate_discovery_errors_total{{reason=\"{r}\"}}")))
+            .sum();
+        assert!(counted >= 1.0, "no discovery error counted:\n{text}");
+    }
+    // ...but the link they had is untouched and KV caches still move.
+    assert!(peers(&pair.prefill.admin).await.first().is_some_and(|p| p["up"] == true), "{}", logs());
+    for room in [301u64, 302] {
+        let r = run_room(&prefill, &decode, &shape, room, 0, 0).await.unwrap();
+        assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "room {room} during the outage: {r:?}\n{}", logs());
+    }
+
+    etcd.start().await;
+    for admin in [&pair.prefill.admin, &pair.decode.admin] {
+        eventually(Duration::from_secs(15), "registered again once etcd is back", || async { metric(admin, "kvgate_discovery_registered").await == 1.0 }, &logs).await;
+    }
+    eventually(Duration::from_secs(10), "both records back", || async { etcd.keys(prefix).await.len() == 2 }, &logs).await;
+    assert!(peers(&pair.decode.admin).await.first().is_some_and(|p| p["up"] == true && p["source"] == "etcd"), "{}", logs());
+    drop((prefill, decode));
+    pair.stop();
 }

@@ -78,6 +78,14 @@ impl Etcd {
         keys
     }
 
+    /// Kills the server (SIGKILL); `start` brings it back on the same ports and data.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
@@ -85,9 +93,6 @@ impl Etcd {
 
 impl Drop for Etcd {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.kill();
     }
 }
