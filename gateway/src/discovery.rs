@@ -255,14 +255,13 @@ impl Discovery {
         };
         let address = entry.address.clone();
         match self.links.directory().upsert_discovered(entry, self.config.discovery.max_peers) {
-            (Upsert::Added, Some(new)) => {
+            Upsert::Added(new) => {
                 tracing::info!(peer = %name, %address, "discovery: peer added");
                 self.links.spawn(name.to_string(), new);
             }
-            (Upsert::Added, None) => unreachable!("an added peer comes with its task's channels"),
-            (Upsert::Updated, _) => tracing::debug!(peer = %name, %address, "discovery: peer record updated"),
-            (Upsert::StaticWins, _) => tracing::info!(peer = %name, "discovery: record ignored, [[peers]] configures this peer"),
-            (Upsert::LimitReached, _) => {
+            Upsert::Updated => tracing::debug!(peer = %name, %address, "discovery: peer record updated"),
+            Upsert::StaticWins => tracing::info!(peer = %name, "discovery: record ignored, [[peers]] configures this peer"),
+            Upsert::LimitReached => {
                 self.metrics.count_discovery_error("peer_limit");
                 tracing::warn!(reason = "peer_limit", peer = %name, max_peers = self.config.discovery.max_peers,
                     "discovery: peer refused, discovery.max_peers discovered peers are known already");

@@ -39,10 +39,9 @@ pub struct NewPeer {
 }
 
 /// What `upsert_discovered` did with a record.
-#[derive(Debug, PartialEq, Eq)]
 pub enum Upsert {
     /// A new peer: start its link task with this.
-    Added,
+    Added(NewPeer),
     /// A known discovered peer: its task dials the new entry from now on.
     Updated,
     /// The name is a static peer's, whose entry the configuration owns.
@@ -82,28 +81,28 @@ impl PeerDirectory {
         (Known { source, entry: entry_tx, incoming: session_tx }, NewPeer { entry: entry_rx, incoming: session_rx })
     }
 
-    /// Adds or updates a discovered peer; `Some(NewPeer)` when its link task must be started.
-    pub fn upsert_discovered(&self, entry: PeerEntry, max_peers: u64) -> (Upsert, Option<NewPeer>) {
+    /// Adds or updates a discovered peer (`Added` carries what its link task needs).
+    pub fn upsert_discovered(&self, entry: PeerEntry, max_peers: u64) -> Upsert {
         let mut known = self.known.write().expect("directory lock");
         if let Some(existing) = known.get(&entry.name) {
             if existing.source == PeerSource::Static {
-                return (Upsert::StaticWins, None);
+                return Upsert::StaticWins;
             }
             existing.entry.send_if_modified(|current| {
                 let changed = current.as_ref() != Some(&entry);
                 *current = Some(entry);
                 changed
             });
-            return (Upsert::Updated, None);
+            return Upsert::Updated;
         }
         let discovered = known.values().filter(|k| k.source == PeerSource::Discovered).count() as u64;
         if discovered >= max_peers {
-            return (Upsert::LimitReached, None);
+            return Upsert::LimitReached;
         }
         let name = entry.name.clone();
         let (known_peer, new) = Self::make(PeerSource::Discovered, entry);
         known.insert(name, known_peer);
-        (Upsert::Added, Some(new))
+        Upsert::Added(new)
     }
 
     /// A discovered peer's record is gone: its task stops dialling and ends once no session is left.
@@ -171,7 +170,7 @@ mod tests {
     fn a_static_peer_is_never_replaced_or_withdrawn_by_discovery() {
         let (directory, tasks) = PeerDirectory::with_static(&[peer("a", "10.0.0.1:7100")]);
         assert_eq!(tasks.len(), 1);
-        assert_eq!(directory.upsert_discovered(peer("a", "10.0.0.9:7100"), 8).0, Upsert::StaticWins);
+        assert!(matches!(directory.upsert_discovered(peer("a", "10.0.0.9:7100"), 8), Upsert::StaticWins));
         assert!(!directory.withdraw("a"));
         assert_eq!(directory.entry("a").unwrap().address, "10.0.0.1:7100");
         assert!(directory.incoming("a").is_some());
@@ -180,10 +179,8 @@ mod tests {
     #[test]
     fn a_discovered_peer_is_added_once_updated_in_place_and_retired_only_while_withdrawn() {
         let (directory, _) = PeerDirectory::with_static(&[]);
-        let (what, new) = directory.upsert_discovered(peer("b", "10.0.0.2:7100"), 8);
-        assert_eq!(what, Upsert::Added);
-        let mut new = new.unwrap();
-        assert_eq!(directory.upsert_discovered(peer("b", "10.0.0.3:7100"), 8).0, Upsert::Updated);
+        let Upsert::Added(mut new) = directory.upsert_discovered(peer("b", "10.0.0.2:7100"), 8) else { panic!("not added") };
+        assert!(matches!(directory.upsert_discovered(peer("b", "10.0.0.3:7100"), 8), Upsert::Updated));
         assert!(new.entry.has_changed().unwrap());
         assert_eq!(new.entry.borrow_and_update().as_ref().unwrap().address, "10.0.0.3:7100");
         // The same record again changes nothing the task must see.
@@ -205,15 +202,16 @@ mod tests {
     #[test]
     fn max_peers_is_enforced_at_and_just_past_the_limit() {
         let (directory, _) = PeerDirectory::with_static(&[peer("static", "10.0.0.1:7100")]);
-        assert_eq!(directory.upsert_discovered(peer("d1", "10.0.0.2:7100"), 2).0, Upsert::Added);
-        assert_eq!(directory.upsert_discovered(peer("d2", "10.0.0.3:7100"), 2).0, Upsert::Added);
-        assert_eq!(directory.upsert_discovered(peer("d3", "10.0.0.4:7100"), 2).0, Upsert::LimitReached);
+        let added = |what: Upsert| matches!(what, Upsert::Added(_));
+        assert!(added(directory.upsert_discovered(peer("d1", "10.0.0.2:7100"), 2)));
+        assert!(added(directory.upsert_discovered(peer("d2", "10.0.0.3:7100"), 2)));
+        assert!(matches!(directory.upsert_discovered(peer("d3", "10.0.0.4:7100"), 2), Upsert::LimitReached));
         assert!(directory.entry("d3").is_none());
         // Known peers still update at the limit, and a retired one frees its place.
-        assert_eq!(directory.upsert_discovered(peer("d2", "10.0.0.5:7100"), 2).0, Upsert::Updated);
+        assert!(matches!(directory.upsert_discovered(peer("d2", "10.0.0.5:7100"), 2), Upsert::Updated));
         directory.withdraw("d1");
         assert!(directory.retire("d1"));
-        assert_eq!(directory.upsert_discovered(peer("d3", "10.0.0.4:7100"), 2).0, Upsert::Added);
+        assert!(added(directory.upsert_discovered(peer("d3", "10.0.0.4:7100"), 2)));
         let names: Vec<String> = directory.list().into_iter().map(|(n, _, _)| n).collect();
         assert_eq!(names, ["d2", "d3", "static"]);
     }
