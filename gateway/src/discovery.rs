@@ -6,7 +6,8 @@
 //! whose record expired keeps its link until heartbeats say it is gone, so an etcd outage does not
 //! stop traffic between gateways that already know each other.
 
-use crate::config::{GatewayConfig, PeerEntry};
+use crate::config::{DiscoverySection, GatewayConfig, PeerEntry};
+use anyhow::Context;
 use crate::metrics::GatewayMetrics;
 use crate::peer_link::{LocalIdentity, PeerLinks, Upsert};
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions};
@@ -59,13 +60,48 @@ fn failed(reason: &'static str, detail: impl Into<String>) -> DiscoveryError {
     DiscoveryError { reason, detail: detail.into() }
 }
 
-/// `etcd_unreachable` for a failure to reach etcd at all (no connection, etcd unavailable), else `reason`.
+/// `etcd_tls_failed` for a TLS handshake either side refused (certificate, alert),
+/// `etcd_unreachable` for a failure to reach etcd at all (no connection, etcd unavailable),
+/// `etcd_auth_failed` for a refused user, password or permission, else `reason`.
 fn classify(e: &etcd_client::Error, reason: &'static str) -> &'static str {
+    use tonic::Code;
+    // rustls' errors reach here only as text inside hyper's and tonic's wrappers.
+    let text = format!("{e:?}").to_ascii_lowercase();
+    if ["certificate", "received fatal alert", "handshake"].iter().any(|m| text.contains(m)) {
+        return "etcd_tls_failed";
+    }
     match e {
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => "etcd_unreachable",
-        etcd_client::Error::GRpcStatus(status) if status.code() == tonic::Code::Unavailable => "etcd_unreachable",
+        etcd_client::Error::GRpcStatus(status) => match status.code() {
+            Code::Unavailable => "etcd_unreachable",
+            Code::Unauthenticated | Code::PermissionDenied => "etcd_auth_failed",
+            Code::InvalidArgument if status.message().contains("authentication failed") => "etcd_auth_failed",
+            _ => reason,
+        },
         _ => reason,
     }
+}
+
+/// How to reach etcd: timeouts, the user and password (read from `password_file`), TLS material.
+/// Read once at start-up, so that a missing file stops the gateway with the key that names it.
+pub fn connect_options(d: &DiscoverySection) -> anyhow::Result<ConnectOptions> {
+    let limit = Duration::from_millis(d.request_timeout_ms);
+    let mut options = ConnectOptions::new().with_connect_timeout(limit).with_timeout(limit);
+    if !d.username.is_empty() {
+        let text = std::fs::read_to_string(&d.password_file).with_context(|| format!("discovery.password_file: cannot read {}", d.password_file))?;
+        let password = text.strip_suffix('\n').unwrap_or(&text);
+        anyhow::ensure!(!password.is_empty(), "discovery.password_file: {} is empty", d.password_file);
+        options = options.with_user(d.username.clone(), password);
+    }
+    if let Some(tls) = &d.tls {
+        let read = |key: &str, path: &str| std::fs::read(path).with_context(|| format!("discovery.tls.{key}: cannot read {path}"));
+        let mut config = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(read("ca_file", &tls.ca_file)?));
+        if !tls.cert_file.is_empty() {
+            config = config.identity(tonic::transport::Identity::from_pem(read("cert_file", &tls.cert_file)?, read("key_file", &tls.key_file)?));
+        }
+        options = options.with_tls(config);
+    }
+    Ok(options)
 }
 
 /// Runs `call` for at most `limit`; a failed call is a `reason` failure naming `what` (or
@@ -86,6 +122,8 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 /// The discovery task of one gateway.
 pub struct Discovery {
     pub config: Arc<GatewayConfig>,
+    /// From [`connect_options`].
+    pub options: ConnectOptions,
     pub identity: Arc<LocalIdentity>,
     pub links: PeerLinks,
     pub metrics: Arc<GatewayMetrics>,
@@ -123,8 +161,7 @@ impl Discovery {
         let d = &self.config.discovery;
         let limit = Duration::from_millis(d.request_timeout_ms);
         let ttl = Duration::from_secs(d.lease_ttl_s);
-        let options = ConnectOptions::new().with_connect_timeout(limit).with_timeout(limit);
-        let mut client = bounded(limit, "etcd_unreachable", "connect", Client::connect(&d.etcd_endpoints, Some(options))).await?;
+        let mut client = bounded(limit, "etcd_unreachable", "connect", Client::connect(&d.etcd_endpoints, Some(self.options.clone()))).await?;
         let lease = bounded(limit, "etcd_request_failed", "lease grant", client.lease_grant(d.lease_ttl_s as i64, None)).await?.id();
         self.register(&mut client, lease, limit).await?;
         self.metrics.set_discovery_registered(true);

@@ -47,6 +47,11 @@ fn spawn_driver_thread(
 /// Run one gateway until a signal arrives.
 pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let config = Arc::new(config);
+    // etcd credentials and TLS files are read before anything starts: a missing one stops start-up.
+    let discovery_options = match config.discovery.etcd_endpoints.is_empty() {
+        true => None,
+        false => Some(crate::discovery::connect_options(&config.discovery)?),
+    };
     let metrics = Arc::new(GatewayMetrics::default());
     let (plugin_tx, plugin_rx) = mpsc::channel(config.driver.plugin_event_queue_len as usize);
     let (plugins, listing) = crate::plugin_setup::open_plugins(&config, plugin_tx, metrics.clone());
@@ -112,8 +117,8 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         tokio::spawn(serve_admin(listener, state, stop_rx.clone()));
     }
     // Registered only now that every listener is bound: a peer that reads the record can dial at once.
-    let discovery_task = (!config.discovery.etcd_endpoints.is_empty()).then(|| {
-        let discovery = crate::discovery::Discovery { config: config.clone(), identity: identity.clone(), links, metrics: metrics.clone() };
+    let discovery_task = discovery_options.map(|options| {
+        let discovery = crate::discovery::Discovery { config: config.clone(), options, identity: identity.clone(), links, metrics: metrics.clone() };
         tokio::spawn(discovery.run(stop_rx.clone()))
     });
     tracing::info!(

@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::pki::{leaf, leaf_named, pki, Pki};
 use common::*;
 use kvgate::demo::engine::{expect_into, run_room, send_all};
 use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
@@ -122,32 +123,6 @@ async fn tcp_engine_api_refuses_a_wrong_or_missing_bearer_token() {
     let mode = std::fs::metadata(&pair.decode.socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);
     pair.stop();
-}
-
-struct Pki {
-    ca_pem: String,
-    cert_pem: String,
-    key_pem: String,
-}
-
-fn pki(ca_name: &str) -> (rcgen::Issuer<'static, rcgen::KeyPair>, String) {
-    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    params.distinguished_name.push(rcgen::DnType::CommonName, ca_name);
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = params.self_signed(&key).unwrap();
-    (rcgen::Issuer::new(params, key), cert.pem())
-}
-
-fn leaf(issuer: &rcgen::Issuer<'static, rcgen::KeyPair>, ca_pem: &str) -> Pki {
-    leaf_named(issuer, ca_pem, "localhost")
-}
-
-fn leaf_named(issuer: &rcgen::Issuer<'static, rcgen::KeyPair>, ca_pem: &str, name: &str) -> Pki {
-    let params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = params.signed_by(&key, issuer).unwrap();
-    Pki { ca_pem: ca_pem.to_string(), cert_pem: cert.pem(), key_pem: key.serialize_pem() }
 }
 
 fn tls_toml(dir: &std::path::Path, name: &str, own: &Pki, trusted_ca_pem: &str) -> String {

@@ -143,8 +143,14 @@ pub struct PeerEntry {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DiscoverySection {
-    /// etcd client URLs (`http://10.0.0.5:2379`); empty turns discovery off.
+    /// etcd client URLs (`http://10.0.0.5:2379`, `https://` with `tls`); empty turns discovery off.
     pub etcd_endpoints: Vec<String>,
+    /// etcd user this gateway authenticates as; empty: no authentication.
+    pub username: String,
+    /// File holding that user's password (read at start; one trailing newline is dropped).
+    pub password_file: String,
+    /// TLS to etcd: the CA that signed etcd's certificate, and optionally a client certificate.
+    pub tls: Option<EtcdTlsSection>,
     /// Every gateway of one deployment registers under this prefix as `<prefix><gateway.name>`.
     pub key_prefix: String,
     /// The lease on this gateway's record: it disappears this long after the gateway stops renewing it.
@@ -166,6 +172,9 @@ impl Default for DiscoverySection {
     fn default() -> Self {
         DiscoverySection {
             etcd_endpoints: vec![],
+            username: String::new(),
+            password_file: String::new(),
+            tls: None,
             key_prefix: "/kvgate/peers/".to_string(),
             lease_ttl_s: 10,
             request_timeout_ms: 3000,
@@ -175,6 +184,17 @@ impl Default for DiscoverySection {
             tls_name: String::new(),
         }
     }
+}
+
+/// PEM files for TLS between the gateway and etcd.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EtcdTlsSection {
+    /// The CA that signed etcd's server certificate.
+    pub ca_file: String,
+    /// This gateway's client certificate, for etcd's `--client-cert-auth`; with `key_file`, or neither.
+    pub cert_file: String,
+    pub key_file: String,
 }
 
 /// Most peers `discovery.max_peers` may allow (as many as static `[[peers]]` entries).

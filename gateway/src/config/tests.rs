@@ -175,3 +175,23 @@ fn discovery_addresses_and_prefix_are_checked() {
     assert!(e.contains("discovery.advertise_address") && e.contains("wildcard"), "{e}");
     load_config_from_str(&format!("{wildcard}advertise_address = \"10.0.0.1:7100\"\n")).unwrap();
 }
+
+#[test]
+fn discovery_credentials_and_tls_come_whole() {
+    let e = errors_of(&format!("{ETCD}username = \"kvgate\"\n"));
+    assert!(e.contains("discovery.password_file") && e.contains("or neither"), "{e}");
+    let e = errors_of(&format!("{ETCD}password_file = \"/etc/kvgate/etcd-password\"\n"));
+    assert!(e.contains("discovery.username") && e.contains("or neither"), "{e}");
+    load_config_from_str(&format!("{ETCD}username = \"kvgate\"\npassword_file = \"/etc/kvgate/etcd-password\"\n")).unwrap();
+
+    // TLS: https:// endpoints only, a CA always, a client certificate with its key.
+    let e = errors_of(&format!("{ETCD}[discovery.tls]\nca_file = \"/etc/ca.pem\"\n"));
+    assert!(e.contains("discovery.etcd_endpoints[0]") && e.contains("https://host:port"), "{e}");
+    let https = "[discovery]\netcd_endpoints = [\"https://etcd-1:2379\"]\n";
+    let e = errors_of(https);
+    assert!(e.contains("discovery.etcd_endpoints[0]") && e.contains("needs discovery.tls"), "{e}");
+    let e = errors_of(&format!("{https}[discovery.tls]\ncert_file = \"/etc/c.pem\"\n"));
+    assert!(e.contains("discovery.tls.ca_file") && e.contains("discovery.tls.cert_file"), "{e}");
+    load_config_from_str(&format!("{https}[discovery.tls]\nca_file = \"/etc/ca.pem\"\n")).unwrap();
+    load_config_from_str(&format!("{https}[discovery.tls]\nca_file = \"/etc/ca.pem\"\ncert_file = \"/etc/c.pem\"\nkey_file = \"/etc/c.key\"\n")).unwrap();
+}

@@ -119,10 +119,24 @@ fn check_discovery(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
         return;
     }
     errors.extend(check_range("discovery.etcd_endpoints (count)", d.etcd_endpoints.len() as u64, 1, 16));
+    let scheme = if d.tls.is_some() { "https://" } else { "http://" };
     for (i, endpoint) in d.etcd_endpoints.iter().enumerate() {
-        let valid = endpoint.strip_prefix("http://").is_some_and(|rest| rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()));
+        let valid = endpoint.strip_prefix(scheme).is_some_and(|rest| rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()));
         if !valid {
-            errors.push(rule(&format!("discovery.etcd_endpoints[{i}]"), format!("{endpoint:?}"), "http://host:port"));
+            let allowed = if d.tls.is_some() { "https://host:port (discovery.tls is set)" } else { "http://host:port (https:// needs discovery.tls)" };
+            errors.push(rule(&format!("discovery.etcd_endpoints[{i}]"), format!("{endpoint:?}"), allowed));
+        }
+    }
+    if d.username.is_empty() != d.password_file.is_empty() {
+        let (key, value) = if d.username.is_empty() { ("discovery.username", &d.username) } else { ("discovery.password_file", &d.password_file) };
+        errors.push(rule(key, format!("{value:?}"), "both discovery.username and discovery.password_file, or neither"));
+    }
+    if let Some(tls) = &d.tls {
+        if tls.ca_file.is_empty() {
+            errors.push(rule("discovery.tls.ca_file", "\"\"", "the PEM file of the CA that signed etcd's certificate"));
+        }
+        if tls.cert_file.is_empty() != tls.key_file.is_empty() {
+            errors.push(rule("discovery.tls.cert_file", format!("{:?}", tls.cert_file), "with discovery.tls.key_file, or neither (no client certificate)"));
         }
     }
     if d.key_prefix.is_empty() || !d.key_prefix.ends_with('/') {

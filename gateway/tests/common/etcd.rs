@@ -1,5 +1,5 @@
 //! A real etcd server (Debian's `etcd-server`, which `.ci/run` installs) on loopback ports of its own,
-//! with its data in a temp folder; killed when dropped.
+//! with its data in a temp folder, optionally serving TLS; killed when dropped.
 
 use kvgate::demo::gateways::free_port;
 use std::path::Path;
@@ -15,26 +15,53 @@ pub struct Etcd {
     peer_port: u16,
     data_dir: std::path::PathBuf,
     log_path: std::path::PathBuf,
+    /// Server certificate, key and client CA files (serving `https://` and requiring client certificates).
+    tls: Option<EtcdServerTls>,
+    /// How the test's own client connects (TLS, a user once auth is on).
+    pub client_options: etcd_client::ConnectOptions,
+}
+
+/// PEM files etcd serves TLS with.
+pub struct EtcdServerTls {
+    pub cert_file: std::path::PathBuf,
+    pub key_file: std::path::PathBuf,
+    pub client_ca_file: std::path::PathBuf,
 }
 
 impl Etcd {
     /// The URL gateways put in `discovery.etcd_endpoints`.
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// A server on a free client port (not started yet: see `start`).
     pub fn on_free_port(dir: &Path) -> Etcd {
         let data_dir = dir.join(format!("etcd-{}", std::process::id()));
         let log_path = dir.join(format!("etcd-{}.log", std::process::id()));
-        Etcd { child: None, client_port: free_port(), peer_port: free_port(), data_dir, log_path }
+        let client_options = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_secs(2)).with_timeout(Duration::from_secs(2));
+        Etcd { child: None, client_port: free_port(), peer_port: free_port(), data_dir, log_path, tls: None, client_options }
+    }
+
+    /// A server on a free port that serves TLS with `tls` and requires client certificates; the test's
+    /// client presents `client_options`' TLS.
+    pub fn with_tls(dir: &Path, tls: EtcdServerTls, client_tls: etcd_client::TlsOptions) -> Etcd {
+        let mut etcd = Etcd::on_free_port(dir);
+        etcd.tls = Some(tls);
+        etcd.client_options = etcd.client_options.clone().with_tls(client_tls);
+        etcd
     }
 
     /// Starts etcd (a missing binary fails the test, naming the package) and waits until it answers.
     pub async fn start(&mut self) {
         let log = std::fs::File::create(&self.log_path).unwrap();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new("etcd")
+        let mut command = Command::new("etcd");
+        if let Some(tls) = &self.tls {
+            command.arg("--cert-file").arg(&tls.cert_file).arg("--key-file").arg(&tls.key_file);
+            command.arg("--client-cert-auth").arg("--trusted-ca-file").arg(&tls.client_ca_file);
+        }
+        let child = command
             .args(["--name", "kvgate-test", "--data-dir"])
             .arg(&self.data_dir)
             .args(["--listen-client-urls", &self.url(), "--advertise-client-urls", &self.url()])
@@ -65,8 +92,7 @@ impl Etcd {
     }
 
     pub async fn client(&self) -> Result<etcd_client::Client, etcd_client::Error> {
-        let options = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_secs(2)).with_timeout(Duration::from_secs(2));
-        etcd_client::Client::connect([self.url()], Some(options)).await
+        etcd_client::Client::connect([self.url()], Some(self.client_options.clone())).await
     }
 
     /// The keys under `prefix`, as strings, sorted.

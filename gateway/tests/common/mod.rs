@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod etcd;
+pub mod pki;
 
 use kvgate::demo::engine::Engine;
 use kvgate::demo::http;
