@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::pki::{leaf, leaf_named, pki, Pki};
+use common::pki::{leaf, leaf_named, pki, tls_toml};
 use common::*;
 use kvgate::demo::engine::{expect_into, run_room, send_all};
 use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
@@ -123,15 +123,6 @@ async fn tcp_engine_api_refuses_a_wrong_or_missing_bearer_token() {
     let mode = std::fs::metadata(&pair.decode.socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);
     pair.stop();
-}
-
-fn tls_toml(dir: &std::path::Path, name: &str, own: &Pki, trusted_ca_pem: &str) -> String {
-    let (cert, key, ca) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")), dir.join(format!("{name}-ca.pem")));
-    std::fs::write(&cert, &own.cert_pem).unwrap();
-    std::fs::write(&key, &own.key_pem).unwrap();
-    std::fs::write(&ca, trusted_ca_pem).unwrap();
-    let _ = &own.ca_pem;
-    format!("[peer_link.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n", cert.display(), key.display(), ca.display())
 }
 
 /// Starts a pair whose TLS settings must keep the link down; checks that it stays down (both admin

@@ -1,15 +1,17 @@
 //! `[discovery]` against an etcd that checks who calls: a user with a password file and a role on its
 //! prefix registers, a wrong password or a prefix outside the role is refused `etcd_auth_failed`; an
 //! etcd serving TLS with client certificates takes a gateway with the cluster's certificates and
-//! refuses one from another CA; an unreadable password file stops start-up naming the key.
+//! refuses one from another CA; an unreadable password file stops start-up naming the key; discovered
+//! peers link over mutual TLS checked against the `tls_name` their record publishes.
 
 mod common;
 
 use common::etcd::{Etcd, EtcdServerTls};
-use common::pki::{leaf_named, pki, Pki};
+use common::pki::{leaf_named, pki, tls_toml, Pki};
 use common::*;
 use etcd_client::Permission;
-use kvgate::demo::gateways::{free_port, Cluster, PairSettings};
+use kvgate::demo::engine::run_room;
+use kvgate::demo::gateways::{free_port, Cluster, GatewayPair, PairSettings};
 use std::path::Path;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -146,4 +148,50 @@ fn an_unreadable_password_file_stops_start_up_naming_the_key() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("discovery.password_file: cannot read") && stderr.contains("no-such-password"), "{stderr}");
     assert!(!dir.path().join("early.sock").exists(), "the engine socket was bound before the credentials were read");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovered_peers_link_over_mutual_tls_checked_against_the_name_their_record_publishes() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let etcd = Etcd::started(dir.path()).await;
+    let (ca, ca_pem) = pki("kvgate test cluster CA");
+    let discovery = |prefix: &str, tls_name: &str| {
+        format!("[discovery]\netcd_endpoints = [\"{}\"]\nkey_prefix = \"{prefix}\"\nretry_interval_ms = 200\ntls_name = \"{tls_name}\"\n", etcd.url())
+    };
+    let prefill_cert = leaf_named(&ca, &ca_pem, "prefill.kv.internal");
+    let decode_cert = leaf_named(&ca, &ca_pem, "decode.kv.internal");
+    // `run` keeps each run's key prefix and certificate files apart.
+    let settings = |run: &str, decode_cert: &Pki| PairSettings {
+        static_peers: false,
+        extra_prefill: tls_toml(dir.path(), &format!("prefill-{run}"), &prefill_cert, &ca_pem) + &discovery(&format!("/kvgate-test/{run}/"), "prefill.kv.internal"),
+        extra_decode: tls_toml(dir.path(), &format!("decode-{run}"), decode_cert, &ca_pem) + &discovery(&format!("/kvgate-test/{run}/"), "decode.kv.internal"),
+        wait_for_peers: false,
+        ..PairSettings::default()
+    };
+
+    // Each certificate carries the name its gateway's record publishes: the link comes up, KV moves.
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings("mtls", &decode_cert)).await.unwrap();
+    let up = "kvgate_peer_up{peer=\"decode\"}";
+    wait_metric(&pair.prefill.admin, up, |v| v == 1.0, Duration::from_secs(15), &|| pair.prefill.log()).await;
+    let shape = small_shape();
+    let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 1).await;
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 1).await;
+    let r = run_room(&prefill, &decode, &shape, 710, 0, 0).await.unwrap();
+    assert!(r.verified, "{r:?}");
+    drop((prefill, decode));
+    pair.stop();
+
+    // Signed by the same CA but for another name than decode's record says: prefill, which decode
+    // dials (its name sorts first), refuses the link.
+    let impostor = leaf_named(&ca, &ca_pem, "impostor.kv.internal");
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings("impostor", &impostor)).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !pair.prefill.log().contains("peer_identity_mismatch") {
+        assert!(Instant::now() < deadline, "no peer_identity_mismatch:\n{}", pair.prefill.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(pair.prefill.log().contains("decode.kv.internal"), "the refusal names the record's name: {}", pair.prefill.log());
+    assert_ne!(sample(&metrics(&pair.prefill.admin).await, up), Some(1.0));
+    pair.stop();
 }

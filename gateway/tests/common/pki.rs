@@ -28,3 +28,13 @@ pub fn leaf_named(issuer: &rcgen::Issuer<'static, rcgen::KeyPair>, ca_pem: &str,
     let cert = params.signed_by(&key, issuer).unwrap();
     Pki { ca_pem: ca_pem.to_string(), cert_pem: cert.pem(), key_pem: key.serialize_pem() }
 }
+
+/// A `[peer_link.tls]` table presenting `own` and trusting `trusted_ca_pem`, its files written into `dir`.
+pub fn tls_toml(dir: &std::path::Path, name: &str, own: &Pki, trusted_ca_pem: &str) -> String {
+    let (cert, key, ca) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")), dir.join(format!("{name}-ca.pem")));
+    std::fs::write(&cert, &own.cert_pem).unwrap();
+    std::fs::write(&key, &own.key_pem).unwrap();
+    std::fs::write(&ca, trusted_ca_pem).unwrap();
+    let _ = &own.ca_pem;
+    format!("[peer_link.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n", cert.display(), key.display(), ca.display())
+}
