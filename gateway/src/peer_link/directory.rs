@@ -60,8 +60,8 @@ pub struct PeerDirectory {
 const INCOMING_SESSIONS: usize = 4;
 
 impl PeerDirectory {
-    /// A directory holding `peers` as static peers, and the link tasks to start for them.
-    pub fn with_static(peers: &[PeerEntry]) -> (Arc<PeerDirectory>, Vec<(PeerEntry, NewPeer)>) {
+    /// A directory holding `peers` as static peers, and the link tasks to start for them (by name).
+    pub fn with_static(peers: &[PeerEntry]) -> (Arc<PeerDirectory>, Vec<(String, NewPeer)>) {
         let directory = Arc::new(PeerDirectory::default());
         let mut tasks = Vec::new();
         {
@@ -69,7 +69,7 @@ impl PeerDirectory {
             for peer in peers {
                 let (known_peer, new) = Self::make(PeerSource::Static, peer.clone());
                 known.insert(peer.name.clone(), known_peer);
-                tasks.push((peer.clone(), new));
+                tasks.push((peer.name.clone(), new));
             }
         }
         (directory, tasks)
@@ -137,18 +137,13 @@ impl PeerDirectory {
         known.get(name).filter(|k| k.entry.borrow().is_some()).map(|k| k.incoming.clone())
     }
 
-    /// Every peer with its entry (the last one for a withdrawn peer whose session still runs is not
-    /// kept: it shows with an empty address) and its source, sorted by name.
+    /// Every peer, sorted by name, with its entry (`None` for a withdrawn discovered peer whose link
+    /// task still runs) and its source.
     pub fn list(&self) -> Vec<(String, Option<PeerEntry>, PeerSource)> {
         let known = self.known.read().expect("directory lock");
         let mut peers: Vec<_> = known.iter().map(|(name, k)| (name.clone(), k.entry.borrow().clone(), k.source)).collect();
         peers.sort_by(|a, b| a.0.cmp(&b.0));
         peers
-    }
-
-    /// Discovered peers known now, withdrawn ones with a session still running included.
-    pub fn discovered_count(&self) -> usize {
-        self.known.read().expect("directory lock").values().filter(|k| k.source == PeerSource::Discovered).count()
     }
 
     /// The names of discovered peers that are not withdrawn.
@@ -196,7 +191,7 @@ mod tests {
         assert_eq!(directory.entry("b").unwrap().address, "10.0.0.4:7100");
         directory.withdraw("b");
         assert!(directory.retire("b"));
-        assert_eq!(directory.discovered_count(), 0);
+        assert!(directory.list().is_empty());
     }
 
     #[test]

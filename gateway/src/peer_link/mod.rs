@@ -72,15 +72,15 @@ impl PeerLinks {
         identity: Arc<LocalIdentity>,
         events: mpsc::Sender<crate::driver::DriverInput>,
         directory: Arc<PeerDirectory>,
-        static_tasks: Vec<(PeerEntry, directory::NewPeer)>,
+        static_tasks: Vec<(String, directory::NewPeer)>,
     ) -> anyhow::Result<(PeerLinks, PeerLinkService)> {
         let tls = match &config.peer_link.tls {
             Some(t) => Some(Arc::new(tls::PeerTls::load(t)?)),
             None => None,
         };
         let links = PeerLinks { config: config.clone(), identity: identity.clone(), events, tls, directory: directory.clone() };
-        for (peer, new) in static_tasks {
-            links.spawn(peer.name, new);
+        for (name, new) in static_tasks {
+            links.spawn(name, new);
         }
         Ok((links, PeerLinkService::new(identity, config, directory)))
     }
