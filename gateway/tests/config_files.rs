@@ -88,6 +88,26 @@ fn environment_overrides_the_file_and_is_validated() {
 }
 
 #[test]
+fn list_keys_are_overridden_by_comma_separated_environment_values() {
+    let good = configs_dir().join("shm-one-host/prefill.toml");
+    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PLUGINS__PREFERENCE", "quic,shm").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains(r#"plugins ["quic", "shm"]"#), "{stdout}");
+    // One value is a list of one; each element is validated on its own, by its index.
+    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PLUGINS__PREFERENCE", "quic").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains(r#"plugins ["quic"]"#));
+    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__DISCOVERY__ETCD_ENDPOINTS", "http://10.0.0.5:2379,10.0.0.6:2379").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("discovery.etcd_endpoints[1]") && !stderr.contains("discovery.etcd_endpoints[0]"), "{stderr}");
+    // A key that is not a list keeps its commas.
+    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__GATEWAY__NAME", "a,b").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("sequence"), "{stderr}");
+}
+
+#[test]
 fn config_default_prints_a_loadable_document() {
     let out = kvgate().args(["config", "default"]).output().unwrap();
     assert!(out.status.success());

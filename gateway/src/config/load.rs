@@ -76,8 +76,12 @@ fn build(text: &str, origin: &str, with_env: bool) -> Result<GatewayConfig, Conf
     }
 }
 
+/// Keys whose environment override is a comma-separated list (`KVGATE__PLUGINS__PREFERENCE=ucx,quic`).
+pub const ENV_LIST_KEYS: &[&str] = &["plugins.preference", "plugins.libraries", "discovery.etcd_endpoints"];
+
 fn environment() -> Environment {
-    Environment::with_prefix(ENV_PREFIX).prefix_separator(ENV_SEPARATOR).separator(ENV_SEPARATOR).try_parsing(true)
+    let env = Environment::with_prefix(ENV_PREFIX).prefix_separator(ENV_SEPARATOR).separator(ENV_SEPARATOR).try_parsing(true).list_separator(",");
+    ENV_LIST_KEYS.iter().fold(env, |env, key| env.with_list_parse_key(key))
 }
 
 /// Environment variables that look meant for kvgate but would be ignored (`KVGATE_X` instead of
