@@ -104,8 +104,8 @@ pub fn connect_options(d: &DiscoverySection) -> anyhow::Result<ConnectOptions> {
     Ok(options)
 }
 
-/// Runs `call` for at most `limit`; a failed call is a `reason` failure naming `what` (or
-/// `etcd_unreachable`: see `classify`), a late one `etcd_unreachable`.
+/// Runs `call` for at most `limit`; a failed call is a `reason` failure naming `what` (unless
+/// `classify` finds a more precise reason), a late one `etcd_unreachable`.
 async fn bounded<T>(limit: Duration, reason: &'static str, what: &str, call: impl Future<Output = Result<T, etcd_client::Error>>) -> Result<T, DiscoveryError> {
     match tokio::time::timeout(limit, call).await {
         Ok(Ok(value)) => Ok(value),
@@ -187,7 +187,7 @@ impl Discovery {
                     Ok(Some(answer)) if answer.ttl() > 0 => last_ack = Instant::now(),
                     Ok(Some(_)) => break Err(failed("lease_expired", format!("etcd says the lease of {own_key} has expired"))),
                     Ok(None) => break Err(failed("etcd_request_failed", "the lease keep-alive stream closed")),
-                    Err(e) => break Err(failed("etcd_request_failed", format!("lease keep-alive: {e}"))),
+                    Err(e) => break Err(failed(classify(&e, "etcd_request_failed"), format!("lease keep-alive: {e}"))),
                 },
                 _ = tokio::time::sleep_until(last_ack + ttl) => {
                     break Err(failed("lease_expired", format!("no keep-alive answer for discovery.lease_ttl_s ({} s): {own_key} may be gone", d.lease_ttl_s)));
@@ -206,7 +206,7 @@ impl Discovery {
                         }
                     }
                     Ok(None) => break Err(failed("etcd_request_failed", "the watch stream closed")),
-                    Err(e) => break Err(failed("etcd_request_failed", format!("watch: {e}"))),
+                    Err(e) => break Err(failed(classify(&e, "etcd_request_failed"), format!("watch: {e}"))),
                 },
             }
         };
