@@ -7,7 +7,7 @@
 mod common;
 
 use common::etcd::{Etcd, EtcdServerTls};
-use common::pki::{leaf_named, pki, tls_toml, Pki};
+use common::pki::{leaf_named, pem_files, pki, tls_toml, Pki};
 use common::*;
 use etcd_client::Permission;
 use kvgate::demo::engine::run_room;
@@ -84,11 +84,6 @@ async fn a_user_with_a_role_on_its_prefix_registers_and_a_wrong_password_or_pref
     assert_eq!(etcd.keys(prefix).await, [format!("{prefix}good")]);
     assert!(etcd.keys("/elsewhere/").await.is_empty());
     cluster.stop();
-}
-
-/// Writes `pki`'s certificate and key, and `ca_pem`, into `dir` under `name`; returns the three paths.
-fn pem_files(dir: &Path, name: &str, own: &Pki, ca_pem: &str) -> (String, String, String) {
-    (write(dir, &format!("{name}.pem"), &own.cert_pem), write(dir, &format!("{name}.key"), &own.key_pem), write(dir, &format!("{name}-ca.pem"), ca_pem))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -29,12 +29,19 @@ pub fn leaf_named(issuer: &rcgen::Issuer<'static, rcgen::KeyPair>, ca_pem: &str,
     Pki { ca_pem: ca_pem.to_string(), cert_pem: cert.pem(), key_pem: key.serialize_pem() }
 }
 
+/// Writes `own`'s certificate and key, and `ca_pem`, into `dir` as `<name>.pem`, `<name>.key` and
+/// `<name>-ca.pem`; returns the three paths.
+pub fn pem_files(dir: &std::path::Path, name: &str, own: &Pki, ca_pem: &str) -> (String, String, String) {
+    let write = |file: String, text: &str| {
+        let path = dir.join(file);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    (write(format!("{name}.pem"), &own.cert_pem), write(format!("{name}.key"), &own.key_pem), write(format!("{name}-ca.pem"), ca_pem))
+}
+
 /// A `[peer_link.tls]` table presenting `own` and trusting `trusted_ca_pem`, its files written into `dir`.
 pub fn tls_toml(dir: &std::path::Path, name: &str, own: &Pki, trusted_ca_pem: &str) -> String {
-    let (cert, key, ca) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")), dir.join(format!("{name}-ca.pem")));
-    std::fs::write(&cert, &own.cert_pem).unwrap();
-    std::fs::write(&key, &own.key_pem).unwrap();
-    std::fs::write(&ca, trusted_ca_pem).unwrap();
-    let _ = &own.ca_pem;
-    format!("[peer_link.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n", cert.display(), key.display(), ca.display())
+    let (cert, key, ca) = pem_files(dir, name, own, trusted_ca_pem);
+    format!("[peer_link.tls]\ncert_file = \"{cert}\"\nkey_file = \"{key}\"\nca_file = \"{ca}\"\n")
 }
