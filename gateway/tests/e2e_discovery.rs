@@ -1,6 +1,6 @@
 //! `[discovery]` against a real etcd: gateways with no `[[peers]]` find each other and move KV caches;
 //! a stopped gateway's record goes at once (lease revoked), a killed one's when its lease expires; a
-//! taken name is refused until it is free; `max_peers` at and just past its limit; malformed records;
+//! name taken on another host is refused until it is free, one left by this host is taken over; `max_peers` at and just past its limit; malformed records;
 //! etcd down at start-up does not stop a gateway, which registers once etcd is up; etcd lost for
 //! longer than the lease does not cut linked gateways apart.
 
@@ -147,6 +147,26 @@ async fn a_name_held_by_a_gateway_on_another_host_is_refused_until_it_is_free() 
     client.delete(format!("{prefix}solo"), None).await.unwrap();
     eventually(Duration::from_secs(10), "registered once the name is free", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
     let held = client.get(format!("{prefix}solo"), None).await.unwrap();
+    assert!(String::from_utf8_lossy(held.kvs()[0].value()).contains(&solo.peer_listen));
+    cluster.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_of_the_same_name_from_this_host_is_taken_over_at_start() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let etcd = Etcd::started(dir.path()).await;
+    let prefix = "/kvgate-test/takeover/";
+    // What this gateway's previous run left behind (its lease not yet expired): same name, same host.
+    let this_host = nix::unistd::gethostname().unwrap().into_string().unwrap();
+    put_record(&etcd, prefix, "solo", "127.0.0.1:1", &this_host).await;
+    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("solo", &discovery_toml(&etcd, prefix, ""), vec![])]).await.unwrap();
+    let solo = cluster.get("solo");
+    eventually(Duration::from_secs(10), "registered", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
+    assert!(solo.log().contains("took over this host's earlier record"), "{}", solo.log());
+    assert_eq!(metric(&solo.admin, "kvgate_discovery_errors_total{reason=\"name_taken\"}").await, 0.0);
+    let held = etcd.client().await.unwrap().get(format!("{prefix}solo"), None).await.unwrap();
     assert!(String::from_utf8_lossy(held.kvs()[0].value()).contains(&solo.peer_listen));
     cluster.stop();
 }
