@@ -114,6 +114,17 @@ async fn bounded<T>(limit: Duration, reason: &'static str, what: &str, call: imp
     }
 }
 
+/// `record_lost` when an event on this gateway's own key is not its own write: the record was deleted,
+/// or overwritten under another lease, while this gateway's lease was live (peers can no longer find
+/// it as it is; registering again restores it, or finds who holds the name).
+fn own_record_lost(kind: EventType, kv: &KeyValue, lease: i64, own_key: &str) -> Option<DiscoveryError> {
+    match kind {
+        EventType::Put if kv.lease() == lease => None,
+        EventType::Put => Some(failed("record_lost", format!("{own_key} was overwritten by another writer (lease {} instead of {lease})", kv.lease()))),
+        EventType::Delete => Some(failed("record_lost", format!("{own_key} was deleted while its lease was live"))),
+    }
+}
+
 /// Resolves once `stop` is true (the watch guard is dropped here, so callers' futures stay `Send`).
 async fn stopped(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
@@ -197,12 +208,17 @@ impl Discovery {
                         break Err(failed("watch_canceled", format!("etcd cancelled the watch: {:?} (compacted at revision {})", response.cancel_reason(), response.compact_revision())));
                     }
                     Ok(Some(response)) => {
+                        let mut lost = None;
                         for event in response.events() {
                             let Some(kv) = event.kv() else { continue };
                             match event.event_type() {
+                                _ if kv.key() == own_key.as_bytes() => lost = lost.or(own_record_lost(event.event_type(), kv, lease, &own_key)),
                                 EventType::Put => self.apply_put(kv),
                                 EventType::Delete => self.apply_delete(kv.key()),
                             }
+                        }
+                        if let Some(e) = lost {
+                            break Err(e);
                         }
                     }
                     Ok(None) => break Err(failed("etcd_request_failed", "the watch stream closed")),

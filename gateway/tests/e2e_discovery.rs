@@ -1,6 +1,7 @@
 //! `[discovery]` against a real etcd: gateways with no `[[peers]]` find each other and move KV caches;
 //! a stopped gateway's record goes at once (lease revoked), a killed one's when its lease expires; a
-//! name taken on another host is refused until it is free, one left by this host is taken over; `max_peers` at and just past its limit; malformed records;
+//! name taken on another host is refused until it is free, one left by this host is taken over, a
+//! record deleted or overwritten under a live gateway is restored; `max_peers` at and just past its limit; malformed records;
 //! etcd down at start-up does not stop a gateway, which registers once etcd is up; etcd lost for
 //! longer than the lease does not cut linked gateways apart.
 
@@ -168,6 +169,34 @@ async fn a_record_of_the_same_name_from_this_host_is_taken_over_at_start() {
     assert_eq!(metric(&solo.admin, "kvgate_discovery_errors_total{reason=\"name_taken\"}").await, 0.0);
     let held = etcd.client().await.unwrap().get(format!("{prefix}solo"), None).await.unwrap();
     assert!(String::from_utf8_lossy(held.kvs()[0].value()).contains(&solo.peer_listen));
+    cluster.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_whose_record_is_deleted_or_overwritten_under_it_registers_again() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let etcd = Etcd::started(dir.path()).await;
+    let prefix = "/kvgate-test/lost/";
+    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("solo", &discovery_toml(&etcd, prefix, "lease_ttl_s = 60\n"), vec![])]).await.unwrap();
+    let solo = cluster.get("solo");
+    let lost = "kvgate_discovery_errors_total{reason=\"record_lost\"}";
+    let record_is_solos = || async {
+        let held = etcd.client().await.unwrap().get(format!("{prefix}solo"), None).await.unwrap();
+        held.kvs().first().is_some_and(|kv| String::from_utf8_lossy(kv.value()).contains(&solo.peer_listen))
+    };
+    eventually(Duration::from_secs(10), "registered", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
+    // An operator's `etcdctl del`: the record comes back well before the 60 s lease could matter.
+    etcd.client().await.unwrap().delete(format!("{prefix}solo"), None).await.unwrap();
+    eventually(Duration::from_secs(10), "record_lost counted once", || async { metric(&solo.admin, lost).await == 1.0 }, &|| solo.log()).await;
+    eventually(Duration::from_secs(10), "the record is back", record_is_solos, &|| solo.log()).await;
+    // Overwritten without a lease (another writer): counted, and this gateway's record restored over
+    // it, since it names this host.
+    put_record(&etcd, prefix, "solo", "127.0.0.1:1", &nix::unistd::gethostname().unwrap().into_string().unwrap()).await;
+    eventually(Duration::from_secs(10), "record_lost counted again", || async { metric(&solo.admin, lost).await == 2.0 }, &|| solo.log()).await;
+    eventually(Duration::from_secs(10), "the record is back again", record_is_solos, &|| solo.log()).await;
+    assert_eq!(metric(&solo.admin, "kvgate_discovery_registered").await, 1.0);
     cluster.stop();
 }
 
