@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::etcd::Etcd;
+use common::etcd::{discovery_only_settings, this_host, Etcd};
 use common::*;
 use kvgate::demo::engine::run_room;
 use kvgate::demo::gateways::{free_port, Cluster, GatewayPair, PairSettings};
@@ -133,7 +133,7 @@ async fn a_name_held_by_a_gateway_on_another_host_is_refused_until_it_is_free() 
     let etcd = Etcd::started(dir.path()).await;
     let prefix = "/kvgate-test/taken/";
     put_record(&etcd, prefix, "solo", "10.9.9.9:7100", "another-host").await;
-    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    let settings = discovery_only_settings();
     let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("solo", &discovery_toml(&etcd, prefix, ""), vec![])]).await.unwrap();
     let solo = cluster.get("solo");
     let taken = "kvgate_discovery_errors_total{reason=\"name_taken\"}";
@@ -142,13 +142,11 @@ async fn a_name_held_by_a_gateway_on_another_host_is_refused_until_it_is_free() 
     assert!(solo.log().contains("name_taken") && solo.log().contains("another-host"), "{}", solo.log());
     // The other holder's record was left as it was.
     let mut client = etcd.client().await.unwrap();
-    let held = client.get(format!("{prefix}solo"), None).await.unwrap();
-    assert!(String::from_utf8_lossy(held.kvs()[0].value()).contains("10.9.9.9:7100"));
+    assert!(etcd.value(&format!("{prefix}solo")).await.is_some_and(|v| v.contains("10.9.9.9:7100")));
 
     client.delete(format!("{prefix}solo"), None).await.unwrap();
     eventually(Duration::from_secs(10), "registered once the name is free", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
-    let held = client.get(format!("{prefix}solo"), None).await.unwrap();
-    assert!(String::from_utf8_lossy(held.kvs()[0].value()).contains(&solo.peer_listen));
+    assert!(etcd.value(&format!("{prefix}solo")).await.is_some_and(|v| v.contains(&solo.peer_listen)));
     cluster.stop();
 }
 
@@ -159,16 +157,14 @@ async fn a_record_of_the_same_name_from_this_host_is_taken_over_at_start() {
     let etcd = Etcd::started(dir.path()).await;
     let prefix = "/kvgate-test/takeover/";
     // What this gateway's previous run left behind (its lease not yet expired): same name, same host.
-    let this_host = nix::unistd::gethostname().unwrap().into_string().unwrap();
-    put_record(&etcd, prefix, "solo", "127.0.0.1:1", &this_host).await;
-    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    put_record(&etcd, prefix, "solo", "127.0.0.1:1", &this_host()).await;
+    let settings = discovery_only_settings();
     let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("solo", &discovery_toml(&etcd, prefix, ""), vec![])]).await.unwrap();
     let solo = cluster.get("solo");
     eventually(Duration::from_secs(10), "registered", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
     assert!(solo.log().contains("took over this host's earlier record"), "{}", solo.log());
     assert_eq!(metric(&solo.admin, "kvgate_discovery_errors_total{reason=\"name_taken\"}").await, 0.0);
-    let held = etcd.client().await.unwrap().get(format!("{prefix}solo"), None).await.unwrap();
-    assert!(String::from_utf8_lossy(held.kvs()[0].value()).contains(&solo.peer_listen));
+    assert!(etcd.value(&format!("{prefix}solo")).await.is_some_and(|v| v.contains(&solo.peer_listen)));
     cluster.stop();
 }
 
@@ -178,14 +174,11 @@ async fn a_gateway_whose_record_is_deleted_or_overwritten_under_it_registers_aga
     let dir = work_dir();
     let etcd = Etcd::started(dir.path()).await;
     let prefix = "/kvgate-test/lost/";
-    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    let settings = discovery_only_settings();
     let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("solo", &discovery_toml(&etcd, prefix, "lease_ttl_s = 60\n"), vec![])]).await.unwrap();
     let solo = cluster.get("solo");
     let lost = "kvgate_discovery_errors_total{reason=\"record_lost\"}";
-    let record_is_solos = || async {
-        let held = etcd.client().await.unwrap().get(format!("{prefix}solo"), None).await.unwrap();
-        held.kvs().first().is_some_and(|kv| String::from_utf8_lossy(kv.value()).contains(&solo.peer_listen))
-    };
+    let record_is_solos = || async { etcd.value(&format!("{prefix}solo")).await.is_some_and(|v| v.contains(&solo.peer_listen)) };
     eventually(Duration::from_secs(10), "registered", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
     // An operator's `etcdctl del`: the record comes back well before the 60 s lease could matter.
     etcd.client().await.unwrap().delete(format!("{prefix}solo"), None).await.unwrap();
@@ -193,7 +186,7 @@ async fn a_gateway_whose_record_is_deleted_or_overwritten_under_it_registers_aga
     eventually(Duration::from_secs(10), "the record is back", record_is_solos, &|| solo.log()).await;
     // Overwritten without a lease (another writer): counted, and this gateway's record restored over
     // it, since it names this host.
-    put_record(&etcd, prefix, "solo", "127.0.0.1:1", &nix::unistd::gethostname().unwrap().into_string().unwrap()).await;
+    put_record(&etcd, prefix, "solo", "127.0.0.1:1", &this_host()).await;
     eventually(Duration::from_secs(10), "record_lost counted again", || async { metric(&solo.admin, lost).await == 2.0 }, &|| solo.log()).await;
     eventually(Duration::from_secs(10), "the record is back again", record_is_solos, &|| solo.log()).await;
     assert_eq!(metric(&solo.admin, "kvgate_discovery_registered").await, 1.0);
@@ -206,7 +199,7 @@ async fn max_peers_admits_peers_up_to_the_limit_and_refuses_the_next_and_malform
     let dir = work_dir();
     let etcd = Etcd::started(dir.path()).await;
     let prefix = "/kvgate-test/limit/";
-    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    let settings = discovery_only_settings();
     let table = discovery_toml(&etcd, prefix, "max_peers = 2\n");
     let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("gw", &table, vec![])]).await.unwrap();
     let gw = cluster.get("gw");
@@ -247,7 +240,7 @@ async fn etcd_down_at_start_up_does_not_stop_the_gateway_which_registers_once_et
     let dir = work_dir();
     let mut etcd = Etcd::on_free_port(dir.path());
     let prefix = "/kvgate-test/late/";
-    let settings = PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() };
+    let settings = discovery_only_settings();
     let table = discovery_toml(&etcd, prefix, "request_timeout_ms = 500\n");
     let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("early", &table, vec![])]).await.unwrap();
     let early = cluster.get("early");

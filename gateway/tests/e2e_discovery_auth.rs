@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::etcd::{Etcd, EtcdServerTls};
+use common::etcd::{discovery_only_settings, Etcd, EtcdServerTls};
 use common::pki::{leaf_named, pem_files, pki, tls_toml, Pki};
 use common::*;
 use etcd_client::Permission;
@@ -38,10 +38,6 @@ fn write(dir: &Path, name: &str, text: &str) -> String {
     path.display().to_string()
 }
 
-fn solo_settings() -> PairSettings {
-    PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_with_a_role_on_its_prefix_registers_and_a_wrong_password_or_prefix_is_refused_etcd_auth_failed() {
     let _serial = serial().await;
@@ -68,7 +64,7 @@ async fn a_user_with_a_role_on_its_prefix_registers_and_a_wrong_password_or_pref
     };
     let (good, bad_password, bad_prefix) = (table(&right, prefix), table(&wrong, prefix), table(&right, "/elsewhere/"));
     let members = [("good", good.as_str(), vec![]), ("badpassword", bad_password.as_str(), vec![]), ("badprefix", bad_prefix.as_str(), vec![])];
-    let mut cluster = Cluster::start(&binary(), dir.path(), &solo_settings(), &members).await.unwrap();
+    let mut cluster = Cluster::start(&binary(), dir.path(), &discovery_only_settings(), &members).await.unwrap();
     let within = Duration::from_secs(15);
 
     let good = cluster.get("good");
@@ -113,7 +109,7 @@ async fn over_tls_with_client_certificates_a_gateway_of_the_cluster_registers_an
     let member = table("member", &leaf_named(&cluster_ca, &cluster_ca_pem, "member"));
     let stranger = table("stranger", &leaf_named(&rogue_ca, &rogue_ca_pem, "stranger"));
     let members = [("member", member.as_str(), vec![]), ("stranger", stranger.as_str(), vec![])];
-    let mut cluster = Cluster::start(&binary(), dir.path(), &solo_settings(), &members).await.unwrap();
+    let mut cluster = Cluster::start(&binary(), dir.path(), &discovery_only_settings(), &members).await.unwrap();
     let within = Duration::from_secs(15);
     let member = cluster.get("member");
     wait_metric(&member.admin, REGISTERED, |v| v == 1.0, within, &|| member.log()).await;

@@ -1,7 +1,7 @@
 //! A real etcd server (Debian's `etcd-server`, which `.ci/run` installs) on loopback ports of its own,
 //! with its data in a temp folder, optionally serving TLS; killed when dropped.
 
-use kvgate::demo::gateways::free_port;
+use kvgate::demo::gateways::{free_port, PairSettings};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -112,9 +112,25 @@ impl Etcd {
         }
     }
 
+    /// The value at `key`, as text, if the key exists.
+    pub async fn value(&self, key: &str) -> Option<String> {
+        let answer = self.client().await.unwrap().get(key, None).await.unwrap();
+        answer.kvs().first().map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
+}
+
+/// Gateways that know no peer but those discovery finds, started without waiting for any link.
+pub fn discovery_only_settings() -> PairSettings {
+    PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() }
+}
+
+/// This machine's host name, as a gateway publishes it in its record.
+pub fn this_host() -> String {
+    nix::unistd::gethostname().unwrap().into_string().unwrap()
 }
 
 impl Drop for Etcd {
