@@ -152,14 +152,19 @@ impl Discovery {
     }
 
     /// Runs until `stop` turns true: then revokes this gateway's lease, so that peers see it leave at once.
+    /// Each session talks to one endpoint; after a failed session the next one dials the next
+    /// endpoint in the list, so a dead or cut-off member costs one session, not every one (a client
+    /// balancing over all endpoints would keep sending some calls to the dead member).
     pub async fn run(self, mut stop: watch::Receiver<bool>) {
-        let retry = Duration::from_millis(self.config.discovery.retry_interval_ms);
-        loop {
-            let outcome = self.session(&mut stop).await;
+        let d = &self.config.discovery;
+        let retry = Duration::from_millis(d.retry_interval_ms);
+        for attempt in 0usize.. {
+            let endpoint = &d.etcd_endpoints[attempt % d.etcd_endpoints.len()];
+            let outcome = self.session(endpoint, &mut stop).await;
             self.metrics.set_discovery_registered(false);
             let Err(e) = outcome else { return };
             self.metrics.count_discovery_error(e.reason);
-            tracing::warn!(reason = e.reason, endpoints = ?self.config.discovery.etcd_endpoints, "discovery: {}; again in {} ms", e.detail, retry.as_millis());
+            tracing::warn!(reason = e.reason, endpoint = %endpoint, "discovery: {}; again in {} ms, through the next endpoint", e.detail, retry.as_millis());
             tokio::select! {
                 _ = tokio::time::sleep(retry) => {}
                 _ = stopped(&mut stop) => return,
@@ -167,17 +172,17 @@ impl Discovery {
         }
     }
 
-    /// One connection and one lease: register, read the peers, follow them. `Ok` when stopped.
-    async fn session(&self, stop: &mut watch::Receiver<bool>) -> Result<(), DiscoveryError> {
+    /// One connection to `endpoint` and one lease: register, read the peers, follow them. `Ok` when stopped.
+    async fn session(&self, endpoint: &str, stop: &mut watch::Receiver<bool>) -> Result<(), DiscoveryError> {
         let d = &self.config.discovery;
         let limit = Duration::from_millis(d.request_timeout_ms);
         let ttl = Duration::from_secs(d.lease_ttl_s);
-        let mut client = bounded(limit, "etcd_unreachable", "connect", Client::connect(&d.etcd_endpoints, Some(self.options.clone()))).await?;
+        let mut client = bounded(limit, "etcd_unreachable", "connect", Client::connect([endpoint], Some(self.options.clone()))).await?;
         let lease = bounded(limit, "etcd_request_failed", "lease grant", client.lease_grant(d.lease_ttl_s as i64, None)).await?.id();
         self.register(&mut client, lease, limit).await?;
         self.metrics.set_discovery_registered(true);
         let own_key = self.key_of(&self.identity.name);
-        tracing::info!(key = %own_key, lease_ttl_s = d.lease_ttl_s, "discovery: registered");
+        tracing::info!(key = %own_key, %endpoint, lease_ttl_s = d.lease_ttl_s, "discovery: registered");
         let (mut keeper, mut acks) = bounded(limit, "etcd_request_failed", "lease keep-alive", client.lease_keep_alive(lease)).await?;
         let snapshot = bounded(limit, "etcd_request_failed", "read peers", client.get(d.key_prefix.as_str(), Some(GetOptions::new().with_prefix()))).await?;
         let revision = snapshot.header().map_or(0, |h| h.revision());

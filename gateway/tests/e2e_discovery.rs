@@ -11,7 +11,6 @@ use common::etcd::{discovery_only_settings, this_host, Etcd};
 use common::*;
 use kvgate::demo::engine::run_room;
 use kvgate::demo::gateways::{free_port, Cluster, GatewayPair, PairSettings};
-use kvgate::demo::http;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -22,31 +21,6 @@ fn discovery_toml(etcd: &Etcd, prefix: &str, extra: &str) -> String {
 fn discovered_pair(etcd: &Etcd, prefix: &str, extra: &str) -> PairSettings {
     let table = discovery_toml(etcd, prefix, extra);
     PairSettings { static_peers: false, extra_prefill: table.clone(), extra_decode: table, ..PairSettings::default() }
-}
-
-/// The peers `/plugins` lists on `admin`.
-async fn peers(admin: &str) -> Vec<serde_json::Value> {
-    let (code, body) = http::get(admin, "/plugins").await.unwrap();
-    assert_eq!(code, 200, "{body}");
-    let value: serde_json::Value = serde_json::from_str(&body).unwrap();
-    value["peers"].as_array().cloned().unwrap_or_default()
-}
-
-/// Polls `check` every 50 ms until it holds; fails with `what` and `context()` after `within`.
-async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F, context: &dyn Fn() -> String)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + within;
-    while !check().await {
-        assert!(Instant::now() < deadline, "not within {within:?}: {what}\n{}", context());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn metric(admin: &str, series: &str) -> f64 {
-    sample(&metrics(admin).await, series).unwrap_or(0.0)
 }
 
 /// Both gateways' logs, read when called (the pair may be stopped by then).

@@ -16,17 +16,9 @@ use std::path::Path;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// Polls the admin `/metrics` of `admin` until `series` reads `want`; fails with the log after `within`.
+/// Polls `admin`'s `/metrics` until `series` reads `want`; fails with the log after `within`.
 async fn wait_metric(admin: &str, series: &str, want: impl Fn(f64) -> bool, within: Duration, log: &dyn Fn() -> String) {
-    let deadline = Instant::now() + within;
-    loop {
-        let value = sample(&metrics(admin).await, series).unwrap_or(0.0);
-        if want(value) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{series} = {value} after {within:?}\n{}", log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(within, &format!("{series} as wanted"), || async { want(metric(admin, series).await) }, log).await;
 }
 
 const REGISTERED: &str = "kvgate_discovery_registered";

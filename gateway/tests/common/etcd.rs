@@ -1,5 +1,6 @@
 //! A real etcd server (Debian's `etcd-server`, which `.ci/run` installs) on loopback ports of its own,
-//! with its data in a temp folder, optionally serving TLS; killed when dropped.
+//! with its data in a temp folder, optionally serving TLS, alone or as a member of a cluster on
+//! loopback; killed when dropped.
 
 use kvgate::demo::gateways::{free_port, PairSettings};
 use std::path::Path;
@@ -11,6 +12,9 @@ const ETCD_READY_TIMEOUT: Duration = Duration::from_secs(20);
 
 pub struct Etcd {
     child: Option<Child>,
+    /// Its member name, and the whole cluster (`name=peer-url,...`) when it is one of several.
+    member: String,
+    initial_cluster: Option<String>,
     pub client_port: u16,
     peer_port: u16,
     data_dir: std::path::PathBuf,
@@ -37,10 +41,12 @@ impl Etcd {
 
     /// A server on a free client port (not started yet: see `start`).
     pub fn on_free_port(dir: &Path) -> Etcd {
-        let data_dir = dir.join(format!("etcd-{}", std::process::id()));
-        let log_path = dir.join(format!("etcd-{}.log", std::process::id()));
+        let client_port = free_port();
+        let data_dir = dir.join(format!("etcd-{client_port}"));
+        let log_path = dir.join(format!("etcd-{client_port}.log"));
         let client_options = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_secs(2)).with_timeout(Duration::from_secs(2));
-        Etcd { child: None, client_port: free_port(), peer_port: free_port(), data_dir, log_path, tls: None, client_options }
+        let member = "kvgate-test".to_string();
+        Etcd { child: None, member, initial_cluster: None, client_port, peer_port: free_port(), data_dir, log_path, tls: None, client_options }
     }
 
     /// A server on a free port that serves TLS with `tls` and requires client certificates; the test's
@@ -52,27 +58,41 @@ impl Etcd {
         etcd
     }
 
+    fn peer_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.peer_port)
+    }
+
     /// Starts etcd (a missing binary fails the test, naming the package) and waits until it answers.
     pub async fn start(&mut self) {
+        self.spawn();
+        self.wait_ready().await;
+    }
+
+    /// Starts the process without waiting: a cluster's members answer only once a quorum is up.
+    fn spawn(&mut self) {
         let log = std::fs::File::create(&self.log_path).unwrap();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let peer = self.peer_url();
+        let initial_cluster = self.initial_cluster.clone().unwrap_or_else(|| format!("{}={peer}", self.member));
         let mut command = Command::new("etcd");
         if let Some(tls) = &self.tls {
             command.arg("--cert-file").arg(&tls.cert_file).arg("--key-file").arg(&tls.key_file);
             command.arg("--client-cert-auth").arg("--trusted-ca-file").arg(&tls.client_ca_file);
         }
         let child = command
-            .args(["--name", "kvgate-test", "--data-dir"])
+            .args(["--name", &self.member, "--data-dir"])
             .arg(&self.data_dir)
             .args(["--listen-client-urls", &self.url(), "--advertise-client-urls", &self.url()])
             .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
-            .args(["--initial-cluster", &format!("kvgate-test={peer}"), "--logger", "zap", "--log-level", "error"])
+            .args(["--initial-cluster", &initial_cluster, "--logger", "zap", "--log-level", "error"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start etcd ({e}): install Debian's etcd-server (.ci/run does)"));
         self.child = Some(child);
+    }
+
+    async fn wait_ready(&self) {
         let deadline = tokio::time::Instant::now() + ETCD_READY_TIMEOUT;
         loop {
             if let Ok(mut client) = self.client().await {
@@ -120,6 +140,59 @@ impl Etcd {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+}
+
+/// A cluster of etcd members on loopback; each member can be killed and started again alone.
+pub struct EtcdCluster {
+    pub members: Vec<Etcd>,
+}
+
+impl EtcdCluster {
+    /// `size` members, started together, once every one of them answers.
+    pub async fn started(dir: &Path, size: usize) -> EtcdCluster {
+        let mut members: Vec<Etcd> = (0..size).map(|_| Etcd::on_free_port(dir)).collect();
+        for (i, m) in members.iter_mut().enumerate() {
+            m.member = format!("kvgate-test-{i}");
+        }
+        let initial = members.iter().map(|m| format!("{}={}", m.member, m.peer_url())).collect::<Vec<_>>().join(",");
+        for m in &mut members {
+            m.initial_cluster = Some(initial.clone());
+            m.spawn();
+        }
+        for m in &members {
+            m.wait_ready().await;
+        }
+        EtcdCluster { members }
+    }
+
+    /// Waits until every running member grants a lease: after a member is killed, until the others
+    /// have a leader again (calls made during the election wait for it, past any short timeout).
+    pub async fn settle(&self) {
+        let deadline = tokio::time::Instant::now() + ETCD_READY_TIMEOUT;
+        for m in self.members.iter().filter(|m| m.child.is_some()) {
+            loop {
+                let granted = match m.client().await {
+                    Ok(mut client) => client.lease_grant(5, None).await.is_ok(),
+                    Err(_) => false,
+                };
+                if granted {
+                    break;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "member {} grants no lease within {ETCD_READY_TIMEOUT:?}:\n{}", m.member, self.logs());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+
+    /// Every member's client URL, in member order.
+    pub fn urls(&self) -> Vec<String> {
+        self.members.iter().map(Etcd::url).collect()
+    }
+
+    /// Every member's log, for a failing test's message.
+    pub fn logs(&self) -> String {
+        self.members.iter().map(|m| format!("--- {}:\n{}", m.member, m.log())).collect::<Vec<_>>().join("\n")
     }
 }
 

@@ -69,3 +69,29 @@ pub async fn metrics(admin: &str) -> String {
 pub fn sample(text: &str, series: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().split(' ').next()).and_then(|v| v.parse().ok()))
 }
+
+/// The value of `series` on `admin`'s `/metrics`; 0 when the series is not printed.
+pub async fn metric(admin: &str, series: &str) -> f64 {
+    sample(&metrics(admin).await, series).unwrap_or(0.0)
+}
+
+/// The peers `/plugins` lists on `admin`.
+pub async fn peers(admin: &str) -> Vec<serde_json::Value> {
+    let (code, body) = http::get(admin, "/plugins").await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+    value["peers"].as_array().cloned().unwrap_or_default()
+}
+
+/// Polls `check` every 50 ms until it holds; fails with `what` and `context()` after `within`.
+pub async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F, context: &dyn Fn() -> String)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "not within {within:?}: {what}\n{}", context());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -1,0 +1,97 @@
+//! `[discovery]` against an etcd cluster of three members on loopback, as production runs it: with a
+//! member down (and listed first) gateways still register, find each other and move KV caches; when
+//! the member a gateway talks to dies, it moves to another, keeps its record and keeps following
+//! peers that come and go, whichever member it was.
+
+mod common;
+
+use common::etcd::{discovery_only_settings, EtcdCluster};
+use common::*;
+use kvgate::demo::engine::run_room;
+use kvgate::demo::gateways::{Cluster, GatewayPair, PairSettings};
+use std::time::Duration;
+
+fn cluster_toml(etcd: &EtcdCluster, prefix: &str, extra: &str) -> String {
+    let endpoints = etcd.urls().iter().map(|u| format!("\"{u}\"")).collect::<Vec<_>>().join(", ");
+    format!("[discovery]\netcd_endpoints = [{endpoints}]\nkey_prefix = \"{prefix}\"\nretry_interval_ms = 200\n{extra}")
+}
+
+const REGISTERED: &str = "kvgate_discovery_registered";
+const NAME_TAKEN: &str = "kvgate_discovery_errors_total{reason=\"name_taken\"}";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_member_down_and_listed_first_gateways_register_find_each_other_and_move_kv_caches() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let mut etcd = EtcdCluster::started(dir.path(), 3).await;
+    etcd.members[0].kill();
+    etcd.settle().await;
+    let prefix = "/kvgate-test/member-down/";
+    // Time enough for a live member to answer on a loaded machine: only the dead one may fail.
+    let table = cluster_toml(&etcd, prefix, "request_timeout_ms = 5000\n");
+    let settings = PairSettings { static_peers: false, extra_prefill: table.clone(), extra_decode: table, ..PairSettings::default() };
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap_or_else(|e| panic!("{e:#}\n{}", etcd.logs()));
+    let logs = || format!("{}\n{}", pair.prefill.log(), pair.decode.log());
+    for admin in [&pair.prefill.admin, &pair.decode.admin] {
+        eventually(Duration::from_secs(10), "registered", || async { metric(admin, REGISTERED).await == 1.0 }, &logs).await;
+        eventually(Duration::from_secs(10), "the other gateway found through etcd and linked", || async {
+            let p = peers(admin).await;
+            p.len() == 1 && p[0]["up"] == true && p[0]["source"] == "etcd"
+        }, &logs).await;
+    }
+    assert_eq!(etcd.members[1].keys(prefix).await, [format!("{prefix}decode"), format!("{prefix}prefill")]);
+
+    let shape = small_shape();
+    let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 2).await;
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
+    let r = run_room(&prefill, &decode, &shape, 401, 0, 0).await.unwrap();
+    assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "{r:?}\n{}", logs());
+    drop((prefill, decode));
+    // The dead member cost each gateway its first session and nothing after: no call of the
+    // session that registered went to it.
+    for admin in [&pair.prefill.admin, &pair.decode.admin] {
+        let text = metrics(admin).await;
+        let errors: Vec<&str> = text.lines().filter(|l| l.starts_with("kvgate_discovery_errors_total{")).collect();
+        assert_eq!(errors, ["kvgate_discovery_errors_total{reason=\"etcd_unreachable\"} 1"], "{}", logs());
+    }
+    pair.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_its_member_dies_a_gateway_moves_to_another_keeps_its_record_and_keeps_following_peers() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let mut etcd = EtcdCluster::started(dir.path(), 3).await;
+    let prefix = "/kvgate-test/member-lost/";
+    let ttl_s = 2;
+    let table = cluster_toml(&etcd, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 1000\n"));
+    let settings = discovery_only_settings();
+    let mut steady = Cluster::start(&binary(), dir.path(), &settings, &[("steady", &table, vec![])]).await.unwrap();
+    let admin = steady.get("steady").admin.clone();
+    let steady_key = format!("{prefix}steady");
+    let steady_log = steady.get("steady").log_path.clone();
+    let log = || std::fs::read_to_string(&steady_log).unwrap_or_default();
+    eventually(Duration::from_secs(10), "registered", || async { metric(&admin, REGISTERED).await == 1.0 }, &log).await;
+
+    // Each member in turn: whichever one the gateway talks to dies in one of these rounds.
+    for down in 0..etcd.members.len() {
+        etcd.members[down].kill();
+        let alive = &etcd.members[(down + 1) % etcd.members.len()];
+        // A gateway that joins while the member is down is found...
+        let name = format!("late-{down}");
+        let mut late = Cluster::start(&binary(), dir.path(), &settings, &[(&name, &table, vec![])]).await.unwrap();
+        let up = || async { peers(&admin).await.iter().any(|p| p["name"] == name.as_str() && p["up"] == true) };
+        eventually(Duration::from_secs(15), &format!("{name} found and linked with member {down} down"), up, &log).await;
+        // ...and forgotten when it stops.
+        late.stop();
+        eventually(Duration::from_secs(15), &format!("{name} forgotten"), || async { peers(&admin).await.is_empty() }, &log).await;
+        // Past two lease periods the record is still there, kept alive through another member.
+        tokio::time::sleep(Duration::from_secs(2 * ttl_s)).await;
+        eventually(Duration::from_secs(10), "registered through a live member", || async { metric(&admin, REGISTERED).await == 1.0 }, &log).await;
+        let record = alive.value(&steady_key).await;
+        assert!(record.as_deref().is_some_and(|v| v.contains(&steady.get("steady").peer_listen)), "member {down} down: record {record:?}\n{}", log());
+        etcd.members[down].start().await;
+    }
+    assert_eq!(metric(&admin, NAME_TAKEN).await, 0.0, "{}", log());
+    steady.stop();
+}
