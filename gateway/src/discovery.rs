@@ -191,21 +191,31 @@ impl Discovery {
         let mut changes = bounded(limit, "etcd_request_failed", "watch peers", client.watch(d.key_prefix.as_str(), Some(watch_options))).await?;
         let mut renew = tokio::time::interval(ttl / 3);
         let mut last_ack = Instant::now();
+        // When the oldest keep-alive still unanswered was sent: a member that stops answering (frozen,
+        // or cut off from the leader) is left after request_timeout_ms, well before the lease it no
+        // longer renews can run out on the other members.
+        let mut unanswered_since: Option<Instant> = None;
         let outcome = loop {
+            let lease_due = last_ack + ttl;
+            let answer_due = unanswered_since.map(|sent| sent + limit);
             tokio::select! {
                 _ = stopped(stop) => break Ok(()),
                 _ = renew.tick() => {
                     if let Err(e) = bounded(limit, "etcd_request_failed", "lease keep-alive", keeper.keep_alive()).await {
                         break Err(e);
                     }
+                    unanswered_since.get_or_insert_with(Instant::now);
                 }
                 ack = acks.message() => match ack {
-                    Ok(Some(answer)) if answer.ttl() > 0 => last_ack = Instant::now(),
+                    Ok(Some(answer)) if answer.ttl() > 0 => (last_ack, unanswered_since) = (Instant::now(), None),
                     Ok(Some(_)) => break Err(failed("lease_expired", format!("etcd says the lease of {own_key} has expired"))),
                     Ok(None) => break Err(failed("etcd_request_failed", "the lease keep-alive stream closed")),
                     Err(e) => break Err(failed(classify(&e, "etcd_request_failed"), format!("lease keep-alive: {e}"))),
                 },
-                _ = tokio::time::sleep_until(last_ack + ttl) => {
+                _ = tokio::time::sleep_until(answer_due.map_or(lease_due, |due| due.min(lease_due))) => {
+                    if answer_due.is_some_and(|due| due < lease_due) {
+                        break Err(failed("etcd_unreachable", format!("{endpoint} did not answer a lease keep-alive within discovery.request_timeout_ms ({} ms)", limit.as_millis())));
+                    }
                     break Err(failed("lease_expired", format!("no keep-alive answer for discovery.lease_ttl_s ({} s): {own_key} may be gone", d.lease_ttl_s)));
                 }
                 message = changes.message() => match message {

@@ -1,7 +1,8 @@
 //! `[discovery]` against an etcd cluster of three members on loopback, as production runs it: with a
 //! member down (and listed first) gateways still register, find each other and move KV caches; when
 //! the member a gateway talks to dies, it moves to another, keeps its record and keeps following
-//! peers that come and go, whichever member it was.
+//! peers that come and go, whichever member it was; when its member freezes, it moves on before its
+//! lease can expire, so its record never goes.
 
 mod common;
 
@@ -10,9 +11,13 @@ use common::*;
 use kvgate::demo::engine::run_room;
 use kvgate::demo::gateways::{Cluster, GatewayPair, PairSettings};
 use std::time::Duration;
+use tokio::time::Instant;
 
-fn cluster_toml(etcd: &EtcdCluster, prefix: &str, extra: &str) -> String {
-    let endpoints = etcd.urls().iter().map(|u| format!("\"{u}\"")).collect::<Vec<_>>().join(", ");
+/// `[discovery]` listing every member, member `first` first (the one a gateway dials at start).
+fn cluster_toml(etcd: &EtcdCluster, first: usize, prefix: &str, extra: &str) -> String {
+    let mut urls = etcd.urls();
+    urls.rotate_left(first);
+    let endpoints = urls.iter().map(|u| format!("\"{u}\"")).collect::<Vec<_>>().join(", ");
     format!("[discovery]\netcd_endpoints = [{endpoints}]\nkey_prefix = \"{prefix}\"\nretry_interval_ms = 200\n{extra}")
 }
 
@@ -28,7 +33,7 @@ async fn with_a_member_down_and_listed_first_gateways_register_find_each_other_a
     etcd.settle().await;
     let prefix = "/kvgate-test/member-down/";
     // Time enough for a live member to answer on a loaded machine: only the dead one may fail.
-    let table = cluster_toml(&etcd, prefix, "request_timeout_ms = 5000\n");
+    let table = cluster_toml(&etcd, 0, prefix, "request_timeout_ms = 5000\n");
     let settings = PairSettings { static_peers: false, extra_prefill: table.clone(), extra_decode: table, ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap_or_else(|e| panic!("{e:#}\n{}", etcd.logs()));
     let logs = || format!("{}\n{}", pair.prefill.log(), pair.decode.log());
@@ -64,7 +69,7 @@ async fn when_its_member_dies_a_gateway_moves_to_another_keeps_its_record_and_ke
     let mut etcd = EtcdCluster::started(dir.path(), 3).await;
     let prefix = "/kvgate-test/member-lost/";
     let ttl_s = 2;
-    let table = cluster_toml(&etcd, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 1000\n"));
+    let table = cluster_toml(&etcd, 0, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 1000\n"));
     let settings = discovery_only_settings();
     let mut steady = Cluster::start(&binary(), dir.path(), &settings, &[("steady", &table, vec![])]).await.unwrap();
     let admin = steady.get("steady").admin.clone();
@@ -93,5 +98,46 @@ async fn when_its_member_dies_a_gateway_moves_to_another_keeps_its_record_and_ke
         etcd.members[down].start().await;
     }
     assert_eq!(metric(&admin, NAME_TAKEN).await, 0.0, "{}", log());
+    steady.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_its_member_freezes_a_gateway_moves_on_before_its_lease_can_expire_and_its_record_never_goes() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let etcd = EtcdCluster::started(dir.path(), 3).await;
+    // A follower freezes: the leader and the other follower keep the quorum, and the lease runs
+    // on the leader, which hears no keep-alive from a gateway still talking to the frozen member.
+    let leader = etcd.leader().await;
+    let frozen = (leader + 1) % etcd.members.len();
+    let prefix = "/kvgate-test/member-frozen/";
+    let ttl = Duration::from_secs(6);
+    let table = cluster_toml(&etcd, frozen, prefix, &format!("lease_ttl_s = {}\nrequest_timeout_ms = 1000\n", ttl.as_secs()));
+    let settings = discovery_only_settings();
+    let mut steady = Cluster::start(&binary(), dir.path(), &settings, &[("steady", &table, vec![])]).await.unwrap();
+    let admin = steady.get("steady").admin.clone();
+    let key = format!("{prefix}steady");
+    let steady_log = steady.get("steady").log_path.clone();
+    let log = || std::fs::read_to_string(&steady_log).unwrap_or_default();
+    eventually(Duration::from_secs(10), "registered", || async { metric(&admin, REGISTERED).await == 1.0 }, &log).await;
+    assert!(log().contains(&format!("endpoint={}", etcd.urls()[frozen])), "not registered through member {frozen}:\n{}", log());
+
+    etcd.members[frozen].freeze();
+    // For two lease periods the record is read every 50 ms on the leader: it must never be missing.
+    let until = Instant::now() + 2 * ttl;
+    while Instant::now() < until {
+        let record = etcd.members[leader].local_value(&key).await;
+        assert!(record.is_some(), "the record went while member {frozen} was frozen\n{}", log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(metric(&admin, REGISTERED).await, 1.0, "{}", log());
+    let unreachable = metric(&admin, "kvgate_discovery_errors_total{reason=\"etcd_unreachable\"}").await;
+    assert!(unreachable >= 1.0, "the frozen member was not noticed\n{}", log());
+    // A gateway that joins now is found (it dials the frozen member first, too).
+    let mut late = Cluster::start(&binary(), dir.path(), &settings, &[("late", &table, vec![])]).await.unwrap();
+    let up = || async { peers(&admin).await.iter().any(|p| p["name"] == "late" && p["up"] == true) };
+    eventually(Duration::from_secs(15), "late found and linked", up, &log).await;
+    late.stop();
+    etcd.members[frozen].thaw();
     steady.stop();
 }

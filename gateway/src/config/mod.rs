@@ -155,11 +155,11 @@ pub struct DiscoverySection {
     pub key_prefix: String,
     /// The lease on this gateway's record: it disappears this long after the gateway stops renewing it.
     pub lease_ttl_s: u64,
-    /// Bound on connecting to etcd and on each etcd request.
+    /// Bound on connecting to etcd, on each etcd request and on each lease keep-alive's answer.
     pub request_timeout_ms: u64,
     /// Wait after a failed etcd call before connecting and registering again.
     pub retry_interval_ms: u64,
-    /// Most peers discovery may add; records past it are refused (`discovery_peer_limit`) and logged.
+    /// Most peers discovery may add; records past it are refused (`peer_limit`) and logged.
     pub max_peers: u64,
     /// The peer-link address peers dial, published in the record; default `peer_link.listen`.
     pub advertise_address: String,

@@ -132,6 +132,26 @@ impl Etcd {
         }
     }
 
+    /// Stops the process (SIGSTOP): it holds its connections and answers nothing until `thaw`.
+    pub fn freeze(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    pub fn thaw(&self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = self.child.as_ref().expect("a running etcd").id();
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).unwrap();
+    }
+
+    /// The value at `key` as this member alone knows it (a serializable read: no leader needed).
+    pub async fn local_value(&self, key: &str) -> Option<String> {
+        let answer = self.client().await.unwrap().get(key, Some(etcd_client::GetOptions::new().with_serializable())).await.unwrap();
+        answer.kvs().first().map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
+    }
+
     /// The value at `key`, as text, if the key exists.
     pub async fn value(&self, key: &str) -> Option<String> {
         let answer = self.client().await.unwrap().get(key, None).await.unwrap();
@@ -183,6 +203,18 @@ impl EtcdCluster {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
+    }
+
+    /// The index of the member that leads the cluster now.
+    pub async fn leader(&self) -> usize {
+        let mut ids = Vec::new();
+        let mut leader = 0;
+        for m in &self.members {
+            let status = m.client().await.unwrap().status().await.unwrap();
+            ids.push(status.header().map_or(0, |h| h.member_id()));
+            leader = status.leader();
+        }
+        ids.iter().position(|id| *id == leader).expect("the leader is one of the members")
     }
 
     /// Every member's client URL, in member order.
