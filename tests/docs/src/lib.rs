@@ -48,6 +48,22 @@ pub fn table_keys(markdown: &str) -> Vec<String> {
         .collect()
 }
 
+/// The dotted keys a patterned row of a configuration table stands for: `a.{b,c}_d` is `a.b_d` and
+/// `a.c_d`; `[[t]] x, y` is `t.x` and `t.y`; a plain key is itself.
+pub fn expand_key_pattern(pattern: &str) -> Vec<String> {
+    if let Some(rest) = pattern.strip_prefix("[[") {
+        let (table, fields) = rest.split_once("]]").unwrap_or_else(|| panic!("no ]] in {pattern:?}"));
+        return fields.split(',').map(|f| format!("{table}.{}", f.trim())).collect();
+    }
+    match (pattern.split_once('{'), pattern.split_once('}')) {
+        (Some((head, _)), Some((inside, tail))) => {
+            let choices = &inside[head.len() + 1..];
+            choices.split(',').map(|c| format!("{head}{}{tail}", c.trim())).collect()
+        }
+        _ => vec![pattern.to_string()],
+    }
+}
+
 /// The part of `markdown` from the first `## ` heading that starts with `heading` up to the next `## `
 /// heading. Panics when there is no such heading, so a renamed section fails the test.
 pub fn section<'a>(markdown: &'a str, heading: &str) -> &'a str {
@@ -101,6 +117,14 @@ mod tests {
     #[should_panic(expected = "no section starting with")]
     fn a_missing_section_fails() {
         section("## Modules\n", "## Conf");
+    }
+
+    #[test]
+    fn patterned_rows_expand_to_their_keys() {
+        assert_eq!(expand_key_pattern("peer_link.tls.{cert,key,ca}_file"), ["peer_link.tls.cert_file", "peer_link.tls.key_file", "peer_link.tls.ca_file"]);
+        assert_eq!(expand_key_pattern("d.tls.{ca_file,cert_file}"), ["d.tls.ca_file", "d.tls.cert_file"]);
+        assert_eq!(expand_key_pattern("[[peers]] name, address"), ["peers.name", "peers.address"]);
+        assert_eq!(expand_key_pattern("gateway.name"), ["gateway.name"]);
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! Every configuration key the code accepts is named where an operator looks for it, and every key
 //! those tables name is one the code accepts: the gateway's keys in gateway/README.md (the
-//! scheduler's in the top-level README's table), each plugin's in its own README.
+//! scheduler's in the top-level README's table), including those of the optional tables the defaults
+//! leave out (`[peer_link.tls]`, `[discovery.tls]`, `[[peers]]`), each plugin's in its own README.
 
-use kvgate_docs_check::{dotted_keys, keys_in_refusal, section, table_keys};
+use kvgate_docs_check::{dotted_keys, expand_key_pattern, keys_in_refusal, section, table_keys};
+use std::collections::BTreeSet;
 
 const TOP_README: &str = include_str!("../../../README.md");
 const GATEWAY_README: &str = include_str!("../../../gateway/README.md");
@@ -36,8 +38,8 @@ fn every_scheduler_key_is_in_the_top_level_readme() {
 #[test]
 fn every_gateway_key_the_readme_table_names_is_accepted() {
     let accepted = gateway_keys();
-    // Plain `section.key` rows; the patterned ones (`peer_link.tls.{cert,key,ca}_file`,
-    // `plugins.config.NAME`, `scheduler.*`, `[[peers]] ...`) name keys without a default.
+    // Plain `section.key` rows; the patterned ones of the optional tables (`peer_link.tls.{cert,key,ca}_file`,
+    // `[[peers]] ...`) are checked below, `plugins.config.NAME` against each plugin's README.
     let named: Vec<String> = table_keys(section(GATEWAY_README, "## Configuration reference"))
         .into_iter()
         .filter(|k| k.split('.').count() == 2 && k.chars().all(|c| c.is_ascii_lowercase() || c == '_' || c == '.'))
@@ -45,6 +47,21 @@ fn every_gateway_key_the_readme_table_names_is_accepted() {
     assert!(named.len() >= 20, "too few keys read from gateway/README.md's table: {named:?}");
     let unknown: Vec<&String> = named.iter().filter(|k| !accepted.contains(k)).collect();
     assert!(unknown.is_empty(), "gateway/README.md names keys the gateway refuses: {unknown:?}");
+}
+
+/// The tables the defaults do not write (absent unless configured), each as its dotted name and its
+/// TOML header: their keys are read from the gateway's refusal of an unknown key in them.
+const OPTIONAL_TABLES: [(&str, &str); 3] = [("peers", "[[peers]]"), ("peer_link.tls", "[peer_link.tls]"), ("discovery.tls", "[discovery.tls]")];
+
+#[test]
+fn the_readme_row_of_each_optional_table_names_exactly_the_keys_it_accepts() {
+    let named: Vec<String> = table_keys(section(GATEWAY_README, "## Configuration reference")).iter().flat_map(|k| expand_key_pattern(k)).collect();
+    for (table, header) in OPTIONAL_TABLES {
+        let refusal = kvgate::config::load_config_from_str(&format!("{header}\nno_such_key_anywhere = 1\n")).map(drop).map_err(|e| e.to_string());
+        let accepted: BTreeSet<String> = keys_in_refusal(&refusal.expect_err("an unknown key is refused")).iter().map(|k| format!("{table}.{k}")).collect();
+        let in_readme: BTreeSet<String> = named.iter().filter(|k| k.starts_with(&format!("{table}."))).cloned().collect();
+        assert_eq!(in_readme, accepted, "{header}: the keys gateway/README.md's table names (left) are not those the gateway accepts (right)");
+    }
 }
 
 /// `(plugin, the keys its config accepts, its README)`.
