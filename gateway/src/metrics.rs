@@ -93,8 +93,6 @@ impl GatewayMetrics {
     pub fn count_discovery_error(&self, reason: &str) {
         self.discovery_errors.get_or_create(&labels(&[("reason", reason)])).inc();
     }
-    /// Nothing to refresh today; kept so housekeeping has one place to update sampled gauges.
-    pub fn set_plugin_events_dropped_now(&self) {}
 
     /// The Prometheus text exposition of everything, for `/metrics`.
     pub fn render(&self, snapshot: &AdminSnapshot) -> String {

@@ -172,6 +172,5 @@ impl Driver {
 
     fn housekeeping(&mut self) {
         self.warn_stuck_rooms();
-        self.metrics.set_plugin_events_dropped_now();
     }
 }
