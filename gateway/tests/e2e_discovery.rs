@@ -3,7 +3,8 @@
 //! name taken on another host is refused until it is free, one left by this host is taken over, a
 //! record deleted or overwritten under a live gateway is restored; `max_peers` at and just past its limit; malformed records;
 //! etcd down at start-up does not stop a gateway, which registers once etcd is up; etcd lost for
-//! longer than the lease does not cut linked gateways apart.
+//! longer than the lease does not cut linked gateways apart; hundreds of records arriving and going in
+//! one batch are followed while KV caches keep moving.
 
 mod common;
 
@@ -269,6 +270,55 @@ async fn linked_gateways_keep_moving_kv_caches_while_etcd_is_down_past_their_lea
     }
     eventually(Duration::from_secs(10), "both records back", || async { etcd.keys(prefix).await.len() == 2 }, &logs).await;
     assert!(peers(&pair.decode.admin).await.first().is_some_and(|p| p["up"] == true && p["source"] == "etcd"), "{}", logs());
+    drop((prefill, decode));
+    pair.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_records_arriving_and_going_at_once_are_followed_while_kv_caches_keep_moving() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let etcd = Etcd::started(dir.path()).await;
+    let prefix = "/kvgate-test/many/";
+    let settings = discovered_pair(&etcd, prefix, "max_peers = 512\n");
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let logs = pair_logs(&pair);
+    for admin in [&pair.prefill.admin, &pair.decode.admin] {
+        eventually(Duration::from_secs(15), "linked through etcd", || async { peers(admin).await.first().is_some_and(|p| p["up"] == true) }, &logs).await;
+    }
+    // 300 gateways that never answer (nothing listens at their addresses), written 100 to a
+    // transaction: decode sorts before them and dials each; prefill sorts after and waits for them.
+    const FAKES: usize = 300;
+    let mut client = etcd.client().await.unwrap();
+    for batch in (0..FAKES).collect::<Vec<_>>().chunks(100) {
+        let puts: Vec<etcd_client::TxnOp> = batch
+            .iter()
+            .map(|i| {
+                let name = format!("fake-{i:03}");
+                let value = serde_json::json!({"name": name, "address": format!("127.0.0.1:{}", free_port()), "host": "elsewhere"}).to_string();
+                etcd_client::TxnOp::put(format!("{prefix}{name}"), value, None)
+            })
+            .collect();
+        client.txn(etcd_client::Txn::new().and_then(puts)).await.unwrap();
+    }
+    for admin in [&pair.prefill.admin, &pair.decode.admin] {
+        eventually(Duration::from_secs(20), "every record followed", || async { metric(admin, "kvgate_discovery_peers").await == (FAKES + 1) as f64 }, &logs).await;
+        assert_eq!(peers(admin).await.len(), FAKES + 1);
+    }
+    let shape = small_shape();
+    let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 2).await;
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
+    let r = run_room(&prefill, &decode, &shape, 501, 0, 0).await.unwrap();
+    assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "with {FAKES} unreachable peers: {r:?}\n{}", logs());
+
+    // One delete of the whole range: a single watch answer carrying 300 deletions.
+    client.delete(format!("{prefix}fake-"), Some(etcd_client::DeleteOptions::new().with_prefix())).await.unwrap();
+    for admin in [&pair.prefill.admin, &pair.decode.admin] {
+        eventually(Duration::from_secs(20), "every withdrawn record forgotten", || async { peers(admin).await.len() == 1 }, &logs).await;
+        assert_eq!(metric(admin, "kvgate_discovery_peers").await, 1.0);
+    }
+    let r = run_room(&prefill, &decode, &shape, 502, 0, 0).await.unwrap();
+    assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "after the withdrawal: {r:?}\n{}", logs());
     drop((prefill, decode));
     pair.stop();
 }
