@@ -21,6 +21,14 @@ fn cluster_toml(etcd: &EtcdCluster, first: usize, prefix: &str, extra: &str) -> 
     format!("[discovery]\netcd_endpoints = [{endpoints}]\nkey_prefix = \"{prefix}\"\nretry_interval_ms = 200\n{extra}")
 }
 
+/// A gateway named `steady` with `table`, once it has registered.
+async fn registered_gateway(dir: &std::path::Path, table: &str) -> Cluster {
+    let steady = Cluster::start(&binary(), dir, &discovery_only_settings(), &[("steady", table, vec![])]).await.unwrap();
+    let admin = &steady.get("steady").admin;
+    eventually(Duration::from_secs(10), "registered", || async { metric(admin, REGISTERED).await == 1.0 }, &|| steady.get("steady").log()).await;
+    steady
+}
+
 const REGISTERED: &str = "kvgate_discovery_registered";
 const NAME_TAKEN: &str = "kvgate_discovery_errors_total{reason=\"name_taken\"}";
 
@@ -71,12 +79,9 @@ async fn when_its_member_dies_a_gateway_moves_to_another_keeps_its_record_and_ke
     let ttl_s = 2;
     let table = cluster_toml(&etcd, 0, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 1000\n"));
     let settings = discovery_only_settings();
-    let mut steady = Cluster::start(&binary(), dir.path(), &settings, &[("steady", &table, vec![])]).await.unwrap();
-    let admin = steady.get("steady").admin.clone();
+    let mut steady = registered_gateway(dir.path(), &table).await;
+    let (admin, log) = (steady.get("steady").admin.clone(), || steady.get("steady").log());
     let steady_key = format!("{prefix}steady");
-    let steady_log = steady.get("steady").log_path.clone();
-    let log = || std::fs::read_to_string(&steady_log).unwrap_or_default();
-    eventually(Duration::from_secs(10), "registered", || async { metric(&admin, REGISTERED).await == 1.0 }, &log).await;
 
     // Each member in turn: whichever one the gateway talks to dies in one of these rounds.
     for down in 0..etcd.members.len() {
@@ -114,12 +119,9 @@ async fn when_its_member_freezes_a_gateway_moves_on_before_its_lease_can_expire_
     let ttl = Duration::from_secs(6);
     let table = cluster_toml(&etcd, frozen, prefix, &format!("lease_ttl_s = {}\nrequest_timeout_ms = 1000\n", ttl.as_secs()));
     let settings = discovery_only_settings();
-    let mut steady = Cluster::start(&binary(), dir.path(), &settings, &[("steady", &table, vec![])]).await.unwrap();
-    let admin = steady.get("steady").admin.clone();
+    let mut steady = registered_gateway(dir.path(), &table).await;
+    let (admin, log) = (steady.get("steady").admin.clone(), || steady.get("steady").log());
     let key = format!("{prefix}steady");
-    let steady_log = steady.get("steady").log_path.clone();
-    let log = || std::fs::read_to_string(&steady_log).unwrap_or_default();
-    eventually(Duration::from_secs(10), "registered", || async { metric(&admin, REGISTERED).await == 1.0 }, &log).await;
     assert!(log().contains(&format!("endpoint={}", etcd.urls()[frozen])), "not registered through member {frozen}:\n{}", log());
 
     etcd.members[frozen].freeze();
