@@ -97,6 +97,42 @@ fn panic_in_submit_fails_hygiene_1() {
     assert_fails_only_on("kvgate-mutant-panic-in-submit", "HYGIENE-1");
 }
 
+// CONFORMANCE: OBS-2
+#[test]
+fn stale_stats_fails_obs_2() {
+    assert_fails_only_on("kvgate-mutant-stale-stats", "OBS-2");
+}
+
+// CONFORMANCE: HYGIENE-3
+#[test]
+fn ignores_bad_config_fails_hygiene_3() {
+    assert_fails_only_on("kvgate-mutant-ignores-bad-config", "HYGIENE-3");
+}
+
+// CONFORMANCE: HANDSHAKE-4
+#[test]
+fn accepts_bad_endpoint_fails_handshake_4() {
+    assert_fails_only_on("kvgate-mutant-accepts-bad-endpoint", "HANDSHAKE-4");
+}
+
+// CONFORMANCE: RES-5
+#[test]
+fn silent_shutdown_fails_res_5() {
+    assert_fails_only_on("kvgate-mutant-silent-shutdown", "RES-5");
+}
+
+// CONFORMANCE: ABORT-4
+#[test]
+fn drops_cancels_when_busy_fails_abort_4() {
+    assert_fails_only_on("kvgate-mutant-drops-cancels-when-busy", "ABORT-4");
+}
+
+// CONFORMANCE: DATA-2
+#[test]
+fn truncated_scatter_list_fails_data_2() {
+    assert_fails_only_on("kvgate-mutant-truncated-scatter-list", "DATA-2");
+}
+
 // CONFORMANCE: HYGIENE-3
 #[test]
 fn unavailable_plugin_is_unsupported_everywhere_never_pass() {

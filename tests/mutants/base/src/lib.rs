@@ -41,9 +41,28 @@ pub struct Faults {
     pub panic_on_offset_overflow: bool,
     /// `open` fails with `UNAVAILABLE`.
     pub unavailable: bool,
+    /// `stats()` reports no live transfer, whatever is live.
+    pub stale_live_transfers: bool,
+    /// `open` falls back to the default settings when its config does not parse.
+    pub ignore_config_errors: bool,
+    /// `connect` takes any bytes as the peer's endpoint.
+    pub accept_any_endpoint: bool,
+    /// `shutdown` drops live transfers without their terminal events.
+    pub shutdown_without_terminal_events: bool,
+    /// `cancel` is dropped while more than [`BUSY_LIVE_TRANSFERS`] transfers are live (a bounded
+    /// cancel queue that overflows silently).
+    pub drop_cancels_when_busy: bool,
+    /// Only the first [`COPIED_SEGMENTS_LIMIT`] segments of a transfer are copied; it succeeds anyway
+    /// (a fixed-size scatter list truncated).
+    pub copy_first_segments_only: bool,
     /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.
     pub default_segment_delay_us: u64,
 }
+
+/// Live transfers past which `drop_cancels_when_busy` drops a cancel.
+pub const BUSY_LIVE_TRANSFERS: usize = 256;
+/// Segments `copy_first_segments_only` copies of a transfer.
+pub const COPIED_SEGMENTS_LIMIT: usize = 1024;
 
 /// Config keys (TOML, unknown keys refused).
 #[derive(serde::Deserialize, Debug, Clone, Default)]
@@ -80,8 +99,12 @@ pub fn info(name: &str) -> PluginInfo {
 
 /// Open an instance named `name` with `faults` switched on.
 pub fn open(name: &'static str, config: &str, sink: Sink, faults: Faults) -> Result<RefPlugin, PluginError> {
-    let config: RefConfig =
-        toml::from_str(config).map_err(|e| PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("{name} config: {e}")))?;
+    let config: RefConfig = match toml::from_str(config) {
+        Ok(config) => config,
+        // FAULT: a config that does not parse is ignored.
+        Err(_) if faults.ignore_config_errors => RefConfig::default(),
+        Err(e) => return Err(PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("{name} config: {e}"))),
+    };
     let delay = config.segment_delay_us.unwrap_or(faults.default_segment_delay_us);
     if delay > MAX_SEGMENT_DELAY_US {
         return Err(PluginError::new(

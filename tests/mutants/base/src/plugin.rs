@@ -182,7 +182,12 @@ impl Plugin for RefPlugin {
     }
 
     fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
-        let endpoint = parse_endpoint(endpoint)?;
+        let endpoint = match parse_endpoint(endpoint) {
+            Ok(endpoint) => endpoint,
+            // FAULT: any bytes are an endpoint.
+            Err(_) if self.shared.faults.accept_any_endpoint => String::from_utf8_lossy(endpoint).into_owned(),
+            Err(e) => return Err(e),
+        };
         let mut st = self.shared.lock();
         if st.shut {
             return Err(err(ReasonCode::SHUTDOWN, "shut down"));
@@ -319,6 +324,7 @@ impl Plugin for RefPlugin {
 
     fn cancel(&self, xfer: XferId) {
         let mut st = self.shared.lock();
+        let busy = st.transfers.len();
         let Some(t) = st.transfers.get_mut(&xfer.0) else { return };
         if t.reported {
             return;
@@ -326,6 +332,10 @@ impl Plugin for RefPlugin {
         // FAULT: the silent pin: a transfer the peer has not registered yet is not in the table
         // `cancel` consults, so the cancel is dropped and the transfer keeps waiting.
         if self.shared.faults.ignore_cancel_while_waiting_for_ticket && t.phase == Phase::WaitingForTicket {
+            return;
+        }
+        // FAULT: a cancel past the queue's capacity is dropped without a word.
+        if self.shared.faults.drop_cancels_when_busy && busy > crate::BUSY_LIVE_TRANSFERS {
             return;
         }
         let faults = self.shared.faults;
@@ -379,8 +389,10 @@ impl Plugin for RefPlugin {
 
     fn stats(&self) -> Stats {
         let st = self.shared.lock();
+        let live = st.transfers.values().filter(|t| !t.reported || t.phase == Phase::Leaked).count() as u64;
         Stats {
-            live_transfers: st.transfers.values().filter(|t| !t.reported || t.phase == Phase::Leaked).count() as u64,
+            // FAULT: a count that never moves.
+            live_transfers: if self.shared.faults.stale_live_transfers { 0 } else { live },
             unquiesced_transfers: st.transfers.values().filter(|t| t.reported && t.phase == Phase::Copying).count() as u64,
             live_tickets: st.tickets.len() as u64,
             registered_regions: st.regions.len() as u64,
@@ -399,7 +411,10 @@ impl Plugin for RefPlugin {
                 return;
             }
             st.shut = true;
-            self.shared.fail_where(&mut st, ReasonCode::SHUTDOWN, "plugin shutting down", |_| true);
+            // FAULT: live transfers are dropped below without a terminal event.
+            if !self.shared.faults.shutdown_without_terminal_events {
+                self.shared.fail_where(&mut st, ReasonCode::SHUTDOWN, "plugin shutting down", |_| true);
+            }
         }
         self.shared.stop_worker.store(true, Ordering::SeqCst);
         if let Some(w) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
