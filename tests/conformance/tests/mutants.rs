@@ -133,6 +133,30 @@ fn truncated_scatter_list_fails_data_2() {
     assert_fails_only_on("kvgate-mutant-truncated-scatter-list", "DATA-2");
 }
 
+// CONFORMANCE: TIME-1
+#[test]
+fn late_ticket_deadline_fails_time_1() {
+    assert_fails_only_on("kvgate-mutant-late-ticket-deadline", "TIME-1");
+}
+
+// CONFORMANCE: TIME-4
+#[test]
+fn copies_past_deadline_fails_time_4() {
+    assert_fails_only_on("kvgate-mutant-copies-past-deadline", "TIME-4");
+}
+
+// CONFORMANCE: ABORT-2
+#[test]
+fn cancel_waits_for_ack_fails_abort_2() {
+    assert_fails_only_on("kvgate-mutant-cancel-waits-for-ack", "ABORT-2");
+}
+
+// CONFORMANCE: DATA-4
+#[test]
+fn fail_open_deregister_fails_data_4() {
+    assert_fails_only_on("kvgate-mutant-fail-open-deregister", "DATA-4");
+}
+
 // CONFORMANCE: HYGIENE-3
 #[test]
 fn unavailable_plugin_is_unsupported_everywhere_never_pass() {

@@ -74,7 +74,9 @@ pub fn abort_2(ctx: &mut Ctx) -> CheckResult {
         p.rx.freeze();
         let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
         let submitted = r.is_ok();
-        sleep_ms(20);
+        // Long enough for a plugin to have moved the 4 KiB and be waiting on the frozen receiver,
+        // even on a loaded machine: the cancel must work in that state too.
+        sleep_ms(100);
         if submitted {
             record(cancel_and_time(p, x, "receiver frozen (SIGSTOP)", ctx)?);
         }

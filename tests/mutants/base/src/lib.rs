@@ -55,12 +55,25 @@ pub struct Faults {
     /// Only the first [`COPIED_SEGMENTS_LIMIT`] segments of a transfer are copied; it succeeds anyway
     /// (a fixed-size scatter list truncated).
     pub copy_first_segments_only: bool,
+    /// A transfer waiting for the receiver to grant its ticket times out up to
+    /// [`COARSE_SWEEP_MS`] late (a sweep of stale requests on a coarse timer).
+    pub coarse_deadline_while_waiting_for_ticket: bool,
+    /// The deadline is not checked during a copy, only before it starts.
+    pub no_deadline_during_copy: bool,
+    /// A cancel that arrives while the transfer waits for the receiver's acknowledgement is dropped,
+    /// left to the acknowledgement (which a frozen or dead receiver never sends).
+    pub cancel_left_to_ack: bool,
+    /// `deregister` of a source region mid-copy stops the copy and reports `SUCCEEDED` for what was
+    /// copied (fail-open).
+    pub deregister_succeeds_partial_copy: bool,
     /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.
     pub default_segment_delay_us: u64,
 }
 
 /// Live transfers past which `drop_cancels_when_busy` drops a cancel.
 pub const BUSY_LIVE_TRANSFERS: usize = 256;
+/// How late `coarse_deadline_while_waiting_for_ticket` times a waiting transfer out, in milliseconds.
+pub const COARSE_SWEEP_MS: u64 = 1_000;
 /// Segments `copy_first_segments_only` copies of a transfer.
 pub const COPIED_SEGMENTS_LIMIT: usize = 1024;
 

@@ -45,6 +45,8 @@ pub(crate) struct Transfer {
     pub phase: Phase,
     pub reported: bool,
     pub stop: Arc<AtomicBool>,
+    /// Stopped because its source region went, to be reported `SUCCEEDED` (only under a fault).
+    pub fail_open: bool,
 }
 
 #[derive(Default)]
@@ -236,7 +238,15 @@ impl Plugin for RefPlugin {
                 return Err(err(ReasonCode::UNKNOWN_KEY, format!("unknown local key {}", key.0)));
             }
             let copying: Vec<_> = st.transfers.values().filter(|t| t.phase == Phase::Copying && t.local_keys.contains(&key.0)).map(|t| Arc::clone(&t.stop)).collect();
-            self.shared.fail_where(&mut st, ReasonCode::UNKNOWN_KEY, "source region deregistered", |t| t.local_keys.contains(&key.0));
+            if self.shared.faults.deregister_succeeds_partial_copy {
+                // FAULT: the copy stops where it is and the transfer is still to succeed.
+                for t in st.transfers.values_mut().filter(|t| t.phase == Phase::Copying && t.local_keys.contains(&key.0)) {
+                    t.fail_open = true;
+                    t.stop.store(true, Ordering::SeqCst);
+                }
+            } else {
+                self.shared.fail_where(&mut st, ReasonCode::UNKNOWN_KEY, "source region deregistered", |t| t.local_keys.contains(&key.0));
+            }
             copying
         };
         // The memory may be freed once we return: wait (briefly, one piece) for the copy to stop.
@@ -317,6 +327,7 @@ impl Plugin for RefPlugin {
                 phase,
                 reported: false,
                 stop: Arc::new(AtomicBool::new(false)),
+                fail_open: false,
             },
         );
         Ok(())
@@ -332,6 +343,10 @@ impl Plugin for RefPlugin {
         // FAULT: the silent pin: a transfer the peer has not registered yet is not in the table
         // `cancel` consults, so the cancel is dropped and the transfer keeps waiting.
         if self.shared.faults.ignore_cancel_while_waiting_for_ticket && t.phase == Phase::WaitingForTicket {
+            return;
+        }
+        // FAULT: the cancel is left to an acknowledgement that may never come.
+        if self.shared.faults.cancel_left_to_ack && t.phase == Phase::WaitingForAck {
             return;
         }
         // FAULT: a cancel past the queue's capacity is dropped without a word.

@@ -88,6 +88,11 @@ fn fire_deadlines(shared: &Shared, st: &mut State) {
         .transfers
         .iter()
         .filter(|(_, t)| !t.reported && t.deadline <= now && !matches!(t.phase, Phase::Leaked | Phase::Copying))
+        // FAULT: a transfer waiting for its ticket is swept a coarse timer's period late.
+        .filter(|(_, t)| {
+            let coarse = shared.faults.coarse_deadline_while_waiting_for_ticket && t.phase == Phase::WaitingForTicket;
+            !coarse || t.deadline + Duration::from_millis(crate::COARSE_SWEEP_MS) <= now
+        })
         // FAULT: no deadline while waiting for the receiver's acknowledgement.
         .filter(|(_, t)| !(shared.faults.no_deadline_while_waiting_for_ack && t.phase == Phase::WaitingForAck))
         .map(|(x, _)| *x)
@@ -143,7 +148,8 @@ fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, de
                 stopped = Stopped::Cancelled;
                 break 'pieces;
             }
-            if Instant::now() >= deadline {
+            // FAULT: `no_deadline_during_copy` copies on past the deadline.
+            if Instant::now() >= deadline && !shared.faults.no_deadline_during_copy {
                 stopped = Stopped::Timeout;
                 break 'pieces;
             }
@@ -160,6 +166,10 @@ fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, de
     }
     let mut st = shared.lock();
     let Some(t) = st.transfers.get_mut(&xfer) else { return };
+    // FAULT: a copy stopped because its source went counts as complete.
+    if t.fail_open {
+        stopped = Stopped::Completed;
+    }
     match stopped {
         _ if t.phase == Phase::Finishing => {
             st.transfers.remove(&xfer);
