@@ -1,6 +1,7 @@
 //! The admin HTTP listener: `/metrics` (Prometheus text), `/rooms` (JSON, every non-terminal room),
-//! `/healthz` (503 with the reasons when a plugin worker died or a room outlived its deadline) and
-//! `/plugins`. Read-only: it asks the driver for a snapshot and never changes anything.
+//! `/healthz` (503 with the reasons when a plugin worker died or a room outlived its deadline),
+//! `/plugins` and `/discovery` (this gateway's etcd registration). Read-only: it asks the driver for a
+//! snapshot and never changes anything.
 
 use crate::driver::{AdminSnapshot, DriverInput};
 use crate::metrics::GatewayMetrics;
@@ -20,6 +21,8 @@ pub const ADMIN_SNAPSHOT_TIMEOUT_MS: u64 = 2_000;
 pub struct AdminState {
     pub driver: mpsc::Sender<DriverInput>,
     pub metrics: Arc<GatewayMetrics>,
+    /// What discovery reports (`enabled: false` while `[discovery]` is off).
+    pub discovery: crate::discovery::DiscoveryStatus,
 }
 
 async fn snapshot(state: &AdminState) -> Result<AdminSnapshot, Response> {
@@ -61,12 +64,18 @@ async fn plugins(State(state): State<AdminState>) -> Response {
     }
 }
 
+async fn discovery(State(state): State<AdminState>) -> Response {
+    let view = state.discovery.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    Json(view).into_response()
+}
+
 pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/rooms", get(rooms))
         .route("/healthz", get(healthz))
         .route("/plugins", get(plugins))
+        .route("/discovery", get(discovery))
         .with_state(state)
 }
 

@@ -14,7 +14,7 @@ use etcd_client::{Client, Compare, CompareOp, ConnectOptions, EventType, GetOpti
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -47,6 +47,39 @@ impl Record {
         }
         Ok(PeerEntry { name: self.name.clone(), address: self.address.clone(), same_host: !self.host.is_empty() && self.host == local_host, tls_name: self.tls_name.clone() })
     }
+}
+
+/// What the admin `/discovery` shows: this gateway's registration as it stands now.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DiscoveryView {
+    /// Whether `[discovery]` is configured at all.
+    pub enabled: bool,
+    pub registered: bool,
+    /// This gateway's key, `<key_prefix><gateway.name>`.
+    pub key: String,
+    /// The etcd member the current session talks to (or last tried).
+    pub endpoint: String,
+    /// The lease of the record; 0 while unregistered.
+    pub lease_id: i64,
+    /// When this session registered, Unix milliseconds; 0 while unregistered.
+    pub registered_at_unix_ms: u64,
+    /// The last failure: reason code, what happened, through which member, when.
+    pub last_error: Option<LastError>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LastError {
+    pub reason: &'static str,
+    pub detail: String,
+    pub endpoint: String,
+    pub at_unix_ms: u64,
+}
+
+/// Shared between the discovery task (writes) and the admin listener (reads).
+pub type DiscoveryStatus = Arc<Mutex<DiscoveryView>>;
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// A failure with its reason code (the `reason` label and log field).
@@ -138,9 +171,15 @@ pub struct Discovery {
     pub identity: Arc<LocalIdentity>,
     pub links: PeerLinks,
     pub metrics: Arc<GatewayMetrics>,
+    /// What `/discovery` shows.
+    pub status: DiscoveryStatus,
 }
 
 impl Discovery {
+    fn update(&self, change: impl FnOnce(&mut DiscoveryView)) {
+        change(&mut self.status.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
     fn key_of(&self, name: &str) -> String {
         format!("{}{name}", self.config.discovery.key_prefix)
     }
@@ -160,10 +199,14 @@ impl Discovery {
         let retry = Duration::from_millis(d.retry_interval_ms);
         for attempt in 0usize.. {
             let endpoint = &d.etcd_endpoints[attempt % d.etcd_endpoints.len()];
+            self.update(|v| (v.enabled, v.key, v.endpoint) = (true, self.key_of(&self.identity.name), endpoint.clone()));
             let outcome = self.session(endpoint, &mut stop).await;
             self.metrics.set_discovery_registered(false);
+            self.update(|v| (v.registered, v.lease_id, v.registered_at_unix_ms) = (false, 0, 0));
             let Err(e) = outcome else { return };
             self.metrics.count_discovery_error(e.reason);
+            let last = LastError { reason: e.reason, detail: e.detail.clone(), endpoint: endpoint.clone(), at_unix_ms: unix_ms() };
+            self.update(|v| v.last_error = Some(last));
             tracing::warn!(reason = e.reason, endpoint = %endpoint, "discovery: {}; again in {} ms, through the next endpoint", e.detail, retry.as_millis());
             tokio::select! {
                 _ = tokio::time::sleep(retry) => {}
@@ -181,6 +224,7 @@ impl Discovery {
         let lease = bounded(limit, "etcd_request_failed", "lease grant", client.lease_grant(d.lease_ttl_s as i64, None)).await?.id();
         self.register(&mut client, lease, limit).await?;
         self.metrics.set_discovery_registered(true);
+        self.update(|v| (v.registered, v.lease_id, v.registered_at_unix_ms) = (true, lease, unix_ms()));
         let own_key = self.key_of(&self.identity.name);
         tracing::info!(key = %own_key, %endpoint, lease_ttl_s = d.lease_ttl_s, "discovery: registered");
         let (mut keeper, mut acks) = bounded(limit, "etcd_request_failed", "lease keep-alive", client.lease_keep_alive(lease)).await?;

@@ -52,6 +52,8 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         true => None,
         false => Some(crate::discovery::connect_options(&config.discovery)?),
     };
+    let discovery_view = crate::discovery::DiscoveryView { enabled: discovery_options.is_some(), ..Default::default() };
+    let discovery_status: crate::discovery::DiscoveryStatus = Arc::new(std::sync::Mutex::new(discovery_view));
     let metrics = Arc::new(GatewayMetrics::default());
     let (plugin_tx, plugin_rx) = mpsc::channel(config.driver.plugin_event_queue_len as usize);
     let (plugins, listing) = crate::plugin_setup::open_plugins(&config, plugin_tx, metrics.clone());
@@ -113,12 +115,13 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let api_stop = stop_rx.clone();
     let api_task = tokio::spawn(async move { serve_engine_api(&api_config, api, unix, api_stop).await });
     if let Some(listener) = admin_listener {
-        let state = AdminState { driver: input_tx.clone(), metrics: metrics.clone() };
+        let state = AdminState { driver: input_tx.clone(), metrics: metrics.clone(), discovery: discovery_status.clone() };
         tokio::spawn(serve_admin(listener, state, stop_rx.clone()));
     }
     // Registered only now that every listener is bound: a peer that reads the record can dial at once.
     let discovery_task = discovery_options.map(|options| {
-        let discovery = crate::discovery::Discovery { config: config.clone(), options, identity: identity.clone(), links, metrics: metrics.clone() };
+        let status = discovery_status.clone();
+        let discovery = crate::discovery::Discovery { config: config.clone(), options, identity: identity.clone(), links, metrics: metrics.clone(), status };
         tokio::spawn(discovery.run(stop_rx.clone()))
     });
     tracing::info!(

@@ -62,11 +62,18 @@ async fn with_a_member_down_and_listed_first_gateways_register_find_each_other_a
     drop((prefill, decode));
     // The dead member cost each gateway its first session and nothing after: no call of the
     // session that registered went to it.
+    let urls = etcd.urls();
     for admin in [&pair.prefill.admin, &pair.decode.admin] {
         let text = metrics(admin).await;
         let errors: Vec<&str> = text.lines().filter(|l| l.starts_with("kvgate_discovery_errors_total{")).collect();
         assert_eq!(errors, ["kvgate_discovery_errors_total{reason=\"etcd_unreachable\"} 1"], "{}", logs());
+        // The admin view says where the gateway is registered and what the dead member did.
+        let view = discovery_view(admin).await;
+        assert!(view["enabled"] == true && view["registered"] == true && view["lease_id"].as_i64() > Some(0), "{view}");
+        assert_eq!(view["endpoint"], urls[1].as_str(), "{view}");
+        assert!(view["last_error"]["reason"] == "etcd_unreachable" && view["last_error"]["endpoint"] == urls[0].as_str(), "{view}");
     }
+    assert!(discovery_view(&pair.decode.admin).await["key"] == format!("{prefix}decode").as_str());
     pair.stop();
 }
 
@@ -135,6 +142,11 @@ async fn when_its_member_freezes_a_gateway_moves_on_before_its_lease_can_expire_
     assert_eq!(metric(&admin, REGISTERED).await, 1.0, "{}", log());
     let unreachable = metric(&admin, "kvgate_discovery_errors_total{reason=\"etcd_unreachable\"}").await;
     assert!(unreachable >= 1.0, "the frozen member was not noticed\n{}", log());
+    let view = discovery_view(&admin).await;
+    let frozen_url = etcd.urls()[frozen].clone();
+    assert!(view["registered"] == true && view["endpoint"] != frozen_url.as_str(), "still on the frozen member: {view}");
+    assert!(view["last_error"]["reason"] == "etcd_unreachable" && view["last_error"]["endpoint"] == frozen_url.as_str(), "{view}");
+    assert!(view["last_error"]["detail"].as_str().is_some_and(|d| d.contains("keep-alive")), "{view}");
     // A gateway that joins now is found (it dials the frozen member first, too).
     let mut late = Cluster::start(&binary(), dir.path(), &settings, &[("late", &table, vec![])]).await.unwrap();
     let up = || async { peers(&admin).await.iter().any(|p| p["name"] == "late" && p["up"] == true) };

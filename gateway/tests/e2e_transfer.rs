@@ -32,6 +32,8 @@ async fn move_and_verify(plugin: &str) {
     assert_eq!(code, 200, "{health}");
     let (_, plugins) = kvgate::demo::http::get(&pair.decode.admin, "/plugins").await.unwrap();
     assert!(plugins.contains(&format!("\"name\":\"{plugin}\"")) && plugins.contains("\"status\":\"opened\""), "{plugins}");
+    let (code, discovery) = kvgate::demo::http::get(&pair.decode.admin, "/discovery").await.unwrap();
+    assert!(code == 200 && discovery.contains("\"enabled\":false") && discovery.contains("\"registered\":false"), "{discovery}");
     pair.stop();
 }
 

@@ -75,6 +75,13 @@ pub async fn metric(admin: &str, series: &str) -> f64 {
     sample(&metrics(admin).await, series).unwrap_or(0.0)
 }
 
+/// `/discovery` of `admin`, parsed.
+pub async fn discovery_view(admin: &str) -> serde_json::Value {
+    let (code, body) = http::get(admin, "/discovery").await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
 /// The peers `/plugins` lists on `admin`.
 pub async fn peers(admin: &str) -> Vec<serde_json::Value> {
     let (code, body) = http::get(admin, "/plugins").await.unwrap();
