@@ -83,7 +83,7 @@ async fn a_killed_gateway_s_record_expires_with_its_lease_and_its_peer_forgets_i
     let etcd = Etcd::started(dir.path()).await;
     let prefix = "/kvgate-test/killed/";
     let ttl_s = 2;
-    let settings = discovered_pair(&etcd, prefix, &format!("lease_ttl_s = {ttl_s}\n"));
+    let settings = discovered_pair(&etcd, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 500\n"));
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let logs = pair_logs(&pair);
     eventually(Duration::from_secs(15), "prefill sees decode up", || async { peers(&pair.prefill.admin).await.first().is_some_and(|p| p["up"] == true) }, &logs).await;

@@ -41,7 +41,7 @@ async fn with_a_member_down_and_listed_first_gateways_register_find_each_other_a
     etcd.settle().await;
     let prefix = "/kvgate-test/member-down/";
     // Time enough for a live member to answer on a loaded machine: only the dead one may fail.
-    let table = cluster_toml(&etcd, 0, prefix, "request_timeout_ms = 5000\n");
+    let table = cluster_toml(&etcd, 0, prefix, "lease_ttl_s = 15\nrequest_timeout_ms = 5000\n");
     let settings = PairSettings { static_peers: false, extra_prefill: table.clone(), extra_decode: table, ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap_or_else(|e| panic!("{e:#}\n{}", etcd.logs()));
     let logs = || format!("{}\n{}", pair.prefill.log(), pair.decode.log());
@@ -84,7 +84,7 @@ async fn when_its_member_dies_a_gateway_moves_to_another_keeps_its_record_and_ke
     let mut etcd = EtcdCluster::started(dir.path(), 3).await;
     let prefix = "/kvgate-test/member-lost/";
     let ttl_s = 2;
-    let table = cluster_toml(&etcd, 0, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 1000\n"));
+    let table = cluster_toml(&etcd, 0, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 500\n"));
     let settings = discovery_only_settings();
     let mut steady = registered_gateway(dir.path(), &table).await;
     let (admin, log) = (steady.get("steady").admin.clone(), || steady.get("steady").log());

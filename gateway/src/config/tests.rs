@@ -143,12 +143,19 @@ const ETCD: &str = "[discovery]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n"
 
 #[test]
 fn discovery_limits_are_checked_at_and_just_past_each_bound_only_when_it_is_on() {
-    let cases = [("lease_ttl_s", 2, 600), ("request_timeout_ms", 10, 60_000), ("retry_interval_ms", 10, 60_000), ("max_peers", 1, MAX_DISCOVERED_PEERS)];
-    for (key, min, max) in cases {
-        load_config_from_str(&format!("{ETCD}{key} = {min}\n")).unwrap();
-        load_config_from_str(&format!("{ETCD}{key} = {max}\n")).unwrap();
+    // Each key with the other of the lease pair set so that only its own range is in play.
+    let cases = [
+        ("lease_ttl_s", 2, 600, "request_timeout_ms = 10\n"),
+        ("request_timeout_ms", 10, 60_000, "lease_ttl_s = 600\n"),
+        ("retry_interval_ms", 10, 60_000, ""),
+        ("max_peers", 1, MAX_DISCOVERED_PEERS, ""),
+    ];
+    for (key, min, max, other) in cases {
+        let etcd = format!("{ETCD}{other}");
+        load_config_from_str(&format!("{etcd}{key} = {min}\n")).unwrap();
+        load_config_from_str(&format!("{etcd}{key} = {max}\n")).unwrap();
         for bad in [min - 1, max + 1] {
-            let e = errors_of(&format!("{ETCD}{key} = {bad}\n"));
+            let e = errors_of(&format!("{etcd}{key} = {bad}\n"));
             assert!(e.contains(&format!("discovery.{key} = {bad}")) && e.contains(&format!("{min}..={max}")), "{e}");
             // Without endpoints the section is unused and not checked.
             load_config_from_str(&format!("[discovery]\n{key} = {bad}\n")).unwrap();
@@ -159,6 +166,15 @@ fn discovery_limits_are_checked_at_and_just_past_each_bound_only_when_it_is_on()
     let seventeen = format!("{},\"http://10.0.0.99:2379\"", sixteen.join(","));
     let e = errors_of(&format!("[discovery]\netcd_endpoints = [{seventeen}]\n"));
     assert!(e.contains("discovery.etcd_endpoints (count) = 17") && e.contains("1..=16"), "{e}");
+}
+
+#[test]
+fn the_request_timeout_is_at_most_a_third_of_the_lease_at_and_just_past_the_limit() {
+    load_config_from_str(&format!("{ETCD}lease_ttl_s = 3\nrequest_timeout_ms = 1000\n")).unwrap();
+    let e = errors_of(&format!("{ETCD}lease_ttl_s = 3\nrequest_timeout_ms = 1001\n"));
+    assert!(e.contains("discovery.request_timeout_ms = 1001") && e.contains("a third of discovery.lease_ttl_s (1000 ms)"), "{e}");
+    // The defaults (10 s, 3000 ms) are inside it.
+    load_config_from_str(ETCD).unwrap();
 }
 
 #[test]

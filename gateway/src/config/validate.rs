@@ -146,6 +146,13 @@ fn check_discovery(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
     errors.extend(check_range("discovery.request_timeout_ms", d.request_timeout_ms, 10, 60_000));
     errors.extend(check_range("discovery.retry_interval_ms", d.retry_interval_ms, 10, 60_000));
     errors.extend(check_range("discovery.max_peers", d.max_peers, 1, super::MAX_DISCOVERED_PEERS));
+    // A member that stops answering is noticed a keep-alive period (a third of the lease) plus
+    // request_timeout_ms after the last answer; the record must still be renewable after that.
+    let lease_third_ms = d.lease_ttl_s.saturating_mul(1000) / 3;
+    if d.request_timeout_ms > lease_third_ms {
+        let allowed = format!("at most a third of discovery.lease_ttl_s ({lease_third_ms} ms): a member that stops answering must be left before the record expires");
+        errors.push(rule("discovery.request_timeout_ms", d.request_timeout_ms, &allowed));
+    }
     match d.advertise_address.is_empty() {
         true => {
             if config.peer_link.listen.parse::<SocketAddr>().is_ok_and(|a| a.ip().is_unspecified()) {
