@@ -9,14 +9,22 @@ use common::*;
 const MUTANT_CONFIG: &str = "[plugin]\nsegment_delay_us = 20\n";
 
 fn assert_fails_only_on(package: &str, clause: &str) {
-    let group = clause.split('-').next().unwrap();
+    assert_fails_only_on_each(package, &[clause]);
+}
+
+/// For a defect that breaks more than one clause (each named): every one fails, with evidence, and
+/// nothing outside their groups does.
+fn assert_fails_only_on_each(package: &str, clauses: &[&str]) {
+    let groups: Vec<&str> = clauses.iter().map(|c| c.split('-').next().unwrap()).collect();
     let run = run_harness(&mutant_library(package).to_string_lossy(), &["--quick"], MUTANT_CONFIG);
     let failed = run.with_status("fail");
-    assert!(failed.iter().any(|c| c == clause), "{package} must fail {clause}; failed: {failed:?}\n{}", run.stdout);
-    let outside: Vec<&String> = failed.iter().filter(|c| !c.starts_with(&format!("{group}-"))).collect();
-    assert!(outside.is_empty(), "{package} must fail only {group} clauses; also failed {outside:?}\n{}", run.stdout);
-    let (_, _, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == clause).unwrap();
-    assert!(evidence.len() > 20, "evidence for {clause} must say what was seen: {evidence:?}");
+    for clause in clauses {
+        assert!(failed.iter().any(|c| c == clause), "{package} must fail {clause}; failed: {failed:?}\n{}", run.stdout);
+        let (_, _, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == clause).unwrap();
+        assert!(evidence.len() > 20, "evidence for {clause} must say what was seen: {evidence:?}");
+    }
+    let outside: Vec<&String> = failed.iter().filter(|c| !groups.iter().any(|g| c.starts_with(&format!("{g}-")))).collect();
+    assert!(outside.is_empty(), "{package} must fail only {groups:?} clauses; also failed {outside:?}\n{}", run.stdout);
     assert_eq!(run.status, 1, "exit status must be non-zero when a clause fails");
     for id in run.with_status("unsupported") {
         assert!(NETWORK_CLAUSES.contains(&id.as_str()), "{package}: {id} unsupported");
@@ -155,6 +163,18 @@ fn cancel_waits_for_ack_fails_abort_2() {
 #[test]
 fn fail_open_deregister_fails_data_4() {
     assert_fails_only_on("kvgate-mutant-fail-open-deregister", "DATA-4");
+}
+
+// CONFORMANCE: TIME-3, HANDSHAKE-2 (one defect, two clauses: both fail transfers at disconnect)
+#[test]
+fn disconnect_keeps_transfers_fails_time_3_and_handshake_2() {
+    assert_fails_only_on_each("kvgate-mutant-disconnect-keeps-transfers", &["TIME-3", "HANDSHAKE-2"]);
+}
+
+// CONFORMANCE: ABORT-3, RES-1 (one defect, two clauses: RES-1 checks every event of the run)
+#[test]
+fn fails_unknown_cancels_fails_abort_3_and_res_1() {
+    assert_fails_only_on_each("kvgate-mutant-fails-unknown-cancels", &["ABORT-3", "RES-1"]);
 }
 
 // CONFORMANCE: HYGIENE-3

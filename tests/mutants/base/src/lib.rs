@@ -66,6 +66,10 @@ pub struct Faults {
     /// `deregister` of a source region mid-copy stops the copy and reports `SUCCEEDED` for what was
     /// copied (fail-open).
     pub deregister_succeeds_partial_copy: bool,
+    /// `cancel` of an id it does not know reports a failure event for it.
+    pub fail_unknown_cancels: bool,
+    /// `disconnect` forgets the peer but leaves its transfers to their deadlines.
+    pub disconnect_keeps_transfers: bool,
     /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.
     pub default_segment_delay_us: u64,
 }

@@ -203,7 +203,10 @@ impl Plugin for RefPlugin {
         if st.peers.remove(&peer.0).is_none() {
             return;
         }
-        self.shared.fail_where(&mut st, ReasonCode::PEER_LOST, "peer disconnected", |t| t.peer == peer.0);
+        // FAULT: the peer's transfers are left to their deadlines.
+        if !self.shared.faults.disconnect_keeps_transfers {
+            self.shared.fail_where(&mut st, ReasonCode::PEER_LOST, "peer disconnected", |t| t.peer == peer.0);
+        }
         st.remotes.retain(|_, (owner, _)| *owner != peer.0);
         st.granted.retain(|(p, _)| *p != peer.0);
         st.tickets.retain(|(p, _), _| *p != peer.0);
@@ -336,7 +339,13 @@ impl Plugin for RefPlugin {
     fn cancel(&self, xfer: XferId) {
         let mut st = self.shared.lock();
         let busy = st.transfers.len();
-        let Some(t) = st.transfers.get_mut(&xfer.0) else { return };
+        let Some(t) = st.transfers.get_mut(&xfer.0) else {
+            // FAULT: an event for a transfer that does not exist.
+            if self.shared.faults.fail_unknown_cancels {
+                self.shared.failed(xfer.0, ReasonCode::CANCELLED, "cancelled".into(), true);
+            }
+            return;
+        };
         if t.reported {
             return;
         }
