@@ -180,6 +180,13 @@ impl Discovery {
         change(&mut self.status.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
+    /// Registered under `lease`, or (`None`) not registered: in the metric and in `/discovery`.
+    fn set_registered(&self, lease: Option<i64>) {
+        self.metrics.set_discovery_registered(lease.is_some());
+        let since = lease.map_or(0, |_| unix_ms());
+        self.update(|v| (v.registered, v.lease_id, v.registered_at_unix_ms) = (lease.is_some(), lease.unwrap_or(0), since));
+    }
+
     fn key_of(&self, name: &str) -> String {
         format!("{}{name}", self.config.discovery.key_prefix)
     }
@@ -201,8 +208,7 @@ impl Discovery {
             let endpoint = &d.etcd_endpoints[attempt % d.etcd_endpoints.len()];
             self.update(|v| (v.enabled, v.key, v.endpoint) = (true, self.key_of(&self.identity.name), endpoint.clone()));
             let outcome = self.session(endpoint, &mut stop).await;
-            self.metrics.set_discovery_registered(false);
-            self.update(|v| (v.registered, v.lease_id, v.registered_at_unix_ms) = (false, 0, 0));
+            self.set_registered(None);
             let Err(e) = outcome else { return };
             self.metrics.count_discovery_error(e.reason);
             let last = LastError { reason: e.reason, detail: e.detail.clone(), endpoint: endpoint.clone(), at_unix_ms: unix_ms() };
@@ -223,8 +229,7 @@ impl Discovery {
         let mut client = bounded(limit, "etcd_unreachable", "connect", Client::connect([endpoint], Some(self.options.clone()))).await?;
         let lease = bounded(limit, "etcd_request_failed", "lease grant", client.lease_grant(d.lease_ttl_s as i64, None)).await?.id();
         self.register(&mut client, lease, limit).await?;
-        self.metrics.set_discovery_registered(true);
-        self.update(|v| (v.registered, v.lease_id, v.registered_at_unix_ms) = (true, lease, unix_ms()));
+        self.set_registered(Some(lease));
         let own_key = self.key_of(&self.identity.name);
         tracing::info!(key = %own_key, %endpoint, lease_ttl_s = d.lease_ttl_s, "discovery: registered");
         let (mut keeper, mut acks) = bounded(limit, "etcd_request_failed", "lease keep-alive", client.lease_keep_alive(lease)).await?;
