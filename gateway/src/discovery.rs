@@ -98,7 +98,8 @@ fn failed(reason: &'static str, detail: impl Into<String>) -> DiscoveryError {
 /// `etcd_auth_failed` for a refused user, password or permission, else `reason`.
 fn classify(e: &etcd_client::Error, reason: &'static str) -> &'static str {
     use tonic::Code;
-    // rustls' errors reach here only as text inside hyper's and tonic's wrappers.
+    // rustls' errors reach here only as text: tokio-rustls hands hyper an io::Error holding the
+    // rustls error's message, not the error itself, so no downcast finds it.
     let text = format!("{e:?}").to_ascii_lowercase();
     if ["certificate", "received fatal alert", "handshake"].iter().any(|m| text.contains(m)) {
         return "etcd_tls_failed";
