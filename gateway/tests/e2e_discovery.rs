@@ -30,6 +30,19 @@ fn pair_logs(pair: &GatewayPair) -> impl Fn() -> String {
     move || paths.iter().map(|p| std::fs::read_to_string(p).unwrap_or_default()).collect::<Vec<_>>().join("\n")
 }
 
+/// A pair found through etcd, once each gateway sees the other up, found through etcd.
+async fn linked_pair(dir: &std::path::Path, settings: &PairSettings) -> GatewayPair {
+    let pair = GatewayPair::start(&binary(), dir, settings).await.unwrap();
+    let logs = pair_logs(&pair);
+    for admin in [&pair.prefill.admin, &pair.decode.admin] {
+        eventually(Duration::from_secs(15), "each gateway sees the other up, found through etcd", || async {
+            let p = peers(admin).await;
+            p.len() == 1 && p[0]["up"] == true && p[0]["source"] == "etcd"
+        }, &logs).await;
+    }
+    pair
+}
+
 /// A record another (fake) gateway published, as discovery writes them.
 async fn put_record(etcd: &Etcd, prefix: &str, name: &str, address: &str, host: &str) {
     let value = serde_json::json!({"name": name, "address": address, "host": host, "incarnation": 1}).to_string();
@@ -44,13 +57,9 @@ async fn gateways_with_no_static_peers_find_each_other_through_etcd_and_move_kv_
     let prefix = "/kvgate-test/pair/";
     // A long lease: the record must go at a clean stop because it is revoked, not because it expired.
     let settings = discovered_pair(&etcd, prefix, "lease_ttl_s = 60\n");
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let mut pair = linked_pair(dir.path(), &settings).await;
     let logs = pair_logs(&pair);
     for admin in [&pair.prefill.admin, &pair.decode.admin] {
-        eventually(Duration::from_secs(15), "each gateway sees the other up, found through etcd", || async {
-            let p = peers(admin).await;
-            p.len() == 1 && p[0]["up"] == true && p[0]["source"] == "etcd"
-        }, &logs).await;
         assert_eq!(metric(admin, "kvgate_discovery_registered").await, 1.0);
         assert_eq!(metric(admin, "kvgate_discovery_peers").await, 1.0);
     }
@@ -84,9 +93,8 @@ async fn a_killed_gateway_s_record_expires_with_its_lease_and_its_peer_forgets_i
     let prefix = "/kvgate-test/killed/";
     let ttl_s = 2;
     let settings = discovered_pair(&etcd, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 500\n"));
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let mut pair = linked_pair(dir.path(), &settings).await;
     let logs = pair_logs(&pair);
-    eventually(Duration::from_secs(15), "prefill sees decode up", || async { peers(&pair.prefill.admin).await.first().is_some_and(|p| p["up"] == true) }, &logs).await;
     // Past several lease periods the live gateways' records are still there (the lease is kept alive).
     tokio::time::sleep(Duration::from_secs(2 * ttl_s)).await;
     assert_eq!(etcd.keys(prefix).await.len(), 2, "{}", logs());
@@ -238,9 +246,8 @@ async fn linked_gateways_keep_moving_kv_caches_while_etcd_is_down_past_their_lea
     let prefix = "/kvgate-test/outage/";
     let ttl_s = 2;
     let settings = discovered_pair(&etcd, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 500\n"));
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let mut pair = linked_pair(dir.path(), &settings).await;
     let logs = pair_logs(&pair);
-    eventually(Duration::from_secs(15), "linked through etcd", || async { peers(&pair.prefill.admin).await.first().is_some_and(|p| p["up"] == true) }, &logs).await;
     let shape = small_shape();
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 2).await;
     let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
@@ -281,11 +288,8 @@ async fn hundreds_of_records_arriving_and_going_at_once_are_followed_while_kv_ca
     let etcd = Etcd::started(dir.path()).await;
     let prefix = "/kvgate-test/many/";
     let settings = discovered_pair(&etcd, prefix, "max_peers = 512\n");
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let mut pair = linked_pair(dir.path(), &settings).await;
     let logs = pair_logs(&pair);
-    for admin in [&pair.prefill.admin, &pair.decode.admin] {
-        eventually(Duration::from_secs(15), "linked through etcd", || async { peers(admin).await.first().is_some_and(|p| p["up"] == true) }, &logs).await;
-    }
     // 300 gateways that never answer (nothing listens at their addresses), written 100 to a
     // transaction: decode sorts before them and dials each; prefill sorts after and waits for them.
     const FAKES: usize = 300;
