@@ -8,10 +8,10 @@
 
 mod common;
 
-use common::etcd::{discovery_only_settings, this_host, Etcd};
+use common::etcd::{discovery_gateway, this_host, wait_registered, Etcd};
 use common::*;
 use kvgate::demo::engine::run_room;
-use kvgate::demo::gateways::{free_port, Cluster, GatewayPair, PairSettings};
+use kvgate::demo::gateways::{free_port, GatewayPair, PairSettings};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -116,8 +116,7 @@ async fn a_name_held_by_a_gateway_on_another_host_is_refused_until_it_is_free() 
     let etcd = Etcd::started(dir.path()).await;
     let prefix = "/kvgate-test/taken/";
     put_record(&etcd, prefix, "solo", "10.9.9.9:7100", "another-host").await;
-    let settings = discovery_only_settings();
-    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("solo", &discovery_toml(&etcd, prefix, ""), vec![])]).await.unwrap();
+    let mut cluster = discovery_gateway(dir.path(), "solo", &discovery_toml(&etcd, prefix, "")).await;
     let solo = cluster.get("solo");
     let taken = "kvgate_discovery_errors_total{reason=\"name_taken\"}";
     eventually(Duration::from_secs(10), "name_taken counted", || async { metric(&solo.admin, taken).await >= 2.0 }, &|| solo.log()).await;
@@ -128,7 +127,7 @@ async fn a_name_held_by_a_gateway_on_another_host_is_refused_until_it_is_free() 
     assert!(etcd.value(&format!("{prefix}solo")).await.is_some_and(|v| v.contains("10.9.9.9:7100")));
 
     client.delete(format!("{prefix}solo"), None).await.unwrap();
-    eventually(Duration::from_secs(10), "registered once the name is free", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
+    wait_registered(solo, Duration::from_secs(10)).await;
     assert!(etcd.value(&format!("{prefix}solo")).await.is_some_and(|v| v.contains(&solo.peer_listen)));
     cluster.stop();
 }
@@ -141,10 +140,9 @@ async fn a_record_of_the_same_name_from_this_host_is_taken_over_at_start() {
     let prefix = "/kvgate-test/takeover/";
     // What this gateway's previous run left behind (its lease not yet expired): same name, same host.
     put_record(&etcd, prefix, "solo", "127.0.0.1:1", &this_host()).await;
-    let settings = discovery_only_settings();
-    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("solo", &discovery_toml(&etcd, prefix, ""), vec![])]).await.unwrap();
+    let mut cluster = discovery_gateway(dir.path(), "solo", &discovery_toml(&etcd, prefix, "")).await;
     let solo = cluster.get("solo");
-    eventually(Duration::from_secs(10), "registered", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
+    wait_registered(solo, Duration::from_secs(10)).await;
     assert!(solo.log().contains("took over this host's earlier record"), "{}", solo.log());
     assert_eq!(metric(&solo.admin, "kvgate_discovery_errors_total{reason=\"name_taken\"}").await, 0.0);
     assert!(etcd.value(&format!("{prefix}solo")).await.is_some_and(|v| v.contains(&solo.peer_listen)));
@@ -157,12 +155,11 @@ async fn a_gateway_whose_record_is_deleted_or_overwritten_under_it_registers_aga
     let dir = work_dir();
     let etcd = Etcd::started(dir.path()).await;
     let prefix = "/kvgate-test/lost/";
-    let settings = discovery_only_settings();
-    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("solo", &discovery_toml(&etcd, prefix, "lease_ttl_s = 60\n"), vec![])]).await.unwrap();
+    let mut cluster = discovery_gateway(dir.path(), "solo", &discovery_toml(&etcd, prefix, "lease_ttl_s = 60\n")).await;
     let solo = cluster.get("solo");
     let lost = "kvgate_discovery_errors_total{reason=\"record_lost\"}";
     let record_is_solos = || async { etcd.value(&format!("{prefix}solo")).await.is_some_and(|v| v.contains(&solo.peer_listen)) };
-    eventually(Duration::from_secs(10), "registered", || async { metric(&solo.admin, "kvgate_discovery_registered").await == 1.0 }, &|| solo.log()).await;
+    wait_registered(solo, Duration::from_secs(10)).await;
     // An operator's `etcdctl del`: the record comes back well before the 60 s lease could matter.
     etcd.client().await.unwrap().delete(format!("{prefix}solo"), None).await.unwrap();
     eventually(Duration::from_secs(10), "record_lost counted once", || async { metric(&solo.admin, lost).await == 1.0 }, &|| solo.log()).await;
@@ -182,11 +179,9 @@ async fn max_peers_admits_peers_up_to_the_limit_and_refuses_the_next_and_malform
     let dir = work_dir();
     let etcd = Etcd::started(dir.path()).await;
     let prefix = "/kvgate-test/limit/";
-    let settings = discovery_only_settings();
-    let table = discovery_toml(&etcd, prefix, "max_peers = 2\n");
-    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("gw", &table, vec![])]).await.unwrap();
+    let mut cluster = discovery_gateway(dir.path(), "gw", &discovery_toml(&etcd, prefix, "max_peers = 2\n")).await;
     let gw = cluster.get("gw");
-    eventually(Duration::from_secs(10), "registered", || async { metric(&gw.admin, "kvgate_discovery_registered").await == 1.0 }, &|| gw.log()).await;
+    wait_registered(gw, Duration::from_secs(10)).await;
     // Nothing listens at these addresses: the peers stay down, which is all this test needs.
     let nowhere = || format!("127.0.0.1:{}", free_port());
     put_record(&etcd, prefix, "a-peer", &nowhere(), "h").await;
@@ -223,9 +218,7 @@ async fn etcd_down_at_start_up_does_not_stop_the_gateway_which_registers_once_et
     let dir = work_dir();
     let mut etcd = Etcd::on_free_port(dir.path());
     let prefix = "/kvgate-test/late/";
-    let settings = discovery_only_settings();
-    let table = discovery_toml(&etcd, prefix, "request_timeout_ms = 500\n");
-    let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &[("early", &table, vec![])]).await.unwrap();
+    let mut cluster = discovery_gateway(dir.path(), "early", &discovery_toml(&etcd, prefix, "request_timeout_ms = 500\n")).await;
     let early = cluster.get("early");
     let unreachable = "kvgate_discovery_errors_total{reason=\"etcd_unreachable\"}";
     eventually(Duration::from_secs(10), "etcd_unreachable counted, again and again", || async { metric(&early.admin, unreachable).await >= 3.0 }, &|| early.log()).await;
@@ -233,7 +226,7 @@ async fn etcd_down_at_start_up_does_not_stop_the_gateway_which_registers_once_et
     assert!(early.log().contains("etcd_unreachable"), "{}", early.log());
 
     etcd.start().await;
-    eventually(Duration::from_secs(15), "registered once etcd is up", || async { metric(&early.admin, "kvgate_discovery_registered").await == 1.0 }, &|| early.log()).await;
+    wait_registered(early, Duration::from_secs(15)).await;
     assert_eq!(etcd.keys(prefix).await, [format!("{prefix}early")]);
     cluster.stop();
 }

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::etcd::{discovery_only_settings, EtcdCluster};
+use common::etcd::{discovery_gateway, wait_registered, EtcdCluster};
 use common::*;
 use kvgate::demo::engine::run_room;
 use kvgate::demo::gateways::{Cluster, GatewayPair, PairSettings};
@@ -23,9 +23,8 @@ fn cluster_toml(etcd: &EtcdCluster, first: usize, prefix: &str, extra: &str) -> 
 
 /// A gateway named `steady` with `table`, once it has registered.
 async fn registered_gateway(dir: &std::path::Path, table: &str) -> Cluster {
-    let steady = Cluster::start(&binary(), dir, &discovery_only_settings(), &[("steady", table, vec![])]).await.unwrap();
-    let admin = &steady.get("steady").admin;
-    eventually(Duration::from_secs(10), "registered", || async { metric(admin, REGISTERED).await == 1.0 }, &|| steady.get("steady").log()).await;
+    let steady = discovery_gateway(dir, "steady", table).await;
+    wait_registered(steady.get("steady"), Duration::from_secs(10)).await;
     steady
 }
 
@@ -85,7 +84,6 @@ async fn when_its_member_dies_a_gateway_moves_to_another_keeps_its_record_and_ke
     let prefix = "/kvgate-test/member-lost/";
     let ttl_s = 2;
     let table = cluster_toml(&etcd, 0, prefix, &format!("lease_ttl_s = {ttl_s}\nrequest_timeout_ms = 500\n"));
-    let settings = discovery_only_settings();
     let mut steady = registered_gateway(dir.path(), &table).await;
     let (admin, log) = (steady.get("steady").admin.clone(), || steady.get("steady").log());
     let steady_key = format!("{prefix}steady");
@@ -96,7 +94,7 @@ async fn when_its_member_dies_a_gateway_moves_to_another_keeps_its_record_and_ke
         let alive = &etcd.members[(down + 1) % etcd.members.len()];
         // A gateway that joins while the member is down is found...
         let name = format!("late-{down}");
-        let mut late = Cluster::start(&binary(), dir.path(), &settings, &[(&name, &table, vec![])]).await.unwrap();
+        let mut late = discovery_gateway(dir.path(), &name, &table).await;
         let up = || async { peers(&admin).await.iter().any(|p| p["name"] == name.as_str() && p["up"] == true) };
         eventually(Duration::from_secs(15), &format!("{name} found and linked with member {down} down"), up, &log).await;
         // ...and forgotten when it stops.
@@ -125,7 +123,6 @@ async fn when_its_member_freezes_a_gateway_moves_on_before_its_lease_can_expire_
     let prefix = "/kvgate-test/member-frozen/";
     let ttl = Duration::from_secs(6);
     let table = cluster_toml(&etcd, frozen, prefix, &format!("lease_ttl_s = {}\nrequest_timeout_ms = 1000\n", ttl.as_secs()));
-    let settings = discovery_only_settings();
     let mut steady = registered_gateway(dir.path(), &table).await;
     let (admin, log) = (steady.get("steady").admin.clone(), || steady.get("steady").log());
     let key = format!("{prefix}steady");
@@ -148,7 +145,7 @@ async fn when_its_member_freezes_a_gateway_moves_on_before_its_lease_can_expire_
     assert!(view["last_error"]["reason"] == "etcd_unreachable" && view["last_error"]["endpoint"] == frozen_url.as_str(), "{view}");
     assert!(view["last_error"]["detail"].as_str().is_some_and(|d| d.contains("keep-alive")), "{view}");
     // A gateway that joins now is found (it dials the frozen member first, too).
-    let mut late = Cluster::start(&binary(), dir.path(), &settings, &[("late", &table, vec![])]).await.unwrap();
+    let mut late = discovery_gateway(dir.path(), "late", &table).await;
     let up = || async { peers(&admin).await.iter().any(|p| p["name"] == "late" && p["up"] == true) };
     eventually(Duration::from_secs(15), "late found and linked", up, &log).await;
     late.stop();

@@ -2,7 +2,7 @@
 //! with its data in a temp folder, optionally serving TLS, alone or as a member of a cluster on
 //! loopback; killed when dropped.
 
-use kvgate::demo::gateways::{free_port, PairSettings};
+use kvgate::demo::gateways::{free_port, Cluster, GatewayProcess, PairSettings};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -231,6 +231,17 @@ impl EtcdCluster {
 /// Gateways that know no peer but those discovery finds, started without waiting for any link.
 pub fn discovery_only_settings() -> PairSettings {
     PairSettings { static_peers: false, wait_for_peers: false, ..PairSettings::default() }
+}
+
+/// One gateway named `name`, with the `[discovery]` table `table` and no static peer (not waiting for
+/// it to register: see `wait_registered`).
+pub async fn discovery_gateway(dir: &Path, name: &str, table: &str) -> Cluster {
+    Cluster::start(&super::binary(), dir, &discovery_only_settings(), &[(name, table, vec![])]).await.unwrap()
+}
+
+/// Waits (at most `within`) until `gw` says it is registered.
+pub async fn wait_registered(gw: &GatewayProcess, within: Duration) {
+    super::eventually(within, &format!("{} registered", gw.name), || async { super::metric(&gw.admin, "kvgate_discovery_registered").await == 1.0 }, &|| gw.log()).await;
 }
 
 /// This machine's host name, as a gateway publishes it in its record.
