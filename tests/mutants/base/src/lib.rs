@@ -21,7 +21,7 @@ pub struct Faults {
     pub ignore_cancel_while_waiting_for_ticket: bool,
     /// No deadline while waiting for the receiver's acknowledgement (hangs under a frozen peer).
     pub no_deadline_while_waiting_for_ack: bool,
-    /// `submit` notifies the receiver on a blocking socket (blocks once a frozen peer's queue is full).
+    /// `submit` notifies the receiver on a blocking socket (blocks once a frozen peer leaves a few notes unread).
     pub blocking_send_in_submit: bool,
     /// Report `SUCCEEDED` twice.
     pub double_success: bool,

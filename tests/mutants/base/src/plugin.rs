@@ -7,6 +7,7 @@ use crate::Faults;
 use kvgate_abi::sdk::{Plugin, Sink};
 use kvgate_abi::*;
 use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -131,6 +132,24 @@ impl RefPlugin {
         let socket = UnixDatagram::bind_addr(&abstract_addr(&endpoint).map_err(io)?).map_err(io)?;
         socket.set_nonblocking(true).map_err(io)?;
         let note_socket = UnixDatagram::unbound().map_err(io)?;
+        if faults.blocking_send_in_submit {
+            // The smallest send buffer the kernel allows: a handful of notes a frozen peer has not read
+            // fill it, whatever `net.unix.max_dgram_qlen` the host has, so the blocking send blocks.
+            let smallest: libc::c_int = 1;
+            // SAFETY: a valid socket, an option of the size given.
+            let rc = unsafe {
+                libc::setsockopt(
+                    note_socket.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_SNDBUF,
+                    (&smallest as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if rc != 0 {
+                return Err(io(std::io::Error::last_os_error()));
+            }
+        }
         let shared = Arc::new(Shared {
             name,
             sink: sink.clone(),
