@@ -1,6 +1,7 @@
 //! Proves the harness: every mutant fails on the clause it breaks and on no clause outside that
-//! clause's group, with evidence; the faithful base plugin (`reference`) passes every clause; a
-//! plugin that is unavailable is unsupported everywhere, never pass. Quick profile; runs serialised.
+//! clause's group, with evidence; the faithful base plugin (`reference`, and `reference-udp` over
+//! loopback UDP) passes every clause; a plugin that is unavailable is unsupported everywhere, never
+//! pass. Quick profile; runs serialised.
 
 mod common;
 use common::*;
@@ -37,6 +38,27 @@ fn reference_plugin_passes_every_clause() {
     assert_all_pass(&run, false);
     assert_eq!(run.report["abi_version"], kvgate_abi::ABI_VERSION);
     assert_eq!(run.report["seed"], 20261130u64);
+}
+
+/// The base's network variant, through the harness's UDP fault proxy: the network clauses pass too,
+/// so the two network mutants below fail for their defect, not for the variant.
+#[test]
+fn reference_plugin_over_udp_passes_every_clause_the_network_ones_included() {
+    let run = run_harness(&mutant_library("kvgate-mutant-reference-udp").to_string_lossy(), &["--quick"], MUTANT_CONFIG);
+    assert_all_pass(&run, true);
+}
+
+// CONFORMANCE: DATA-7
+#[test]
+fn unchecked_payloads_fails_data_7() {
+    assert_fails_only_on("kvgate-mutant-unchecked-payloads", "DATA-7");
+}
+
+// CONFORMANCE: TIME-12, DATA-7, TIME-2, TIME-3 (one defect: a window the receiver never takes, whether
+// the network drops or damages it or the receiver is frozen or dead, is waited for for ever)
+#[test]
+fn window_without_deadline_fails_time_12_and_data_7() {
+    assert_fails_only_on_each("kvgate-mutant-window-without-deadline", &["TIME-12", "DATA-7", "TIME-2", "TIME-3"]);
 }
 
 // CONFORMANCE: ABORT-1 (the SGLang/NIXL silent pin)

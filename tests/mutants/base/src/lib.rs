@@ -3,8 +3,17 @@
 //! once the receiver has granted the transfer's ticket over a Unix datagram socket, then waits for
 //! the receiver's acknowledgement. With no fault switched on it passes every clause of CONFORMANCE.md;
 //! it is test code and never ships in the gateway.
+//!
+//! Its network variant ([`Faults::udp`]) moves bytes and control over loopback UDP instead: the
+//! sender sends checksummed data datagrams a window at a time, the receiver stages them and writes
+//! them into its region when the sender commits, then acknowledges. A fault proxy can stand between
+//! the two, so the network clauses (TIME-12, DATA-7) apply to it.
 
+mod link;
 mod plugin;
+mod udp_rx;
+mod udp_tx;
+mod udp_wire;
 mod wire;
 mod worker;
 
@@ -70,6 +79,13 @@ pub struct Faults {
     pub fail_unknown_cancels: bool,
     /// `disconnect` forgets the peer but leaves its transfers to their deadlines.
     pub disconnect_keeps_transfers: bool,
+    /// The receiver writes data datagrams without checking their checksum (UDP variant only).
+    pub unchecked_payloads: bool,
+    /// No deadline while the sender waits for the receiver to take a window of data datagrams; it
+    /// sends them again for ever (UDP variant only).
+    pub no_deadline_while_waiting_for_window: bool,
+    /// Not a fault: the network variant, over loopback UDP.
+    pub udp: bool,
     /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.
     pub default_segment_delay_us: u64,
 }

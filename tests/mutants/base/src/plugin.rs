@@ -2,14 +2,14 @@
 //! the peer (sends go to an outbox the worker flushes); the worker (worker.rs) copies and keeps time.
 //! Each [`crate::Faults`] switch changes one behaviour, marked `FAULT:` where it acts.
 
+use crate::link::{abstract_addr, Link};
 use crate::wire::{encode_key, parse_endpoint, parse_key, Msg, RemoteMap, ENDPOINT_PREFIX};
 use crate::Faults;
 use kvgate_abi::sdk::{Plugin, Sink};
 use kvgate_abi::*;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::AsRawFd;
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixDatagram};
+use std::os::unix::net::UnixDatagram;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -21,19 +21,31 @@ pub(crate) enum Phase {
     Ready,
     Copying,
     WaitingForAck,
+    /// UDP: failed while the receiver may still write it (a commit sent, no answer yet); `QUIESCED`
+    /// comes with the receiver's answer, or once the deadline plus [`COMMIT_GRACE_MS`] has passed
+    /// (the receiver refuses a commit past the deadline).
+    Unquiesced,
     /// Terminal already reported, the copy still running (only under a fault).
     Finishing,
     /// Kept for ever (only under a fault).
     Leaked,
 }
 
-/// One resolved segment: raw addresses in this process.
+/// How long past its deadline a transfer failed while its commit was unanswered waits before it is
+/// reported quiesced.
+pub(crate) const COMMIT_GRACE_MS: u64 = 100;
+
+/// One resolved segment: raw addresses in this process, and (for UDP) where it goes in the peer's
+/// region.
 #[derive(Clone, Copy)]
 pub(crate) struct Piece {
     pub src: u64,
     pub dst: u64,
     pub len: u64,
     pub in_range: bool,
+    /// The peer's local key for the destination region, and the offset in it.
+    pub remote_key: u64,
+    pub remote_offset: u64,
 }
 
 pub(crate) struct Transfer {
@@ -55,6 +67,12 @@ pub(crate) struct State {
     pub shut: bool,
     pub regions: HashMap<u64, (u64, u64)>,
     pub peers: HashMap<u64, String>,
+    /// UDP: where a peer's hello came from, the path to answer it on (a fault proxy, say).
+    pub routes: HashMap<u64, String>,
+    /// UDP, sender: data datagrams of each copying transfer the receiver has staged.
+    pub got: HashMap<u64, u32>,
+    /// UDP, receiver: transfers being staged, by (sender address, transfer).
+    pub incoming: HashMap<(String, u64), crate::udp_rx::Incoming>,
     pub remotes: HashMap<u64, (u64, Arc<RemoteMap>)>,
     pub transfers: HashMap<u64, Transfer>,
     pub granted: HashSet<(u64, u64)>,
@@ -68,8 +86,8 @@ pub(crate) struct Shared {
     pub sink: Sink,
     pub faults: Faults,
     pub segment_delay_us: u64,
-    pub socket: UnixDatagram,
-    pub endpoint: String,
+    pub socket: Link,
+    pub endpoint: Vec<u8>,
     pub state: Mutex<State>,
     pub stop_worker: AtomicBool,
     pub worker_alive: AtomicBool,
@@ -78,6 +96,16 @@ pub(crate) struct Shared {
 impl Shared {
     pub fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether ending `t` now leaves it unquiesced: a UDP commit is out and unanswered.
+    pub fn awaits_verdict(&self, t: &Transfer) -> bool {
+        self.socket.is_udp() && t.phase == Phase::WaitingForAck
+    }
+
+    /// Where to send to reach `peer`: the path its hello came by, else its endpoint.
+    pub fn route(st: &State, peer: u64) -> Option<String> {
+        st.routes.get(&peer).or_else(|| st.peers.get(&peer)).cloned()
     }
 
     /// A failure event (FAULT: `reasonless_failures` drops its reason and message).
@@ -100,6 +128,10 @@ impl Shared {
                 t.stop.store(true, Ordering::SeqCst);
                 t.reported = true;
                 self.failed(x, reason, message.to_string(), false);
+            } else if self.awaits_verdict(t) {
+                t.reported = true;
+                t.phase = Phase::Unquiesced;
+                self.failed(x, reason, message.to_string(), false);
             } else {
                 st.transfers.remove(&x);
                 self.failed(x, reason, message.to_string(), true);
@@ -120,17 +152,18 @@ fn err(code: ReasonCode, message: impl Into<String>) -> PluginError {
     PluginError::new(code, message)
 }
 
-pub(crate) fn abstract_addr(name: &str) -> std::io::Result<SocketAddr> {
-    SocketAddr::from_abstract_name(name.as_bytes())
-}
-
 impl RefPlugin {
     pub(crate) fn start(name: &'static str, sink: Sink, faults: Faults, segment_delay_us: u64) -> Result<RefPlugin, PluginError> {
         let n = INSTANCES.fetch_add(1, Ordering::Relaxed);
-        let endpoint = format!("{ENDPOINT_PREFIX}{}-{n}", std::process::id());
         let io = |e: std::io::Error| err(ReasonCode::TRANSPORT_ERROR, format!("control socket: {e}"));
-        let socket = UnixDatagram::bind_addr(&abstract_addr(&endpoint).map_err(io)?).map_err(io)?;
-        socket.set_nonblocking(true).map_err(io)?;
+        let (socket, endpoint) = if faults.udp {
+            let socket = Link::udp().map_err(io)?;
+            let endpoint = crate::udp_wire::encode_endpoint(socket.port());
+            (socket, endpoint)
+        } else {
+            let name = format!("{ENDPOINT_PREFIX}{}-{n}", std::process::id());
+            (Link::unix(&name).map_err(io)?, name.into_bytes())
+        };
         let note_socket = UnixDatagram::unbound().map_err(io)?;
         if faults.blocking_send_in_submit {
             // The smallest send buffer the kernel allows: a handful of notes a frozen peer has not read
@@ -180,14 +213,15 @@ impl RefPlugin {
             (s.local_offset.checked_add(s.len), s.remote_offset.checked_add(s.len))
         };
         let in_range = local_end.is_some_and(|e| e <= llen) && remote_end.is_some_and(|e| e <= map.len);
+        let (remote_key, remote_offset) = (map.owner_key, s.remote_offset);
         // FAULT: `skip_segment_range_checks` leaves the check to the copy, after earlier segments moved.
         if !in_range && !self.shared.faults.skip_segment_range_checks {
             return Err(err(ReasonCode::OUT_OF_RANGE, format!("segment {}+{} → {}+{} outside its regions", s.local_offset, s.len, s.remote_offset, s.len)));
         }
         let piece = if in_range {
-            Piece { src: laddr + s.local_offset, dst: map.addr as u64 + s.remote_offset, len: s.len, in_range }
+            Piece { src: laddr + s.local_offset, dst: map.addr as u64 + s.remote_offset, len: s.len, in_range, remote_key, remote_offset }
         } else {
-            Piece { src: 0, dst: 0, len: 0, in_range }
+            Piece { src: 0, dst: 0, len: 0, in_range, remote_key, remote_offset }
         };
         Ok((piece, Arc::clone(map)))
     }
@@ -199,11 +233,13 @@ impl Plugin for RefPlugin {
     }
 
     fn local_endpoint(&self) -> Vec<u8> {
-        self.shared.endpoint.clone().into_bytes()
+        self.shared.endpoint.clone()
     }
 
     fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
-        let endpoint = match parse_endpoint(endpoint) {
+        let udp = self.shared.socket.is_udp();
+        let parsed = if udp { crate::udp_wire::parse_endpoint(endpoint) } else { parse_endpoint(endpoint) };
+        let endpoint = match parsed {
             Ok(endpoint) => endpoint,
             // FAULT: any bytes are an endpoint.
             Err(_) if self.shared.faults.accept_any_endpoint => String::from_utf8_lossy(endpoint).into_owned(),
@@ -213,7 +249,11 @@ impl Plugin for RefPlugin {
         if st.shut {
             return Err(err(ReasonCode::SHUTDOWN, "shut down"));
         }
-        st.peers.insert(peer.0, endpoint);
+        st.peers.insert(peer.0, endpoint.clone());
+        st.routes.remove(&peer.0);
+        if udp {
+            st.outbox.push((endpoint, Msg::Hello(self.shared.socket.port())));
+        }
         Ok(())
     }
 
@@ -227,6 +267,7 @@ impl Plugin for RefPlugin {
             self.shared.fail_where(&mut st, ReasonCode::PEER_LOST, "peer disconnected", |t| t.peer == peer.0);
         }
         st.remotes.retain(|_, (owner, _)| *owner != peer.0);
+        st.routes.remove(&peer.0);
         st.granted.retain(|(p, _)| *p != peer.0);
         st.tickets.retain(|(p, _), _| *p != peer.0);
     }
@@ -249,7 +290,7 @@ impl Plugin for RefPlugin {
         st.next_key += 1;
         let key = st.next_key;
         st.regions.insert(key, (region.addr, region.len));
-        let remote_key = encode_key(region.backing_path.as_str(), region.backing_offset, region.len).into();
+        let remote_key = encode_key(region.backing_path.as_str(), region.backing_offset, region.len, key).into();
         Ok(Registration { key: LocalKey(key), remote_key })
     }
 
@@ -280,11 +321,11 @@ impl Plugin for RefPlugin {
     }
 
     fn import_remote_key(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
-        let (path, offset, len) = parse_key(bytes)?;
+        let key = parse_key(bytes)?;
         if !self.shared.lock().peers.contains_key(&peer.0) {
             return Err(err(ReasonCode::PEER_UNREACHABLE, format!("unknown peer {}", peer.0)));
         }
-        let map = RemoteMap::map(&path, offset, len)?;
+        let map = RemoteMap::map(&key)?;
         let mut st = self.shared.lock();
         st.next_key += 1;
         let key = st.next_key;
@@ -394,6 +435,12 @@ impl Plugin for RefPlugin {
             }
             return;
         }
+        if self.shared.awaits_verdict(t) {
+            t.reported = true;
+            t.phase = Phase::Unquiesced;
+            self.shared.failed(xfer.0, ReasonCode::CANCELLED, "cancelled with its commit unanswered".into(), false);
+            return;
+        }
         if faults.leak_on_cancel {
             // FAULT: reported, but never removed from the table.
             t.reported = true;
@@ -406,7 +453,7 @@ impl Plugin for RefPlugin {
 
     fn expect_incoming(&self, r: &IncomingRequest<'_>) -> Result<(), PluginError> {
         let mut st = self.shared.lock();
-        let Some(endpoint) = st.peers.get(&r.peer.0).cloned() else {
+        let Some(endpoint) = Shared::route(&st, r.peer.0) else {
             return Err(err(ReasonCode::PEER_UNREACHABLE, format!("unknown peer {}", r.peer.0)));
         };
         for range in r.ranges.iter() {
@@ -424,7 +471,7 @@ impl Plugin for RefPlugin {
     fn cancel_incoming(&self, peer: PeerId, ticket: Ticket) {
         let mut st = self.shared.lock();
         if st.tickets.remove(&(peer.0, ticket.0)).is_some() {
-            if let Some(endpoint) = st.peers.get(&peer.0).cloned() {
+            if let Some(endpoint) = Shared::route(&st, peer.0) {
                 st.outbox.push((endpoint, Msg::Revoke(ticket.0)));
             }
         }
@@ -436,7 +483,7 @@ impl Plugin for RefPlugin {
         Stats {
             // FAULT: a count that never moves.
             live_transfers: if self.shared.faults.stale_live_transfers { 0 } else { live },
-            unquiesced_transfers: st.transfers.values().filter(|t| t.reported && t.phase == Phase::Copying).count() as u64,
+            unquiesced_transfers: st.transfers.values().filter(|t| t.reported && matches!(t.phase, Phase::Copying | Phase::Unquiesced)).count() as u64,
             live_tickets: st.tickets.len() as u64,
             registered_regions: st.regions.len() as u64,
             registered_bytes: st.regions.values().map(|(_, l)| l).sum(),
@@ -468,6 +515,9 @@ impl Plugin for RefPlugin {
         st.regions.clear();
         st.remotes.clear();
         st.peers.clear();
+        st.routes.clear();
+        st.got.clear();
+        st.incoming.clear();
         st.tickets.clear();
         st.granted.clear();
         st.outbox.clear();

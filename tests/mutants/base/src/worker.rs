@@ -1,11 +1,11 @@
 //! The worker thread: reads control datagrams, promotes transfers whose ticket was granted, copies
 //! one transfer at a time (stopping between pieces on cancel or deadline), flushes the outbox and
-//! fires deadlines. Never blocks: the socket is non-blocking and the idle wait is a 1 ms poll.
+//! fires deadlines. Never blocks: the socket is non-blocking and the idle wait is a 1 ms poll. The
+//! UDP variant's copy and receiving side are in `udp_tx.rs` and `udp_rx.rs`.
 
-use crate::plugin::{abstract_addr, Phase, Piece, Shared, State};
+use crate::plugin::{Phase, Piece, Shared, State, COMMIT_GRACE_MS};
 use crate::wire::Msg;
 use kvgate_abi::{Event, ReasonCode, XferId};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,7 +15,7 @@ const COPY_PIECE_BYTES: u64 = 1 << 20;
 /// Messages packed into one datagram.
 const MESSAGES_PER_DATAGRAM: usize = 256;
 
-enum Stopped {
+pub(crate) enum Stopped {
     Completed,
     Cancelled,
     Timeout,
@@ -32,24 +32,44 @@ pub(crate) fn run(shared: &Arc<Shared>) {
             pick_job(&mut st)
         };
         let busy = job.is_some();
-        if let Some((xfer, pieces, stop, deadline)) = job {
-            copy(shared, xfer, &pieces, &stop, deadline);
+        if let Some((xfer, peer, pieces, stop, deadline)) = job {
+            if shared.socket.is_udp() {
+                let (stopped, datagrams) = crate::udp_tx::copy(shared, xfer, peer, &pieces, &stop, deadline, &mut buf);
+                finish(shared, xfer, stopped, datagrams, deadline);
+            } else {
+                let stopped = copy(shared, xfer, &pieces, &stop, deadline);
+                finish(shared, xfer, stopped, 0, deadline);
+            }
         }
         flush(shared);
         if !busy {
-            let mut pfd = libc::pollfd { fd: shared.socket.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-            // SAFETY: one valid pollfd, 1 ms timeout.
-            unsafe { libc::poll(&mut pfd, 1, 1) };
+            wait_readable(shared);
         }
     }
     shared.worker_alive.store(false, Ordering::SeqCst);
 }
 
-fn receive(shared: &Shared, buf: &mut [u8]) {
-    loop {
-        let Ok((n, from)) = shared.socket.recv_from(buf) else { return };
-        let Some(from) = std::os::linux::net::SocketAddrExt::as_abstract_name(&from).map(|n| String::from_utf8_lossy(n).into_owned()) else { continue };
-        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+/// Wait up to 1 ms for a datagram.
+pub(crate) fn wait_readable(shared: &Shared) {
+    let mut pfd = libc::pollfd { fd: shared.socket.raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, 1 ms timeout.
+    unsafe { libc::poll(&mut pfd, 1, 1) };
+}
+
+pub(crate) fn receive(shared: &Shared, buf: &mut [u8]) {
+    let mut gots: Vec<(String, u64)> = Vec::new();
+    while let Ok((n, from)) = shared.socket.recv_from(buf) {
+        let Some(from) = from else { continue };
+        let datagram = &buf[..n];
+        if shared.socket.is_udp() && crate::udp_wire::is_data(datagram) {
+            if let Some(xfer) = crate::udp_rx::stage(shared, &mut shared.lock(), &from, datagram) {
+                if !gots.contains(&(from.clone(), xfer)) {
+                    gots.push((from, xfer));
+                }
+            }
+            continue;
+        }
+        let Some(text) = shared.socket.unframe(datagram) else { continue };
         let mut st = shared.lock();
         let peers: Vec<u64> = st.peers.iter().filter(|(_, e)| **e == from).map(|(p, _)| *p).collect();
         for msg in text.lines().filter_map(Msg::parse) {
@@ -61,19 +81,62 @@ fn receive(shared: &Shared, buf: &mut [u8]) {
                     st.granted.remove(&(*p, t));
                 }),
                 Msg::Done(x) => st.outbox.push((from.clone(), Msg::Ack(x))),
-                Msg::Ack(x) => acknowledge(shared, &mut st, x, &peers),
+                Msg::Ack(x) => acknowledge(shared, &mut st, x, &peers, true),
+                Msg::Nack(x) => acknowledge(shared, &mut st, x, &peers, false),
                 Msg::Note(_) => {}
+                Msg::Hello(port) => {
+                    let name = format!("127.0.0.1:{port}");
+                    let known: Vec<u64> = st.peers.iter().filter(|(_, e)| **e == name).map(|(p, _)| *p).collect();
+                    for p in known {
+                        st.routes.insert(p, from.clone());
+                        // Tickets granted before the hello went to the endpoint; send them this way too.
+                        let tickets: Vec<u64> = st.tickets.keys().filter(|(tp, _)| *tp == p).map(|(_, t)| *t).collect();
+                        st.outbox.extend(tickets.into_iter().map(|t| (from.clone(), Msg::Ticket(t))));
+                    }
+                }
+                Msg::Got(x, n) => {
+                    if st.transfers.get(&x).is_some_and(|t| peers.contains(&t.peer)) {
+                        let staged = st.got.entry(x).or_insert(0);
+                        *staged = (*staged).max(n);
+                    }
+                }
+                Msg::Commit(x, n, expiry_ns) => {
+                    let answer = crate::udp_rx::commit(&mut st, &from, x, n, expiry_ns);
+                    st.outbox.push((from.clone(), answer));
+                }
+            }
+        }
+    }
+    if !gots.is_empty() {
+        let mut st = shared.lock();
+        for (from, xfer) in gots {
+            if let Some(msg) = crate::udp_rx::got(&st, &from, xfer) {
+                st.outbox.push((from, msg));
             }
         }
     }
 }
 
-fn acknowledge(shared: &Shared, st: &mut State, xfer: u64, from: &[u64]) {
+/// The receiver's answer to `Done` (`ACK`) or to a commit (`ACK` or `NACK`).
+fn acknowledge(shared: &Shared, st: &mut State, xfer: u64, from: &[u64], written: bool) {
     let Some(t) = st.transfers.get(&xfer) else { return };
-    if t.reported || t.phase != Phase::WaitingForAck || !from.contains(&t.peer) {
+    if !from.contains(&t.peer) {
+        return;
+    }
+    if t.phase == Phase::Unquiesced {
+        // Failed while its commit was out: written or refused, nothing more can land.
+        st.transfers.remove(&xfer);
+        shared.sink.deliver(Event::quiesced(XferId(xfer)));
+        return;
+    }
+    if t.reported || t.phase != Phase::WaitingForAck {
         return;
     }
     st.transfers.remove(&xfer);
+    if !written {
+        shared.failed(xfer, ReasonCode::TRANSPORT_ERROR, "the receiver refused the commit".into(), true);
+        return;
+    }
     shared.sink.deliver(Event::succeeded(XferId(xfer), 0));
     if shared.faults.double_success {
         // FAULT: a second terminal event.
@@ -81,13 +144,21 @@ fn acknowledge(shared: &Shared, st: &mut State, xfer: u64, from: &[u64]) {
     }
 }
 
-fn fire_deadlines(shared: &Shared, st: &mut State) {
+pub(crate) fn fire_deadlines(shared: &Shared, st: &mut State) {
     let now = Instant::now();
     st.tickets.retain(|_, expiry| *expiry > now);
+    crate::udp_rx::purge(st);
+    let grace = Duration::from_millis(COMMIT_GRACE_MS);
+    let settled: Vec<u64> = st.transfers.iter().filter(|(_, t)| t.phase == Phase::Unquiesced && t.deadline + grace <= now).map(|(x, _)| *x).collect();
+    for x in settled {
+        // Past the deadline the receiver refuses the commit: nothing more can land.
+        st.transfers.remove(&x);
+        shared.sink.deliver(Event::quiesced(XferId(x)));
+    }
     let due: Vec<u64> = st
         .transfers
         .iter()
-        .filter(|(_, t)| !t.reported && t.deadline <= now && !matches!(t.phase, Phase::Leaked | Phase::Copying))
+        .filter(|(_, t)| !t.reported && t.deadline <= now && !matches!(t.phase, Phase::Leaked | Phase::Copying | Phase::Unquiesced))
         // FAULT: a transfer waiting for its ticket is swept a coarse timer's period late.
         .filter(|(_, t)| {
             let coarse = shared.faults.coarse_deadline_while_waiting_for_ticket && t.phase == Phase::WaitingForTicket;
@@ -98,8 +169,15 @@ fn fire_deadlines(shared: &Shared, st: &mut State) {
         .map(|(x, _)| *x)
         .collect();
     for x in due {
-        st.transfers.remove(&x);
-        shared.failed(x, ReasonCode::TIMEOUT, "transfer deadline passed".into(), true);
+        let t = st.transfers.get_mut(&x).expect("listed");
+        if shared.awaits_verdict(t) {
+            t.reported = true;
+            t.phase = Phase::Unquiesced;
+            shared.failed(x, ReasonCode::TIMEOUT, "transfer deadline passed with its commit unanswered".into(), false);
+        } else {
+            st.transfers.remove(&x);
+            shared.failed(x, ReasonCode::TIMEOUT, "transfer deadline passed".into(), true);
+        }
     }
     let granted = st.granted.clone();
     for t in st.transfers.values_mut() {
@@ -109,15 +187,15 @@ fn fire_deadlines(shared: &Shared, st: &mut State) {
     }
 }
 
-type Job = (u64, Arc<Vec<Piece>>, Arc<AtomicBool>, Instant);
+type Job = (u64, u64, Arc<Vec<Piece>>, Arc<AtomicBool>, Instant);
 
 fn pick_job(st: &mut State) -> Option<Job> {
     let (x, t) = st.transfers.iter_mut().filter(|(_, t)| t.phase == Phase::Ready && !t.reported).min_by_key(|(x, _)| **x)?;
     t.phase = Phase::Copying;
-    Some((*x, Arc::clone(&t.pieces), Arc::clone(&t.stop), t.deadline))
+    Some((*x, t.peer, Arc::clone(&t.pieces), Arc::clone(&t.stop), t.deadline))
 }
 
-fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, deadline: Instant) {
+fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, deadline: Instant) -> Stopped {
     let mut stopped = Stopped::Completed;
     'pieces: for (i, p) in pieces.iter().enumerate() {
         // FAULT: the segments past a fixed-size list are never copied; the transfer succeeds anyway.
@@ -164,7 +242,14 @@ fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, de
             std::thread::sleep(Duration::from_micros(shared.segment_delay_us));
         }
     }
+    stopped
+}
+
+/// Report how a copy ended; a completed one waits for the receiver (`DONE`, or a UDP commit naming
+/// `datagrams`).
+fn finish(shared: &Shared, xfer: u64, mut stopped: Stopped, datagrams: u32, deadline: Instant) {
     let mut st = shared.lock();
+    st.got.remove(&xfer);
     let Some(t) = st.transfers.get_mut(&xfer) else { return };
     // FAULT: a copy stopped because its source went counts as complete.
     if t.fail_open {
@@ -194,14 +279,20 @@ fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, de
         Stopped::Completed => {
             t.phase = Phase::WaitingForAck;
             let peer = t.peer;
+            let msg = if shared.socket.is_udp() {
+                let expiry_ns = crate::udp_wire::mono_ns() + deadline.saturating_duration_since(Instant::now()).as_nanos() as u64;
+                Msg::Commit(xfer, datagrams, expiry_ns)
+            } else {
+                Msg::Done(xfer)
+            };
             if let Some(endpoint) = st.peers.get(&peer).cloned() {
-                st.outbox.push((endpoint, Msg::Done(xfer)));
+                st.outbox.push((endpoint, msg));
             }
         }
     }
 }
 
-fn flush(shared: &Shared) {
+pub(crate) fn flush(shared: &Shared) {
     let outbox = std::mem::take(&mut shared.lock().outbox);
     if outbox.is_empty() {
         return;
@@ -216,10 +307,9 @@ fn flush(shared: &Shared) {
     let mut keep: Vec<(String, Msg)> = Vec::new();
     let mut unreachable: Vec<String> = Vec::new();
     for (endpoint, lines) in by_endpoint {
-        let Ok(addr) = abstract_addr(&endpoint) else { continue };
         let chunks: Vec<&[String]> = lines.chunks(MESSAGES_PER_DATAGRAM).collect();
         for (i, chunk) in chunks.iter().enumerate() {
-            match shared.socket.send_to_addr(chunk.join("\n").as_bytes(), &addr) {
+            match shared.socket.send_to(&shared.socket.frame(&chunk.join("\n")), &endpoint) {
                 Ok(_) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     // The peer is slow or frozen: keep the rest for the next round.
