@@ -20,6 +20,18 @@ pub(crate) fn abstract_addr(name: &str) -> std::io::Result<SocketAddr> {
     SocketAddr::from_abstract_name(name.as_bytes())
 }
 
+/// Ask the kernel for a socket buffer size (`SO_RCVBUF` or `SO_SNDBUF`) in bytes; it clamps the value
+/// between its minimum and `net.core.{r,w}mem_max`.
+pub(crate) fn set_buffer(fd: RawFd, option: libc::c_int, bytes: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: an option of the size given, on a socket the caller owns.
+    let rc = unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, option, (&bytes as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 impl Link {
     pub fn unix(name: &str) -> std::io::Result<Link> {
         let socket = UnixDatagram::bind_addr(&abstract_addr(name)?)?;
@@ -30,16 +42,8 @@ impl Link {
     pub fn udp() -> std::io::Result<Link> {
         let socket = UdpSocket::bind("127.0.0.1:0")?;
         socket.set_nonblocking(true)?;
-        // SAFETY: a valid socket, an option of the size given. Best effort: the default also works.
-        unsafe {
-            libc::setsockopt(
-                socket.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUF,
-                (&UDP_RECEIVE_BUFFER_BYTES as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
+        // Best effort: the default buffer also works, with more retransmissions.
+        let _ = set_buffer(socket.as_raw_fd(), libc::SO_RCVBUF, UDP_RECEIVE_BUFFER_BYTES);
         Ok(Link::Udp(socket))
     }
 

@@ -168,20 +168,7 @@ impl RefPlugin {
         if faults.blocking_send_in_submit {
             // The smallest send buffer the kernel allows: a handful of notes a frozen peer has not read
             // fill it, whatever `net.unix.max_dgram_qlen` the host has, so the blocking send blocks.
-            let smallest: libc::c_int = 1;
-            // SAFETY: a valid socket, an option of the size given.
-            let rc = unsafe {
-                libc::setsockopt(
-                    note_socket.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    libc::SO_SNDBUF,
-                    (&smallest as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-            if rc != 0 {
-                return Err(io(std::io::Error::last_os_error()));
-            }
+            crate::link::set_buffer(note_socket.as_raw_fd(), libc::SO_SNDBUF, 1).map_err(io)?;
         }
         let shared = Arc::new(Shared {
             name,
