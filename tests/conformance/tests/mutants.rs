@@ -211,3 +211,34 @@ fn unavailable_plugin_is_unsupported_everywhere_never_pass() {
     }
     assert_eq!(run.status, 0, "unsupported is not a failure");
 }
+
+/// Every crate under `tests/mutants/` (but the base) is run by a test in this file and named in
+/// CONFORMANCE.md: a broken plugin in its table of mutants, a reference plugin by its path. A mutant
+/// added without either, or a row left behind by one removed, fails here.
+#[test]
+fn every_mutant_is_tested_here_and_listed_in_conformance_md() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let tests = include_str!("mutants.rs");
+    let doc = std::fs::read_to_string(root.join("CONFORMANCE.md")).expect("CONFORMANCE.md");
+    let mut dirs: Vec<String> = std::fs::read_dir(root.join("tests/mutants"))
+        .expect("tests/mutants")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|d| d != "base")
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 28, "{dirs:?}");
+    let section = doc.split("\n## Mutants\n").nth(1).expect("a Mutants section").split("\n## ").next().unwrap_or("");
+    let rows: Vec<&str> = section.lines().filter(|l| l.starts_with("| `")).map(|l| l.split('`').nth(1).unwrap_or("")).collect();
+    for d in &dirs {
+        assert!(tests.contains(&format!("\"kvgate-mutant-{d}\"")), "tests/mutants/{d} is run by no test in mutants.rs");
+        if d.starts_with("reference") {
+            assert!(doc.contains(&format!("`tests/mutants/{d}`")), "CONFORMANCE.md does not name tests/mutants/{d}");
+        } else {
+            assert!(rows.contains(&d.replace('-', "_").as_str()), "CONFORMANCE.md's table of mutants has no row for {d}");
+        }
+    }
+    assert!(rows.len() >= 26, "{rows:?}");
+    for row in &rows {
+        assert!(dirs.contains(&row.replace('_', "-")), "CONFORMANCE.md lists `{row}`, which tests/mutants does not hold");
+    }
+}
