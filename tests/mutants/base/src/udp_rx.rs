@@ -47,7 +47,11 @@ pub(crate) fn got(st: &State, from: &str, xfer: u64) -> Option<Msg> {
     st.incoming.get(&(from.to_string(), xfer)).map(|e| Msg::Got(xfer, e.next))
 }
 
-/// Write a committed transfer into its regions, all or nothing.
+/// Write a committed transfer into its regions, all or nothing, unless its deadline has passed. The
+/// sender reports a transfer failed with its commit unanswered quiesced at the deadline plus
+/// `COMMIT_GRACE_MS`; the write follows the deadline check within microseconds, so only a receiver
+/// stopped between the two for longer than that grace could write after that report (the one window
+/// this test plugin leaves open).
 pub(crate) fn commit(st: &mut State, from: &str, xfer: u64, datagrams: u32, expiry_ns: u64) -> Msg {
     let Some(entry) = st.incoming.remove(&(from.to_string(), xfer)) else { return Msg::Nack(xfer) };
     let whole = entry.next == datagrams;
