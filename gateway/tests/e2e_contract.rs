@@ -12,24 +12,6 @@ use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(10);
 
-/// The gateway's log without terminal colour codes.
-fn plain_log(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// The `room failed` lines of `log` for `room`.
 fn failure_lines(log: &str, room: u64) -> Vec<String> {
     plain_log(log).lines().filter(|l| l.contains("room failed") && l.contains(&format!("room={room}#"))).map(str::to_string).collect()

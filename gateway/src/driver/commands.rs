@@ -7,7 +7,7 @@ use super::{Driver, RoomClock};
 use crate::peer_link::codec;
 use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, Event, IncomingRequest, SubmitRequest};
 use kvgate_client::proto::{self, peer_frame::Frame};
-use kvgate_core::{Command, Outcome, Role, RoomEvent, RoomState};
+use kvgate_core::{Command, Outcome, ReleaseCause, Role, RoomEvent, RoomState};
 
 impl Driver {
     pub(super) fn execute(&mut self, command: Command) {
@@ -124,7 +124,15 @@ impl Driver {
                     }
                 }
             }
-            RoomEvent::Reusable { cause, .. } => {
+            RoomEvent::Reusable { room, role, cause } => {
+                if *cause == ReleaseCause::QuarantineTimeout {
+                    let view = self.core.room(now, *room, *role);
+                    tracing::warn!(
+                        room = %room, role = role.as_str(), plugin = %self.room_plugin_name(view.as_ref()),
+                        quarantine_timeout_ms = self.config.scheduler.quarantine_timeout_ms,
+                        "quarantine timed out: memory released without the plugin reporting that no byte can land any more"
+                    );
+                }
                 self.room_clock.remove(&key);
                 proto::room_event::Event::Reusable(proto::Reusable { reason: cause.as_str().into() })
             }

@@ -19,7 +19,7 @@ use crate::config::GatewayConfig;
 use crate::metrics::GatewayMetrics;
 use crate::peer_link::PeerEvent;
 use kvgate_abi::{Event, EventKind};
-use kvgate_core::{Core, Nanos, PluginSlot, Role, RoomKey};
+use kvgate_core::{Core, Nanos, PluginSlot, Role, RoomKey, ViolationClause};
 use kvgate_host::OpenedPlugin;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -73,6 +73,8 @@ pub struct Driver {
     room_clock: HashMap<(RoomKey, Role), RoomClock>,
     /// Rooms waiting for their next stuck-room warning age.
     stuck: stuck::StuckQueues,
+    /// Plugin contract violations already logged, by `ViolationClause::ALL` index.
+    violations_logged: [u64; ViolationClause::ALL.len()],
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -101,6 +103,7 @@ impl Driver {
             feedback: VecDeque::new(),
             room_clock: HashMap::new(),
             stuck,
+            violations_logged: [0; ViolationClause::ALL.len()],
         }
     }
 
@@ -162,6 +165,23 @@ impl Driver {
                     self.core.handle_plugin_event(now, slot, &event);
                 }
                 None => break,
+            }
+        }
+        self.log_new_violations();
+    }
+
+    /// One warning per clause for the plugin contract violations the core counted since the last
+    /// call (the core counts them in `kvgate_plugin_contract_violations_total`; the log says so too).
+    fn log_new_violations(&mut self) {
+        let metrics = self.core.metrics();
+        if metrics.violations_total() == self.violations_logged.iter().sum::<u64>() {
+            return;
+        }
+        for (clause, logged) in ViolationClause::ALL.iter().zip(self.violations_logged.iter_mut()) {
+            let total = metrics.violation(*clause);
+            if total > *logged {
+                tracing::warn!(clause = clause.as_str(), new = total - *logged, total, "plugin contract violation");
+                *logged = total;
             }
         }
     }

@@ -102,3 +102,21 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A gateway's log without terminal colour codes.
+pub fn plain_log(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

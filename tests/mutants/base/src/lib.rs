@@ -84,6 +84,8 @@ pub struct Faults {
     /// No deadline while the sender waits for the receiver to take a window of data datagrams; it
     /// sends them again for ever (UDP variant only).
     pub no_deadline_while_waiting_for_window: bool,
+    /// The receiver never answers `DONE` (its acknowledgement is never sent).
+    pub never_acknowledge: bool,
     /// Not a fault: the network variant, over loopback UDP.
     pub udp: bool,
     /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.

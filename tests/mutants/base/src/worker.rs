@@ -80,7 +80,9 @@ pub(crate) fn receive(shared: &Shared, buf: &mut [u8]) {
                 Msg::Revoke(t) => peers.iter().for_each(|p| {
                     st.granted.remove(&(*p, t));
                 }),
-                Msg::Done(x) => st.outbox.push((from.clone(), Msg::Ack(x))),
+                // FAULT: `never_acknowledge` leaves the sender waiting.
+                Msg::Done(x) if !shared.faults.never_acknowledge => st.outbox.push((from.clone(), Msg::Ack(x))),
+                Msg::Done(_) => {}
                 Msg::Ack(x) => acknowledge(shared, &mut st, x, &peers, true),
                 Msg::Nack(x) => acknowledge(shared, &mut st, x, &peers, false),
                 Msg::Note(_) => {}
