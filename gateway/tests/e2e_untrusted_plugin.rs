@@ -3,14 +3,16 @@
 //! its deadline, a cancel nor a disconnect ends the wait), and a room through it still ends: the core
 //! fails it at its own transfer deadline, counts the plugin's silence as a contract violation and logs
 //! it, keeps the memory quarantined (a silent plugin never proved that no byte can land any more) and
-//! releases it at `quarantine_timeout_ms`, telling the engines why and logging it. Real `kvgate serve`
-//! processes.
+//! releases it at `quarantine_timeout_ms`, telling the engines why and logging it. A plugin that
+//! reports every success twice has each duplicate counted and logged in bounded lines. Real
+//! `kvgate serve` processes.
 
 mod common;
 
 use common::*;
 use kvgate::demo::engine::{expect_into, send_all, wait_terminal};
 use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate::demo::pool::KvShape;
 use kvgate_client::proto;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -81,8 +83,10 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     let wait = Duration::from_millis(TRANSFER_BASE_MS) + SLACK + Duration::from_secs(5);
     let (p, d) = tokio::join!(wait_terminal(&mut p_rx, started, wait), wait_terminal(&mut d_rx, started, wait));
     let (p, d) = (p.unwrap(), d.unwrap());
-    assert!(!p.succeeded && p.reason == "transfer_timeout", "prefill: {p:?}");
-    assert!(!d.succeeded && !d.reason.is_empty(), "decode: {d:?}");
+    // Both sides keep the transfer deadline; whichever fires first tells the other.
+    assert!(!p.succeeded && ["transfer_timeout", "receiver_failed"].contains(&p.reason.as_str()), "prefill: {p:?}");
+    assert!(!d.succeeded && ["transfer_timeout", "sender_failed"].contains(&d.reason.as_str()), "decode: {d:?}");
+    assert!(p.reason == "transfer_timeout" || d.reason == "transfer_timeout", "prefill {p:?}, decode {d:?}");
     assert!(p.seen_after >= Duration::from_millis(TRANSFER_BASE_MS), "not before the deadline: {p:?}");
     assert!(p.seen_after <= Duration::from_millis(TRANSFER_BASE_MS) + SLACK, "at the deadline: {p:?}");
     let failed_at = Instant::now();
@@ -92,8 +96,11 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     // One violation per transfer the plugin left without a terminal event: every chunk of every part.
     let transfers = (shape.parts * shape.chunks) as f64;
     eventually(Duration::from_millis(PLUGIN_GRACE_MS) + SLACK, "the silence counted as plugin_silent violations", || async { metric(&admin_p, violations).await == transfers }, &|| pair.prefill.log()).await;
-    let logged = lines_with(&pair.prefill.log(), &["plugin contract violation", "clause=\"plugin_silent\"", &format!("new={transfers} ")]);
-    assert_eq!(logged.len(), 1, "one warning naming the clause and the count:\n{}", pair.prefill.log());
+    let needles = ["plugin contract violation", "clause=\"plugin_silent\"", &format!("new={transfers} ")];
+    let housekeeping = Duration::from_millis(2 * kvgate::driver::HOUSEKEEPING_INTERVAL_MS);
+    eventually(housekeeping + SLACK, "the violations logged", || async { !lines_with(&pair.prefill.log(), &needles).is_empty() }, &|| pair.prefill.log()).await;
+    let logged = lines_with(&pair.prefill.log(), &["plugin contract violation"]);
+    assert_eq!(logged.len(), 1, "one warning naming the clause and the count: {logged:?}");
     let text = metrics(&admin_p).await;
     assert_eq!(sample(&text, "kvgate_rooms{state=\"quarantined\"}"), Some(1.0), "the room is still held:\n{text}");
 
@@ -114,5 +121,45 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     }
     // Only the sender's plugin went silent; the receiver's core counted nothing against it.
     assert_eq!(metric(&admin_d, violations).await, 0.0);
+    pair.stop();
+}
+
+/// A plugin that reports every success twice (the `double_success` conformance mutant, as a `.so`),
+/// one transfer a room: the core does not take the plugin's word. A duplicate that arrives while the
+/// room is live fails it `plugin_protocol_violation`; one that arrives after it settled is only
+/// counted. Either way every room ends, every duplicate is counted, and the log carries at most one
+/// line per housekeeping round for them, never one per event.
+// CONFORMANCE: OBS-4
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicate_events_are_counted_each_and_logged_in_bounded_lines() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let library = kvgate_host::artifacts::built_or_build_cdylib("kvgate-mutant-double-success", "kvgate_mutant_double_success", &workspace)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let settings = PairSettings { plugin: "mutant-double-success".into(), plugin_libraries: vec![library], ..PairSettings::default() };
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let shape = KvShape { parts: 1, chunks: 1, ..small_shape() };
+    let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 2).await;
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
+    let admin = pair.prefill.admin.clone();
+    let rooms = 30u64;
+    let started = Instant::now();
+    for room in 0..rooms {
+        let r = kvgate::demo::engine::run_room(&prefill, &decode, &shape, 1_000 + room, room % 2, room % 2).await.unwrap();
+        let distrusted = !r.prefill.succeeded && r.prefill.reason == "plugin_protocol_violation" && !r.decode.succeeded;
+        assert!(r.verified || distrusted, "room {room}: {r:?}");
+    }
+    let duplicates = rooms as f64;
+    let series = "kvgate_plugin_contract_violations_total{clause=\"duplicate_event\"}";
+    eventually(SLACK, "every duplicate counted", || async { metric(&admin, series).await == duplicates }, &|| pair.prefill.log()).await;
+    // Every count is logged once the next housekeeping round has run.
+    tokio::time::sleep(Duration::from_millis(2 * kvgate::driver::HOUSEKEEPING_INTERVAL_MS)).await;
+    let elapsed = started.elapsed();
+    let lines = lines_with(&pair.prefill.log(), &["plugin contract violation", "clause=\"duplicate_event\""]);
+    let logged: u64 = lines.iter().map(|l| l.split("new=").nth(1).and_then(|v| v.split(' ').next()).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)).sum();
+    assert_eq!(logged as f64, duplicates, "the lines add up to the count: {lines:#?}");
+    let rounds = elapsed.as_millis() as u64 / kvgate::driver::HOUSEKEEPING_INTERVAL_MS + 1;
+    assert!(lines.len() as u64 <= rounds && (lines.len() as f64) < duplicates, "{} lines for {duplicates} duplicates in {elapsed:?}", lines.len());
     pair.stop();
 }

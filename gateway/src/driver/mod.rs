@@ -51,7 +51,8 @@ pub struct DriverParts {
     pub directory: Arc<crate::peer_link::PeerDirectory>,
 }
 
-/// How often the driver pops due stuck-room warnings (`stuck.rs`) and refreshes the dropped-event gauge.
+/// How often the driver pops due stuck-room warnings (`stuck.rs`) and logs new plugin contract
+/// violations.
 pub const HOUSEKEEPING_INTERVAL_MS: u64 = 250;
 
 pub struct Driver {
@@ -167,11 +168,12 @@ impl Driver {
                 None => break,
             }
         }
-        self.log_new_violations();
     }
 
     /// One warning per clause for the plugin contract violations the core counted since the last
     /// call (the core counts them in `kvgate_plugin_contract_violations_total`; the log says so too).
+    /// Called from housekeeping, so a plugin flooding bad events costs at most one line per clause
+    /// each `HOUSEKEEPING_INTERVAL_MS`, never one per event.
     fn log_new_violations(&mut self) {
         let metrics = self.core.metrics();
         if metrics.violations_total() == self.violations_logged.iter().sum::<u64>() {
@@ -192,5 +194,6 @@ impl Driver {
 
     fn housekeeping(&mut self) {
         self.warn_stuck_rooms();
+        self.log_new_violations();
     }
 }
