@@ -159,6 +159,10 @@ async fn duplicate_events_are_counted_each_and_logged_in_bounded_lines() {
     let lines = lines_with(&pair.prefill.log(), &["plugin contract violation", "clause=\"duplicate_event\""]);
     let logged: u64 = lines.iter().map(|l| l.split("new=").nth(1).and_then(|v| v.split(' ').next()).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)).sum();
     assert_eq!(logged as f64, duplicates, "the lines add up to the count: {lines:#?}");
+    for line in &lines {
+        let named = ["plugin=mutant-double-success", "event=\"succeeded\"", "room=10", "role=\"sender\"", "xfer="];
+        assert!(named.iter().all(|n| line.contains(n)), "names the latest duplicate's plugin, event, transfer and room: {line}");
+    }
     let rounds = elapsed.as_millis() as u64 / kvgate::driver::HOUSEKEEPING_INTERVAL_MS + 1;
     assert!(lines.len() as u64 <= rounds && (lines.len() as f64) < duplicates, "{} lines for {duplicates} duplicates in {elapsed:?}", lines.len());
     pair.stop();

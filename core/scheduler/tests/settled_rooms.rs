@@ -284,3 +284,19 @@ fn keys_of_evicted_tombstones_are_free_and_held_ones_answer_through_every_sweep(
     }
     assert!(core.metrics().tombstones_evicted > 10_000);
 }
+
+#[test]
+fn a_transfer_id_names_its_room_while_live_and_while_its_tombstone_is_held() {
+    let mut pair = Pair::new();
+    pair.auto_complete = false;
+    pair.cancel_answers = false;
+    pair.expect(key(1), &[&[(0, 64)]]).unwrap();
+    pair.send(key(1), 0, 0, &[(0, 64)], true).unwrap();
+    let xfer = XferId(*pair.prefill.live_submits().iter().max().unwrap());
+    assert_eq!(pair.prefill.core.room_of_xfer(xfer), Some((key(1), Role::Sender)));
+    pair.plugin_event(Event::succeeded(xfer, 64));
+    assert_eq!(pair.prefill.state(pair.now, key(1), Role::Sender), Some(RoomState::Succeeded));
+    assert_eq!(pair.prefill.core.room_of_xfer(xfer), Some((key(1), Role::Sender)), "settled, its record held");
+    assert_eq!(pair.prefill.core.room_of_xfer(XferId(xfer.0 + 1_000)), None, "never issued");
+    assert_eq!(pair.prefill.core.room_of_xfer(XferId(0)), None);
+}

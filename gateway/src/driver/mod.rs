@@ -76,6 +76,17 @@ pub struct Driver {
     stuck: stuck::StuckQueues,
     /// Plugin contract violations already logged, by `ViolationClause::ALL` index.
     violations_logged: [u64; ViolationClause::ALL.len()],
+    /// The plugin event behind the latest violation of each clause, when one was (by the same index).
+    violation_sites: [Option<ViolationSite>; ViolationClause::ALL.len()],
+}
+
+/// Where a violation came from: the plugin, the event and the room its transfer belongs to.
+#[derive(Clone, Debug)]
+struct ViolationSite {
+    plugin: String,
+    kind: &'static str,
+    xfer: u64,
+    room: Option<(RoomKey, Role)>,
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -105,6 +116,7 @@ impl Driver {
             room_clock: HashMap::new(),
             stuck,
             violations_logged: [0; ViolationClause::ALL.len()],
+            violation_sites: Default::default(),
         }
     }
 
@@ -150,8 +162,29 @@ impl Driver {
                 *h = Some(reason);
             }
         }
+        self.feed_plugin_event(slot, &event);
+    }
+
+    /// Hand a plugin event to the core, noting which event a violation it counts came from.
+    fn feed_plugin_event(&mut self, slot: PluginSlot, event: &Event) {
+        let before = self.core.metrics().violations;
         let now = self.now();
-        self.core.handle_plugin_event(now, slot, &event);
+        self.core.handle_plugin_event(now, slot, event);
+        let after = &self.core.metrics().violations;
+        if *after == before {
+            return;
+        }
+        let site = ViolationSite {
+            plugin: self.plugin_name(slot).to_string(),
+            kind: event.kind.as_str(),
+            xfer: event.xfer.0,
+            room: self.core.room_of_xfer(event.xfer),
+        };
+        for (i, (a, b)) in after.iter().zip(before.iter()).enumerate() {
+            if a != b {
+                self.violation_sites[i] = Some(site.clone());
+            }
+        }
     }
 
     /// Executes every pending command, feeding synchronous plugin refusals back, until quiet.
@@ -161,10 +194,7 @@ impl Driver {
                 self.execute(command);
             }
             match self.feedback.pop_front() {
-                Some((slot, event)) => {
-                    let now = self.now();
-                    self.core.handle_plugin_event(now, slot, &event);
-                }
+                Some((slot, event)) => self.feed_plugin_event(slot, &event),
                 None => break,
             }
         }
@@ -179,12 +209,25 @@ impl Driver {
         if metrics.violations_total() == self.violations_logged.iter().sum::<u64>() {
             return;
         }
-        for (clause, logged) in ViolationClause::ALL.iter().zip(self.violations_logged.iter_mut()) {
-            let total = metrics.violation(*clause);
-            if total > *logged {
-                tracing::warn!(clause = clause.as_str(), new = total - *logged, total, "plugin contract violation");
-                *logged = total;
+        for (i, clause) in ViolationClause::ALL.iter().enumerate() {
+            let (total, logged) = (metrics.violation(*clause), self.violations_logged[i]);
+            if total == logged {
+                continue;
             }
+            match self.violation_sites[i].take() {
+                Some(site) => {
+                    let (room, role) = match site.room {
+                        Some((key, role)) => (key.to_string(), role.as_str()),
+                        None => ("-".to_string(), "-"),
+                    };
+                    tracing::warn!(
+                        clause = clause.as_str(), new = total - logged, total, plugin = %site.plugin, event = site.kind,
+                        xfer = site.xfer, room = %room, role, "plugin contract violation (the latest named)"
+                    );
+                }
+                None => tracing::warn!(clause = clause.as_str(), new = total - logged, total, "plugin contract violation"),
+            }
+            self.violations_logged[i] = total;
         }
     }
 
@@ -197,3 +240,4 @@ impl Driver {
         self.log_new_violations();
     }
 }
+

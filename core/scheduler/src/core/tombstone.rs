@@ -125,7 +125,7 @@ impl Core {
 
     /// The record a transfer or ticket reference names by its truncated sequence number.
     #[inline]
-    fn tombstone_index_of(&self, seq32: u32) -> usize {
+    pub(super) fn tombstone_index_of(&self, seq32: u32) -> usize {
         let index = seq32.wrapping_sub(self.tombstone_front_seq as u32) as usize;
         debug_assert!(index < self.tombstones.len(), "ids name only held tombstones");
         index

@@ -6,6 +6,7 @@ use super::tombstone::TOMBSTONE_KEY_BIT;
 use super::Core;
 use crate::api::*;
 use crate::timer::TimerKind;
+use kvgate_abi::XferId;
 
 impl Core {
     fn view_of(&self, now: Nanos, room: &Room) -> RoomView {
@@ -40,6 +41,19 @@ impl Core {
         }
         let held = self.slots[value as usize].room.as_ref()?;
         (held.key == room).then(|| self.view_of(now, held))
+    }
+
+    /// The room, and its role, that a plugin transfer id belongs to: live, quarantined, or settled
+    /// while its record is held. `None` for an id the core never issued or has forgotten. For the
+    /// gateway's log of contract violations; a table lookup, nothing more.
+    pub fn room_of_xfer(&self, xfer: XferId) -> Option<(RoomKey, Role)> {
+        let xref = self.xfers.get(xfer.0)?;
+        if xref.slot == super::TOMBSTONE_SLOT {
+            let record = self.tombstones.get(self.tombstone_index_of(xref.epoch))?;
+            return Some((record.key(), record.role));
+        }
+        let room = self.slots.get(xref.slot as usize)?.room.as_ref()?;
+        Some((room.key, room.role))
     }
 
     /// Every room the core holds: live and quarantined rooms in slab order, then tombstones
