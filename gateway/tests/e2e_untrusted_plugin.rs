@@ -24,10 +24,10 @@ const QUARANTINE_TIMEOUT_MS: u64 = 2_000;
 /// Scheduling slack on a loaded 2-core machine.
 const SLACK: Duration = Duration::from_millis(1_500);
 
-fn silent_plugin() -> PathBuf {
+/// A plugin library of this workspace, built for this test's profile if it is not yet.
+fn plugin_library(package: &str, lib_name: &str) -> PathBuf {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    kvgate_host::artifacts::built_or_build_cdylib("kvgate-gateway-fixture-silent-plugin", "kvgate_fixture_silent_plugin", &workspace)
-        .unwrap_or_else(|e| panic!("{e}"))
+    kvgate_host::artifacts::built_or_build_cdylib(package, lib_name, &workspace).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The reason of the room's `Reusable` event, waiting up to `within`.
@@ -60,7 +60,7 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     .collect();
     let settings = PairSettings {
         plugin: "silent-plugin".into(),
-        plugin_libraries: vec![silent_plugin()],
+        plugin_libraries: vec![plugin_library("kvgate-gateway-fixture-silent-plugin", "kvgate_fixture_silent_plugin")],
         env_prefill: env.clone(),
         env_decode: env,
         ..PairSettings::default()
@@ -134,9 +134,7 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
 async fn duplicate_events_are_counted_each_and_logged_in_bounded_lines() {
     let _serial = serial().await;
     let dir = work_dir();
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let library = kvgate_host::artifacts::built_or_build_cdylib("kvgate-mutant-double-success", "kvgate_mutant_double_success", &workspace)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let library = plugin_library("kvgate-mutant-double-success", "kvgate_mutant_double_success");
     let settings = PairSettings { plugin: "mutant-double-success".into(), plugin_libraries: vec![library], ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let shape = KvShape { parts: 1, chunks: 1, ..small_shape() };

@@ -240,4 +240,3 @@ impl Driver {
         self.log_new_violations();
     }
 }
-

@@ -103,6 +103,19 @@ impl Shared {
         self.socket.is_udp() && t.phase == Phase::WaitingForAck
     }
 
+    /// Fail a transfer whose UDP commit is unanswered: reported now, quiesced later (see
+    /// [`Phase::Unquiesced`]).
+    pub fn fail_unquiesced(&self, t: &mut Transfer, xfer: u64, reason: ReasonCode, message: &str) {
+        t.reported = true;
+        t.phase = Phase::Unquiesced;
+        self.failed(xfer, reason, message.to_string(), false);
+    }
+
+    /// The peers whose endpoint (or the address a datagram came from) is `addr`.
+    pub fn peers_at(st: &State, addr: &str) -> Vec<u64> {
+        st.peers.iter().filter(|(_, e)| *e == addr).map(|(p, _)| *p).collect()
+    }
+
     /// Where to send to reach `peer`: the path its hello came by, else its endpoint.
     pub fn route(st: &State, peer: u64) -> Option<String> {
         st.routes.get(&peer).or_else(|| st.peers.get(&peer)).cloned()
@@ -129,9 +142,7 @@ impl Shared {
                 t.reported = true;
                 self.failed(x, reason, message.to_string(), false);
             } else if self.awaits_verdict(t) {
-                t.reported = true;
-                t.phase = Phase::Unquiesced;
-                self.failed(x, reason, message.to_string(), false);
+                self.fail_unquiesced(t, x, reason, message);
             } else {
                 st.transfers.remove(&x);
                 self.failed(x, reason, message.to_string(), true);
@@ -423,10 +434,7 @@ impl Plugin for RefPlugin {
             return;
         }
         if self.shared.awaits_verdict(t) {
-            t.reported = true;
-            t.phase = Phase::Unquiesced;
-            self.shared.failed(xfer.0, ReasonCode::CANCELLED, "cancelled with its commit unanswered".into(), false);
-            return;
+            return self.shared.fail_unquiesced(t, xfer.0, ReasonCode::CANCELLED, "cancelled with its commit unanswered");
         }
         if faults.leak_on_cancel {
             // FAULT: reported, but never removed from the table.

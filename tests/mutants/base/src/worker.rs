@@ -71,7 +71,7 @@ pub(crate) fn receive(shared: &Shared, buf: &mut [u8]) {
         }
         let Some(text) = shared.socket.unframe(datagram) else { continue };
         let mut st = shared.lock();
-        let peers: Vec<u64> = st.peers.iter().filter(|(_, e)| **e == from).map(|(p, _)| *p).collect();
+        let peers = Shared::peers_at(&st, &from);
         for msg in text.lines().filter_map(Msg::parse) {
             match msg {
                 Msg::Ticket(t) => peers.iter().for_each(|p| {
@@ -87,9 +87,7 @@ pub(crate) fn receive(shared: &Shared, buf: &mut [u8]) {
                 Msg::Nack(x) => acknowledge(shared, &mut st, x, &peers, false),
                 Msg::Note(_) => {}
                 Msg::Hello(port) => {
-                    let name = format!("127.0.0.1:{port}");
-                    let known: Vec<u64> = st.peers.iter().filter(|(_, e)| **e == name).map(|(p, _)| *p).collect();
-                    for p in known {
+                    for p in Shared::peers_at(&st, &format!("127.0.0.1:{port}")) {
                         st.routes.insert(p, from.clone());
                         // Tickets granted before the hello went to the endpoint; send them this way too.
                         let tickets: Vec<u64> = st.tickets.keys().filter(|(tp, _)| *tp == p).map(|(_, t)| *t).collect();
@@ -173,9 +171,7 @@ pub(crate) fn fire_deadlines(shared: &Shared, st: &mut State) {
     for x in due {
         let t = st.transfers.get_mut(&x).expect("listed");
         if shared.awaits_verdict(t) {
-            t.reported = true;
-            t.phase = Phase::Unquiesced;
-            shared.failed(x, ReasonCode::TIMEOUT, "transfer deadline passed with its commit unanswered".into(), false);
+            shared.fail_unquiesced(t, x, ReasonCode::TIMEOUT, "transfer deadline passed with its commit unanswered");
         } else {
             st.transfers.remove(&x);
             shared.failed(x, ReasonCode::TIMEOUT, "transfer deadline passed".into(), true);
@@ -331,7 +327,7 @@ pub(crate) fn flush(shared: &Shared) {
     keep.append(&mut st.outbox);
     st.outbox = keep;
     for endpoint in unreachable {
-        let peers: Vec<u64> = st.peers.iter().filter(|(_, e)| **e == endpoint).map(|(p, _)| *p).collect();
+        let peers = Shared::peers_at(&st, &endpoint);
         shared.fail_where(&mut st, ReasonCode::PEER_LOST, "peer unreachable (its socket is gone)", |t| peers.contains(&t.peer));
     }
 }
