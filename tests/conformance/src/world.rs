@@ -319,6 +319,37 @@ impl Pair {
         }
     }
 
+    /// Bytes `offset..offset + len` of region `rid` of `side`, read from its shared file by the
+    /// controller itself: this works while that peer is frozen, and sees what a plugin wrote into the
+    /// mapping from any process.
+    pub fn region_bytes(&self, side: Side, rid: u32, offset: u64, len: u64) -> std::io::Result<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        let pid = match side {
+            Side::Tx => self.tx.pid(),
+            Side::Rx => self.rx.pid(),
+        };
+        let path = format!("{}{pid}-{rid}", crate::peer::region::REGION_FILE_PREFIX);
+        let mut buf = vec![0u8; len as usize];
+        std::fs::File::open(&path)?.read_exact_at(&mut buf, offset)?;
+        Ok(buf)
+    }
+
+    /// Wait until `dst[offset..offset + len]` holds the same bytes as `src[offset..offset + len]`,
+    /// polling every millisecond for at most `bound`. True when it did.
+    pub fn wait_landed(&self, src: &Src, dst: &Dst, offset: u64, len: u64, bound: Duration) -> bool {
+        let Ok(want) = self.region_bytes(Side::Tx, src.rid, offset, len) else { return false };
+        let start = std::time::Instant::now();
+        loop {
+            if self.region_bytes(Side::Rx, dst.rid, offset, len).is_ok_and(|got| got == want) {
+                return true;
+            }
+            if start.elapsed() >= bound {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     pub fn checksum(&mut self, side: Side, rid: u32, ranges: Vec<(u64, u64)>, ctx: &mut Ctx) -> Result<u64, Verdict> {
         match self.call(side, Op::Checksum { rid, ranges }, ctx)?.outcome {
             Outcome::Checksum { value } => Ok(value),

@@ -50,6 +50,12 @@ pub fn abort_1(ctx: &mut Ctx) -> CheckResult {
     })
 }
 
+/// How long ABORT-2 waits, receiver frozen, for a 4 KiB transfer's bytes to land before it cancels.
+const FROZEN_LANDING_BOUND_MS: u64 = 1_000;
+/// How long after they landed (or the bound) it cancels: time for the plugin to start waiting on
+/// the frozen receiver.
+const FROZEN_SETTLE_MS: u64 = 20;
+
 // CONFORMANCE: ABORT-2
 pub fn abort_2(ctx: &mut Ctx) -> CheckResult {
     with_pair(ctx, |p, ctx| {
@@ -70,15 +76,21 @@ pub fn abort_2(ctx: &mut Ctx) -> CheckResult {
         let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, segs, ctx)?;
         accepted(r, "large transfer")?;
         record(cancel_and_time(p, x, &format!("mid-transfer ({} MiB in {n} segments)", big >> 20), ctx)?);
-        // Frozen receiver.
+        // Frozen receiver. The 4 KiB it is sent are first made to differ from the source, so the
+        // harness can see them land.
+        p.call(Side::Rx, Op::Fill { rid: dst.rid, offset: 0, len: 4096, seed: ctx.rng.next_u64() }, ctx)?;
         p.rx.freeze();
         let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
         let submitted = r.is_ok();
-        // Long enough for a plugin to have moved the 4 KiB and be waiting on the frozen receiver,
-        // even on a loaded machine: the cancel must work in that state too.
-        sleep_ms(100);
+        // A plugin that writes from the sender's side moves the 4 KiB and then waits on the frozen
+        // receiver: the cancel must work in that state too, so it waits for the bytes to land (however
+        // loaded the machine), then a little more. A plugin whose receiver does the writing cannot
+        // land them; after the bound it is cancelled in the state it is in.
+        let landed = p.wait_landed(&src, &dst, 0, 4096, ms_of(FROZEN_LANDING_BOUND_MS));
+        sleep_ms(FROZEN_SETTLE_MS);
         if submitted {
-            record(cancel_and_time(p, x, "receiver frozen (SIGSTOP)", ctx)?);
+            let state = if landed { "receiver frozen (SIGSTOP), bytes landed" } else { "receiver frozen (SIGSTOP), bytes not landed" };
+            record(cancel_and_time(p, x, state, ctx)?);
         }
         p.rx.resume();
         // Dead receiver.
