@@ -101,6 +101,10 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     eventually(housekeeping + SLACK, "the violations logged", || async { !lines_with(&pair.prefill.log(), &needles).is_empty() }, &|| pair.prefill.log()).await;
     let logged = lines_with(&pair.prefill.log(), &["plugin contract violation"]);
     assert_eq!(logged.len(), 1, "one warning naming the clause and the count: {logged:?}");
+    // Found on a timer, not in an event: the line still names the plugin, a transfer and the room.
+    for needle in ["plugin=silent-plugin", "event=\"none\"", "xfer=", &format!("room={room}#"), "role=\"sender\""] {
+        assert!(logged[0].contains(needle), "{needle:?} in {logged:?}");
+    }
     let text = metrics(&admin_p).await;
     assert_eq!(sample(&text, "kvgate_rooms{state=\"quarantined\"}"), Some(1.0), "the room is still held:\n{text}");
 

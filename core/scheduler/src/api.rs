@@ -653,6 +653,17 @@ pub enum LastEvent {
     TimerFired,
 }
 
+/// A transfer the core forced failed because its plugin sent no terminal event within the plugin
+/// grace (`FailReason::PluginSilent`, counted as a `plugin_silent` contract violation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SilentTransfer {
+    pub xfer: XferId,
+    pub room: RoomKey,
+    pub role: Role,
+    /// The plugin instance the room used; `None` if it had not bound a peer.
+    pub plugin: Option<PluginSlot>,
+}
+
 /// A room as the admin view shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RoomView {

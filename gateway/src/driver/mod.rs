@@ -214,7 +214,8 @@ impl Driver {
             if total == logged {
                 continue;
             }
-            match self.violation_sites[i].take() {
+            let site = self.violation_sites[i].take().or_else(|| self.silent_site(*clause));
+            match site {
                 Some(site) => {
                     let (room, role) = match site.room {
                         Some((key, role)) => (key.to_string(), role.as_str()),
@@ -229,6 +230,21 @@ impl Driver {
             }
             self.violations_logged[i] = total;
         }
+    }
+
+    /// For `plugin_silent`, which the core finds on a timer rather than in a plugin event: the latest
+    /// transfer it forced failed, named like an event's site.
+    fn silent_site(&self, clause: ViolationClause) -> Option<ViolationSite> {
+        if clause != ViolationClause::PluginSilent {
+            return None;
+        }
+        let silent = self.core.latest_silent_transfer()?;
+        Some(ViolationSite {
+            plugin: silent.plugin.map_or("?", |slot| self.plugin_name(slot)).to_string(),
+            kind: "none",
+            xfer: silent.xfer.0,
+            room: Some((silent.room, silent.role)),
+        })
     }
 
     fn plugin_name(&self, slot: PluginSlot) -> &str {

@@ -143,6 +143,9 @@ pub struct Core {
     /// requests, reused by the next notice (same bounds, see `keep_spare_notice_parts`).
     spare_notice_parts: Vec<Vec<Vec<Slice>>>,
     spare_tickets: Vec<Vec<kvgate_abi::Ticket>>,
+    /// The latest transfer the plugin-grace timer forced failed (`plugin_silent`): found on a timer,
+    /// not from a plugin event, so the gateway's violation log asks here which room it was.
+    latest_silent: Option<SilentTransfer>,
 }
 
 impl Core {
@@ -172,6 +175,7 @@ impl Core {
             spare_ranges: Vec::new(),
             spare_notice_parts: Vec::new(),
             spare_tickets: Vec::new(),
+            latest_silent: None,
         })
     }
 

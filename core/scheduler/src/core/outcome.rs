@@ -195,18 +195,24 @@ impl Core {
     pub(super) fn plugin_grace_expired(&mut self, now: Nanos, slot: u32) {
         let room = self.room_mut(slot);
         let mut forced = 0u32;
+        let mut last_forced = None;
         if let RoleData::Sender { parts, .. } = &mut room.data {
             for part in parts.iter_mut() {
                 for chunk in part.chunks.iter_mut() {
                     if chunk.state == XferState::InFlight {
                         chunk.state = XferState::ForcedSilent;
                         forced += 1;
+                        last_forced = Some(chunk.xfer);
                     }
                 }
             }
         }
         room.in_flight -= forced;
         room.unquiesced += forced;
+        if let Some(xfer) = last_forced {
+            let (room, role, plugin) = (room.key, room.role, room.plugin());
+            self.latest_silent = Some(SilentTransfer { xfer: XferId(xfer), room, role, plugin });
+        }
         self.metrics.violations[ViolationClause::PluginSilent.index()] += forced as u64;
         if !self.room_at(slot).state.is_terminal() {
             self.fail_room(now, slot, RoomInput::PluginGraceTimer, FailReason::PluginSilent, None, None);
