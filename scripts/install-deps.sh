@@ -14,7 +14,10 @@ packages=(
   etcd-server        # etcd: the discovery tests run the gateway against a real one
 )
 missing=()
-for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+# Installed means "install ok installed": `dpkg -s` also succeeds for a package removed but not purged.
+for p in "${packages[@]}"; do
+  [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
+done
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
