@@ -328,7 +328,7 @@ impl Pair {
             Side::Tx => self.tx.pid(),
             Side::Rx => self.rx.pid(),
         };
-        let path = format!("{}{pid}-{rid}", crate::peer::region::REGION_FILE_PREFIX);
+        let path = crate::peer::region::region_file(pid, rid);
         let mut buf = vec![0u8; len as usize];
         std::fs::File::open(&path)?.read_exact_at(&mut buf, offset)?;
         Ok(buf)

@@ -9,6 +9,11 @@ use std::path::PathBuf;
 /// The prefix of every region file; the controller removes `{prefix}{pid}-*` after a peer dies.
 pub const REGION_FILE_PREFIX: &str = "/dev/shm/kvgate-conformance-";
 
+/// The file behind region `rid` of the peer process `pid`.
+pub fn region_file(pid: u32, rid: u32) -> PathBuf {
+    PathBuf::from(format!("{REGION_FILE_PREFIX}{pid}-{rid}"))
+}
+
 pub struct Region {
     pub path: PathBuf,
     pub addr: *mut u8,
@@ -23,7 +28,7 @@ unsafe impl Sync for Region {}
 
 impl Region {
     pub fn create(rid: u32, len: u64) -> Result<Region, String> {
-        let path = PathBuf::from(format!("{REGION_FILE_PREFIX}{}-{rid}", std::process::id()));
+        let path = region_file(std::process::id(), rid);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
