@@ -73,6 +73,8 @@ pub struct PeerProcess {
     stderr_path: PathBuf,
     pub frozen: bool,
     pub dead: bool,
+    /// Whether a report of this peer's death has been made (by a call that got no reply).
+    death_reported: bool,
 }
 
 static SPAWNED: AtomicU64 = AtomicU64::new(0);
@@ -140,6 +142,7 @@ impl PeerProcess {
             stderr_path,
             frozen: false,
             dead: false,
+            death_reported: false,
         })
     }
 
@@ -182,6 +185,7 @@ impl PeerProcess {
     }
 
     fn death(&mut self) -> NoReply {
+        self.death_reported = true;
         let status = match self.child.try_wait() {
             Ok(Some(s)) => format!("{s}"),
             _ => {
@@ -235,14 +239,48 @@ impl PeerProcess {
         unsafe { libc::kill(self.pid as libc::pid_t, sig) };
     }
 
-    pub fn freeze(&mut self) {
+    /// Stop the peer (SIGSTOP) and return once every one of its threads is stopped. SIGSTOP is
+    /// delivered asynchronously: on a loaded host a peer can run on after kill(2) returns, and a
+    /// clause that acts on "the receiver is frozen" would then test nothing. A peer not seen
+    /// stopped within `FREEZE_CONFIRM_BOUND_MS` (dead, or stuck in the kernel) is an error, which
+    /// the clause reports as a failure rather than judging a plugin on a peer that was not frozen.
+    pub fn freeze(&mut self) -> Result<(), String> {
         self.signal(libc::SIGSTOP);
         self.frozen = true;
+        let start = Instant::now();
+        loop {
+            let states = thread_states(self.pid);
+            if all_stopped(&states) {
+                return Ok(());
+            }
+            if start.elapsed() >= Duration::from_millis(FREEZE_CONFIRM_BOUND_MS) {
+                let seen: String = states.iter().collect();
+                return Err(format!(
+                    "{} peer (pid {}) not seen stopped {FREEZE_CONFIRM_BOUND_MS} ms after SIGSTOP (thread states {:?})",
+                    self.role,
+                    self.pid,
+                    if seen.is_empty() { "none: process gone" } else { seen.as_str() }
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
     }
 
     pub fn resume(&mut self) {
         self.signal(libc::SIGCONT);
         self.frozen = false;
+    }
+
+    /// The peer's death, if it exited without the harness asking (not killed, not closed) and no
+    /// call has reported it yet: a peer that crashes between calls is not lost.
+    pub fn unreported_death(&mut self) -> Option<NoReply> {
+        if self.dead || self.death_reported {
+            return None;
+        }
+        match self.child.try_wait() {
+            Ok(Some(_)) => Some(self.death()),
+            _ => None,
+        }
     }
 
     pub fn kill(&mut self) {
@@ -293,6 +331,29 @@ impl Drop for PeerProcess {
     }
 }
 
+/// How long `freeze` waits to see every thread of the peer stopped after SIGSTOP.
+pub const FREEZE_CONFIRM_BOUND_MS: u64 = 1_000;
+
+/// The state letter of every thread of `pid` ('R', 'S', 'T' stopped, 'Z' dead, ...), read from
+/// `/proc/PID/task/TID/stat`; empty when the process is gone or unreadable.
+fn thread_states(pid: u32) -> Vec<char> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    let mut states = Vec::new();
+    for task in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else { continue };
+        // "TID (COMM) STATE ...": COMM may hold spaces and parentheses, so read after the last ')'.
+        if let Some(state) = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()) {
+            states.push(state);
+        }
+    }
+    states
+}
+
+/// Whether `states` (of one process's threads) says the process is stopped ('t': stopped by a tracer).
+fn all_stopped(states: &[char]) -> bool {
+    !states.is_empty() && states.iter().all(|s| matches!(s, 'T' | 't'))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,5 +367,28 @@ mod tests {
         assert_eq!(tail_of(&path, 6), "one | two | three | four | five");
         std::fs::remove_file(&path).unwrap();
         assert_eq!(tail_of(&path, STDERR_TAIL_LINES), "", "an unreadable log quotes nothing");
+    }
+
+    #[test]
+    fn a_running_process_is_not_stopped_and_a_sigstopped_one_is() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id();
+        assert!(!all_stopped(&thread_states(pid)), "a sleeping process is not stopped");
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) };
+        let start = Instant::now();
+        while !all_stopped(&thread_states(pid)) {
+            assert!(start.elapsed() < Duration::from_secs(5), "SIGSTOP'd child never seen stopped");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
+        let start = Instant::now();
+        while all_stopped(&thread_states(pid)) {
+            assert!(start.elapsed() < Duration::from_secs(5), "SIGCONT'd child still seen stopped");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!all_stopped(&thread_states(pid)), "a reaped process is not stopped");
     }
 }

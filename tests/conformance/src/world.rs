@@ -406,6 +406,11 @@ impl Pair {
         for e in tx_events.iter().chain(self.rx.events().iter()) {
             check_event_fields(e, ctx);
         }
+        for peer in [&mut self.tx, &mut self.rx] {
+            if let Some(death) = peer.unreported_death() {
+                ctx.findings.add("HYGIENE-1", format!("[{}] {} peer process died during the clause: {death}", self.context, peer.role));
+            }
+        }
         let bound = Duration::from_millis(2_000);
         self.tx.close(bound);
         self.rx.close(bound);

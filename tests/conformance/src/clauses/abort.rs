@@ -79,7 +79,7 @@ pub fn abort_2(ctx: &mut Ctx) -> CheckResult {
         // Frozen receiver. The 4 KiB it is sent are first made to differ from the source, so the
         // harness can see them land.
         p.call(Side::Rx, Op::Fill { rid: dst.rid, offset: 0, len: 4096, seed: ctx.rng.next_u64() }, ctx)?;
-        p.rx.freeze();
+        p.rx.freeze().map_err(Verdict::Fail)?;
         let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
         let submitted = r.is_ok();
         // A plugin that writes from the sender's side moves the 4 KiB and then waits on the frozen

@@ -99,7 +99,7 @@ pub fn res_2(ctx: &mut Ctx) -> CheckResult {
             let frozen = batch_no.is_multiple_of(8);
             let n = if frozen { 3.min(total - done) } else { batch.min(total - done) };
             if frozen {
-                p.rx.freeze();
+                p.rx.freeze().map_err(Verdict::Fail)?;
                 frozen_batches += 1;
             }
             let mut plan = Vec::new();
@@ -229,7 +229,7 @@ pub fn res_3(ctx: &mut Ctx) -> CheckResult {
             let piece = big / n;
             let segs = (0..n).map(|i| seg(&src, i * piece, &dst, i * piece, piece)).collect();
             if frozen {
-                p.rx.freeze();
+                p.rx.freeze().map_err(Verdict::Fail)?;
             }
             let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, segs, ctx)?;
             accepted(r, "large transfer")?;

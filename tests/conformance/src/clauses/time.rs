@@ -59,7 +59,7 @@ pub fn time_2(ctx: &mut Ctx) -> CheckResult {
         let dst = p.alloc_dst(1 << 20, ctx.rng.next_u64(), ctx)?;
         let ticket = p.authorise(&dst, ctx)?;
         sleep_ms(30);
-        p.rx.freeze();
+        p.rx.freeze().map_err(Verdict::Fail)?;
         let mut xfers = Vec::new();
         for (i, timeout_ms) in [100u64, 300].into_iter().enumerate() {
             let (x, r) = p.submit(ticket, timeout_ms, vec![seg(&src, i as u64 * 65536, &dst, i as u64 * 65536, 65536)], ctx)?;
@@ -203,7 +203,7 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
             }
         }
         // The receiver frozen: every kind of call, and a burst of submits to the frozen peer.
-        p.rx.freeze();
+        p.rx.freeze().map_err(Verdict::Fail)?;
         let burst = 200u64;
         let first = p.xfer_id() + 1;
         for _ in 0..burst {
