@@ -242,3 +242,21 @@ fn every_mutant_is_tested_here_and_listed_in_conformance_md() {
         assert!(dirs.contains(&row.replace('_', "-")), "CONFORMANCE.md lists `{row}`, which tests/mutants does not hold");
     }
 }
+
+// CONFORMANCE: HYGIENE-1 (a host that dies with no call in progress: TIME-2 freezes the receiver for
+// longer than the mutant's watchdog allows, and makes no call to it after resuming it, so only the
+// end-of-clause check can see the death)
+#[test]
+fn abort_after_stall_fails_hygiene_1_from_a_clause_with_no_call_after_the_death() {
+    let lib = mutant_library("kvgate-mutant-abort-after-stall");
+    let run = run_harness(&lib.to_string_lossy(), &["--quick", "--clauses", "TIME-2,HYGIENE-1"], MUTANT_CONFIG);
+    let clauses = run.clauses();
+    let status = |id: &str| clauses.iter().find(|(c, _, _)| c == id).map(|(_, s, e)| (s.clone(), e.clone())).unwrap();
+    let (time_2, evidence) = status("TIME-2");
+    assert_eq!(time_2, "pass", "the plugin met its deadlines; the death comes after: {evidence}");
+    let (hygiene_1, evidence) = status("HYGIENE-1");
+    assert_eq!(hygiene_1, "fail", "a receiver dead between calls must fail HYGIENE-1:\n{}", run.stdout);
+    assert!(evidence.contains("[TIME-2] receiver peer process died during the clause"), "{evidence}");
+    assert!(evidence.contains("watchdog"), "the evidence quotes the peer's last words: {evidence}");
+    assert_eq!(run.status, 1);
+}

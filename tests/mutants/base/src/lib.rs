@@ -86,6 +86,10 @@ pub struct Faults {
     pub no_deadline_while_waiting_for_window: bool,
     /// The receiver never answers `DONE` (its acknowledgement is never sent).
     pub never_acknowledge: bool,
+    /// A watchdog thread aborts the whole process when it finds it was not scheduled for
+    /// [`WATCHDOG_STALL_MS`] (a process frozen and resumed, say), as training stacks' collective
+    /// watchdogs do: the host dies with no call in progress.
+    pub abort_after_stall: bool,
     /// Not a fault: the network variant, over loopback UDP.
     pub udp: bool,
     /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.
@@ -96,6 +100,10 @@ pub struct Faults {
 pub const BUSY_LIVE_TRANSFERS: usize = 256;
 /// How late `coarse_deadline_while_waiting_for_ticket` times a waiting transfer out, in milliseconds.
 pub const COARSE_SWEEP_MS: u64 = 1_000;
+/// Longest stall, in milliseconds, `abort_after_stall`'s watchdog lets pass before it aborts.
+pub const WATCHDOG_STALL_MS: u64 = 250;
+/// How often, in milliseconds, that watchdog looks at the clock.
+pub const WATCHDOG_TICK_MS: u64 = 5;
 /// Segments `copy_first_segments_only` copies of a transfer.
 pub const COPIED_SEGMENTS_LIMIT: usize = 1024;
 

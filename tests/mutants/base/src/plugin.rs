@@ -163,6 +163,28 @@ fn err(code: ReasonCode, message: impl Into<String>) -> PluginError {
     PluginError::new(code, message)
 }
 
+/// FAULT (`abort_after_stall`): a thread that aborts the process when its own tick comes more than
+/// [`crate::WATCHDOG_STALL_MS`] late, whatever is in flight. Core dumps are switched off first, so a
+/// test run leaves no core file behind.
+fn start_watchdog(shared: Arc<Shared>) {
+    std::thread::spawn(move || {
+        let tick = std::time::Duration::from_millis(crate::WATCHDOG_TICK_MS);
+        let stall = std::time::Duration::from_millis(crate::WATCHDOG_STALL_MS);
+        while !shared.stop_worker.load(Ordering::SeqCst) {
+            let before = std::time::Instant::now();
+            std::thread::sleep(tick);
+            let gap = before.elapsed();
+            if gap > stall {
+                eprintln!("{}: watchdog: process stalled for {} ms (limit {} ms); aborting", shared.name, gap.as_millis(), stall.as_millis());
+                let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+                // SAFETY: setrlimit(2) with a valid struct; abort(3) ends the process.
+                unsafe { libc::setrlimit(libc::RLIMIT_CORE, &no_core) };
+                std::process::abort();
+            }
+        }
+    });
+}
+
 impl RefPlugin {
     pub(crate) fn start(name: &'static str, sink: Sink, faults: Faults, segment_delay_us: u64) -> Result<RefPlugin, PluginError> {
         let n = INSTANCES.fetch_add(1, Ordering::Relaxed);
@@ -192,6 +214,9 @@ impl RefPlugin {
             stop_worker: AtomicBool::new(false),
             worker_alive: AtomicBool::new(true),
         });
+        if faults.abort_after_stall {
+            start_watchdog(Arc::clone(&shared));
+        }
         let for_worker = Arc::clone(&shared);
         let worker = kvgate_abi::sdk::spawn_worker(&format!("{name}-worker"), sink, move || crate::worker::run(&for_worker))
             .map_err(|e| err(ReasonCode::RESOURCE_EXHAUSTED, format!("cannot start worker: {e}")))?;
