@@ -383,6 +383,24 @@ impl Pair {
         missing
     }
 
+    /// Move the last 4 KiB of `dst` under `ticket` and wait for it to succeed. Afterwards the sender
+    /// surely holds the receiver's grant, so a clause that freezes the receiver next tests transfers
+    /// past the grant (waiting on the receiver), not ones still waiting for the grant to arrive, which
+    /// a fixed wait cannot promise on a loaded host.
+    pub fn settle_ticket(&mut self, src: &Src, dst: &Dst, ticket: u64, ctx: &mut Ctx) -> Result<(), Verdict> {
+        let len = 4096.min(src.len).min(dst.len);
+        let segment = seg(src, src.len - len, dst, dst.len - len, len);
+        let (x, r) = self.submit(ticket, self.limits.long_timeout_ms, vec![segment], ctx)?;
+        if let Err(e) = r {
+            return Err(Verdict::Fail(format!("settling the ticket: a {len} B transfer with the receiver running was refused: {}: {}", e.code_name, e.message)));
+        }
+        match self.wait_terminal(x, self.bound()) {
+            Some(e) if e.kind == EventKind::SUCCEEDED.0 => Ok(()),
+            Some(e) => Err(Verdict::Fail(format!("settling the ticket: a {len} B transfer with the receiver running ended {}", describe(&e)))),
+            None => Err(Verdict::Fail(format!("settling the ticket: a {len} B transfer with the receiver running did not end within {} ms", self.bound().as_millis()))),
+        }
+    }
+
     pub fn accepted(&self, xfer: u64) -> bool {
         self.xfers.get(&xfer).is_some_and(|x| x.accepted)
     }
