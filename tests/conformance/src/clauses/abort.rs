@@ -63,7 +63,7 @@ pub fn abort_2(ctx: &mut Ctx) -> CheckResult {
         let src = p.alloc_src(big, ctx.rng.next_u64(), ctx)?;
         let dst = p.alloc_dst(big, ctx.rng.next_u64(), ctx)?;
         let ticket = p.authorise(&dst, ctx)?;
-        sleep_ms(20);
+        p.settle_ticket(&src, &dst, ticket, ctx)?;
         let (mut lines, mut problems) = (Vec::new(), Vec::new());
         let mut record = |r: Result<String, String>| match r {
             Ok(l) => lines.push(l),

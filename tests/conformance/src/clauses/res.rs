@@ -218,7 +218,7 @@ pub fn res_3(ctx: &mut Ctx) -> CheckResult {
         let src = p.alloc_src(big, ctx.rng.next_u64(), ctx)?;
         let dst = p.alloc_dst(big, ctx.rng.next_u64(), ctx)?;
         let ticket = p.authorise(&dst, ctx)?;
-        sleep_ms(20);
+        p.settle_ticket(&src, &dst, ticket, ctx)?;
         let watch_ms = 200u64;
         let (mut lines, mut problems) = (Vec::new(), Vec::new());
         for attempt in 0..5u64 {
