@@ -86,6 +86,9 @@ pub struct Dst {
     pub remote_bytes: Vec<u8>,
 }
 
+/// How long `Pair::settle_ticket` waits, after `SUCCEEDED`, to see its bytes in the destination.
+pub const SETTLE_LANDING_BOUND_MS: u64 = 1_000;
+
 pub struct Pair {
     pub tx: PeerProcess,
     pub rx: PeerProcess,
@@ -383,19 +386,25 @@ impl Pair {
         missing
     }
 
-    /// Move the last 4 KiB of `dst` under `ticket` and wait for it to succeed. Afterwards the sender
-    /// surely holds the receiver's grant, so a clause that freezes the receiver next tests transfers
-    /// past the grant (waiting on the receiver), not ones still waiting for the grant to arrive, which
-    /// a fixed wait cannot promise on a loaded host.
+    /// Move the last 4 KiB of `dst` under `ticket` and wait for it to succeed and for its bytes to
+    /// be seen in the destination. Afterwards the sender surely holds the receiver's grant, so a
+    /// clause that freezes the receiver or cancels next tests transfers past the grant, not ones still
+    /// waiting for the grant to arrive, which a fixed wait cannot promise on a loaded host. Waiting for
+    /// the bytes too keeps a plugin that reports success early (DATA-1's defect) from writing them into
+    /// the next case of the clause; a plugin whose bytes never show gets `SETTLE_LANDING_BOUND_MS`
+    /// and is left to the DATA clauses.
     pub fn settle_ticket(&mut self, src: &Src, dst: &Dst, ticket: u64, ctx: &mut Ctx) -> Result<(), Verdict> {
         let len = 4096.min(src.len).min(dst.len);
-        let segment = seg(src, src.len - len, dst, dst.len - len, len);
-        let (x, r) = self.submit(ticket, self.limits.long_timeout_ms, vec![segment], ctx)?;
+        let offset = src.len.min(dst.len) - len;
+        let (x, r) = self.submit(ticket, self.limits.long_timeout_ms, vec![seg(src, offset, dst, offset, len)], ctx)?;
         if let Err(e) = r {
             return Err(Verdict::Fail(format!("settling the ticket: a {len} B transfer with the receiver running was refused: {}: {}", e.code_name, e.message)));
         }
         match self.wait_terminal(x, self.bound()) {
-            Some(e) if e.kind == EventKind::SUCCEEDED.0 => Ok(()),
+            Some(e) if e.kind == EventKind::SUCCEEDED.0 => {
+                self.wait_landed(src, dst, offset, len, Duration::from_millis(SETTLE_LANDING_BOUND_MS));
+                Ok(())
+            }
             Some(e) => Err(Verdict::Fail(format!("settling the ticket: a {len} B transfer with the receiver running ended {}", describe(&e)))),
             None => Err(Verdict::Fail(format!("settling the ticket: a {len} B transfer with the receiver running did not end within {} ms", self.bound().as_millis()))),
         }
