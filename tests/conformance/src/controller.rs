@@ -391,4 +391,26 @@ mod tests {
         child.wait().unwrap();
         assert!(!all_stopped(&thread_states(pid)), "a reaped process is not stopped");
     }
+
+    /// At and past `FREEZE_CONFIRM_BOUND_MS`: a live peer is frozen well within it; a dead one is
+    /// still not stopped when it runs out, and the error says so. Its death is reported once.
+    #[test]
+    fn freeze_confirms_a_live_peer_and_refuses_a_dead_one_and_a_death_between_calls_is_reported_once() {
+        let cmd = PeerCommand { exe: "sleep".into(), args: vec!["30".into()] };
+        let mut peer = PeerProcess::spawn(&cmd, "receiver").unwrap();
+        assert!(peer.unreported_death().is_none(), "a running peer has not died");
+        peer.freeze().unwrap();
+        assert!(all_stopped(&thread_states(peer.pid())));
+        peer.resume();
+        // Dies unbidden: killed behind the harness's back, not reaped (a zombie, state 'Z').
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(peer.pid() as libc::pid_t, libc::SIGKILL) };
+        let asked = Instant::now();
+        let err = peer.freeze().unwrap_err();
+        assert!(asked.elapsed() >= Duration::from_millis(FREEZE_CONFIRM_BOUND_MS), "gave up early: {err}");
+        assert!(err.contains("receiver peer") && err.contains("not seen stopped") && err.contains('Z'), "{err}");
+        let death = peer.unreported_death().expect("an unbidden exit is reported");
+        assert!(death.to_string().contains("signal: 9"), "{death}");
+        assert!(peer.unreported_death().is_none(), "and reported once only");
+    }
 }
