@@ -59,7 +59,7 @@ async fn healthz(State(state): State<AdminState>) -> Response {
 
 async fn plugins(State(state): State<AdminState>) -> Response {
     match snapshot(&state).await {
-        Ok(s) => Json(serde_json::json!({"plugins": s.plugins, "peers": s.peers})).into_response(),
+        Ok(s) => Json(serde_json::json!({"plugins": s.plugins, "peers": s.peers, "peer_link_auth": s.peer_link_auth})).into_response(),
         Err(r) => r,
     }
 }

@@ -30,6 +30,11 @@ pub enum Command {
     Conformance(kvgate_conformance::cli::ConformanceArgs),
     /// Measure the data path and the control path against their references; table, JSON, plots.
     Bench(crate::bench::BenchArgs),
+    /// Make the key or certificates that authenticate peer links.
+    Keygen {
+        #[command(subcommand)]
+        command: crate::cli_keygen::KeygenCommand,
+    },
     /// Configuration helpers.
     Config {
         #[command(subcommand)]
@@ -130,9 +135,15 @@ pub fn main() -> i32 {
         Command::Demo(args) => crate::demo::run(args),
         Command::Conformance(args) => kvgate_conformance::cli::run(args),
         Command::Bench(args) => crate::bench::run(args),
+        Command::Keygen { command } => crate::cli_keygen::run(command),
         Command::Config { command: ConfigCommand::Check { file } } => match load_or_exit(Some(&file)) {
             Ok(c) => {
-                println!("{}: ok (gateway {:?}, {} peer(s), plugins {:?})", file.display(), c.gateway.name, c.peers.len(), c.plugins.preference);
+                let auth = match c.peer_link.auth_mode() {
+                    crate::config::PeerAuthMode::Psk => format!("peer links authenticated by pre-shared key {}", c.peer_link.psk_file),
+                    crate::config::PeerAuthMode::Tls => "peer links authenticated by mutual TLS".to_string(),
+                    crate::config::PeerAuthMode::None => "peer links NOT authenticated (peer_link.auth = \"none\")".to_string(),
+                };
+                println!("{}: ok (gateway {:?}, {} peer(s), plugins {:?}; {auth})", file.display(), c.gateway.name, c.peers.len(), c.plugins.preference);
                 0
             }
             Err(code) => code,

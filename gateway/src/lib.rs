@@ -6,6 +6,7 @@ pub mod admin;
 pub mod bench;
 mod builtin_extra;
 pub mod cli;
+mod cli_keygen;
 mod cli_plugins;
 mod cli_remote;
 pub mod config;

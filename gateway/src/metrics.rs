@@ -219,6 +219,7 @@ mod tests {
             }],
             plugins: vec![],
             peers: vec![],
+            peer_link_auth: "psk",
             problems: vec!["plugin shm unhealthy".into()],
         }
     }

@@ -71,7 +71,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
             .collect(),
     });
     let (input_tx, input_rx) = mpsc::channel(config.driver.event_queue_len as usize);
-    let watch_tx = crate::engine_api::WatchFeed::new(config.engine_api.watch_buffer_events as usize);
+    let watch_tx = crate::engine_api::WatchFeed::new(config.engine_api.watch_buffer_events as usize, config.engine_api.watch_replay_events as usize, identity.incarnation);
     let (stop_tx, stop_rx) = watch::channel(false);
 
     // Bind every listener before anything is announced, so a bad address fails start-up.
@@ -110,7 +110,13 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
             }),
     );
 
-    let api = EngineApiService::new(input_tx.clone(), watch_tx, config.engine_api.max_watchers);
+    let info = proto::InfoReply {
+        api_version: crate::engine_api::ENGINE_API_VERSION,
+        gateway: config.gateway.name.clone(),
+        plugins: identity.plugins.iter().map(|p| p.plugin.clone()).collect(),
+        incarnation: identity.incarnation,
+    };
+    let api = EngineApiService::new(input_tx.clone(), watch_tx, &config.engine_api, info);
     let api_config = config.clone();
     let api_stop = stop_rx.clone();
     let api_task = tokio::spawn(async move { serve_engine_api(&api_config, api, unix, api_stop).await });

@@ -21,7 +21,7 @@ fn tiny_bench_writes_a_complete_report() {
     let (json, svg, png, md) = (dir.path().join("bench.json"), dir.path().join("bench.svg"), dir.path().join("bench.png"), dir.path().join("BENCHMARKS.md"));
     let output = Command::new(env!("CARGO_BIN_EXE_kvgate"))
         .args(["bench", "--quick", "--plugins", "shm,quic,ucx,nvlink", "--block-sizes", "4K,64K", "--blocks", "1,8"])
-        .args(["--cell-ms", "20", "--control-rooms", "40", "--core-rooms", "2000", "--core-aborts", "100", "--api-rooms", "50", "--api-aborts", "10", "--frozen-rooms", "4"])
+        .args(["--cell-ms", "20", "--control-rooms", "40", "--core-rooms", "2000", "--core-aborts", "100", "--api-rooms", "50", "--api-aborts", "10", "--frozen-rooms", "4", "--sglang-rooms", "3"])
         .arg("--ucx-library")
         .arg(&ucx_library)
         .arg("--json")
@@ -96,6 +96,16 @@ fn tiny_bench_writes_a_complete_report() {
     }
     assert_eq!(control["abort_to_terminal_core"]["rooms_in_flight"], 2000);
     assert_eq!(control["abort_to_terminal_core"]["aborts"], 100);
+    // The SGLang-shaped room: 1 expect + 122 parts x 4 chunks one by one, or 1 + 4 batches; every room
+    // succeeded both ways.
+    let sglang = &control["sglang_room"];
+    assert_eq!(sglang["parts"], 122);
+    assert_eq!(sglang["per_part"]["calls_per_room"], 1 + 122 * 4, "{sglang}");
+    assert_eq!(sglang["batched"]["calls_per_room"], 1 + 4, "{sglang}");
+    for mode in ["per_part", "batched"] {
+        assert_eq!((sglang[mode]["rooms"].as_u64(), sglang[mode]["failures"].as_u64()), (Some(3), Some(0)), "{sglang}");
+        positive_finite(&sglang[mode]["latency_p50_ms"], "sglang latency");
+    }
     let frozen = &control["frozen_peer"];
     positive_finite(&frozen["all_terminal_ms"], "frozen peer all_terminal_ms");
     assert_eq!(frozen["peer_lost"], 4, "every frozen room ends peer_lost: {frozen}");

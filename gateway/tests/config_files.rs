@@ -52,9 +52,25 @@ fn every_example_config_loads_and_names_its_peer_consistently() {
     }
 }
 
+/// A peer-link key for the shipped configs (they name `peer.key` beside themselves, which a clone
+/// does not have): made once per test process, handed over as `KVGATE__PEER_LINK__PSK_FILE`.
+fn test_key() -> &'static Path {
+    static KEY: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    KEY.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("kvgate-config-files-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("peer.key");
+        let out = Command::new(env!("CARGO_BIN_EXE_kvgate")).args(["keygen", "psk"]).arg(&key).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        key
+    })
+}
+
 fn kvgate() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_kvgate"));
     c.env_remove("RUST_LOG");
+    c.env("KVGATE__PEER_LINK__PSK_FILE", test_key());
     c
 }
 

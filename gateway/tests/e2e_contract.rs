@@ -76,7 +76,9 @@ async fn a_layout_mismatch_fails_the_room_before_any_byte_moves_and_harms_nothin
             plugins: vec![],
             host: "localhost".into(),
             to: PREFILL_NAME.into(),
+            ..Default::default()
         })),
+        mac: vec![],
     };
     let refused = client.link(tokio_stream::iter(vec![hello])).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused:?}");

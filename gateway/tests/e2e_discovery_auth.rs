@@ -118,7 +118,7 @@ fn an_unreadable_password_file_stops_start_up_naming_the_key() {
     let dir = work_dir();
     let missing = dir.path().join("no-such-password");
     let config = format!(
-        "[gateway]\nname = \"early\"\n[engine_api]\nunix_socket = \"{}\"\n[peer_link]\nlisten = \"127.0.0.1:{}\"\n[admin]\nlisten = \"\"\n\
+        "[gateway]\nname = \"early\"\n[engine_api]\nunix_socket = \"{}\"\n[peer_link]\nlisten = \"127.0.0.1:{}\"\nauth = \"none\"\n[admin]\nlisten = \"\"\n\
          [discovery]\netcd_endpoints = [\"http://127.0.0.1:{}\"]\nusername = \"kvgate\"\npassword_file = \"{}\"\n",
         dir.path().join("early.sock").display(),
         free_port(),

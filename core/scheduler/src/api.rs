@@ -492,6 +492,8 @@ pub enum FailReason {
     QuarantineTimeout,
     /// The sending core had no room left (`max_inflight_rooms`) when the expect notice arrived.
     Overloaded,
+    /// The engine session that owned the room ended (closed, or its connection gone past its grace).
+    EngineLost,
 }
 
 impl FailReason {
@@ -516,8 +518,9 @@ impl FailReason {
         FailReason::Superseded,
         FailReason::QuarantineTimeout,
         FailReason::Overloaded,
+        FailReason::EngineLost,
     ];
-    pub const COUNT: usize = 20;
+    pub const COUNT: usize = 21;
     pub fn index(self) -> usize {
         self as usize
     }
@@ -543,6 +546,7 @@ impl FailReason {
             FailReason::Superseded => "superseded",
             FailReason::QuarantineTimeout => "quarantine_timeout",
             FailReason::Overloaded => "overloaded",
+            FailReason::EngineLost => "engine_lost",
         }
     }
     pub fn from_name(name: &str) -> Option<FailReason> {

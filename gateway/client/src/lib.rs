@@ -7,6 +7,8 @@ pub mod proto {
     tonic::include_proto!("kvgate.v1");
 }
 
+pub mod outcomes;
+
 use hyper_util::rt::TokioIo;
 use proto::engine_api_client::EngineApiClient;
 use std::path::{Path, PathBuf};
@@ -26,14 +28,24 @@ pub fn reason_of(status: &Status) -> Option<String> {
     status.metadata().get(REASON_METADATA_KEY).and_then(|v| v.to_str().ok()).map(str::to_string)
 }
 
-/// Adds `authorization: Bearer <token>` to every call (TCP engine API).
+/// Metadata key of the engine session a call belongs to (see `Client::in_session`).
+pub const SESSION_METADATA_KEY: &str = "kvgate-session";
+
+/// Adds `authorization: Bearer <token>` (TCP engine API) and `kvgate-session` (a session's calls) to
+/// every call.
 #[derive(Clone)]
-pub struct BearerToken(Option<MetadataValue<tonic::metadata::Ascii>>);
+pub struct BearerToken {
+    token: Option<MetadataValue<tonic::metadata::Ascii>>,
+    session: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
 
 impl tonic::service::Interceptor for BearerToken {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(value) = &self.0 {
+        if let Some(value) = &self.token {
             request.metadata_mut().insert("authorization", value.clone());
+        }
+        if let Some(value) = &self.session {
+            request.metadata_mut().insert(SESSION_METADATA_KEY, value.clone());
         }
         Ok(request)
     }
@@ -43,6 +55,9 @@ impl tonic::service::Interceptor for BearerToken {
 #[derive(Clone)]
 pub struct Client {
     inner: EngineApiClient<InterceptedService<Channel, BearerToken>>,
+    channel: Channel,
+    token: Option<MetadataValue<tonic::metadata::Ascii>>,
+    session: Option<u64>,
 }
 
 /// Connection errors.
@@ -102,8 +117,35 @@ impl Client {
     }
 
     fn from_channel(channel: Channel, token: Option<MetadataValue<tonic::metadata::Ascii>>) -> Client {
-        let inner = EngineApiClient::with_interceptor(channel, BearerToken(token)).max_decoding_message_size(64 << 20);
-        Client { inner }
+        Client::with_metadata(channel, token, None)
+    }
+
+    fn with_metadata(channel: Channel, token: Option<MetadataValue<tonic::metadata::Ascii>>, session: Option<u64>) -> Client {
+        let session_value = session.map(|id| id.to_string().parse().expect("a decimal number is ASCII"));
+        let interceptor = BearerToken { token: token.clone(), session: session_value };
+        let inner = EngineApiClient::with_interceptor(channel.clone(), interceptor).max_decoding_message_size(64 << 20);
+        Client { inner, channel, token, session }
+    }
+
+    /// Open (or resume, by the same name within its grace) an engine session.
+    pub async fn open_session(&self, name: &str) -> Result<proto::OpenSessionReply, Status> {
+        Ok(self.inner.clone().open_session(proto::OpenSessionRequest { name: name.to_string() }).await?.into_inner())
+    }
+
+    /// This client's calls (on the same connection) made in session `id`: the regions and rooms they
+    /// create are the session's, and its `Watch` streams keep the session attached.
+    pub fn in_session(&self, id: u64) -> Client {
+        Client::with_metadata(self.channel.clone(), self.token.clone(), Some(id))
+    }
+
+    /// The session this client's calls are made in.
+    pub fn session(&self) -> Option<u64> {
+        self.session
+    }
+
+    /// End session `id` now: its live rooms fail `engine_lost`, its regions are released.
+    pub async fn close_session(&self, id: u64) -> Result<proto::CloseSessionReply, Status> {
+        Ok(self.inner.clone().close_session(proto::CloseSessionRequest { session: id }).await?.into_inner())
     }
 
     /// Register `len` bytes at `offset` of a shared-memory file (or `/proc/<pid>/fd/<n>` of a memfd).
@@ -119,10 +161,10 @@ impl Client {
         Ok(self.inner.clone().register_memory(request).await?.into_inner().region)
     }
 
-    /// Register CUDA device memory by its IPC handle.
-    pub async fn register_cuda_ipc(&self, device: i32, ipc_handle: Vec<u8>, len: u64, label: &str) -> Result<u64, Status> {
+    /// Register CUDA device memory by its IPC handle: `len` bytes at `offset` inside the allocation.
+    pub async fn register_cuda_ipc(&self, device: i32, ipc_handle: Vec<u8>, offset: u64, len: u64, label: &str) -> Result<u64, Status> {
         let request = proto::RegisterMemoryRequest {
-            memory: Some(proto::register_memory_request::Memory::CudaIpc(proto::CudaIpcMemory { device, ipc_handle, len })),
+            memory: Some(proto::register_memory_request::Memory::CudaIpc(proto::CudaIpcMemory { device, ipc_handle, len, offset })),
             label: label.to_string(),
         };
         Ok(self.inner.clone().register_memory(request).await?.into_inner().region)
@@ -151,6 +193,21 @@ impl Client {
         Ok(())
     }
 
+    /// Many sends in one call (each applied on its own, in order): one result per send.
+    pub async fn send_batch(&self, sends: Vec<proto::SendRequest>) -> Result<proto::BatchReply, Status> {
+        Ok(self.inner.clone().send_batch(proto::SendBatchRequest { sends }).await?.into_inner())
+    }
+
+    /// Many expects in one call (each applied on its own, in order): one result per expect.
+    pub async fn expect_batch(&self, expects: Vec<proto::ExpectRequest>) -> Result<proto::BatchReply, Status> {
+        Ok(self.inner.clone().expect_batch(proto::ExpectBatchRequest { expects }).await?.into_inner())
+    }
+
+    /// The engine-API version and the gateway's name and plugins.
+    pub async fn info(&self) -> Result<proto::InfoReply, Status> {
+        Ok(self.inner.clone().info(proto::InfoRequest {}).await?.into_inner())
+    }
+
     /// End a room now. Returns whether it was live.
     pub async fn abort(&self, key: RoomKey, why: &str) -> Result<bool, Status> {
         Ok(self.inner.clone().abort(proto::AbortRequest { key: Some(key), why: why.to_string() }).await?.into_inner().was_live)
@@ -161,19 +218,43 @@ impl Client {
     }
 
     pub async fn list_rooms(&self, include_terminal: bool) -> Result<Vec<RoomInfo>, Status> {
-        Ok(self.inner.clone().list_rooms(proto::ListRoomsRequest { include_terminal }).await?.into_inner().rooms)
+        Ok(self.list_rooms_at(include_terminal).await?.0)
+    }
+
+    /// Every room, and the cursor the snapshot is consistent with: the sequence number of the last
+    /// room event it reflects and the gateway incarnation it belongs to (watch after it to go on
+    /// without a gap).
+    pub async fn list_rooms_at(&self, include_terminal: bool) -> Result<(Vec<RoomInfo>, Cursor), Status> {
+        let reply = self.inner.clone().list_rooms(proto::ListRoomsRequest { include_terminal }).await?.into_inner();
+        Ok((reply.rooms, Cursor { seq: reply.seq, incarnation: reply.incarnation }))
+    }
+
+    /// Room events after `cursor`: replayed from the gateway's log, then live. Refused with
+    /// `watch_cursor_expired` when the log no longer reaches back that far, or the cursor belongs to
+    /// another incarnation of the gateway (it restarted).
+    pub async fn watch_after(&self, key: Option<RoomKey>, outcomes_only: bool, cursor: Cursor) -> Result<tonic::Streaming<RoomEvent>, Status> {
+        let request = proto::WatchRequest { key, outcomes_only, after_seq: Some(cursor.seq), incarnation: cursor.incarnation };
+        Ok(self.inner.clone().watch(request).await?.into_inner())
     }
 
     /// Room events (every room when `key` is `None`).
     pub async fn watch(&self, key: Option<RoomKey>) -> Result<tonic::Streaming<RoomEvent>, Status> {
-        Ok(self.inner.clone().watch(proto::WatchRequest { key, outcomes_only: false }).await?.into_inner())
+        Ok(self.inner.clone().watch(proto::WatchRequest { key, outcomes_only: false, after_seq: None, incarnation: 0 }).await?.into_inner())
     }
 
     /// Only the outcomes (`Terminal`, `Reusable`) of every room, or of `key`: what an engine needs to
     /// finish requests and reuse memory, at a fraction of the gateway's cost per room.
     pub async fn watch_outcomes(&self, key: Option<RoomKey>) -> Result<tonic::Streaming<RoomEvent>, Status> {
-        Ok(self.inner.clone().watch(proto::WatchRequest { key, outcomes_only: true }).await?.into_inner())
+        Ok(self.inner.clone().watch(proto::WatchRequest { key, outcomes_only: true, after_seq: None, incarnation: 0 }).await?.into_inner())
     }
+}
+
+/// Where an engine stands in a gateway's room events: the last `seq` handled, in which gateway
+/// incarnation (0: unchecked).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cursor {
+    pub seq: u64,
+    pub incarnation: u64,
 }
 
 /// `RoomKey { room, generation }`.

@@ -14,6 +14,7 @@ pub mod reference;
 pub mod report;
 pub mod results;
 pub mod rounds;
+pub mod sglang_room;
 pub mod stats;
 pub mod svg;
 pub mod system;
@@ -93,6 +94,9 @@ pub struct BenchArgs {
     /// Rooms in flight when the decode gateway is frozen.
     #[arg(long)]
     pub frozen_rooms: Option<u64>,
+    /// SGLang-shaped rooms (122 parts, 4 chunks) moved each way: one call per part per chunk, and batched.
+    #[arg(long)]
+    pub sglang_rooms: Option<u64>,
     /// Where pools, configs and gateway logs go (default: a fresh folder in /dev/shm, removed after).
     /// It must be on a shared-memory filesystem (tmpfs): the shm plugin refuses other pool files.
     #[arg(long)]
@@ -126,6 +130,7 @@ impl BenchArgs {
         set(&mut plan.api_rooms_in_flight, self.api_rooms);
         set(&mut plan.api_aborts, self.api_aborts);
         set(&mut plan.frozen_rooms, self.frozen_rooms);
+        set(&mut plan.sglang_rooms, self.sglang_rooms);
         plan.control_concurrency = plan.control_concurrency.min(plan.control_rooms);
         plan.api_aborts = plan.api_aborts.min(plan.api_rooms_in_flight);
         plan
@@ -313,6 +318,11 @@ async fn bench_control(binary: &Path, dir: &Path, plan: &Plan, bar: &ProgressBar
                 Err(e) => out.errors.push(format!("rooms per second: {e:#}")),
             }
             bar.inc(1);
+            bar.set_message(format!("SGLang-shaped rooms (122 parts, 4 chunks), {} each way", plan.sglang_rooms));
+            match sglang_room::sglang_shaped_rooms(&rig, plan.sglang_rooms).await {
+                Ok(r) => out.sglang_room = Some(r),
+                Err(e) => out.errors.push(format!("SGLang-shaped rooms: {e:#}")),
+            }
             bar.set_message(format!("abort-to-terminal through the engine API, {} rooms in flight", plan.api_rooms_in_flight));
             match control::abort_to_terminal_api(&rig, plan.api_rooms_in_flight, plan.api_aborts, plan.target_rounds).await {
                 Ok(r) => out.abort_to_terminal_engine_api = Some(r),

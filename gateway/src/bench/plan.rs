@@ -54,6 +54,8 @@ pub struct Plan {
     pub api_aborts: u64,
     /// Rooms in flight when the decode gateway is frozen.
     pub frozen_rooms: u64,
+    /// SGLang-shaped rooms moved each way (one call per part per chunk, and batched).
+    pub sglang_rooms: u64,
 }
 
 const KIB: u64 = 1 << 10;
@@ -77,6 +79,7 @@ impl Plan {
             api_rooms_in_flight: 100_000,
             api_aborts: 1_000,
             frozen_rooms: 64,
+            sglang_rooms: 100,
         }
     }
 
@@ -97,6 +100,7 @@ impl Plan {
             api_rooms_in_flight: 100_000,
             api_aborts: 500,
             frozen_rooms: 16,
+            sglang_rooms: 20,
         }
     }
 
@@ -154,6 +158,7 @@ impl Plan {
         range("api_rooms_in_flight", self.api_rooms_in_flight, 1, 100_000);
         range("api_aborts", self.api_aborts, 1, self.api_rooms_in_flight.max(1));
         range("frozen_rooms", self.frozen_rooms, 1, 4_096);
+        range("sglang_rooms", self.sglang_rooms, 1, 100_000);
         for &b in &self.block_sizes_bytes {
             range("block size (bytes)", b, 8, MAX_MAX_TRANSFER_BYTES);
         }

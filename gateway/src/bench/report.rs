@@ -224,6 +224,17 @@ fn control_lines(report: &BenchReport) -> String {
             r.rooms_per_second, r.rooms, r.bytes_per_room, r.concurrency, r.failures, r.latency_p50_ms, r.latency_p99_ms, r.gateway_cpu_us_per_room, r.engine_cpu_us_per_room
         );
     }
+    if let Some(r) = &c.sglang_room {
+        for (how, m) in [("one Send per part per chunk", &r.per_part), ("one SendBatch per chunk", &r.batched)] {
+            let _ = writeln!(
+                out,
+                "control  SGLang-shaped room ({} layers x K,V = {} parts, {} chunks of {} pages of {} B), {how}: {} calls a room, p50 {:.2} ms, p99 {:.2} ms; CPU per room: gateways {:.0} us, engines {:.0} us ({} rooms, {} failed{})",
+                r.layers, r.parts, r.chunks, r.pages_per_chunk, r.page_bytes, m.calls_per_room, m.latency_p50_ms, m.latency_p99_ms,
+                m.gateway_cpu_us_per_room, m.engine_cpu_us_per_room, m.rooms, m.failures,
+                m.first_error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()
+            );
+        }
+    }
     for a in [&c.abort_to_terminal_core, &c.abort_to_terminal_engine_api].into_iter().flatten() {
         let _ = writeln!(
             out,

@@ -107,6 +107,35 @@ pub struct CellResult {
     pub round_reference_gbps: Vec<f64>,
 }
 
+/// One way of moving SGLang-shaped rooms: its calls, time and CPU per room.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SglangMode {
+    /// Engine-API calls one room took (the expect included).
+    pub calls_per_room: u64,
+    /// Rooms that succeeded, and those that did not (with the first reason).
+    pub rooms: u64,
+    pub failures: u64,
+    pub first_error: Option<String>,
+    pub latency_p50_ms: f64,
+    pub latency_p99_ms: f64,
+    pub gateway_cpu_us_per_room: f64,
+    pub engine_cpu_us_per_room: f64,
+}
+
+/// The SGLang-shaped room figure (`bench::sglang_room`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SglangRoom {
+    pub layers: u64,
+    pub parts: u64,
+    pub chunks: u64,
+    pub pages_per_chunk: u64,
+    pub page_bytes: u64,
+    /// One `Send` per part per chunk (engine API v1).
+    pub per_part: SglangMode,
+    /// One `SendBatch` per chunk (engine API v2).
+    pub batched: SglangMode,
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ControlPath {
     pub rooms_per_second: Option<RoomsPerSecond>,
@@ -115,6 +144,9 @@ pub struct ControlPath {
     /// Through two gateways and the engine API, with fewer rooms in flight.
     pub abort_to_terminal_engine_api: Option<AbortLatency>,
     pub frozen_peer: Option<FrozenPeer>,
+    /// An SGLang-shaped room (122 parts, 4 chunks), with one call per part per chunk and batched.
+    #[serde(default)]
+    pub sglang_room: Option<SglangRoom>,
     /// Control-path parts that could not run, with why.
     pub errors: Vec<String>,
 }

@@ -1,7 +1,7 @@
 //! Builds a [`GatewayConfig`] from its layers: built-in defaults (the `Default` impls) < TOML file <
 //! `KVGATE__SECTION__KEY` environment variables, then validates it. Never reads any other source.
 
-use super::validate::{validate, LimitError};
+use super::validate::{check_files, validate, LimitError};
 use super::GatewayConfig;
 use config::{Config, Environment, File, FileFormat};
 use std::fmt;
@@ -48,7 +48,25 @@ pub fn load_config(path: Option<&Path>) -> Result<GatewayConfig, ConfigError> {
         None => String::new(),
     };
     let origin = path.map(|p| p.display().to_string()).unwrap_or_else(|| "built-in defaults".to_string());
-    build(&text, &origin, true)
+    let mut config = build(&text, &origin, true)?;
+    resolve_relative_paths(&mut config, path.and_then(Path::parent));
+    let errors = check_files(&config);
+    if errors.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigError::Invalid(errors))
+    }
+}
+
+/// `peer_link.psk_file` given as a relative path names a file in the config file's folder (so a
+/// deployment's configs and its key travel together).
+fn resolve_relative_paths(config: &mut GatewayConfig, folder: Option<&Path>) {
+    let psk = &mut config.peer_link.psk_file;
+    if let Some(folder) = folder {
+        if !psk.is_empty() && Path::new(psk.as_str()).is_relative() {
+            *psk = folder.join(psk.as_str()).display().to_string();
+        }
+    }
 }
 
 /// Load from TOML text without the environment layer (tests, `config check` of generated text).

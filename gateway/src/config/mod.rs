@@ -58,10 +58,24 @@ pub struct EngineApiSection {
     pub max_regions: u64,
     /// Most concurrent `Watch` streams.
     pub max_watchers: u64,
-    /// Events buffered per watcher; a watcher that falls this far behind is dropped with an error.
+    /// Events buffered per watcher; a watcher that falls this far behind catches up from the replay log.
     pub watch_buffer_events: u64,
+    /// Room events kept for `Watch` resumption (`after_seq`); a cursor older than these is refused
+    /// (`watch_cursor_expired`) and the engine reconciles from `ListRooms`.
+    pub watch_replay_events: u64,
     /// Largest engine-API request accepted, in bytes.
     pub max_request_bytes: u64,
+    /// Streams of one engine connection that the engine may reset (e.g. calls it timed out) before
+    /// the gateway reads them, before HTTP/2 closes the whole connection (`too_many_resets`). A
+    /// gateway that stalled for seconds finds every call the engine gave up on reset at once.
+    pub http2_max_pending_reset_streams: u64,
+    /// Most calls in one `SendBatch` or `ExpectBatch`; a longer batch is refused whole (`too_many_calls`).
+    pub max_batch_calls: u64,
+    /// How long an engine session survives with no `Watch` stream open before it ends (its live rooms
+    /// fail `engine_lost`, its regions are released); an engine reconnecting within it resumes.
+    pub session_grace_ms: u64,
+    /// Most engine sessions open at once (`too_many_sessions` past it).
+    pub max_sessions: u64,
 }
 
 impl Default for EngineApiSection {
@@ -73,7 +87,12 @@ impl Default for EngineApiSection {
             max_regions: 4096,
             max_watchers: 256,
             watch_buffer_events: 4096,
+            watch_replay_events: 65536,
             max_request_bytes: 16 << 20,
+            http2_max_pending_reset_streams: 4096,
+            max_batch_calls: 4096,
+            session_grace_ms: 5000,
+            max_sessions: 1024,
         }
     }
 }
@@ -94,8 +113,43 @@ pub struct PeerLinkSection {
     pub reconnect_interval_ms: u64,
     /// Frames queued towards one peer; a peer that lets the queue fill is declared lost.
     pub send_queue_frames: u64,
-    /// Mutual TLS for peer links; absent = plain (only sensible on loopback or a trusted network).
+    /// How peer links are authenticated: `psk` (a pre-shared key file proven by challenge-response,
+    /// every frame then carries a MAC), `tls` (mutual TLS, `[peer_link.tls]`), or `none` (anyone who
+    /// can reach the port and names a peer is believed; logged as a warning, loopback only).
+    /// Unset: `tls` when `[peer_link.tls]` is given, `psk` otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auth: Option<PeerAuthMode>,
+    /// The pre-shared key of `auth = "psk"`: a file of mode 0600 holding at least 32 random bytes as
+    /// hex (`kvgate keygen psk FILE` makes one); every gateway of the deployment holds the same key.
+    pub psk_file: String,
+    /// Mutual TLS for peer links (`auth = "tls"`).
     pub tls: Option<PeerTlsSection>,
+}
+
+/// How a peer link proves who is at the other end.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PeerAuthMode {
+    Psk,
+    Tls,
+    None,
+}
+
+impl PeerAuthMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PeerAuthMode::Psk => "psk",
+            PeerAuthMode::Tls => "tls",
+            PeerAuthMode::None => "none",
+        }
+    }
+}
+
+impl PeerLinkSection {
+    /// The authentication in force: `auth`, or its default (`tls` with `[peer_link.tls]`, else `psk`).
+    pub fn auth_mode(&self) -> PeerAuthMode {
+        self.auth.unwrap_or(if self.tls.is_some() { PeerAuthMode::Tls } else { PeerAuthMode::Psk })
+    }
 }
 
 impl Default for PeerLinkSection {
@@ -107,6 +161,8 @@ impl Default for PeerLinkSection {
             connect_timeout_ms: 2000,
             reconnect_interval_ms: 250,
             send_queue_frames: 65536,
+            auth: None,
+            psk_file: String::new(),
             tls: None,
         }
     }

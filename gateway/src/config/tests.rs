@@ -62,6 +62,11 @@ fn queue_limits_are_checked_at_and_just_past_each_bound() {
         ("engine_api", "max_regions", 1, 1 << 20),
         ("engine_api", "max_watchers", 1, 65_536),
         ("engine_api", "watch_buffer_events", 16, 1 << 20),
+        ("engine_api", "http2_max_pending_reset_streams", 20, 1 << 20),
+        ("engine_api", "watch_replay_events", 16, 1 << 24),
+        ("engine_api", "max_batch_calls", 1, 1 << 20),
+        ("engine_api", "session_grace_ms", 100, 3_600_000),
+        ("engine_api", "max_sessions", 1, 65_536),
     ];
     for (section, key, min, max) in cases {
         load_config_from_str(&format!("[{section}]\n{key} = {min}\n")).unwrap();
@@ -139,7 +144,9 @@ fn stuck_room_warning_rate_is_checked_at_and_just_past_its_bounds() {
     assert!(e.contains("admin.stuck_room_warn_lines_per_s = 100001") && e.contains("0..=100000"), "{e}");
 }
 
-const ETCD: &str = "[discovery]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n";
+/// Discovery on (peer links then need their authentication: a key file, which validation does not read).
+const ETCD: &str = "[peer_link]\npsk_file = \"/etc/kvgate/peer.key\"\n[discovery]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n";
+const ETCD_ONLY: &str = "[discovery]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n";
 
 #[test]
 fn discovery_limits_are_checked_at_and_just_past_each_bound_only_when_it_is_on() {
@@ -162,9 +169,10 @@ fn discovery_limits_are_checked_at_and_just_past_each_bound_only_when_it_is_on()
         }
     }
     let sixteen: Vec<String> = (0..16).map(|i| format!("\"http://10.0.0.{i}:2379\"")).collect();
-    load_config_from_str(&format!("[discovery]\netcd_endpoints = [{}]\n", sixteen.join(","))).unwrap();
+    let key = "[peer_link]\npsk_file = \"/etc/kvgate/peer.key\"\n";
+    load_config_from_str(&format!("{key}[discovery]\netcd_endpoints = [{}]\n", sixteen.join(","))).unwrap();
     let seventeen = format!("{},\"http://10.0.0.99:2379\"", sixteen.join(","));
-    let e = errors_of(&format!("[discovery]\netcd_endpoints = [{seventeen}]\n"));
+    let e = errors_of(&format!("{key}[discovery]\netcd_endpoints = [{seventeen}]\n"));
     assert!(e.contains("discovery.etcd_endpoints (count) = 17") && e.contains("1..=16"), "{e}");
 }
 
@@ -186,7 +194,7 @@ fn discovery_addresses_and_prefix_are_checked() {
     let e = errors_of(&format!("{ETCD}advertise_address = \"10.0.0.1\"\n"));
     assert!(e.contains("discovery.advertise_address") && e.contains("host:port"), "{e}");
     // A wildcard listen address cannot be dialled: the advertised one must be given.
-    let wildcard = format!("[peer_link]\nlisten = \"0.0.0.0:7100\"\n{ETCD}");
+    let wildcard = format!("[peer_link]\nlisten = \"0.0.0.0:7100\"\npsk_file = \"/etc/kvgate/peer.key\"\n{ETCD_ONLY}");
     let e = errors_of(&wildcard);
     assert!(e.contains("discovery.advertise_address") && e.contains("wildcard"), "{e}");
     load_config_from_str(&format!("{wildcard}advertise_address = \"10.0.0.1:7100\"\n")).unwrap();
@@ -203,11 +211,49 @@ fn discovery_credentials_and_tls_come_whole() {
     // TLS: https:// endpoints only, a CA always, a client certificate with its key.
     let e = errors_of(&format!("{ETCD}[discovery.tls]\nca_file = \"/etc/ca.pem\"\n"));
     assert!(e.contains("discovery.etcd_endpoints[0]") && e.contains("https://host:port"), "{e}");
-    let https = "[discovery]\netcd_endpoints = [\"https://etcd-1:2379\"]\n";
+    let https = "[peer_link]\npsk_file = \"/etc/kvgate/peer.key\"\n[discovery]\netcd_endpoints = [\"https://etcd-1:2379\"]\n";
     let e = errors_of(https);
     assert!(e.contains("discovery.etcd_endpoints[0]") && e.contains("needs discovery.tls"), "{e}");
     let e = errors_of(&format!("{https}[discovery.tls]\ncert_file = \"/etc/c.pem\"\n"));
     assert!(e.contains("discovery.tls.ca_file") && e.contains("discovery.tls.cert_file"), "{e}");
     load_config_from_str(&format!("{https}[discovery.tls]\nca_file = \"/etc/ca.pem\"\n")).unwrap();
     load_config_from_str(&format!("{https}[discovery.tls]\nca_file = \"/etc/ca.pem\"\ncert_file = \"/etc/c.pem\"\nkey_file = \"/etc/c.key\"\n")).unwrap();
+}
+
+#[test]
+fn a_log_level_the_filter_would_not_understand_is_refused() {
+    for bad in ["warning", "verbose", "", " ", "kvgate=loud", "=info", "info,"] {
+        let e = errors_of(&format!("[log]\nlevel = {bad:?}\n"));
+        assert!(e.contains("log.level") && e.contains("trace|debug|info|warn|error|off"), "{bad:?}: {e}");
+    }
+    for good in ["info", "WARN", "off", "kvgate::driver=debug,warn", "h2=error, info"] {
+        load_config_from_str(&format!("[log]\nlevel = {good:?}\n")).unwrap_or_else(|e| panic!("{good:?}: {e}"));
+    }
+}
+
+#[test]
+fn peer_links_need_authentication_unless_none_is_written_and_then_only_on_loopback() {
+    let peer = "[[peers]]\nname = \"decode\"\naddress = \"127.0.0.1:7101\"\n";
+    // A gateway with no peer needs no key; one with a peer (or discovery) does.
+    load_config_from_str("").unwrap();
+    let e = errors_of(peer);
+    assert!(e.contains("peer_link.psk_file") && e.contains("kvgate keygen psk"), "{e}");
+    assert!(errors_of(ETCD_ONLY).contains("peer_link.psk_file"));
+    let c = load_config_from_str(&format!("[peer_link]\npsk_file = \"/k\"\n{peer}")).unwrap();
+    assert_eq!(c.peer_link.auth_mode(), PeerAuthMode::Psk);
+    // `tls` needs its section; the section alone means `tls`; `psk` beside it is refused.
+    assert!(errors_of(&format!("[peer_link]\nauth = \"tls\"\n{peer}")).contains("only with [peer_link.tls]"));
+    let tls = "[peer_link.tls]\ncert_file = \"/c\"\nkey_file = \"/k\"\nca_file = \"/ca\"\n";
+    assert_eq!(load_config_from_str(&format!("{peer}{tls}")).unwrap().peer_link.auth_mode(), PeerAuthMode::Tls);
+    assert!(errors_of(&format!("[peer_link]\nauth = \"psk\"\npsk_file = \"/k\"\n{peer}{tls}")).contains("one authentication per link"));
+    // `none`: only written, only on loopback, with no key file beside it.
+    assert_eq!(load_config_from_str(&format!("[peer_link]\nauth = \"none\"\n{peer}")).unwrap().peer_link.auth_mode(), PeerAuthMode::None);
+    for listen in ["0.0.0.0:7100", "10.0.0.1:7100", "[::]:7100"] {
+        let e = errors_of(&format!("[peer_link]\nauth = \"none\"\nlisten = {listen:?}\n{peer}"));
+        assert!(e.contains("peer_link.listen") && e.contains("loopback"), "{listen}: {e}");
+    }
+    load_config_from_str(&format!("[peer_link]\nauth = \"none\"\nlisten = \"[::1]:7100\"\n{peer}")).unwrap();
+    assert!(errors_of(&format!("[peer_link]\nauth = \"none\"\npsk_file = \"/k\"\n{peer}")).contains("empty unless peer_link.auth"));
+    // A misspelt mode is a parse error naming the key.
+    assert!(errors_of("[peer_link]\nauth = \"pks\"\n").contains("auth"));
 }

@@ -1,7 +1,7 @@
 //! Checks every limit and cross-field rule of a loaded [`GatewayConfig`], reporting all problems at
 //! once, each naming the key, the value and what is allowed. Never fixes a value silently.
 
-use super::GatewayConfig;
+use super::{GatewayConfig, PeerAuthMode};
 use std::fmt;
 use std::net::SocketAddr;
 
@@ -74,7 +74,12 @@ fn check_gateway_and_engine_api(config: &GatewayConfig, errors: &mut Vec<LimitEr
     errors.extend(check_range("engine_api.max_regions", api.max_regions, 1, 1 << 20));
     errors.extend(check_range("engine_api.max_watchers", api.max_watchers, 1, 65_536));
     errors.extend(check_range("engine_api.watch_buffer_events", api.watch_buffer_events, 16, 1 << 20));
+    errors.extend(check_range("engine_api.watch_replay_events", api.watch_replay_events, 16, 1 << 24));
     errors.extend(check_range("engine_api.max_request_bytes", api.max_request_bytes, 4096, 1 << 30));
+    errors.extend(check_range("engine_api.max_batch_calls", api.max_batch_calls, 1, 1 << 20));
+    errors.extend(check_range("engine_api.session_grace_ms", api.session_grace_ms, 100, 3_600_000));
+    errors.extend(check_range("engine_api.max_sessions", api.max_sessions, 1, 65_536));
+    errors.extend(check_range("engine_api.http2_max_pending_reset_streams", api.http2_max_pending_reset_streams, 20, 1 << 20));
 }
 
 fn check_peer_link(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
@@ -93,6 +98,62 @@ fn check_peer_link(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
                 errors.push(rule(&format!("peer_link.tls.{key}"), "\"\"", "a PEM file path (all three are needed for mutual TLS)"));
             }
         }
+    }
+    check_peer_auth(config, errors);
+}
+
+/// The files a config names that must be usable before anything starts (`config check` and
+/// `serve`; not the pure `validate`, which reads nothing).
+pub fn check_files(config: &GatewayConfig) -> Vec<LimitError> {
+    let mut errors = Vec::new();
+    let link = &config.peer_link;
+    if link.auth_mode() == PeerAuthMode::Psk && !link.psk_file.is_empty() {
+        if let Err(e) = crate::peer_link::psk::Psk::load(std::path::Path::new(&link.psk_file)) {
+            let allowed = format!("a key file of mode 0600 owned by this user ({e:#}); make one with `kvgate keygen psk {}`", link.psk_file);
+            errors.push(rule("peer_link.psk_file", format!("{:?}", link.psk_file), &allowed));
+        }
+    }
+    errors
+}
+
+/// Peer links are authenticated unless the operator wrote `auth = "none"`, and never unauthenticated
+/// on an address other hosts can reach.
+fn check_peer_auth(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
+    let link = &config.peer_link;
+    let has_peers = !config.peers.is_empty() || !config.discovery.etcd_endpoints.is_empty();
+    match link.auth_mode() {
+        PeerAuthMode::Psk => {
+            if link.tls.is_some() {
+                errors.push(rule("peer_link.auth", "\"psk\"", "\"tls\" when [peer_link.tls] is given (one authentication per link)"));
+            }
+            if link.psk_file.is_empty() && has_peers {
+                errors.push(rule(
+                    "peer_link.psk_file",
+                    "\"\"",
+                    "a key file (make one with `kvgate keygen psk FILE`, the same file for every gateway of the deployment): \
+                     peer links are authenticated by default; or peer_link.auth = \"tls\" with [peer_link.tls], \
+                     or peer_link.auth = \"none\" to run them unauthenticated on loopback",
+                ));
+            }
+        }
+        PeerAuthMode::Tls => {
+            if link.tls.is_none() {
+                errors.push(rule("peer_link.auth", "\"tls\"", "\"tls\" only with [peer_link.tls] (cert_file, key_file, ca_file)"));
+            }
+        }
+        PeerAuthMode::None => {
+            let reachable = link.listen.parse::<SocketAddr>().is_ok_and(|a| !a.ip().is_loopback());
+            if reachable {
+                errors.push(rule(
+                    "peer_link.listen",
+                    format!("{:?}", link.listen),
+                    "a loopback address while peer_link.auth = \"none\" (an unauthenticated link must not be reachable from other hosts)",
+                ));
+            }
+        }
+    }
+    if link.auth_mode() != PeerAuthMode::Psk && !link.psk_file.is_empty() {
+        errors.push(rule("peer_link.psk_file", format!("{:?}", link.psk_file), &format!("empty unless peer_link.auth = \"psk\" (it is {:?})", link.auth_mode().as_str())));
     }
 }
 
@@ -191,4 +252,31 @@ fn check_plugins_driver_admin_log(config: &GatewayConfig, errors: &mut Vec<Limit
     if !["text", "json"].contains(&config.log.format.as_str()) {
         errors.push(rule("log.format", format!("{:?}", config.log.format), "\"text\" or \"json\""));
     }
+    if let Err(why) = check_log_level(&config.log.level) {
+        errors.push(rule("log.level", format!("{:?}", config.log.level), &why));
+    }
+}
+
+/// Levels a `log.level` directive may name.
+pub const LOG_LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+
+/// A `log.level`: comma-separated directives, each a level (`info`) or `target=level`
+/// (`kvgate::driver=debug`). Anything else (`warning`, `verbose`, an empty string) would be read by
+/// the log filter as a target name with no level and silence the gateway: refused instead.
+pub fn check_log_level(level: &str) -> Result<(), String> {
+    let allowed = || format!("comma-separated directives, each one of {} or target=LEVEL", LOG_LEVELS.join("|"));
+    if level.trim().is_empty() {
+        return Err(allowed());
+    }
+    for directive in level.split(',').map(str::trim) {
+        let (target, lvl) = match directive.rsplit_once('=') {
+            Some((target, lvl)) => (Some(target.trim()), lvl.trim()),
+            None => (None, directive),
+        };
+        let target_ok = target.is_none_or(|t| !t.is_empty() && !t.contains(char::is_whitespace));
+        if !target_ok || !LOG_LEVELS.contains(&lvl.to_ascii_lowercase().as_str()) {
+            return Err(format!("{} ({directive:?} is not)", allowed()));
+        }
+    }
+    Ok(())
 }

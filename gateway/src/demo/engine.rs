@@ -1,7 +1,8 @@
-//! Synthetic engines: a prefill engine and a decode engine, each a client of its own gateway, with a
-//! KV pool registered by file path. `run_room` moves one request's KV cache (expect on decode, chunked
-//! sends on prefill), waits for both sides' terminal events and verifies the destination checksum.
-//! Never decides an outcome itself: it reports what the gateways said.
+//! Synthetic engines: a prefill engine and a decode engine, each a client of its own gateway in an
+//! engine session of its own, with a KV pool registered by file path. `run_room` moves one request's
+//! KV cache (expect on decode, one batched send per chunk on prefill), waits for both sides' terminal
+//! events and verifies the destination checksum. Never decides an outcome itself: it reports what the
+//! gateways said.
 
 use super::pool::{checksum, KvPool, KvShape};
 use anyhow::{bail, Context};
@@ -48,23 +49,34 @@ impl EventRouter {
     }
 }
 
-/// One engine: its client, its pool (registered as one region) and its event router.
+/// One engine: its client (in its session), its pool (registered as one region) and its event router
+/// (whose Watch stream keeps the session attached).
 pub struct Engine {
     pub client: Client,
+    pub session: u64,
     pub region: u64,
     pub pool: Arc<Mutex<KvPool>>,
     pub events: EventRouter,
 }
 
+/// A session name unique in this process, from an engine's label.
+fn session_name(label: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let base: String = label.chars().map(|c| if c.is_ascii_alphanumeric() || "._:-".contains(c) { c } else { '-' }).take(64).collect();
+    format!("{base}-{}-{}", std::process::id(), NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
 impl Engine {
     pub async fn connect(socket: &Path, pool: KvPool, label: &str) -> anyhow::Result<Engine> {
         let client = Client::connect_unix(socket).await.with_context(|| format!("connect {}", socket.display()))?;
+        let session = client.open_session(&session_name(label)).await.map_err(|s| anyhow::anyhow!("open a session for {label}: {}", s.message()))?.session;
+        let client = client.in_session(session);
         let region = client
             .register_shared_memory(&pool.path.display().to_string(), 0, pool.len(), label)
             .await
             .map_err(|s| anyhow::anyhow!("register {label} pool: {}", s.message()))?;
         let events = EventRouter::start(&client).await?;
-        Ok(Engine { client, region, pool: Arc::new(Mutex::new(pool)), events })
+        Ok(Engine { client, session, region, pool: Arc::new(Mutex::new(pool)), events })
     }
 }
 
@@ -114,23 +126,38 @@ pub async fn wait_reusable(rx: &mut mpsc::UnboundedReceiver<RoomEvent>, timeout:
     false
 }
 
-/// Prefill side: send every chunk of every part of `room` from `slot`, stopping at the first refusal.
+/// Prefill side: send every chunk of every part of `room` from `slot`, one `SendBatch` per chunk
+/// (every part's slices of that chunk), stopping at the first chunk with a refusal (returned with its
+/// reason code, as a single `Send`'s would be).
 pub async fn send_all(prefill: &Engine, shape: &KvShape, room: u64, slot: u64, peer: &str, chunk_limit: Option<u64>) -> Result<(), tonic::Status> {
     let slot_offset = prefill.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(slot);
     for chunk in 0..chunk_limit.unwrap_or(shape.chunks).min(shape.chunks) {
-        for part in 0..shape.parts {
-            let request = proto::SendRequest {
+        let sends = (0..shape.parts)
+            .map(|part| proto::SendRequest {
                 key: Some(room_key(room, 0)),
                 part: part as u32,
                 chunk: chunk as u32,
                 slices: shape.chunk_slices(prefill.region, slot_offset, part, chunk),
                 last: chunk + 1 == shape.chunks,
                 peer: peer.to_string(),
-            };
-            prefill.client.send(request).await?;
+            })
+            .collect();
+        let reply = prefill.client.send_batch(sends).await?;
+        if let Some(refused) = reply.results.into_iter().find(|r| !r.reason.is_empty()) {
+            return Err(refusal_status(&refused));
         }
     }
     Ok(())
+}
+
+/// A refused call of a batch as the status a single call would have got (reason code in the message
+/// and in the `kvgate-reason` metadata).
+pub fn refusal_status(refused: &proto::CallResult) -> tonic::Status {
+    let mut status = tonic::Status::failed_precondition(format!("{}: {}", refused.reason, refused.message));
+    if let Ok(value) = refused.reason.parse() {
+        status.metadata_mut().insert(kvgate_client::REASON_METADATA_KEY, value);
+    }
+    status
 }
 
 /// Decode side: expect `room` into `slot`.

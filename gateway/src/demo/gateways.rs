@@ -186,7 +186,17 @@ fn plugin_config_table(plugin: &str, body: &str) -> String {
     format!("[plugins.config.{plugin}]\n{}\n", body.trim_end())
 }
 
-fn config_text(name: &str, socket: &Path, peer_listen: &str, admin: &str, peers: &[(String, String)], s: &PairSettings, extra: &str) -> String {
+/// `psk_file = ...` for the `[peer_link]` table (the default authentication), unless `extra` configures
+/// mutual TLS instead.
+fn psk_line(psk_file: &Path, extra: &str) -> String {
+    if extra.contains("[peer_link.tls]") {
+        return String::new();
+    }
+    format!("psk_file = {}\n", toml::Value::String(psk_file.display().to_string()))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn config_text(name: &str, socket: &Path, peer_listen: &str, admin: &str, peers: &[(String, String)], s: &PairSettings, extra: &str, psk_file: &Path) -> String {
     let peers: String = peers
         .iter()
         .map(|(peer, address)| format!("[[peers]]\nname = \"{peer}\"\naddress = \"{address}\"\nsame_host = true\ntls_name = \"localhost\"\n"))
@@ -203,7 +213,7 @@ heartbeat_interval_ms = {hb}
 heartbeat_misses = {misses}
 connect_timeout_ms = 2000
 reconnect_interval_ms = 100
-{peers}
+{psk}{peers}
 [plugins]
 preference = ["{plugin}"]
 libraries = {libraries}
@@ -224,6 +234,7 @@ stuck_room_warn_ms = {stuck:?}
         plugin_config = plugin_config_table(&s.plugin, &s.plugin_config),
         bootstrap = s.bootstrap_timeout_ms,
         stuck = s.stuck_room_warn_ms,
+        psk = psk_line(psk_file, extra),
     )
 }
 
@@ -240,6 +251,11 @@ impl Cluster {
     pub async fn start(binary: &Path, dir: &Path, settings: &PairSettings, members: &[Member<'_>]) -> anyhow::Result<Cluster> {
         let ports: Vec<(u16, u16)> = members.iter().map(|_| (free_port(), free_port())).collect();
         let tag = format!("{}-{}", settings.plugin, std::process::id());
+        // One pre-shared key for the cluster's peer links (kept if a previous cluster in `dir` made it).
+        let psk_file = dir.join(format!("peer-{tag}.key"));
+        if !psk_file.exists() {
+            crate::peer_link::psk::Psk::generate(&psk_file, false).context("make the cluster's peer-link key")?;
+        }
         let mut gateways = Vec::new();
         for (i, (name, extra, env)) in members.iter().enumerate() {
             let (port, admin) = ports[i];
@@ -252,7 +268,7 @@ impl Cluster {
             let socket = dir.join(format!("{name}-{tag}.sock"));
             let config_path = dir.join(format!("{name}-{tag}.toml"));
             let log_path = dir.join(format!("{name}-{tag}.log"));
-            let text = config_text(name, &socket, &format!("127.0.0.1:{port}"), &format!("127.0.0.1:{admin}"), &peers, settings, extra);
+            let text = config_text(name, &socket, &format!("127.0.0.1:{port}"), &format!("127.0.0.1:{admin}"), &peers, settings, extra, &psk_file);
             std::fs::write(&config_path, text)?;
             let log = std::fs::File::create(&log_path)?;
             let child = Command::new(binary)
@@ -349,9 +365,14 @@ impl GatewayPair {
 mod tests {
     use super::*;
 
-    fn generated(settings: &PairSettings) -> String {
+    /// The generated config, and the folder holding its key file (keep it while loading).
+    fn generated(settings: &PairSettings) -> (tempfile::TempDir, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("peer.key");
+        crate::peer_link::psk::Psk::generate(&key, false).unwrap();
         let peers = vec![("decode".to_string(), "127.0.0.1:7101".to_string())];
-        config_text("prefill", Path::new("/tmp/x.sock"), "127.0.0.1:7100", "127.0.0.1:9100", &peers, settings, "")
+        let text = config_text("prefill", Path::new("/tmp/x.sock"), "127.0.0.1:7100", "127.0.0.1:9100", &peers, settings, "", &key);
+        (dir, text)
     }
 
     #[test]
@@ -362,7 +383,8 @@ mod tests {
             plugin_config: "tls = \"tcp\"\ndevices = \"lo\"\n".into(),
             ..PairSettings::default()
         };
-        let config = crate::config::load_config_from_str(&generated(&settings)).expect("the generated config loads");
+        let (_dir, text) = generated(&settings);
+        let config = crate::config::load_config_from_str(&text).expect("the generated config loads");
         assert_eq!(config.plugins.preference, vec!["ucx".to_string()]);
         assert_eq!(config.plugins.libraries, vec!["/opt/kv gate/libkvgate_ucx.so".to_string()]);
         let section = config.plugins.config.get("ucx").expect("[plugins.config.ucx]");
@@ -372,8 +394,12 @@ mod tests {
 
     #[test]
     fn default_settings_load_no_library_and_no_plugin_section() {
-        let config = crate::config::load_config_from_str(&generated(&PairSettings::default())).expect("the generated config loads");
+        let (_dir, text) = generated(&PairSettings::default());
+        let config = crate::config::load_config_from_str(&text).expect("the generated config loads");
         assert!(config.plugins.libraries.is_empty());
+        // Peer links are authenticated with the cluster's key.
+        assert_eq!(config.peer_link.auth_mode(), crate::config::PeerAuthMode::Psk);
+        assert!(config.peer_link.psk_file.ends_with("peer.key"));
         assert!(config.plugins.config.is_empty());
     }
 

@@ -120,6 +120,7 @@ impl Driver {
                             phase: failure.phase.as_str().into(),
                             elapsed_ms: elapsed.as_ms(),
                             bytes,
+                            peer_reason: failure.peer_reason.map(|r| r.as_str().to_string()).unwrap_or_default(),
                         })
                     }
                 }
@@ -134,6 +135,9 @@ impl Driver {
                     );
                 }
                 self.room_clock.remove(&key);
+                self.region_use.release(*room, *role);
+                self.sessions.room_reusable(*room, *role);
+                self.release_orphan_regions();
                 proto::room_event::Event::Reusable(proto::Reusable { reason: cause.as_str().into() })
             }
         };
@@ -143,6 +147,7 @@ impl Driver {
             event: Some(wire),
             at_ms,
             role: event.role().as_str().into(),
+            seq: 0, // assigned by the feed
         });
     }
 }

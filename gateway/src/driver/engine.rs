@@ -34,21 +34,61 @@ impl ApiError {
     }
 }
 
+/// A region registered: its id, the plugins that accepted it, and each that refused it with why.
+#[derive(Clone, Debug)]
+pub struct Registered {
+    pub region: u64,
+    pub plugins: Vec<String>,
+    pub refused: Vec<String>,
+}
+
 /// Memory an engine registers, by reference.
 #[derive(Clone, Debug)]
 pub enum MemorySpec {
     SharedFile { path: String, offset: u64, len: u64 },
-    CudaIpc { device: i32, handle: Vec<u8>, len: u64 },
+    CudaIpc { device: i32, handle: Vec<u8>, offset: u64, len: u64 },
+}
+
+/// One expect, decoded.
+#[derive(Clone, Debug)]
+pub struct ExpectCall {
+    /// The engine session the room belongs to, if the call named one.
+    pub session: Option<u64>,
+    pub room: RoomKey,
+    pub peer: String,
+    pub parts: Vec<Vec<Slice>>,
+    pub timeout_ms: Option<u64>,
+}
+
+/// One send (one chunk of one part), decoded.
+#[derive(Clone, Debug)]
+pub struct SendCall {
+    /// The engine session the room belongs to, if the call named one.
+    pub session: Option<u64>,
+    pub room: RoomKey,
+    pub peer: Option<String>,
+    pub part: u32,
+    pub chunk: u32,
+    pub slices: Vec<Slice>,
+    pub last: bool,
 }
 
 pub enum EngineCall {
-    Register { memory: MemorySpec, label: String, reply: Reply<(u64, Vec<String>)> },
+    Register { memory: MemorySpec, label: String, session: Option<u64>, reply: Reply<Registered> },
+    OpenSession { name: String, reply: Reply<(u64, bool)> },
+    CloseSession { session: u64, reply: Reply<super::session_calls::SessionEnd> },
+    /// A `Watch` stream of the session opened; `DetachSession` when it closes.
+    AttachSession { session: u64, reply: Reply<()> },
+    DetachSession { session: u64 },
     Unregister { region: u64, reply: Reply<()> },
-    Expect { room: RoomKey, peer: String, parts: Vec<Vec<Slice>>, timeout_ms: Option<u64>, reply: Reply<()> },
-    Send { room: RoomKey, peer: Option<String>, part: u32, chunk: u32, slices: Vec<Slice>, last: bool, reply: Reply<()> },
+    Expect { call: ExpectCall, reply: Reply<()> },
+    Send { call: SendCall, reply: Reply<()> },
+    /// Each call decoded on its own (one that could not be is refused in its place).
+    ExpectBatch { calls: Vec<Result<ExpectCall, ApiError>>, reply: Reply<Vec<Result<(), ApiError>>> },
+    SendBatch { calls: Vec<Result<SendCall, ApiError>>, reply: Reply<Vec<Result<(), ApiError>>> },
     Abort { room: RoomKey, why: String, reply: Reply<bool> },
     GetRoom { room: RoomKey, reply: Reply<proto::RoomInfo> },
-    ListRooms { include_terminal: bool, reply: Reply<Vec<proto::RoomInfo>> },
+    ListRooms { include_terminal: bool, reply: Reply<(Vec<proto::RoomInfo>, u64)> },
 }
 
 fn refusal_code(reason: RefusalReason) -> tonic::Code {
@@ -66,24 +106,39 @@ fn refusal_code(reason: RefusalReason) -> tonic::Code {
 impl Driver {
     pub(super) fn on_engine_call(&mut self, call: EngineCall) {
         match call {
-            EngineCall::Register { memory, label, reply } => {
-                let result = self.register_region(memory, label);
+            EngineCall::Register { memory, label, session, reply } => {
+                let result = self.check_session(session).and_then(|()| self.register_region(memory, label));
+                if let (Ok(registered), Some(id)) = (&result, session) {
+                    self.sessions.own_region(id, registered.region);
+                }
                 let _ = reply.send(result);
             }
+            EngineCall::OpenSession { name, reply } => {
+                let _ = reply.send(self.open_session(&name));
+            }
+            EngineCall::CloseSession { session, reply } => {
+                let _ = reply.send(self.close_session(session));
+            }
+            EngineCall::AttachSession { session, reply } => {
+                let _ = reply.send(self.attach_session(session));
+            }
+            EngineCall::DetachSession { session } => self.detach_session(session),
             EngineCall::Unregister { region, reply } => {
                 let _ = reply.send(self.unregister_region(region));
             }
-            EngineCall::Expect { room, peer, parts, timeout_ms, reply } => {
-                let result = self.peer_id_of(&peer).and_then(|peer| self.submit_engine(EngineRequest::Expect { room, peer, parts, timeout_ms }));
-                let _ = reply.send(result);
+            EngineCall::Expect { call, reply } => {
+                let _ = reply.send(self.expect_call(call));
             }
-            EngineCall::Send { room, peer, part, chunk, slices, last, reply } => {
-                let peer = match peer.as_deref().filter(|p| !p.is_empty()) {
-                    Some(name) => self.peer_id_of(name).map(Some),
-                    None => Ok(None),
-                };
-                let result = peer.and_then(|peer| self.submit_engine(EngineRequest::Send { room, peer, part, chunk, slices, last }));
-                let _ = reply.send(result);
+            EngineCall::Send { call, reply } => {
+                let _ = reply.send(self.send_call(call));
+            }
+            EngineCall::ExpectBatch { calls, reply } => {
+                let results = calls.into_iter().map(|call| call.and_then(|call| self.expect_call(call))).collect();
+                let _ = reply.send(Ok(results));
+            }
+            EngineCall::SendBatch { calls, reply } => {
+                let results = calls.into_iter().map(|call| call.and_then(|call| self.send_call(call))).collect();
+                let _ = reply.send(Ok(results));
             }
             EngineCall::Abort { room, why, reply } => {
                 let now = self.now();
@@ -109,7 +164,8 @@ impl Driver {
                     .filter(|v| include_terminal || !v.state.is_terminal())
                     .map(|v| views::room_info(&v, &self.peers, &self.plugins))
                     .collect();
-                let _ = reply.send(Ok(rooms));
+                // The driver publishes every room event itself: no event is half-published here.
+                let _ = reply.send(Ok((rooms, self.watch.last_seq())));
             }
         }
     }
@@ -125,11 +181,57 @@ impl Driver {
         Err(ApiError::new(tonic::Code::Unavailable, "peer_not_connected", format!("peer {name:?} is known but its link is down")))
     }
 
-    fn submit_engine(&mut self, request: EngineRequest) -> Result<(), ApiError> {
+    fn expect_call(&mut self, call: ExpectCall) -> Result<(), ApiError> {
+        self.check_session(call.session)?;
+        let peer = self.peer_id_of(&call.peer)?;
+        self.expect(call.room, peer, call.parts, call.timeout_ms)?;
+        if let Some(id) = call.session {
+            self.sessions.own_room(id, call.room, Role::Receiver);
+        }
+        Ok(())
+    }
+
+    fn send_call(&mut self, call: SendCall) -> Result<(), ApiError> {
+        self.check_session(call.session)?;
+        let peer = match call.peer.as_deref().filter(|p| !p.is_empty()) {
+            Some(name) => Some(self.peer_id_of(name)?),
+            None => None,
+        };
+        self.send(call.room, peer, call.part, call.chunk, call.slices, call.last)?;
+        if let Some(id) = call.session {
+            self.sessions.own_room(id, call.room, Role::Sender);
+        }
+        Ok(())
+    }
+
+    /// An expect: once the core accepts it, the room holds its destination regions.
+    fn expect(&mut self, room: RoomKey, peer: PeerId, parts: Vec<Vec<Slice>>, timeout_ms: Option<u64>) -> Result<(), ApiError> {
         let now = self.now();
-        self.core.handle_engine(now, request).map_err(|refusal| {
+        let result = self.core.handle_expect(now, room, peer, &parts, timeout_ms);
+        self.refusal_to_api(result)?;
+        self.region_use.hold(room, Role::Receiver, parts.iter().flatten());
+        Ok(())
+    }
+
+    /// A send: once the core accepts it, the room holds its source regions.
+    fn send(&mut self, room: RoomKey, peer: Option<PeerId>, part: u32, chunk: u32, slices: Vec<Slice>, last: bool) -> Result<(), ApiError> {
+        let now = self.now();
+        let result = self.core.handle_send(now, room, peer, part, chunk, &slices, last);
+        self.refusal_to_api(result)?;
+        self.region_use.hold(room, Role::Sender, &slices);
+        Ok(())
+    }
+
+    fn refusal_to_api(&self, result: Result<(), kvgate_core::Refusal>) -> Result<(), ApiError> {
+        result.map_err(|refusal| {
             tracing::info!(room = %refusal.room, reason = refusal.reason.as_str(), "engine request refused");
             ApiError::new(refusal_code(refusal.reason), refusal.reason.as_str(), refusal.to_string())
         })
+    }
+
+    fn submit_engine(&mut self, request: EngineRequest) -> Result<(), ApiError> {
+        let now = self.now();
+        let result = self.core.handle_engine(now, request);
+        self.refusal_to_api(result)
     }
 }

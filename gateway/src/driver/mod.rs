@@ -7,12 +7,15 @@
 mod commands;
 mod engine;
 mod peers;
+mod region_use;
 mod regions;
+mod session_calls;
+pub mod sessions;
 mod shutdown;
 mod stuck;
 mod views;
 
-pub use engine::{ApiError, EngineCall, MemorySpec, Reply};
+pub use engine::{ApiError, EngineCall, ExpectCall, MemorySpec, Registered, Reply, SendCall};
 pub use views::{AdminSnapshot, PeerStatus, PluginStatus, RoomJson};
 
 use crate::config::GatewayConfig;
@@ -64,6 +67,12 @@ pub struct Driver {
     /// `Some(reason)` once a plugin reported itself unhealthy.
     plugin_unhealthy: Vec<Option<String>>,
     regions: regions::Regions,
+    /// Which rooms hold which local regions (an unregister of a held region is refused).
+    region_use: region_use::RegionUse,
+    /// Engine sessions and what they own.
+    sessions: sessions::Sessions,
+    /// Regions of ended sessions, released once no room holds them.
+    orphan_regions: std::collections::BTreeSet<u64>,
     peers: peers::Peers,
     directory: Arc<crate::peer_link::PeerDirectory>,
     watch: crate::engine_api::WatchFeed,
@@ -104,6 +113,9 @@ impl Driver {
             core: parts.core,
             origin: Instant::now(),
             regions: regions::Regions::new(parts.config.engine_api.max_regions),
+            region_use: region_use::RegionUse::default(),
+            sessions: sessions::Sessions::default(),
+            orphan_regions: Default::default(),
             peers: peers::Peers::default(),
             directory: parts.directory,
             config: parts.config,
@@ -254,5 +266,6 @@ impl Driver {
     fn housekeeping(&mut self) {
         self.warn_stuck_rooms();
         self.log_new_violations();
+        self.end_expired_sessions();
     }
 }

@@ -143,7 +143,8 @@ impl Driver {
                     tracing::warn!(peer = %state.name, "undecodable peer message dropped: {e}");
                 }
             },
-            Frame::Hello(_) | Frame::Heartbeat(_) => {}
+            // The session task checks both before a frame gets here (a second Hello ends the link).
+            Frame::Hello(_) | Frame::Heartbeat(_) | Frame::AuthProof(_) => {}
         }
     }
 

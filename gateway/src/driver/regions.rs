@@ -2,7 +2,7 @@
 //! plugin that serves its kind, telling the core, and announcing its remote keys to peers. Never
 //! copies or reads the bytes; the mapping only gives plugins an address.
 
-use super::{ApiError, Driver, MemorySpec};
+use super::{ApiError, Driver, MemorySpec, Registered};
 use kvgate_abi::{abi_stable::std_types::{RResult, RString, RVec}, LocalKey, MemoryKind, RegionDesc};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use kvgate_core::{PluginSlot, RegionId, RegionInfo};
@@ -61,7 +61,7 @@ fn map_shared_file(path: &str, offset: u64, len: u64) -> Result<memmap2::MmapMut
 }
 
 impl Driver {
-    pub(super) fn register_region(&mut self, memory: MemorySpec, label: String) -> Result<(u64, Vec<String>), ApiError> {
+    pub(super) fn register_region(&mut self, memory: MemorySpec, label: String) -> Result<Registered, ApiError> {
         if self.regions.len() as u64 >= self.regions.max_regions {
             return Err(ApiError::new(
                 Code::ResourceExhausted,
@@ -86,7 +86,7 @@ impl Driver {
                 };
                 (desc, Some(mapping))
             }
-            MemorySpec::CudaIpc { device, handle, len } => {
+            MemorySpec::CudaIpc { device, handle, offset, len } => {
                 if len == 0 || handle.is_empty() {
                     return Err(ApiError::invalid("empty_region", "a CUDA region needs len > 0 and an IPC handle"));
                 }
@@ -96,7 +96,7 @@ impl Driver {
                     addr: 0,
                     len,
                     backing_path: RString::new(),
-                    backing_offset: 0,
+                    backing_offset: offset,
                     ipc_handle: RVec::from(handle),
                 };
                 (desc, None)
@@ -129,12 +129,39 @@ impl Driver {
         let now = self.now();
         self.core.handle_region_registered(now, RegionInfo { id: RegionId(id), len: desc.len, memory_kind: desc.kind, keys: keys.clone() });
         self.peers.broadcast(Frame::RegionAnnounce(announce.clone()));
-        tracing::info!(region = id, len = desc.len, label = %label, plugins = ?accepted, "region registered");
+        tracing::info!(region = id, len = desc.len, label = %label, plugins = ?accepted, refused = ?refusals, "region registered");
         self.regions.by_id.insert(id, LocalRegion { label, keys, announce, _mapping: mapping });
-        Ok((id, accepted))
+        Ok(Registered { region: id, plugins: accepted, refused: refusals })
     }
 
+    /// An engine's `UnregisterMemory`: refused while any live or quarantined room holds the region
+    /// (its memory may still be read or written); the engine aborts those rooms and unregisters once
+    /// they are reusable.
     pub(super) fn unregister_region(&mut self, id: u64) -> Result<(), ApiError> {
+        if !self.regions.by_id.contains_key(&id) {
+            return Err(ApiError::new(Code::NotFound, "unknown_region", format!("region {id} is not registered")));
+        }
+        if let Some((count, named)) = self.region_use.users(id) {
+            let names: Vec<String> = named.iter().map(|(room, role)| format!("{room} ({})", role.as_str())).collect();
+            let more = if count > named.len() { format!(" and {} more", count - named.len()) } else { String::new() };
+            tracing::info!(region = id, rooms = count, "unregister refused: region in use");
+            return Err(ApiError::new(
+                Code::FailedPrecondition,
+                "region_in_use",
+                format!(
+                    "region {id} is held by {count} room(s) not yet reusable: {}{more}; abort them and unregister once they are reusable",
+                    names.join(", ")
+                ),
+            ));
+        }
+        self.sessions.disown_region(id);
+        self.orphan_regions.remove(&id);
+        self.release_region(id)
+    }
+
+    /// Deregister a region from every plugin, the core and the peers, whoever holds it (shutdown,
+    /// once nothing can land any more).
+    pub(super) fn release_region(&mut self, id: u64) -> Result<(), ApiError> {
         let Some(region) = self.regions.by_id.remove(&id) else {
             return Err(ApiError::new(Code::NotFound, "unknown_region", format!("region {id} is not registered")));
         };

@@ -68,7 +68,7 @@ impl Driver {
         if report.rooms_still_quarantined == 0 {
             // Nothing can land any more: deregister from every plugin (peers are told the region is gone).
             for id in regions {
-                let _ = self.unregister_region(id);
+                let _ = self.release_region(id);
             }
             self.shut_down_plugins();
         } else {
@@ -104,9 +104,15 @@ fn refuse_while_stopping(call: EngineCall) {
     }
     match call {
         EngineCall::Register { reply, .. } => drop(reply.send(no())),
+        EngineCall::OpenSession { reply, .. } => drop(reply.send(no())),
+        EngineCall::CloseSession { reply, .. } => drop(reply.send(no())),
+        EngineCall::AttachSession { reply, .. } => drop(reply.send(no())),
+        EngineCall::DetachSession { .. } => {}
         EngineCall::Unregister { reply, .. } => drop(reply.send(no())),
         EngineCall::Expect { reply, .. } => drop(reply.send(no())),
         EngineCall::Send { reply, .. } => drop(reply.send(no())),
+        EngineCall::ExpectBatch { reply, .. } => drop(reply.send(no())),
+        EngineCall::SendBatch { reply, .. } => drop(reply.send(no())),
         EngineCall::Abort { reply, .. } => drop(reply.send(no())),
         EngineCall::GetRoom { reply, .. } => drop(reply.send(no())),
         EngineCall::ListRooms { reply, .. } => drop(reply.send(no())),

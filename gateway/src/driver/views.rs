@@ -63,6 +63,8 @@ pub struct AdminSnapshot {
     pub rooms: Vec<RoomJson>,
     pub plugins: Vec<PluginStatus>,
     pub peers: Vec<PeerStatus>,
+    /// `peer_link.auth` in force (`psk`, `tls` or `none`).
+    pub peer_link_auth: &'static str,
     /// Empty when healthy; otherwise one line per problem.
     pub problems: Vec<String>,
 }
@@ -146,6 +148,7 @@ impl Driver {
                 source: source.as_str(),
             })
             .collect();
-        AdminSnapshot { now, metrics: self.core.metrics().clone(), rooms, plugins, peers, problems }
+        let peer_link_auth = self.config.peer_link.auth_mode().as_str();
+        AdminSnapshot { now, metrics: self.core.metrics().clone(), rooms, plugins, peers, peer_link_auth, problems }
     }
 }

@@ -16,7 +16,12 @@ pub fn bind_unix_socket(path: &Path) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("engine_api.unix_socket: create {}", dir.display()))?;
     }
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        // Only ever replace a socket: a regular file (or anything else) named by mistake is left alone.
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            anyhow::bail!("engine_api.unix_socket: {} exists and is not a socket; refusing to replace it", path.display());
+        }
         // A socket left by a previous run: refuse to steal one that answers.
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             anyhow::bail!("engine_api.unix_socket: {} is in use by a running gateway", path.display());
@@ -39,12 +44,14 @@ pub async fn serve_engine_api(
     shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
     let max = config.engine_api.max_request_bytes as usize;
+    let resets = Some(config.engine_api.http2_max_pending_reset_streams as usize);
     let mut tasks = Vec::new();
     if let Some(listener) = unix {
         let svc = EngineApiServer::new(service.clone()).max_decoding_message_size(max);
         let mut stop = shutdown.clone();
         tasks.push(tokio::spawn(async move {
             Server::builder()
+                .http2_max_pending_accept_reset_streams(resets)
                 .add_service(tonic::service::interceptor::InterceptedService::new(svc, BearerCheck::new(None)))
                 .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
                     let _ = stop.wait_for(|s| *s).await;
@@ -66,6 +73,7 @@ pub async fn serve_engine_api(
         let mut stop = shutdown.clone();
         tasks.push(tokio::spawn(async move {
             Server::builder()
+                .http2_max_pending_accept_reset_streams(resets)
                 .add_service(tonic::service::interceptor::InterceptedService::new(svc, check))
                 .serve_with_incoming_shutdown(crate::nodelay_incoming::nodelay_incoming(listener), async move {
                     let _ = stop.wait_for(|s| *s).await;

@@ -11,3 +11,6 @@ pub use auth::BearerCheck;
 pub use listen::{bind_unix_socket, serve_engine_api};
 pub use service::EngineApiService;
 pub use watch_feed::WatchFeed;
+
+/// The engine-API version `Info` reports (gateway/README.md says what each version added).
+pub const ENGINE_API_VERSION: u32 = 2;

@@ -2,7 +2,8 @@
 //! `EngineCall` for the driver, and map the reply (or refusal, with its reason code) to gRPC.
 //! Never decides anything the core decides.
 
-use crate::driver::{ApiError, DriverInput, EngineCall, MemorySpec};
+use crate::driver::sessions::SESSION_METADATA_KEY;
+use crate::driver::{ApiError, DriverInput, EngineCall, ExpectCall, MemorySpec, SendCall};
 use kvgate_client::proto::{self, engine_api_server::EngineApi, register_memory_request::Memory};
 use kvgate_core::{RegionId, RoomKey, Slice};
 use std::pin::Pin;
@@ -17,11 +18,30 @@ pub struct EngineApiService {
     driver: mpsc::Sender<DriverInput>,
     watch: WatchFeed,
     watchers: Arc<Semaphore>,
+    max_batch_calls: usize,
+    session_grace_ms: u64,
+    info: Arc<proto::InfoReply>,
 }
 
 impl EngineApiService {
-    pub fn new(driver: mpsc::Sender<DriverInput>, watch: WatchFeed, max_watchers: u64) -> Self {
-        EngineApiService { driver, watch, watchers: Arc::new(Semaphore::new(max_watchers as usize)) }
+    pub fn new(driver: mpsc::Sender<DriverInput>, watch: WatchFeed, config: &crate::config::EngineApiSection, info: proto::InfoReply) -> Self {
+        EngineApiService {
+            driver,
+            watch,
+            watchers: Arc::new(Semaphore::new(config.max_watchers as usize)),
+            max_batch_calls: config.max_batch_calls as usize,
+            session_grace_ms: config.session_grace_ms,
+            info: Arc::new(info),
+        }
+    }
+
+    /// A batch longer than `engine_api.max_batch_calls` is refused whole (nothing of it is applied).
+    fn check_batch(&self, calls: usize) -> Result<(), Status> {
+        if calls > self.max_batch_calls {
+            let message = format!("{calls} calls in one batch; engine_api.max_batch_calls = {}", self.max_batch_calls);
+            return Err(ApiError::new(tonic::Code::ResourceExhausted, "too_many_calls", message).to_status());
+        }
+        Ok(())
     }
 
     async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> EngineCall) -> Result<T, Status> {
@@ -41,19 +61,85 @@ fn slices(list: Vec<proto::Slice>) -> Vec<Slice> {
     list.into_iter().map(|s| Slice::new(RegionId(s.region), s.offset, s.len)).collect()
 }
 
+/// The engine session a call names in its `kvgate-session` metadata, if any.
+fn session_of<T>(request: &Request<T>) -> Result<Option<u64>, Status> {
+    let Some(value) = request.metadata().get(SESSION_METADATA_KEY) else { return Ok(None) };
+    let parsed = value.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok());
+    match parsed {
+        Some(id) => Ok(Some(id)),
+        None => Err(ApiError::invalid("invalid_session", format!("{SESSION_METADATA_KEY} metadata must be a session id (a decimal number)")).to_status()),
+    }
+}
+
+fn send_call(r: proto::SendRequest, session: Option<u64>) -> Result<SendCall, ApiError> {
+    let key = r.key.ok_or_else(|| ApiError::invalid("missing_field", "the request needs a room key"))?;
+    let peer = (!r.peer.is_empty()).then_some(r.peer);
+    Ok(SendCall { session, room: RoomKey::new(key.room, key.generation), peer, part: r.part, chunk: r.chunk, slices: slices(r.slices), last: r.last })
+}
+
+fn expect_call(r: proto::ExpectRequest, session: Option<u64>) -> Result<ExpectCall, ApiError> {
+    let key = r.key.ok_or_else(|| ApiError::invalid("missing_field", "the request needs a room key"))?;
+    let parts = r.parts.into_iter().map(|p| slices(p.slices)).collect();
+    let timeout_ms = (r.deadline_ms > 0).then_some(r.deadline_ms);
+    Ok(ExpectCall { session, room: RoomKey::new(key.room, key.generation), peer: r.peer, parts, timeout_ms })
+}
+
+/// Held by a session's `Watch` stream: its end detaches the session (the driver then counts the grace).
+struct SessionAttachment {
+    driver: mpsc::Sender<DriverInput>,
+    session: u64,
+}
+
+impl Drop for SessionAttachment {
+    fn drop(&mut self) {
+        let (driver, session) = (self.driver.clone(), self.session);
+        // Never lost to a full queue: the send waits for room on a task of its own.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = driver.send(DriverInput::Engine(EngineCall::DetachSession { session })).await;
+            });
+        }
+    }
+}
+
+fn batch_reply(results: Vec<Result<(), ApiError>>) -> proto::BatchReply {
+    let accepted = results.iter().filter(|r| r.is_ok()).count() as u32;
+    let results = results
+        .into_iter()
+        .map(|r| match r {
+            Ok(()) => proto::CallResult::default(),
+            Err(e) => proto::CallResult { reason: e.reason, message: e.message },
+        })
+        .collect();
+    proto::BatchReply { results, accepted }
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<proto::RoomEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl EngineApi for EngineApiService {
+    async fn open_session(&self, request: Request<proto::OpenSessionRequest>) -> Result<Response<proto::OpenSessionReply>, Status> {
+        let name = request.into_inner().name;
+        let (session, resumed) = self.call(|reply| EngineCall::OpenSession { name, reply }).await?;
+        Ok(Response::new(proto::OpenSessionReply { session, resumed, grace_ms: self.session_grace_ms }))
+    }
+
+    async fn close_session(&self, request: Request<proto::CloseSessionRequest>) -> Result<Response<proto::CloseSessionReply>, Status> {
+        let session = request.into_inner().session;
+        let end = self.call(|reply| EngineCall::CloseSession { session, reply }).await?;
+        Ok(Response::new(end.into()))
+    }
+
     async fn register_memory(&self, request: Request<proto::RegisterMemoryRequest>) -> Result<Response<proto::RegisterMemoryReply>, Status> {
+        let session = session_of(&request)?;
         let r = request.into_inner();
         let memory = match r.memory {
             Some(Memory::SharedMemory(m)) => MemorySpec::SharedFile { path: m.path, offset: m.offset, len: m.len },
-            Some(Memory::CudaIpc(c)) => MemorySpec::CudaIpc { device: c.device, handle: c.ipc_handle, len: c.len },
+            Some(Memory::CudaIpc(c)) => MemorySpec::CudaIpc { device: c.device, handle: c.ipc_handle, offset: c.offset, len: c.len },
             None => return Err(ApiError::invalid("missing_field", "register_memory needs shared_memory or cuda_ipc").to_status()),
         };
-        let (region, plugins) = self.call(|reply| EngineCall::Register { memory, label: r.label, reply }).await?;
-        Ok(Response::new(proto::RegisterMemoryReply { region, plugins }))
+        let registered = self.call(|reply| EngineCall::Register { memory, label: r.label, session, reply }).await?;
+        Ok(Response::new(proto::RegisterMemoryReply { region: registered.region, plugins: registered.plugins, refused: registered.refused }))
     }
 
     async fn unregister_memory(&self, request: Request<proto::UnregisterMemoryRequest>) -> Result<Response<proto::UnregisterMemoryReply>, Status> {
@@ -63,21 +149,39 @@ impl EngineApi for EngineApiService {
     }
 
     async fn expect(&self, request: Request<proto::ExpectRequest>) -> Result<Response<proto::ExpectReply>, Status> {
-        let r = request.into_inner();
-        let room = room_key(r.key)?;
-        let parts = r.parts.into_iter().map(|p| slices(p.slices)).collect();
-        let timeout_ms = (r.deadline_ms > 0).then_some(r.deadline_ms);
-        self.call(|reply| EngineCall::Expect { room, peer: r.peer, parts, timeout_ms, reply }).await?;
+        let session = session_of(&request)?;
+        let call = expect_call(request.into_inner(), session).map_err(|e| e.to_status())?;
+        self.call(|reply| EngineCall::Expect { call, reply }).await?;
         Ok(Response::new(proto::ExpectReply {}))
     }
 
     async fn send(&self, request: Request<proto::SendRequest>) -> Result<Response<proto::SendReply>, Status> {
-        let r = request.into_inner();
-        let room = room_key(r.key)?;
-        let peer = (!r.peer.is_empty()).then_some(r.peer);
-        let slices = slices(r.slices);
-        self.call(|reply| EngineCall::Send { room, peer, part: r.part, chunk: r.chunk, slices, last: r.last, reply }).await?;
+        let session = session_of(&request)?;
+        let call = send_call(request.into_inner(), session).map_err(|e| e.to_status())?;
+        self.call(|reply| EngineCall::Send { call, reply }).await?;
         Ok(Response::new(proto::SendReply {}))
+    }
+
+    async fn send_batch(&self, request: Request<proto::SendBatchRequest>) -> Result<Response<proto::BatchReply>, Status> {
+        let session = session_of(&request)?;
+        let sends = request.into_inner().sends;
+        self.check_batch(sends.len())?;
+        let calls = sends.into_iter().map(|r| send_call(r, session)).collect();
+        let results = self.call(|reply| EngineCall::SendBatch { calls, reply }).await?;
+        Ok(Response::new(batch_reply(results)))
+    }
+
+    async fn expect_batch(&self, request: Request<proto::ExpectBatchRequest>) -> Result<Response<proto::BatchReply>, Status> {
+        let session = session_of(&request)?;
+        let expects = request.into_inner().expects;
+        self.check_batch(expects.len())?;
+        let calls = expects.into_iter().map(|r| expect_call(r, session)).collect();
+        let results = self.call(|reply| EngineCall::ExpectBatch { calls, reply }).await?;
+        Ok(Response::new(batch_reply(results)))
+    }
+
+    async fn info(&self, _request: Request<proto::InfoRequest>) -> Result<Response<proto::InfoReply>, Status> {
+        Ok(Response::new((*self.info).clone()))
     }
 
     async fn abort(&self, request: Request<proto::AbortRequest>) -> Result<Response<proto::AbortReply>, Status> {
@@ -94,18 +198,24 @@ impl EngineApi for EngineApiService {
 
     async fn list_rooms(&self, request: Request<proto::ListRoomsRequest>) -> Result<Response<proto::ListRoomsReply>, Status> {
         let include_terminal = request.into_inner().include_terminal;
-        let rooms = self.call(|reply| EngineCall::ListRooms { include_terminal, reply }).await?;
-        Ok(Response::new(proto::ListRoomsReply { rooms }))
+        let (rooms, seq) = self.call(|reply| EngineCall::ListRooms { include_terminal, reply }).await?;
+        Ok(Response::new(proto::ListRoomsReply { rooms, seq, incarnation: self.info.incarnation }))
     }
 
     type WatchStream = EventStream;
 
     async fn watch(&self, request: Request<proto::WatchRequest>) -> Result<Response<EventStream>, Status> {
+        let session = session_of(&request)?;
         let request = request.into_inner();
         let permit = self.watchers.clone().try_acquire_owned().map_err(|_| {
             ApiError::new(tonic::Code::ResourceExhausted, "too_many_watchers", "engine_api.max_watchers streams are open already").to_status()
         })?;
-        let watcher = self.watch.subscribe(request.key, request.outcomes_only, permit);
+        let cursor = request.after_seq.map(|seq| (seq, request.incarnation));
+        let mut watcher = self.watch.subscribe(request.key, request.outcomes_only, cursor, permit).map_err(|e| e.to_status())?;
+        if let Some(session) = session {
+            self.call(|reply| EngineCall::AttachSession { session, reply }).await?;
+            watcher = watcher.holding(Box::new(SessionAttachment { driver: self.driver.clone(), session }));
+        }
         let stream: EventStream = Box::pin(futures_util::stream::unfold(watcher, Watcher::next_item));
         Ok(Response::new(stream))
     }

@@ -6,6 +6,7 @@
 pub mod codec;
 mod dial;
 pub mod directory;
+pub mod psk;
 mod server;
 mod session;
 mod tls;
@@ -14,7 +15,7 @@ pub use directory::{PeerDirectory, PeerSource, Upsert};
 pub use server::PeerLinkService;
 pub use session::{PeerEvent, PeerSender, SessionId};
 
-use crate::config::{GatewayConfig, PeerEntry};
+use crate::config::{GatewayConfig, PeerAuthMode, PeerEntry};
 use kvgate_client::proto::{self, PeerFrame};
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -33,7 +34,9 @@ pub struct LocalIdentity {
 }
 
 impl LocalIdentity {
-    pub fn hello_to(&self, peer: &str) -> PeerFrame {
+    /// This gateway's Hello to `peer`, with the authentication fields of `auth` (`nonce` and
+    /// `proof` are empty unless `psk`).
+    pub fn hello_to(&self, peer: &str, auth: PeerAuthMode, nonce: Vec<u8>, proof: Vec<u8>) -> PeerFrame {
         PeerFrame {
             frame: Some(proto::peer_frame::Frame::Hello(proto::Hello {
                 name: self.name.clone(),
@@ -42,9 +45,72 @@ impl LocalIdentity {
                 plugins: self.plugins.clone(),
                 host: self.host.clone(),
                 to: peer.to_string(),
+                auth: auth.as_str().to_string(),
+                nonce,
+                proof,
             })),
+            mac: Vec::new(),
         }
     }
+}
+
+/// How this gateway's peer links are authenticated (`peer_link.auth`), with the material loaded.
+#[derive(Clone)]
+pub enum LinkAuth {
+    Psk(Arc<psk::Psk>),
+    Tls(Arc<tls::PeerTls>),
+    /// Unauthenticated: the operator wrote `peer_link.auth = "none"`.
+    None,
+}
+
+impl LinkAuth {
+    /// Load the key or certificates `config` names (at start: a gateway that cannot read them does
+    /// not start).
+    pub fn load(config: &GatewayConfig) -> anyhow::Result<LinkAuth> {
+        Ok(match config.peer_link.auth_mode() {
+            PeerAuthMode::Psk if config.peer_link.psk_file.is_empty() => {
+                // Validation allows this only for a gateway with no peer at all: refuse every link.
+                LinkAuth::Psk(Arc::new(psk::Psk::unusable()))
+            }
+            PeerAuthMode::Psk => LinkAuth::Psk(Arc::new(
+                psk::Psk::load(std::path::Path::new(&config.peer_link.psk_file)).map_err(|e| anyhow::anyhow!("peer_link.psk_file: {e:#}"))?,
+            )),
+            PeerAuthMode::Tls => {
+                let section = config.peer_link.tls.as_ref().ok_or_else(|| anyhow::anyhow!("peer_link.auth = \"tls\" needs [peer_link.tls]"))?;
+                LinkAuth::Tls(Arc::new(tls::PeerTls::load(section)?))
+            }
+            PeerAuthMode::None => LinkAuth::None,
+        })
+    }
+
+    pub fn mode(&self) -> PeerAuthMode {
+        match self {
+            LinkAuth::Psk(_) => PeerAuthMode::Psk,
+            LinkAuth::Tls(_) => PeerAuthMode::Tls,
+            LinkAuth::None => PeerAuthMode::None,
+        }
+    }
+
+    fn tls(&self) -> Option<&tls::PeerTls> {
+        match self {
+            LinkAuth::Tls(t) => Some(t),
+            _ => None,
+        }
+    }
+}
+
+/// An outbound frame stream that MACs every frame once the link's sealer is set (`psk`), and
+/// passes frames through untouched otherwise (`tls`, `none`, and the Hello).
+pub(crate) fn sealed_stream(
+    rx: mpsc::Receiver<PeerFrame>,
+    sealer: Arc<std::sync::Mutex<Option<psk::FrameSealer>>>,
+) -> impl tokio_stream::Stream<Item = PeerFrame> + Send + 'static {
+    tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), move |frame| {
+        match sealer.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            Some(sealer) => sealer.seal(frame),
+            None => frame,
+        }
+    })
 }
 
 /// Whether this gateway dials `peer` (true) or waits to be dialled.
@@ -59,7 +125,7 @@ pub struct PeerLinks {
     config: Arc<GatewayConfig>,
     identity: Arc<LocalIdentity>,
     events: mpsc::Sender<crate::driver::DriverInput>,
-    tls: Option<Arc<tls::PeerTls>>,
+    auth: LinkAuth,
     directory: Arc<PeerDirectory>,
 }
 
@@ -74,15 +140,18 @@ impl PeerLinks {
         directory: Arc<PeerDirectory>,
         static_tasks: Vec<(String, directory::NewPeer)>,
     ) -> anyhow::Result<(PeerLinks, PeerLinkService)> {
-        let tls = match &config.peer_link.tls {
-            Some(t) => Some(Arc::new(tls::PeerTls::load(t)?)),
-            None => None,
-        };
-        let links = PeerLinks { config: config.clone(), identity: identity.clone(), events, tls, directory: directory.clone() };
+        let auth = LinkAuth::load(&config)?;
+        if auth.mode() == PeerAuthMode::None {
+            tracing::warn!(
+                listen = %config.peer_link.listen,
+                "peer_link.auth = \"none\": peer links are NOT authenticated; any local process that reaches the port and names a configured peer is believed"
+            );
+        }
+        let links = PeerLinks { config: config.clone(), identity: identity.clone(), events, auth: auth.clone(), directory: directory.clone() };
         for (name, new) in static_tasks {
             links.spawn(name, new);
         }
-        Ok((links, PeerLinkService::new(identity, config, directory)))
+        Ok((links, PeerLinkService::new(identity, config, directory, auth)))
     }
 
     pub fn directory(&self) -> &Arc<PeerDirectory> {
@@ -99,7 +168,8 @@ impl PeerLinks {
             identity: self.identity.clone(),
             events: self.events.clone(),
             incoming: new.incoming,
-            tls: self.tls.clone(),
+            auth: self.auth.clone(),
+            last_auth_warning: None,
         };
         tokio::spawn(task.run());
     }
@@ -107,9 +177,9 @@ impl PeerLinks {
 
 /// The server TLS config for the peer-link listener, when TLS is configured.
 pub fn server_tls(config: &GatewayConfig) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
-    match &config.peer_link.tls {
-        Some(t) => Ok(Some(tls::PeerTls::load(t)?.server_config())),
-        None => Ok(None),
+    match (&config.peer_link.tls, config.peer_link.auth_mode()) {
+        (Some(t), PeerAuthMode::Tls) => Ok(Some(tls::PeerTls::load(t)?.server_config())),
+        _ => Ok(None),
     }
 }
 

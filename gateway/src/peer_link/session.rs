@@ -50,7 +50,7 @@ struct SendFailure {
 
 impl PeerSender {
     pub fn send(&self, frame: Frame) -> bool {
-        match self.tx.try_send(PeerFrame { frame: Some(frame) }) {
+        match self.tx.try_send(PeerFrame { frame: Some(frame), mac: Vec::new() }) {
             Ok(()) => true,
             Err(e) => {
                 if matches!(e, mpsc::error::TrySendError::Closed(_)) {
@@ -71,11 +71,13 @@ impl PeerSender {
     }
 }
 
-/// A handshaken link: the peer's hello, its inbound frames and our outbound queue.
+/// A handshaken (and authenticated) link: the peer's hello, its inbound frames, our outbound queue
+/// and, with `peer_link.auth = "psk"`, the check of every inbound frame's MAC.
 pub struct Session {
     pub hello: proto::Hello,
     pub inbound: Streaming<PeerFrame>,
     pub outbound: mpsc::Sender<PeerFrame>,
+    pub opener: Option<super::psk::FrameOpener>,
 }
 
 pub(super) struct PeerTask {
@@ -88,8 +90,13 @@ pub(super) struct PeerTask {
     /// The driver's input queue: peer events go straight in (no forwarding task in between).
     pub events: mpsc::Sender<DriverInput>,
     pub incoming: mpsc::Receiver<Session>,
-    pub tls: Option<Arc<super::tls::PeerTls>>,
+    pub auth: super::LinkAuth,
+    /// The last authentication failure logged, and when (repeats are rate-limited).
+    pub last_auth_warning: Option<(String, Instant)>,
 }
+
+/// How often a dial that keeps failing authentication is logged.
+pub const DIAL_AUTH_WARN_INTERVAL_MS: u64 = 10_000;
 
 impl PeerTask {
     pub async fn run(mut self) {
@@ -107,10 +114,10 @@ impl PeerTask {
                     }
                     continue;
                 }
-                (None, Some(peer)) if dialer => match dial::dial(&self.config, &peer, &self.identity, self.tls.as_deref()).await {
+                (None, Some(peer)) if dialer => match dial::dial(&self.config, &peer, &self.identity, &self.auth).await {
                     Ok(s) => s,
                     Err(e) => {
-                        tracing::debug!(peer = %self.name, "peer link dial failed: {e:#}");
+                        self.log_dial_failure(&e);
                         self.wait_or_entry_change(reconnect).await;
                         continue;
                     }
@@ -130,6 +137,23 @@ impl PeerTask {
             if dialer && next.is_none() {
                 self.wait_or_entry_change(reconnect).await;
             }
+        }
+    }
+
+    /// A failed dial: an authentication failure is a warning (at most one line per
+    /// `DIAL_AUTH_WARN_INTERVAL_MS` while it repeats, since the task retries every
+    /// `reconnect_interval_ms`); an unreachable peer is routine and stays at debug.
+    fn log_dial_failure(&mut self, error: &anyhow::Error) {
+        let text = format!("{error:#}");
+        if !text.contains("peer_auth_failed") {
+            tracing::debug!(peer = %self.name, "peer link dial failed: {text}");
+            return;
+        }
+        let now = Instant::now();
+        let repeat = self.last_auth_warning.as_ref().is_some_and(|(last, at)| *last == text && now.duration_since(*at) < Duration::from_millis(DIAL_AUTH_WARN_INTERVAL_MS));
+        if !repeat {
+            tracing::warn!(peer = %self.name, reason = "peer_auth_failed", "peer link refused: {text}");
+            self.last_auth_warning = Some((text, now));
         }
     }
 
@@ -159,14 +183,18 @@ impl PeerTask {
         let mut replacement = None;
         let (reason, detail): (&'static str, String) = loop {
             tokio::select! {
-                message = session.inbound.message() => match message {
-                    Ok(Some(PeerFrame { frame: Some(frame) })) => {
+                message = session.inbound.message() => match message.map(|m| m.map(|frame| match session.opener.as_mut() {
+                    Some(opener) => opener.open(frame),
+                    None => Ok(frame),
+                })) {
+                    Ok(Some(Err(why))) => break ("peer_auth_failed", why),
+                    Ok(Some(Ok(PeerFrame { frame: Some(frame), .. }))) => {
                         last_heard = Instant::now();
                         if matches!(frame, Frame::Heartbeat(_)) { continue; }
                         if let Frame::Hello(_) = frame { break ("protocol_violation", "a second hello on a live link".into()); }
                         if self.events.send(DriverInput::Peer(PeerEvent::Frame { session: id, frame })).await.is_err() { return None; }
                     }
-                    Ok(Some(PeerFrame { frame: None })) => last_heard = Instant::now(),
+                    Ok(Some(Ok(PeerFrame { frame: None, .. }))) => last_heard = Instant::now(),
                     Ok(None) => break ("peer_lost", "the peer closed the link".into()),
                     Err(status) => break ("peer_lost", format!("link error: {}", status.message())),
                 },

@@ -48,11 +48,13 @@ pub fn check_shared_memory_file(file: &File, path: &str, refusal: ReasonCode) ->
     Ok(meta.len())
 }
 
-/// Size of the shared-memory file at `path`, or why it cannot back a region.
-pub fn backing_file_len(path: &str) -> Result<u64, PluginError> {
+/// The shared-memory file at `path`, opened (a registration holds it open, so that peers can map it
+/// through this process's descriptor), and its size; or why it cannot back a region.
+pub fn open_backing_file(path: &str) -> Result<(File, u64), PluginError> {
     let file =
         File::open(path).map_err(|e| io_error(ReasonCode::INVALID_ARGUMENT, format!("backing file {path:?}"), e))?;
-    check_shared_memory_file(&file, path, ReasonCode::INVALID_ARGUMENT)
+    let len = check_shared_memory_file(&file, path, ReasonCode::INVALID_ARGUMENT)?;
+    Ok((file, len))
 }
 
 /// `madvise` advice that faults a range in for writing (Linux 5.14; the libc crate may not name it).
@@ -78,11 +80,31 @@ unsafe impl Sync for PeerMapping {}
 impl PeerMapping {
     /// Map `len` bytes at `offset` of the file at `path`. Refuses a file shorter than `offset + len`.
     pub fn map(path: &str, offset: u64, len: u64, populate: bool) -> Result<PeerMapping, PluginError> {
+        Self::map_file(path, None, offset, len, populate)
+    }
+
+    /// As `map`, refusing a file whose (device, inode) is not `identity`: a peer's region is opened
+    /// through its owner's descriptor (`/proc/<pid>/fd/<n>`), which must still be the file it registered.
+    pub fn map_checked(path: &str, identity: (u64, u64), offset: u64, len: u64, populate: bool) -> Result<PeerMapping, PluginError> {
+        Self::map_file(path, Some(identity), offset, len, populate)
+    }
+
+    fn map_file(path: &str, identity: Option<(u64, u64)>, offset: u64, len: u64, populate: bool) -> Result<PeerMapping, PluginError> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(path)
             .map_err(|e| io_error(ReasonCode::UNKNOWN_KEY, format!("cannot open peer region file {path:?}"), e))?;
+        if let Some((dev, ino)) = identity {
+            use std::os::unix::fs::MetadataExt;
+            let meta = file.metadata().map_err(|e| io_error(ReasonCode::UNKNOWN_KEY, format!("fstat {path:?}"), e))?;
+            if (meta.dev(), meta.ino()) != (dev, ino) {
+                return Err(PluginError::new(
+                    ReasonCode::UNKNOWN_KEY,
+                    format!("{path:?} is no longer the file the peer registered (device/inode {}/{} instead of {dev}/{ino})", meta.dev(), meta.ino()),
+                ));
+            }
+        }
         let file_len = check_shared_memory_file(&file, path, ReasonCode::INVALID_ARGUMENT)?;
         let end = offset.checked_add(len).filter(|&end| end <= file_len).ok_or_else(|| {
             PluginError::new(

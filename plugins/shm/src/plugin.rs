@@ -3,7 +3,7 @@
 //! shared file and writes; it never trusts a peer's key without checking it against that peer's nonce.
 
 use crate::config::ShmConfig;
-use crate::mapping::{backing_file_len, PeerMapping};
+use crate::mapping::{open_backing_file, PeerMapping};
 use crate::plan::{Cursor, Piece};
 use crate::state::{ImportedKey, LocalRegion, Transfer};
 use crate::wire::{Endpoint, RemoteKeyBytes};
@@ -15,6 +15,8 @@ use kvgate_abi::{
 };
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -260,7 +262,7 @@ impl Plugin for ShmPlugin {
         if path.is_empty() || !path.starts_with('/') {
             return Err(err(ReasonCode::INVALID_ARGUMENT, "shm region needs an absolute backing_path a peer can map"));
         }
-        let file_len = backing_file_len(path)?;
+        let (backing, file_len) = open_backing_file(path)?;
         if region.backing_offset.checked_add(region.len).is_none_or(|end| end > file_len) {
             return Err(err(
                 ReasonCode::OUT_OF_RANGE,
@@ -273,15 +275,19 @@ impl Plugin for ShmPlugin {
         let mut state = self.shared.lock();
         Self::check_running(&state)?;
         let key = LocalKey(state.allocate_key());
-        state.regions.insert(key, LocalRegion { addr: region.addr as usize, len: region.len });
-        state.registered_bytes += region.len;
+        let meta = backing.metadata().map_err(|e| err(ReasonCode::INVALID_ARGUMENT, format!("fstat {path:?}: {e}")))?;
         let remote_key = RemoteKeyBytes {
             nonce: self.endpoint.nonce,
             region_id: key.0,
             backing_path: path.to_string(),
             backing_offset: region.backing_offset,
             len: region.len,
+            owner_fd: backing.as_raw_fd() as u32,
+            dev: meta.dev(),
+            ino: meta.ino(),
         };
+        state.regions.insert(key, LocalRegion { addr: region.addr as usize, len: region.len, backing: Arc::new(backing) });
+        state.registered_bytes += region.len;
         Ok(Registration { key, remote_key: remote_key.encode().into() })
     }
 
@@ -305,14 +311,15 @@ impl Plugin for ShmPlugin {
         Ok(())
     }
 
-    // CONFORMANCE: HANDSHAKE-4, HANDSHAKE-2 (malformed or stale keys refused)
+    // CONFORMANCE: HANDSHAKE-4, HANDSHAKE-2 (malformed or stale keys refused; only a file the peer's
+    // own process registered is ever mapped)
     fn import_remote_key(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
         let key = RemoteKeyBytes::decode(bytes)?;
-        let peer_nonce = {
+        let (peer_nonce, peer_pid) = {
             let state = self.shared.lock();
             Self::check_running(&state)?;
             match state.peers.get(&peer) {
-                Some(endpoint) => endpoint.nonce,
+                Some(endpoint) => (endpoint.nonce, endpoint.pid),
                 None => return Err(err(ReasonCode::PEER_UNREACHABLE, format!("peer {} is not connected", peer.0))),
             }
         };
@@ -322,8 +329,12 @@ impl Plugin for ShmPlugin {
                 format!("stale remote key: made by another incarnation of peer {}", peer.0),
             ));
         }
-        let mapping =
-            PeerMapping::map(&key.backing_path, key.backing_offset, key.len, self.shared.config.populate_mappings)?;
+        // Never the path the key names: the descriptor the peer's process holds the file open with,
+        // and only if it is still the same file. A key naming a file the peer did not register (or
+        // a path of this process's choosing) can therefore never make this process map it.
+        let owner_path = format!("/proc/{peer_pid}/fd/{}", key.owner_fd);
+        let mapping = PeerMapping::map_checked(&owner_path, (key.dev, key.ino), key.backing_offset, key.len, self.shared.config.populate_mappings)
+            .map_err(|e| err(e.code, format!("peer {} region {:?}: {}", peer.0, key.backing_path, e.message)))?;
         let mut state = self.shared.lock();
         Self::check_running(&state)?;
         if state.peers.get(&peer).map(|e| e.nonce) != Some(peer_nonce) {

@@ -16,6 +16,8 @@ use std::time::Instant;
 pub struct LocalRegion {
     pub addr: usize,
     pub len: u64,
+    /// The backing file, held open while registered: peers map it through this descriptor.
+    pub backing: std::sync::Arc<std::fs::File>,
 }
 
 /// A peer's region imported from its remote-key bytes, mapped into this process.

@@ -1,11 +1,12 @@
 //! The shm plugin's two wire formats: the endpoint (who this instance is: host, process, nonce) and
-//! the remote key (what a peer needs to map a region: path, offset, length, region id, nonce).
+//! the remote key (what a peer needs to map a region: the descriptor the owner holds the file open
+//! with and the file's identity, offset, length, region id, nonce; the path only for messages).
 //! Decoding never trusts its input: every length is checked and a malformed blob is an error.
 
 use kvgate_abi::{PluginError, ReasonCode};
 
 const ENDPOINT_MAGIC: &[u8; 8] = b"KVSHMEP1";
-const KEY_MAGIC: &[u8; 8] = b"KVSHMKY1";
+const KEY_MAGIC: &[u8; 8] = b"KVSHMKY2";
 /// Longest backing path a remote key may carry (Linux `PATH_MAX`).
 pub const MAX_BACKING_PATH_BYTES: usize = 4096;
 
@@ -26,9 +27,17 @@ pub struct RemoteKeyBytes {
     pub nonce: u64,
     /// The registering instance's `LocalKey`.
     pub region_id: u64,
+    /// The path the owner's engine registered (for messages only: a peer never opens it).
     pub backing_path: String,
     pub backing_offset: u64,
     pub len: u64,
+    /// The descriptor the owner process holds the backing file open with: a peer maps
+    /// `/proc/<owner pid>/fd/<owner_fd>`, so it can only ever map a file the owner really registered.
+    pub owner_fd: u32,
+    /// The backing file's device and inode, checked by the peer after opening it (a descriptor
+    /// number reused for another file is refused).
+    pub dev: u64,
+    pub ino: u64,
 }
 
 impl Endpoint {
@@ -61,6 +70,9 @@ impl RemoteKeyBytes {
         out.extend_from_slice(&self.region_id.to_le_bytes());
         out.extend_from_slice(&self.backing_offset.to_le_bytes());
         out.extend_from_slice(&self.len.to_le_bytes());
+        out.extend_from_slice(&self.owner_fd.to_le_bytes());
+        out.extend_from_slice(&self.dev.to_le_bytes());
+        out.extend_from_slice(&self.ino.to_le_bytes());
         out.extend_from_slice(&(path.len() as u32).to_le_bytes());
         out.extend_from_slice(path);
         out
@@ -73,6 +85,9 @@ impl RemoteKeyBytes {
         let region_id = r.u64()?;
         let backing_offset = r.u64()?;
         let len = r.u64()?;
+        let owner_fd = u32::from_le_bytes(r.array::<4>()?);
+        let dev = r.u64()?;
+        let ino = r.u64()?;
         let path_len = u32::from_le_bytes(r.array::<4>()?) as usize;
         if path_len == 0 || path_len > MAX_BACKING_PATH_BYTES {
             return Err(r.error(&format!("backing path length {path_len} is outside 1..={MAX_BACKING_PATH_BYTES}")));
@@ -83,7 +98,7 @@ impl RemoteKeyBytes {
         if len == 0 {
             return Err(r.error("region length is 0"));
         }
-        Ok(RemoteKeyBytes { nonce, region_id, backing_path, backing_offset, len })
+        Ok(RemoteKeyBytes { nonce, region_id, backing_path, backing_offset, len, owner_fd, dev, ino })
     }
 }
 
@@ -136,7 +151,7 @@ mod tests {
     use super::*;
 
     fn key() -> RemoteKeyBytes {
-        RemoteKeyBytes { nonce: 7, region_id: 3, backing_path: "/dev/shm/x".into(), backing_offset: 4096, len: 99 }
+        RemoteKeyBytes { nonce: 7, region_id: 3, backing_path: "/dev/shm/x".into(), backing_offset: 4096, len: 99, owner_fd: 12, dev: 5, ino: 77 }
     }
 
     #[test]

@@ -177,18 +177,39 @@ fn endpoints_and_keys_are_checked() {
     ok(t.connect(RECEIVER, RSlice::from_slice(&same)));
     assert_eq!(pair.sender.stats().imported_remote_keys, 1);
     t.release_remote_key(imported);
-    // A key naming a file that is not shared memory (a peer trying to make us write to disk).
+    // A key naming a file that is not shared memory (a peer trying to make us write to disk): even
+    // held open by the peer's own process, it is refused.
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let real = kvgate_plugin_shm::wire::RemoteKeyBytes::decode(&key).unwrap();
     let disk_file = disk_file("import");
+    let disk = std::fs::File::open(&disk_file).unwrap();
     let hostile = kvgate_plugin_shm::wire::RemoteKeyBytes {
-        nonce: kvgate_plugin_shm::wire::RemoteKeyBytes::decode(&key).unwrap().nonce,
         region_id: 1,
         backing_path: disk_file.to_string_lossy().into_owned(),
         backing_offset: 0,
         len: 1,
+        owner_fd: disk.as_raw_fd() as u32,
+        dev: disk.metadata().unwrap().dev(),
+        ino: disk.metadata().unwrap().ino(),
+        ..real.clone()
     };
     let e = err(t.import_remote_key(RECEIVER, RSlice::from_slice(&hostile.encode())));
     assert!(e.code == ReasonCode::INVALID_ARGUMENT && e.message.contains("not shared memory"), "{e}");
+    drop(disk);
     std::fs::remove_file(&disk_file).unwrap();
+    // A key naming a shared-memory file the peer never registered: the path in a key is never
+    // opened, only the descriptor the peer's process holds, so a file it does not hold is refused.
+    let name = format!("kvgate-shm-unregistered-{}", std::process::id());
+    let stranger = kvgate_plugin_shm::SharedRegion::in_dir(std::path::Path::new("/dev/shm"), &name, 4096).unwrap();
+    let named = kvgate_plugin_shm::wire::RemoteKeyBytes { backing_path: stranger.path().to_string(), owner_fd: 999_999, ..real.clone() };
+    let e = err(t.import_remote_key(RECEIVER, RSlice::from_slice(&named.encode())));
+    assert!(e.code == ReasonCode::UNKNOWN_KEY && e.message.contains("/fd/999999"), "{e}");
+    // The peer's real descriptor but another file's identity (a descriptor number reused): refused.
+    let reused = kvgate_plugin_shm::wire::RemoteKeyBytes { ino: real.ino ^ 1, ..real.clone() };
+    let e = err(t.import_remote_key(RECEIVER, RSlice::from_slice(&reused.encode())));
+    assert!(e.code == ReasonCode::UNKNOWN_KEY && e.message.contains("no longer the file the peer registered"), "{e}");
+    drop(stranger);
     // A memfd region's size is sealed: nobody can shrink it under a peer's mapping.
     let sealed = region(4096);
     assert!(std::fs::OpenOptions::new().write(true).open(sealed.path()).unwrap().set_len(100).is_err());

@@ -35,9 +35,17 @@ fn every_scheduler_key_is_in_the_top_level_readme() {
     assert!(missing.is_empty(), "scheduler keys missing from README.md's [scheduler] table: {missing:?}");
 }
 
+/// Keys whose default is "unset" (so `kvgate config default` does not print them), each with a value
+/// that proves the gateway accepts it.
+const UNSET_BY_DEFAULT: [(&str, &str, &str); 1] = [("peer_link", "auth", "\"none\"")];
+
 #[test]
 fn every_gateway_key_the_readme_table_names_is_accepted() {
-    let accepted = gateway_keys();
+    let mut accepted = gateway_keys();
+    for (section, key, value) in UNSET_BY_DEFAULT {
+        kvgate::config::load_config_from_str(&format!("[{section}]\n{key} = {value}\n")).unwrap_or_else(|e| panic!("{section}.{key}: {e}"));
+        accepted.push(format!("{section}.{key}"));
+    }
     // Plain `section.key` rows; the patterned ones of the optional tables (`peer_link.tls.{cert,key,ca}_file`,
     // `[[peers]] ...`) are checked below, `plugins.config.NAME` against each plugin's README.
     let named: Vec<String> = table_keys(section(GATEWAY_README, "## Configuration reference"))

@@ -422,6 +422,19 @@ impl Core {
         }
     }
 
+    /// The engine that owned the room on `role`'s side is gone: the room, if live, fails
+    /// `engine_lost` (the peer is told, as for an abort). Returns whether it was live.
+    pub(super) fn engine_lost(&mut self, now: Nanos, key: RoomKey, role: Role) -> bool {
+        let Lookup::Same(slot) = self.lookup(key, role) else { return false };
+        if self.room_at(slot).state.is_terminal() {
+            return false;
+        }
+        self.room_mut(slot).touch(now, LastEvent::Aborted);
+        self.fail_room(now, slot, RoomInput::EngineAbort, FailReason::EngineLost, None, None);
+        self.metrics.aborts += 1;
+        true
+    }
+
     // CONFORMANCE: ABORT-6, ABORT-7
     pub(super) fn engine_abort(&mut self, now: Nanos, key: RoomKey, role: Option<Role>) {
         let roles: &[Role] = match role {

@@ -250,6 +250,12 @@ impl Core {
         result
     }
 
+    /// The engine that owned `room` on `role`'s side is gone (its session ended): a live room fails
+    /// `engine_lost` at once and the peer is told, as for an abort. Returns whether it was live.
+    pub fn handle_engine_lost(&mut self, now: Nanos, room: RoomKey, role: Role) -> bool {
+        self.engine_lost(now, room, role)
+    }
+
     /// A local region, registered by the driver with the plugins named in `info.keys`. Registering
     /// an id again replaces it.
     pub fn handle_region_registered(&mut self, _now: Nanos, info: RegionInfo) {

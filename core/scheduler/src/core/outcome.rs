@@ -101,7 +101,8 @@ impl Core {
         if let Some(peer) = peer {
             if !came_from_peer(reason) {
                 let to = role.opposite();
-                let message = if reason == FailReason::Aborted {
+                // An engine gone is an abort the engine could no longer send itself.
+                let message = if matches!(reason, FailReason::Aborted | FailReason::EngineLost) {
                     PeerMessage::Abort { room: key, reason, to }
                 } else {
                     PeerMessage::RoomFailed { room: key, reason, to }
