@@ -1,0 +1,291 @@
+"""The package without a gateway: targets, the reason-code mapping, the API surface against the proto,
+the room table's delivery and reconciliation rules, and the memory helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+import kvgate
+from kvgate import _channel, errors
+from kvgate._proto import kvgate_pb2 as pb
+from kvgate.rooms import AsyncRoomHandle, RoomHandle, RoomTable
+from kvgate.types import RoomInfo, RoomKey
+
+
+def test_targets() -> None:
+    assert _channel.parse_target("/tmp/x.sock").unix_path == "/tmp/x.sock"
+    assert _channel.parse_target("unix:/tmp/x.sock").grpc_target == "unix:/tmp/x.sock"
+    assert _channel.parse_target("unix:///tmp/x.sock").unix_path == "/tmp/x.sock"
+    assert _channel.parse_target("127.0.0.1:9000").tcp_address == "127.0.0.1:9000"
+    assert _channel.parse_target("tcp://gw:9000").grpc_target == "gw:9000"
+    assert _channel.parse_target("http://gw:9000/").tcp_address == "gw:9000"
+    saved = os.environ.pop(_channel.TARGET_ENV, None)
+    try:
+        assert _channel.parse_target(None).unix_path == "/tmp/kvgate/engine.sock"
+        os.environ[_channel.TARGET_ENV] = "/run/kvgate/e.sock"
+        assert _channel.parse_target(None).unix_path == "/run/kvgate/e.sock"
+    finally:
+        os.environ.pop(_channel.TARGET_ENV, None)
+        if saved is not None:
+            os.environ[_channel.TARGET_ENV] = saved
+    unix = dict(_channel.channel_options(_channel.parse_target("/x.sock")))
+    assert unix["grpc.default_authority"] == "localhost"
+    assert "grpc.default_authority" not in dict(_channel.channel_options(_channel.parse_target("h:1")))
+
+
+def test_every_rpc_of_the_proto_is_in_the_method_table() -> None:
+    service = pb.DESCRIPTOR.services_by_name["EngineApi"]
+    in_proto = {m.name: (m.input_type.full_name, m.output_type.full_name, m.server_streaming) for m in service.methods}
+    in_table = {m.name: (m.request.DESCRIPTOR.full_name, m.reply.DESCRIPTOR.full_name, m.streaming) for m in _channel.METHODS}
+    assert in_table == in_proto
+    assert service.full_name == _channel.SERVICE
+
+
+class FakeRpcError(Exception):
+    """What grpc raises for a refused call: a status code, details and metadata."""
+
+    def __init__(self, status: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(details)
+        self._status, self._details, self._trailing = status, details, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._status
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
+
+    def initial_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+@pytest.mark.parametrize(
+    "code, cls",
+    [
+        ("room_terminal", kvgate.RoomError),
+        ("stale_generation", kvgate.RoomError),
+        ("unknown_room", kvgate.RoomError),
+        ("unknown_region", kvgate.RegionError),
+        ("slice_out_of_range", kvgate.RegionError),
+        ("peer_not_connected", kvgate.PeerError),
+        ("unknown_peer", kvgate.PeerError),
+        ("too_many_rooms", kvgate.LimitError),
+        ("too_many_something_new", kvgate.LimitError),
+        ("watch_lagged", kvgate.LimitError),
+        ("out_of_order_chunk", kvgate.InvalidRequest),
+        ("bad_token", kvgate.AuthError),
+        ("gateway_stopping", kvgate.GatewayUnavailable),
+    ],
+)
+def test_reason_codes_map_to_one_family_each(code: str, cls: type[kvgate.KvgateError]) -> None:
+    by_metadata = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.UNKNOWN, f"{code}: words", (("kvgate-reason", code),)))
+    assert type(by_metadata) is cls and by_metadata.code == code and by_metadata.status == "UNKNOWN"
+    by_prefix = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.UNKNOWN, f"{code}: words"))
+    assert type(by_prefix) is cls and by_prefix.code == code
+    assert str(by_prefix) == f"{code}: words"
+
+
+def test_a_failure_without_reason_code_maps_by_status() -> None:
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses"))
+    assert isinstance(e, kvgate.GatewayUnavailable) and e.code == "unavailable"
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "Something Broke"))
+    assert type(e) is kvgate.KvgateError and e.code == "internal"
+    assert errors.error_class_for("a_code_from_the_future") is kvgate.KvgateError
+
+
+def test_a_failed_outcome_raises_transfer_failed_with_its_reason() -> None:
+    outcome = kvgate.Outcome(RoomKey(3), "receiver", succeeded=False, reason="peer_lost", phase="transfer")
+    with pytest.raises(kvgate.TransferFailed) as raised:
+        outcome.raise_for_failure()
+    assert raised.value.code == "peer_lost" and raised.value.outcome is outcome
+    kvgate.Outcome(RoomKey(3), "receiver", succeeded=True).raise_for_failure()
+
+
+def terminal_event(room: int, role: str, succeeded: bool = True, reason: str = "") -> pb.RoomEvent:
+    return pb.RoomEvent(key=pb.RoomKey(room=room), role=role, terminal=pb.Terminal(succeeded=succeeded, reason=reason))
+
+
+def reusable_event(room: int, role: str, reason: str = "quiesced") -> pb.RoomEvent:
+    return pb.RoomEvent(key=pb.RoomKey(room=room), role=role, reusable=pb.Reusable(reason=reason))
+
+
+def new_table() -> tuple[RoomTable[RoomHandle], Any]:
+    table: RoomTable[RoomHandle] = RoomTable(recent_limit=4)
+
+    def track(room: int, role: str = "receiver") -> RoomHandle:
+        key = RoomKey(room)
+        return table.track(key, role, lambda: RoomHandle(key, role))[0]
+
+    return table, track
+
+
+def test_outcomes_are_delivered_exactly_once_per_room_and_role() -> None:
+    table, track = new_table()
+    receiver, sender = track(1, "receiver"), track(1, "sender")
+    calls: list[str] = []
+    receiver.on_terminal(lambda o: calls.append(f"terminal {o.reason}"))
+    receiver.on_reusable(lambda r: calls.append(f"reusable {r}"))
+    assert receiver.poll() is None and not receiver.done
+    table.on_event(terminal_event(1, "receiver", False, "aborted"))
+    table.on_event(terminal_event(1, "receiver", True))  # a duplicate is ignored
+    table.on_event(reusable_event(1, "receiver"))
+    table.on_event(reusable_event(1, "receiver", "again"))
+    assert calls == ["terminal aborted", "reusable quiesced"]
+    assert receiver.terminal(0).reason == "aborted" and receiver.reusable(0) == "quiesced"
+    assert sender.poll() is None, "the other role of the same key is another room"
+    late: list[str] = []
+    receiver.on_terminal(lambda o: late.append(o.reason))  # after the fact: called at once
+    assert late == ["aborted"]
+    assert len(table) == 1, "a room both terminal and reusable is no longer tracked"
+    with pytest.raises(TimeoutError):
+        sender.terminal(timeout=0.01)
+
+
+def test_outcomes_that_came_before_the_room_was_tracked_are_kept() -> None:
+    table, track = new_table()
+    table.on_event(terminal_event(5, "sender"))
+    table.on_event(reusable_event(5, "sender", "nothing_in_flight"))
+    handle = track(5, "sender")
+    assert handle.poll() is not None and handle.poll_reusable() == "nothing_in_flight"
+    for room in range(10, 20):  # the memory of untracked rooms is bounded
+        table.on_event(terminal_event(room, "sender"))
+    assert track(10, "sender").poll() is None
+    assert track(19, "sender").poll() is not None
+
+
+def info(room: int, role: str, state: str, reason: str = "", reusable: bool = False) -> RoomInfo:
+    return RoomInfo(RoomKey(room), state=state, role=role, reason=reason, phase="transfer" if reason else "", reusable=reusable)
+
+
+def test_reconciliation_rules() -> None:
+    table, track = new_table()
+    listed_done = track(1)
+    listed_quarantined = track(2)
+    listed_live = track(3)
+    forgotten = track(4)
+    not_yet_created = track(5)
+    already_done = track(6)
+    for h in (listed_done, listed_quarantined, listed_live, forgotten, already_done):
+        table.confirm(h)
+    table.on_event(terminal_event(6, "receiver"))
+    seen: list[tuple[int, str]] = []
+    for h in (listed_done, listed_quarantined, listed_live, forgotten, not_yet_created, already_done):
+        h.on_terminal(lambda o: seen.append((o.key.room, o.source)))
+    listing = [
+        info(1, "receiver", "failed", "peer_lost", reusable=True),
+        info(2, "receiver", "quarantined", "aborted_by_peer"),
+        info(3, "receiver", "transferring"),
+        info(3, "sender", "succeeded", reusable=True),  # another role: not this room
+        info(6, "receiver", "succeeded", reusable=True),
+    ]
+    missing = table.reconcile_listing(table.snapshot(), listing)
+    assert missing == [forgotten], "only a confirmed room the listing lacks is looked up"
+    table.reconcile_lookup(forgotten, None)
+    assert listed_done.terminal(0).reason == "peer_lost" and listed_done.poll_reusable() == kvgate.RECONCILED
+    assert listed_quarantined.terminal(0).reason == "aborted_by_peer" and listed_quarantined.poll_reusable() is None
+    assert listed_live.poll() is None
+    gone = forgotten.terminal(0)
+    assert (gone.succeeded, gone.reason, gone.source) == (False, kvgate.UNKNOWN_AFTER_RECONNECT, "reconcile")
+    assert forgotten.poll_reusable() == kvgate.UNKNOWN_AFTER_RECONNECT
+    assert not_yet_created.poll() is None, "a room whose creating call had not returned is left to the stream"
+    assert already_done.terminal(0).source == "watch"
+    assert sorted(seen) == [(1, "reconcile"), (2, "reconcile"), (4, "reconcile"), (6, "watch")]
+    assert table.stats.reconciles == 1 and table.stats.unknown_after_reconnect == 1
+    # The stream then says what the listing said: nothing new is delivered.
+    table.on_event(terminal_event(1, "receiver", True))
+    table.on_event(reusable_event(2, "receiver"))
+    assert listed_done.terminal(0).reason == "peer_lost"
+    assert sorted(seen) == [(1, "reconcile"), (2, "reconcile"), (4, "reconcile"), (6, "watch")]
+
+
+def test_a_refused_creating_call_stops_tracking_unless_confirmed() -> None:
+    table, track = new_table()
+    h = track(1)
+    table.forget(h)
+    assert len(table) == 0
+    h2 = track(2)
+    table.confirm(h2)
+    table.forget(h2)
+    assert len(table) == 1
+
+
+def test_async_handles_are_awaited_and_polled() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        table: RoomTable[AsyncRoomHandle] = RoomTable()
+        key = RoomKey(9, 2)
+        handle = table.track(key, "sender", lambda: AsyncRoomHandle(key, "sender", loop))[0]
+        assert handle.poll() is None
+        with pytest.raises(TimeoutError):
+            await handle.terminal(timeout=0.01)
+        waiter = asyncio.ensure_future(handle.result())
+        await asyncio.sleep(0)
+        table.on_event(pb.RoomEvent(key=pb.RoomKey(room=9, generation=2), role="sender", terminal=pb.Terminal(succeeded=False, reason="aborted")))
+        with pytest.raises(kvgate.TransferFailed) as raised:
+            await waiter
+        assert raised.value.code == "aborted"
+        # Fed from another thread (the blocking client's reader), the future is resolved on its loop.
+        await asyncio.to_thread(table.on_event, pb.RoomEvent(key=pb.RoomKey(room=9, generation=2), role="sender", reusable=pb.Reusable(reason="quiesced")))
+        assert await handle.reusable(timeout=1) == "quiesced"
+
+    asyncio.run(scenario())
+
+
+def test_region_slices_are_checked_and_offset_by_the_base() -> None:
+    region = kvgate.Region(id=4, length=1000, base=100)
+    assert region.slice(0, 10) == kvgate.Slice(4, 100, 10)
+    with pytest.raises(ValueError):
+        region.slice(850, 100)
+    with pytest.raises(ValueError):
+        region.slice(0, 0)
+
+
+@pytest.mark.parametrize("memfd", [False, True])
+def test_shared_pool_numpy_view_is_the_shared_memory(memfd: bool) -> None:
+    with kvgate.SharedPool(1 << 16, memfd=memfd) as pool:
+        array = pool.numpy()
+        array[:4] = [1, 2, 3, 4]
+        with open(pool.path, "rb") as f:  # what the gateway maps: the same bytes, no copy
+            assert f.read(4) == bytes([1, 2, 3, 4])
+        words = pool.numpy(np.uint32, shape=(4, 4))
+        assert words.shape == (4, 4) and words[0, 0] == int.from_bytes(bytes([1, 2, 3, 4]), "little")
+        other = kvgate.SharedPool.open(pool.path)
+        other.numpy()[100] = 42
+        assert array[100] == 42
+        other.close()
+        assert os.path.exists(pool.path), "open() does not own the file"
+        path = pool.path
+        del array, words
+    assert memfd or not os.path.exists(path), "close() removes the file it created"
+
+
+def test_shared_pool_torch_view_shares_memory_or_says_why() -> None:
+    with kvgate.SharedPool(4096) as pool:
+        try:
+            import torch
+        except ImportError:
+            with pytest.raises(ModuleNotFoundError, match="needs PyTorch"):
+                pool.torch()
+            return
+        tensor = pool.torch()
+        tensor[7] = 99
+        assert pool.numpy()[7] == 99
+        assert pool.torch(torch.float32).numel() == 1024
+
+
+def test_cuda_registration_says_why_it_is_unavailable() -> None:
+    ok, why = kvgate.cuda_available()
+    if ok:
+        return  # test_transfer's GPU test covers this machine
+    with pytest.raises(kvgate.CudaUnavailable) as raised:
+        kvgate.cuda_ipc_export(object())
+    assert raised.value.code == "cuda_unavailable" and raised.value.details == why
+    assert any(w in why for w in ("PyTorch is not installed", "built without CUDA", "sees no CUDA device")), why
