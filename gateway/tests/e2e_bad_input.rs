@@ -56,11 +56,11 @@ async fn bad_engine_calls_are_refused_with_a_reason_and_change_nothing() {
     let room = room_key(600, 0);
     assert_eq!(status_reason(decode.client.expect(room, PREFILL_NAME, vec![vec![slice(999, 0, 4096)]], 0).await), "unknown_region");
     assert_eq!(status_reason(decode.client.expect(room, PREFILL_NAME, vec![vec![slice(decode.region, pool_len - 100, 4096)]], 0).await), "slice_out_of_range");
-    let bad_send = proto::SendRequest { key: Some(room), part: 0, chunk: 0, slices: vec![slice(prefill.region, pool_len, 1)], last: true, peer: DECODE_NAME.into() };
+    let bad_send = proto::SendRequest { offset: None, key: Some(room), part: 0, chunk: 0, slices: vec![slice(prefill.region, pool_len, 1)], last: true, peer: DECODE_NAME.into() };
     assert_eq!(status_reason(prefill.client.send(bad_send).await), "slice_out_of_range");
     // An unknown peer name, and a request without a room key.
     assert_eq!(status_reason(decode.client.expect(room, "nobody", vec![vec![slice(decode.region, 0, 4096)]], 0).await), "unknown_peer");
-    let no_key = proto::SendRequest { key: None, ..Default::default() };
+    let no_key = proto::SendRequest { offset: None, key: None, ..Default::default() };
     assert_eq!(status_reason(prefill.client.send(no_key).await), "missing_field");
 
     // A second expect for a live room.
@@ -72,7 +72,7 @@ async fn bad_engine_calls_are_refused_with_a_reason_and_change_nothing() {
     for _ in 0..50 {
         // Wait until the expect notice reached the prefill gateway, so the send can be checked at once.
         if prefill.client.get_room(room_key(601, 0)).await.is_ok() {
-            let short = proto::SendRequest { key: Some(room_key(601, 0)), part: 0, chunk: 0, slices: vec![slice(prefill.region, 0, 4096)], last: true, peer: DECODE_NAME.into() };
+            let short = proto::SendRequest { offset: None, key: Some(room_key(601, 0)), part: 0, chunk: 0, slices: vec![slice(prefill.region, 0, 4096)], last: true, peer: DECODE_NAME.into() };
             refused = Some(status_reason(prefill.client.send(short).await));
             break;
         }

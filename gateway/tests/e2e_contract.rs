@@ -34,7 +34,7 @@ async fn a_layout_mismatch_fails_the_room_before_any_byte_moves_and_harms_nothin
     let (mut p_rx, mut d_rx) = (prefill.events.listen(800), decode.events.listen(800));
     let started = Instant::now();
     for p in 0..2u32 {
-        let send = proto::SendRequest { key: Some(room_key(800, 0)), part: p, chunk: 0, slices: vec![slice(prefill.region, p as u64 * part, part)], last: true, peer: DECODE_NAME.into() };
+        let send = proto::SendRequest { offset: None, key: Some(room_key(800, 0)), part: p, chunk: 0, slices: vec![slice(prefill.region, p as u64 * part, part)], last: true, peer: DECODE_NAME.into() };
         prefill.client.send(send).await.unwrap();
     }
     decode.client.expect(room_key(800, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, part)]], 0).await.unwrap();
@@ -48,7 +48,7 @@ async fn a_layout_mismatch_fails_the_room_before_any_byte_moves_and_harms_nothin
     // Lengths: the sender's only chunk is 4 KiB and last; the receiver expects a whole part.
     let (mut p_rx, mut d_rx) = (prefill.events.listen(801), decode.events.listen(801));
     let started = Instant::now();
-    let send = proto::SendRequest { key: Some(room_key(801, 0)), part: 0, chunk: 0, slices: vec![slice(prefill.region, 0, 4096)], last: true, peer: DECODE_NAME.into() };
+    let send = proto::SendRequest { offset: None, key: Some(room_key(801, 0)), part: 0, chunk: 0, slices: vec![slice(prefill.region, 0, 4096)], last: true, peer: DECODE_NAME.into() };
     prefill.client.send(send).await.unwrap();
     decode.client.expect(room_key(801, 0), PREFILL_NAME, vec![vec![slice(decode.region, part, part)]], 0).await.unwrap();
     let (p, d) = tokio::join!(wait_terminal(&mut p_rx, started, WAIT), wait_terminal(&mut d_rx, started, WAIT));

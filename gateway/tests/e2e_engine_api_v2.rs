@@ -146,7 +146,7 @@ async fn move_rooms(prefill: &Client, decode: &Client, src: u64, dst: u64, rooms
     assert_eq!(reply.accepted as usize, rooms.clone().count(), "{:?}", reply.results.iter().find(|r| !r.reason.is_empty()));
     let sends: Vec<proto::SendRequest> = rooms
         .clone()
-        .map(|room| proto::SendRequest { key: Some(room_key(room, 0)), part: 0, chunk: 0, slices: vec![slice(src, (room % 256) * SLOT, SLOT)], last: true, peer: DECODE_NAME.into() })
+        .map(|room| proto::SendRequest { offset: None, key: Some(room_key(room, 0)), part: 0, chunk: 0, slices: vec![slice(src, (room % 256) * SLOT, SLOT)], last: true, peer: DECODE_NAME.into() })
         .collect();
     let reply = prefill.send_batch(sends).await.unwrap();
     assert_eq!(reply.accepted as usize, rooms.count());
@@ -258,5 +258,70 @@ async fn each_call_of_a_batch_stands_alone_and_a_batch_past_its_limit_is_refused
     let e = decode.expect_batch(batch).await.unwrap_err();
     assert_eq!(reason_of(&e).as_deref(), Some("too_many_calls"));
     assert!(decode.get_room(room_key(1300, 0)).await.is_err());
+    pair.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_in_random_order_after_a_prefix_skip_land_byte_exact_and_overlaps_are_refused() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
+    let prefill = Client::connect_unix(&pair.prefill.socket).await.unwrap();
+    let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
+    const PAGE: u64 = 4096;
+    let mut src_pool = KvPool::create(dir.path(), "src", PAGE, 32).unwrap();
+    let dst_pool = KvPool::create(dir.path(), "dst", PAGE, 32).unwrap();
+    for page in 0..32 {
+        src_pool.fill(page, 100 + page);
+    }
+    let src = prefill.register_shared_memory(&src_pool.path.display().to_string(), 0, src_pool.len(), "src").await.unwrap();
+    let dst = decode.register_shared_memory(&dst_pool.path.display().to_string(), 0, dst_pool.len(), "dst").await.unwrap();
+    // Two parts (a layer's K and V), 8 pages each on the prefill side; the decode side has the first
+    // 2 pages of each cached and expects only pages 2..8, at scattered destination pages.
+    let src_page = |part: u64, page: u64| part * 8 + page;
+    let dst_page = |part: u64, page: u64| 31 - (part * 8 + page); // reversed: nothing adjacent in order
+    let parts: Vec<Vec<kvgate_client::Slice>> = (0..2).map(|part| (2..8).map(|page| slice(dst, dst_page(part, page) * PAGE, PAGE)).collect()).collect();
+    let room = room_key(1400, 0);
+    let mut events = decode.watch_outcomes(None).await.unwrap();
+    decode.expect(room, PREFILL_NAME, parts, 0).await.unwrap();
+    // Three chunks of two pages per part, every chunk naming its offset in the 6-page stream, all six
+    // sends in one batch in a shuffled order.
+    let mut sends = Vec::new();
+    for part in 0..2u64 {
+        for chunk in 0..3u64 {
+            let pages = (2 + 2 * chunk..4 + 2 * chunk).map(|page| slice(src, src_page(part, page) * PAGE, PAGE)).collect();
+            sends.push(proto::SendRequest {
+                key: Some(room),
+                part: part as u32,
+                chunk: chunk as u32,
+                slices: pages,
+                last: false,
+                peer: DECODE_NAME.into(),
+                offset: Some(2 * chunk * PAGE),
+            });
+        }
+    }
+    let order = [4usize, 1, 5, 0, 3, 2];
+    let shuffled: Vec<_> = order.iter().map(|&i| sends[i].clone()).collect();
+    // The last of the six, held back: first an overlapping one is refused with its reason.
+    let (first_five, last) = shuffled.split_at(5);
+    let reply = prefill.send_batch(first_five.to_vec()).await.unwrap();
+    assert_eq!(reply.accepted, 5, "{:?}", reply.results);
+    let mut overlapping = last[0].clone();
+    overlapping.offset = Some(overlapping.offset.unwrap() - PAGE); // its first page overlaps a placed chunk
+    let e = prefill.send(overlapping).await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("overlapping_chunk"), "{e:?}");
+    let mut in_order = last[0].clone();
+    in_order.offset = None;
+    let e = prefill.send(in_order).await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("placement_mismatch"), "{e:?}");
+    prefill.send(last[0].clone()).await.unwrap();
+    let t = terminal_of(&mut events, 1400, WAIT).await;
+    assert!(t.succeeded, "{t:?}");
+    for part in 0..2 {
+        for page in 2..8 {
+            assert_eq!(dst_pool.slot(dst_page(part, page)), src_pool.slot(src_page(part, page)), "part {part} page {page}");
+        }
+    }
     pair.stop();
 }

@@ -61,6 +61,7 @@ async fn sigkill_of_a_prefill_gateway_fails_only_its_rooms_with_peer_lost_within
             for part in 0..shape.parts {
                 let offset = healthy.pool.lock().unwrap().slot_offset(slot);
                 let request = kvgate_client::proto::SendRequest {
+                    offset: None,
                     key: Some(room_key(room, 0)),
                     part: part as u32,
                     chunk: chunk as u32,

@@ -53,7 +53,7 @@ async fn unregister_of_a_region_a_room_holds_is_refused_on_both_sides_until_the_
         assert_eq!(refused(prefill.client.unregister_memory(prefill.region).await).0, "region_in_use");
         for part in 0..shape.parts {
             let slices = shape.chunk_slices(prefill.region, 0, part, chunk);
-            let request = proto::SendRequest { key: Some(room_key(room, 0)), part: part as u32, chunk: chunk as u32, slices, last: chunk + 1 == shape.chunks, peer: DECODE_NAME.into() };
+            let request = proto::SendRequest { offset: None, key: Some(room_key(room, 0)), part: part as u32, chunk: chunk as u32, slices, last: chunk + 1 == shape.chunks, peer: DECODE_NAME.into() };
             prefill_client.send(request).await.unwrap();
         }
     }
@@ -193,7 +193,7 @@ async fn gateways_holding_different_keys_never_link() {
         assert!(up.iter().all(|p| p["up"] == false), "{}: {up:?}", g.name);
     }
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &small_shape(), 1).await;
-    let status = prefill.client.send(proto::SendRequest { key: Some(room_key(920, 0)), part: 0, chunk: 0, slices: vec![slice(prefill.region, 0, 4096)], last: true, peer: DECODE_NAME.into() }).await.unwrap_err();
+    let status = prefill.client.send(proto::SendRequest { offset: None, key: Some(room_key(920, 0)), part: 0, chunk: 0, slices: vec![slice(prefill.region, 0, 4096)], last: true, peer: DECODE_NAME.into() }).await.unwrap_err();
     assert_eq!(reason_of(&status).as_deref(), Some("peer_not_connected"), "{status:?}");
     pair.stop();
 }

@@ -171,10 +171,14 @@ pub enum RefusalReason {
     TooManyPendingSends,
     /// The engine's `timeout_ms` is 0.
     InvalidTimeout,
+    /// A chunk placed at an offset covers bytes an earlier chunk of the part already covers.
+    OverlappingChunk,
+    /// A part's chunks mix placement at an explicit offset with placement in chunk order.
+    PlacementMismatch,
 }
 
 impl RefusalReason {
-    pub const COUNT: usize = 20;
+    pub const COUNT: usize = 22;
     pub fn index(self) -> usize {
         self as usize
     }
@@ -200,6 +204,8 @@ impl RefusalReason {
             RefusalReason::TooManySegments => "too_many_segments",
             RefusalReason::TooManyPendingSends => "too_many_pending_sends",
             RefusalReason::InvalidTimeout => "invalid_timeout",
+            RefusalReason::OverlappingChunk => "overlapping_chunk",
+            RefusalReason::PlacementMismatch => "placement_mismatch",
         }
     }
     pub const ALL: &'static [RefusalReason] = &[
@@ -223,6 +229,8 @@ impl RefusalReason {
         RefusalReason::TooManySegments,
         RefusalReason::TooManyPendingSends,
         RefusalReason::InvalidTimeout,
+        RefusalReason::OverlappingChunk,
+        RefusalReason::PlacementMismatch,
     ];
 }
 

@@ -136,6 +136,7 @@ pub async fn frozen_peer(rig: &Rig, settings: &PairSettings, rooms: u64) -> anyh
         let dst = vec![slice(decode.region, offset, 2 * MINIMAL_ROOM_BYTES)];
         decode.client.expect(room_key(room, 0), PREFILL_NAME, vec![dst], 0).await.map_err(|s| anyhow::anyhow!("expect refused: {}", s.message()))?;
         let first_chunk = proto::SendRequest {
+            offset: None,
             key: Some(room_key(room, 0)),
             part: 0,
             chunk: 0,

@@ -98,7 +98,7 @@ pub async fn move_room(prefill: &Engine, decode: &Engine, room: u64, src: Vec<Sl
     let mut p_rx = prefill.events.listen(room);
     let mut d_rx = decode.events.listen(room);
     let started = Instant::now();
-    let request = proto::SendRequest { key: Some(room_key(room, 0)), part: 0, chunk: 0, slices: src, last: true, peer: DECODE_NAME.to_string() };
+    let request = proto::SendRequest { offset: None, key: Some(room_key(room, 0)), part: 0, chunk: 0, slices: src, last: true, peer: DECODE_NAME.to_string() };
     let (expect, send) = tokio::join!(decode.client.expect(room_key(room, 0), PREFILL_NAME, vec![dst], 0), prefill.client.send(request));
     let refused = match (expect, send) {
         (Err(s), _) => Some(format!("expect refused: {}", kvgate_client::reason_of(&s).unwrap_or_else(|| s.message().to_string()))),

@@ -48,6 +48,7 @@ fn chunk_sends(prefill: &Engine, room: u64, chunk: u64) -> Vec<proto::SendReques
     let first = chunk * SGLANG_PAGES_PER_CHUNK;
     (0..SGLANG_PARTS)
         .map(|part| proto::SendRequest {
+            offset: None,
             key: Some(room_key(room, 0)),
             part: part as u32,
             chunk: chunk as u32,

@@ -134,6 +134,7 @@ pub async fn send_all(prefill: &Engine, shape: &KvShape, room: u64, slot: u64, p
     for chunk in 0..chunk_limit.unwrap_or(shape.chunks).min(shape.chunks) {
         let sends = (0..shape.parts)
             .map(|part| proto::SendRequest {
+                offset: None,
                 key: Some(room_key(room, 0)),
                 part: part as u32,
                 chunk: chunk as u32,

@@ -69,6 +69,8 @@ pub struct SendCall {
     pub peer: Option<String>,
     pub part: u32,
     pub chunk: u32,
+    /// Byte offset in the part's destination stream (None: after the previous chunk).
+    pub at: Option<u64>,
     pub slices: Vec<Slice>,
     pub last: bool,
 }
@@ -197,7 +199,7 @@ impl Driver {
             Some(name) => Some(self.peer_id_of(name)?),
             None => None,
         };
-        self.send(call.room, peer, call.part, call.chunk, call.slices, call.last)?;
+        self.send(call.room, peer, call.part, call.chunk, call.at, call.slices, call.last)?;
         if let Some(id) = call.session {
             self.sessions.own_room(id, call.room, Role::Sender);
         }
@@ -214,9 +216,13 @@ impl Driver {
     }
 
     /// A send: once the core accepts it, the room holds its source regions.
-    fn send(&mut self, room: RoomKey, peer: Option<PeerId>, part: u32, chunk: u32, slices: Vec<Slice>, last: bool) -> Result<(), ApiError> {
+    #[allow(clippy::too_many_arguments)]
+    fn send(&mut self, room: RoomKey, peer: Option<PeerId>, part: u32, chunk: u32, at: Option<u64>, slices: Vec<Slice>, last: bool) -> Result<(), ApiError> {
         let now = self.now();
-        let result = self.core.handle_send(now, room, peer, part, chunk, &slices, last);
+        let result = match at {
+            Some(at) => self.core.handle_send_at(now, room, peer, part, chunk, at, &slices, last),
+            None => self.core.handle_send(now, room, peer, part, chunk, &slices, last),
+        };
         self.refusal_to_api(result)?;
         self.region_use.hold(room, Role::Sender, &slices);
         Ok(())

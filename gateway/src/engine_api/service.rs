@@ -74,7 +74,7 @@ fn session_of<T>(request: &Request<T>) -> Result<Option<u64>, Status> {
 fn send_call(r: proto::SendRequest, session: Option<u64>) -> Result<SendCall, ApiError> {
     let key = r.key.ok_or_else(|| ApiError::invalid("missing_field", "the request needs a room key"))?;
     let peer = (!r.peer.is_empty()).then_some(r.peer);
-    Ok(SendCall { session, room: RoomKey::new(key.room, key.generation), peer, part: r.part, chunk: r.chunk, slices: slices(r.slices), last: r.last })
+    Ok(SendCall { session, room: RoomKey::new(key.room, key.generation), peer, part: r.part, chunk: r.chunk, at: r.offset, slices: slices(r.slices), last: r.last })
 }
 
 fn expect_call(r: proto::ExpectRequest, session: Option<u64>) -> Result<ExpectCall, ApiError> {

@@ -2,8 +2,8 @@
 //! runs before anything changes, so a refusal leaves the core as it was. It never moves a byte
 //! itself: accepted chunks become `Submit` commands.
 
-use super::mapping::{map_chunk, SourceSlice};
-use super::room::{ChunkXfer, HeldChunk, RecvPart, RoleData, Room, SendPart, XferState};
+use super::mapping::{insert_range, map_chunk, stream_position, SourceSlice};
+use super::room::{ChunkXfer, HeldChunk, Placement, RecvPart, RoleData, Room, SendPart, XferState, AT_CURSOR};
 use super::{Core, LocalRegion, Lookup, XferRef};
 use crate::api::*;
 use crate::metrics::{HarmlessAbort, LateSource};
@@ -18,6 +18,8 @@ pub(super) enum PlaceError {
     /// More bytes than the destination has left, or a last chunk that leaves it short.
     LengthMismatch,
     TooManySegments,
+    /// An explicitly placed chunk covers bytes another chunk of the part covers already.
+    Overlap,
 }
 
 /// A send's slices: owned (from `EngineRequest::Send`) or borrowed (`Core::handle_send`). Copied
@@ -177,6 +179,9 @@ impl Core {
         Ok(())
     }
 
+    /// A chunk of a part: placed after the previous chunk's bytes (`at` None, chunks in order), or at
+    /// byte `at` of the part's destination stream (any order; the part is done once every byte is
+    /// covered exactly once).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn engine_send(
         &mut self,
@@ -185,6 +190,7 @@ impl Core {
         peer: Option<PeerId>,
         part: u32,
         chunk: u32,
+        at: Option<u64>,
         slices: SendSlices<'_>,
         last: bool,
     ) -> Result<(), Refusal> {
@@ -208,7 +214,7 @@ impl Core {
         self.check_local_slices(key, slices.as_slice())?;
         match self.lookup(key, Role::Sender) {
             Lookup::Newer => Self::refuse(key, RefusalReason::StaleGeneration),
-            Lookup::Same(slot) => self.send_to_existing(now, slot, peer, part, chunk, slices, last),
+            Lookup::Same(slot) => self.send_to_existing(now, slot, peer, part, chunk, at, slices, last),
             // CONFORMANCE: ABORT-6
             Lookup::Settled(_) => Self::refuse(key, RefusalReason::RoomTerminal),
             lookup @ (Lookup::Absent | Lookup::Older(_)) => {
@@ -218,7 +224,7 @@ impl Core {
                 if self.metrics.pending_sends >= self.config.max_pending_sends {
                     return Self::refuse(key, RefusalReason::TooManyPendingSends);
                 }
-                if chunk != 0 {
+                if chunk != 0 && at.is_none() {
                     return Self::refuse(key, RefusalReason::OutOfOrderChunk);
                 }
                 if let Lookup::Older(old) = lookup {
@@ -227,9 +233,12 @@ impl Core {
                 let mut parts = self.spare_send_parts();
                 parts.reserve_exact(part as usize + 1);
                 parts.resize_with(part as usize + 1, SendPart::default);
-                parts[part as usize].held.push(HeldChunk { slices: slices.into_boxed(), last });
-                parts[part as usize].next_chunk = 1;
-                parts[part as usize].last_seen = last;
+                let target = &mut parts[part as usize];
+                target.held.push(HeldChunk { slices: slices.into_boxed(), at: at.unwrap_or(AT_CURSOR), last });
+                target.next_chunk = 1;
+                target.placement = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
+                // Explicit placement: done when every byte is covered, known once the notice came.
+                target.last_seen = last && at.is_none();
                 let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
                 let slot = self.insert_room(|| {
                     let data = RoleData::Sender { notice: false, parts };
@@ -258,6 +267,7 @@ impl Core {
         peer: Option<PeerId>,
         part: u32,
         chunk: u32,
+        at: Option<u64>,
         slices: SendSlices<'_>,
         last: bool,
     ) -> Result<(), Refusal> {
@@ -278,16 +288,27 @@ impl Core {
         if notice && part as usize >= parts.len() {
             return Self::refuse(key, RefusalReason::UnknownPart);
         }
-        let (next_chunk, last_seen) =
-            parts.get(part as usize).map(|p| (p.next_chunk, p.last_seen)).unwrap_or((0, false));
-        if last_seen && chunk >= next_chunk {
-            return Self::refuse(key, RefusalReason::ChunkAfterLast);
+        let (next_chunk, last_seen, placement) =
+            parts.get(part as usize).map(|p| (p.next_chunk, p.last_seen, p.placement)).unwrap_or((0, false, Placement::Unset));
+        let wanted = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
+        if placement != Placement::Unset && placement != wanted {
+            return Self::refuse(key, RefusalReason::PlacementMismatch);
         }
-        if chunk < next_chunk {
-            return Self::refuse(key, RefusalReason::DuplicateChunk);
-        }
-        if chunk > next_chunk {
-            return Self::refuse(key, RefusalReason::OutOfOrderChunk);
+        if at.is_some() {
+            // Any chunk number, any order: overlaps and the end of the part are checked at placement.
+            if last_seen {
+                return Self::refuse(key, RefusalReason::ChunkAfterLast);
+            }
+        } else {
+            if last_seen && chunk >= next_chunk {
+                return Self::refuse(key, RefusalReason::ChunkAfterLast);
+            }
+            if chunk < next_chunk {
+                return Self::refuse(key, RefusalReason::DuplicateChunk);
+            }
+            if chunk > next_chunk {
+                return Self::refuse(key, RefusalReason::OutOfOrderChunk);
+            }
         }
         if !notice {
             if pending_full {
@@ -303,19 +324,21 @@ impl Core {
                 parts.resize_with(part as usize + 1, SendPart::default);
             }
             let target = &mut parts[part as usize];
-            target.held.push(HeldChunk { slices: slices.into_boxed(), last });
+            target.held.push(HeldChunk { slices: slices.into_boxed(), at: at.unwrap_or(AT_CURSOR), last });
             target.next_chunk += 1;
-            target.last_seen = last;
+            target.placement = wanted;
+            target.last_seen = last && at.is_none();
             self.metrics.pending_sends += 1;
             self.room_mut(slot).touch(now, LastEvent::Send);
             let _ = self.apply(now, slot, RoomInput::Send);
             return Ok(());
         }
-        let segments = match self.place_chunk(now, slot, part, slices.as_slice(), last) {
+        let segments = match self.place_chunk(now, slot, part, at.unwrap_or(AT_CURSOR), slices.as_slice(), last) {
             Ok(segments) => segments,
             Err(PlaceError::UnknownRegion) => return Self::refuse(key, RefusalReason::UnknownRegion),
             Err(PlaceError::LengthMismatch) => return Self::refuse(key, RefusalReason::LengthMismatch),
             Err(PlaceError::TooManySegments) => return Self::refuse(key, RefusalReason::TooManySegments),
+            Err(PlaceError::Overlap) => return Self::refuse(key, RefusalReason::OverlappingChunk),
         };
         self.room_mut(slot).touch(now, LastEvent::Send);
         if self.room_at(slot).state == RoomState::WaitingSend {
@@ -328,7 +351,10 @@ impl Core {
 
     /// Map a chunk onto its part's destination and record it (cursor, chunk count); the submit
     /// itself is `submit_last_placed`. Changes nothing on error.
-    pub(super) fn place_chunk(&mut self, _now: Nanos, slot: u32, part: u32, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
+    /// `at`: the byte of the part's destination stream the chunk starts at, or `AT_CURSOR` (right after
+    /// the previous chunk). An explicitly placed chunk must not overlap one already placed nor run
+    /// past the part's end; with `last` it must complete the part.
+    pub(super) fn place_chunk(&mut self, _now: Nanos, slot: u32, part: u32, at: u64, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
         let plugin = self.room_at(slot).plugin().expect("a room with a notice has a plugin");
         // Resolve every source key first (nothing changes on error), then map without a copy.
         let mut bytes = 0u64;
@@ -360,6 +386,27 @@ impl Core {
         let room = self.slots[slot as usize].room.as_mut().expect("live slot");
         let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
         let target = &mut parts[part as usize];
+        if at != AT_CURSOR {
+            // Explicit: [at, at + bytes) of the stream, not overlapping any chunk already placed.
+            let end = at.checked_add(bytes).filter(|&end| end <= target.dest_total).ok_or(PlaceError::LengthMismatch)?;
+            let covered = target.covered.get_or_insert_with(Default::default);
+            let index = covered.partition_point(|&(_, e)| e <= at);
+            if covered.get(index).is_some_and(|&(s, _)| s < end) {
+                return Err(PlaceError::Overlap);
+            }
+            if last && target.filled + bytes != target.dest_total {
+                return Err(PlaceError::LengthMismatch);
+            }
+            let (start_slice, start_offset) = stream_position(&target.dest, at);
+            let (segments, _, _) = map_chunk(sources, slices.len(), &target.dest, start_slice, start_offset, max_segments, spare)
+                .map_err(|_| PlaceError::TooManySegments)?;
+            insert_range(covered, index, at, end);
+            target.placement = Placement::Explicit;
+            target.filled += bytes;
+            target.last_seen = target.filled == target.dest_total;
+            target.chunks.push(ChunkXfer { xfer: 0, bytes, state: XferState::InFlight });
+            return Ok(segments);
+        }
         let remaining = target.dest_total - target.filled;
         if bytes > remaining || (last && bytes != remaining) {
             return Err(PlaceError::LengthMismatch);
@@ -369,6 +416,7 @@ impl Core {
                 .map_err(|_| PlaceError::TooManySegments)?;
         target.cursor_slice = cursor_slice;
         target.cursor_offset = cursor_offset;
+        target.placement = Placement::Cursor;
         target.filled += bytes;
         target.last_seen = last;
         target.chunks.push(ChunkXfer { xfer: 0, bytes, state: XferState::InFlight });

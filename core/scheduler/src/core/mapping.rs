@@ -92,3 +92,67 @@ mod tests {
         assert_eq!(map_chunk([src(0, 3)], 1, &dest, 0, 0, 2, Vec::new()), Err(TooManySegments));
     }
 }
+
+/// Where byte `at` of a part's destination stream (its slices concatenated) lies: the slice index and
+/// the offset in it. `at` must be below the stream's length.
+pub(crate) fn stream_position(dest: &[DestSlice], at: u64) -> (u32, u64) {
+    let mut start = 0u64;
+    for (index, slice) in dest.iter().enumerate() {
+        if at < start + slice.len {
+            return (index as u32, at - start);
+        }
+        start += slice.len;
+    }
+    debug_assert!(false, "byte {at} past the stream's {start} bytes");
+    (dest.len() as u32, 0)
+}
+
+/// Put `[start, end)` into the sorted, non-overlapping `ranges` at `index` (the first range ending
+/// after `start`; the caller checked it does not overlap), merging it with touching neighbours.
+pub(crate) fn insert_range(ranges: &mut Vec<(u64, u64)>, index: usize, start: u64, end: u64) {
+    let merges_next = ranges.get(index).is_some_and(|&(s, _)| s == end);
+    let merges_prev = index > 0 && ranges[index - 1].1 == start;
+    match (merges_prev, merges_next) {
+        (true, true) => {
+            ranges[index - 1].1 = ranges[index].1;
+            ranges.remove(index);
+        }
+        (true, false) => ranges[index - 1].1 = end,
+        (false, true) => ranges[index].0 = start,
+        (false, false) => ranges.insert(index, (start, end)),
+    }
+}
+
+#[cfg(test)]
+mod placement_tests {
+    use super::*;
+    use kvgate_abi::RemoteKey;
+
+    #[test]
+    fn a_stream_position_is_found_in_the_slice_that_holds_the_byte() {
+        let dest = [DestSlice { key: RemoteKey(1), offset: 100, len: 10 }, DestSlice { key: RemoteKey(1), offset: 500, len: 5 }];
+        assert_eq!(stream_position(&dest, 0), (0, 0));
+        assert_eq!(stream_position(&dest, 9), (0, 9));
+        assert_eq!(stream_position(&dest, 10), (1, 0));
+        assert_eq!(stream_position(&dest, 14), (1, 4));
+    }
+
+    #[test]
+    fn ranges_stay_sorted_and_merge_with_touching_neighbours() {
+        let mut r = Vec::new();
+        let put = |r: &mut Vec<(u64, u64)>, s: u64, e: u64| {
+            let i = r.partition_point(|&(_, end)| end <= s);
+            insert_range(r, i, s, e);
+        };
+        put(&mut r, 10, 20);
+        put(&mut r, 30, 40);
+        assert_eq!(r, [(10, 20), (30, 40)]);
+        put(&mut r, 0, 5);
+        put(&mut r, 20, 30);
+        assert_eq!(r, [(0, 5), (10, 40)]);
+        put(&mut r, 5, 10);
+        assert_eq!(r, [(0, 40)]);
+        put(&mut r, 40, 41);
+        assert_eq!(r, [(0, 41)]);
+    }
+}

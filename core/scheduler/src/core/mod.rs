@@ -194,7 +194,7 @@ impl Core {
                 result
             }
             EngineRequest::Send { room, peer, part, chunk, slices, last } => {
-                self.engine_send(now, room, peer, part, chunk, SendSlices::Owned(slices), last)
+                self.engine_send(now, room, peer, part, chunk, None, SendSlices::Owned(slices), last)
             }
             EngineRequest::Abort { room, role } => {
                 self.engine_abort(now, room, role);
@@ -218,7 +218,28 @@ impl Core {
         slices: &[Slice],
         last: bool,
     ) -> Result<(), Refusal> {
-        let result = self.engine_send(now, room, peer, part, chunk, SendSlices::Borrowed(slices), last);
+        let result = self.engine_send(now, room, peer, part, chunk, None, SendSlices::Borrowed(slices), last);
+        self.count_refusal(result)
+    }
+
+    /// `handle_send` with the chunk placed at byte `at` of the part's destination stream (the part's
+    /// slices concatenated) instead of after the previous chunk: a part's chunks then all name their
+    /// offset (`placement_mismatch` otherwise), come in any order with any chunk numbers, may not
+    /// overlap (`overlapping_chunk`) or run past the end (`length_mismatch`), and the part is done
+    /// once every byte is covered exactly once (`last`, when given, says the chunk completes it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_send_at(
+        &mut self,
+        now: Nanos,
+        room: RoomKey,
+        peer: Option<PeerId>,
+        part: u32,
+        chunk: u32,
+        at: u64,
+        slices: &[Slice],
+        last: bool,
+    ) -> Result<(), Refusal> {
+        let result = self.engine_send(now, room, peer, part, chunk, Some(at), SendSlices::Borrowed(slices), last);
         self.count_refusal(result)
     }
 

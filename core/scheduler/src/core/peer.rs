@@ -369,12 +369,13 @@ impl Core {
             let count = held.len() as u64;
             let mut result = Ok(());
             for chunk in &held {
-                match self.place_chunk(now, slot, part, &chunk.slices, chunk.last) {
+                match self.place_chunk(now, slot, part, chunk.at, &chunk.slices, chunk.last) {
                     Ok(segments) => self.submit_last_placed(now, slot, part, segments),
                     Err(error) => {
                         result = Err(match error {
                             PlaceError::UnknownRegion => FailReason::RegionUnregistered,
-                            PlaceError::LengthMismatch => FailReason::LengthMismatch,
+                            // Held chunks that overlap, or run past the destination: they do not fit it.
+                            PlaceError::LengthMismatch | PlaceError::Overlap => FailReason::LengthMismatch,
                             PlaceError::TooManySegments => FailReason::TooManySegments,
                         });
                         break;

@@ -36,7 +36,22 @@ pub(crate) struct ChunkXfer {
 pub(crate) struct HeldChunk {
     /// Boxed: a held chunk never grows, and the box is 8 bytes smaller than a Vec.
     pub slices: Box<[Slice]>,
+    /// Where its bytes go in the part's destination stream (`AT_CURSOR`: after the previous chunk's).
+    pub at: u64,
     pub last: bool,
+}
+
+/// `HeldChunk::at` of a chunk placed in chunk order.
+pub(crate) const AT_CURSOR: u64 = u64::MAX;
+
+/// How a part's chunks say where their bytes go: not yet known (no chunk), one after the other in
+/// chunk order, or each at its own offset (any order).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Placement {
+    #[default]
+    Unset,
+    Cursor,
+    Explicit,
 }
 
 /// One destination slice resolved to the peer's remote key.
@@ -57,8 +72,15 @@ pub(crate) struct SendPart {
     pub filled: u64,
     pub cursor_slice: u32,
     pub cursor_offset: u64,
+    /// Cursor placement: the next chunk number expected. Explicit placement: chunks accepted.
     pub next_chunk: u32,
+    /// Cursor placement: the last chunk was accepted. Explicit: every byte is covered.
     pub last_seen: bool,
+    pub placement: Placement,
+    /// Explicit placement: the byte ranges of the part's stream already covered, sorted and merged.
+    /// Boxed: 8 bytes in every part, where a `Vec` would take 24 in the many that never use it.
+    #[allow(clippy::box_collection)]
+    pub covered: Option<Box<Vec<(u64, u64)>>>,
     pub chunks_succeeded: u32,
     pub done: bool,
     /// One chunk inline (most parts are one chunk), more spill to the heap.

@@ -160,6 +160,14 @@ impl Pair {
         result
     }
 
+    /// A chunk placed at byte `at` of the part's destination stream.
+    pub fn send_at(&mut self, room: RoomKey, part: u32, chunk: u32, at: u64, list: &[(u64, u64)], last: bool) -> Result<(), Refusal> {
+        let slices = slices(SRC_REGION, list);
+        let result = self.prefill.core.handle_send_at(self.now, room, None, part, chunk, at, &slices, last);
+        self.drive();
+        result
+    }
+
     pub fn abort_decode(&mut self, room: RoomKey) {
         let result = self.decode.core.handle_engine(self.now, EngineRequest::Abort { room, role: Some(Role::Receiver) });
         assert!(result.is_ok(), "abort is never refused");
