@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence, TypeVar
 
 import grpc
 import grpc.aio
@@ -225,12 +225,14 @@ class AsyncClient:
         self._tracker.table.confirm(handle)
         return handle
 
-    async def send(self, key: RoomKeyLike, part: int, chunk: int, slices: Sequence[Slice], *, last: bool = False, peer: str = "") -> AsyncRoomHandle:
+    async def send(
+        self, key: RoomKeyLike, part: int, chunk: int, slices: Sequence[Slice], *, last: bool = False, peer: str = "", offset: Optional[int] = None
+    ) -> AsyncRoomHandle:
         await self._ready()
         k = room_key(key)
         handle = await self._tracker.begin(k, SENDER)
         try:
-            await self._call(self._send, _send_request(k, part, chunk, slices, last, peer))
+            await self._call(self._send, _send_request(k, part, chunk, slices, last, peer, offset))
         except KvgateError:
             self._tracker.table.forget(handle)
             raise
@@ -241,7 +243,7 @@ class AsyncClient:
         """Several chunks of one room in one call (`SendBatch`; on a v1 gateway one call per chunk, the
         parts side by side). The first refusal is raised; the chunks accepted stay accepted."""
         k = room_key(key)
-        results = await self.send_batch([ChunkSend(k, c.part, c.chunk, c.slices, c.last, peer) for c in chunks])
+        results = await self.send_batch([ChunkSend(k, c.part, c.chunk, c.slices, c.last, peer, c.offset) for c in chunks])
         if not results:
             raise ValueError("send_chunks needs at least one chunk")
         for result in results:
@@ -258,7 +260,7 @@ class AsyncClient:
         keys = [room_key(s.key) for s in sends]
         handles = {k: await self._tracker.begin(k, SENDER) for k in keys}
         if (await self.info()).api_version >= 2:
-            request = pb.SendBatchRequest(sends=[_send_request(k, s.part, s.chunk, s.slices, s.last, s.peer) for k, s in zip(keys, sends)])
+            request = pb.SendBatchRequest(sends=[_send_request(k, s.part, s.chunk, s.slices, s.last, s.peer, s.offset) for k, s in zip(keys, sends)])
             errors = batch_errors(await self._call(self._send_batch, request), len(sends))
         else:
             errors = await self._one_by_one_sends(keys, sends)
@@ -274,7 +276,7 @@ class AsyncClient:
             for i in indices:
                 s = sends[i]
                 try:
-                    await self._call(self._send, _send_request(keys[i], s.part, s.chunk, s.slices, s.last, s.peer))
+                    await self._call(self._send, _send_request(keys[i], s.part, s.chunk, s.slices, s.last, s.peer, s.offset))
                 except KvgateError as e:
                     errors[i] = e
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import grpc
 
@@ -60,8 +60,13 @@ RECONNECT_PAUSE_S = 0.05
 RECONNECT_PAUSE_MAX_S = 1.0
 
 
-def _send_request(key: RoomKey, part: int, chunk: int, slices: Iterable[Slice], last: bool, peer: str) -> pb.SendRequest:
-    return pb.SendRequest(key=key_pb(key), part=part, chunk=chunk, slices=slices_pb(slices), last=last, peer=peer)
+def _send_request(
+    key: RoomKey, part: int, chunk: int, slices: Iterable[Slice], last: bool, peer: str, offset: Optional[int] = None
+) -> pb.SendRequest:
+    request = pb.SendRequest(key=key_pb(key), part=part, chunk=chunk, slices=slices_pb(slices), last=last, peer=peer)
+    if offset is not None:
+        request.offset = offset
+    return request
 
 
 def _expect_request(key: RoomKey, peer: str, parts: Sequence[Sequence[Slice]], deadline_ms: int) -> pb.ExpectRequest:
@@ -299,14 +304,16 @@ class Client:
         self._tracker.table.confirm(handle)
         return handle
 
-    def send(self, key: RoomKeyLike, part: int, chunk: int, slices: Sequence[Slice], *, last: bool = False, peer: str = "") -> RoomHandle:
+    def send(
+        self, key: RoomKeyLike, part: int, chunk: int, slices: Sequence[Slice], *, last: bool = False, peer: str = "", offset: Optional[int] = None
+    ) -> RoomHandle:
         """Prefill side: chunk `chunk` (0, 1, 2, ... in order) of part `part`, read from `slices`.
         `peer`: the decode gateway (empty: the one the room's expect came from)."""
         self._ready()
         k = room_key(key)
         handle = self._tracker.begin(k, SENDER)
         try:
-            self._call(self._send, _send_request(k, part, chunk, slices, last, peer))
+            self._call(self._send, _send_request(k, part, chunk, slices, last, peer, offset))
         except KvgateError:
             self._tracker.table.forget(handle)
             raise
@@ -317,7 +324,7 @@ class Client:
         """Send several chunks of one room (each part's chunks in order) in one call (`SendBatch`; one
         call per chunk on a v1 gateway). The first refusal is raised; the chunks accepted stay accepted."""
         k = room_key(key)
-        results = self.send_batch([ChunkSend(k, c.part, c.chunk, c.slices, c.last, peer) for c in chunks])
+        results = self.send_batch([ChunkSend(k, c.part, c.chunk, c.slices, c.last, peer, c.offset) for c in chunks])
         if not results:
             raise ValueError("send_chunks needs at least one chunk")
         for result in results:
@@ -334,13 +341,13 @@ class Client:
         keys = [room_key(s.key) for s in sends]
         handles = {k: self._tracker.begin(k, SENDER) for k in keys}
         if self.info().api_version >= 2:
-            request = pb.SendBatchRequest(sends=[_send_request(k, s.part, s.chunk, s.slices, s.last, s.peer) for k, s in zip(keys, sends)])
+            request = pb.SendBatchRequest(sends=[_send_request(k, s.part, s.chunk, s.slices, s.last, s.peer, s.offset) for k, s in zip(keys, sends)])
             errors = batch_errors(self._call(self._send_batch, request), len(sends))
         else:
             errors = []
             for k, s in zip(keys, sends):
                 try:
-                    self._call(self._send, _send_request(k, s.part, s.chunk, s.slices, s.last, s.peer))
+                    self._call(self._send, _send_request(k, s.part, s.chunk, s.slices, s.last, s.peer, s.offset))
                     errors.append(None)
                 except KvgateError as e:
                     errors.append(e)

@@ -4,7 +4,7 @@ views and events, outcomes, and their conversion to and from the protobuf messag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence, Tuple, Union
+from typing import Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ._proto import kvgate_pb2 as pb
 
@@ -58,12 +58,15 @@ class Slice(NamedTuple):
 
 class Chunk(NamedTuple):
     """One chunk of one part of a room, as the prefill side hands it over: chunks of a part are numbered
-    0, 1, 2, ... in order, and the one with `last` closes the part."""
+    0, 1, 2, ... in order, and the one with `last` closes the part. With `offset` (engine API v2) the
+    chunk names the byte of the part's destination stream its bytes start at instead: such chunks come
+    in any order, and the part is done once every byte is covered exactly once."""
 
     part: int
     chunk: int
     slices: Sequence[Slice]
     last: bool = False
+    offset: Optional[int] = None
 
 
 class Expectation(NamedTuple):
@@ -84,6 +87,8 @@ class ChunkSend(NamedTuple):
     slices: Sequence[Slice]
     last: bool = False
     peer: str = ""
+    #: Byte offset in the part's destination stream (None: right after the previous chunk).
+    offset: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -119,3 +119,29 @@ def test_refused_session_names_and_ids(pair: Pair) -> None:
             with pytest.raises(kvgate.SessionError) as taken:
                 second.register_pool(pool)
             assert taken.value.code == "session_in_use"
+
+
+def test_chunks_placed_at_their_offsets_arrive_in_any_order(pair: Pair) -> None:
+    prefill = Engine(pair.prefill.socket, LAYOUT, slots=1, name="prefill")
+    decode = Engine(pair.decode.socket, LAYOUT, slots=1, name="decode")
+    try:
+        if decode.client.info().api_version < 2:
+            pytest.skip("placement at an offset needs engine API v2")
+        prefill.fill(0, 1100)
+        room = decode.expect(1100, 0)
+        per_chunk = LAYOUT.layers * (LAYOUT.tokens // LAYOUT.chunks) * LAYOUT.token_bytes
+        chunks = [
+            kvgate.Chunk(c.part, c.chunk, c.slices, offset=c.chunk * per_chunk)
+            for c in reversed(LAYOUT.chunks_of(prefill.region, prefill.base(0)))
+        ]
+        sender = prefill.client.send_chunks(1100, chunks, peer="decode")
+        assert room.result(timeout=10).succeeded and sender.result(timeout=10).succeeded
+        assert decode.holds(0, 1100)
+        # A chunk over bytes already placed is refused with its reason.
+        with pytest.raises(kvgate.KvgateError) as refused:
+            prefill.client.send(1101, 0, 0, [prefill.region.slice(0, 64)], peer="decode", offset=0)
+            prefill.client.send(1101, 0, 1, [prefill.region.slice(0, 64)], peer="decode", offset=32)
+        assert refused.value.code in ("overlapping_chunk",)
+    finally:
+        prefill.close()
+        decode.close()

@@ -88,11 +88,14 @@ fn chunks_sent_before_the_expect_are_placed_at_their_offsets_when_it_comes() {
 }
 
 #[test]
-fn held_chunks_that_overlap_fail_the_room_when_the_expect_comes() {
+fn held_chunks_that_overlap_are_refused_and_ones_past_the_end_fail_the_room_when_the_expect_comes() {
     let mut pair = Pair::new();
     let room = key(5);
     pair.send_at(room, 0, 0, 0, &[(0, 200)], false).unwrap();
-    pair.send_at(room, 0, 1, 100, &[(0, 200)], false).unwrap();
+    // Overlapping a held chunk: refused at once, before any expect.
+    assert_eq!(reason(pair.send_at(room, 0, 1, 100, &[(0, 200)], false)), RefusalReason::OverlappingChunk);
+    // Touching it is fine; running past the 300-byte destination shows only when the expect comes.
+    pair.send_at(room, 0, 1, 200, &[(0, 200)], false).unwrap();
     pair.expect(room, &[DEST]).unwrap();
     assert_eq!(pair.prefill.failure(room), Some(FailReason::LengthMismatch));
     assert!(pair.decode.failure(room).is_some(), "the receiver is told");

@@ -324,6 +324,17 @@ impl Core {
                 parts.resize_with(part as usize + 1, SendPart::default);
             }
             let target = &mut parts[part as usize];
+            if let Some(at) = at {
+                // Before the notice the destination's length is unknown, but overlaps already show.
+                let end = at.saturating_add(slices.as_slice().iter().map(|s| s.len).sum());
+                let overlaps = target.held.iter().any(|h| {
+                    let held_end = h.at.saturating_add(h.slices.iter().map(|s| s.len).sum());
+                    h.at < end && at < held_end
+                });
+                if overlaps {
+                    return Self::refuse(key, RefusalReason::OverlappingChunk);
+                }
+            }
             target.held.push(HeldChunk { slices: slices.into_boxed(), at: at.unwrap_or(AT_CURSOR), last });
             target.next_chunk += 1;
             target.placement = wanted;
