@@ -53,6 +53,11 @@ async fn sigkill_of_a_prefill_gateway_fails_only_its_rooms_with_peer_lost_within
         assert!(!o.succeeded && o.reason == "peer_lost", "room {}: {o:?}", 200 + i);
         assert!(o.seen_after <= bound(&settings), "room {} ended after {:?}, bound {:?}", 200 + i, o.seen_after, bound(&settings));
     }
+    // Each failure line names the peer that was lost (its session was already gone when they were written).
+    let log = plain_log(&cluster.get(DECODE_NAME).log());
+    let lost: Vec<&str> = log.lines().filter(|l| l.contains("room failed") && l.contains("reason=\"peer_lost\"")).collect();
+    assert_eq!(lost.len(), 3, "{log}");
+    assert!(lost.iter().all(|l| l.contains(&format!("peer={PREFILL_NAME} "))), "{lost:?}");
     // The unrelated peer's rooms were untouched: they finish and verify.
     for (room, slot, expected, mut rx) in healthy_rooms {
         let started = Instant::now();

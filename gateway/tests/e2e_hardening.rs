@@ -378,3 +378,71 @@ fn a_log_level_typo_is_refused_by_config_check_and_serve() {
         assert_eq!(serve.status.code(), Some(2), "{level:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn free_text_is_bounded_and_overlapping_destinations_are_refused() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let settings = PairSettings { env_decode: vec![("KVGATE__ENGINE_API__MAX_TEXT_BYTES".into(), "64".into())], ..PairSettings::default() };
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let shape = small_shape();
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
+    let path = decode.pool.lock().unwrap().path.display().to_string();
+    // A label at the limit is kept; one byte past it is refused.
+    decode.client.register_shared_memory(&path, 0, 4096, &"l".repeat(64)).await.unwrap();
+    let e = decode.client.register_shared_memory(&path, 0, 4096, &"l".repeat(65)).await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("text_too_long"), "{e:?}");
+    // A 100 KiB path: refused with its reason, the message short enough that the reason arrives.
+    let e = decode.client.register_shared_memory(&format!("/dev/shm/{}", "p".repeat(100 << 10)), 0, 4096, "x").await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("text_too_long"), "{e:?}");
+    assert!(e.message().len() < 1024, "{}", e.message().len());
+    // A 100 KB abort reason is logged cut to the limit.
+    decode.client.abort(room_key(960, 0), &"w".repeat(100_000)).await.unwrap();
+    eventually(WAIT, "the abort logged", || async { pair.decode.log().contains("engine abort") }, &|| pair.decode.log()).await;
+    let line = pair.decode.log().lines().find(|l| l.contains("engine abort")).unwrap().to_string();
+    assert!(line.len() < 1024 && line.contains("bytes more"), "{}", line.len());
+    // Two parts over the same bytes: refused.
+    let e = decode.client.expect(room_key(961, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, 8192)], vec![slice(decode.region, 4096, 8192)]], 0).await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("overlapping_slices"), "{e:?}");
+    pair.stop();
+}
+
+#[test]
+fn an_engine_socket_folder_another_user_owns_or_may_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = work_dir();
+    let serve = |socket_dir: &std::path::Path| {
+        let config = dir.path().join("g.toml");
+        let socket = socket_dir.join("engine.sock");
+        std::fs::write(&config, format!("[engine_api]\nunix_socket = {:?}\n[admin]\nlisten = \"\"\n", socket.display().to_string())).unwrap();
+        let out = Command::new(binary()).args(["serve", "--config"]).arg(&config).env_remove("RUST_LOG").output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string(), socket)
+    };
+    // Writable by everyone, not sticky.
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (ok, stderr, socket) = serve(&open);
+    assert!(!ok && stderr.contains("writable by other users"), "{stderr}");
+    assert!(!socket.exists());
+    // Owned by another user (when this test may hand a folder to one: it runs as root in CI).
+    if nix::unistd::geteuid().is_root() {
+        let theirs = dir.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+        let (ok, stderr, _) = serve(&theirs);
+        assert!(!ok && stderr.contains("owned by uid 65534"), "{stderr}");
+    }
+    // A folder that does not exist yet is made for this user only.
+    let fresh = dir.path().join("fresh/sub");
+    let config = dir.path().join("g.toml");
+    std::fs::write(&config, format!("[engine_api]\nunix_socket = {:?}\n[admin]\nlisten = \"\"\n[peer_link]\nlisten = \"127.0.0.1:0\"\n", fresh.join("e.sock").display().to_string())).unwrap();
+    let mut child = Command::new(binary()).args(["serve", "--config"]).arg(&config).env_remove("RUST_LOG").stderr(std::process::Stdio::null()).spawn().unwrap();
+    let deadline = Instant::now() + WAIT;
+    while !fresh.join("e.sock").exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777, 0o700);
+}

@@ -175,10 +175,12 @@ pub enum RefusalReason {
     OverlappingChunk,
     /// A part's chunks mix placement at an explicit offset with placement in chunk order.
     PlacementMismatch,
+    /// Two destination slices of an expect (of one part or of two) cover the same bytes.
+    OverlappingSlices,
 }
 
 impl RefusalReason {
-    pub const COUNT: usize = 22;
+    pub const COUNT: usize = 23;
     pub fn index(self) -> usize {
         self as usize
     }
@@ -206,6 +208,7 @@ impl RefusalReason {
             RefusalReason::InvalidTimeout => "invalid_timeout",
             RefusalReason::OverlappingChunk => "overlapping_chunk",
             RefusalReason::PlacementMismatch => "placement_mismatch",
+            RefusalReason::OverlappingSlices => "overlapping_slices",
         }
     }
     pub const ALL: &'static [RefusalReason] = &[
@@ -231,6 +234,7 @@ impl RefusalReason {
         RefusalReason::InvalidTimeout,
         RefusalReason::OverlappingChunk,
         RefusalReason::PlacementMismatch,
+        RefusalReason::OverlappingSlices,
     ];
 }
 

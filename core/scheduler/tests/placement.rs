@@ -100,3 +100,14 @@ fn held_chunks_that_overlap_are_refused_and_ones_past_the_end_fail_the_room_when
     assert_eq!(pair.prefill.failure(room), Some(FailReason::LengthMismatch));
     assert!(pair.decode.failure(room).is_some(), "the receiver is told");
 }
+
+#[test]
+fn an_expect_whose_destination_slices_overlap_is_refused() {
+    let mut pair = Pair::new();
+    // Two slices of one part, and slices of two parts, over the same bytes.
+    assert_eq!(reason(pair.expect(key(6), &[&[(0, 100), (50, 100)]])), RefusalReason::OverlappingSlices);
+    assert_eq!(reason(pair.expect(key(6), &[&[(0, 100)], &[(99, 10)]])), RefusalReason::OverlappingSlices);
+    assert!(pair.decode.state(pair.now, key(6), Role::Receiver).is_none(), "nothing was created");
+    // Touching is fine.
+    pair.expect(key(6), &[&[(0, 100)], &[(100, 10)]]).unwrap();
+}

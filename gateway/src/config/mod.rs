@@ -76,6 +76,9 @@ pub struct EngineApiSection {
     pub session_grace_ms: u64,
     /// Most engine sessions open at once (`too_many_sessions` past it).
     pub max_sessions: u64,
+    /// Longest free text an engine may send: a region's label (refused past it, `text_too_long`) and an
+    /// abort's reason (cut to it in the log).
+    pub max_text_bytes: u64,
 }
 
 impl Default for EngineApiSection {
@@ -93,6 +96,7 @@ impl Default for EngineApiSection {
             max_batch_calls: 4096,
             session_grace_ms: 5000,
             max_sessions: 1024,
+            max_text_bytes: 1024,
         }
     }
 }

@@ -67,6 +67,7 @@ fn queue_limits_are_checked_at_and_just_past_each_bound() {
         ("engine_api", "max_batch_calls", 1, 1 << 20),
         ("engine_api", "session_grace_ms", 100, 3_600_000),
         ("engine_api", "max_sessions", 1, 65_536),
+        ("engine_api", "max_text_bytes", 16, 65_536),
     ];
     for (section, key, min, max) in cases {
         load_config_from_str(&format!("[{section}]\n{key} = {min}\n")).unwrap();

@@ -93,6 +93,22 @@ pub enum EngineCall {
     ListRooms { include_terminal: bool, reply: Reply<(Vec<proto::RoomInfo>, u64)> },
 }
 
+/// `text` cut to at most `max` bytes (at a character boundary), saying how much was cut: free text
+/// from engines goes into logs and error messages, never unbounded.
+pub fn clip(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    std::borrow::Cow::Owned(format!("{}... ({} bytes more)", &text[..end], text.len() - end))
+}
+
+/// Longest path a registration may name (Linux `PATH_MAX`).
+pub const MAX_PATH_BYTES: usize = 4096;
+
 fn refusal_code(reason: RefusalReason) -> tonic::Code {
     use tonic::Code;
     match reason {
@@ -145,6 +161,7 @@ impl Driver {
             EngineCall::Abort { room, why, reply } => {
                 let now = self.now();
                 let was_live = Role::ALL.iter().any(|role| self.core.room(now, room, *role).is_some_and(|v| !v.state.is_terminal()));
+                let why = clip(&why, self.config.engine_api.max_text_bytes as usize);
                 tracing::info!(room = %room, was_live, "engine abort: {why}");
                 let result = self.submit_engine(EngineRequest::Abort { room, role: None }).map(|()| was_live);
                 let _ = reply.send(result);

@@ -23,7 +23,13 @@ pub struct Peers {
     current: HashMap<String, SessionId>,
     /// The last incarnation seen per name (a different one on the next Up = the peer restarted).
     incarnations: HashMap<String, u64>,
+    /// Names of the latest sessions that ended (at most `DEPARTED_NAMES_KEPT`, oldest dropped first):
+    /// the rooms a lost session fails are logged after it is gone, and still name their peer.
+    departed: std::collections::VecDeque<(SessionId, String)>,
 }
+
+/// How many ended sessions' names are kept for the log lines of their rooms.
+pub const DEPARTED_NAMES_KEPT: usize = 1024;
 
 impl Peers {
     pub fn current(&self, name: &str) -> Option<PeerId> {
@@ -32,8 +38,19 @@ impl Peers {
     pub fn session(&self, id: SessionId) -> Option<&PeerSessionState> {
         self.by_session.get(&id)
     }
+    /// The peer name of a session, live or among the latest ended.
     pub fn name_of(&self, peer: u64) -> Option<&str> {
-        self.by_session.get(&peer).map(|s| s.name.as_str())
+        match self.by_session.get(&peer) {
+            Some(s) => Some(s.name.as_str()),
+            None => self.departed.iter().rev().find(|(id, _)| *id == peer).map(|(_, name)| name.as_str()),
+        }
+    }
+
+    fn remember_departed(&mut self, session: SessionId, name: String) {
+        if self.departed.len() == DEPARTED_NAMES_KEPT {
+            self.departed.pop_front();
+        }
+        self.departed.push_back((session, name));
     }
     pub fn is_up(&self, name: &str) -> bool {
         self.current.contains_key(name)
@@ -151,6 +168,7 @@ impl Driver {
     fn peer_lost(&mut self, name: &str, session: SessionId, cause: PeerLoss) {
         let now = self.now();
         let Some(state) = self.peers.by_session.remove(&session) else { return };
+        self.peers.remember_departed(session, state.name.clone());
         if self.peers.current.get(name) == Some(&session) {
             self.peers.current.remove(name);
         }

@@ -62,6 +62,16 @@ fn map_shared_file(path: &str, offset: u64, len: u64) -> Result<memmap2::MmapMut
 
 impl Driver {
     pub(super) fn register_region(&mut self, memory: MemorySpec, label: String) -> Result<Registered, ApiError> {
+        let max_text = self.config.engine_api.max_text_bytes as usize;
+        if label.len() > max_text {
+            return Err(ApiError::invalid("text_too_long", format!("a label of {} bytes; engine_api.max_text_bytes = {max_text}", label.len())));
+        }
+        if let MemorySpec::SharedFile { path, .. } = &memory {
+            if path.len() > super::engine::MAX_PATH_BYTES {
+                let shown = super::engine::clip(path, 64);
+                return Err(ApiError::invalid("text_too_long", format!("a path of {} bytes ({shown}); at most {}", path.len(), super::engine::MAX_PATH_BYTES)));
+            }
+        }
         if self.regions.len() as u64 >= self.regions.max_regions {
             return Err(ApiError::new(
                 Code::ResourceExhausted,

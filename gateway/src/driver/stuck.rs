@@ -93,9 +93,10 @@ impl Driver {
                 let Some(view) = self.core.room(now, room, role).filter(|v| same_room && !v.state.is_terminal()) else { continue };
                 found += 1;
                 if self.stuck.lines.take() {
+                    let peer = view.peer.and_then(|p| self.peers.name_of(p)).unwrap_or("-");
                     tracing::warn!(
                         room = %view.room, role = view.role.as_str(), state = view.state.as_str(), age_ms = view.age.as_ms(),
-                        peer = ?view.peer, last_event = ?view.last_event, "room still live at {age_ms} ms (admin.stuck_room_warn_ms)"
+                        peer = %peer, last_event = ?view.last_event, "room still live at {age_ms} ms (admin.stuck_room_warn_ms)"
                     );
                 } else {
                     unnamed += 1;

@@ -5,16 +5,49 @@ use super::{BearerCheck, EngineApiService};
 use crate::config::GatewayConfig;
 use anyhow::Context;
 use kvgate_client::proto::engine_api_server::EngineApiServer;
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::Server;
 
-/// Bind the Unix socket with mode 0600 (umask-independent: the file is chmodded before `listen` returns).
+/// Whether the socket's folder is safe: owned by this user (or root) and not writable by anyone else
+/// unless sticky (like /tmp, where nobody else may remove or rename what is ours). Another user who
+/// owns the folder, or may write into it, could swap the socket and receive the engines' calls.
+pub fn check_socket_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).with_context(|| format!("engine_api.unix_socket: stat {}", dir.display()))?;
+    let euid = nix::unistd::geteuid().as_raw();
+    if meta.uid() != euid && meta.uid() != 0 {
+        anyhow::bail!(
+            "engine_api.unix_socket: the folder {} is owned by uid {}, not by this gateway's uid {euid} (or root): another user could replace the socket",
+            dir.display(),
+            meta.uid()
+        );
+    }
+    let sticky = meta.mode() & 0o1000 != 0;
+    if meta.mode() & 0o022 != 0 && !sticky {
+        anyhow::bail!(
+            "engine_api.unix_socket: the folder {} has mode {:o}: writable by other users, who could replace the socket (chmod go-w, or use a folder of this user's)",
+            dir.display(),
+            meta.mode() & 0o7777
+        );
+    }
+    Ok(())
+}
+
+/// Bind the Unix socket with mode 0600 (umask-independent: the file is chmodded before `listen` returns),
+/// in a folder only this user can change (made with mode 0700 when it does not exist).
 pub fn bind_unix_socket(path: &Path) -> anyhow::Result<UnixListener> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("engine_api.unix_socket: create {}", dir.display()))?;
+        if !dir.exists() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .with_context(|| format!("engine_api.unix_socket: create {}", dir.display()))?;
+        }
+        check_socket_dir(dir)?;
     }
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         // Only ever replace a socket: a regular file (or anything else) named by mistake is left alone.

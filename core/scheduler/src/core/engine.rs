@@ -45,6 +45,21 @@ impl SendSlices<'_> {
     }
 }
 
+/// Whether two destination slices of an expect (of one part or of two) cover the same bytes: two
+/// writes would race for them. One slice (the common room) needs no work.
+fn overlapping_slices<P: AsRef<[Slice]>>(parts: &[P]) -> bool {
+    let count: usize = parts.iter().map(|p| p.as_ref().len()).sum();
+    if count < 2 {
+        return false;
+    }
+    let mut ranges: smallvec::SmallVec<[(RegionId, u64, u64); 8]> = smallvec::SmallVec::with_capacity(count);
+    for part in parts {
+        ranges.extend(part.as_ref().iter().map(|s| (s.region, s.offset, s.offset.saturating_add(s.len))));
+    }
+    ranges.sort_unstable();
+    ranges.windows(2).any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
+}
+
 impl Core {
     fn refuse(room: RoomKey, reason: RefusalReason) -> Result<(), Refusal> {
         Err(Refusal { room, reason })
@@ -137,6 +152,9 @@ impl Core {
             bytes_total += bytes;
             recv_parts.push(RecvPart { bytes, done: false, ticket_open: true });
             part_ranges.push(ranges);
+        }
+        if overlapping_slices(parts) {
+            return Self::refuse(key, RefusalReason::OverlappingSlices);
         }
         if self.live_rooms >= self.config.max_inflight_rooms {
             // CONFORMANCE: TIME-11
