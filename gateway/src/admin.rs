@@ -51,8 +51,12 @@ async fn rooms(State(state): State<AdminState>) -> Response {
 
 async fn healthz(State(state): State<AdminState>) -> Response {
     match snapshot(&state).await {
-        Ok(s) if s.problems.is_empty() => (StatusCode::OK, Json(serde_json::json!({"healthy": true, "problems": []}))).into_response(),
-        Ok(s) => (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"healthy": false, "problems": s.problems}))).into_response(),
+        Ok(s) if s.problems.is_empty() => {
+            (StatusCode::OK, Json(serde_json::json!({"healthy": true, "problems": [], "warnings": s.warnings}))).into_response()
+        }
+        Ok(s) => {
+            (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"healthy": false, "problems": s.problems, "warnings": s.warnings}))).into_response()
+        }
         Err(r) => r,
     }
 }

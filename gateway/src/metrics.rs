@@ -221,6 +221,7 @@ mod tests {
             peers: vec![],
             peer_link_auth: "psk",
             problems: vec!["plugin shm unhealthy".into()],
+            warnings: vec![],
         }
     }
 

@@ -331,6 +331,18 @@ async fn calls_an_engine_gave_up_on_during_a_stall_do_not_close_its_connection_o
     // The gateway stalls (shorter than the peer link's loss bound); the engine's calls time out
     // client-side meanwhile, each resetting its stream: 50, past h2's default of 20.
     pair.decode.freeze().unwrap();
+    // SIGSTOP lands asynchronously: go on only once every thread of the gateway reads as stopped.
+    let pid = pair.decode.pid().unwrap();
+    let stopped = || {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.flatten().map(|t| t.path()).collect::<Vec<_>>()).unwrap_or_default();
+        !tasks.is_empty()
+            && tasks.iter().all(|t| std::fs::read_to_string(t.join("stat")).is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))))
+    };
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while !stopped() {
+        assert!(Instant::now() < deadline, "the gateway did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let mut calls = Vec::new();
     for i in 0..50u64 {
         let client = decode.client.clone();
@@ -445,4 +457,20 @@ fn an_engine_socket_folder_another_user_owns_or_may_write_is_refused() {
     let _ = child.kill();
     let _ = child.wait();
     assert_eq!(std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777, 0o700);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_says_when_no_configured_peer_is_up() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
+    let healthz = |admin: String| async move { kvgate::demo::http::get(&admin, "/healthz").await.unwrap() };
+    let (code, body) = healthz(pair.decode.admin.clone()).await;
+    assert!(code == 200 && !body.contains("no configured peer"), "{body}");
+    pair.prefill.kill();
+    eventually(WAIT, "healthz warns that no peer is up", || async {
+        let (code, body) = healthz(pair.decode.admin.clone()).await;
+        code == 200 && body.contains("no configured peer is up (prefill)")
+    }, &|| pair.decode.log()).await;
+    pair.stop();
 }

@@ -21,6 +21,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 const TRANSFER_BASE_MS: u64 = 400;
 const PLUGIN_GRACE_MS: u64 = 300;
 const QUARANTINE_TIMEOUT_MS: u64 = 2_000;
+/// Well inside the quarantine: `/healthz` turns 503 past it.
+const QUARANTINE_UNHEALTHY_MS: u64 = 300;
 /// Scheduling slack on a loaded 2-core machine.
 const SLACK: Duration = Duration::from_millis(1_500);
 
@@ -54,6 +56,7 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
         ("KVGATE__SCHEDULER__TRANSFER_BASE_MS", TRANSFER_BASE_MS),
         ("KVGATE__SCHEDULER__PLUGIN_GRACE_MS", PLUGIN_GRACE_MS),
         ("KVGATE__SCHEDULER__QUARANTINE_TIMEOUT_MS", QUARANTINE_TIMEOUT_MS),
+        ("KVGATE__ADMIN__QUARANTINE_UNHEALTHY_MS", QUARANTINE_UNHEALTHY_MS),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -107,6 +110,12 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     }
     let text = metrics(&admin_p).await;
     assert_eq!(sample(&text, "kvgate_rooms{state=\"quarantined\"}"), Some(1.0), "the room is still held:\n{text}");
+    // The quarantine has an age, and past admin.quarantine_unhealthy_ms the gateway says it is unhealthy.
+    eventually(SLACK, "the quarantine's age", || async { metric(&admin_p, "kvgate_oldest_room_age_seconds{state=\"quarantined\"}").await > 0.0 }, &|| String::new()).await;
+    eventually(Duration::from_millis(QUARANTINE_UNHEALTHY_MS) + SLACK, "/healthz 503 naming the quarantine", || async {
+        let (code, body) = kvgate::demo::http::get(&admin_p, "/healthz").await.unwrap();
+        code == 503 && body.contains("quarantined") && body.contains("admin.quarantine_unhealthy_ms")
+    }, &|| String::new()).await;
 
     // ...until quarantine_timeout_ms: then released, the engines told why, and the log says so.
     let within = Duration::from_millis(QUARANTINE_TIMEOUT_MS) + SLACK;

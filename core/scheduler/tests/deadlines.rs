@@ -134,14 +134,22 @@ fn quarantine_is_bounded_by_its_timeout() {
     assert_eq!(pair.prefill.failure(room), Some(FailReason::Aborted));
     assert_eq!(pair.prefill.core.metrics().quarantined_bytes, 1_000);
     assert_eq!(pair.decode.state(pair.now, room, Role::Receiver), Some(RoomState::Quarantined));
+    // The quarantine has an age, on both sides, from the moment it began.
+    let quarantined_at = pair.now;
+    for node in [&pair.prefill, &pair.decode] {
+        assert_eq!(node.core.metrics().oldest_entered_by_state[RoomState::Quarantined.index()], Some(quarantined_at));
+    }
     pair.advance_ms(29_999);
     assert_eq!(pair.prefill.reusable(room), None);
     assert_eq!(pair.decode.reusable(room), None);
+    assert_eq!(pair.prefill.core.metrics().oldest_entered_by_state[RoomState::Quarantined.index()], Some(quarantined_at));
     pair.advance_ms(1);
     assert_eq!(pair.prefill.reusable(room), Some(ReleaseCause::QuarantineTimeout));
     assert_eq!(pair.decode.reusable(room), Some(ReleaseCause::QuarantineTimeout));
     assert_eq!(pair.prefill.core.metrics().quarantined_bytes, 0);
     assert_eq!(pair.prefill.core.metrics().failures_by_reason(FailReason::QuarantineTimeout), 1);
+    // Released: no quarantine left to age.
+    assert_eq!(pair.prefill.core.metrics().oldest_entered_by_state[RoomState::Quarantined.index()], None);
 }
 
 #[test]

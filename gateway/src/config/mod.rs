@@ -317,6 +317,9 @@ pub struct AdminSection {
     /// rooms that reach an age together are counted in one summary line instead of named one by one,
     /// so that many rooms stuck at once never stall the driver writing their lines.
     pub stuck_room_warn_lines_per_s: u64,
+    /// `/healthz` answers 503 while a room has been quarantined (its memory held, waiting for the word
+    /// that no byte can land any more) for longer than this.
+    pub quarantine_unhealthy_ms: u64,
 }
 
 /// Most `admin.stuck_room_warn_lines_per_s` accepts.
@@ -324,7 +327,12 @@ pub const MAX_STUCK_ROOM_WARN_LINES_PER_S: u64 = 100_000;
 
 impl Default for AdminSection {
     fn default() -> Self {
-        AdminSection { listen: "127.0.0.1:9100".to_string(), stuck_room_warn_ms: vec![5_000, 30_000], stuck_room_warn_lines_per_s: 100 }
+        AdminSection {
+            listen: "127.0.0.1:9100".to_string(),
+            stuck_room_warn_ms: vec![5_000, 30_000],
+            stuck_room_warn_lines_per_s: 100,
+            quarantine_unhealthy_ms: 10_000,
+        }
     }
 }
 

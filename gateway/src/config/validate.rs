@@ -249,6 +249,7 @@ fn check_plugins_driver_admin_log(config: &GatewayConfig, errors: &mut Vec<Limit
     for (i, age) in config.admin.stuck_room_warn_ms.iter().enumerate() {
         errors.extend(check_range(&format!("admin.stuck_room_warn_ms[{i}]"), *age, 100, 86_400_000));
     }
+    errors.extend(check_range("admin.quarantine_unhealthy_ms", config.admin.quarantine_unhealthy_ms, 100, 86_400_000));
     errors.extend(check_range("admin.stuck_room_warn_lines_per_s", config.admin.stuck_room_warn_lines_per_s, 0, super::MAX_STUCK_ROOM_WARN_LINES_PER_S));
     if !["text", "json"].contains(&config.log.format.as_str()) {
         errors.push(rule("log.format", format!("{:?}", config.log.format), "\"text\" or \"json\""));

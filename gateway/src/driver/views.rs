@@ -5,7 +5,7 @@
 use super::peers::Peers;
 use super::Driver;
 use kvgate_client::proto;
-use kvgate_core::{Metrics, Nanos, RoomView};
+use kvgate_core::{Metrics, Nanos, RoomState, RoomView};
 use kvgate_host::OpenedPlugin;
 use serde::Serialize;
 
@@ -67,6 +67,8 @@ pub struct AdminSnapshot {
     pub peer_link_auth: &'static str,
     /// Empty when healthy; otherwise one line per problem.
     pub problems: Vec<String>,
+    /// What an operator should know that does not make the gateway unhealthy (e.g. no peer is up).
+    pub warnings: Vec<String>,
 }
 
 pub fn peer_name(peers: &Peers, view: &RoomView) -> String {
@@ -137,7 +139,18 @@ impl Driver {
                 }
             }
         }
-        let peers = self
+        let metrics = self.core.metrics().clone();
+        let quarantined = RoomState::Quarantined.index();
+        if let Some(entered) = metrics.oldest_entered_by_state[quarantined] {
+            let (age_ms, limit_ms) = (now.saturating_sub(entered).as_ms(), self.config.admin.quarantine_unhealthy_ms);
+            if age_ms > limit_ms {
+                problems.push(format!(
+                    "{} room(s) quarantined, the oldest for {age_ms} ms (admin.quarantine_unhealthy_ms = {limit_ms}): no word yet that nothing can land in their memory",
+                    metrics.rooms_by_state[quarantined]
+                ));
+            }
+        }
+        let peers: Vec<PeerStatus> = self
             .directory
             .list()
             .into_iter()
@@ -148,7 +161,12 @@ impl Driver {
                 source: source.as_str(),
             })
             .collect();
+        let mut warnings = Vec::new();
+        if !peers.is_empty() && peers.iter().all(|p| !p.up) {
+            let names: Vec<&str> = peers.iter().map(|p| p.name.as_str()).collect();
+            warnings.push(format!("no configured peer is up ({}): no room can move", names.join(", ")));
+        }
         let peer_link_auth = self.config.peer_link.auth_mode().as_str();
-        AdminSnapshot { now, metrics: self.core.metrics().clone(), rooms, plugins, peers, peer_link_auth, problems }
+        AdminSnapshot { now, metrics, rooms, plugins, peers, peer_link_auth, problems, warnings }
     }
 }

@@ -102,6 +102,13 @@ fn by_generation(held: u32, wanted: u32, same: Lookup, older: Lookup) -> Lookup 
     }
 }
 
+/// Whether the age of the oldest room in `state` is kept (`Metrics::oldest_entered_by_state`): every
+/// live state, and quarantine (terminal, but memory still held: a quarantine that lasts must show).
+#[inline]
+fn aged(state: RoomState) -> bool {
+    !state.is_terminal() || state == RoomState::Quarantined
+}
+
 /// One gateway's scheduler. Deterministic: the same inputs give the same outputs.
 pub struct Core {
     config: CoreConfig,
@@ -548,7 +555,7 @@ impl Core {
         let (key, role) = (room.key, room.role);
         self.metrics.rooms_by_state[from.index()] -= 1;
         self.metrics.rooms_by_state[to.index()] += 1;
-        if !from.is_terminal() {
+        if aged(from) {
             // The room leaving is most often its state's oldest: its entry is the front, dropped
             // without reading the slot again.
             let fifo = &mut self.state_fifos[from.index()];
@@ -556,16 +563,18 @@ impl Core {
                 fifo.pop_front();
             }
             self.refresh_state_fifo(from);
-            if to.is_terminal() {
-                self.live_rooms -= 1;
-            }
         }
-        if !to.is_terminal() {
+        if !from.is_terminal() && to.is_terminal() {
+            self.live_rooms -= 1;
+        }
+        if aged(to) {
             let fifo = &mut self.state_fifos[to.index()];
             if fifo.is_empty() {
                 self.metrics.oldest_entered_by_state[to.index()] = Some(now);
             }
             fifo.push_back((slot, epoch, now));
+        }
+        if !to.is_terminal() {
             self.commands.push_back(Command::ToEngine(RoomEvent::StateChanged { room: key, role, state: to }));
         }
         Ok(to)
