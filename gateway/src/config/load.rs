@@ -116,7 +116,7 @@ fn env_warnings(names: impl Iterator<Item = String>) -> Vec<String> {
 }
 
 /// Variables with a single underscore that kvgate reads on purpose (not config overrides).
-const IGNORED_KVGATE_VARS: &[&str] = &["KVGATE_LOG"];
+const IGNORED_KVGATE_VARS: &[&str] = &["KVGATE_LOG", "KVGATE_BIN", "KVGATE_ENGINE_API", "KVGATE_SGLANG_VENV", "KVGATE_SGLANG_PYTHON"];
 
 /// The built-in defaults as a commented-free TOML document (`kvgate config default`).
 pub fn default_toml() -> String {
