@@ -3,6 +3,7 @@
 requests whose KV cache it expects from the prefill engine, `--slots` at a time; each room's bytes are
 checked against what the prefill engine wrote. Start it next to `prefill.py`:
 
+    kvgate keygen psk configs/shm-one-host/peer.key             # once: the gateways' peer-link key
     kvgate serve --config configs/shm-one-host/decode.toml      # terminal 1
     kvgate serve --config configs/shm-one-host/prefill.toml     # terminal 2
     python examples/python/decode.py                            # terminal 3
