@@ -131,3 +131,19 @@ fn config_default_prints_a_loadable_document() {
     assert!(text.contains("heartbeat_interval_ms"));
     kvgate::config::load_config_from_str(&text).unwrap();
 }
+
+#[test]
+fn a_bad_environment_override_is_refused_naming_the_variable() {
+    let good = configs_dir().join("shm-one-host/prefill.toml");
+    for (var, value, expected) in [
+        ("KVGATE__PEER_LINK__HEARTBEAT_MISSES", "1.9", "whole number"),
+        ("KVGATE__PEER_LINK__HEARTBEAT_MISSES", "18446744073709551615", "up to 9223372036854775807"),
+        ("KVGATE__PLUGINS__PREFERENCE", "", "non-empty items"),
+        ("KVGATE__PEERS__0__NAME", "decode", "[[peers]]"),
+    ] {
+        let out = kvgate().args(["config", "check"]).arg(&good).env(var, value).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{var}={value:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(var) && stderr.contains(expected), "{var}={value:?}: {stderr}");
+    }
+}

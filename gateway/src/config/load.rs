@@ -81,6 +81,10 @@ fn build(text: &str, origin: &str, with_env: bool) -> Result<GatewayConfig, Conf
         toml::from_str(text).map_err(|e| ConfigError::Parse(format!("{origin}: {}", e.to_string().trim_end())))?;
     let mut config = from_file;
     if with_env {
+        let env_errors = check_env_overrides(std::env::vars());
+        if !env_errors.is_empty() {
+            return Err(ConfigError::Invalid(env_errors));
+        }
         let mut builder = Config::builder().add_source(File::from_str(text, FileFormat::Toml));
         builder = builder.add_source(environment());
         let layered = builder.build().map_err(|e| ConfigError::Parse(format!("environment override: {e}")))?;
@@ -92,6 +96,41 @@ fn build(text: &str, origin: &str, with_env: bool) -> Result<GatewayConfig, Conf
     } else {
         Err(ConfigError::Invalid(errors))
     }
+}
+
+/// What the `KVGATE__SECTION__KEY` variables among `vars` would do wrong, each naming the variable:
+/// a value that is not a whole number for an integer key (the config layer would round `1.9`), a number
+/// too large for any key, an empty item in a list key, and `[[peers]]` (a list of tables, which an
+/// environment variable cannot spell). Keys that exist nowhere are left to the layer's own refusal.
+pub fn check_env_overrides(vars: impl Iterator<Item = (String, String)>) -> Vec<LimitError> {
+    let defaults = toml::Value::try_from(GatewayConfig::default()).expect("the defaults serialise");
+    let mut errors = Vec::new();
+    let mut vars: Vec<(String, String)> = vars.filter(|(k, _)| k.starts_with("KVGATE__")).collect();
+    vars.sort();
+    for (var, value) in vars {
+        let path: Vec<String> = var["KVGATE__".len()..].split(ENV_SEPARATOR).map(str::to_ascii_lowercase).collect();
+        let key = path.join(".");
+        let rule = |allowed: String| LimitError { key: var.clone(), value: format!("{value:?}"), allowed };
+        if path.first().map(String::as_str) == Some("peers") {
+            errors.push(rule("no such variable: [[peers]] entries are written in the config file, not the environment".into()));
+            continue;
+        }
+        if ENV_LIST_KEYS.contains(&key.as_str()) {
+            if value.split(',').any(|item| item.trim().is_empty()) {
+                errors.push(rule(format!("a comma-separated list of non-empty items ({key})")));
+            }
+            continue;
+        }
+        let default = path.iter().try_fold(&defaults, |v, part| v.get(part.as_str()));
+        if let Some(toml::Value::Integer(_)) = default {
+            match value.trim().parse::<u64>() {
+                Ok(n) if n <= i64::MAX as u64 => {}
+                Ok(_) => errors.push(rule(format!("a whole number up to {} ({key})", i64::MAX))),
+                Err(_) => errors.push(rule(format!("a whole number ({key} is an integer)"))),
+            }
+        }
+    }
+    errors
 }
 
 /// Keys whose environment override is a comma-separated list (`KVGATE__PLUGINS__PREFERENCE=ucx,quic`).
@@ -126,6 +165,28 @@ pub fn default_toml() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn env_errors(vars: &[(&str, &str)]) -> Vec<String> {
+        check_env_overrides(vars.iter().map(|(k, v)| (k.to_string(), v.to_string()))).iter().map(|e| e.to_string()).collect()
+    }
+
+    #[test]
+    fn an_override_that_is_not_a_whole_number_too_large_or_an_empty_list_item_is_refused_naming_the_variable() {
+        assert!(env_errors(&[("KVGATE__PEER_LINK__HEARTBEAT_MISSES", "3"), ("KVGATE__PLUGINS__PREFERENCE", "shm,quic"), ("KVGATE__GATEWAY__NAME", "1.9")]).is_empty());
+        let e = env_errors(&[("KVGATE__PEER_LINK__HEARTBEAT_MISSES", "1.9")]);
+        assert!(e.len() == 1 && e[0].contains("KVGATE__PEER_LINK__HEARTBEAT_MISSES") && e[0].contains("whole number"), "{e:?}");
+        let e = env_errors(&[("KVGATE__SCHEDULER__ROOM_TIMEOUT_MS", "18446744073709551615")]);
+        assert!(e.len() == 1 && e[0].contains("KVGATE__SCHEDULER__ROOM_TIMEOUT_MS") && e[0].contains("up to 9223372036854775807"), "{e:?}");
+        assert!(env_errors(&[("KVGATE__SCHEDULER__ROOM_TIMEOUT_MS", "9223372036854775807")]).is_empty(), "at the limit");
+        for list in ["", "shm,", ",shm", "shm,,quic"] {
+            let e = env_errors(&[("KVGATE__PLUGINS__PREFERENCE", list)]);
+            assert!(e.len() == 1 && e[0].contains("KVGATE__PLUGINS__PREFERENCE") && e[0].contains("non-empty items"), "{list:?}: {e:?}");
+        }
+        let e = env_errors(&[("KVGATE__PEERS__0__NAME", "decode")]);
+        assert!(e.len() == 1 && e[0].contains("KVGATE__PEERS__0__NAME") && e[0].contains("[[peers]]"), "{e:?}");
+        // Not ours: left alone.
+        assert!(env_errors(&[("PATH", "x"), ("KVGATE_LOG", "1.9")]).is_empty());
+    }
 
     #[test]
     fn single_underscore_variables_are_reported_and_double_are_not() {
