@@ -103,7 +103,6 @@ impl PeerLink for PeerLinkService {
                 tx.send(self.identity.hello_to(&hello.name, self.auth.mode(), nonce, proof)).await.map_err(|_| Status::internal("link closed"))?;
                 // The dialler answers only once it holds our Hello, which goes out with the response:
                 // its proof is awaited in a task, and the link is handed on only when it checks out.
-                let key = key.clone();
                 tokio::spawn(async move {
                     let name = hello.name.clone();
                     let answer = match tokio::time::timeout(timeout, inbound.message()).await {
@@ -113,11 +112,10 @@ impl PeerLink for PeerLinkService {
                         Err(_) => Err("no answer to the challenge within peer_link.connect_timeout_ms".to_string()),
                     };
                     let proven = answer.and_then(|frame| match frame.frame {
-                        Some(Frame::AuthProof(p)) if constant_time_eq(&p.proof, &expected_answer) => Ok(()),
+                        Some(Frame::AuthProof(p)) if psk::constant_time_eq(&p.proof, &expected_answer) => Ok(()),
                         Some(Frame::AuthProof(_)) => Err("its proof is wrong (a different peer_link.psk_file?)".to_string()),
                         _ => Err("its first frame after the Hello is not an AuthProof".to_string()),
                     });
-                    drop(key);
                     match proven {
                         Ok(()) => {
                             let _ = session_tx.send(Session { hello, inbound, outbound: tx, opener: Some(opener) }).await;
@@ -131,8 +129,4 @@ impl PeerLink for PeerLinkService {
         let outbound = sealed_stream(rx, sealer);
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(outbound, Ok))))
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
