@@ -143,6 +143,16 @@ pub fn main() -> i32 {
                     crate::config::PeerAuthMode::Tls => "peer links authenticated by mutual TLS".to_string(),
                     crate::config::PeerAuthMode::None => "peer links NOT authenticated (peer_link.auth = \"none\")".to_string(),
                 };
+                let findings = crate::plugin_setup::check_config_file_plugins(&c);
+                for note in &findings.notes {
+                    println!("note: {note}");
+                }
+                if !findings.errors.is_empty() {
+                    for error in &findings.errors {
+                        eprintln!("{}: {error}", file.display());
+                    }
+                    return 2;
+                }
                 println!("{}: ok (gateway {:?}, {} peer(s), plugins {:?}; {auth})", file.display(), c.gateway.name, c.peers.len(), c.plugins.preference);
                 0
             }

@@ -1,14 +1,15 @@
 //! Plugin start-up for the gateway: register the built-in plugins, load configured libraries, open
 //! every plugin named in `plugins.preference` with its sink wired to the driver's bounded plugin
 //! queue, and describe all of them for `/plugins` and `kvgate plugins list`. Never opens a plugin
-//! that was not asked for.
+//! that was not asked for. Every plugin's config section is checked before anything is opened:
+//! `config check` reports the findings, `serve` refuses to start on any invalid one.
 
 use crate::config::GatewayConfig;
 use crate::driver::{PluginEventMsg, PluginStatus};
 use crate::metrics::GatewayMetrics;
 use kvgate_abi::{scope, sdk::sink_from_fn, Capabilities, MemoryKind, PluginInfo};
 use kvgate_core::PluginSlot;
-use kvgate_host::{OpenedPlugin, PluginHost, PluginListing};
+use kvgate_host::{ConfigCheck, OpenError, OpenedPlugin, PluginHost, PluginListing};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -83,19 +84,90 @@ pub fn describe(listing: &[PluginListing], opened: &[(String, Result<(), String>
         .collect()
 }
 
+/// What checking every plugin's config found: `notes` are fine to start with (a plugin that can
+/// check only by opening, a section for a plugin not in the preference list), `errors` are not.
+#[derive(Debug, Default)]
+pub struct PluginConfigFindings {
+    pub notes: Vec<String>,
+    pub errors: Vec<String>,
+}
+
+fn plugin_config_text(config: &GatewayConfig, name: &str) -> String {
+    config.plugins.config.get(name).map(|t| toml::to_string(t).unwrap_or_default()).unwrap_or_default()
+}
+
+/// Load `plugins.libraries`; one that does not load is logged and returned (a plugin it carried is
+/// then "not checked" and not opened, as on a machine without that library installed).
+fn load_libraries(config: &GatewayConfig, host: &mut PluginHost) -> Vec<String> {
+    let mut failures = Vec::new();
+    for result in host.load_all(&config.plugins.libraries) {
+        if let Err(e) = result {
+            tracing::error!(reason = e.code(), "plugin library not loaded: {e}");
+            failures.push(format!("plugins.libraries: not loaded: {e}"));
+        }
+    }
+    failures
+}
+
+/// Check the config of every preferred plugin and of every `[plugins.config.NAME]` section with
+/// the plugin's own parser, opening nothing. A preferred name no plugin has, a section naming no
+/// plugin, or a config the plugin refuses is an error.
+pub fn check_plugin_configs(config: &GatewayConfig, host: &PluginHost) -> PluginConfigFindings {
+    let mut findings = PluginConfigFindings::default();
+    let mut names: Vec<&String> = config.plugins.preference.iter().collect();
+    names.extend(config.plugins.config.keys().filter(|k| !config.plugins.preference.contains(k)));
+    for name in names {
+        let preferred = config.plugins.preference.contains(name);
+        match host.check_config(name, &plugin_config_text(config, name)) {
+            ConfigCheck::Valid if preferred => {}
+            ConfigCheck::Valid => findings.notes.push(format!("[plugins.config.{name}] is valid but {name} is not in plugins.preference, so it is not opened")),
+            ConfigCheck::NotChecked { reason } => findings.notes.push(format!("plugin {name}: config not checked before start ({reason})")),
+            ConfigCheck::Invalid(OpenError::UnknownPlugin { .. }) if preferred => findings.errors.push(format!(
+                "plugins.preference names {name:?}, which is neither built in nor in plugins.libraries (known: {})",
+                host.plugins().iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
+            )),
+            ConfigCheck::Invalid(OpenError::UnknownPlugin { .. }) => {
+                findings.errors.push(format!("[plugins.config.{name}] names no plugin that is built in or in plugins.libraries"))
+            }
+            ConfigCheck::Invalid(e) => findings.errors.push(format!("[plugins.config.{name}]: {e}")),
+        }
+    }
+    findings
+}
+
+/// `config check`'s plugin part: load the configured libraries and check every plugin section.
+pub fn check_config_file_plugins(config: &GatewayConfig) -> PluginConfigFindings {
+    let mut host = host_with_builtins();
+    let library_failures = load_libraries(config, &mut host);
+    let mut findings = check_plugin_configs(config, &host);
+    findings.notes.splice(0..0, library_failures);
+    findings
+}
+
 /// Load libraries and open the preferred plugins. Slot numbers are positions in the returned vector.
+/// Refuses (before opening anything) when any plugin's config is invalid, and (after closing what
+/// it opened) when a preferred plugin refuses its config at open; a plugin this machine cannot run
+/// (`unavailable`) is listed and skipped.
 pub fn open_plugins(
     config: &GatewayConfig,
     events: mpsc::Sender<PluginEventMsg>,
     metrics: Arc<GatewayMetrics>,
-) -> (Vec<OpenedPlugin>, Vec<PluginStatus>) {
+) -> anyhow::Result<(Vec<OpenedPlugin>, Vec<PluginStatus>)> {
     let mut host = host_with_builtins();
-    for result in host.load_all(&config.plugins.libraries) {
-        if let Err(e) = result {
-            tracing::error!(reason = e.code(), "plugin library not loaded: {e}");
-        }
+    // A library that does not load is logged; the plugin it carried is then an unknown name below
+    // if it is preferred.
+    let _ = load_libraries(config, &mut host);
+    let findings = check_plugin_configs(config, &host);
+    for note in &findings.notes {
+        tracing::info!("{note}");
     }
-    let mut opened = Vec::new();
+    if !findings.errors.is_empty() {
+        for error in &findings.errors {
+            tracing::error!(reason = "invalid_config", "{error}");
+        }
+        anyhow::bail!("invalid plugin configuration: {}", findings.errors.join("; "));
+    }
+    let mut opened: Vec<OpenedPlugin> = Vec::new();
     let mut outcomes = Vec::new();
     for name in &config.plugins.preference {
         let slot = PluginSlot(opened.len() as u32);
@@ -108,12 +180,17 @@ pub fn open_plugins(
                 dropped.plugin_events_dropped.inc();
             }
         });
-        let plugin_config = config.plugins.config.get(name).map(|t| toml::to_string(t).unwrap_or_default()).unwrap_or_default();
-        match host.open(name, &plugin_config, sink) {
+        match host.open(name, &plugin_config_text(config, name), sink) {
             Ok(plugin) => {
                 tracing::info!(plugin = %name, slot = slot.0, "plugin opened");
                 opened.push(plugin);
                 outcomes.push((name.clone(), Ok(())));
+            }
+            Err(e @ OpenError::InvalidConfig { .. }) => {
+                for plugin in &opened {
+                    plugin.shutdown();
+                }
+                anyhow::bail!("invalid plugin configuration: {e}");
             }
             Err(e) => {
                 tracing::warn!(plugin = %name, reason = e.code(), "plugin not opened: {e}");
@@ -122,5 +199,5 @@ pub fn open_plugins(
         }
     }
     let listing = describe(&host.plugins(), &outcomes);
-    (opened, listing)
+    Ok((opened, listing))
 }

@@ -56,7 +56,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let discovery_status: crate::discovery::DiscoveryStatus = Arc::new(std::sync::Mutex::new(discovery_view));
     let metrics = Arc::new(GatewayMetrics::default());
     let (plugin_tx, plugin_rx) = mpsc::channel(config.driver.plugin_event_queue_len as usize);
-    let (plugins, listing) = crate::plugin_setup::open_plugins(&config, plugin_tx, metrics.clone());
+    let (plugins, listing) = crate::plugin_setup::open_plugins(&config, plugin_tx, metrics.clone())?;
     if plugins.is_empty() {
         anyhow::bail!("no plugin could be opened (plugins.preference = {:?}); see the lines above", config.plugins.preference);
     }

@@ -29,6 +29,10 @@ pub struct PluginMod {
     /// run the plugin is `UNAVAILABLE` with the reason.
     #[sabi(last_prefix_field)]
     pub open: extern "C" fn(config: RStr<'_>, sink: EventSinkBox) -> RResult<TransportBox, PluginError>,
+    /// Check a config string without opening anything (no thread, socket or device touched), with
+    /// the same errors `open` would give for it. Absent in plugins built before it was added: the
+    /// host then says the config was not checked.
+    pub check_config: extern "C" fn(config: RStr<'_>) -> RResult<(), PluginError>,
 }
 
 impl RootModule for PluginModRef {

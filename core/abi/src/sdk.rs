@@ -81,6 +81,12 @@ pub trait PluginFactory: 'static {
     fn info() -> PluginInfo;
     /// Parse `config` and start an instance that reports through `sink`.
     fn open(config: &str, sink: Sink) -> Result<Self::Plugin, PluginError>;
+    /// Parse and check `config` as `open` would, opening nothing. The default says the plugin
+    /// cannot check its config apart from opening (`UNAVAILABLE`), which the host reports as
+    /// "not checked", never as valid.
+    fn check_config(_config: &str) -> Result<(), PluginError> {
+        Err(PluginError::new(ReasonCode::UNAVAILABLE, "this plugin checks its config only when it opens"))
+    }
 }
 
 /// Runs `f`, turning a panic into a `PANIC` error that carries the panic message.
@@ -234,10 +240,23 @@ extern "C" fn open_entry<F: PluginFactory>(config: RStr<'_>, sink: EventSinkBox)
     }
 }
 
+extern "C" fn check_config_entry<F: PluginFactory>(config: RStr<'_>) -> RResult<(), PluginError> {
+    match catch_panic("check_config", || F::check_config(config.as_str())) {
+        Ok(()) => ROk(()),
+        Err(e) => RErr(e),
+    }
+}
+
 /// Build the ABI module of a plugin. Leaks one small allocation; call it once per process
 /// (the export macro and the built-in registry do).
 pub fn module<F: PluginFactory>() -> PluginModRef {
-    PluginMod { abi_version: abi_version_entry, info: info_entry::<F>, open: open_entry::<F> }.leak_into_prefix()
+    PluginMod {
+        abi_version: abi_version_entry,
+        info: info_entry::<F>,
+        open: open_entry::<F>,
+        check_config: check_config_entry::<F>,
+    }
+    .leak_into_prefix()
 }
 
 /// Export a plugin from a `cdylib` crate: `kvgate_abi::export_plugin!(MyFactory);`.

@@ -98,6 +98,17 @@ impl fmt::Display for LoadError {
 
 impl std::error::Error for LoadError {}
 
+/// What [`crate::PluginHost::check_config`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConfigCheck {
+    /// The plugin parsed the config and accepts every value.
+    Valid,
+    /// The config was not checked (the plugin cannot check without opening); says why.
+    NotChecked { reason: String },
+    /// The config, or the plugin name, is refused.
+    Invalid(OpenError),
+}
+
 /// Why [`crate::PluginHost::open`] failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

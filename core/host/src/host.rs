@@ -2,7 +2,7 @@
 //! listing, `open` of an instance, and the per-peer selection among opened instances.
 //! Never decides a room's fate and never depends on a plugin crate (the gateway registers built-ins).
 
-use crate::error::{LoadError, OpenError, PluginOrigin, SkipReason};
+use crate::error::{ConfigCheck, LoadError, OpenError, PluginOrigin, SkipReason};
 use crate::library::{canonical_plugin_path, load_root_module};
 use crate::opened::OpenedPlugin;
 use kvgate_abi::abi_stable::std_types::{RErr, ROk, RStr};
@@ -157,6 +157,32 @@ impl PluginHost {
             }
         }
         result
+    }
+
+    /// Check `config_toml` for plugin `name` without opening it (see `PluginMod::check_config`).
+    /// A plugin built before the check existed, one that can only check by opening, or one whose
+    /// library did not load gives [`ConfigCheck::NotChecked`], never `Valid`.
+    pub fn check_config(&self, name: &str, config_toml: &str) -> ConfigCheck {
+        let Some(plugin) = self.find(name) else {
+            return match self.why_not_opened(name) {
+                SkipReason::LoadFailed(why) => ConfigCheck::NotChecked { reason: format!("its library did not load: {why}") },
+                _ => ConfigCheck::Invalid(OpenError::UnknownPlugin { plugin: name.to_string() }),
+            };
+        };
+        let Some(check) = plugin.module.check_config() else {
+            return ConfigCheck::NotChecked { reason: "the plugin was built before config checks existed".into() };
+        };
+        match check(RStr::from_str(config_toml)) {
+            ROk(()) => ConfigCheck::Valid,
+            RErr(e) => {
+                let (plugin, message) = (name.to_string(), e.message.to_string());
+                match e.code {
+                    ReasonCode::UNAVAILABLE => ConfigCheck::NotChecked { reason: message },
+                    ReasonCode::INVALID_ARGUMENT => ConfigCheck::Invalid(OpenError::InvalidConfig { plugin, message }),
+                    code => ConfigCheck::Invalid(OpenError::Failed { plugin, code, message }),
+                }
+            }
+        }
     }
 
     fn open_inner(&self, name: &str, config_toml: &str, sink: EventSinkBox) -> Result<OpenedPlugin, OpenError> {

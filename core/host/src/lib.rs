@@ -28,7 +28,7 @@ pub mod host;
 pub mod library;
 pub mod opened;
 
-pub use error::{LoadError, OpenError, PluginOrigin, SkipReason};
+pub use error::{ConfigCheck, LoadError, OpenError, PluginOrigin, SkipReason};
 pub use host::{PluginHost, PluginListing};
 pub use library::MAX_ABI_ERROR_LINES;
 pub use opened::OpenedPlugin;

@@ -124,7 +124,13 @@ fn bad_builtins_are_refused() {
         ABI_VERSION + 1
     }
     let real = module::<LiarFake>();
-    let future = PluginMod { abi_version: abi_two, info: real.info(), open: real.open() }.leak_into_prefix();
+    let future = PluginMod {
+        abi_version: abi_two,
+        info: real.info(),
+        open: real.open(),
+        check_config: real.check_config().expect("built by this SDK"),
+    }
+    .leak_into_prefix();
     match host.register_builtin("liar", future).unwrap_err() {
         LoadError::AbiVersionMismatch { plugin_abi_version, host_abi_version, origin } => {
             assert_eq!(
@@ -224,4 +230,53 @@ fn an_instance_reporting_another_name_is_refused() {
     host.register_builtin("renamer", module::<Renamer>()).unwrap();
     let e = host.open("renamer", "", sink()).unwrap_err();
     assert_eq!(e.code(), "bad_instance", "{e}");
+}
+
+/// A plugin that checks its config apart from opening: `workers` must be 1..=4.
+struct Checked;
+impl PluginFactory for Checked {
+    type Plugin = Fake;
+    fn info() -> PluginInfo {
+        info("checked", HOST, scope::SAME_HOST)
+    }
+    fn open(config: &str, _sink: Sink) -> Result<Fake, PluginError> {
+        Self::check_config(config)?;
+        open_fake(Self::info(), "")
+    }
+    fn check_config(config: &str) -> Result<(), PluginError> {
+        match config.trim() {
+            "" | "workers = 1" | "workers = 4" => Ok(()),
+            "workers = 5" => Err(PluginError::new(ReasonCode::INVALID_ARGUMENT, "workers = 5 is outside 1..=4")),
+            other => Err(PluginError::new(ReasonCode::TRANSPORT_ERROR, format!("cannot judge {other:?}"))),
+        }
+    }
+}
+
+#[test]
+fn configs_are_checked_without_opening_and_never_called_valid_unchecked() {
+    use kvgate_host::ConfigCheck;
+    let mut host = host();
+    host.register_builtin("checked", module::<Checked>()).unwrap();
+    assert_eq!(host.check_config("checked", "workers = 4"), ConfigCheck::Valid);
+    assert_eq!(host.check_config("checked", "workers = 1"), ConfigCheck::Valid);
+    match host.check_config("checked", "workers = 5") {
+        ConfigCheck::Invalid(OpenError::InvalidConfig { plugin, message }) => {
+            assert_eq!(plugin, "checked");
+            assert!(message.contains("outside 1..=4"), "{message}");
+        }
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+    assert!(matches!(
+        host.check_config("checked", "odd"),
+        ConfigCheck::Invalid(OpenError::Failed { code: ReasonCode::TRANSPORT_ERROR, .. })
+    ));
+    // A plugin that only checks by opening is "not checked", not valid.
+    assert!(matches!(host.check_config("local", "anything"), ConfigCheck::NotChecked { .. }));
+    assert!(matches!(host.check_config("nosuch", ""), ConfigCheck::Invalid(OpenError::UnknownPlugin { .. })));
+    // A plugin whose library did not load is "not checked", with the load failure as the reason.
+    let _ = host.load_library("/nonexistent/libkvgate_gone.so");
+    match host.check_config("gone", "") {
+        ConfigCheck::NotChecked { reason } => assert!(reason.contains("did not load"), "{reason}"),
+        other => panic!("expected NotChecked, got {other:?}"),
+    }
 }

@@ -37,6 +37,10 @@ impl PluginFactory for NvlinkFactory {
     fn open(config: &str, sink: Sink) -> Result<NvlinkPlugin, PluginError> {
         open_with_probe(config, sink, cuda::driver_library_present)
     }
+
+    fn check_config(config: &str) -> Result<(), PluginError> {
+        NvlinkConfig::parse(config).map(|_| ())
+    }
 }
 
 /// The plugin's ABI module, for built-in registration (`builtin:nvlink`). Call once per process.

@@ -42,6 +42,9 @@ impl PluginFactory for QuicFactory {
     fn open(config: &str, sink: Sink) -> Result<QuicPlugin, PluginError> {
         QuicPlugin::open(QuicConfig::parse(config)?, sink)
     }
+    fn check_config(config: &str) -> Result<(), PluginError> {
+        QuicConfig::parse(config).map(|_| ())
+    }
 }
 
 /// The ABI module of the built-in plugin (`builtin:quic`). Call once per process.

@@ -33,6 +33,9 @@ impl PluginFactory for ShmFactory {
     fn open(config: &str, sink: Sink) -> Result<ShmPlugin, PluginError> {
         ShmPlugin::open(config, sink)
     }
+    fn check_config(config: &str) -> Result<(), PluginError> {
+        ShmConfig::parse(config).map(|_| ())
+    }
 }
 
 /// The plugin's ABI module, for built-in registration (`host.register_builtin("shm", module())`).

@@ -63,6 +63,21 @@ fn random_instance_id() -> u64 {
     }
 }
 
+/// Parse the config and hand every UCX setting to UCX's own config parser (which opens no
+/// transport), so that `check_config` refuses what `open` would.
+fn parse_with_ucx(config_text: &str) -> Result<(UcxConfig, ucp::Config), PluginError> {
+    let config = UcxConfig::parse(config_text)?;
+    let mut ucx_config = ucp::Config::read().map_err(|e| unavailable(format!("UCX configuration: {e}")))?;
+    for (name, value, key) in config.ucx_settings() {
+        ucx_config.modify(&name, &value).map_err(|e| {
+            let message = format!("ucx config: `{key}` = {value:?} refused by UCX ({name}): {}", ucp::status_text(e.status));
+            tracing::warn!(reason = "invalid_argument", "{message}");
+            PluginError::new(ReasonCode::INVALID_ARGUMENT, message)
+        })?;
+    }
+    Ok((config, ucx_config))
+}
+
 impl PluginFactory for UcxFactory {
     type Plugin = UcxPlugin;
 
@@ -71,17 +86,13 @@ impl PluginFactory for UcxFactory {
         static_info(capabilities(&config, config.resolved_mode()))
     }
 
+    fn check_config(config_text: &str) -> Result<(), PluginError> {
+        parse_with_ucx(config_text).map(|_| ())
+    }
+
     fn open(config_text: &str, sink: Sink) -> Result<UcxPlugin, PluginError> {
         crate::ucx_log::route_ucx_logs_to_tracing();
-        let config = UcxConfig::parse(config_text)?;
-        let mut ucx_config = ucp::Config::read().map_err(|e| unavailable(format!("UCX configuration: {e}")))?;
-        for (name, value, key) in config.ucx_settings() {
-            ucx_config.modify(&name, &value).map_err(|e| {
-                let message = format!("ucx config: `{key}` = {value:?} refused by UCX ({name}): {}", ucp::status_text(e.status));
-                tracing::warn!(reason = "invalid_argument", "{message}");
-                PluginError::new(ReasonCode::INVALID_ARGUMENT, message)
-            })?;
-        }
+        let (config, ucx_config) = parse_with_ucx(config_text)?;
         let context = Context::new(&ucx_config).map_err(|e| unavailable(format!("no usable UCX transport: {e}")))?;
         drop(ucx_config);
         let worker = Worker::new(&context).map_err(|e| unavailable(format!("no usable UCX transport: {e}")))?;
