@@ -104,7 +104,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let mut stop = stop_rx.clone();
     let peer_task = tokio::spawn(
         peer_server
-            .add_service(PeerLinkServer::new(peer_service).max_decoding_message_size(64 << 20))
+            .add_service(PeerLinkServer::new(peer_service).max_decoding_message_size(crate::peer_link::max_decoding_bytes(&config)))
             .serve_with_incoming_shutdown(crate::nodelay_incoming::nodelay_incoming(peer_listener), async move {
                 let _ = stop.wait_for(|s| *s).await;
             }),

@@ -117,6 +117,13 @@ pub struct PeerLinkSection {
     pub reconnect_interval_ms: u64,
     /// Frames queued towards one peer; a peer that lets the queue fill is declared lost.
     pub send_queue_frames: u64,
+    /// Largest peer-link frame accepted from a peer, in bytes (a fragmented one once joined). A frame
+    /// this gateway would send past it is refused at the engine call that would cause it. Must be at
+    /// least `engine_api.max_request_bytes`, and the same on every gateway of a deployment.
+    pub max_frame_bytes: u64,
+    /// A frame whose encoding is larger than this leaves in fragments of this size, so that
+    /// heartbeats (which go first) never wait behind more than one fragment.
+    pub frame_fragment_bytes: u64,
     /// How peer links are authenticated: `psk` (a pre-shared key file proven by challenge-response,
     /// every frame then carries a MAC), `tls` (mutual TLS, `[peer_link.tls]`), or `none` (anyone who
     /// can reach the port and names a peer is believed; logged as a warning, loopback only).
@@ -165,6 +172,8 @@ impl Default for PeerLinkSection {
             connect_timeout_ms: 2000,
             reconnect_interval_ms: 250,
             send_queue_frames: 65536,
+            max_frame_bytes: 64 << 20,
+            frame_fragment_bytes: 256 << 10,
             auth: None,
             psk_file: String::new(),
             tls: None,

@@ -93,6 +93,15 @@ fn check_peer_link(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
     errors.extend(check_range("peer_link.connect_timeout_ms", link.connect_timeout_ms, 10, 120_000));
     errors.extend(check_range("peer_link.reconnect_interval_ms", link.reconnect_interval_ms, 10, 60_000));
     errors.extend(check_range("peer_link.send_queue_frames", link.send_queue_frames, 16, 1 << 24));
+    errors.extend(check_range("peer_link.max_frame_bytes", link.max_frame_bytes, 1 << 20, 1 << 30));
+    errors.extend(check_range("peer_link.frame_fragment_bytes", link.frame_fragment_bytes, 4 << 10, 16 << 20));
+    if config.engine_api.max_request_bytes > link.max_frame_bytes {
+        errors.push(rule(
+            "engine_api.max_request_bytes",
+            config.engine_api.max_request_bytes.to_string(),
+            &format!("at most peer_link.max_frame_bytes = {} (an engine call may become one peer-link frame)", link.max_frame_bytes),
+        ));
+    }
     if let Some(tls) = &link.tls {
         for (key, value) in [("cert_file", &tls.cert_file), ("key_file", &tls.key_file), ("ca_file", &tls.ca_file)] {
             if value.is_empty() {

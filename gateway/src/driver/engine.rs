@@ -225,6 +225,15 @@ impl Driver {
 
     /// An expect: once the core accepts it, the room holds its destination regions.
     fn expect(&mut self, room: RoomKey, peer: PeerId, parts: Vec<Vec<Slice>>, timeout_ms: Option<u64>) -> Result<(), ApiError> {
+        let frame_bytes = crate::peer_link::codec::expect_notice_frame_bytes(&parts);
+        let max_frame_bytes = self.config.peer_link.max_frame_bytes as usize;
+        if frame_bytes > max_frame_bytes {
+            tracing::info!(room = %room, reason = "frame_too_large", "engine request refused");
+            return Err(ApiError::invalid(
+                "frame_too_large",
+                format!("room {room}: its expect would need a peer-link frame of up to {frame_bytes} bytes, over peer_link.max_frame_bytes = {max_frame_bytes}; use fewer, larger slices"),
+            ));
+        }
         let now = self.now();
         let result = self.core.handle_expect(now, room, peer, &parts, timeout_ms);
         self.refusal_to_api(result)?;

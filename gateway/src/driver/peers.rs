@@ -161,7 +161,8 @@ impl Driver {
                 }
             },
             // The session task checks both before a frame gets here (a second Hello ends the link).
-            Frame::Hello(_) | Frame::Heartbeat(_) | Frame::AuthProof(_) => {}
+            // Fragments are joined by the link's session task; none reaches the driver.
+            Frame::Hello(_) | Frame::Heartbeat(_) | Frame::AuthProof(_) | Frame::Fragment(_) => {}
         }
     }
 

@@ -29,6 +29,30 @@ pub fn encode(message: &PeerMessage) -> proto::CoreMessage {
     proto::CoreMessage { key, message: Some(body) }
 }
 
+/// Room key, deadline, ticket headers, the `CoreMessage` and `PeerFrame` envelopes and a MAC: an
+/// upper bound of what an `ExpectNotice` frame carries beside its slices and tickets.
+const EXPECT_NOTICE_OVERHEAD_BYTES: usize = 160;
+
+/// An upper bound (exact for the slices) of the encoded size of the peer-link frame carrying the
+/// `ExpectNotice` of `parts`, computed without building it: an expect whose notice would exceed
+/// `peer_link.max_frame_bytes` is refused before the core sees it.
+pub fn expect_notice_frame_bytes(parts: &[Vec<Slice>]) -> usize {
+    use prost::encoding::encoded_len_varint as varint;
+    let field = |v: u64| if v == 0 { 0 } else { 1 + varint(v) };
+    let mut total = EXPECT_NOTICE_OVERHEAD_BYTES + 1 + varint(parts.len() as u64 * 10) + parts.len() * 10;
+    for part in parts {
+        let body: usize = part
+            .iter()
+            .map(|s| {
+                let inner = field(s.region.0) + field(s.offset) + field(s.len);
+                1 + varint(inner as u64) + inner
+            })
+            .sum();
+        total += 1 + varint(body as u64) + body;
+    }
+    total + 1 + varint(total as u64)
+}
+
 fn role(name: &str) -> Result<Role, String> {
     match name {
         "sender" => Ok(Role::Sender),
@@ -66,6 +90,29 @@ pub fn decode(message: proto::CoreMessage) -> Result<PeerMessage, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_expect_notice_bound_covers_the_real_frame_and_stays_close_to_it() {
+        use prost::Message;
+        let shapes: Vec<Vec<Vec<Slice>>> = vec![
+            vec![vec![Slice::new(RegionId(1), 0, 1)]],
+            vec![(0..1000).map(|i| Slice::new(RegionId(3), i * 4096, 4096)).collect(), vec![]],
+            (0..122).map(|p| (0..8).map(|i| Slice::new(RegionId(u64::MAX), u64::MAX - i, 1 << 40)).collect::<Vec<_>>().into_iter().take(p % 9).collect()).collect(),
+        ];
+        for parts in shapes {
+            let message = PeerMessage::ExpectNotice {
+                room: RoomKey::new(u64::MAX, u32::MAX.into()),
+                tickets: (0..parts.len()).map(|_| Ticket(u64::MAX)).collect(),
+                parts: parts.clone(),
+                deadline_remaining: Nanos(u64::MAX),
+            };
+            let frame = proto::PeerFrame { frame: Some(proto::peer_frame::Frame::Core(encode(&message))), mac: vec![0; 32] };
+            let real = frame.encoded_len();
+            let bound = expect_notice_frame_bytes(&parts);
+            assert!(bound >= real, "bound {bound} < real {real}");
+            assert!(bound <= real + 2 * EXPECT_NOTICE_OVERHEAD_BYTES, "bound {bound} far above real {real}");
+        }
+    }
 
     #[test]
     fn every_peer_message_survives_encode_then_decode() {

@@ -3,13 +3,12 @@
 //! `connect_timeout_ms`. Never retries by itself (the peer task paces retries).
 
 use super::session::Session;
-use super::{psk, sealed_stream, LinkAuth, LocalIdentity};
+use super::{lanes, psk, sealed_stream, LinkAuth, LocalIdentity};
 use crate::config::{GatewayConfig, PeerEntry};
 use anyhow::{bail, Context};
 use kvgate_client::proto::{self, peer_frame::Frame, peer_link_client::PeerLinkClient, PeerFrame};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::mpsc;
 use tonic::transport::Endpoint;
 
 pub(super) async fn dial(config: &GatewayConfig, peer: &PeerEntry, identity: &LocalIdentity, auth: &LinkAuth) -> anyhow::Result<Session> {
@@ -29,15 +28,15 @@ async fn dial_inner(config: &GatewayConfig, peer: &PeerEntry, identity: &LocalId
         endpoint = endpoint.tls_config(tls.client_config(&super::tls_name(peer)))?;
     }
     let channel = endpoint.connect().await.with_context(|| format!("connect to {}", peer.address))?;
-    let (tx, rx) = mpsc::channel(config.peer_link.send_queue_frames as usize);
+    let (tx, rx) = lanes::channels(config.peer_link.send_queue_frames as usize);
     let sealer = Arc::new(Mutex::new(None));
     let nonce = match auth {
         LinkAuth::Psk(_) => psk::nonce(),
         _ => Vec::new(),
     };
-    tx.send(identity.hello_to(&peer.name, auth.mode(), nonce.clone(), Vec::new())).await.ok();
-    let mut client = PeerLinkClient::new(channel).max_decoding_message_size(64 << 20);
-    let mut inbound = client.link(sealed_stream(rx, sealer.clone())).await.context("open link")?.into_inner();
+    tx.bulk.send(identity.hello_to(&peer.name, auth.mode(), nonce.clone(), Vec::new())).await.ok();
+    let mut client = PeerLinkClient::new(channel).max_decoding_message_size(super::max_decoding_bytes(config));
+    let mut inbound = client.link(sealed_stream(rx, sealer.clone(), config)).await.context("open link")?.into_inner();
     let first = inbound.message().await.context("read hello")?;
     let Some(Frame::Hello(hello)) = first.and_then(|f| f.frame) else { bail!("the peer did not start with a hello") };
     if hello.name != peer.name {
@@ -66,7 +65,7 @@ async fn dial_inner(config: &GatewayConfig, peer: &PeerEntry, identity: &LocalId
             let proof = key.dialler_proof(&transcript);
             let (link_sealer, link_opener) = key.link_macs(&transcript, true);
             *sealer.lock().unwrap_or_else(|e| e.into_inner()) = Some(link_sealer);
-            tx.send(PeerFrame { frame: Some(Frame::AuthProof(proto::AuthProof { proof })), mac: Vec::new() }).await.ok();
+            tx.bulk.send(PeerFrame { frame: Some(Frame::AuthProof(proto::AuthProof { proof })), mac: Vec::new() }).await.ok();
             Some(link_opener)
         }
         _ => None,

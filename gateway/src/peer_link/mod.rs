@@ -6,6 +6,7 @@
 pub mod codec;
 mod dial;
 pub mod directory;
+pub mod lanes;
 pub mod psk;
 mod server;
 mod session;
@@ -99,18 +100,26 @@ impl LinkAuth {
     }
 }
 
-/// An outbound frame stream that MACs every frame once the link's sealer is set (`psk`), and
-/// passes frames through untouched otherwise (`tls`, `none`, and the Hello).
+/// A link's outbound frame stream (its lanes, large frames fragmented) that MACs every frame once
+/// the link's sealer is set (`psk`), and passes frames through untouched otherwise (`tls`, `none`,
+/// and the Hello).
 pub(crate) fn sealed_stream(
-    rx: mpsc::Receiver<PeerFrame>,
+    rx: lanes::OutboundReceivers,
     sealer: Arc<std::sync::Mutex<Option<psk::FrameSealer>>>,
+    config: &GatewayConfig,
 ) -> impl tokio_stream::Stream<Item = PeerFrame> + Send + 'static {
-    tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), move |frame| {
+    tokio_stream::StreamExt::map(lanes::outbound_stream(rx, config.peer_link.frame_fragment_bytes), move |frame| {
         match sealer.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
             Some(sealer) => sealer.seal(frame),
             None => frame,
         }
     })
+}
+
+/// The largest message tonic decodes on a peer link: a whole frame of `max_frame_bytes` (a peer that
+/// fragments less than this gateway) plus its envelope and MAC.
+pub fn max_decoding_bytes(config: &GatewayConfig) -> usize {
+    (config.peer_link.max_frame_bytes + 4096) as usize
 }
 
 /// Whether this gateway dials `peer` (true) or waits to be dialled.

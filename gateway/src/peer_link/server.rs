@@ -5,13 +5,12 @@
 //! logs every refusal with its reason.
 
 use super::session::Session;
-use super::{psk, sealed_stream, LinkAuth, LocalIdentity, PeerDirectory};
+use super::{lanes, psk, sealed_stream, LinkAuth, LocalIdentity, PeerDirectory};
 use crate::config::GatewayConfig;
 use kvgate_client::proto::{peer_frame::Frame, peer_link_server::PeerLink, PeerFrame};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
 pub struct PeerLinkService {
@@ -59,7 +58,7 @@ impl PeerLink for PeerLinkService {
         let Some((entry, session_tx)) = known else {
             return Err(refuse(&hello.name, "unknown_peer", format!("{:?} is not a configured or discovered peer that dials this gateway", hello.name)));
         };
-        let (tx, rx) = mpsc::channel(self.config.peer_link.send_queue_frames as usize);
+        let (tx, rx) = lanes::channels(self.config.peer_link.send_queue_frames as usize);
         let sealer = Arc::new(Mutex::new(None));
         match &self.auth {
             LinkAuth::Tls(_) => {
@@ -72,11 +71,11 @@ impl PeerLink for PeerLinkService {
                         hello.name
                     )));
                 }
-                tx.send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new())).await.map_err(|_| Status::internal("link closed"))?;
+                tx.bulk.send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new())).await.map_err(|_| Status::internal("link closed"))?;
                 session_tx.send(Session { hello, inbound, outbound: tx, opener: None }).await.map_err(|_| Status::unavailable("gateway stopping"))?;
             }
             LinkAuth::None => {
-                tx.send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new())).await.map_err(|_| Status::internal("link closed"))?;
+                tx.bulk.send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new())).await.map_err(|_| Status::internal("link closed"))?;
                 session_tx.send(Session { hello, inbound, outbound: tx, opener: None }).await.map_err(|_| Status::unavailable("gateway stopping"))?;
             }
             LinkAuth::Psk(key) => {
@@ -100,7 +99,7 @@ impl PeerLink for PeerLinkService {
                 let (link_sealer, mut opener) = key.link_macs(&transcript, false);
                 let expected_answer = key.dialler_proof(&transcript);
                 *sealer.lock().unwrap_or_else(|e| e.into_inner()) = Some(link_sealer);
-                tx.send(self.identity.hello_to(&hello.name, self.auth.mode(), nonce, proof)).await.map_err(|_| Status::internal("link closed"))?;
+                tx.bulk.send(self.identity.hello_to(&hello.name, self.auth.mode(), nonce, proof)).await.map_err(|_| Status::internal("link closed"))?;
                 // The dialler answers only once it holds our Hello, which goes out with the response:
                 // its proof is awaited in a task, and the link is handed on only when it checks out.
                 tokio::spawn(async move {
@@ -126,7 +125,7 @@ impl PeerLink for PeerLinkService {
                 });
             }
         }
-        let outbound = sealed_stream(rx, sealer);
+        let outbound = sealed_stream(rx, sealer, &self.config);
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(outbound, Ok))))
     }
 }

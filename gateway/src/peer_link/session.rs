@@ -37,7 +37,7 @@ pub enum PeerEvent {
 /// peer lost with that cause.
 #[derive(Clone, Debug)]
 pub struct PeerSender {
-    tx: mpsc::Sender<PeerFrame>,
+    tx: super::lanes::Outbound,
     failed: Arc<SendFailure>,
 }
 
@@ -49,8 +49,10 @@ struct SendFailure {
 }
 
 impl PeerSender {
+    /// Queues `frame`: a heartbeat on the urgent lane, anything else on the bulk lane.
     pub fn send(&self, frame: Frame) -> bool {
-        match self.tx.try_send(PeerFrame { frame: Some(frame), mac: Vec::new() }) {
+        let lane = if matches!(frame, Frame::Heartbeat(_)) { &self.tx.urgent } else { &self.tx.bulk };
+        match lane.try_send(PeerFrame { frame: Some(frame), mac: Vec::new() }) {
             Ok(()) => true,
             Err(e) => {
                 if matches!(e, mpsc::error::TrySendError::Closed(_)) {
@@ -76,7 +78,7 @@ impl PeerSender {
 pub struct Session {
     pub hello: proto::Hello,
     pub inbound: Streaming<PeerFrame>,
-    pub outbound: mpsc::Sender<PeerFrame>,
+    pub outbound: super::lanes::Outbound,
     pub opener: Option<super::psk::FrameOpener>,
 }
 
@@ -180,6 +182,7 @@ impl PeerTask {
         let mut heartbeat = tokio::time::interval(interval);
         let mut seq = 0u64;
         let mut last_heard = Instant::now();
+        let mut joining = super::lanes::Reassembly::new(self.config.peer_link.max_frame_bytes);
         let mut replacement = None;
         let (reason, detail): (&'static str, String) = loop {
             tokio::select! {
@@ -191,6 +194,15 @@ impl PeerTask {
                     Ok(Some(Ok(PeerFrame { frame: Some(frame), .. }))) => {
                         last_heard = Instant::now();
                         if matches!(frame, Frame::Heartbeat(_)) { continue; }
+                        let frame = match frame {
+                            Frame::Fragment(fragment) => match joining.push(fragment) {
+                                Ok(Some(whole)) => whole,
+                                Ok(None) => continue,
+                                Err(why) => break ("protocol_violation", why),
+                            },
+                            _ if joining.pending_bytes() > 0 => break ("protocol_violation", "a frame between the fragments of another".into()),
+                            frame => frame,
+                        };
                         if let Frame::Hello(_) = frame { break ("protocol_violation", "a second hello on a live link".into()); }
                         if self.events.send(DriverInput::Peer(PeerEvent::Frame { session: id, frame })).await.is_err() { return None; }
                     }
