@@ -84,7 +84,11 @@ pub fn router(state: AdminState) -> Router {
 }
 
 /// Serve the admin listener until `shutdown` flips.
-pub async fn serve_admin(listener: tokio::net::TcpListener, state: AdminState, mut shutdown: tokio::sync::watch::Receiver<bool>) -> std::io::Result<()> {
+pub async fn serve_admin(
+    listener: crate::listeners::GuardedListener<tokio::net::TcpListener>,
+    state: AdminState,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
     axum::serve(listener, router(state))
         .with_graceful_shutdown(async move {
             let _ = shutdown.wait_for(|s| *s).await;

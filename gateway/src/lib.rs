@@ -16,7 +16,7 @@ pub mod driver;
 pub mod engine_api;
 pub mod logging;
 pub mod metrics;
-pub mod nodelay_incoming;
+pub mod listeners;
 pub mod peer_link;
 pub mod plugin_setup;
 pub mod serve;

@@ -42,6 +42,8 @@ pub struct GatewayMetrics {
     bad_peer_frames: Counter,
     discovery_registered: Gauge,
     discovery_errors: Family<Labels, Counter>,
+    listener_connections: Family<Labels, Gauge>,
+    listener_refused: Family<Labels, Counter>,
 }
 
 impl Default for GatewayMetrics {
@@ -57,6 +59,8 @@ impl Default for GatewayMetrics {
             bad_peer_frames: Counter::default(),
             discovery_registered: Gauge::default(),
             discovery_errors: Family::default(),
+            listener_connections: Family::default(),
+            listener_refused: Family::default(),
         }
     }
 }
@@ -94,6 +98,19 @@ impl GatewayMetrics {
         self.discovery_errors.get_or_create(&labels(&[("reason", reason)])).inc();
     }
 
+    /// A connection a listener refused or closed (`connection_limit`, `accept_error`,
+    /// `handshake_timeout`, `idle_timeout`).
+    pub fn count_listener_refusal(&self, listener: &str, reason: &str) {
+        self.listener_refused.get_or_create(&labels(&[("listener", listener), ("reason", reason)])).inc();
+    }
+    pub fn listener_refusals(&self, listener: &str, reason: &str) -> u64 {
+        self.listener_refused.get_or_create(&labels(&[("listener", listener), ("reason", reason)])).get()
+    }
+    /// `delta` connections opened (1) or closed (-1) on `listener`.
+    pub fn listener_opened(&self, listener: &str, delta: i64) {
+        self.listener_connections.get_or_create(&labels(&[("listener", listener)])).inc_by(delta);
+    }
+
     /// The Prometheus text exposition of everything, for `/metrics`.
     pub fn render(&self, snapshot: &AdminSnapshot) -> String {
         let mut registry = Registry::with_prefix("kvgate");
@@ -109,6 +126,8 @@ impl GatewayMetrics {
         let discovered = snapshot.peers.iter().filter(|p| p.source == crate::peer_link::PeerSource::Discovered.as_str()).count();
         registry.register("discovery_peers", "Peers discovery added and still knows (withdrawn ones with a live link included)", gauge(discovered as i64));
         registry.register("discovery_errors", "Discovery failures by reason (etcd calls, records refused)", self.discovery_errors.clone());
+        registry.register("listener_connections", "Connections open now, by listener (engine_api, peer_link, admin)", self.listener_connections.clone());
+        registry.register("listener_refused", "Connections refused or closed by a listener: reason connection_limit, accept_error (e.g. out of descriptors), handshake_timeout, idle_timeout", self.listener_refused.clone());
         register_core(&mut registry, snapshot);
         let mut text = String::new();
         encode(&mut text, &registry).expect("writing to a String cannot fail");
@@ -231,6 +250,8 @@ mod tests {
         m.observe_transfer("shm", 1 << 20, Nanos::from_ms(3));
         m.count_failure("peer_lost", "transfer", "shm");
         m.set_peer_up("decode", true);
+        m.listener_opened("admin", 1);
+        m.count_listener_refusal("admin", "connection_limit");
         let text = m.render(&snapshot());
         for expected in [
             "kvgate_rooms{state=\"transferring\"} 3",
@@ -260,6 +281,8 @@ mod tests {
         m.count_failure("peer_lost", "transfer", "shm");
         m.count_stuck_rooms(5000, 1);
         m.set_peer_up("decode", true);
+        m.listener_opened("admin", 1);
+        m.count_listener_refusal("admin", "connection_limit");
         let text = m.render(&snapshot());
         let mut names = Vec::new();
         for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE kvgate_")) {

@@ -6,6 +6,7 @@ use crate::admin::{serve_admin, AdminState};
 use crate::config::GatewayConfig;
 use crate::driver::{Driver, DriverInput, DriverParts};
 use crate::engine_api::{bind_unix_socket, serve_engine_api, EngineApiService};
+use crate::listeners::{keepalive_interval, GuardedListener};
 use crate::metrics::GatewayMetrics;
 use crate::peer_link::{server_tls, LocalIdentity, PeerDirectory, PeerLinks};
 use anyhow::Context;
@@ -55,6 +56,11 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let discovery_view = crate::discovery::DiscoveryView { enabled: discovery_options.is_some(), ..Default::default() };
     let discovery_status: crate::discovery::DiscoveryStatus = Arc::new(std::sync::Mutex::new(discovery_view));
     let metrics = Arc::new(GatewayMetrics::default());
+    // Every configured peer is on /metrics from the start (0 until its link comes up), so an alert
+    // sees a peer that never connected.
+    for peer in &config.peers {
+        metrics.set_peer_up(&peer.name, false);
+    }
     let (plugin_tx, plugin_rx) = mpsc::channel(config.driver.plugin_event_queue_len as usize);
     let (plugins, listing) = crate::plugin_setup::open_plugins(&config, plugin_tx, metrics.clone())?;
     if plugins.is_empty() {
@@ -96,8 +102,13 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let driver_done = spawn_driver_thread(driver, input_rx, plugin_rx)?;
 
     let (links, peer_service) = PeerLinks::start(config.clone(), identity.clone(), input_tx.clone(), directory, static_links)?;
-    // Accepted sockets get TCP_NODELAY from `nodelay_incoming` (tonic ignores `Server::tcp_nodelay` there).
-    let mut peer_server = tonic::transport::Server::builder();
+    // Accepted through `listeners`: a connection cap, timeouts, TCP_NODELAY (tonic ignores
+    // `Server::tcp_nodelay` there) and accept back-off.
+    let peer_limits = config.peer_link.connections;
+    let peer_incoming = GuardedListener::new(peer_listener, "peer_link", peer_limits, metrics.clone()).into_stream();
+    let mut peer_server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(keepalive_interval(&peer_limits)))
+        .http2_keepalive_timeout(Some(keepalive_interval(&peer_limits)));
     if let Some(tls) = server_tls(&config)? {
         peer_server = peer_server.tls_config(tls).context("peer_link.tls")?;
     }
@@ -105,7 +116,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let peer_task = tokio::spawn(
         peer_server
             .add_service(PeerLinkServer::new(peer_service).max_decoding_message_size(crate::peer_link::max_decoding_bytes(&config)))
-            .serve_with_incoming_shutdown(crate::nodelay_incoming::nodelay_incoming(peer_listener), async move {
+            .serve_with_incoming_shutdown(peer_incoming, async move {
                 let _ = stop.wait_for(|s| *s).await;
             }),
     );
@@ -119,9 +130,11 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let api = EngineApiService::new(input_tx.clone(), watch_tx, &config.engine_api, info);
     let api_config = config.clone();
     let api_stop = stop_rx.clone();
-    let api_task = tokio::spawn(async move { serve_engine_api(&api_config, api, unix, api_stop).await });
+    let api_metrics = metrics.clone();
+    let api_task = tokio::spawn(async move { serve_engine_api(&api_config, api, unix, api_metrics, api_stop).await });
     if let Some(listener) = admin_listener {
         let state = AdminState { driver: input_tx.clone(), metrics: metrics.clone(), discovery: discovery_status.clone() };
+        let listener = GuardedListener::new(listener, "admin", config.admin.connections, metrics.clone());
         tokio::spawn(serve_admin(listener, state, stop_rx.clone()));
     }
     // Registered only now that every listener is bound: a peer that reads the record can dial at once.

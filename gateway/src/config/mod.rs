@@ -69,6 +69,8 @@ pub struct EngineApiSection {
     /// the gateway reads them, before HTTP/2 closes the whole connection (`too_many_resets`). A
     /// gateway that stalled for seconds finds every call the engine gave up on reset at once.
     pub http2_max_pending_reset_streams: u64,
+    /// Connections of the unix socket and of `tcp_listen` (each listener its own cap).
+    pub connections: ConnectionLimits,
     /// Most calls in one `SendBatch` or `ExpectBatch`; a longer batch is refused whole (`too_many_calls`).
     pub max_batch_calls: u64,
     /// How long an engine session survives with no `Watch` stream open before it ends (its live rooms
@@ -93,6 +95,7 @@ impl Default for EngineApiSection {
             watch_replay_events: 65536,
             max_request_bytes: 16 << 20,
             http2_max_pending_reset_streams: 4096,
+            connections: ConnectionLimits::new(1024, 10_000, 300_000),
             max_batch_calls: 4096,
             session_grace_ms: 5000,
             max_sessions: 1024,
@@ -135,6 +138,8 @@ pub struct PeerLinkSection {
     pub psk_file: String,
     /// Mutual TLS for peer links (`auth = "tls"`).
     pub tls: Option<PeerTlsSection>,
+    /// Connections of the peer-link listener (dialled links; heartbeats keep a live one talking).
+    pub connections: ConnectionLimits,
 }
 
 /// How a peer link proves who is at the other end.
@@ -177,6 +182,7 @@ impl Default for PeerLinkSection {
             auth: None,
             psk_file: String::new(),
             tls: None,
+            connections: ConnectionLimits::new(256, 10_000, 120_000),
         }
     }
 }
@@ -329,6 +335,34 @@ pub struct AdminSection {
     /// `/healthz` answers 503 while a room has been quarantined (its memory held, waiting for the word
     /// that no byte can land any more) for longer than this.
     pub quarantine_unhealthy_ms: u64,
+    /// Connections of the admin listener (`/metrics`, `/healthz`, ...).
+    pub connections: ConnectionLimits,
+}
+
+/// The bounds of one listener's connections (`[engine_api.connections]`, `[peer_link.connections]`,
+/// `[admin.connections]`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConnectionLimits {
+    /// Connections held open at once; one more is closed as soon as it is accepted.
+    pub max_connections: u64,
+    /// A connection that sends nothing this long after it is accepted is closed.
+    pub handshake_timeout_ms: u64,
+    /// A connection that then sends nothing this long is closed (gRPC listeners ping at a third of
+    /// it, so a live client's answers keep its connection).
+    pub idle_timeout_ms: u64,
+}
+
+impl ConnectionLimits {
+    pub const fn new(max_connections: u64, handshake_timeout_ms: u64, idle_timeout_ms: u64) -> Self {
+        ConnectionLimits { max_connections, handshake_timeout_ms, idle_timeout_ms }
+    }
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits::new(1024, 10_000, 300_000)
+    }
 }
 
 /// Most `admin.stuck_room_warn_lines_per_s` accepts.
@@ -341,6 +375,7 @@ impl Default for AdminSection {
             stuck_room_warn_ms: vec![5_000, 30_000],
             stuck_room_warn_lines_per_s: 100,
             quarantine_unhealthy_ms: 10_000,
+            connections: ConnectionLimits::new(64, 5_000, 60_000),
         }
     }
 }

@@ -259,3 +259,23 @@ fn peer_links_need_authentication_unless_none_is_written_and_then_only_on_loopba
     // A misspelt mode is a parse error naming the key.
     assert!(errors_of("[peer_link]\nauth = \"pks\"\n").contains("auth"));
 }
+
+#[test]
+fn every_listeners_connection_limits_are_checked_at_and_just_past_each_bound() {
+    for section in ["engine_api", "peer_link", "admin"] {
+        for (key, min, max) in [("max_connections", 1u64, 65_536u64), ("handshake_timeout_ms", 100, 600_000), ("idle_timeout_ms", 1_000, 86_400_000)] {
+            for ok in [min, max] {
+                load_config_from_str(&format!("[{section}.connections]\n{key} = {ok}\n")).unwrap();
+            }
+            for bad in [min - 1, max + 1] {
+                let e = errors_of(&format!("[{section}.connections]\n{key} = {bad}\n"));
+                assert!(e.contains(&format!("{section}.connections.{key} = {bad}")), "{e}");
+            }
+        }
+    }
+    assert!(errors_of("[engine_api.connections]\nmax_conections = 5\n").contains("max_conections"));
+    // A peer link's silence bound leaves room for heartbeats: at 2 x the interval, and just under.
+    load_config_from_str("[peer_link]\nheartbeat_interval_ms = 1000\n[peer_link.connections]\nidle_timeout_ms = 2000\n").unwrap();
+    let e = errors_of("[peer_link]\nheartbeat_interval_ms = 1000\n[peer_link.connections]\nidle_timeout_ms = 1999\n");
+    assert!(e.contains("peer_link.connections.idle_timeout_ms = 1999") && e.contains("heartbeat_interval_ms"), "{e}");
+}

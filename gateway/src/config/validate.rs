@@ -81,6 +81,7 @@ fn check_gateway_and_engine_api(config: &GatewayConfig, errors: &mut Vec<LimitEr
     errors.extend(check_range("engine_api.max_sessions", api.max_sessions, 1, 65_536));
     errors.extend(check_range("engine_api.max_text_bytes", api.max_text_bytes, 16, 65_536));
     errors.extend(check_range("engine_api.http2_max_pending_reset_streams", api.http2_max_pending_reset_streams, 20, 1 << 20));
+    check_connections("engine_api", &api.connections, errors);
 }
 
 fn check_peer_link(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
@@ -109,7 +110,23 @@ fn check_peer_link(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
             }
         }
     }
+    check_connections("peer_link", &link.connections, errors);
+    let two_heartbeats_ms = link.heartbeat_interval_ms.saturating_mul(2);
+    if link.connections.idle_timeout_ms < two_heartbeats_ms {
+        errors.push(rule(
+            "peer_link.connections.idle_timeout_ms",
+            link.connections.idle_timeout_ms,
+            &format!("at least 2 x peer_link.heartbeat_interval_ms = {two_heartbeats_ms} (a live peer sends a heartbeat every interval)"),
+        ));
+    }
     check_peer_auth(config, errors);
+}
+
+/// The bounds of one listener's connections.
+fn check_connections(section: &str, limits: &crate::config::ConnectionLimits, errors: &mut Vec<LimitError>) {
+    errors.extend(check_range(&format!("{section}.connections.max_connections"), limits.max_connections, 1, 65_536));
+    errors.extend(check_range(&format!("{section}.connections.handshake_timeout_ms"), limits.handshake_timeout_ms, 100, 600_000));
+    errors.extend(check_range(&format!("{section}.connections.idle_timeout_ms"), limits.idle_timeout_ms, 1_000, 86_400_000));
 }
 
 /// The files a config names that must be usable before anything starts (`config check` and
@@ -260,6 +277,7 @@ fn check_plugins_driver_admin_log(config: &GatewayConfig, errors: &mut Vec<Limit
     }
     errors.extend(check_range("admin.quarantine_unhealthy_ms", config.admin.quarantine_unhealthy_ms, 100, 86_400_000));
     errors.extend(check_range("admin.stuck_room_warn_lines_per_s", config.admin.stuck_room_warn_lines_per_s, 0, super::MAX_STUCK_ROOM_WARN_LINES_PER_S));
+    check_connections("admin", &config.admin.connections, errors);
     if !["text", "json"].contains(&config.log.format.as_str()) {
         errors.push(rule("log.format", format!("{:?}", config.log.format), "\"text\" or \"json\""));
     }

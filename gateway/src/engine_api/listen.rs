@@ -8,7 +8,7 @@ use kvgate_client::proto::engine_api_server::EngineApiServer;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
+use crate::listeners::GuardedListener;
 use tonic::transport::Server;
 
 /// Whether the socket's folder is safe: owned by this user (or root) and not writable by anyone else
@@ -74,19 +74,25 @@ pub async fn serve_engine_api(
     config: &GatewayConfig,
     service: EngineApiService,
     unix: Option<UnixListener>,
+    metrics: std::sync::Arc<crate::metrics::GatewayMetrics>,
     shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<()> {
+    let limits = config.engine_api.connections;
+    let keepalive = Some(crate::listeners::keepalive_interval(&limits));
     let max = config.engine_api.max_request_bytes as usize;
     let resets = Some(config.engine_api.http2_max_pending_reset_streams as usize);
     let mut tasks = Vec::new();
     if let Some(listener) = unix {
+        let incoming = GuardedListener::new(listener, "engine_api", limits, metrics.clone()).into_stream();
         let svc = EngineApiServer::new(service.clone()).max_decoding_message_size(max);
         let mut stop = shutdown.clone();
         tasks.push(tokio::spawn(async move {
             Server::builder()
                 .http2_max_pending_accept_reset_streams(resets)
+                .http2_keepalive_interval(keepalive)
+                .http2_keepalive_timeout(keepalive)
                 .add_service(tonic::service::interceptor::InterceptedService::new(svc, BearerCheck::new(None)))
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+                .serve_with_incoming_shutdown(incoming, async move {
                     let _ = stop.wait_for(|s| *s).await;
                 })
                 .await
@@ -101,14 +107,17 @@ pub async fn serve_engine_api(
         let listener = tokio::net::TcpListener::bind(&config.engine_api.tcp_listen)
             .await
             .with_context(|| format!("engine_api.tcp_listen: bind {}", config.engine_api.tcp_listen))?;
+        let incoming = GuardedListener::new(listener, "engine_api_tcp", limits, metrics.clone()).into_stream();
         let svc = EngineApiServer::new(service.clone()).max_decoding_message_size(max);
         let check = BearerCheck::new(Some(token.trim().to_string()));
         let mut stop = shutdown.clone();
         tasks.push(tokio::spawn(async move {
             Server::builder()
                 .http2_max_pending_accept_reset_streams(resets)
+                .http2_keepalive_interval(keepalive)
+                .http2_keepalive_timeout(keepalive)
                 .add_service(tonic::service::interceptor::InterceptedService::new(svc, check))
-                .serve_with_incoming_shutdown(crate::nodelay_incoming::nodelay_incoming(listener), async move {
+                .serve_with_incoming_shutdown(incoming, async move {
                     let _ = stop.wait_for(|s| *s).await;
                 })
                 .await
