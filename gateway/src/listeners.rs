@@ -238,6 +238,59 @@ impl<Io: tonic::transport::server::Connected> tonic::transport::server::Connecte
     }
 }
 
+/// Which accepted connection a request came over (engine API listeners): tonic puts it in every
+/// request's extensions, so that a per-connection limit can be kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConnectionId(pub u64);
+
+static NEXT_CONNECTION_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// A guarded connection with its [`ConnectionId`] as tonic's connect info.
+pub struct Numbered<Io> {
+    inner: Guarded<Io>,
+    id: ConnectionId,
+}
+
+impl<L: Acceptor> GuardedListener<L> {
+    /// The accepted connections, each numbered, as a stream for tonic.
+    pub fn into_numbered_stream(self) -> impl tokio_stream::Stream<Item = io::Result<Numbered<L::Io>>> + Send + 'static {
+        tokio_stream::StreamExt::map(self.into_stream(), |io| {
+            io.map(|inner| Numbered { inner, id: ConnectionId(NEXT_CONNECTION_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) })
+        })
+    }
+}
+
+impl<Io: AsyncRead + Unpin> AsyncRead for Numbered<Io> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<Io: AsyncWrite + Unpin> AsyncWrite for Numbered<Io> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+impl<Io> tonic::transport::server::Connected for Numbered<Io> {
+    type ConnectInfo = ConnectionId;
+    fn connect_info(&self) -> ConnectionId {
+        self.id
+    }
+}
+
 /// The HTTP/2 keep-alive ping interval of a gRPC listener with these limits: a third of the idle
 /// bound, so that a live client's answers keep its connection from looking silent.
 pub fn keepalive_interval(limits: &ConnectionLimits) -> Duration {

@@ -146,3 +146,40 @@ async fn out_of_descriptors_the_gateway_backs_off_logs_and_serves_again() {
     }
     pair.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_engine_connection_cannot_take_every_watch_place() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let env = vec![
+        ("KVGATE__ENGINE_API__MAX_WATCHERS".to_string(), "4".to_string()),
+        ("KVGATE__ENGINE_API__MAX_WATCHERS_PER_CONNECTION".to_string(), "2".to_string()),
+    ];
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings { env_decode: env, ..PairSettings::default() }).await.unwrap();
+    let greedy = kvgate_client::Client::connect_unix(&pair.decode.socket).await.unwrap();
+    let other = kvgate_client::Client::connect_unix(&pair.decode.socket).await.unwrap();
+    // At the per-connection limit: accepted; one past it: refused with its reason.
+    let mut greedy_streams = vec![greedy.watch(None).await.unwrap(), greedy.watch_outcomes(None).await.unwrap()];
+    let e = greedy.watch(None).await.unwrap_err();
+    assert_eq!(kvgate_client::reason_of(&e).as_deref(), Some("too_many_watchers"), "{e:?}");
+    assert!(e.message().contains("max_watchers_per_connection"), "{}", e.message());
+    // Another connection still finds places.
+    let _others = [other.watch(None).await.unwrap(), other.watch(None).await.unwrap()];
+    // A stream that ends gives its connection's place back.
+    drop(greedy_streams.pop());
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match greedy.watch(None).await {
+            Ok(stream) => {
+                greedy_streams.push(stream);
+                break;
+            }
+            Err(e) => {
+                assert_eq!(kvgate_client::reason_of(&e).as_deref(), Some("too_many_watchers"), "{e:?}");
+                assert!(Instant::now() < deadline, "the ended stream's place was never given back");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    pair.stop();
+}

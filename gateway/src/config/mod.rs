@@ -58,6 +58,9 @@ pub struct EngineApiSection {
     pub max_regions: u64,
     /// Most concurrent `Watch` streams.
     pub max_watchers: u64,
+    /// `Watch` streams one engine connection may hold open at once (so that one engine cannot take
+    /// every `max_watchers` place). At most `max_watchers`.
+    pub max_watchers_per_connection: u64,
     /// Events buffered per watcher; a watcher that falls this far behind catches up from the replay log.
     pub watch_buffer_events: u64,
     /// Room events kept for `Watch` resumption (`after_seq`); a cursor older than these is refused
@@ -91,6 +94,7 @@ impl Default for EngineApiSection {
             bearer_token_file: String::new(),
             max_regions: 4096,
             max_watchers: 256,
+            max_watchers_per_connection: 16,
             watch_buffer_events: 4096,
             watch_replay_events: 65536,
             max_request_bytes: 16 << 20,

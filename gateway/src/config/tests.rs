@@ -279,3 +279,11 @@ fn every_listeners_connection_limits_are_checked_at_and_just_past_each_bound() {
     let e = errors_of("[peer_link]\nheartbeat_interval_ms = 1000\n[peer_link.connections]\nidle_timeout_ms = 1999\n");
     assert!(e.contains("peer_link.connections.idle_timeout_ms = 1999") && e.contains("heartbeat_interval_ms"), "{e}");
 }
+
+#[test]
+fn watchers_per_connection_are_bounded_by_the_watchers_of_the_gateway() {
+    load_config_from_str("[engine_api]\nmax_watchers = 8\nmax_watchers_per_connection = 1\n").unwrap();
+    load_config_from_str("[engine_api]\nmax_watchers = 8\nmax_watchers_per_connection = 8\n").unwrap();
+    assert!(errors_of("[engine_api]\nmax_watchers = 8\nmax_watchers_per_connection = 9\n").contains("engine_api.max_watchers_per_connection = 9"));
+    assert!(errors_of("[engine_api]\nmax_watchers_per_connection = 0\n").contains("engine_api.max_watchers_per_connection = 0"));
+}

@@ -83,7 +83,7 @@ pub async fn serve_engine_api(
     let resets = Some(config.engine_api.http2_max_pending_reset_streams as usize);
     let mut tasks = Vec::new();
     if let Some(listener) = unix {
-        let incoming = GuardedListener::new(listener, "engine_api", limits, metrics.clone()).into_stream();
+        let incoming = GuardedListener::new(listener, "engine_api", limits, metrics.clone()).into_numbered_stream();
         let svc = EngineApiServer::new(service.clone()).max_decoding_message_size(max);
         let mut stop = shutdown.clone();
         tasks.push(tokio::spawn(async move {
@@ -107,7 +107,7 @@ pub async fn serve_engine_api(
         let listener = tokio::net::TcpListener::bind(&config.engine_api.tcp_listen)
             .await
             .with_context(|| format!("engine_api.tcp_listen: bind {}", config.engine_api.tcp_listen))?;
-        let incoming = GuardedListener::new(listener, "engine_api_tcp", limits, metrics.clone()).into_stream();
+        let incoming = GuardedListener::new(listener, "engine_api_tcp", limits, metrics.clone()).into_numbered_stream();
         let svc = EngineApiServer::new(service.clone()).max_decoding_message_size(max);
         let check = BearerCheck::new(Some(token.trim().to_string()));
         let mut stop = shutdown.clone();

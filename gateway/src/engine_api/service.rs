@@ -7,7 +7,9 @@ use crate::driver::{ApiError, DriverInput, EngineCall, ExpectCall, MemorySpec, S
 use kvgate_client::proto::{self, engine_api_server::EngineApi, register_memory_request::Memory};
 use kvgate_core::{RegionId, RoomKey, Slice};
 use std::pin::Pin;
-use std::sync::Arc;
+use crate::listeners::ConnectionId;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use super::watch_feed::{WatchFeed, Watcher};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::Stream;
@@ -18,6 +20,7 @@ pub struct EngineApiService {
     driver: mpsc::Sender<DriverInput>,
     watch: WatchFeed,
     watchers: Arc<Semaphore>,
+    per_connection: Arc<ConnectionWatches>,
     max_batch_calls: usize,
     session_grace_ms: u64,
     info: Arc<proto::InfoReply>,
@@ -29,6 +32,7 @@ impl EngineApiService {
             driver,
             watch,
             watchers: Arc::new(Semaphore::new(config.max_watchers as usize)),
+            per_connection: Arc::new(ConnectionWatches { open: Mutex::new(HashMap::new()), max: config.max_watchers_per_connection }),
             max_batch_calls: config.max_batch_calls as usize,
             session_grace_ms: config.session_grace_ms,
             info: Arc::new(info),
@@ -85,6 +89,47 @@ fn expect_call(r: proto::ExpectRequest, session: Option<u64>) -> Result<ExpectCa
 }
 
 /// Held by a session's `Watch` stream: its end detaches the session (the driver then counts the grace).
+/// `Watch` streams open per engine connection (`engine_api.max_watchers_per_connection`).
+struct ConnectionWatches {
+    open: Mutex<HashMap<ConnectionId, u64>>,
+    max: u64,
+}
+
+/// One connection's place among its watchers, given back when the stream ends.
+struct ConnectionWatchSlot {
+    watches: Arc<ConnectionWatches>,
+    connection: ConnectionId,
+}
+
+impl ConnectionWatches {
+    fn take(self: &Arc<Self>, connection: ConnectionId) -> Result<ConnectionWatchSlot, Status> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let count = open.entry(connection).or_insert(0);
+        if *count >= self.max {
+            return Err(ApiError::new(
+                tonic::Code::ResourceExhausted,
+                "too_many_watchers",
+                format!("this connection holds engine_api.max_watchers_per_connection = {} Watch streams already", self.max),
+            )
+            .to_status());
+        }
+        *count += 1;
+        Ok(ConnectionWatchSlot { watches: self.clone(), connection })
+    }
+}
+
+impl Drop for ConnectionWatchSlot {
+    fn drop(&mut self) {
+        let mut open = self.watches.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = open.get_mut(&self.connection) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.connection);
+            }
+        }
+    }
+}
+
 struct SessionAttachment {
     driver: mpsc::Sender<DriverInput>,
     session: u64,
@@ -206,16 +251,26 @@ impl EngineApi for EngineApiService {
 
     async fn watch(&self, request: Request<proto::WatchRequest>) -> Result<Response<EventStream>, Status> {
         let session = session_of(&request)?;
+        // Over a listener of this gateway every request carries its connection; one without (a
+        // service driven in-process) has no per-connection bound.
+        let connection_slot = match request.extensions().get::<ConnectionId>() {
+            Some(connection) => Some(self.per_connection.take(*connection)?),
+            None => None,
+        };
         let request = request.into_inner();
         let permit = self.watchers.clone().try_acquire_owned().map_err(|_| {
             ApiError::new(tonic::Code::ResourceExhausted, "too_many_watchers", "engine_api.max_watchers streams are open already").to_status()
         })?;
         let cursor = request.after_seq.map(|seq| (seq, request.incarnation));
         let mut watcher = self.watch.subscribe(request.key, request.outcomes_only, cursor, permit).map_err(|e| e.to_status())?;
-        if let Some(session) = session {
-            self.call(|reply| EngineCall::AttachSession { session, reply }).await?;
-            watcher = watcher.holding(Box::new(SessionAttachment { driver: self.driver.clone(), session }));
-        }
+        let attachment = match session {
+            Some(session) => {
+                self.call(|reply| EngineCall::AttachSession { session, reply }).await?;
+                Some(SessionAttachment { driver: self.driver.clone(), session })
+            }
+            None => None,
+        };
+        watcher = watcher.holding(Box::new((connection_slot, attachment)));
         let stream: EventStream = Box::pin(futures_util::stream::unfold(watcher, Watcher::next_item));
         Ok(Response::new(stream))
     }
