@@ -59,7 +59,7 @@ pub struct EngineApiSection {
     /// Most concurrent `Watch` streams.
     pub max_watchers: u64,
     /// `Watch` streams one engine connection may hold open at once (so that one engine cannot take
-    /// every `max_watchers` place). At most `max_watchers`.
+    /// every `max_watchers` place; one above `max_watchers` is simply never reached).
     pub max_watchers_per_connection: u64,
     /// Events buffered per watcher; a watcher that falls this far behind catches up from the replay log.
     pub watch_buffer_events: u64,

@@ -281,9 +281,9 @@ fn every_listeners_connection_limits_are_checked_at_and_just_past_each_bound() {
 }
 
 #[test]
-fn watchers_per_connection_are_bounded_by_the_watchers_of_the_gateway() {
-    load_config_from_str("[engine_api]\nmax_watchers = 8\nmax_watchers_per_connection = 1\n").unwrap();
-    load_config_from_str("[engine_api]\nmax_watchers = 8\nmax_watchers_per_connection = 8\n").unwrap();
-    assert!(errors_of("[engine_api]\nmax_watchers = 8\nmax_watchers_per_connection = 9\n").contains("engine_api.max_watchers_per_connection = 9"));
+fn watchers_per_connection_are_checked_at_and_just_past_their_bounds() {
+    load_config_from_str("[engine_api]\nmax_watchers_per_connection = 1\n").unwrap();
+    load_config_from_str("[engine_api]\nmax_watchers_per_connection = 65536\n").unwrap();
+    assert!(errors_of("[engine_api]\nmax_watchers_per_connection = 65537\n").contains("engine_api.max_watchers_per_connection = 65537"));
     assert!(errors_of("[engine_api]\nmax_watchers_per_connection = 0\n").contains("engine_api.max_watchers_per_connection = 0"));
 }

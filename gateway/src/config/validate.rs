@@ -73,7 +73,7 @@ fn check_gateway_and_engine_api(config: &GatewayConfig, errors: &mut Vec<LimitEr
     }
     errors.extend(check_range("engine_api.max_regions", api.max_regions, 1, 1 << 20));
     errors.extend(check_range("engine_api.max_watchers", api.max_watchers, 1, 65_536));
-    errors.extend(check_range("engine_api.max_watchers_per_connection", api.max_watchers_per_connection, 1, api.max_watchers.max(1)));
+    errors.extend(check_range("engine_api.max_watchers_per_connection", api.max_watchers_per_connection, 1, 65_536));
     errors.extend(check_range("engine_api.watch_buffer_events", api.watch_buffer_events, 16, 1 << 20));
     errors.extend(check_range("engine_api.watch_replay_events", api.watch_replay_events, 16, 1 << 24));
     errors.extend(check_range("engine_api.max_request_bytes", api.max_request_bytes, 4096, 1 << 30));
