@@ -126,6 +126,11 @@ impl GatewayMetrics {
         let discovered = snapshot.peers.iter().filter(|p| p.source == crate::peer_link::PeerSource::Discovered.as_str()).count();
         registry.register("discovery_peers", "Peers discovery added and still knows (withdrawn ones with a live link included)", gauge(discovered as i64));
         registry.register("discovery_errors", "Discovery failures by reason (etcd calls, records refused)", self.discovery_errors.clone());
+        registry.register(
+            "peer_tls_handshake_failures",
+            "TLS handshakes that failed on the peer-link listener (wrong or no client certificate, not TLS at all)",
+            counter(crate::logging::TLS_HANDSHAKE_FAILURES.load(std::sync::atomic::Ordering::Relaxed)),
+        );
         registry.register("listener_connections", "Connections open now, by listener (engine_api, peer_link, admin)", self.listener_connections.clone());
         registry.register("listener_refused", "Connections refused or closed by a listener: reason connection_limit, accept_error (e.g. out of descriptors), handshake_timeout, idle_timeout", self.listener_refused.clone());
         register_core(&mut registry, snapshot);

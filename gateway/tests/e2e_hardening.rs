@@ -318,6 +318,22 @@ async fn keygen_tls_makes_certificates_two_gateways_link_with() {
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 1).await;
     let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 1).await;
     assert!(run_room(&prefill, &decode, &shape, 940, 0, 0).await.unwrap().verified);
+    // Handshakes that fail on the peer-link port (not TLS at all, here) are logged, at most one line
+    // per interval with the count, and every one is counted.
+    for _ in 0..5 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut junk = tokio::net::TcpStream::connect(&pair.decode.peer_listen).await.unwrap();
+        junk.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+        let mut sink = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), junk.read_to_end(&mut sink)).await;
+    }
+    eventually(WAIT, "the failed handshakes counted", || async {
+        let (_, text) = kvgate::demo::http::get(&pair.decode.admin, "/metrics").await.unwrap();
+        text.lines().any(|l| l.strip_prefix("kvgate_peer_tls_handshake_failures_total ").is_some_and(|v| v.trim().parse::<f64>().unwrap_or(0.0) >= 5.0))
+    }, &|| pair.decode.log()).await;
+    let lines = pair.decode.log().lines().filter(|l| l.contains("tls_handshake_failed")).count();
+    assert_eq!(lines, 1, "one rate-limited line for five failures:\n{}", pair.decode.log());
+    assert!(run_room(&prefill, &decode, &shape, 941, 0, 0).await.unwrap().verified, "the real link is untouched");
     pair.stop();
 }
 
