@@ -12,6 +12,7 @@ packages=(
   libprotobuf-dev    # google/protobuf/*.proto, which etcd-client's protos import (only recommended by protobuf-compiler)
   iperf3             # TCP reference for the QUIC benchmark
   etcd-server        # etcd: the discovery tests run the gateway against a real one
+  prometheus         # prometheus + promtool: deploy/'s alert rules and dashboard are checked against a real one
 )
 missing=()
 # Installed means "install ok installed": `dpkg -s` also succeeds for a package removed but not purged.
@@ -25,3 +26,7 @@ echo "kvgate: installing ${missing[*]}" >&2
 sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
 $sudo apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# The prometheus package enables its own service (port 9090); kvgate's check runs its own instance.
+if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+  $sudo systemctl disable --now prometheus >/dev/null 2>&1 || true
+fi
