@@ -12,6 +12,8 @@ use std::path::PathBuf;
 pub const EXIT_CLAUSE_FAILED: i32 = 1;
 /// Exit status when the harness could not run (bad arguments, unreadable config, unwritable report).
 pub const EXIT_HARNESS_ERROR: i32 = 2;
+/// Exit status when no clause failed but one was not exercised: the run certifies nothing.
+pub const EXIT_NOT_EXERCISED: i32 = 3;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ConformanceArgs {
@@ -55,7 +57,8 @@ fn init_peer_logging() {
 }
 
 /// Run the harness (or, with `--peer-mode`, a peer process). Returns the process exit status:
-/// 0 when no clause failed, [`EXIT_CLAUSE_FAILED`] when one did, [`EXIT_HARNESS_ERROR`] on a usage error.
+/// 0 when no clause failed, [`EXIT_CLAUSE_FAILED`] when one did, [`EXIT_NOT_EXERCISED`] when none
+/// failed but one was not exercised, [`EXIT_HARNESS_ERROR`] on a usage error.
 pub fn run(args: ConformanceArgs) -> i32 {
     if args.peer_mode {
         init_peer_logging();
@@ -101,6 +104,8 @@ pub fn run(args: ConformanceArgs) -> i32 {
     }
     if report.clauses.iter().any(|c| c.status == Status::Fail) {
         EXIT_CLAUSE_FAILED
+    } else if report.clauses.iter().any(|c| c.status == Status::NotExercised) {
+        EXIT_NOT_EXERCISED
     } else {
         0
     }

@@ -283,6 +283,11 @@ impl PeerProcess {
         }
     }
 
+    /// Whether the process has exited (killed by the harness, or on its own); reports nothing.
+    pub fn exited(&mut self) -> bool {
+        self.dead || matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
     pub fn kill(&mut self) {
         self.signal(libc::SIGKILL);
         let _ = self.child.wait();

@@ -10,7 +10,7 @@ pub struct Clause {
     pub check: fn(&mut Ctx) -> CheckResult,
 }
 
-/// Every harness check, in run order. Run-wide findings (RES-1, RES-3, OBS-1, HYGIENE-1) are
+/// Every harness check, in run order. Run-wide findings (RES-1, RES-3, OBS-1, OBS-5, HYGIENE-1) are
 /// merged into their clauses after every check has run.
 pub fn registry() -> Vec<Clause> {
     let c = |id, group, check| Clause { id, group, check };
@@ -41,6 +41,7 @@ pub fn registry() -> Vec<Clause> {
         c("HANDSHAKE-4", "HANDSHAKE", handshake::handshake_4),
         c("OBS-1", "OBS", obs::obs_1),
         c("OBS-2", "OBS", obs::obs_2),
+        c("OBS-5", "OBS", obs::obs_5),
         c("HYGIENE-1", "HYGIENE", hygiene::hygiene_1),
     ]
 }

@@ -9,6 +9,10 @@ pub enum Status {
     Pass,
     Fail,
     Unsupported,
+    /// The check ran and saw no violation, but the situation the clause is about never arose (a
+    /// cancel that never reached a live transfer, say): nothing was shown either way. Not a pass: a
+    /// run with such a clause certifies nothing.
+    NotExercised,
 }
 
 impl Status {
@@ -17,6 +21,7 @@ impl Status {
             Status::Pass => "pass",
             Status::Fail => "fail",
             Status::Unsupported => "unsupported",
+            Status::NotExercised => "not_exercised",
         }
     }
 }
@@ -48,8 +53,18 @@ impl Report {
         self.clauses.iter().filter(|c| c.status == Status::Fail).collect()
     }
 
+    /// Whether the run certifies the plugin: no clause failed, none was left not exercised, and at
+    /// least one passed (a plugin unsupported everywhere is not certified, though nothing failed).
+    pub fn certified(&self) -> bool {
+        let has = |s| self.clauses.iter().any(|c| c.status == s);
+        !has(Status::Fail) && !has(Status::NotExercised) && has(Status::Pass)
+    }
+
+    /// The report as JSON, with `certified` (see [`Report::certified`]) beside the clauses.
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("report serialises")
+        let mut value = serde_json::to_value(self).expect("report serialises");
+        value["certified"] = serde_json::Value::Bool(self.certified());
+        serde_json::to_string_pretty(&value).expect("report serialises")
     }
 
     pub fn to_table(&self) -> String {
@@ -57,22 +72,24 @@ impl Report {
             "kvgate conformance: plugin {} ({}), ABI v{}, seed {}, profile {}\n",
             self.plugin, self.plugin_name, self.abi_version, self.seed, self.profile
         );
-        out.push_str(&format!("{:<12} {:<11} {:>7}  evidence\n", "clause", "status", "ms"));
+        out.push_str(&format!("{:<12} {:<13} {:>7}  evidence\n", "clause", "status", "ms"));
         for c in &self.clauses {
             let flat: String = c.evidence.split_whitespace().collect::<Vec<_>>().join(" ");
             let mut evidence: String = flat.chars().take(110).collect();
             if flat.chars().count() > 110 {
                 evidence.push('…');
             }
-            out.push_str(&format!("{:<12} {:<11} {:>7}  {}\n", c.id, c.status.as_str(), c.elapsed_ms, evidence));
+            out.push_str(&format!("{:<12} {:<13} {:>7}  {}\n", c.id, c.status.as_str(), c.elapsed_ms, evidence));
         }
         let count = |s| self.clauses.iter().filter(|c| c.status == s).count();
         out.push_str(&format!(
-            "{} pass, {} fail, {} unsupported in {} ms; replay with --seed {}\n",
+            "{} pass, {} fail, {} unsupported, {} not exercised in {} ms: {}; replay with --seed {}\n",
             count(Status::Pass),
             count(Status::Fail),
             count(Status::Unsupported),
+            count(Status::NotExercised),
             self.elapsed_ms,
+            if self.certified() { "certified" } else { "NOT certified" },
             self.seed
         ));
         out
@@ -85,7 +102,7 @@ impl Report {
             "<testsuite name=\"kvgate-conformance.{}\" tests=\"{}\" failures=\"{}\" skipped=\"{}\" time=\"{:.3}\">\n",
             xml(&self.plugin_name),
             self.clauses.len(),
-            count(Status::Fail),
+            count(Status::Fail) + count(Status::NotExercised),
             count(Status::Unsupported),
             self.elapsed_ms as f64 / 1000.0
         ));
@@ -109,6 +126,12 @@ impl Report {
                     xml(&c.evidence)
                 )),
                 Status::Unsupported => out.push_str(&format!("><skipped message=\"{}\"/></testcase>\n", xml(&c.evidence))),
+                // Not a pass and not a skip: the run certifies nothing while a clause is not exercised.
+                Status::NotExercised => out.push_str(&format!(
+                    "><failure type=\"not_exercised\" message=\"not exercised: {}\">{}</failure></testcase>\n",
+                    xml(&c.evidence.chars().take(200).collect::<String>()),
+                    xml(&c.evidence)
+                )),
             }
         }
         out.push_str("</testsuite>\n");
@@ -156,5 +179,32 @@ mod tests {
         assert_eq!(j["clauses"][0]["status"], "fail");
         assert_eq!(j["clauses"][1]["status"], "unsupported");
         assert_eq!(j["seed"], 7);
+        assert_eq!(j["certified"], false);
+    }
+
+    fn report_of(statuses: &[Status]) -> Report {
+        let clauses = statuses
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ClauseResult { id: format!("A-{i}"), group: "A".into(), status: *s, evidence: format!("evidence {i}"), elapsed_ms: 1 })
+            .collect();
+        Report { plugin: "x.so".into(), plugin_name: "x".into(), abi_version: 1, seed: 7, profile: "quick".into(), limits: Default::default(), clauses, elapsed_ms: 5 }
+    }
+
+    #[test]
+    fn a_clause_not_exercised_is_shown_everywhere_and_certifies_nothing() {
+        let r = report_of(&[Status::Pass, Status::NotExercised, Status::Unsupported]);
+        assert!(!r.certified());
+        let table = r.to_table();
+        assert!(table.contains("not_exercised") && table.contains("1 not exercised") && table.contains("NOT certified"), "{table}");
+        let j: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        assert_eq!(j["clauses"][1]["status"], "not_exercised");
+        assert_eq!(j["certified"], false);
+        let x = r.to_junit();
+        assert!(x.contains("failures=\"1\"") && x.contains("type=\"not_exercised\""), "{x}");
+        assert!(report_of(&[Status::Pass, Status::Unsupported]).certified());
+        assert!(report_of(&[Status::Pass, Status::Pass]).to_table().contains(": certified;"));
+        assert!(!report_of(&[Status::Unsupported]).certified(), "nothing passed: nothing certified");
+        assert!(!report_of(&[Status::Pass, Status::Fail]).certified());
     }
 }

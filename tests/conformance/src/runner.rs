@@ -90,6 +90,7 @@ pub fn run_plan(plan: RunPlan) -> Report {
         rng: SplitMix64::new(plan.seed),
         findings: Findings::default(),
         current: "",
+        exercised: Default::default(),
     };
     for clause in &selected_clauses {
         ctx.current = clause.id;
@@ -114,15 +115,25 @@ pub fn run_plan(plan: RunPlan) -> Report {
         });
     }
     for result in &mut report.clauses {
-        if let Some(found) = ctx.findings.by_clause.get(result.id.as_str()) {
-            if result.status != Status::Unsupported {
-                let seen = found.join("; ");
-                result.evidence = match result.status {
-                    Status::Fail => format!("{}; also seen during the run: {seen}", result.evidence),
-                    _ => format!("seen during the run: {seen}"),
-                };
-                result.status = Status::Fail;
+        // A clause that passed without its situation ever arising is not a pass.
+        if let Some(e) = ctx.exercised.get(result.id.as_str()) {
+            if result.status == Status::Pass {
+                if e.seen == 0 {
+                    result.status = e.absent;
+                    result.evidence = format!("{}: 0 of {}; {}", e.what, e.tries, result.evidence);
+                } else {
+                    result.evidence = format!("{} ({}: {} of {})", result.evidence, e.what, e.seen, e.tries);
+                }
             }
+        }
+        // A run-wide finding is a violation seen: it fails the clause whatever its own check said.
+        if let Some(found) = ctx.findings.by_clause.get(result.id.as_str()) {
+            let seen = found.join("; ");
+            result.evidence = match result.status {
+                Status::Fail => format!("{}; also seen during the run: {seen}", result.evidence),
+                _ => format!("seen during the run: {seen}"),
+            };
+            result.status = Status::Fail;
         }
     }
     report.elapsed_ms = started.elapsed().as_millis() as u64;

@@ -1,13 +1,14 @@
 //! A sender and a receiver peer process with the plugin open in each, connected both ways, plus the
 //! ledger of every transfer the harness submitted. Checks talk to the plugin only through a `Pair`;
-//! the run-wide invariants (RES-1, RES-3 ordering, OBS-1, HYGIENE-1) are read off the ledger here.
+//! the run-wide invariants (RES-1, RES-3 ordering, OBS-1, OBS-5, HYGIENE-1) are read off the ledger here.
 //! Never decides a clause's own verdict (the checks do), only records run-wide findings.
 
 use crate::config::HarnessLimits;
 use crate::controller::{NoReply, PeerCommand, PeerProcess};
 use crate::peer::protocol::*;
+use crate::report::Status;
 use crate::rng::SplitMix64;
-use kvgate_abi::{event_flags, EventKind, ReasonCode};
+use kvgate_abi::{cap_flags, event_flags, EventKind, ReasonCode};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -41,6 +42,17 @@ impl Findings {
     }
 }
 
+/// Whether a clause's situation arose: of `tries` attempts to bring it about, `seen` did (for example,
+/// cancels that reached a live transfer). A clause that passes with `seen` 0 is reported `absent`
+/// (`NotExercised`, or `Unsupported` for an optional feature the plugin does not use), never pass.
+#[derive(Debug, Clone)]
+pub struct Exercise {
+    pub what: String,
+    pub seen: u64,
+    pub tries: u64,
+    pub absent: Status,
+}
+
 pub struct Ctx {
     pub limits: HarnessLimits,
     pub plugin: String,
@@ -50,6 +62,21 @@ pub struct Ctx {
     pub findings: Findings,
     /// The clause being checked (for run-wide findings' context).
     pub current: &'static str,
+    /// Per clause id: whether its situation arose (see [`Exercise`]).
+    pub exercised: BTreeMap<&'static str, Exercise>,
+}
+
+impl Ctx {
+    /// Record that `seen` of `tries` attempts brought about `clause`'s situation (`what`); adds up
+    /// over calls. `absent` is the verdict for a passing clause whose situation never arose.
+    pub fn exercise(&mut self, clause: &'static str, what: &str, seen: u64, tries: u64, absent: Status) {
+        let e = self.exercised.entry(clause).or_insert_with(|| Exercise { what: what.to_string(), seen: 0, tries: 0, absent });
+        e.seen += seen;
+        e.tries += tries;
+        if absent == Status::NotExercised {
+            e.absent = absent;
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +93,20 @@ pub struct Xfer {
     /// Sender clock when `submit` returned.
     pub submitted_ns: u64,
     pub timeout_ns: u64,
+    /// The bytes of each accepted submit under this id, in order (the first when none was accepted).
+    pub bytes: Vec<u64>,
+}
+
+impl Xfer {
+    /// The ledger entry of one submit of `bytes` bytes.
+    pub fn new(accepted: bool, submitted_ns: u64, timeout_ns: u64, bytes: u64) -> Xfer {
+        Xfer { accepted, accepted_submits: u32::from(accepted), submitted_ns, timeout_ns, bytes: vec![bytes] }
+    }
+}
+
+/// The bytes a segment list moves.
+pub fn total_bytes(segments: &[Seg]) -> u64 {
+    segments.iter().fold(0u64, |sum, s| sum.saturating_add(s.len))
 }
 
 /// A source region on the sender.
@@ -294,6 +335,7 @@ impl Pair {
 
     pub fn submit_as(&mut self, xfer: u64, ticket: u64, timeout_ns: u64, segments: Vec<Seg>, ctx: &mut Ctx) -> Result<Result<u64, CallError>, Verdict> {
         let peer = self.rx_peer;
+        let bytes = total_bytes(&segments);
         let reply = self.call(Side::Tx, Op::Submit { xfer, peer, ticket, timeout_ns, segments }, ctx)?;
         let result = match reply.outcome {
             Outcome::Done => Ok(reply.t_ns),
@@ -301,9 +343,14 @@ impl Pair {
             other => return Err(Verdict::Fail(format!("submit: unexpected reply {other:?}"))),
         };
         // A second submit of a live id must not replace the first's ledger entry.
-        let entry = Xfer { accepted: result.is_ok(), accepted_submits: u32::from(result.is_ok()), submitted_ns: reply.t_ns, timeout_ns };
+        let entry = Xfer::new(result.is_ok(), reply.t_ns, timeout_ns, bytes);
         match self.xfers.get_mut(&xfer) {
-            Some(existing) if existing.accepted => existing.accepted_submits += entry.accepted_submits,
+            Some(existing) if existing.accepted => {
+                existing.accepted_submits += entry.accepted_submits;
+                if entry.accepted {
+                    existing.bytes.push(bytes);
+                }
+            }
             _ => {
                 self.xfers.insert(xfer, entry);
             }
@@ -426,10 +473,21 @@ impl Pair {
     }
 
     /// End the pair: let late events arrive, read the run-wide invariants off the ledger, close peers.
-    pub fn finish(mut self, ctx: &mut Ctx) {
+    /// Returns what RES-1's missing-terminal invariant found (see [`Pair::unended`]), for the caller
+    /// to attribute (`clauses::with_pair`).
+    pub fn finish(mut self, ctx: &mut Ctx) -> Option<String> {
+        if self.rx.frozen {
+            self.rx.resume();
+        }
         std::thread::sleep(Duration::from_millis(30));
+        let unended = self.unended(ctx);
         let tx_events = self.tx.events();
         self.check_ledger(&tx_events, ctx);
+        let with_progress: std::collections::BTreeSet<u64> =
+            tx_events.iter().filter(|e| e.kind == EventKind::PROGRESS.0 && e.flags & event_flags::INCOMING == 0 && self.accepted(e.xfer)).map(|e| e.xfer).collect();
+        let transfers = self.xfers.values().filter(|x| x.accepted).count() as u64;
+        let absent = if self.info.flags & cap_flags::PROGRESS_EVENTS != 0 { Status::NotExercised } else { Status::Unsupported };
+        ctx.exercise("OBS-5", "transfers with PROGRESS events", with_progress.len() as u64, transfers, absent);
         for e in tx_events.iter().chain(self.rx.events().iter()) {
             check_event_fields(e, ctx);
         }
@@ -441,6 +499,57 @@ impl Pair {
         let bound = Duration::from_millis(2_000);
         self.tx.close(bound);
         self.rx.close(bound);
+        unended
+    }
+
+    /// RES-1's run-wide invariant: every accepted submit has its terminal event by the end of the
+    /// clause. Transfers still without one get `G + deadline slack + 1 s` more (a clause need not wait
+    /// for every transfer it leaves moving), are then cancelled (a transfer the plugin still holds ends
+    /// within G; one it has forgotten stays silent) and get `G + 1 s` more. Those still without a
+    /// terminal event are named, with the clause. Nothing is said when the sender process died (that
+    /// is HYGIENE-1's).
+    fn unended(&mut self, ctx: &mut Ctx) -> Option<String> {
+        if self.tx.exited() {
+            return None;
+        }
+        let first_wait = Duration::from_millis(self.limits.abort_grace_ms + self.limits.deadline_slack_ms + 1_000);
+        let waited = std::time::Instant::now();
+        let mut missing = Vec::new();
+        self.tx.wait_events(first_wait, |events| {
+            missing = without_terminal(&self.xfers, events);
+            missing.is_empty()
+        });
+        if missing.is_empty() || self.tx.exited() {
+            return None;
+        }
+        let first_ms = waited.elapsed().as_millis();
+        if self.call(Side::Tx, Op::CancelMany { xfers: missing.clone() }, ctx).is_err() {
+            return None;
+        }
+        let second_wait = Duration::from_millis(self.limits.abort_grace_ms + 1_000);
+        self.tx.wait_events(second_wait, |events| {
+            missing = without_terminal(&self.xfers, events);
+            missing.is_empty()
+        });
+        if missing.is_empty() || self.tx.exited() {
+            return None;
+        }
+        let shown: Vec<String> = missing
+            .iter()
+            .take(5)
+            .map(|x| {
+                let l = &self.xfers[x];
+                format!("transfer {x} (submitted at {:.1} ms, timeout {} ms, {} B)", ms(l.submitted_ns), l.timeout_ns / 1_000_000, l.bytes.last().copied().unwrap_or(0))
+            })
+            .collect();
+        Some(format!(
+            "{} accepted transfer(s) never got a terminal event in clause {} (waited {first_ms} ms after the clause, cancelled them, waited {} ms more): {}{}",
+            missing.len(),
+            self.context,
+            second_wait.as_millis(),
+            shown.join(", "),
+            if missing.len() > shown.len() { ", ..." } else { "" }
+        ))
     }
 
     fn check_ledger(&self, events: &[WireEvent], ctx: &mut Ctx) {
@@ -476,12 +585,71 @@ impl Pair {
         for (clause, finding) in event_order_findings(events, reused) {
             ctx.findings.add(clause, format!("[{}] {finding}", self.context));
         }
+        // CONFORMANCE: OBS-5 (every PROGRESS event of the run)
+        let lives = |xfer: u64| self.xfers.get(&xfer).filter(|x| x.accepted).map(|x| x.bytes.clone()).unwrap_or_default();
+        for finding in progress_findings(events, lives) {
+            ctx.findings.add("OBS-5", format!("[{}] {finding}", self.context));
+        }
     }
 }
 
-/// RES-1 and RES-3 on the order of one side's outgoing events: QUIESCED only after a FAILED that did
-/// not carry the flag, at most once; no PROGRESS after a terminal event. An id the harness submitted
-/// again after its first transfer ended (`reused`, DATA-3) starts a new life at its next terminal event.
+/// The accepted transfers of `xfers` with fewer terminal events in `events` than accepted submits.
+fn without_terminal(xfers: &BTreeMap<u64, Xfer>, events: &[WireEvent]) -> Vec<u64> {
+    let mut ended: BTreeMap<u64, u32> = BTreeMap::new();
+    for e in events.iter().filter(|e| is_terminal(e)) {
+        *ended.entry(e.xfer).or_default() += 1;
+    }
+    xfers.iter().filter(|(x, l)| l.accepted && ended.get(x).copied().unwrap_or(0) < l.accepted_submits).map(|(x, _)| *x).collect()
+}
+
+/// OBS-5 on one side's outgoing events: the `PROGRESS` bytes of a transfer never go down, never exceed
+/// the bytes it was submitted with, and no `PROGRESS` comes after its terminal event. `lives(xfer)`
+/// gives the bytes of each accepted submit under the id, in order: an id submitted again after its
+/// first transfer ended (DATA-3) starts a new life, with its own total, at the first `PROGRESS` or
+/// terminal event after that end. Events of ids with no accepted submit are RES-1's.
+fn progress_findings(events: &[WireEvent], lives: impl Fn(u64) -> Vec<u64>) -> Vec<String> {
+    struct Life {
+        index: usize,
+        last: Option<u64>,
+        ended: bool,
+    }
+    let mut findings = Vec::new();
+    let mut state: BTreeMap<u64, Life> = BTreeMap::new();
+    for e in events.iter().filter(|e| e.flags & event_flags::INCOMING == 0) {
+        let kind = EventKind(e.kind);
+        let progress = kind == EventKind::PROGRESS;
+        if !progress && !is_terminal(e) {
+            continue;
+        }
+        let totals = lives(e.xfer);
+        if totals.is_empty() {
+            continue;
+        }
+        let life = state.entry(e.xfer).or_insert(Life { index: 0, last: None, ended: false });
+        if life.ended && life.index + 1 < totals.len() {
+            *life = Life { index: life.index + 1, last: None, ended: false };
+        }
+        if !progress {
+            life.ended = true;
+            continue;
+        }
+        let total = totals[life.index];
+        if life.ended {
+            findings.push(format!("{} carries {} bytes after the transfer's terminal event", describe(e), e.bytes));
+        } else if let Some(last) = life.last.filter(|last| e.bytes < *last) {
+            findings.push(format!("{} carries {} bytes after a PROGRESS of {last} bytes: progress went backwards", describe(e), e.bytes));
+        } else if e.bytes > total {
+            findings.push(format!("{} carries {} bytes, more than the {total} bytes the transfer was submitted with", describe(e), e.bytes));
+        }
+        life.last = Some(life.last.map_or(e.bytes, |l| l.max(e.bytes)));
+    }
+    findings
+}
+
+/// RES-3 on the order of one side's outgoing events: QUIESCED only after a FAILED that did not carry
+/// the flag, at most once (PROGRESS after a terminal event is OBS-5's, [`progress_findings`]). An id
+/// the harness submitted again after its first transfer ended (`reused`, DATA-3) starts a new life at
+/// its next terminal event.
 fn event_order_findings(events: &[WireEvent], reused: impl Fn(u64) -> bool) -> Vec<(&'static str, String)> {
     let mut findings = Vec::new();
     let mut state: BTreeMap<u64, &str> = BTreeMap::new();
@@ -496,10 +664,6 @@ fn event_order_findings(events: &[WireEvent], reused: impl Fn(u64) -> bool) -> V
             ("live", EventKind::FAILED) if e.flags & event_flags::QUIESCED != 0 => "done",
             ("live", EventKind::FAILED) => "failed",
             ("failed", EventKind::QUIESCED) => "done",
-            ("done" | "failed", EventKind::PROGRESS) => {
-                findings.push(("RES-1", format!("{} after the transfer's terminal event (only QUIESCED may follow)", describe(e))));
-                s
-            }
             (_, EventKind::QUIESCED) => {
                 findings.push(("RES-3", format!("{} came while the transfer was {s} (QUIESCED only follows a FAILED without the flag)", describe(e))));
                 s
@@ -581,8 +745,55 @@ mod tests {
         assert_eq!(findings[0].0, "RES-3");
         let twice = [event(1, EventKind::FAILED, event_flags::QUIESCED), event(1, EventKind::QUIESCED, 0)];
         assert_eq!(event_order_findings(&twice, |_| false).len(), 1);
-        let progress_after = [event(1, EventKind::SUCCEEDED, 0), event(1, EventKind::PROGRESS, 0)];
-        assert_eq!(event_order_findings(&progress_after, |_| false)[0].0, "RES-1");
+    }
+
+    fn progress(xfer: u64, bytes: u64) -> WireEvent {
+        WireEvent { bytes, ..event(xfer, EventKind::PROGRESS, 0) }
+    }
+
+    // CONFORMANCE: OBS-5
+    #[test]
+    fn progress_moves_forward_within_the_total_and_stops_at_the_terminal_event() {
+        let lives = |x: u64| if x == 9 { vec![] } else { vec![100] };
+        let ok = [progress(1, 10), progress(1, 10), progress(1, 100), event(1, EventKind::SUCCEEDED, 0), progress(2, 0), event(2, EventKind::FAILED, 0), event(2, EventKind::QUIESCED, 0)];
+        assert!(progress_findings(&ok, lives).is_empty(), "{:?}", progress_findings(&ok, lives));
+        let backwards = [progress(1, 60), progress(1, 40), progress(1, 50)];
+        let f = progress_findings(&backwards, lives);
+        assert_eq!(f.len(), 2, "40 after 60, and 50 after 60: {f:?}");
+        assert!(f[0].contains("went backwards"), "{f:?}");
+        let beyond = progress_findings(&[progress(1, 101)], lives);
+        assert!(beyond.len() == 1 && beyond[0].contains("more than the 100 bytes"), "{beyond:?}");
+        let after = progress_findings(&[event(1, EventKind::FAILED, event_flags::QUIESCED), progress(1, 5)], lives);
+        assert!(after.len() == 1 && after[0].contains("after the transfer's terminal event"), "{after:?}");
+        // Events of an id never accepted are RES-1's, not OBS-5's; incoming events are not a transfer's.
+        assert!(progress_findings(&[progress(9, 5000)], lives).is_empty());
+        assert!(progress_findings(&[WireEvent { flags: event_flags::INCOMING, ..progress(1, 5000) }], lives).is_empty());
+    }
+
+    #[test]
+    fn an_id_submitted_again_starts_its_progress_afresh_with_its_own_total() {
+        let lives = |_| vec![1000, 64];
+        let events = [progress(7, 900), event(7, EventKind::SUCCEEDED, 0), progress(7, 10), progress(7, 64), event(7, EventKind::SUCCEEDED, 0)];
+        assert!(progress_findings(&events, lives).is_empty(), "{:?}", progress_findings(&events, lives));
+        let over = [event(7, EventKind::SUCCEEDED, 0), progress(7, 65)];
+        assert_eq!(progress_findings(&over, lives).len(), 1, "the second life's total is 64");
+        let third = [event(7, EventKind::SUCCEEDED, 0), event(7, EventKind::SUCCEEDED, 0), progress(7, 1)];
+        assert_eq!(progress_findings(&third, lives).len(), 1, "no third life: progress after the last terminal event");
+    }
+
+    #[test]
+    fn a_transfer_is_unended_until_each_accepted_submit_has_its_terminal_event() {
+        let mut xfers = BTreeMap::new();
+        xfers.insert(1, Xfer::new(true, 0, 1, 10));
+        xfers.insert(2, Xfer::new(false, 0, 1, 10));
+        let mut twice = Xfer::new(true, 0, 1, 10);
+        twice.accepted_submits = 2;
+        xfers.insert(3, twice);
+        assert_eq!(without_terminal(&xfers, &[]), vec![1, 3], "a refused submit needs no event");
+        let one_each = [event(1, EventKind::SUCCEEDED, 0), event(3, EventKind::FAILED, 0), event(3, EventKind::QUIESCED, 0)];
+        assert_eq!(without_terminal(&xfers, &one_each), vec![3], "QUIESCED is not terminal; id 3 was accepted twice");
+        let incoming = [WireEvent { flags: event_flags::INCOMING, ..event(1, EventKind::FAILED, 0) }];
+        assert_eq!(without_terminal(&xfers, &incoming), vec![1, 3], "an incoming event ends no transfer");
     }
 
     #[test]

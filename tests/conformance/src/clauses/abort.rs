@@ -3,17 +3,28 @@
 
 use super::*;
 use crate::peer::protocol::{Op, Outcome};
+use crate::report::Status;
 use crate::world::{ms, seg, Side};
+use kvgate_abi::{EventKind, ReasonCode};
 
-/// Cancel `xfer` and judge the time to its terminal event against G. `Ok(line)` or `Err(problem)`.
-fn cancel_and_time(p: &mut Pair, xfer: u64, state: &str, ctx: &mut Ctx) -> Result<Result<String, String>, Verdict> {
+/// What one cancel showed: `Ok(line)` or `Err(problem)`, and whether it reached a live transfer (the
+/// transfer had no terminal event before the cancel and ended after it by [`ended_by_cancel`]).
+struct Cancelled {
+    verdict: Result<String, String>,
+    reached: bool,
+}
+
+/// Cancel `xfer` and judge the time to its terminal event against G.
+fn cancel_and_time(p: &mut Pair, xfer: u64, state: &str, ctx: &mut Ctx) -> Result<Cancelled, Verdict> {
     let before = p.terminal(xfer);
     let c = p.cancel(xfer, ctx)?;
     let g = grace_ns(ctx);
     let wait = ms_of(ctx.limits.abort_grace_ms + 1_000);
-    Ok(match (before, p.wait_terminal(xfer, wait)) {
+    let mut reached = false;
+    let verdict = match (before, p.wait_terminal(xfer, wait)) {
         (Some(e), _) => Ok(format!("{state}: already {} before cancel", crate::world::describe(&e))),
         (None, Some(e)) => {
+            reached = ended_by_cancel(&e);
             let late = e.t_ns.saturating_sub(c.t_ns);
             if late > g {
                 Err(format!("{state}: terminal {:.1} ms after cancel returned (bound {} ms)", ms(late), ctx.limits.abort_grace_ms))
@@ -26,8 +37,22 @@ fn cancel_and_time(p: &mut Pair, xfer: u64, state: &str, ctx: &mut Ctx) -> Resul
             ms(c.t_ns),
             wait.as_millis()
         )),
-    })
+    };
+    Ok(Cancelled { verdict, reached })
 }
+
+/// Whether a terminal event is the failure a cancel brings: `FAILED` with reason `CANCELLED`, or with
+/// no reason at all (a reason is OBS-1's to require). A refusal that happens to come after the cancel
+/// (`NOT_EXPECTED` from a receiver that rejects the ticket) is not.
+fn ended_by_cancel(e: &crate::peer::protocol::WireEvent) -> bool {
+    e.kind == EventKind::FAILED.0 && (e.reason == ReasonCode::CANCELLED.0 || e.reason == 0)
+}
+
+/// What ABORT-1 moves in each of its transfers cancelled with the receiver frozen: enough that a
+/// plugin copying without the receiver's grant (one-sided) is still copying when the cancel comes.
+const ABORT_1_LARGE_BYTES: u64 = 256 << 20;
+/// How many such transfers ABORT-1 cancels.
+const ABORT_1_LARGE_CASES: u64 = 3;
 
 // CONFORMANCE: ABORT-1
 pub fn abort_1(ctx: &mut Ctx) -> CheckResult {
@@ -35,18 +60,53 @@ pub fn abort_1(ctx: &mut Ctx) -> CheckResult {
         let src = p.alloc_src(1 << 16, ctx.rng.next_u64(), ctx)?;
         let dst = p.alloc_dst(1 << 16, ctx.rng.next_u64(), ctx)?;
         let (mut lines, mut problems) = (Vec::new(), Vec::new());
+        let (mut reached, mut tries) = (0u64, 0u64);
+        let mut record = |c: Cancelled| {
+            tries += 1;
+            reached += u64::from(c.reached);
+            match c.verdict {
+                Ok(l) => lines.push(l),
+                Err(e) => problems.push(e),
+            }
+        };
         for i in 0..5u64 {
             // The receiver never authorises this ticket: the counterpart has not registered.
             let ticket = p.ticket();
             let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, i * 4096, &dst, i * 4096, 4096)], ctx)?;
             accepted(r, "transfer to an unregistered ticket")?;
             sleep_ms(5 + 5 * i);
-            match cancel_and_time(p, x, &format!("waiting for peer registration ({} ms)", 5 + 5 * i), ctx)? {
-                Ok(l) => lines.push(l),
-                Err(e) => problems.push(e),
+            record(cancel_and_time(p, x, &format!("waiting for peer registration ({} ms)", 5 + 5 * i), ctx)?);
+        }
+        // A running receiver may refuse an unknown ticket at once (the transfer then ends before the
+        // cancel), and a one-sided plugin moves a small transfer before the cancel comes: neither
+        // shows what a cancel does to a live transfer. So, with the receiver frozen (it can neither
+        // grant nor refuse), large transfers under tickets it never authorised, each cancelled as
+        // soon as its submit returns.
+        let region = ctx.limits.max_data_bytes.min(16 << 20);
+        let mut pieces = ABORT_1_LARGE_BYTES / region;
+        if p.info.max_segments_per_submit > 0 {
+            pieces = pieces.min(p.info.max_segments_per_submit);
+        }
+        if p.info.max_transfer_bytes > 0 {
+            pieces = pieces.min(p.info.max_transfer_bytes / region);
+        }
+        let pieces = pieces.max(1);
+        let big_src = p.alloc_src(region, ctx.rng.next_u64(), ctx)?;
+        let big_dst = p.alloc_dst(region, ctx.rng.next_u64(), ctx)?;
+        p.rx.freeze().map_err(Verdict::Fail)?;
+        for _ in 0..ABORT_1_LARGE_CASES {
+            let ticket = p.ticket();
+            let segs = (0..pieces).map(|_| seg(&big_src, 0, &big_dst, 0, region)).collect();
+            let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, segs, ctx)?;
+            let state = format!("receiver frozen, {} MiB in {pieces} segments", (pieces * region) >> 20);
+            match r {
+                Ok(_) => record(cancel_and_time(p, x, &state, ctx)?),
+                Err(e) => record(Cancelled { verdict: Ok(format!("{state}: submit refused ({})", e.code_name)), reached: false }),
             }
         }
-        verdict_of(problems, format!("5 transfers whose receiver never authorised the ticket: {}", lines.join("; ")))
+        p.rx.resume();
+        ctx.exercise("ABORT-1", "cancels that reached a live transfer", reached, tries, Status::NotExercised);
+        verdict_of(problems, format!("{tries} transfers whose receiver never authorised the ticket: {}", lines.join("; ")))
     })
 }
 
@@ -65,7 +125,7 @@ pub fn abort_2(ctx: &mut Ctx) -> CheckResult {
         let ticket = p.authorise(&dst, ctx)?;
         p.settle_ticket(&src, &dst, ticket, ctx)?;
         let (mut lines, mut problems) = (Vec::new(), Vec::new());
-        let mut record = |r: Result<String, String>| match r {
+        let mut record = |c: Cancelled| match c.verdict {
             Ok(l) => lines.push(l),
             Err(e) => problems.push(e),
         };
@@ -164,23 +224,31 @@ pub fn abort_3(ctx: &mut Ctx) -> CheckResult {
     })
 }
 
+/// Bytes of each ABORT-4 transfer.
+const ABORT_4_BYTES: u64 = 1 << 20;
+
 // CONFORMANCE: ABORT-4
 pub fn abort_4(ctx: &mut Ctx) -> CheckResult {
     with_pair(ctx, |p, ctx| {
-        let src = p.alloc_src(1 << 16, ctx.rng.next_u64(), ctx)?;
-        let dst = p.alloc_dst(1 << 16, ctx.rng.next_u64(), ctx)?;
-        let ticket = p.ticket(); // never authorised: receiver-enforced plugins keep every transfer live
+        let src = p.alloc_src(ABORT_4_BYTES, ctx.rng.next_u64(), ctx)?;
+        let dst = p.alloc_dst(ABORT_4_BYTES, ctx.rng.next_u64(), ctx)?;
+        // Never authorised, and the receiver frozen for the storm: it can neither grant nor refuse
+        // the ticket, so every transfer of a plugin that waits for the receiver stays live; one that
+        // copies without it (one-sided) has a megabyte to copy per transfer, most still queued when
+        // the cancels come.
+        let ticket = p.ticket();
         let count = ctx.limits.storm_transfers;
         let first = p.xfer_id() + 1;
         let timeout_ns = ctx.limits.long_timeout_ms * 1_000_000;
-        let segments = vec![seg(&src, 0, &dst, 0, 64)];
+        let segments = vec![seg(&src, 0, &dst, 0, ABORT_4_BYTES)];
         let peer = p.rx_peer;
-        let reply = p.call(Side::Tx, Op::SubmitMany { first_xfer: first, count, peer, ticket, timeout_ns, segments }, ctx)?;
+        p.rx.freeze().map_err(Verdict::Fail)?;
+        let reply = p.call(Side::Tx, Op::SubmitMany { first_xfer: first, count, peer, ticket, timeout_ns, segments: segments.clone() }, ctx)?;
         let Outcome::Batch { errors, .. } = reply.outcome else { return fail("submit batch: unexpected reply") };
         let mut ids = Vec::new();
         for (i, e) in errors.iter().enumerate() {
             let x = first + i as u64;
-            p.xfers.insert(x, crate::world::Xfer { accepted: e.is_none(), accepted_submits: u32::from(e.is_none()), submitted_ns: reply.t_ns, timeout_ns });
+            p.xfers.insert(x, crate::world::Xfer::new(e.is_none(), reply.t_ns, timeout_ns, total_bytes(&segments)));
             if e.is_none() {
                 ids.push(x);
             }
@@ -192,9 +260,17 @@ pub fn abort_4(ctx: &mut Ctx) -> CheckResult {
             return fail(format!("every one of {count} submits was refused"));
         }
         let refused = count as usize - ids.len();
+        let mark = p.tx.event_count();
         let cancel = p.call(Side::Tx, Op::CancelMany { xfers: ids.clone() }, ctx)?;
         let missing = p.wait_all_terminal(&ids, ms_of(ctx.limits.storm_grace_ms + 2_000));
+        p.rx.resume();
         let events = p.tx.events();
+        // Reached: ended by the cancel (see `ended_by_cancel`), in an event that came after the cancels were sent.
+        let reached = events[mark.min(events.len())..]
+            .iter()
+            .filter(|e| crate::world::is_terminal(e) && ended_by_cancel(e) && e.xfer >= first && e.xfer < first + count)
+            .count() as u64;
+        ctx.exercise("ABORT-4", "cancels that reached a live transfer", reached, ids.len() as u64, Status::NotExercised);
         let last = events.iter().filter(|e| crate::world::is_terminal(e)).map(|e| e.t_ns).max().unwrap_or(0);
         let took = last.saturating_sub(cancel.t_ns);
         let stats = p.stats(Side::Tx, ctx)?;
@@ -215,7 +291,7 @@ pub fn abort_4(ctx: &mut Ctx) -> CheckResult {
         verdict_of(
             problems,
             format!(
-                "{} transfers cancelled at once ({refused} submits refused): all terminal {:.1} ms after the cancels returned (bound {} ms)",
+                "{} transfers of 1 MiB, receiver frozen, cancelled at once ({refused} submits refused): all terminal {:.1} ms after the cancels returned (bound {} ms)",
                 ids.len(),
                 ms(took),
                 ctx.limits.storm_grace_ms

@@ -27,11 +27,11 @@ pub fn hygiene_1(ctx: &mut Ctx) -> CheckResult {
         ];
         let n = hostile.len();
         for (side, op) in hostile {
-            if let Op::Submit { xfer, timeout_ns, .. } = &op {
-                let (xfer, timeout_ns) = (*xfer, *timeout_ns);
+            if let Op::Submit { xfer, timeout_ns, segments, .. } = &op {
+                let (xfer, timeout_ns, bytes) = (*xfer, *timeout_ns, total_bytes(segments));
                 let reply = p.call(side, op, ctx)?;
                 let accepted = matches!(reply.outcome, Outcome::Done);
-                p.xfers.insert(xfer, crate::world::Xfer { accepted, accepted_submits: u32::from(accepted), submitted_ns: reply.t_ns, timeout_ns });
+                p.xfers.insert(xfer, crate::world::Xfer::new(accepted, reply.t_ns, timeout_ns, bytes));
             } else {
                 p.call(side, op, ctx)?;
             }

@@ -13,17 +13,29 @@ pub mod time;
 
 use crate::controller::STDERR_TAIL_LINES;
 use crate::peer::protocol::CallError;
-use crate::world::{Ctx, Pair, Verdict};
+use crate::world::{total_bytes, Ctx, Pair, Verdict};
 use std::time::Duration;
 
 pub type CheckResult = Result<String, Verdict>;
 
 /// Open a pair, run `body`, then always finish the pair (run-wide ledger checks, peers closed).
+///
+/// Transfers still without their terminal event when the pair is finished (RES-1's run-wide
+/// invariant, see [`Pair::finish`]) fail RES-1, naming the clause; when the clause has already failed
+/// on its own, they are added to its evidence instead (its failure is then usually why).
 pub fn with_pair(ctx: &mut Ctx, body: impl FnOnce(&mut Pair, &mut Ctx) -> CheckResult) -> CheckResult {
     let mut pair = Pair::open(ctx)?;
     let result = body(&mut pair, ctx).map_err(|v| with_peer_logs(v, &pair.tx.stderr_tail(STDERR_TAIL_LINES), &pair.rx.stderr_tail(STDERR_TAIL_LINES)));
-    pair.finish(ctx);
-    result
+    let unended = pair.finish(ctx);
+    match (result, unended) {
+        (Err(Verdict::Fail(what)), Some(unended)) => Err(Verdict::Fail(format!("{what}; and at the end of the clause: {unended}"))),
+        (result, Some(unended)) => {
+            // CONFORMANCE: RES-1 (every accepted submit ends with a terminal event, in every clause)
+            ctx.findings.add("RES-1", format!("[{}] {unended}", ctx.current));
+            result
+        }
+        (result, None) => result,
+    }
 }
 
 /// A failure's evidence with the last lines each peer logged (the plugin's own warnings), so a

@@ -1,9 +1,11 @@
-//! OBS-1 and OBS-2: failures carry a reason and a message (every event and error of the run is
-//! inspected; this check provokes each kind of failure), and `stats()` follows reality.
+//! OBS-1, OBS-2 and OBS-5: failures carry a reason and a message (every event and error of the run is
+//! inspected; this check provokes each kind of failure), `stats()` follows reality, and progress only
+//! moves forward (every PROGRESS event of the run is checked; this check provokes them).
 
 use super::*;
 use crate::peer::protocol::{Op, Outcome, RawRegion};
 use crate::world::{is_terminal, seg, Side};
+use kvgate_abi::{cap_flags, EventKind};
 
 // CONFORMANCE: OBS-1
 pub fn obs_1(ctx: &mut Ctx) -> CheckResult {
@@ -98,5 +100,57 @@ pub fn obs_2(ctx: &mut Ctx) -> CheckResult {
             problems,
             format!("register/deregister, import/release, connect/disconnect and live transfers moved the gauges exactly (live peak {live}, receiver tickets {rx_tickets}, healthy 1)"),
         )
+    })
+}
+
+// CONFORMANCE: OBS-5
+pub fn obs_5(ctx: &mut Ctx) -> CheckResult {
+    with_pair(ctx, |p, ctx| {
+        let len = ctx.limits.max_data_bytes.min(16 << 20);
+        let src = p.alloc_src(len, ctx.rng.next_u64(), ctx)?;
+        let dst = p.alloc_dst(len, ctx.rng.next_u64(), ctx)?;
+        let ticket = p.authorise(&dst, ctx)?;
+        p.settle_ticket(&src, &dst, ticket, ctx)?;
+        // Segments that halve in size, then 64 of random sizes: progress counted any way but as a
+        // running total of the transfer goes backwards here.
+        let mut halving = Vec::new();
+        let (mut at, mut l) = (0u64, len / 2);
+        while l >= 1024 {
+            halving.push(seg(&src, at, &dst, at, l));
+            at += l;
+            l /= 2;
+        }
+        let mut random = Vec::new();
+        let mut at = 0u64;
+        for _ in 0..64 {
+            let l = 1 + ctx.rng.below(len / 64);
+            random.push(seg(&src, at, &dst, at, l));
+            at += l;
+        }
+        let mut ids = Vec::new();
+        for segs in [halving, random] {
+            let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, segs, ctx)?;
+            accepted(r, "transfer")?;
+            ids.push(x);
+            p.wait_terminal(x, p.bound());
+        }
+        // One cancelled as soon as its submit returns: no PROGRESS may follow its terminal event.
+        let cycled = (0..16).map(|_| seg(&src, 0, &dst, 0, len)).collect();
+        let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, cycled, ctx)?;
+        accepted(r, "transfer")?;
+        p.cancel(x, ctx)?;
+        ids.push(x);
+        let missing = p.wait_all_terminal(&ids, p.bound());
+        if !missing.is_empty() {
+            return fail(format!("transfers {missing:?} had no terminal event within {} ms", p.bound().as_millis()));
+        }
+        sleep_ms(50);
+        let progress = p.tx.events().iter().filter(|e| e.kind == EventKind::PROGRESS.0 && ids.contains(&e.xfer)).count();
+        let advertised = p.info.flags & cap_flags::PROGRESS_EVENTS != 0;
+        Ok(format!(
+            "3 transfers (segments halving from {} KiB, 64 random segments, one cancelled at once): {progress} PROGRESS events{}; every PROGRESS event of the run checked against its transfer's bytes and terminal event",
+            len / 2 / 1024,
+            if advertised { "" } else { " (the plugin does not advertise PROGRESS_EVENTS; they are optional in ABI v1)" }
+        ))
     })
 }

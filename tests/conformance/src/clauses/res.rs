@@ -137,7 +137,7 @@ pub fn res_2(ctx: &mut Ctx) -> CheckResult {
                 let reply = p.tx.wait_reply(sid, p.bound()).map_err(|e| Verdict::Fail(format!("submit during lifecycles: {e}")))?;
                 p.inspect(&reply.outcome, "submit", ctx);
                 let ok = matches!(reply.outcome, Outcome::Done);
-                p.xfers.insert(l.xfer, Xfer { accepted: ok, accepted_submits: u32::from(ok), submitted_ns: reply.t_ns, timeout_ns: l.timeout_ns });
+                p.xfers.insert(l.xfer, Xfer::new(ok, reply.t_ns, l.timeout_ns, total_bytes(&l.segments)));
                 if let Some(cid) = cid {
                     p.tx.wait_reply(cid, p.bound()).map_err(|e| Verdict::Fail(format!("cancel during lifecycles: {e}")))?;
                 }

@@ -196,7 +196,7 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
             slowest.push(("submit under load".into(), *max_call_ns));
             for (i, e) in errors.iter().enumerate() {
                 let x = first + i as u64;
-                p.xfers.insert(x, crate::world::Xfer { accepted: e.is_none(), accepted_submits: u32::from(e.is_none()), submitted_ns: reply.t_ns, timeout_ns });
+                p.xfers.insert(x, crate::world::Xfer::new(e.is_none(), reply.t_ns, timeout_ns, 64));
                 if e.is_none() {
                     load_ids.push(x);
                 }
@@ -217,7 +217,7 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
                 if let Outcome::Batch { errors, max_call_ns, slowest_index } = reply.outcome {
                     slowest.push((format!("submit #{slowest_index} to the frozen receiver"), max_call_ns));
                     for (i, e) in errors.iter().enumerate() {
-                        p.xfers.insert(first + i as u64, crate::world::Xfer { accepted: e.is_none(), accepted_submits: u32::from(e.is_none()), submitted_ns: reply.t_ns, timeout_ns });
+                        p.xfers.insert(first + i as u64, crate::world::Xfer::new(e.is_none(), reply.t_ns, timeout_ns, 4096));
                     }
                 }
             }
@@ -228,7 +228,7 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
                 if let Ok(reply) = p.tx.wait_reply(id, p.bound()) {
                     if let Outcome::Batch { errors, .. } = reply.outcome {
                         for (i, e) in errors.iter().enumerate() {
-                            p.xfers.insert(first + i as u64, crate::world::Xfer { accepted: e.is_none(), accepted_submits: u32::from(e.is_none()), submitted_ns: reply.t_ns, timeout_ns });
+                            p.xfers.insert(first + i as u64, crate::world::Xfer::new(e.is_none(), reply.t_ns, timeout_ns, 4096));
                         }
                     }
                 }

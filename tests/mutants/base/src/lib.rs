@@ -90,6 +90,15 @@ pub struct Faults {
     /// [`WATCHDOG_STALL_MS`] (a process frozen and resumed, say), as training stacks' collective
     /// watchdogs do: the host dies with no call in progress.
     pub abort_after_stall: bool,
+    /// Every [`LOST_SUCCESS_EVERY`]th `SUCCEEDED` is never delivered: the transfer is done and
+    /// forgotten, its terminal event lost (an event queue that drops an entry now and then).
+    pub lose_some_successes: bool,
+    /// Not a fault: emits `PROGRESS` after each copied segment, with the running total of bytes moved
+    /// (same-host variant), and advertises `PROGRESS_EVENTS`.
+    pub progress_events: bool,
+    /// With `progress_events`: each `PROGRESS` carries the bytes of the segment just copied instead
+    /// of the running total, so it goes backwards whenever a shorter segment follows a longer one.
+    pub progress_per_segment: bool,
     /// Not a fault: the network variant, over loopback UDP.
     pub udp: bool,
     /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.
@@ -106,6 +115,9 @@ pub const WATCHDOG_STALL_MS: u64 = 250;
 pub const WATCHDOG_TICK_MS: u64 = 5;
 /// Segments `copy_first_segments_only` copies of a transfer.
 pub const COPIED_SEGMENTS_LIMIT: usize = 1024;
+/// `lose_some_successes` drops one `SUCCEEDED` in this many (the 100th, the 200th, ...): reached in
+/// every run of the harness (TIME-5 alone completes 200 transfers after its freeze).
+pub const LOST_SUCCESS_EVERY: u64 = 100;
 
 /// Config keys (TOML, unknown keys refused).
 #[derive(serde::Deserialize, Debug, Clone, Default)]
@@ -124,6 +136,12 @@ pub const MAX_SEGMENTS_PER_SUBMIT: u64 = 100_000;
 pub const MAX_INFLIGHT_TRANSFERS: u64 = 1_000_000;
 
 pub fn info(name: &str) -> PluginInfo {
+    info_with(name, &Faults::default())
+}
+
+/// The plugin's info with what `faults` changes in it (`progress_events` advertises `PROGRESS_EVENTS`).
+pub fn info_with(name: &str, faults: &Faults) -> PluginInfo {
+    let flags = if faults.progress_events { kvgate_abi::cap_flags::PROGRESS_EVENTS } else { 0 };
     PluginInfo {
         name: name.into(),
         version: env!("CARGO_PKG_VERSION").into(),
@@ -131,8 +149,8 @@ pub fn info(name: &str) -> PluginInfo {
         capabilities: Capabilities {
             memory_kinds: MemoryKind::HOST.bit(),
             scope: scope::SAME_HOST,
-            // No capability flags: no progress events, no receiver enforcement.
-            flags: 0,
+            // No receiver enforcement; progress events only when switched on.
+            flags,
             max_segments_per_submit: MAX_SEGMENTS_PER_SUBMIT,
             max_inflight_transfers: MAX_INFLIGHT_TRANSFERS,
             max_transfer_bytes: 0,
@@ -169,7 +187,7 @@ macro_rules! mutant {
         impl ::kvgate_abi::sdk::PluginFactory for $factory {
             type Plugin = $crate::RefPlugin;
             fn info() -> ::kvgate_abi::PluginInfo {
-                $crate::info($name)
+                $crate::info_with($name, &$faults)
             }
             fn open(config: &str, sink: ::kvgate_abi::sdk::Sink) -> Result<$crate::RefPlugin, ::kvgate_abi::PluginError> {
                 $crate::open($name, config, sink, $faults)

@@ -91,6 +91,8 @@ pub(crate) struct Shared {
     pub state: Mutex<State>,
     pub stop_worker: AtomicBool,
     pub worker_alive: AtomicBool,
+    /// `SUCCEEDED` events decided so far (for `lose_some_successes`).
+    pub successes: AtomicU64,
 }
 
 impl Shared {
@@ -213,6 +215,7 @@ impl RefPlugin {
             state: Mutex::new(State::default()),
             stop_worker: AtomicBool::new(false),
             worker_alive: AtomicBool::new(true),
+            successes: AtomicU64::new(0),
         });
         if faults.abort_after_stall {
             start_watchdog(Arc::clone(&shared));
@@ -252,7 +255,7 @@ impl RefPlugin {
 
 impl Plugin for RefPlugin {
     fn info(&self) -> PluginInfo {
-        crate::info(self.shared.name)
+        crate::info_with(self.shared.name, &self.shared.faults)
     }
 
     fn local_endpoint(&self) -> Vec<u8> {

@@ -137,6 +137,11 @@ fn acknowledge(shared: &Shared, st: &mut State, xfer: u64, from: &[u64], written
         shared.failed(xfer, ReasonCode::TRANSPORT_ERROR, "the receiver refused the commit".into(), true);
         return;
     }
+    let nth = shared.successes.fetch_add(1, Ordering::SeqCst) + 1;
+    // FAULT: the transfer is done and forgotten, and its terminal event never leaves.
+    if shared.faults.lose_some_successes && nth.is_multiple_of(crate::LOST_SUCCESS_EVERY) {
+        return;
+    }
     shared.sink.deliver(Event::succeeded(XferId(xfer), 0));
     if shared.faults.double_success {
         // FAULT: a second terminal event.
@@ -195,6 +200,7 @@ fn pick_job(st: &mut State) -> Option<Job> {
 
 fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, deadline: Instant) -> Stopped {
     let mut stopped = Stopped::Completed;
+    let mut moved = 0u64;
     'pieces: for (i, p) in pieces.iter().enumerate() {
         // FAULT: the segments past a fixed-size list are never copied; the transfer succeeds anyway.
         if shared.faults.copy_first_segments_only && i == crate::COPIED_SEGMENTS_LIMIT {
@@ -235,6 +241,17 @@ fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, de
             // which waits for this copy to stop.
             unsafe { std::ptr::copy_nonoverlapping((p.src + done) as *const u8, (p.dst + done) as *mut u8, n as usize) };
             done += n;
+        }
+        moved += p.len;
+        if shared.faults.progress_events {
+            // FAULT: `progress_per_segment` reports the segment's own bytes, not the running total.
+            let bytes = if shared.faults.progress_per_segment { p.len } else { moved };
+            // Under the lock, and only while the transfer is not yet reported: never after its
+            // terminal event.
+            let st = shared.lock();
+            if st.transfers.get(&xfer).is_some_and(|t| !t.reported) {
+                shared.sink.deliver(Event::progress(XferId(xfer), bytes));
+            }
         }
         if shared.segment_delay_us > 0 {
             std::thread::sleep(Duration::from_micros(shared.segment_delay_us));
