@@ -313,6 +313,11 @@ pub struct DriverSection {
     /// driver has its own thread, plugins their own): 0 = one per CPU. On a machine with few cores,
     /// 1 costs less CPU per room (fewer hand-offs between threads; see gateway/README.md).
     pub io_threads: u64,
+    /// When the driver wakes for a deadline this much later than it asked (the process was stopped
+    /// or starved), it first reads what arrived meanwhile, for this long, and only then acts on the
+    /// deadlines that passed: frames already waiting in a socket (a peer's `PartDone`) are not
+    /// overtaken by timeouts the stall caused. 0 acts on deadlines at once.
+    pub stall_catch_up_ms: u64,
 }
 
 /// Most runtime threads `driver.io_threads` accepts.
@@ -320,7 +325,7 @@ pub const MAX_IO_THREADS: u64 = 256;
 
 impl Default for DriverSection {
     fn default() -> Self {
-        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536, shutdown_grace_ms: 2000, io_threads: 0 }
+        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536, shutdown_grace_ms: 2000, io_threads: 0, stall_catch_up_ms: 500 }
     }
 }
 

@@ -287,3 +287,10 @@ fn watchers_per_connection_are_checked_at_and_just_past_their_bounds() {
     assert!(errors_of("[engine_api]\nmax_watchers_per_connection = 65537\n").contains("engine_api.max_watchers_per_connection = 65537"));
     assert!(errors_of("[engine_api]\nmax_watchers_per_connection = 0\n").contains("engine_api.max_watchers_per_connection = 0"));
 }
+
+#[test]
+fn the_stall_catch_up_is_checked_at_and_just_past_its_bounds() {
+    load_config_from_str("[driver]\nstall_catch_up_ms = 0\n").unwrap();
+    load_config_from_str("[driver]\nstall_catch_up_ms = 10000\n").unwrap();
+    assert!(errors_of("[driver]\nstall_catch_up_ms = 10001\n").contains("driver.stall_catch_up_ms = 10001"));
+}

@@ -87,6 +87,8 @@ pub struct Driver {
     violations_logged: [u64; ViolationClause::ALL.len()],
     /// The plugin event behind the latest violation of each clause, when one was (by the same index).
     violation_sites: [Option<ViolationSite>; ViolationClause::ALL.len()],
+    /// After a stall: deadlines are acted on only from this instant (see `driver.stall_catch_up_ms`).
+    catch_up_until: Option<Instant>,
 }
 
 /// Where a violation came from: the plugin, the event and the room its transfer belongs to.
@@ -129,6 +131,7 @@ impl Driver {
             stuck,
             violations_logged: [0; ViolationClause::ALL.len()],
             violation_sites: Default::default(),
+            catch_up_until: None,
         }
     }
 
@@ -145,7 +148,7 @@ impl Driver {
         let mut housekeeping = tokio::time::interval(Duration::from_millis(HOUSEKEEPING_INTERVAL_MS));
         housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let wake = self.core.poll_timeout().map(|t| self.instant_of(t));
+            let wake = self.core.poll_timeout().map(|t| self.instant_of(t).max(self.catch_up_until.unwrap_or(Instant::now())));
             tokio::select! {
                 biased;
                 Some((slot, event)) = plugin_events.recv() => self.on_plugin_event(slot, event),
@@ -156,6 +159,9 @@ impl Driver {
                     Some(DriverInput::Shutdown) | None => break,
                 },
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {
+                    if !self.caught_up_after_stall(wake.unwrap_or_else(Instant::now)) {
+                        continue;
+                    }
                     let now = self.now();
                     self.core.handle_timeout(now);
                 }
@@ -164,6 +170,32 @@ impl Driver {
             self.drain();
         }
         self.shut_down(&mut inputs, &mut plugin_events).await;
+    }
+
+    /// Whether deadlines may be acted on now, the driver having woken for one at `asked`. A wake
+    /// later than `driver.stall_catch_up_ms` means this process was stopped or starved: what peers
+    /// and plugins sent meanwhile is still unread, so deadlines wait that long while it is read.
+    fn caught_up_after_stall(&mut self, asked: Instant) -> bool {
+        let now = Instant::now();
+        if let Some(until) = self.catch_up_until {
+            if now < until {
+                return false;
+            }
+            self.catch_up_until = None;
+            return true;
+        }
+        let catch_up = Duration::from_millis(self.config.driver.stall_catch_up_ms);
+        let late = now.saturating_duration_since(asked);
+        if catch_up.is_zero() || late <= catch_up {
+            return true;
+        }
+        tracing::warn!(
+            late_ms = late.as_millis() as u64,
+            catch_up_ms = catch_up.as_millis() as u64,
+            "the gateway was stalled: reading what arrived meanwhile before acting on the deadlines that passed"
+        );
+        self.catch_up_until = Some(now + catch_up);
+        false
     }
 
     fn on_plugin_event(&mut self, slot: PluginSlot, event: Event) {

@@ -182,10 +182,14 @@ impl PeerTask {
         let mut heartbeat = tokio::time::interval(interval);
         let mut seq = 0u64;
         let mut last_heard = Instant::now();
+        let catch_up = Duration::from_millis(self.config.driver.stall_catch_up_ms);
         let mut joining = super::lanes::Reassembly::new(self.config.peer_link.max_frame_bytes);
         let mut replacement = None;
         let (reason, detail): (&'static str, String) = loop {
+            // Frames already received go first: after a stall of this process, the peer's frames
+            // waiting in the socket are read before its silence is judged.
             tokio::select! {
+                biased;
                 message = session.inbound.message() => match message.map(|m| m.map(|frame| match session.opener.as_mut() {
                     Some(opener) => opener.open(frame),
                     None => Ok(frame),
@@ -217,6 +221,14 @@ impl PeerTask {
                     }
                 }
                 _ = tokio::time::sleep_until(last_heard + silence_limit) => {
+                    // Woken much later than asked: this process was stalled, and what the peer sent
+                    // meanwhile may still be unread. Listen for `driver.stall_catch_up_ms` more.
+                    let late = Instant::now().saturating_duration_since(last_heard + silence_limit);
+                    if !catch_up.is_zero() && late > catch_up {
+                        tracing::info!(peer = %name, late_ms = late.as_millis() as u64, "stalled past this link's silence bound: reading what arrived before judging it");
+                        last_heard = Instant::now() + catch_up - silence_limit;
+                        continue;
+                    }
                     break ("peer_lost", format!("no frame for {} ms (heartbeat_interval_ms {} x heartbeat_misses {})",
                         silence_limit.as_millis(), interval.as_millis(), self.config.peer_link.heartbeat_misses));
                 }
