@@ -22,9 +22,14 @@ pub struct ShmConfig {
     pub max_segments_per_submit: u64,
     /// Bytes one transfer may carry. Default 1 TiB, allowed 1..=2^48.
     pub max_transfer_bytes: u64,
-    /// Pre-fault a peer's mapping when its key is imported (`MAP_POPULATE`), so the first copy into
-    /// it takes no page faults. Default true.
+    /// Pre-fault a peer's region once a transfer first writes into it (on a thread of its own,
+    /// `MADV_POPULATE_WRITE`), so later copies into it take no page faults. Default false: a region
+    /// is faulted in only where bytes land.
     pub populate_mappings: bool,
+    /// Bytes of regions one peer may have imported at once (their files held open, mapped once
+    /// written); an import past it is refused with `RESOURCE_EXHAUSTED`. Default 1 TiB, allowed
+    /// 1 MiB..=2^48.
+    pub max_import_bytes_per_peer: u64,
     /// Copy large transfers with non-temporal (streaming) stores, which write around the cache: the
     /// copying core does not read each destination line in before overwriting it, and the transfer
     /// does not evict the caches of the processes beside it. Default true.
@@ -46,6 +51,9 @@ pub const DEFAULT_MAX_SEGMENTS_PER_SUBMIT: u64 = 1 << 20;
 pub const MAX_MAX_SEGMENTS_PER_SUBMIT: u64 = 1 << 24;
 pub const DEFAULT_MAX_TRANSFER_BYTES: u64 = 1 << 40;
 pub const MAX_MAX_TRANSFER_BYTES: u64 = 1 << 48;
+pub const DEFAULT_MAX_IMPORT_BYTES_PER_PEER: u64 = 1 << 40;
+pub const MIN_MAX_IMPORT_BYTES_PER_PEER: u64 = 1 << 20;
+pub const MAX_MAX_IMPORT_BYTES_PER_PEER: u64 = 1 << 48;
 pub const DEFAULT_STREAMING_STORES_MIN_BYTES: u64 = 1 << 20;
 pub const MAX_STREAMING_STORES_MIN_BYTES: u64 = 1 << 48;
 
@@ -57,7 +65,8 @@ impl Default for ShmConfig {
             max_inflight_transfers: DEFAULT_MAX_INFLIGHT_TRANSFERS,
             max_segments_per_submit: DEFAULT_MAX_SEGMENTS_PER_SUBMIT,
             max_transfer_bytes: DEFAULT_MAX_TRANSFER_BYTES,
-            populate_mappings: true,
+            populate_mappings: false,
+            max_import_bytes_per_peer: DEFAULT_MAX_IMPORT_BYTES_PER_PEER,
             streaming_stores: true,
             streaming_stores_min_bytes: DEFAULT_STREAMING_STORES_MIN_BYTES,
         }
@@ -81,6 +90,7 @@ impl ShmConfig {
         check_range("max_inflight_transfers", self.max_inflight_transfers, 1, MAX_MAX_INFLIGHT_TRANSFERS)?;
         check_range("max_segments_per_submit", self.max_segments_per_submit, 1, MAX_MAX_SEGMENTS_PER_SUBMIT)?;
         check_range("max_transfer_bytes", self.max_transfer_bytes, 1, MAX_MAX_TRANSFER_BYTES)?;
+        check_range("max_import_bytes_per_peer", self.max_import_bytes_per_peer, MIN_MAX_IMPORT_BYTES_PER_PEER, MAX_MAX_IMPORT_BYTES_PER_PEER)?;
         check_range("streaming_stores_min_bytes", self.streaming_stores_min_bytes, 0, MAX_STREAMING_STORES_MIN_BYTES)?;
         Ok(())
     }

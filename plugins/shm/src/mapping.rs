@@ -62,6 +62,52 @@ const MADV_POPULATE_WRITE: libc::c_int = 23;
 /// How much of a peer's mapping one pre-fault call covers (see `PeerMapping::populate`).
 pub const POPULATE_CHUNK_BYTES: usize = 64 << 20;
 
+/// A peer's region file, opened through its owner's descriptor and checked (the same file it
+/// registered, shared memory, long enough), held open but not mapped: importing a key costs an
+/// `open` and two `fstat`s, never a mapping or a page fault.
+#[derive(Debug)]
+pub struct PeerBacking {
+    file: File,
+    path: String,
+    offset: u64,
+    len: u64,
+}
+
+impl PeerBacking {
+    /// Open the file at `path` read-write and check it: (device, inode) `identity` when given, a
+    /// shared-memory file, at least `offset + len` bytes long.
+    pub fn open(path: &str, identity: Option<(u64, u64)>, offset: u64, len: u64) -> Result<PeerBacking, PluginError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| io_error(ReasonCode::UNKNOWN_KEY, format!("cannot open peer region file {path:?}"), e))?;
+        if let Some((dev, ino)) = identity {
+            use std::os::unix::fs::MetadataExt;
+            let meta = file.metadata().map_err(|e| io_error(ReasonCode::UNKNOWN_KEY, format!("fstat {path:?}"), e))?;
+            if (meta.dev(), meta.ino()) != (dev, ino) {
+                return Err(PluginError::new(
+                    ReasonCode::UNKNOWN_KEY,
+                    format!("{path:?} is no longer the file the peer registered (device/inode {}/{} instead of {dev}/{ino})", meta.dev(), meta.ino()),
+                ));
+            }
+        }
+        let file_len = check_shared_memory_file(&file, path, ReasonCode::INVALID_ARGUMENT)?;
+        offset.checked_add(len).filter(|&end| end <= file_len).ok_or_else(|| {
+            PluginError::new(
+                ReasonCode::OUT_OF_RANGE,
+                format!("peer region {offset}+{len} lies outside its file {path:?} of {file_len} bytes"),
+            )
+        })?;
+        Ok(PeerBacking { file, path: path.to_string(), offset, len })
+    }
+
+    /// The region's length in bytes.
+    pub fn region_len(&self) -> u64 {
+        self.len
+    }
+}
+
 /// A peer's region mapped writable (`MAP_SHARED`) into this process.
 #[derive(Debug)]
 pub struct PeerMapping {
@@ -90,28 +136,18 @@ impl PeerMapping {
     }
 
     fn map_file(path: &str, identity: Option<(u64, u64)>, offset: u64, len: u64, populate: bool) -> Result<PeerMapping, PluginError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| io_error(ReasonCode::UNKNOWN_KEY, format!("cannot open peer region file {path:?}"), e))?;
-        if let Some((dev, ino)) = identity {
-            use std::os::unix::fs::MetadataExt;
-            let meta = file.metadata().map_err(|e| io_error(ReasonCode::UNKNOWN_KEY, format!("fstat {path:?}"), e))?;
-            if (meta.dev(), meta.ino()) != (dev, ino) {
-                return Err(PluginError::new(
-                    ReasonCode::UNKNOWN_KEY,
-                    format!("{path:?} is no longer the file the peer registered (device/inode {}/{} instead of {dev}/{ino})", meta.dev(), meta.ino()),
-                ));
-            }
+        let backing = PeerBacking::open(path, identity, offset, len)?;
+        let mapping = Self::map_backing(&backing)?;
+        if populate {
+            mapping.populate(POPULATE_CHUNK_BYTES);
         }
-        let file_len = check_shared_memory_file(&file, path, ReasonCode::INVALID_ARGUMENT)?;
-        let end = offset.checked_add(len).filter(|&end| end <= file_len).ok_or_else(|| {
-            PluginError::new(
-                ReasonCode::OUT_OF_RANGE,
-                format!("peer region {offset}+{len} lies outside its file {path:?} of {file_len} bytes"),
-            )
-        })?;
+        Ok(mapping)
+    }
+
+    /// Map an opened and checked peer file (one `mmap`: no page is touched, whatever the size).
+    pub fn map_backing(backing: &PeerBacking) -> Result<PeerMapping, PluginError> {
+        let (file, path, offset, len) = (&backing.file, &backing.path, backing.offset, backing.len);
+        let end = offset + len;
         let page = page_size();
         let map_offset = offset / page * page;
         let map_len = usize::try_from(end - map_offset)
@@ -132,11 +168,7 @@ impl PeerMapping {
             return Err(io_error(ReasonCode::RESOURCE_EXHAUSTED, format!("mmap of {path:?}"), e));
         }
         let map_addr = addr as usize;
-        let mapping = PeerMapping { map_addr, map_len, region_addr: map_addr + (offset - map_offset) as usize, region_len: len };
-        if populate {
-            mapping.populate(POPULATE_CHUNK_BYTES);
-        }
-        Ok(mapping)
+        Ok(PeerMapping { map_addr, map_len, region_addr: map_addr + (offset - map_offset) as usize, region_len: len })
     }
 
     /// Pre-fault the whole mapping for writing, `chunk` bytes per call (`MADV_POPULATE_WRITE`), so
@@ -147,7 +179,7 @@ impl PeerMapping {
     /// heartbeats. Between chunks the lock is free (the same 1 GiB: the longest such wait 3 ms).
     /// A kernel without `MADV_POPULATE_WRITE` (before 5.14) leaves the mapping to fault on first use,
     /// with one warning.
-    fn populate(&self, chunk: usize) {
+    pub fn populate(&self, chunk: usize) {
         let chunk = chunk.max(page_size() as usize);
         let mut done = 0;
         while done < self.map_len {

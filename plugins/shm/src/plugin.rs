@@ -3,7 +3,7 @@
 //! shared file and writes; it never trusts a peer's key without checking it against that peer's nonce.
 
 use crate::config::ShmConfig;
-use crate::mapping::{open_backing_file, PeerMapping};
+use crate::mapping::{open_backing_file, PeerBacking, PeerMapping};
 use crate::plan::{Cursor, Piece};
 use crate::state::{ImportedKey, LocalRegion, Transfer};
 use crate::wire::{Endpoint, RemoteKeyBytes};
@@ -135,20 +135,24 @@ impl ShmPlugin {
             let local = state.regions.get(&s.local).ok_or_else(|| {
                 err(ReasonCode::UNKNOWN_KEY, format!("segment {i}: local key {} is not registered", s.local.0))
             })?;
-            let remote = state.imported.get(&s.remote).ok_or_else(|| {
+            let imported = state.imported.get(&s.remote).ok_or_else(|| {
                 err(ReasonCode::UNKNOWN_KEY, format!("segment {i}: remote key {} is not imported", s.remote.0))
             })?;
-            if remote.peer != request.peer {
+            let remote_peer = imported.peer;
+            if remote_peer != request.peer {
                 return Err(err(
                     ReasonCode::UNKNOWN_KEY,
                     format!(
                         "segment {i}: remote key {} belongs to peer {}, not {}",
-                        s.remote.0, remote.peer.0, request.peer.0
+                        s.remote.0, remote_peer.0, request.peer.0
                     ),
                 ));
             }
             check_range(i, "local", s.local_offset, s.len, local.len)?;
-            check_range(i, "remote", s.remote_offset, s.len, remote.mapping.region_len())?;
+            check_range(i, "remote", s.remote_offset, s.len, imported.backing.region_len())?;
+            let remote_mapping = imported
+                .mapping(config.populate_mappings)
+                .map_err(|e| err(e.code, format!("segment {i}: remote key {}: {}", s.remote.0, e.message)))?;
             total_bytes =
                 total_bytes.checked_add(s.len).filter(|&t| t <= config.max_transfer_bytes).ok_or_else(|| {
                     err(
@@ -159,12 +163,12 @@ impl ShmPlugin {
             if !local_keys.contains(&s.local) {
                 local_keys.push(s.local);
             }
-            if !mappings.iter().any(|m| Arc::ptr_eq(m, &remote.mapping)) {
-                mappings.push(Arc::clone(&remote.mapping));
+            if !mappings.iter().any(|m| Arc::ptr_eq(m, remote_mapping)) {
+                mappings.push(Arc::clone(remote_mapping));
             }
             pieces.push(Piece {
                 src: local.addr + s.local_offset as usize,
-                dst: remote.mapping.region_addr() + s.remote_offset as usize,
+                dst: remote_mapping.region_addr() + s.remote_offset as usize,
                 len: s.len,
             });
         }
@@ -333,15 +337,25 @@ impl Plugin for ShmPlugin {
         // and only if it is still the same file. A key naming a file the peer did not register (or
         // a path of this process's choosing) can therefore never make this process map it.
         let owner_path = format!("/proc/{peer_pid}/fd/{}", key.owner_fd);
-        let mapping = PeerMapping::map_checked(&owner_path, (key.dev, key.ino), key.backing_offset, key.len, self.shared.config.populate_mappings)
+        // Opened and checked only: the mapping is made when a transfer first writes into the region
+        // (so a peer's source pools, never written here, are never mapped).
+        let backing = PeerBacking::open(&owner_path, Some((key.dev, key.ino)), key.backing_offset, key.len)
             .map_err(|e| err(e.code, format!("peer {} region {:?}: {}", peer.0, key.backing_path, e.message)))?;
         let mut state = self.shared.lock();
         Self::check_running(&state)?;
         if state.peers.get(&peer).map(|e| e.nonce) != Some(peer_nonce) {
             return Err(err(ReasonCode::PEER_LOST, format!("peer {} went away during the import", peer.0)));
         }
+        let imported: u64 = state.imported.values().filter(|k| k.peer == peer).map(|k| k.backing.region_len()).sum();
+        let bound = self.shared.config.max_import_bytes_per_peer;
+        if imported.saturating_add(key.len) > bound {
+            return Err(err(
+                ReasonCode::RESOURCE_EXHAUSTED,
+                format!("peer {} has {imported} bytes of regions imported; {} more would pass max_import_bytes_per_peer = {bound}", peer.0, key.len),
+            ));
+        }
         let remote = RemoteKey(state.allocate_key());
-        state.imported.insert(remote, ImportedKey { peer, mapping: Arc::new(mapping) });
+        state.imported.insert(remote, ImportedKey { peer, backing, mapping: std::sync::OnceLock::new() });
         Ok(remote)
     }
 

@@ -20,11 +20,34 @@ pub struct LocalRegion {
     pub backing: std::sync::Arc<std::fs::File>,
 }
 
-/// A peer's region imported from its remote-key bytes, mapped into this process.
+/// A peer's region imported from its remote-key bytes: its file held open and checked at import,
+/// mapped into this process only when a transfer first writes into it.
 #[derive(Debug)]
 pub struct ImportedKey {
     pub peer: PeerId,
-    pub mapping: Arc<PeerMapping>,
+    pub backing: crate::mapping::PeerBacking,
+    pub mapping: std::sync::OnceLock<Arc<PeerMapping>>,
+}
+
+impl ImportedKey {
+    /// The region's mapping, made now if no transfer wrote into it before (one `mmap`, no page
+    /// touched; with `populate` a thread of its own then pre-faults it).
+    pub fn mapping(&self, populate: bool) -> Result<&Arc<PeerMapping>, kvgate_abi::PluginError> {
+        if let Some(mapping) = self.mapping.get() {
+            return Ok(mapping);
+        }
+        let mapping = Arc::new(PeerMapping::map_backing(&self.backing)?);
+        if populate {
+            let background = Arc::clone(&mapping);
+            let spawned = std::thread::Builder::new()
+                .name("kvgate-shm-populate".into())
+                .spawn(move || background.populate(crate::mapping::POPULATE_CHUNK_BYTES));
+            if let Err(e) = spawned {
+                tracing::warn!(reason = "populate_unavailable", "shm: no thread to pre-fault a peer mapping ({e}); it faults on first use");
+            }
+        }
+        Ok(self.mapping.get_or_init(|| mapping))
+    }
 }
 
 /// One outgoing transfer from submit until it is terminal *and* quiesced.
