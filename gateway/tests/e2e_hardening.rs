@@ -490,3 +490,38 @@ async fn healthz_says_when_no_configured_peer_is_up() {
     }, &|| pair.decode.log()).await;
     pair.stop();
 }
+
+#[test]
+fn without_a_configured_socket_the_engine_api_listens_in_the_users_runtime_folder() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = work_dir();
+    let runtime = dir.path().join("run-user");
+    std::fs::create_dir(&runtime).unwrap();
+    std::fs::set_permissions(&runtime, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let config = dir.path().join("g.toml");
+    std::fs::write(&config, "[admin]\nlisten = \"\"\n[peer_link]\nlisten = \"127.0.0.1:0\"\n").unwrap();
+    // What `config default` says is where `serve` listens.
+    let shown = Command::new(binary()).args(["config", "default"]).env("XDG_RUNTIME_DIR", &runtime).output().unwrap();
+    let expected = runtime.join("kvgate").join("engine.sock");
+    assert!(String::from_utf8_lossy(&shown.stdout).contains(&format!("unix_socket = {:?}", expected.display().to_string())));
+    let mut child = Command::new(binary())
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env("XDG_RUNTIME_DIR", &runtime)
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    while !expected.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(expected.exists(), "no engine socket at {}", expected.display());
+    assert_eq!(std::fs::metadata(runtime.join("kvgate")).unwrap().permissions().mode() & 0o777, 0o700);
+    // Without a runtime folder: a folder of this user's own under /tmp, named by uid.
+    let shown = Command::new(binary()).args(["config", "default"]).env_remove("XDG_RUNTIME_DIR").output().unwrap();
+    let uid = nix::unistd::getuid();
+    assert!(String::from_utf8_lossy(&shown.stdout).contains(&format!("unix_socket = \"/tmp/kvgate-{uid}/engine.sock\"")));
+}

@@ -7,6 +7,7 @@ chunks of a room (`send`, prefill side), and learns each room's outcome through 
 subclasses carrying the gateway's reason code.
 """
 
+from ._channel import default_socket
 from .aio import AsyncClient
 from .client import Client, wait_all
 from .errors import (
@@ -54,6 +55,7 @@ __all__ = [
     "Client",
     "CudaIpcExport",
     "CudaUnavailable",
+    "default_socket",
     "GatewayUnavailable",
     "InvalidRequest",
     "KvgateError",

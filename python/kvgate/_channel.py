@@ -15,8 +15,17 @@ from typing import Any, Sequence, Tuple
 
 from ._proto import kvgate_pb2 as pb
 
-#: The gateway's default engine socket (`engine_api.unix_socket`).
-DEFAULT_SOCKET = "/tmp/kvgate/engine.sock"
+
+
+def default_socket() -> str:
+    """The gateway's default engine socket (`engine_api.unix_socket` when the config names none):
+    `$XDG_RUNTIME_DIR/kvgate/engine.sock`, else `/tmp/kvgate-<uid>/engine.sock`."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime.startswith("/"):
+        return runtime.rstrip("/") + "/kvgate/engine.sock"
+    return f"/tmp/kvgate-{os.getuid()}/engine.sock"
+
+
 #: Environment variable naming the default target when none is given.
 TARGET_ENV = "KVGATE_ENGINE_API"
 #: The service's full name, as in `/kvgate.v1.EngineApi/Send`.
@@ -47,7 +56,7 @@ def parse_target(target: str | os.PathLike[str] | None) -> Target:
     """`/path/engine.sock`, `unix:/path`, `unix:///path` (Unix socket); `host:port`, `tcp://host:port`,
     `http://host:port` (TCP). None: `$KVGATE_ENGINE_API`, else the gateway's default socket."""
     if target is None:
-        target = os.environ.get(TARGET_ENV) or DEFAULT_SOCKET
+        target = os.environ.get(TARGET_ENV) or default_socket()
     text = os.fspath(target)
     if text.startswith("unix://"):
         text = text[len("unix://") :]

@@ -1,7 +1,7 @@
 """The blocking engine-API client.
 
     import kvgate
-    with kvgate.Client() as client:                     # /tmp/kvgate/engine.sock
+    with kvgate.Client() as client:                     # kvgate.default_socket()
         region = client.register_pool(pool)
         room = client.expect(7, peer="prefill-0", parts=[[region.slice(0, 4096)]])
         outcome = room.terminal(timeout=30)
@@ -111,7 +111,8 @@ def batch_errors(reply: pb.BatchReply, count: int) -> list[KvgateError | None]:
 class Client:
     """A connection to one gateway's engine API (thread-safe; one per engine process is enough).
 
-    `target`: a Unix socket path (default `$KVGATE_ENGINE_API` or `/tmp/kvgate/engine.sock`), or
+    `target`: a Unix socket path (default `$KVGATE_ENGINE_API`, else the gateway's default socket,
+    `kvgate.default_socket()`: `$XDG_RUNTIME_DIR/kvgate/engine.sock` or `/tmp/kvgate-<uid>/engine.sock`), or
     `host:port` / `tcp://host:port` for the TCP engine API with `token` (or `token_file`).
     `session`: the engine session's name (True: one made up for this process; False: none). Used
     when the gateway speaks engine API v2; opened with the first call that registers memory or

@@ -27,7 +27,7 @@ def test_targets() -> None:
     assert _channel.parse_target("http://gw:9000/").tcp_address == "gw:9000"
     saved = os.environ.pop(_channel.TARGET_ENV, None)
     try:
-        assert _channel.parse_target(None).unix_path == "/tmp/kvgate/engine.sock"
+        assert _channel.parse_target(None).unix_path == _channel.default_socket()
         os.environ[_channel.TARGET_ENV] = "/run/kvgate/e.sock"
         assert _channel.parse_target(None).unix_path == "/run/kvgate/e.sock"
     finally:

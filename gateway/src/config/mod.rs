@@ -89,7 +89,7 @@ pub struct EngineApiSection {
 impl Default for EngineApiSection {
     fn default() -> Self {
         EngineApiSection {
-            unix_socket: "/tmp/kvgate/engine.sock".to_string(),
+            unix_socket: default_engine_socket(),
             tcp_listen: String::new(),
             bearer_token_file: String::new(),
             max_regions: 4096,
@@ -346,6 +346,17 @@ pub struct AdminSection {
     pub quarantine_unhealthy_ms: u64,
     /// Connections of the admin listener (`/metrics`, `/healthz`, ...).
     pub connections: ConnectionLimits,
+}
+
+/// The engine socket when the config names none: in the user's runtime directory
+/// (`$XDG_RUNTIME_DIR/kvgate/engine.sock`, a directory only that user may enter), else in a folder
+/// of the user's own under /tmp (`/tmp/kvgate-<uid>/engine.sock`, made with mode 0700, refused when
+/// another user made it first). The Python client (`kvgate.default_socket()`) looks in the same place.
+pub fn default_engine_socket() -> String {
+    match std::env::var("XDG_RUNTIME_DIR") {
+        Ok(dir) if dir.starts_with('/') => format!("{}/kvgate/engine.sock", dir.trim_end_matches('/')),
+        _ => format!("/tmp/kvgate-{}/engine.sock", nix::unistd::getuid()),
+    }
 }
 
 /// The bounds of one listener's connections (`[engine_api.connections]`, `[peer_link.connections]`,
