@@ -63,3 +63,45 @@ async fn a_stopped_decode_gateway_finishes_the_rooms_its_peer_finished_while_it_
     assert!(pair.decode.log().contains("the gateway was stalled"), "the stall was not noticed:\n{}", pair.decode.log());
     pair.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rooms_cut_by_a_stop_end_on_both_sides_and_free_their_memory_before_the_quarantine_bound() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let env = vec![("KVGATE__SCHEDULER__QUARANTINE_TIMEOUT_MS".to_string(), "30000".to_string())];
+    let settings = PairSettings { env_prefill: env.clone(), env_decode: env, ..PairSettings::default() };
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
+    let shape = small_shape();
+    let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, ROOMS).await;
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, ROOMS).await;
+    let mut rooms = Vec::new();
+    for i in 0..ROOMS {
+        let room = 8900 + i;
+        let rx = (prefill.events.listen(room), decode.events.listen(room));
+        expect_into(&decode, &shape, room, i, PREFILL_NAME, 0).await.unwrap();
+        // Half of each room's chunks: the rooms are mid-transfer when the decode gateway stops.
+        send_all(&prefill, &shape, room, i, DECODE_NAME, Some(1)).await.unwrap();
+        rooms.push((room, rx));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    pair.decode.freeze().unwrap();
+    let frozen_at = Instant::now();
+    for (room, (p_rx, _)) in rooms.iter_mut() {
+        let o = wait_terminal(p_rx, frozen_at, Duration::from_secs(10)).await.unwrap();
+        assert!(!o.succeeded, "room {room} on the prefill side: {o:?}");
+        assert!(wait_reusable(p_rx, Duration::from_secs(10)).await, "room {room}: prefill memory");
+    }
+    tokio::time::sleep(FREEZE.saturating_sub(frozen_at.elapsed())).await;
+    pair.decode.thaw().unwrap();
+    let thawed_at = Instant::now();
+    for (room, (_, d_rx)) in rooms.iter_mut() {
+        let o = wait_terminal(d_rx, thawed_at, Duration::from_secs(10)).await.unwrap();
+        assert!(!o.succeeded, "room {room} on the decode side: {o:?}");
+        assert!(
+            wait_reusable(d_rx, Duration::from_secs(10)).await,
+            "room {room}: decode memory still quarantined {:?} after the thaw (bound 30 s); its peer can answer",
+            thawed_at.elapsed()
+        );
+    }
+    pair.stop();
+}

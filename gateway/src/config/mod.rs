@@ -131,6 +131,11 @@ pub struct PeerLinkSection {
     /// A frame whose encoding is larger than this leaves in fragments of this size, so that
     /// heartbeats (which go first) never wait behind more than one fragment.
     pub frame_fragment_bytes: u64,
+    /// Outcome messages (`Quiesced`) for a peer whose link was lost, kept until the same peer
+    /// process is back on a new link and then delivered there, so that its quarantined rooms need
+    /// not wait for `quarantine_timeout_ms`. Past it the oldest is dropped (and that room waits for
+    /// its quarantine bound). 0 keeps none.
+    pub parked_outcomes: u64,
     /// How peer links are authenticated: `psk` (a pre-shared key file proven by challenge-response,
     /// every frame then carries a MAC), `tls` (mutual TLS, `[peer_link.tls]`), or `none` (anyone who
     /// can reach the port and names a peer is believed; logged as a warning, loopback only).
@@ -183,6 +188,7 @@ impl Default for PeerLinkSection {
             send_queue_frames: 65536,
             max_frame_bytes: 64 << 20,
             frame_fragment_bytes: 256 << 10,
+            parked_outcomes: 65_536,
             auth: None,
             psk_file: String::new(),
             tls: None,

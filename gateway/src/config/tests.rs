@@ -294,3 +294,10 @@ fn the_stall_catch_up_is_checked_at_and_just_past_its_bounds() {
     load_config_from_str("[driver]\nstall_catch_up_ms = 10000\n").unwrap();
     assert!(errors_of("[driver]\nstall_catch_up_ms = 10001\n").contains("driver.stall_catch_up_ms = 10001"));
 }
+
+#[test]
+fn parked_outcomes_are_checked_at_and_just_past_their_bound() {
+    load_config_from_str("[peer_link]\nparked_outcomes = 0\n").unwrap();
+    load_config_from_str("[peer_link]\nparked_outcomes = 1048576\n").unwrap();
+    assert!(errors_of("[peer_link]\nparked_outcomes = 1048577\n").contains("peer_link.parked_outcomes = 1048577"));
+}

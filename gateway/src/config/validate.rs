@@ -97,6 +97,7 @@ fn check_peer_link(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
     errors.extend(check_range("peer_link.send_queue_frames", link.send_queue_frames, 16, 1 << 24));
     errors.extend(check_range("peer_link.max_frame_bytes", link.max_frame_bytes, 1 << 20, 1 << 30));
     errors.extend(check_range("peer_link.frame_fragment_bytes", link.frame_fragment_bytes, 4 << 10, 16 << 20));
+    errors.extend(check_range("peer_link.parked_outcomes", link.parked_outcomes, 0, 1 << 20));
     if config.engine_api.max_request_bytes > link.max_frame_bytes {
         errors.push(rule(
             "engine_api.max_request_bytes",

@@ -48,7 +48,13 @@ impl Driver {
                 Some(state) => {
                     state.sender.send(Frame::Core(codec::encode(message)));
                 }
-                None => tracing::debug!(peer = peer.0, kind = message.kind_str(), room = %message.room(), "message for a gone peer session dropped"),
+                None => {
+                    let keep = matches!(message, kvgate_core::PeerMessage::Quiesced { .. });
+                    let limit = self.config.peer_link.parked_outcomes as usize;
+                    if !(keep && self.peers.park(peer.0, message.clone(), limit)) {
+                        tracing::debug!(peer = peer.0, kind = message.kind_str(), room = %message.room(), "message for a gone peer session dropped");
+                    }
+                }
             },
             Command::ToEngine(_) => {} // delivered above, before the match
         }

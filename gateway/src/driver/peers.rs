@@ -6,11 +6,13 @@ use super::Driver;
 use crate::peer_link::{codec, dials, PeerEvent, PeerSender, SessionId};
 use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, MemoryKind, PeerId, RemoteKey};
 use kvgate_client::proto::{self, peer_frame::Frame};
-use kvgate_core::{PeerLoss, PluginSlot, RegionId};
+use kvgate_core::{PeerLoss, PeerMessage, PluginSlot, RegionId, Role};
 use std::collections::HashMap;
 
 pub struct PeerSessionState {
     pub name: String,
+    /// The peer process's incarnation (from its Hello).
+    pub incarnation: u64,
     pub sender: PeerSender,
     pub plugin: Option<PluginSlot>,
     /// Remote keys imported from this session: peer region id -> key in `plugin`.
@@ -25,7 +27,10 @@ pub struct Peers {
     incarnations: HashMap<String, u64>,
     /// Names of the latest sessions that ended (at most `DEPARTED_NAMES_KEPT`, oldest dropped first):
     /// the rooms a lost session fails are logged after it is gone, and still name their peer.
-    departed: std::collections::VecDeque<(SessionId, String)>,
+    departed: std::collections::VecDeque<(SessionId, String, u64)>,
+    /// Per peer name: outcome messages for rooms of a lost session, kept for that peer's incarnation
+    /// until it is back on a new session (`peer_link.parked_outcomes`).
+    parked: HashMap<String, (u64, std::collections::VecDeque<PeerMessage>)>,
 }
 
 /// How many ended sessions' names are kept for the log lines of their rooms.
@@ -42,15 +47,40 @@ impl Peers {
     pub fn name_of(&self, peer: u64) -> Option<&str> {
         match self.by_session.get(&peer) {
             Some(s) => Some(s.name.as_str()),
-            None => self.departed.iter().rev().find(|(id, _)| *id == peer).map(|(_, name)| name.as_str()),
+            None => self.departed.iter().rev().find(|(id, _, _)| *id == peer).map(|(_, name, _)| name.as_str()),
         }
     }
 
-    fn remember_departed(&mut self, session: SessionId, name: String) {
+    /// The name and incarnation of a session that ended (among the latest `DEPARTED_NAMES_KEPT`).
+    fn departed(&self, session: SessionId) -> Option<(&str, u64)> {
+        self.departed.iter().rev().find(|(id, _, _)| *id == session).map(|(_, name, incarnation)| (name.as_str(), *incarnation))
+    }
+
+    fn remember_departed(&mut self, session: SessionId, name: String, incarnation: u64) {
         if self.departed.len() == DEPARTED_NAMES_KEPT {
             self.departed.pop_front();
         }
-        self.departed.push_back((session, name));
+        self.departed.push_back((session, name, incarnation));
+    }
+
+    /// Keep `message`, addressed to the ended `session`, for that peer's next session of the same
+    /// incarnation; `false` when it cannot be kept (unknown session, `limit` 0).
+    pub fn park(&mut self, session: SessionId, message: PeerMessage, limit: usize) -> bool {
+        let Some((name, incarnation)) = self.departed(session).map(|(n, i)| (n.to_string(), i)) else { return false };
+        if limit == 0 {
+            return false;
+        }
+        let entry = self.parked.entry(name).or_insert_with(|| (incarnation, Default::default()));
+        if entry.0 != incarnation {
+            *entry = (incarnation, Default::default());
+        }
+        if entry.1.len() == limit {
+            if let Some(dropped) = entry.1.pop_front() {
+                tracing::warn!(room = %dropped.room(), limit, reason = "parked_outcomes_full", "an outcome kept for a lost peer was dropped (peer_link.parked_outcomes); that room waits for its quarantine bound");
+            }
+        }
+        entry.1.push_back(message);
+        true
     }
     pub fn is_up(&self, name: &str) -> bool {
         self.current.contains_key(name)
@@ -118,12 +148,13 @@ impl Driver {
         for announce in self.regions.announcements() {
             sender.send(Frame::RegionAnnounce(announce.clone()));
         }
-        self.peers.by_session.insert(session, PeerSessionState { name: name.clone(), sender, plugin, remote_keys: HashMap::new() });
+        self.peers.by_session.insert(session, PeerSessionState { name: name.clone(), incarnation: hello.incarnation, sender, plugin, remote_keys: HashMap::new() });
         if let Some(slot) = plugin {
             self.peers.current.insert(name.clone(), session);
             self.core.handle_peer_up(now, peer, hello.incarnation, slot);
             tracing::info!(peer = %name, session, plugin = self.plugin_name(slot), "peer ready");
         }
+        self.deliver_parked(&name, session, hello.incarnation);
     }
 
     fn peer_frame(&mut self, session: SessionId, frame: Frame) {
@@ -154,7 +185,10 @@ impl Driver {
                 }
             }
             Frame::Core(message) => match codec::decode(message) {
-                Ok(message) => self.core.handle_peer_message(now, peer, &message),
+                Ok(message) => {
+                    let peer = self.outcome_addressee(now, session, &message).unwrap_or(peer);
+                    self.core.handle_peer_message(now, peer, &message)
+                }
                 Err(e) => {
                     self.metrics.count_bad_peer_frame();
                     tracing::warn!(peer = %state.name, "undecodable peer message dropped: {e}");
@@ -169,7 +203,7 @@ impl Driver {
     fn peer_lost(&mut self, name: &str, session: SessionId, cause: PeerLoss) {
         let now = self.now();
         let Some(state) = self.peers.by_session.remove(&session) else { return };
-        self.peers.remember_departed(session, state.name.clone());
+        self.peers.remember_departed(session, state.name.clone(), state.incarnation);
         if self.peers.current.get(name) == Some(&session) {
             self.peers.current.remove(name);
         }
@@ -183,6 +217,39 @@ impl Driver {
             }
         }
         tracing::warn!(peer = %name, session, cause = cause.as_str(), "peer lost: every room bound to it fails (peer_lost)");
+    }
+}
+
+impl Driver {
+    /// Send what was kept for `name` while it was away, if this new session is the same process.
+    fn deliver_parked(&mut self, name: &str, session: SessionId, incarnation: u64) {
+        let Some((kept_for, messages)) = self.peers.parked.remove(name) else { return };
+        if kept_for != incarnation {
+            tracing::info!(peer = %name, dropped = messages.len(), "outcomes kept for a previous incarnation of the peer dropped (it restarted)");
+            return;
+        }
+        let Some(state) = self.peers.by_session.get(&session) else { return };
+        tracing::info!(peer = %name, delivered = messages.len(), "outcomes kept while the peer was away delivered on its new link");
+        for message in messages {
+            state.sender.send(Frame::Core(codec::encode(&message)));
+        }
+    }
+
+    /// For an outcome message (`Quiesced`, `RoomFailed`) about a room bound to an earlier session of
+    /// the same peer process: that session's peer id, under which the core knows the room.
+    fn outcome_addressee(&self, now: kvgate_core::Nanos, session: SessionId, message: &PeerMessage) -> Option<PeerId> {
+        let role = match message {
+            PeerMessage::Quiesced { .. } => Role::Receiver,
+            PeerMessage::RoomFailed { to, .. } => *to,
+            _ => return None,
+        };
+        let current = self.peers.by_session.get(&session)?;
+        let bound = self.core.room(now, message.room(), role)?.peer?;
+        if bound == session {
+            return None;
+        }
+        let (name, incarnation) = self.peers.departed(bound)?;
+        (name == current.name && incarnation == current.incarnation).then_some(PeerId(bound))
     }
 }
 

@@ -171,8 +171,10 @@ impl Core {
         if !tombstone_only {
             self.push_engine(RoomEvent::Reusable { room: key, role, cause });
         }
-        let peer_alive = failure.is_some_and(|f| f.reason != FailReason::PeerLost);
-        if role == Role::Sender && cause != ReleaseCause::QuarantineTimeout && peer_alive {
+        // A failed room's receiver waits for this word before reusing its memory. Also after the
+        // peer's link was lost: the host delivers it once the same peer process is back on a new
+        // link (or drops it if the peer restarted, which ended the receiver's rooms anyway).
+        if role == Role::Sender && cause != ReleaseCause::QuarantineTimeout && failure.is_some() {
             if let Some(peer) = peer {
                 self.push_peer(peer, PeerMessage::Quiesced { room: key });
             }
