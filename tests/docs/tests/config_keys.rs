@@ -61,10 +61,20 @@ fn every_gateway_key_the_readme_table_names_is_accepted() {
 /// TOML header: their keys are read from the gateway's refusal of an unknown key in them.
 const OPTIONAL_TABLES: [(&str, &str); 3] = [("peers", "[[peers]]"), ("peer_link.tls", "[peer_link.tls]"), ("discovery.tls", "[discovery.tls]")];
 
+/// Tables inside a section (`[engine_api.connections]`...): their keys are checked the same way.
+const NESTED_TABLES: [(&str, &str); 3] = [
+    ("engine_api.connections", "[engine_api.connections]"),
+    ("peer_link.connections", "[peer_link.connections]"),
+    ("admin.connections", "[admin.connections]"),
+];
+
 #[test]
 fn the_readme_row_of_each_optional_table_names_exactly_the_keys_it_accepts() {
-    let named: Vec<String> = table_keys(section(GATEWAY_README, "## Configuration reference")).iter().flat_map(|k| expand_key_pattern(k)).collect();
-    for (table, header) in OPTIONAL_TABLES {
+    let named: Vec<String> = table_keys(section(GATEWAY_README, "## Configuration reference"))
+        .iter()
+        .flat_map(|k| expand_key_pattern(k))
+        .collect();
+    for (table, header) in OPTIONAL_TABLES.into_iter().chain(NESTED_TABLES) {
         let refusal = kvgate::config::load_config_from_str(&format!("{header}\nno_such_key_anywhere = 1\n")).map(drop).map_err(|e| e.to_string());
         let accepted: BTreeSet<String> = keys_in_refusal(&refusal.expect_err("an unknown key is refused")).iter().map(|k| format!("{table}.{k}")).collect();
         let in_readme: BTreeSet<String> = named.iter().filter(|k| k.starts_with(&format!("{table}."))).cloned().collect();
