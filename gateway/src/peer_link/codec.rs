@@ -101,7 +101,7 @@ mod tests {
         ];
         for parts in shapes {
             let message = PeerMessage::ExpectNotice {
-                room: RoomKey::new(u64::MAX, u32::MAX.into()),
+                room: RoomKey::new(u64::MAX, u32::MAX),
                 tickets: (0..parts.len()).map(|_| Ticket(u64::MAX)).collect(),
                 parts: parts.clone(),
                 deadline_remaining: Nanos(u64::MAX),
