@@ -250,10 +250,10 @@ fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, de
             // which waits for this copy to stop.
             unsafe { std::ptr::copy_nonoverlapping((p.src + done) as *const u8, (p.dst + done) as *mut u8, n as usize) };
             done += n;
-            if rate > 0 {
-                // The rate limit: no faster than `rate` bytes per millisecond since the copy began.
-                paced += n;
-                let due = started + Duration::from_micros(paced * 1000 / rate);
+            // The rate limit: no faster than `rate` bytes per millisecond since the copy began.
+            paced += n;
+            if let Some(us) = (paced * 1000).checked_div(rate) {
+                let due = started + Duration::from_micros(us);
                 if let Some(wait) = due.checked_duration_since(Instant::now()) {
                     std::thread::sleep(wait);
                 }
