@@ -92,7 +92,11 @@ pub struct State {
     /// cancel costs O(1) amortised (a 10 000-cancel storm stays linear).
     pub stale_in_queue: usize,
     pub deadlines: BTreeSet<(Instant, XferId)>,
-    /// Transfers submitted and not yet terminal.
+    /// Transfers submitted and not yet terminal. Lowered under the lock in the same step that queues
+    /// the terminal event in `outbox`, which the deciding thread flushes as soon as it lets go of the
+    /// lock: `stats()` never counts a transfer whose terminal event was delivered, and leads the event
+    /// only by its delivery in flight.
+    // CONFORMANCE: OBS-2 (live_transfers lowered no later than the terminal event is delivered)
     pub live_transfers: u64,
     pub regions: HashMap<LocalKey, LocalRegion>,
     pub registered_bytes: u64,

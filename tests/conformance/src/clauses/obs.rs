@@ -67,16 +67,38 @@ pub fn obs_2(ctx: &mut Ctx) -> CheckResult {
         // Live transfers: five waiting on a ticket not yet authorised.
         let waiting = p.ticket();
         let mut ids = Vec::new();
+        let mut last_reply_ns = 0;
         for i in 0..5u64 {
             let (x, r) = p.submit(waiting, ctx.limits.long_timeout_ms, vec![seg(&src, i * 100, &dst, i * 100, 100)], ctx)?;
-            accepted(r, "transfer")?;
+            last_reply_ns = accepted(r, "transfer")?;
             ids.push(x);
         }
-        let before = ids.iter().filter(|x| p.terminal(**x).is_none()).count() as u64;
-        let live = p.stats(Side::Tx, ctx)?.live_transfers;
-        let after = ids.iter().filter(|x| p.terminal(**x).is_none()).count() as u64;
-        if live < after + base.live_transfers || live > before + base.live_transfers {
-            problems.push(format!("live_transfers = {live} while {after}..={before} of the harness's transfers were live"));
+        // The contract (OBS-2): a transfer whose terminal event was delivered before `stats()` was
+        // called is not counted, and one `stats()` leaves out has its terminal event delivered within
+        // G of `stats()` returning (the decrement may precede the event by its delivery in flight,
+        // never by more). Event and reply times are the sender peer's own clock.
+        let reply = p.call(Side::Tx, Op::Stats, ctx)?;
+        let Outcome::Stats { stats } = reply.outcome else { return fail(format!("stats: unexpected reply {:?}", reply.outcome)) };
+        let live = stats.live_transfers;
+        // Surely before the stats call: the last submit's reply (same peer, calls one at a time).
+        let called_ns = last_reply_ns;
+        let lag_ns = ctx.limits.abort_grace_ms * 1_000_000;
+        // Give a transfer that really is live time to show it: no grant for longer than the lag.
+        sleep_ms(ctx.limits.abort_grace_ms + 50);
+        let ended_at = |x: u64| p.terminal(x).map(|e| e.t_ns);
+        let before = ids.iter().filter(|x| ended_at(**x).is_none_or(|t| t >= called_ns)).count() as u64;
+        let after = ids.iter().filter(|x| ended_at(**x).is_none_or(|t| t > reply.t_ns + lag_ns)).count() as u64;
+        if live > before + base.live_transfers {
+            problems.push(format!(
+                "live_transfers = {live} counts transfers whose terminal event was delivered before stats() was called ({before} of the harness's transfers were live then, baseline {})",
+                base.live_transfers
+            ));
+        }
+        if live < after + base.live_transfers {
+            problems.push(format!(
+                "live_transfers = {live} while {after} of the harness's transfers had no terminal event until more than {} ms after stats() returned (baseline {})",
+                ctx.limits.abort_grace_ms, base.live_transfers
+            ));
         }
         let timeout_ns = ctx.limits.long_timeout_ms * 1_000_000;
         p.call(Side::Rx, Op::ExpectIncoming { ticket: waiting, peer: crate::world::TX_PEER, timeout_ns, ranges: vec![(dst.key, 0, dst.len)] }, ctx)?;

@@ -2,7 +2,7 @@
 //! with faults), no byte landing after quiesce, and shutdown with transfers in flight.
 
 use super::*;
-use crate::peer::protocol::{Op, Outcome, Seg, WireStats};
+use crate::peer::protocol::{Op, Outcome, Seg, WireEvent, WireStats};
 use crate::world::{describe, is_terminal, ms, seg, Side, Xfer};
 use kvgate_abi::{event_flags, EventKind};
 
@@ -211,15 +211,59 @@ pub fn res_2(ctx: &mut Ctx) -> CheckResult {
     })
 }
 
+/// How long RES-3 watches the destination, continuously, once a transfer was reported quiesced.
+const RES_3_WATCH_MS: u64 = 300;
+/// What each of RES-3's mid-transfer cases moves: passes over the whole destination, alternating
+/// between two halves of the source, so that every pass rewrites every byte with other bytes.
+const RES_3_MID_BYTES: u64 = 256 << 20;
+/// RES-3's mid-transfer cases: after the destination was seen changing, cancel after this many ms.
+const RES_3_CANCEL_POINTS_MS: [u64; 4] = [0, 0, 3, 10];
+
+/// The destination as the harness reads it from the shared file (works while the receiver is frozen).
+fn snapshot(p: &Pair, dst: &crate::world::Dst) -> Result<Vec<u8>, Verdict> {
+    p.region_bytes(Side::Rx, dst.rid, 0, dst.len).map_err(|e| Verdict::Fail(format!("reading the destination: {e}")))
+}
+
+/// Read the destination again and again for `watch_ms` from now: when it changed, after how many
+/// milliseconds of watching and at which byte.
+fn watch_destination(p: &Pair, dst: &crate::world::Dst, watch_ms: u64) -> Result<Option<(f64, usize)>, Verdict> {
+    let first = snapshot(p, dst)?;
+    let start = std::time::Instant::now();
+    while start.elapsed() < ms_of(watch_ms) {
+        let now = snapshot(p, dst)?;
+        if let Some(at) = first.iter().zip(&now).position(|(a, b)| a != b) {
+            return Ok(Some((start.elapsed().as_secs_f64() * 1e3, at)));
+        }
+        std::thread::sleep(std::time::Duration::from_micros(500));
+    }
+    Ok(None)
+}
+
+/// After a `FAILED`: wait for the transfer's quiesce report, then watch the destination from the
+/// moment it is seen. `Err` is the problem found.
+fn quiesce_then_watch(p: &Pair, x: u64, t: &WireEvent, dst: &crate::world::Dst, what: &str, ctx: &Ctx) -> Result<Result<String, String>, Verdict> {
+    let bound = ms_of(ctx.limits.deadline_slack_ms + 2_000);
+    if !p.tx.wait_events(bound, |events| Pair::quiesced(events, x)) {
+        return Ok(Err(format!("{what}: {} and no QUIESCED within {} ms", describe(t), bound.as_millis())));
+    }
+    let q_at = p.tx.events().iter().filter(|e| e.xfer == x).map(|e| e.t_ns).max().unwrap_or(0);
+    Ok(match watch_destination(p, dst, RES_3_WATCH_MS)? {
+        Some((after, at)) => Err(format!(
+            "{what}: destination byte {at} changed {after:.1} ms into the watch that began when the transfer was reported quiesced (at {:.1} ms): bytes landed after quiesce",
+            ms(q_at)
+        )),
+        None => Ok(format!("{what}: {}, destination unchanged for {RES_3_WATCH_MS} ms after quiesce", describe(t))),
+    })
+}
+
 // CONFORMANCE: RES-3
 pub fn res_3(ctx: &mut Ctx) -> CheckResult {
     with_pair(ctx, |p, ctx| {
         let big = ctx.limits.max_data_bytes.min(16 << 20);
-        let src = p.alloc_src(big, ctx.rng.next_u64(), ctx)?;
+        let src = p.alloc_src(2 * big, ctx.rng.next_u64(), ctx)?;
         let dst = p.alloc_dst(big, ctx.rng.next_u64(), ctx)?;
         let ticket = p.authorise(&dst, ctx)?;
         p.settle_ticket(&src, &dst, ticket, ctx)?;
-        let watch_ms = 200u64;
         let (mut lines, mut problems) = (Vec::new(), Vec::new());
         for attempt in 0..5u64 {
             let frozen = attempt == 4;
@@ -237,44 +281,96 @@ pub fn res_3(ctx: &mut Ctx) -> CheckResult {
                 sleep_ms(1);
             }
             p.cancel(x, ctx)?;
-            let Some(t) = p.wait_terminal(x, ms_of(ctx.limits.abort_grace_ms + 2_000)) else {
-                if frozen {
-                    p.rx.resume();
-                }
-                problems.push(format!("attempt {attempt}: no terminal event after cancel"));
-                continue;
-            };
-            if t.kind == EventKind::SUCCEEDED.0 {
-                if frozen {
-                    p.rx.resume();
-                }
-                lines.push(format!("attempt {attempt}: completed before the cancel"));
-                continue;
-            }
+            let t = p.wait_terminal(x, ms_of(ctx.limits.abort_grace_ms + 2_000));
             // A frozen receiver may hold bytes the plugin cannot yet rule out: quiesce is due once it runs again.
             if frozen {
                 p.rx.resume();
             }
-            let bound = ms_of(ctx.limits.deadline_slack_ms + 2_000);
-            let quiesced = p.tx.wait_events(bound, |events| Pair::quiesced(events, x));
-            if !quiesced {
-                problems.push(format!("attempt {attempt}: {} and no QUIESCED within {} ms", describe(&t), bound.as_millis()));
+            let Some(t) = t else {
+                problems.push(format!("attempt {attempt}: no terminal event after cancel"));
+                continue;
+            };
+            if t.kind == EventKind::SUCCEEDED.0 {
+                lines.push(format!("attempt {attempt}: completed before the cancel"));
                 continue;
             }
-            let q_at = p.tx.events().iter().filter(|e| e.xfer == x).map(|e| e.t_ns).max().unwrap_or(0);
-            let first = p.checksum(Side::Rx, dst.rid, vec![(0, big)], ctx)?;
-            sleep_ms(watch_ms);
-            let second = p.checksum(Side::Rx, dst.rid, vec![(0, big)], ctx)?;
-            if first != second {
-                problems.push(format!(
-                    "attempt {attempt}: destination still changing {watch_ms} ms after the transfer was reported quiesced (at {:.1} ms): bytes landed after quiesce",
-                    ms(q_at)
-                ));
-            } else {
-                lines.push(format!("attempt {attempt}{}: {}, destination unchanged for {watch_ms} ms after quiesce", if frozen { " (receiver frozen)" } else { "" }, describe(&t)));
+            let what = format!("attempt {attempt}{}", if frozen { " (receiver frozen)" } else { "" });
+            match quiesce_then_watch(p, x, &t, &dst, &what, ctx)? {
+                Ok(l) => lines.push(l),
+                Err(e) => problems.push(e),
             }
         }
-        verdict_of(problems, lines.join("; "))
+        // Cancels inside a transfer whose bytes are seen moving: passes over the whole destination,
+        // alternating between the two halves of the source, cancelled once the destination was seen
+        // changing. A success after such a cancel must leave the destination as it was when the
+        // cancel returned; a failure must leave it alone once reported quiesced.
+        let mut passes = (RES_3_MID_BYTES / big).max(2);
+        if p.info.max_segments_per_submit > 0 {
+            passes = passes.min(p.info.max_segments_per_submit);
+        }
+        if p.info.max_transfer_bytes > 0 {
+            passes = passes.min(p.info.max_transfer_bytes / big);
+        }
+        let passes = passes.max(1);
+        let last_half = ((passes - 1) % 2) * big;
+        let (mut moving, mut mid) = (0u64, 0u64);
+        for (case, wait_ms) in RES_3_CANCEL_POINTS_MS.iter().enumerate() {
+            let seed = ctx.rng.next_u64();
+            p.call(Side::Rx, Op::Fill { rid: dst.rid, offset: 0, len: big, seed }, ctx)?;
+            let filled = snapshot(p, &dst)?;
+            let finished = p.region_bytes(Side::Tx, src.rid, last_half, big).map_err(|e| Verdict::Fail(format!("reading the source: {e}")))?;
+            let segs = (0..passes).map(|i| seg(&src, (i % 2) * big, &dst, 0, big)).collect();
+            let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, segs, ctx)?;
+            accepted(r, "large transfer")?;
+            // Bytes moving: the destination differs from its fill (or the transfer already ended).
+            let start = std::time::Instant::now();
+            let mut seen = false;
+            while start.elapsed() < p.bound() && p.terminal(x).is_none() {
+                if snapshot(p, &dst)? != filled {
+                    seen = true;
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            sleep_ms(*wait_ms);
+            let cancel = p.cancel(x, ctx)?;
+            let at_cancel = snapshot(p, &dst)?;
+            let what = format!("mid-transfer case {case} ({} MiB in {passes} passes, cancelled {wait_ms} ms after bytes were seen moving)", (passes * big) >> 20);
+            let Some(t) = p.wait_terminal(x, p.bound()) else {
+                problems.push(format!("{what}: no terminal event within {} ms of the cancel", p.bound().as_millis()));
+                continue;
+            };
+            let ended_before = t.t_ns <= cancel.t_ns.saturating_sub(cancel.call_ns);
+            if seen && !ended_before && at_cancel != finished {
+                mid += 1;
+            }
+            if seen {
+                moving += 1;
+            }
+            if t.kind == EventKind::SUCCEEDED.0 {
+                // Allowed only if every byte had landed before the cancel returned.
+                sleep_ms(20);
+                let end = snapshot(p, &dst)?;
+                match at_cancel.iter().zip(&end).position(|(a, b)| a != b) {
+                    Some(at) => problems.push(format!(
+                        "{what}: {} after the cancel returned (at {:.1} ms), but destination byte {at} changed after the cancel returned: the cancel was ignored while bytes still moved",
+                        describe(&t),
+                        ms(cancel.t_ns)
+                    )),
+                    None => lines.push(format!("{what}: completed before the cancel, destination unchanged since the cancel returned")),
+                }
+                continue;
+            }
+            match quiesce_then_watch(p, x, &t, &dst, &what, ctx)? {
+                Ok(l) => lines.push(l),
+                Err(e) => problems.push(e),
+            }
+        }
+        let tries = RES_3_CANCEL_POINTS_MS.len();
+        verdict_of(
+            problems,
+            format!("{}; mid-transfer cases: bytes seen moving before {moving} of {tries} cancels, {mid} of them reached the transfer unfinished", lines.join("; ")),
+        )
     })
 }
 

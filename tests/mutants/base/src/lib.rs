@@ -99,6 +99,16 @@ pub struct Faults {
     /// With `progress_events`: each `PROGRESS` carries the bytes of the segment just copied instead
     /// of the running total, so it goes backwards whenever a shorter segment follows a longer one.
     pub progress_per_segment: bool,
+    /// `cancel` mid-copy reports `FAILED` with the quiesced flag as soon as it has asked the copy to
+    /// stop, but the copy notices the request only between segments: the segment in progress is
+    /// written on after the report (a worker that checks its stop flag per segment, not per piece).
+    pub quiesce_before_copy_stops: bool,
+    /// A cancel that arrives once the copy has started is ignored: the copy finishes and the
+    /// transfer reports `SUCCEEDED` (a "too late to cancel" shortcut taken while bytes still move).
+    pub ignore_cancel_mid_copy: bool,
+    /// Not a fault: the same-host copy moves at most this many bytes per millisecond (a rate limit;
+    /// 0 for none), so a large segment takes a while to write.
+    pub copy_bytes_per_ms: u64,
     /// Not a fault: the network variant, over loopback UDP.
     pub udp: bool,
     /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.

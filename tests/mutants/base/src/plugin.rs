@@ -449,9 +449,18 @@ impl Plugin for RefPlugin {
             return;
         }
         let faults = self.shared.faults;
+        // FAULT: once bytes move, the cancel is ignored; the copy finishes and succeeds.
+        if faults.ignore_cancel_mid_copy && t.phase == Phase::Copying {
+            return;
+        }
         if t.phase == Phase::Copying {
             t.reported = true;
-            if faults.write_after_cancel {
+            if faults.quiesce_before_copy_stops {
+                // FAULT: quiesced at once, though the copy stops only at the next segment boundary.
+                t.stop.store(true, Ordering::SeqCst);
+                t.phase = Phase::Finishing;
+                self.shared.failed(xfer.0, ReasonCode::CANCELLED, "cancelled".into(), true);
+            } else if faults.write_after_cancel {
                 // FAULT: claims quiesced while the copy goes on.
                 t.phase = Phase::Finishing;
                 self.shared.failed(xfer.0, ReasonCode::CANCELLED, "cancelled".into(), true);

@@ -201,7 +201,15 @@ fn pick_job(st: &mut State) -> Option<Job> {
 fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, deadline: Instant) -> Stopped {
     let mut stopped = Stopped::Completed;
     let mut moved = 0u64;
+    let started = Instant::now();
+    let rate = shared.faults.copy_bytes_per_ms;
+    let mut paced = 0u64;
     'pieces: for (i, p) in pieces.iter().enumerate() {
+        // FAULT: `quiesce_before_copy_stops` looks at the stop flag here only, between segments.
+        if shared.faults.quiesce_before_copy_stops && stop.load(Ordering::SeqCst) {
+            stopped = Stopped::Cancelled;
+            break 'pieces;
+        }
         // FAULT: the segments past a fixed-size list are never copied; the transfer succeeds anyway.
         if shared.faults.copy_first_segments_only && i == crate::COPIED_SEGMENTS_LIMIT {
             break;
@@ -226,7 +234,7 @@ fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, de
         }
         let mut done = 0;
         while done < p.len {
-            if stop.load(Ordering::SeqCst) {
+            if stop.load(Ordering::SeqCst) && !shared.faults.quiesce_before_copy_stops {
                 stopped = Stopped::Cancelled;
                 break 'pieces;
             }
@@ -235,12 +243,21 @@ fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, de
                 stopped = Stopped::Timeout;
                 break 'pieces;
             }
-            let n = (p.len - done).min(COPY_PIECE_BYTES);
+            let piece = if rate > 0 { rate.clamp(1, COPY_PIECE_BYTES) } else { COPY_PIECE_BYTES };
+            let n = (p.len - done).min(piece);
             // SAFETY: both ranges were checked against their regions at submit and the mappings
             // are kept alive by the transfer; the host keeps local memory mapped until deregister,
             // which waits for this copy to stop.
             unsafe { std::ptr::copy_nonoverlapping((p.src + done) as *const u8, (p.dst + done) as *mut u8, n as usize) };
             done += n;
+            // The rate limit: no faster than `rate` bytes per millisecond since the copy began.
+            paced += n;
+            if let Some(us) = (paced * 1000).checked_div(rate) {
+                let due = started + Duration::from_micros(us);
+                if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+            }
         }
         moved += p.len;
         if shared.faults.progress_events {
