@@ -124,20 +124,10 @@ unsafe impl Send for PeerMapping {}
 unsafe impl Sync for PeerMapping {}
 
 impl PeerMapping {
-    /// Map `len` bytes at `offset` of the file at `path`. Refuses a file shorter than `offset + len`.
+    /// Map `len` bytes at `offset` of the file at `path` (pre-faulted with `populate`). Refuses a
+    /// file shorter than `offset + len`.
     pub fn map(path: &str, offset: u64, len: u64, populate: bool) -> Result<PeerMapping, PluginError> {
-        Self::map_file(path, None, offset, len, populate)
-    }
-
-    /// As `map`, refusing a file whose (device, inode) is not `identity`: a peer's region is opened
-    /// through its owner's descriptor (`/proc/<pid>/fd/<n>`), which must still be the file it registered.
-    pub fn map_checked(path: &str, identity: (u64, u64), offset: u64, len: u64, populate: bool) -> Result<PeerMapping, PluginError> {
-        Self::map_file(path, Some(identity), offset, len, populate)
-    }
-
-    fn map_file(path: &str, identity: Option<(u64, u64)>, offset: u64, len: u64, populate: bool) -> Result<PeerMapping, PluginError> {
-        let backing = PeerBacking::open(path, identity, offset, len)?;
-        let mapping = Self::map_backing(&backing)?;
+        let mapping = Self::map_backing(&PeerBacking::open(path, None, offset, len)?)?;
         if populate {
             mapping.populate(POPULATE_CHUNK_BYTES);
         }
