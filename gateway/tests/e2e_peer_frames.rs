@@ -32,7 +32,7 @@ fn expect_request_bytes(room: u64, slices: &[Slice]) -> usize {
     proto::ExpectRequest {
         key: Some(room_key(room, 0)),
         peer: PREFILL_NAME.to_string(),
-        parts: vec![proto::PartSlices { slices: slices.to_vec() }],
+        parts: vec![proto::PartSlices { slices: slices.to_vec(), source_kind: String::new() }],
         deadline_ms: 0,
     }
     .encoded_len()

@@ -58,7 +58,16 @@ class RegionError(KvgateError):
     """A region or a slice of one is wrong: not registered, out of range, unmappable, or refused by
     every plugin."""
 
-    codes = ("unknown_region", "slice_out_of_range", "memory_unavailable", "empty_region", "unsupported_memory", "region_in_use")
+    codes = (
+        "unknown_region",
+        "slice_out_of_range",
+        "memory_unavailable",
+        "empty_region",
+        "unsupported_memory",
+        "region_in_use",
+        "no_plugin_for_memory",
+        "unknown_memory_kind",
+    )
 
 
 class PeerError(KvgateError):

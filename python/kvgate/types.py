@@ -70,12 +70,15 @@ class Chunk(NamedTuple):
 
 
 class Expectation(NamedTuple):
-    """One expect of a batch (`expect_batch`): the room, the prefill gateway, the destination parts."""
+    """One expect of a batch (`expect_batch`): the room, the prefill gateway, the destination parts,
+    and (optional) the memory kind the sender reads each part from (`"host"`, `"cuda_device"`; empty
+    or missing: the kind of the part's destination)."""
 
     key: "RoomKeyLike"
     peer: str
     parts: Sequence[Sequence[Slice]]
     deadline_ms: int = 0
+    source_kinds: Sequence[str] = ()
 
 
 class ChunkSend(NamedTuple):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -146,6 +147,10 @@ def test_refusals_carry_their_reason_code(pair: Pair) -> None:
         e = refused(lambda: prefill.client.send(8, 0, 1, [prefill.region.slice(0, 8)], peer="decode"))
         assert (type(e), e.code) == (kvgate.InvalidRequest, "out_of_order_chunk")
         assert c.abort(7, "test")
+        # The abort reaches the prefill gateway over the peer link: wait until its side of the room is over.
+        deadline = time.monotonic() + 10
+        while prefill.client.room(7).state != "failed" and time.monotonic() < deadline:
+            time.sleep(0.01)
         e = refused(lambda: prefill.send(7, 0))
         assert (type(e), e.code) == (kvgate.RoomError, "room_terminal")
         assert "room_terminal" in str(e)

@@ -289,3 +289,14 @@ def test_cuda_registration_says_why_it_is_unavailable() -> None:
         kvgate.cuda_ipc_export(object())
     assert raised.value.code == "cuda_unavailable" and raised.value.details == why
     assert any(w in why for w in ("PyTorch is not installed", "built without CUDA", "sees no CUDA device")), why
+
+
+def test_expect_request_names_each_parts_source_kind_and_leaves_the_rest_to_the_destination() -> None:
+    from kvgate.client import _expect_request
+
+    parts = [[kvgate.Slice(1, 0, 64)], [kvgate.Slice(2, 0, 64)], [kvgate.Slice(3, 0, 64)]]
+    request = _expect_request(RoomKey(5, 0), "prefill", parts, 0, ["cuda_device"])
+    assert [p.source_kind for p in request.parts] == ["cuda_device", "", ""]
+    assert [p.slices[0].region for p in request.parts] == [1, 2, 3]
+    assert all(p.source_kind == "" for p in _expect_request(RoomKey(5, 0), "prefill", parts, 0).parts)
+    assert "no_plugin_for_memory" in errors.RegionError.codes and "unknown_memory_kind" in errors.RegionError.codes

@@ -94,6 +94,20 @@ pub struct RegionId(pub u64);
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct PluginSlot(pub u32);
 
+impl PluginSlot {
+    /// No plugin instance: a plugin name in an expect notice that this gateway did not open.
+    pub const NONE: PluginSlot = PluginSlot(u32::MAX);
+}
+
+/// A plugin instance connected with a peer, and the memory kinds it serves (bits of
+/// `kvgate_abi::MemoryKind::bit`): a peer's plugins are given in preference order, and each part of
+/// a room uses the first that serves its memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PeerPlugin {
+    pub slot: PluginSlot,
+    pub memory_kinds: u32,
+}
+
 /// `len` bytes at `offset` in `region`. In an `Expect` the region is local (destination); in a
 /// `Send` it is local (source); in an `ExpectNotice` it is the receiver's region id.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -177,10 +191,14 @@ pub enum RefusalReason {
     PlacementMismatch,
     /// Two destination slices of an expect (of one part or of two) cover the same bytes.
     OverlappingSlices,
+    /// No plugin connected with the peer can serve the memory: for an expect, none holds a key for
+    /// every destination region of a part and serves the part's source memory kind; for a send, a
+    /// source region is not registered with the plugin the receiver chose for the part.
+    NoPluginForMemory,
 }
 
 impl RefusalReason {
-    pub const COUNT: usize = 23;
+    pub const COUNT: usize = 24;
     pub fn index(self) -> usize {
         self as usize
     }
@@ -209,6 +227,7 @@ impl RefusalReason {
             RefusalReason::OverlappingChunk => "overlapping_chunk",
             RefusalReason::PlacementMismatch => "placement_mismatch",
             RefusalReason::OverlappingSlices => "overlapping_slices",
+            RefusalReason::NoPluginForMemory => "no_plugin_for_memory",
         }
     }
     pub const ALL: &'static [RefusalReason] = &[
@@ -235,6 +254,7 @@ impl RefusalReason {
         RefusalReason::OverlappingChunk,
         RefusalReason::PlacementMismatch,
         RefusalReason::OverlappingSlices,
+        RefusalReason::NoPluginForMemory,
     ];
 }
 
@@ -300,7 +320,10 @@ impl PeerLoss {
 pub enum PeerMessage {
     /// Receiver → sender: the room's destination (receiver's region ids), one ticket per part, and
     /// how long the room may still live.
-    ExpectNotice { room: RoomKey, parts: Vec<Vec<Slice>>, tickets: Vec<Ticket>, deadline_remaining: Nanos },
+    /// `plugins`: the plugin each part's ticket is open on (as the core that holds the message
+    /// numbers its plugin instances; the driver translates by name on the wire), one entry per
+    /// part, or one entry for every part.
+    ExpectNotice { room: RoomKey, parts: Vec<Vec<Slice>>, tickets: Vec<Ticket>, plugins: Vec<PluginSlot>, deadline_remaining: Nanos },
     /// Sender → receiver: the expect met the first send; bytes may now move (the receiver leaves
     /// its bootstrap phase).
     Matched { room: RoomKey },
@@ -506,6 +529,9 @@ pub enum FailReason {
     Overloaded,
     /// The engine session that owned the room ended (closed, or its connection gone past its grace).
     EngineLost,
+    /// The expect notice assigns a part to a plugin this gateway has not connected with the peer,
+    /// or a held chunk's source region is not registered with the part's plugin.
+    NoPluginForMemory,
 }
 
 impl FailReason {
@@ -531,8 +557,9 @@ impl FailReason {
         FailReason::QuarantineTimeout,
         FailReason::Overloaded,
         FailReason::EngineLost,
+        FailReason::NoPluginForMemory,
     ];
-    pub const COUNT: usize = 21;
+    pub const COUNT: usize = 22;
     pub fn index(self) -> usize {
         self as usize
     }
@@ -559,6 +586,7 @@ impl FailReason {
             FailReason::QuarantineTimeout => "quarantine_timeout",
             FailReason::Overloaded => "overloaded",
             FailReason::EngineLost => "engine_lost",
+            FailReason::NoPluginForMemory => "no_plugin_for_memory",
         }
     }
     pub fn from_name(name: &str) -> Option<FailReason> {

@@ -214,7 +214,7 @@ fn settled_rooms_refuse_late_requests_and_messages_like_any_terminal_room() {
     pair.abort_prefill(key(3));
     assert_eq!(pair.prefill.core.metrics().aborts_harmless[HarmlessAbort::Unknown.index()], 1);
     pair.link_up = false;
-    let notice = PeerMessage::ExpectNotice { room: key(3), parts: vec![slices(DST_REGION, &[(0, 8)])], tickets: vec![Ticket(99)], deadline_remaining: Nanos::from_ms(1_000) };
+    let notice = PeerMessage::ExpectNotice { room: key(3), parts: vec![slices(DST_REGION, &[(0, 8)])], tickets: vec![Ticket(99)], plugins: vec![], deadline_remaining: Nanos::from_ms(1_000) };
     let sent_before = pair.prefill.to_peer.len();
     pair.prefill.core.handle_peer_message(pair.now, DECODE_ID, &notice);
     pair.drive();

@@ -180,7 +180,7 @@ impl Client {
         let request = proto::ExpectRequest {
             key: Some(key),
             peer: peer.to_string(),
-            parts: parts.into_iter().map(|slices| proto::PartSlices { slices }).collect(),
+            parts: parts.into_iter().map(|slices| proto::PartSlices { slices, source_kind: String::new() }).collect(),
             deadline_ms,
         };
         self.inner.clone().expect(request).await?;

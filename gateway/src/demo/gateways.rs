@@ -14,6 +14,7 @@ pub const GATEWAY_READY_TIMEOUT_MS: u64 = 20_000;
 /// Settings of generated gateways.
 #[derive(Clone, Debug)]
 pub struct PairSettings {
+    /// `plugins.preference` of every gateway: one plugin name, or several separated by commas.
     pub plugin: String,
     pub heartbeat_interval_ms: u64,
     pub heartbeat_misses: u64,
@@ -215,7 +216,7 @@ connect_timeout_ms = 2000
 reconnect_interval_ms = 100
 {psk}{peers}
 [plugins]
-preference = ["{plugin}"]
+preference = {preference}
 libraries = {libraries}
 {plugin_config}[scheduler]
 bootstrap_timeout_ms = {bootstrap}
@@ -229,9 +230,9 @@ stuck_room_warn_ms = {stuck:?}
         socket = socket.display(),
         hb = s.heartbeat_interval_ms,
         misses = s.heartbeat_misses,
-        plugin = s.plugin,
+        preference = toml::Value::Array(s.plugin.split(',').map(|p| toml::Value::String(p.trim().to_string())).collect()),
         libraries = toml_string_list(&s.plugin_libraries),
-        plugin_config = plugin_config_table(&s.plugin, &s.plugin_config),
+        plugin_config = plugin_config_table(s.plugin.split(',').next().unwrap_or_default().trim(), &s.plugin_config),
         bootstrap = s.bootstrap_timeout_ms,
         stuck = s.stuck_room_warn_ms,
         psk = psk_line(psk_file, extra),

@@ -46,7 +46,7 @@ impl Driver {
             Command::ToPeer { peer, message } => match self.peers.session(peer.0) {
                 // A full queue makes the session task declare the peer lost; the core then learns it.
                 Some(state) => {
-                    state.sender.send(Frame::Core(codec::encode(message)));
+                    state.sender.send(Frame::Core(codec::encode(message, &self.plugin_names)));
                 }
                 None => {
                     let keep = matches!(message, kvgate_core::PeerMessage::Quiesced { .. });

@@ -57,6 +57,9 @@ pub struct ExpectCall {
     pub room: RoomKey,
     pub peer: String,
     pub parts: Vec<Vec<Slice>>,
+    /// The memory kind the sender reads each part from (empty, or None for a part: the kind of
+    /// its destination).
+    pub source_kinds: Vec<Option<kvgate_abi::MemoryKind>>,
     pub timeout_ms: Option<u64>,
 }
 
@@ -203,7 +206,7 @@ impl Driver {
     fn expect_call(&mut self, call: ExpectCall) -> Result<(), ApiError> {
         self.check_session(call.session)?;
         let peer = self.peer_id_of(&call.peer)?;
-        self.expect(call.room, peer, call.parts, call.timeout_ms)?;
+        self.expect(call.room, peer, call.parts, &call.source_kinds, call.timeout_ms)?;
         if let Some(id) = call.session {
             self.sessions.own_room(id, call.room, Role::Receiver);
         }
@@ -224,8 +227,9 @@ impl Driver {
     }
 
     /// An expect: once the core accepts it, the room holds its destination regions.
-    fn expect(&mut self, room: RoomKey, peer: PeerId, parts: Vec<Vec<Slice>>, timeout_ms: Option<u64>) -> Result<(), ApiError> {
-        let frame_bytes = crate::peer_link::codec::expect_notice_frame_bytes(&parts);
+    fn expect(&mut self, room: RoomKey, peer: PeerId, parts: Vec<Vec<Slice>>, source_kinds: &[Option<kvgate_abi::MemoryKind>], timeout_ms: Option<u64>) -> Result<(), ApiError> {
+        let longest_name = self.plugin_names.iter().map(String::len).max().unwrap_or(0);
+        let frame_bytes = crate::peer_link::codec::expect_notice_frame_bytes(&parts, longest_name);
         let max_frame_bytes = self.config.peer_link.max_frame_bytes as usize;
         if frame_bytes > max_frame_bytes {
             tracing::info!(room = %room, reason = "frame_too_large", "engine request refused");
@@ -235,7 +239,7 @@ impl Driver {
             ));
         }
         let now = self.now();
-        let result = self.core.handle_expect(now, room, peer, &parts, timeout_ms);
+        let result = self.core.handle_expect_from(now, room, peer, &parts, source_kinds, timeout_ms);
         self.refusal_to_api(result)?;
         self.region_use.hold(room, Role::Receiver, parts.iter().flatten());
         Ok(())

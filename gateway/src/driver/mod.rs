@@ -63,6 +63,8 @@ pub struct Driver {
     origin: Instant,
     config: Arc<GatewayConfig>,
     plugins: Vec<OpenedPlugin>,
+    /// Each plugin's name, by slot: how peer messages name a plugin on the wire.
+    plugin_names: Vec<String>,
     plugin_listing: Vec<PluginStatus>,
     /// `Some(reason)` once a plugin reported itself unhealthy.
     plugin_unhealthy: Vec<Option<String>>,
@@ -121,6 +123,7 @@ impl Driver {
             peers: peers::Peers::default(),
             directory: parts.directory,
             config: parts.config,
+            plugin_names: parts.plugins.iter().map(|p| p.name().to_string()).collect(),
             plugins: parts.plugins,
             plugin_listing: parts.plugin_listing,
             plugin_unhealthy: vec![None; slots],

@@ -1,12 +1,14 @@
-//! Peer sessions as the driver sees them: which session is current for each peer name, the plugin
-//! chosen for it, the remote keys imported from it; turning link events into core inputs. Never
-//! waits on a link: frames out are queued without blocking (`PeerSender::send`).
+//! Peer sessions as the driver sees them: which session is current for each peer name, the plugins
+//! connected with it (every plugin both sides opened that can reach it, in the link's preference
+//! order; the core picks one per part from the memory it moves), the remote keys imported from it
+//! into each; turning link events into core inputs. Never waits on a link: frames out are queued
+//! without blocking (`PeerSender::send`).
 
 use super::Driver;
 use crate::peer_link::{codec, dials, PeerEvent, PeerSender, SessionId};
-use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, MemoryKind, PeerId, RemoteKey};
+use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, PeerId, RemoteKey};
 use kvgate_client::proto::{self, peer_frame::Frame};
-use kvgate_core::{PeerLoss, PeerMessage, PluginSlot, RegionId, Role};
+use kvgate_core::{PeerLoss, PeerMessage, PeerPlugin, PluginSlot, RegionId, Role};
 use std::collections::HashMap;
 
 pub struct PeerSessionState {
@@ -14,9 +16,10 @@ pub struct PeerSessionState {
     /// The peer process's incarnation (from its Hello).
     pub incarnation: u64,
     pub sender: PeerSender,
-    pub plugin: Option<PluginSlot>,
-    /// Remote keys imported from this session: peer region id -> key in `plugin`.
-    pub remote_keys: HashMap<u64, RemoteKey>,
+    /// The plugins connected with this peer, in preference order (empty: none usable).
+    pub plugins: Vec<PluginSlot>,
+    /// Remote keys imported from this session: (peer region id, plugin) -> key in that plugin.
+    pub remote_keys: HashMap<(u64, PluginSlot), RemoteKey>,
 }
 
 #[derive(Default)]
@@ -126,33 +129,30 @@ impl Driver {
         let local_prefs: Vec<String> = self.plugins.iter().map(|p| p.name().to_string()).collect();
         let same_host = self.directory.entry(&name).is_some_and(|p| p.same_host);
         let candidates = shared_preferences(&self.config.gateway.name, &local_prefs, &hello);
-        // kvgate-host's selection checks memory kind, scope and health of our own instance.
-        let plugin = match select_plugin(&self.plugins, &candidates, same_host) {
-            Some(slot) => {
-                let endpoint = hello.plugins.iter().find(|p| p.plugin == self.plugins[slot].name()).map(|p| p.endpoint.clone()).unwrap_or_default();
-                match self.plugins[slot].transport().connect(peer, RSlice::from_slice(&endpoint)) {
-                    RResult::ROk(()) => Some(PluginSlot(slot as u32)),
-                    RResult::RErr(e) => {
-                        tracing::error!(peer = %name, plugin = self.plugins[slot].name(), "plugin connect failed: {e}");
-                        None
-                    }
-                }
+        // Every shared plugin that reaches this peer (scope) and is healthy, connected in order.
+        let mut connected = Vec::new();
+        for slot in usable_plugins(&self.plugins, &candidates, same_host) {
+            let endpoint = hello.plugins.iter().find(|p| p.plugin == self.plugins[slot].name()).map(|p| p.endpoint.clone()).unwrap_or_default();
+            match self.plugins[slot].transport().connect(peer, RSlice::from_slice(&endpoint)) {
+                RResult::ROk(()) => connected.push(PeerPlugin { slot: PluginSlot(slot as u32), memory_kinds: self.plugins[slot].capabilities().memory_kinds }),
+                RResult::RErr(e) => tracing::error!(peer = %name, plugin = self.plugins[slot].name(), "plugin connect failed: {e}"),
             }
-            None => {
-                tracing::error!(peer = %name, ours = ?local_prefs, theirs = ?hello.plugins.iter().map(|p| &p.plugin).collect::<Vec<_>>(), same_host,
-                    "no plugin usable with this peer: rooms with it will be refused (peer_not_connected)");
-                None
-            }
-        };
+        }
+        if connected.is_empty() {
+            tracing::error!(peer = %name, ours = ?local_prefs, theirs = ?hello.plugins.iter().map(|p| &p.plugin).collect::<Vec<_>>(), same_host,
+                "no plugin usable with this peer: rooms with it will be refused (peer_not_connected)");
+        }
         self.metrics.set_peer_up(&name, true);
         for announce in self.regions.announcements() {
             sender.send(Frame::RegionAnnounce(announce.clone()));
         }
-        self.peers.by_session.insert(session, PeerSessionState { name: name.clone(), incarnation: hello.incarnation, sender, plugin, remote_keys: HashMap::new() });
-        if let Some(slot) = plugin {
+        let plugins: Vec<PluginSlot> = connected.iter().map(|p| p.slot).collect();
+        self.peers.by_session.insert(session, PeerSessionState { name: name.clone(), incarnation: hello.incarnation, sender, plugins: plugins.clone(), remote_keys: HashMap::new() });
+        if !connected.is_empty() {
             self.peers.current.insert(name.clone(), session);
-            self.core.handle_peer_up(now, peer, hello.incarnation, slot);
-            tracing::info!(peer = %name, session, plugin = self.plugin_name(slot), "peer ready");
+            self.core.handle_peer_up_with(now, peer, hello.incarnation, &connected);
+            let names: Vec<&str> = plugins.iter().map(|slot| self.plugin_name(*slot)).collect();
+            tracing::info!(peer = %name, session, plugins = ?names, "peer ready");
         }
         self.deliver_parked(&name, session, hello.incarnation);
     }
@@ -163,28 +163,35 @@ impl Driver {
         let peer = PeerId(session);
         match frame {
             Frame::RegionAnnounce(announce) => {
-                let Some(slot) = state.plugin else { return };
-                let plugin = &self.plugins[slot.0 as usize];
-                let Some(key) = announce.keys.iter().find(|k| k.plugin == plugin.name()) else {
-                    tracing::warn!(peer = %state.name, region = announce.region, plugin = plugin.name(), "peer region has no key for the shared plugin");
-                    return;
-                };
-                match plugin.transport().import_remote_key(peer, RSlice::from_slice(&key.key)) {
-                    RResult::ROk(remote) => {
-                        if let Some(old) = state.remote_keys.insert(announce.region, remote) {
-                            plugin.transport().release_remote_key(old);
+                // Imported into every plugin connected with the peer that the region is registered with.
+                let mut imported = 0;
+                for &slot in &state.plugins {
+                    let plugin = &self.plugins[slot.0 as usize];
+                    let Some(key) = announce.keys.iter().find(|k| k.plugin == plugin.name()) else { continue };
+                    match plugin.transport().import_remote_key(peer, RSlice::from_slice(&key.key)) {
+                        RResult::ROk(remote) => {
+                            if let Some(old) = state.remote_keys.insert((announce.region, slot), remote) {
+                                plugin.transport().release_remote_key(old);
+                            }
+                            self.core.handle_remote_region_key(now, peer, RegionId(announce.region), announce.len, slot, remote);
+                            imported += 1;
                         }
-                        self.core.handle_remote_region(now, peer, RegionId(announce.region), announce.len, remote);
+                        RResult::RErr(e) => tracing::error!(peer = %state.name, region = announce.region, plugin = plugin.name(), "import of a peer region failed: {e}"),
                     }
-                    RResult::RErr(e) => tracing::error!(peer = %state.name, region = announce.region, "import of a peer region failed: {e}"),
+                }
+                if imported == 0 && !state.plugins.is_empty() {
+                    let theirs: Vec<&str> = announce.keys.iter().map(|k| k.plugin.as_str()).collect();
+                    tracing::warn!(peer = %state.name, region = announce.region, plugins = ?theirs, "peer region has no key for any plugin connected with it");
                 }
             }
             Frame::RegionWithdraw(w) => {
-                if let (Some(slot), Some(key)) = (state.plugin, state.remote_keys.remove(&w.region)) {
-                    self.plugins[slot.0 as usize].transport().release_remote_key(key);
+                for &slot in &state.plugins {
+                    if let Some(key) = state.remote_keys.remove(&(w.region, slot)) {
+                        self.plugins[slot.0 as usize].transport().release_remote_key(key);
+                    }
                 }
             }
-            Frame::Core(message) => match codec::decode(message) {
+            Frame::Core(message) => match codec::decode(message, &self.plugin_names) {
                 Ok(message) => {
                     let peer = self.outcome_addressee(now, session, &message).unwrap_or(peer);
                     self.core.handle_peer_message(now, peer, &message)
@@ -208,12 +215,13 @@ impl Driver {
             self.peers.current.remove(name);
         }
         self.metrics.set_peer_up(name, false);
-        if let Some(slot) = state.plugin {
+        if !state.plugins.is_empty() {
             self.core.handle_peer_lost(now, PeerId(session), cause);
-            let transport = self.plugins[slot.0 as usize].transport();
-            transport.disconnect(PeerId(session));
-            for key in state.remote_keys.values() {
-                transport.release_remote_key(*key);
+            for &slot in &state.plugins {
+                self.plugins[slot.0 as usize].transport().disconnect(PeerId(session));
+            }
+            for ((_, slot), key) in &state.remote_keys {
+                self.plugins[slot.0 as usize].transport().release_remote_key(*key);
             }
         }
         tracing::warn!(peer = %name, session, cause = cause.as_str(), "peer lost: every room bound to it fails (peer_lost)");
@@ -231,7 +239,7 @@ impl Driver {
         let Some(state) = self.peers.by_session.get(&session) else { return };
         tracing::info!(peer = %name, delivered = messages.len(), "outcomes kept while the peer was away delivered on its new link");
         for message in messages {
-            state.sender.send(Frame::Core(codec::encode(&message)));
+            state.sender.send(Frame::Core(codec::encode(&message, &self.plugin_names)));
         }
     }
 
@@ -253,12 +261,18 @@ impl Driver {
     }
 }
 
-fn select_plugin(plugins: &[kvgate_host::OpenedPlugin], candidates: &[String], same_host: bool) -> Option<usize> {
+/// The slots of the `candidates` (shared plugin names, in preference order) that reach a peer on
+/// this host or another (`same_host`) and are healthy. Memory kinds are not checked here: the core
+/// picks, per part, a plugin that serves the part's memory.
+fn usable_plugins(plugins: &[kvgate_host::OpenedPlugin], candidates: &[String], same_host: bool) -> Vec<usize> {
     use kvgate_abi::scope;
-    candidates.iter().find_map(|name| {
-        let slot = plugins.iter().position(|p| p.name() == name)?;
-        let caps = plugins[slot].capabilities();
-        let scope_ok = caps.scope & if same_host { scope::SAME_HOST } else { scope::CROSS_HOST } != 0;
-        (scope_ok && caps.serves(MemoryKind::HOST) && plugins[slot].transport().stats().healthy != 0).then_some(slot)
-    })
+    candidates
+        .iter()
+        .filter_map(|name| {
+            let slot = plugins.iter().position(|p| p.name() == name)?;
+            let caps = plugins[slot].capabilities();
+            let scope_ok = caps.scope & if same_host { scope::SAME_HOST } else { scope::CROSS_HOST } != 0;
+            (scope_ok && plugins[slot].transport().stats().healthy != 0).then_some(slot)
+        })
+        .collect()
 }

@@ -83,9 +83,21 @@ fn send_call(r: proto::SendRequest, session: Option<u64>) -> Result<SendCall, Ap
 
 fn expect_call(r: proto::ExpectRequest, session: Option<u64>) -> Result<ExpectCall, ApiError> {
     let key = r.key.ok_or_else(|| ApiError::invalid("missing_field", "the request needs a room key"))?;
+    let mut source_kinds = Vec::new();
+    if r.parts.iter().any(|p| !p.source_kind.is_empty()) {
+        for (index, part) in r.parts.iter().enumerate() {
+            let kind = match part.source_kind.as_str() {
+                "" => None,
+                name => Some(kvgate_abi::MemoryKind::from_name(name).ok_or_else(|| {
+                    ApiError::invalid("unknown_memory_kind", format!("part {index}: source_kind {name:?} is not a memory kind (host, cuda_device)"))
+                })?),
+            };
+            source_kinds.push(kind);
+        }
+    }
     let parts = r.parts.into_iter().map(|p| slices(p.slices)).collect();
     let timeout_ms = (r.deadline_ms > 0).then_some(r.deadline_ms);
-    Ok(ExpectCall { session, room: RoomKey::new(key.room, key.generation), peer: r.peer, parts, timeout_ms })
+    Ok(ExpectCall { session, room: RoomKey::new(key.room, key.generation), peer: r.peer, parts, source_kinds, timeout_ms })
 }
 
 /// Held by a session's `Watch` stream: its end detaches the session (the driver then counts the grace).

@@ -2,13 +2,16 @@
 //! undecodable frame is an error the driver counts and logs; it never guesses a missing field.
 
 use kvgate_client::proto::{self, core_message::Message as Wire};
-use kvgate_core::api::{FailReason, Nanos, PeerMessage, RegionId, Role, RoomKey, Slice};
+use kvgate_core::api::{FailReason, Nanos, PeerMessage, PluginSlot, RegionId, Role, RoomKey, Slice};
 use kvgate_abi::Ticket;
 
-pub fn encode(message: &PeerMessage) -> proto::CoreMessage {
+/// `plugin_names[slot]`: the name of each local plugin instance, by which an expect notice names
+/// the plugin of each part on the wire.
+pub fn encode(message: &PeerMessage, plugin_names: &[String]) -> proto::CoreMessage {
     let key = Some(proto::RoomKey { room: message.room().room, generation: message.room().generation });
     let body = match message {
-        PeerMessage::ExpectNotice { parts, tickets, deadline_remaining, .. } => Wire::ExpectNotice(proto::ExpectNotice {
+        PeerMessage::ExpectNotice { parts, tickets, plugins, deadline_remaining, .. } => Wire::ExpectNotice(proto::ExpectNotice {
+            part_plugins: plugins.iter().map(|slot| plugin_names.get(slot.0 as usize).cloned().unwrap_or_default()).collect(),
             parts: parts
                 .iter()
                 .map(|part| proto::RemoteParts {
@@ -35,11 +38,13 @@ const EXPECT_NOTICE_OVERHEAD_BYTES: usize = 160;
 
 /// An upper bound (exact for the slices) of the encoded size of the peer-link frame carrying the
 /// `ExpectNotice` of `parts`, computed without building it: an expect whose notice would exceed
-/// `peer_link.max_frame_bytes` is refused before the core sees it.
-pub fn expect_notice_frame_bytes(parts: &[Vec<Slice>]) -> usize {
+/// `peer_link.max_frame_bytes` is refused before the core sees it. `max_plugin_name`: the longest
+/// name of a local plugin (each part may name its own).
+pub fn expect_notice_frame_bytes(parts: &[Vec<Slice>], max_plugin_name: usize) -> usize {
     use prost::encoding::encoded_len_varint as varint;
     let field = |v: u64| if v == 0 { 0 } else { 1 + varint(v) };
     let mut total = EXPECT_NOTICE_OVERHEAD_BYTES + 1 + varint(parts.len() as u64 * 10) + parts.len() * 10;
+    total += parts.len() * (1 + varint(max_plugin_name as u64) + max_plugin_name);
     for part in parts {
         let body: usize = part
             .iter()
@@ -65,7 +70,9 @@ fn reason(name: &str) -> Result<FailReason, String> {
     FailReason::from_name(name).ok_or_else(|| format!("unknown failure reason {name:?}"))
 }
 
-pub fn decode(message: proto::CoreMessage) -> Result<PeerMessage, String> {
+/// `plugin_names` as for `encode`: a plugin name this gateway did not open decodes to
+/// `PluginSlot::NONE` (the core fails such a room `no_plugin_for_memory`).
+pub fn decode(message: proto::CoreMessage, plugin_names: &[String]) -> Result<PeerMessage, String> {
     let key = message.key.ok_or("core message without a room key")?;
     let room = RoomKey::new(key.room, key.generation);
     Ok(match message.message.ok_or("core message without a body")? {
@@ -77,6 +84,11 @@ pub fn decode(message: proto::CoreMessage) -> Result<PeerMessage, String> {
                 .map(|p| p.slices.into_iter().map(|s| Slice::new(RegionId(s.region), s.offset, s.len)).collect())
                 .collect(),
             tickets: n.tickets.into_iter().map(Ticket).collect(),
+            plugins: n
+                .part_plugins
+                .iter()
+                .map(|name| plugin_names.iter().position(|p| p == name).map_or(PluginSlot::NONE, |slot| PluginSlot(slot as u32)))
+                .collect(),
             deadline_remaining: Nanos(n.deadline_remaining_ns),
         },
         Wire::Matched(_) => PeerMessage::Matched { room },
@@ -99,16 +111,18 @@ mod tests {
             vec![(0..1000).map(|i| Slice::new(RegionId(3), i * 4096, 4096)).collect(), vec![]],
             (0..122).map(|p| (0..8).map(|i| Slice::new(RegionId(u64::MAX), u64::MAX - i, 1 << 40)).collect::<Vec<_>>().into_iter().take(p % 9).collect()).collect(),
         ];
+        let names = vec!["shm".to_string(), "a-plugin-with-a-long-name".to_string()];
         for parts in shapes {
             let message = PeerMessage::ExpectNotice {
                 room: RoomKey::new(u64::MAX, u32::MAX),
                 tickets: (0..parts.len()).map(|_| Ticket(u64::MAX)).collect(),
+                plugins: (0..parts.len()).map(|p| PluginSlot(p as u32 % 2)).collect(),
                 parts: parts.clone(),
                 deadline_remaining: Nanos(u64::MAX),
             };
-            let frame = proto::PeerFrame { frame: Some(proto::peer_frame::Frame::Core(encode(&message))), mac: vec![0; 32] };
+            let frame = proto::PeerFrame { frame: Some(proto::peer_frame::Frame::Core(encode(&message, &names))), mac: vec![0; 32] };
             let real = frame.encoded_len();
-            let bound = expect_notice_frame_bytes(&parts);
+            let bound = expect_notice_frame_bytes(&parts, names[1].len());
             assert!(bound >= real, "bound {bound} < real {real}");
             assert!(bound <= real + 2 * EXPECT_NOTICE_OVERHEAD_BYTES, "bound {bound} far above real {real}");
         }
@@ -122,6 +136,7 @@ mod tests {
                 room,
                 parts: vec![vec![Slice::new(RegionId(1), 4096, 100), Slice::new(RegionId(2), 0, 5)], vec![]],
                 tickets: vec![Ticket(9), Ticket(10)],
+                plugins: vec![PluginSlot(1), PluginSlot(0)],
                 deadline_remaining: Nanos::from_ms(1234),
             },
             PeerMessage::Matched { room },
@@ -130,18 +145,33 @@ mod tests {
             PeerMessage::RoomFailed { room, reason: FailReason::TransferTimeout, to: Role::Receiver },
             PeerMessage::Quiesced { room },
         ];
+        let names = vec!["shm".to_string(), "quic".to_string()];
         for m in messages {
-            assert_eq!(decode(encode(&m)).unwrap(), m);
+            assert_eq!(decode(encode(&m, &names), &names).unwrap(), m);
         }
     }
 
     #[test]
+    fn a_plugin_name_the_receiving_gateway_did_not_open_decodes_to_none() {
+        let message = PeerMessage::ExpectNotice {
+            room: RoomKey::new(1, 0),
+            parts: vec![vec![Slice::new(RegionId(1), 0, 8)]],
+            tickets: vec![Ticket(1)],
+            plugins: vec![PluginSlot(1)],
+            deadline_remaining: Nanos::from_ms(1),
+        };
+        let wire = encode(&message, &["shm".to_string(), "nvlink".to_string()]);
+        let PeerMessage::ExpectNotice { plugins, .. } = decode(wire, &["shm".to_string(), "quic".to_string()]).unwrap() else { unreachable!() };
+        assert_eq!(plugins, [PluginSlot::NONE]);
+    }
+
+    #[test]
     fn unknown_reason_and_missing_key_are_errors() {
-        let mut m = encode(&PeerMessage::Abort { room: RoomKey::new(1, 0), reason: FailReason::Aborted, to: Role::Sender });
+        let mut m = encode(&PeerMessage::Abort { room: RoomKey::new(1, 0), reason: FailReason::Aborted, to: Role::Sender }, &[]);
         if let Some(Wire::Abort(a)) = &mut m.message {
             a.reason = "exploded".into();
         }
-        assert!(decode(m).unwrap_err().contains("exploded"));
-        assert!(decode(proto::CoreMessage { key: None, message: Some(Wire::Matched(proto::Matched {})) }).is_err());
+        assert!(decode(m, &[]).unwrap_err().contains("exploded"));
+        assert!(decode(proto::CoreMessage { key: None, message: Some(Wire::Matched(proto::Matched {})) }, &[]).is_err());
     }
 }

@@ -13,8 +13,10 @@ use kvgate_abi::{LocalRange, PeerId, Ticket, XferId};
 
 /// Why a chunk could not be placed in its destination stream.
 pub(super) enum PlaceError {
-    /// A source region is unknown (or not registered with the peer's plugin).
+    /// A source region is unknown.
     UnknownRegion,
+    /// A source region is not registered with the part's plugin.
+    NotInPlugin,
     /// More bytes than the destination has left, or a last chunk that leaves it short.
     LengthMismatch,
     TooManySegments,
@@ -88,26 +90,35 @@ impl Core {
         Ok(region)
     }
 
-    /// Check one part of an expect (as `check_local_slices`, then every region must be registered
-    /// with `plugin`) and resolve it into the plugin's ranges; returns its byte count and ranges.
-    fn resolve_expect_part(&mut self, room: RoomKey, plugin: PluginSlot, slices: &[Slice]) -> Result<(u64, Vec<LocalRange>), Refusal> {
+    /// The plugin one part of an expect uses: the first of the peer's plugins that holds a key for
+    /// every destination region of the part and serves the memory kind the sender reads it from
+    /// (`source`, or the kind of the part's first destination region). Slices already checked.
+    fn part_plugin(&self, room: RoomKey, peer: PeerId, slices: &[Slice], source: Option<kvgate_abi::MemoryKind>) -> Result<PluginSlot, Refusal> {
+        let entry = &self.peers[&peer];
+        let source = source.unwrap_or_else(|| self.regions[&slices[0].region].kind);
+        let first = entry.plugins[0].slot;
+        // The common case: the preferred plugin serves the part (one region, one lookup).
+        let serves = |plugin: &PeerPlugin| {
+            plugin.memory_kinds & source.bit() != 0 && slices.iter().all(|s| self.regions[&s.region].key_for(plugin.slot).is_some())
+        };
+        if serves(&entry.plugins[0]) {
+            return Ok(first);
+        }
+        entry.plugins[1..].iter().find(|p| serves(p)).map(|p| p.slot).ok_or(Refusal { room, reason: RefusalReason::NoPluginForMemory })
+    }
+
+    /// One part of an expect in `plugin`'s keys (every region holds one: `part_plugin`); returns its
+    /// byte count and ranges.
+    fn resolve_expect_part(&mut self, plugin: PluginSlot, slices: &[Slice]) -> (u64, Vec<LocalRange>) {
         let mut total = 0u64;
         let mut ranges = self.spare_ranges.pop().unwrap_or_default();
         ranges.reserve(slices.len());
-        let mut missing_key = false;
         for slice in slices {
-            let region = self.region_of_slice(room, slice)?;
             total = total.saturating_add(slice.len);
-            match region.key_for(plugin) {
-                Some(key) => ranges.push(LocalRange { key, offset: slice.offset, len: slice.len }),
-                None => missing_key = true,
-            }
+            let key = self.regions[&slice.region].key_for(plugin).expect("part_plugin checked every region");
+            ranges.push(LocalRange { key, offset: slice.offset, len: slice.len });
         }
-        // A slice out of range anywhere in the part is reported before a region the plugin lacks.
-        if missing_key {
-            return Err(Refusal { room, reason: RefusalReason::UnknownRegion });
-        }
-        Ok((total, ranges))
+        (total, ranges)
     }
 
     pub(super) fn engine_expect<P: AsRef<[Slice]>>(
@@ -116,6 +127,7 @@ impl Core {
         key: RoomKey,
         peer: PeerId,
         parts: &[P],
+        source_kinds: &[Option<kvgate_abi::MemoryKind>],
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
         if timeout_ms == Some(0) {
@@ -130,9 +142,9 @@ impl Core {
         if parts.iter().any(|p| p.as_ref().len() as u64 > self.config.max_slices_per_request) {
             return Self::refuse(key, RefusalReason::TooManySlices);
         }
-        let Some(plugin) = self.peers.get(&peer).map(|entry| entry.plugin) else {
+        if self.peers.get(&peer).is_none_or(|entry| entry.plugins.is_empty()) {
             return Self::refuse(key, RefusalReason::PeerNotConnected);
-        };
+        }
         let lookup = self.lookup(key, Role::Receiver);
         match lookup {
             Lookup::Same(slot) if self.room_at(slot).state.is_terminal() => {
@@ -144,23 +156,39 @@ impl Core {
             Lookup::Absent | Lookup::Older(_) => {}
         }
         let mut recv_parts = smallvec::SmallVec::with_capacity(parts.len());
-        // Each part's ranges in the plugin's keys, resolved in the one pass that checks the slices.
-        let mut part_ranges: smallvec::SmallVec<[Vec<LocalRange>; 1]> = smallvec::SmallVec::with_capacity(parts.len());
-        let mut bytes_total = 0u64;
+        // Every slice checked first (a slice out of range is reported before a missing plugin).
         for part in parts {
-            let (bytes, ranges) = self.resolve_expect_part(key, plugin, part.as_ref())?;
-            bytes_total += bytes;
-            recv_parts.push(RecvPart { bytes, done: false, ticket_open: true });
-            part_ranges.push(ranges);
+            self.check_local_slices(key, part.as_ref())?;
+        }
+        let mut plugins = self.spare_plugin_lists.pop().unwrap_or_default();
+        plugins.clear();
+        for (index, part) in parts.iter().enumerate() {
+            match self.part_plugin(key, peer, part.as_ref(), source_kinds.get(index).copied().flatten()) {
+                Ok(plugin) => plugins.push(plugin),
+                Err(refusal) => {
+                    self.spare_plugin_lists.push(plugins);
+                    return Err(refusal);
+                }
+            }
         }
         if overlapping_slices(parts) {
+            self.spare_plugin_lists.push(plugins);
             return Self::refuse(key, RefusalReason::OverlappingSlices);
         }
         if self.live_rooms >= self.config.max_inflight_rooms {
+            self.spare_plugin_lists.push(plugins);
             // CONFORMANCE: TIME-11
             return Self::refuse(key, RefusalReason::TooManyRooms);
         }
-        // Accepted: from here on nothing refuses.
+        // Accepted: from here on nothing refuses. Each part's ranges in its plugin's keys.
+        let mut part_ranges: smallvec::SmallVec<[Vec<LocalRange>; 1]> = smallvec::SmallVec::with_capacity(parts.len());
+        let mut bytes_total = 0u64;
+        for (part, &plugin) in parts.iter().zip(&plugins) {
+            let (bytes, ranges) = self.resolve_expect_part(plugin, part.as_ref());
+            bytes_total += bytes;
+            recv_parts.push(RecvPart { bytes, done: false, ticket_open: true, plugin });
+            part_ranges.push(ranges);
+        }
         if let Lookup::Older(old) = lookup {
             self.supersede(now, old);
         }
@@ -180,6 +208,8 @@ impl Core {
         });
         let epoch = self.epoch(slot);
         self.link_peer(slot, peer);
+        let first = plugins[0];
+        self.room_mut(slot).set_peer(peer, first);
         self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
         self.arm(now, slot, TimerKind::Room, deadline);
         self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Receiver, state: RoomState::WaitingSender });
@@ -189,11 +219,16 @@ impl Core {
         for (index, ranges) in part_ranges.into_iter().enumerate() {
             let ticket = Ticket(ticket_base + index as u64);
             self.tickets.insert(ticket.0, super::TicketRef { slot, epoch, part: index as u32 });
+            let plugin = plugins[index];
             self.commands.push_back(Command::ExpectIncoming { plugin, peer, ticket, timeout: remaining, ranges });
             tickets.push(ticket);
         }
+        // One entry when every part uses the same plugin (the common room).
+        if plugins.iter().all(|&p| p == first) {
+            plugins.truncate(1);
+        }
         let parts = self.notice_parts(parts);
-        self.push_peer(peer, PeerMessage::ExpectNotice { room: key, parts, tickets, deadline_remaining: remaining });
+        self.push_peer(peer, PeerMessage::ExpectNotice { room: key, parts, tickets, plugins, deadline_remaining: remaining });
         Ok(())
     }
 
@@ -365,6 +400,7 @@ impl Core {
         let segments = match self.place_chunk(now, slot, part, at.unwrap_or(AT_CURSOR), slices.as_slice(), last) {
             Ok(segments) => segments,
             Err(PlaceError::UnknownRegion) => return Self::refuse(key, RefusalReason::UnknownRegion),
+            Err(PlaceError::NotInPlugin) => return Self::refuse(key, RefusalReason::NoPluginForMemory),
             Err(PlaceError::LengthMismatch) => return Self::refuse(key, RefusalReason::LengthMismatch),
             Err(PlaceError::TooManySegments) => return Self::refuse(key, RefusalReason::TooManySegments),
             Err(PlaceError::Overlap) => return Self::refuse(key, RefusalReason::OverlappingChunk),
@@ -384,15 +420,17 @@ impl Core {
     /// the previous chunk). An explicitly placed chunk must not overlap one already placed nor run
     /// past the part's end; with `last` it must complete the part.
     pub(super) fn place_chunk(&mut self, _now: Nanos, slot: u32, part: u32, at: u64, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
-        let plugin = self.room_at(slot).plugin().expect("a room with a notice has a plugin");
+        let plugin = match &self.room_at(slot).data {
+            RoleData::Sender { parts, .. } => parts[part as usize].plugin,
+            RoleData::Receiver { .. } => unreachable!("chunks are placed in sender rooms"),
+        };
         // Resolve every source key first (nothing changes on error), then map without a copy.
         let mut bytes = 0u64;
         let mut cached: Option<(RegionId, kvgate_abi::LocalKey)> = None;
         for slice in slices {
             if !matches!(cached, Some((region, _)) if region == slice.region) {
-                let Some(key) = self.regions.get(&slice.region).and_then(|r| r.key_for(plugin)) else {
-                    return Err(PlaceError::UnknownRegion);
-                };
+                let Some(region) = self.regions.get(&slice.region) else { return Err(PlaceError::UnknownRegion) };
+                let Some(key) = region.key_for(plugin) else { return Err(PlaceError::NotInPlugin) };
                 cached = Some((slice.region, key));
             }
             bytes += slice.len;
@@ -460,12 +498,12 @@ impl Core {
         let transfer_deadline = self.timer_deadline(slot, TimerKind::Transfer).unwrap_or(now);
         let timeout = Nanos(transfer_deadline.saturating_sub(now).0.max(1_000_000));
         let room = self.room_mut(slot);
-        let plugin = room.plugin().expect("submitting room has a plugin");
         let peer = room.peer().expect("submitting room has a peer");
         room.in_flight += 1;
         room.touch(now, LastEvent::Submitted);
         let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
         let target = &mut parts[part as usize];
+        let plugin = target.plugin;
         let chunk = (target.chunks.len() - 1) as u32;
         target.chunks[chunk as usize].xfer = xfer;
         target.next_chunk = target.next_chunk.max(chunk + 1);

@@ -38,6 +38,7 @@ use peer_keyed::{peer_keyed_map, PeerKeyedMap};
 /// A local region as the core knows it.
 struct LocalRegion {
     len: u64,
+    kind: kvgate_abi::MemoryKind,
     keys: Vec<(PluginSlot, LocalKey)>,
 }
 
@@ -47,12 +48,36 @@ impl LocalRegion {
     }
 }
 
-/// A connected peer: its incarnation, plugin, remote regions and live rooms (intrusive list head).
+/// A peer's region: its length and its key in each plugin it was imported into.
+struct RemoteRegion {
+    len: u64,
+    keys: smallvec::SmallVec<[(PluginSlot, RemoteKey); 1]>,
+}
+
+impl RemoteRegion {
+    fn key_for(&self, plugin: PluginSlot) -> Option<RemoteKey> {
+        self.keys.iter().find(|(slot, _)| *slot == plugin).map(|(_, key)| *key)
+    }
+}
+
+/// A connected peer: its incarnation, the plugins connected with it (preference order), remote
+/// regions and live rooms (intrusive list head).
 struct PeerEntry {
     incarnation: u64,
-    plugin: PluginSlot,
+    plugins: smallvec::SmallVec<[PeerPlugin; 2]>,
     room_head: u32,
-    remote_regions: PeerKeyedMap<RegionId, (u64, RemoteKey)>,
+    remote_regions: PeerKeyedMap<RegionId, RemoteRegion>,
+}
+
+impl PeerEntry {
+    /// The preferred plugin: rooms are bound to it until their parts are assigned one each.
+    fn first_plugin(&self) -> PluginSlot {
+        self.plugins.first().map_or(PluginSlot::NONE, |p| p.slot)
+    }
+
+    fn has_plugin(&self, plugin: PluginSlot) -> bool {
+        self.plugins.iter().any(|p| p.slot == plugin)
+    }
 }
 
 /// Where an outgoing transfer id points: a room's chunk, or (`slot == TOMBSTONE_SLOT`) entry `part`
@@ -150,6 +175,7 @@ pub struct Core {
     /// requests, reused by the next notice (same bounds, see `keep_spare_notice_parts`).
     spare_notice_parts: Vec<Vec<Vec<Slice>>>,
     spare_tickets: Vec<Vec<kvgate_abi::Ticket>>,
+    spare_plugin_lists: Vec<Vec<PluginSlot>>,
     /// The latest transfer the plugin-grace timer forced failed (`plugin_silent`): found on a timer,
     /// not from a plugin event, so the gateway's violation log asks here which room it was.
     latest_silent: Option<SilentTransfer>,
@@ -182,6 +208,7 @@ impl Core {
             spare_ranges: Vec::new(),
             spare_notice_parts: Vec::new(),
             spare_tickets: Vec::new(),
+            spare_plugin_lists: Vec::new(),
             latest_silent: None,
         })
     }
@@ -195,7 +222,7 @@ impl Core {
     pub fn handle_engine(&mut self, now: Nanos, request: EngineRequest) -> Result<(), Refusal> {
         let result = match request {
             EngineRequest::Expect { room, peer, parts, timeout_ms } => {
-                let result = self.engine_expect(now, room, peer, &parts, timeout_ms);
+                let result = self.engine_expect(now, room, peer, &parts, &[], timeout_ms);
                 // The notice got its own copy: the request's buffer is kept for a later notice.
                 self.keep_spare_notice_parts(parts);
                 result
@@ -262,7 +289,24 @@ impl Core {
         parts: &[P],
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
-        let result = self.engine_expect(now, room, peer, parts, timeout_ms);
+        let result = self.engine_expect(now, room, peer, parts, &[], timeout_ms);
+        self.count_refusal(result)
+    }
+
+    /// `handle_expect` with the memory kind the sender reads each part from (`source_kinds[p]`;
+    /// None or missing: the kind of the part's destination). Each part
+    /// uses the first plugin connected with the peer that holds a key for every destination region
+    /// of the part and serves its source kind (`no_plugin_for_memory` when none does).
+    pub fn handle_expect_from<P: AsRef<[Slice]>>(
+        &mut self,
+        now: Nanos,
+        room: RoomKey,
+        peer: PeerId,
+        parts: &[P],
+        source_kinds: &[Option<kvgate_abi::MemoryKind>],
+        timeout_ms: Option<u64>,
+    ) -> Result<(), Refusal> {
+        let result = self.engine_expect(now, room, peer, parts, source_kinds, timeout_ms);
         self.count_refusal(result)
     }
 
@@ -287,7 +331,7 @@ impl Core {
     /// A local region, registered by the driver with the plugins named in `info.keys`. Registering
     /// an id again replaces it.
     pub fn handle_region_registered(&mut self, _now: Nanos, info: RegionInfo) {
-        self.regions.insert(info.id, LocalRegion { len: info.len, keys: info.keys });
+        self.regions.insert(info.id, LocalRegion { len: info.len, kind: info.memory_kind, keys: info.keys });
     }
 
     /// A local region is gone; later sends naming it are refused, held chunks naming it fail
@@ -296,19 +340,37 @@ impl Core {
         self.regions.remove(&region);
     }
 
-    /// A peer's region (its id as the peer numbers it), imported by the driver into the plugin used
-    /// for that peer. Call after `handle_peer_up` of the peer's current incarnation; ignored for a
-    /// peer that is not up.
-    pub fn handle_remote_region(&mut self, _now: Nanos, peer: PeerId, region: RegionId, len: u64, key: RemoteKey) {
-        if let Some(entry) = self.peers.get_mut(&peer) {
-            entry.remote_regions.insert(region, (len, key));
+    /// A peer's region (its id as the peer numbers it), imported by the driver into the peer's
+    /// preferred plugin (`handle_remote_region_key` names the plugin). Call after `handle_peer_up`
+    /// of the peer's current incarnation; ignored for a peer that is not up.
+    pub fn handle_remote_region(&mut self, now: Nanos, peer: PeerId, region: RegionId, len: u64, key: RemoteKey) {
+        let Some(plugin) = self.peers.get(&peer).map(PeerEntry::first_plugin) else { return };
+        self.handle_remote_region_key(now, peer, region, len, plugin, key);
+    }
+
+    /// A peer's region imported into `plugin` (one of the peer's plugins): its key there replaces
+    /// any earlier one, and its length is the latest announced. Ignored for a peer that is not up.
+    pub fn handle_remote_region_key(&mut self, _now: Nanos, peer: PeerId, region: RegionId, len: u64, plugin: PluginSlot, key: RemoteKey) {
+        let Some(entry) = self.peers.get_mut(&peer) else { return };
+        let remote = entry.remote_regions.entry(region).or_insert_with(|| RemoteRegion { len, keys: smallvec::SmallVec::new() });
+        remote.len = len;
+        match remote.keys.iter_mut().find(|(slot, _)| *slot == plugin) {
+            Some(held) => held.1 = key,
+            None => remote.keys.push((plugin, key)),
         }
     }
 
-    /// The peer link is up; `plugin` is the plugin instance used with this peer. A new incarnation
-    /// of a known peer is handled as lost (`restarted`) + up.
+    /// The peer link is up with one plugin instance, serving every memory kind: the one-plugin form
+    /// of `handle_peer_up_with`.
     pub fn handle_peer_up(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugin: PluginSlot) {
-        self.peer_up(now, peer, incarnation, plugin);
+        self.peer_up(now, peer, incarnation, &[PeerPlugin { slot: plugin, memory_kinds: u32::MAX }]);
+    }
+
+    /// The peer link is up; `plugins` are the plugin instances connected with this peer, in
+    /// preference order (at least one). A new incarnation of a known peer is handled as lost
+    /// (`restarted`) + up.
+    pub fn handle_peer_up_with(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugins: &[PeerPlugin]) {
+        self.peer_up(now, peer, incarnation, plugins);
     }
 
     /// The peer link is lost: every live room bound to `peer` fails at once (`peer_lost`).

@@ -53,7 +53,7 @@ impl Core {
         if room.last_event != LastEvent::Aborted {
             room.touch(now, LastEvent::Failed);
         }
-        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin());
+        let (key, role, peer) = (room.key, room.role, room.peer());
         let mut dropped_held = 0u64;
         match &mut room.data {
             RoleData::Sender { parts, .. } => {
@@ -62,8 +62,7 @@ impl Core {
                     part.held = SmallVec::new();
                     for chunk in &part.chunks {
                         if chunk.state == XferState::InFlight {
-                            let plugin = plugin.expect("a submitted room has a plugin");
-                            commands.push(Command::Cancel { plugin, xfer: XferId(chunk.xfer) });
+                            commands.push(Command::Cancel { plugin: part.plugin, xfer: XferId(chunk.xfer) });
                         }
                     }
                 }
@@ -72,7 +71,7 @@ impl Core {
                 for (index, part) in parts.iter().enumerate() {
                     if part.ticket_open {
                         commands.push(Command::CancelIncoming {
-                            plugin: plugin.expect("a receiver room has a plugin"),
+                            plugin: part.plugin,
                             peer: peer.expect("a receiver room has a peer"),
                             ticket: Ticket(*ticket_base + index as u64),
                         });
@@ -129,7 +128,7 @@ impl Core {
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace]);
         self.metrics.rooms_succeeded += 1;
         let room = self.slots[slot as usize].room.as_mut().expect("live slot");
-        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin());
+        let (key, role, peer) = (room.key, room.role, room.peer());
         let elapsed = now.saturating_sub(room.created);
         self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed }));
         self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight }));
@@ -138,7 +137,7 @@ impl Core {
                 if part.ticket_open {
                     part.ticket_open = false;
                     self.commands.push_back(Command::CancelIncoming {
-                        plugin: plugin.expect("a receiver room has a plugin"),
+                        plugin: part.plugin,
                         peer: peer.expect("a receiver room has a peer"),
                         ticket: Ticket(*ticket_base + index as u64),
                     });

@@ -12,14 +12,15 @@ use crate::timer::TimerKind;
 use kvgate_abi::{PeerId, Ticket};
 
 impl Core {
-    pub(super) fn peer_up(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugin: PluginSlot) {
+    pub(super) fn peer_up(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugins: &[PeerPlugin]) {
         if let Some(entry) = self.peers.get(&peer) {
             if entry.incarnation == incarnation {
                 return;
             }
             self.peer_lost(now, peer, PeerLoss::Restarted);
         }
-        let entry = PeerEntry { incarnation, plugin, room_head: NIL, remote_regions: super::peer_keyed_map() };
+        let plugins = plugins.iter().copied().collect();
+        let entry = PeerEntry { incarnation, plugins, room_head: NIL, remote_regions: super::peer_keyed_map() };
         self.peers.insert(peer, entry);
     }
 
@@ -57,11 +58,12 @@ impl Core {
         }
     }
 
-    /// Bind a room to its peer (and that peer's plugin) and list it under the peer.
+    /// Bind a room to its peer (and that peer's preferred plugin, until its parts are assigned
+    /// theirs) and list it under the peer.
     pub(super) fn link_peer(&mut self, slot: u32, peer: PeerId) {
         let Some(entry) = self.peers.get_mut(&peer) else { return };
         let head = entry.room_head;
-        let plugin = entry.plugin;
+        let plugin = entry.first_plugin();
         entry.room_head = slot;
         if head != NIL {
             self.room_mut(head).peer_prev = slot;
@@ -104,8 +106,8 @@ impl Core {
 
     pub(super) fn peer_message(&mut self, now: Nanos, peer: PeerId, message: &PeerMessage) {
         match *message {
-            PeerMessage::ExpectNotice { room, ref parts, ref tickets, deadline_remaining } => {
-                self.on_expect_notice(now, peer, room, parts, tickets, deadline_remaining)
+            PeerMessage::ExpectNotice { room, ref parts, ref tickets, ref plugins, deadline_remaining } => {
+                self.on_expect_notice(now, peer, room, parts, tickets, plugins, deadline_remaining)
             }
             PeerMessage::Matched { room } => match self.peer_room(room, Role::Receiver, peer) {
                 Some(slot) if self.room_at(slot).state == RoomState::WaitingSender => {
@@ -231,6 +233,7 @@ impl Core {
         self.push_peer(peer, message);
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn on_expect_notice(
         &mut self,
         now: Nanos,
@@ -238,6 +241,7 @@ impl Core {
         key: RoomKey,
         parts: &[Vec<Slice>],
         tickets: &[Ticket],
+        plugins: &[PluginSlot],
         remaining: Nanos,
     ) {
         if !self.peers.contains_key(&peer) {
@@ -292,12 +296,14 @@ impl Core {
             self.link_peer(slot, peer);
         }
         self.room_mut(slot).touch(now, LastEvent::ExpectNotice);
-        if let Err(reason) = self.apply_notice(now, slot, peer, parts, tickets, remaining) {
+        if let Err(reason) = self.apply_notice(now, slot, peer, parts, tickets, plugins, remaining) {
             self.fail_room(now, slot, RoomInput::MatchFailure, reason, None, None);
         }
     }
 
-    /// Resolve the notice's destination, then submit any held chunks in order.
+    /// Resolve the notice's destination (each part in the plugin the receiver opened its ticket
+    /// on), then submit any held chunks in order.
+    #[allow(clippy::too_many_arguments)]
     fn apply_notice(
         &mut self,
         now: Nanos,
@@ -305,6 +311,7 @@ impl Core {
         peer: PeerId,
         notice_parts: &[Vec<Slice>],
         tickets: &[Ticket],
+        plugins: &[PluginSlot],
         remaining: Nanos,
     ) -> Result<(), FailReason> {
         let held_parts = match &self.room_at(slot).data {
@@ -315,19 +322,34 @@ impl Core {
             || notice_parts.len() as u64 > self.config.max_parts_per_room
             || tickets.len() != notice_parts.len()
             || held_parts > notice_parts.len()
+            || !(plugins.is_empty() || plugins.len() == 1 || plugins.len() == notice_parts.len())
         {
             return Err(FailReason::LayoutMismatch);
         }
+        // An old receiver names no plugin: every part uses the link's preferred one.
+        let entry = &self.peers[&peer];
+        let part_plugin = |index: usize| match plugins.len() {
+            0 => entry.first_plugin(),
+            1 => plugins[0],
+            _ => plugins[index],
+        };
         // Check every destination slice first (nothing changes on error), then resolve in place.
-        let remote = &self.peers[&peer].remote_regions;
-        for part in notice_parts {
+        let remote = &entry.remote_regions;
+        for (index, part) in notice_parts.iter().enumerate() {
+            let plugin = part_plugin(index);
+            if !entry.has_plugin(plugin) {
+                return Err(FailReason::NoPluginForMemory);
+            }
             for slice in part {
-                let Some(&(len, _)) = remote.get(&slice.region) else { return Err(FailReason::UnknownRemoteRegion) };
-                if slice.len == 0 || slice.offset.checked_add(slice.len).is_none_or(|end| end > len) {
+                let Some(region) = remote.get(&slice.region).filter(|r| r.key_for(plugin).is_some()) else {
+                    return Err(FailReason::UnknownRemoteRegion);
+                };
+                if slice.len == 0 || slice.offset.checked_add(slice.len).is_none_or(|end| end > region.len) {
                     return Err(FailReason::UnknownRemoteRegion);
                 }
             }
         }
+        let assigned: smallvec::SmallVec<[PluginSlot; 4]> = (0..notice_parts.len()).map(part_plugin).collect();
         let room_cap = Nanos::from_ms(self.config.max_room_timeout_ms);
         let notice_deadline = now.saturating_add(if remaining < room_cap { remaining } else { room_cap });
         let remote = &self.peers[&peer].remote_regions;
@@ -337,20 +359,22 @@ impl Core {
         parts.reserve_exact(notice_parts.len().saturating_sub(parts.len()));
         parts.resize_with(notice_parts.len(), SendPart::default);
         let mut bytes_total = 0;
-        for ((part, notice_part), &ticket) in parts.iter_mut().zip(notice_parts).zip(tickets) {
+        for (((part, notice_part), &ticket), &plugin) in parts.iter_mut().zip(notice_parts).zip(tickets).zip(&assigned) {
             let mut dest = smallvec::SmallVec::with_capacity(notice_part.len());
             let mut total = 0u64;
             for slice in notice_part {
-                let (_, key) = remote[&slice.region];
+                let key = remote[&slice.region].key_for(plugin).expect("checked above");
                 dest.push(DestSlice { key, offset: slice.offset, len: slice.len });
                 total += slice.len;
             }
             part.dest = dest;
             part.dest_total = total;
             part.ticket = ticket;
+            part.plugin = plugin;
             bytes_total += total;
         }
         room.bytes_total = bytes_total;
+        room.set_peer(peer, assigned[0]);
         if notice_deadline < room.deadline {
             room.deadline = notice_deadline;
             self.arm(now, slot, TimerKind::Room, notice_deadline);
@@ -374,6 +398,7 @@ impl Core {
                     Err(error) => {
                         result = Err(match error {
                             PlaceError::UnknownRegion => FailReason::RegionUnregistered,
+                            PlaceError::NotInPlugin => FailReason::NoPluginForMemory,
                             // Held chunks that overlap, or run past the destination: they do not fit it.
                             PlaceError::LengthMismatch | PlaceError::Overlap => FailReason::LengthMismatch,
                             PlaceError::TooManySegments => FailReason::TooManySegments,

@@ -17,13 +17,15 @@ impl Core {
     // CONFORMANCE: ABORT-9, TIME-10
     pub(super) fn plugin_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
         if event.is_incoming() {
-            return self.incoming_event(now, event);
+            return self.incoming_event(now, plugin, event);
         }
         match event.kind {
             EventKind::PEER_DOWN => return self.fail_peer_rooms(now, event.peer, FailReason::PeerLost),
             EventKind::UNHEALTHY => {
+                // Every room with a peer the plugin serves: a room whose parts use other plugins fails
+                // too (a bound, never a wait).
                 let peers: Vec<_> =
-                    self.peers.iter().filter(|(_, entry)| entry.plugin == plugin).map(|(peer, _)| *peer).collect();
+                    self.peers.iter().filter(|(_, entry)| entry.has_plugin(plugin)).map(|(peer, _)| *peer).collect();
                 for peer in peers {
                     self.fail_peer_rooms(now, peer, FailReason::PluginFailed);
                 }
@@ -187,8 +189,8 @@ impl Core {
         }
     }
 
-    /// Receiver-side events about an incoming ticket.
-    fn incoming_event(&mut self, now: Nanos, event: &Event) {
+    /// Receiver-side events about an incoming ticket (from the plugin it is open on).
+    fn incoming_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
         let ticket = event.xfer.0;
         let Some(tref) = self.tickets.get(ticket) else {
             if ticket != 0 && ticket < self.next_ticket {
@@ -199,10 +201,14 @@ impl Core {
             return;
         };
         if tref.slot == super::TOMBSTONE_SLOT {
-            return self.settled_ticket_event(tref, event);
+            return self.settled_ticket_event(tref, plugin, event);
         }
         let slot = tref.slot;
         debug_assert_eq!(self.epoch(slot), tref.epoch);
+        let RoleData::Receiver { parts, .. } = &self.room_at(slot).data else { unreachable!() };
+        if parts[tref.part as usize].plugin != plugin {
+            return self.violation(ViolationClause::WrongPlugin);
+        }
         let live = !self.room_at(slot).state.is_terminal();
         match event.kind {
             EventKind::QUIESCED => {

@@ -25,9 +25,10 @@ impl Core {
         match command {
             Command::Submit { segments, .. } => Self::keep_spare(&mut self.spare_segments, segments),
             Command::ExpectIncoming { ranges, .. } => Self::keep_spare(&mut self.spare_ranges, ranges),
-            Command::ToPeer { message: PeerMessage::ExpectNotice { parts, tickets, .. }, .. } => {
+            Command::ToPeer { message: PeerMessage::ExpectNotice { parts, tickets, plugins, .. }, .. } => {
                 self.keep_spare_notice_parts(parts);
                 Self::keep_spare(&mut self.spare_tickets, tickets);
+                Self::keep_spare(&mut self.spare_plugin_lists, plugins);
             }
             _ => {}
         }
@@ -149,6 +150,7 @@ mod tests {
             room: RoomKey::new(1, 0),
             parts,
             tickets: Vec::with_capacity(tickets),
+            plugins: Vec::new(),
             deadline_remaining: Nanos::ZERO,
         };
         Command::ToPeer { peer: PeerId(1), message }

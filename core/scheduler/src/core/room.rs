@@ -65,6 +65,9 @@ pub(crate) struct DestSlice {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct SendPart {
     pub ticket: Ticket,
+    /// The plugin the receiver opened the ticket on (set with the notice): every chunk of the part
+    /// goes through it.
+    pub plugin: PluginSlot,
     /// Set once from the expect notice; one slice inline (no heap block in the common case).
     pub dest: SmallVec<[DestSlice; 1]>,
     pub dest_total: u64,
@@ -94,6 +97,8 @@ pub(crate) struct RecvPart {
     pub bytes: u64,
     pub done: bool,
     pub ticket_open: bool,
+    /// The plugin the part's ticket is open on (chosen from its memory at the expect).
+    pub plugin: PluginSlot,
 }
 
 #[derive(Clone, Debug)]
@@ -184,7 +189,8 @@ impl Room {
         self.has_peer.then_some(PeerId(self.peer_id))
     }
 
-    /// The plugin instance used with the bound peer.
+    /// The plugin instance of the room's first part (the peer's preferred one until the parts are
+    /// assigned theirs): what a room view shows.
     pub fn plugin(&self) -> Option<PluginSlot> {
         self.has_peer.then_some(self.plugin_slot)
     }

@@ -54,6 +54,8 @@ pub(crate) struct SettledId {
     pub state: XferState,
     /// Receiver: whether the ticket was still open. Sender: unused.
     pub ticket_open: bool,
+    /// The plugin the transfer ran on, or the ticket was open on.
+    pub plugin: PluginSlot,
 }
 
 /// A settled room as remembered until its tombstone expires or is evicted (its sequence number is
@@ -154,13 +156,12 @@ impl Core {
         let mut dropped_held = 0u64;
         match &room.data {
             RoleData::Sender { parts, .. } => {
-                let plugin = room.plugin();
                 for part in parts {
                     dropped_held += part.held.len() as u64;
                     for chunk in &part.chunks {
                         let index = ids.len() as u32;
-                        ids.push(SettledId { id: chunk.xfer, bytes: chunk.bytes, state: chunk.state, ticket_open: false });
-                        let plugin = plugin.expect("a room with transfers has a plugin");
+                        let plugin = part.plugin;
+                        ids.push(SettledId { id: chunk.xfer, bytes: chunk.bytes, state: chunk.state, ticket_open: false, plugin });
                         let xref = XferRef { slot: TOMBSTONE_SLOT, epoch: seq as u32, part: index, chunk: 0, plugin };
                         self.xfers.replace(chunk.xfer, xref);
                     }
@@ -169,7 +170,7 @@ impl Core {
             RoleData::Receiver { ticket_base, parts } => {
                 for (index, part) in parts.iter().enumerate() {
                     let ticket = ticket_base + index as u64;
-                    ids.push(SettledId { id: ticket, bytes: 0, state: XferState::Succeeded, ticket_open: part.ticket_open });
+                    ids.push(SettledId { id: ticket, bytes: 0, state: XferState::Succeeded, ticket_open: part.ticket_open, plugin: part.plugin });
                     self.tickets.replace(ticket, TicketRef { slot: TOMBSTONE_SLOT, epoch: seq as u32, part: index as u32 });
                 }
             }
@@ -355,9 +356,13 @@ impl Core {
 
     /// A plugin event for a ticket of a settled (terminal) receiver room: exactly what the event
     /// does to a terminal receiver (a late event or a counted violation).
-    pub(super) fn settled_ticket_event(&mut self, tref: TicketRef, event: &Event) {
+    pub(super) fn settled_ticket_event(&mut self, tref: TicketRef, plugin: PluginSlot, event: &Event) {
         let index = self.tombstone_index_of(tref.epoch);
         let part = tref.part as usize;
+        if self.tombstones[index].ids[part].plugin != plugin {
+            self.metrics.violations[ViolationClause::WrongPlugin.index()] += 1;
+            return;
+        }
         match event.kind {
             EventKind::QUIESCED => {
                 let record = &mut self.tombstones[index];
