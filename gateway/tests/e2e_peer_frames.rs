@@ -34,6 +34,7 @@ fn expect_request_bytes(room: u64, slices: &[Slice]) -> usize {
         peer: PREFILL_NAME.to_string(),
         parts: vec![proto::PartSlices { slices: slices.to_vec(), source_kind: String::new() }],
         deadline_ms: 0,
+        part_peers: Vec::new(),
     }
     .encoded_len()
 }

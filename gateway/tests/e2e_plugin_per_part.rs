@@ -112,6 +112,7 @@ async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
             peer: PREFILL_NAME.into(),
             parts: vec![proto::PartSlices { slices: vec![slice(dst.device_region, SLOT, SLOT)], source_kind: "host".into() }],
             deadline_ms: 0,
+            part_peers: Vec::new(),
         }])
         .await
         .unwrap();
@@ -122,6 +123,7 @@ async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
             peer: PREFILL_NAME.into(),
             parts: vec![proto::PartSlices { slices: vec![slice(dst.device_region, SLOT, SLOT)], source_kind: "tpu".into() }],
             deadline_ms: 0,
+            part_peers: Vec::new(),
         }])
         .await;
     let unknown = match e {

@@ -214,14 +214,21 @@ class AsyncClient:
     # -- rooms ----------------------------------------------------------------------------------
 
     async def expect(
-        self, key: RoomKeyLike, peer: str, parts: Sequence[Sequence[Slice]], *, deadline_ms: int = 0, source_kinds: Sequence[str] = ()
+        self,
+        key: RoomKeyLike,
+        peer: str,
+        parts: Sequence[Sequence[Slice]],
+        *,
+        deadline_ms: int = 0,
+        source_kinds: Sequence[str] = (),
+        part_peers: Sequence[str] = (),
     ) -> AsyncRoomHandle:
         """See `kvgate.Client.expect`."""
         await self._ready()
         k = room_key(key)
         handle = await self._tracker.begin(k, RECEIVER)
         try:
-            await self._call(self._expect, _expect_request(k, peer, parts, deadline_ms, source_kinds))
+            await self._call(self._expect, _expect_request(k, peer, parts, deadline_ms, source_kinds, part_peers))
         except KvgateError:
             self._tracker.table.forget(handle)
             raise
@@ -292,13 +299,13 @@ class AsyncClient:
         keys = [room_key(e.key) for e in expects]
         handles = {k: await self._tracker.begin(k, RECEIVER) for k in keys}
         if (await self.info()).api_version >= 2:
-            request = pb.ExpectBatchRequest(expects=[_expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds) for k, e in zip(keys, expects)])
+            request = pb.ExpectBatchRequest(expects=[_expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds, e.part_peers) for k, e in zip(keys, expects)])
             errors = batch_errors(await self._call(self._expect_batch, request), len(expects))
         else:
 
             async def one(k: RoomKey, e: Expectation) -> KvgateError | None:
                 try:
-                    await self._call(self._expect, _expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds))
+                    await self._call(self._expect, _expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds, e.part_peers))
                 except KvgateError as error:
                     return error
                 return None

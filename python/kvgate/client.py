@@ -70,7 +70,12 @@ def _send_request(
 
 
 def _expect_request(
-    key: RoomKey, peer: str, parts: Sequence[Sequence[Slice]], deadline_ms: int, source_kinds: Sequence[str] = ()
+    key: RoomKey,
+    peer: str,
+    parts: Sequence[Sequence[Slice]],
+    deadline_ms: int,
+    source_kinds: Sequence[str] = (),
+    part_peers: Sequence[str] = (),
 ) -> pb.ExpectRequest:
     kinds = list(source_kinds) + [""] * max(0, len(parts) - len(source_kinds))
     return pb.ExpectRequest(
@@ -78,6 +83,7 @@ def _expect_request(
         peer=peer,
         parts=[pb.PartSlices(slices=slices_pb(p), source_kind=kind) for p, kind in zip(parts, kinds)],
         deadline_ms=deadline_ms,
+        part_peers=list(part_peers),
     )
 
 
@@ -298,17 +304,26 @@ class Client:
     # -- rooms ----------------------------------------------------------------------------------
 
     def expect(
-        self, key: RoomKeyLike, peer: str, parts: Sequence[Sequence[Slice]], *, deadline_ms: int = 0, source_kinds: Sequence[str] = ()
+        self,
+        key: RoomKeyLike,
+        peer: str,
+        parts: Sequence[Sequence[Slice]],
+        *,
+        deadline_ms: int = 0,
+        source_kinds: Sequence[str] = (),
+        part_peers: Sequence[str] = (),
     ) -> RoomHandle:
         """Decode side: bytes for `key` come from the prefill gateway `peer` into `parts` (one list of
         slices per part, concatenated in order). `deadline_ms` 0: the gateway's `room_timeout_ms`.
         `source_kinds`: the memory kind the sender reads each part from (`"host"`, `"cuda_device"`;
-        missing: the kind of the part's destination); with the destination it picks each part's plugin."""
+        missing: the kind of the part's destination); with the destination it picks each part's plugin.
+        `part_peers`: the prefill gateway each part comes from (missing: `peer`); the room fails as a
+        whole when any of them fails."""
         self._ready()
         k = room_key(key)
         handle = self._tracker.begin(k, RECEIVER)
         try:
-            self._call(self._expect, _expect_request(k, peer, parts, deadline_ms, source_kinds))
+            self._call(self._expect, _expect_request(k, peer, parts, deadline_ms, source_kinds, part_peers))
         except KvgateError:
             self._tracker.table.forget(handle)
             raise
@@ -371,13 +386,13 @@ class Client:
         keys = [room_key(e.key) for e in expects]
         handles = {k: self._tracker.begin(k, RECEIVER) for k in keys}
         if self.info().api_version >= 2:
-            request = pb.ExpectBatchRequest(expects=[_expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds) for k, e in zip(keys, expects)])
+            request = pb.ExpectBatchRequest(expects=[_expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds, e.part_peers) for k, e in zip(keys, expects)])
             errors = batch_errors(self._call(self._expect_batch, request), len(expects))
         else:
             errors = []
             for k, e in zip(keys, expects):
                 try:
-                    self._call(self._expect, _expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds))
+                    self._call(self._expect, _expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds, e.part_peers))
                     errors.append(None)
                 except KvgateError as error:
                     errors.append(error)

@@ -72,13 +72,15 @@ class Chunk(NamedTuple):
 class Expectation(NamedTuple):
     """One expect of a batch (`expect_batch`): the room, the prefill gateway, the destination parts,
     and (optional) the memory kind the sender reads each part from (`"host"`, `"cuda_device"`; empty
-    or missing: the kind of the part's destination)."""
+    or missing: the kind of the part's destination), and (optional) the prefill gateway each part comes
+    from (empty or missing: `peer`)."""
 
     key: "RoomKeyLike"
     peer: str
     parts: Sequence[Sequence[Slice]]
     deadline_ms: int = 0
     source_kinds: Sequence[str] = ()
+    part_peers: Sequence[str] = ()
 
 
 class ChunkSend(NamedTuple):

@@ -299,4 +299,6 @@ def test_expect_request_names_each_parts_source_kind_and_leaves_the_rest_to_the_
     assert [p.source_kind for p in request.parts] == ["cuda_device", "", ""]
     assert [p.slices[0].region for p in request.parts] == [1, 2, 3]
     assert all(p.source_kind == "" for p in _expect_request(RoomKey(5, 0), "prefill", parts, 0).parts)
+    request = _expect_request(RoomKey(5, 0), "rank-0", parts, 0, (), ["rank-0", "rank-1", ""])
+    assert list(request.part_peers) == ["rank-0", "rank-1", ""] and request.peer == "rank-0"
     assert "no_plugin_for_memory" in errors.RegionError.codes and "unknown_memory_kind" in errors.RegionError.codes

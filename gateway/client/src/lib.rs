@@ -182,7 +182,15 @@ impl Client {
             peer: peer.to_string(),
             parts: parts.into_iter().map(|slices| proto::PartSlices { slices, source_kind: String::new() }).collect(),
             deadline_ms,
+            part_peers: Vec::new(),
         };
+        self.inner.clone().expect(request).await?;
+        Ok(())
+    }
+
+    /// Decode side, any request: parts from several prefill gateways (`part_peers`), source memory
+    /// kinds (`PartSlices::source_kind`).
+    pub async fn expect_request(&self, request: proto::ExpectRequest) -> Result<(), Status> {
         self.inner.clone().expect(request).await?;
         Ok(())
     }

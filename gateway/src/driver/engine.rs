@@ -56,6 +56,8 @@ pub struct ExpectCall {
     pub session: Option<u64>,
     pub room: RoomKey,
     pub peer: String,
+    /// The peer each part comes from (empty, or an empty name: `peer`).
+    pub part_peers: Vec<String>,
     pub parts: Vec<Vec<Slice>>,
     /// The memory kind the sender reads each part from (empty, or None for a part: the kind of
     /// its destination).
@@ -206,7 +208,11 @@ impl Driver {
     fn expect_call(&mut self, call: ExpectCall) -> Result<(), ApiError> {
         self.check_session(call.session)?;
         let peer = self.peer_id_of(&call.peer)?;
-        self.expect(call.room, peer, call.parts, &call.source_kinds, call.timeout_ms)?;
+        let mut part_peers = Vec::with_capacity(call.part_peers.len());
+        for name in &call.part_peers {
+            part_peers.push(if name.is_empty() { peer } else { self.peer_id_of(name)? });
+        }
+        self.expect(call.room, peer, call.parts, &part_peers, &call.source_kinds, call.timeout_ms)?;
         if let Some(id) = call.session {
             self.sessions.own_room(id, call.room, Role::Receiver);
         }
@@ -227,7 +233,15 @@ impl Driver {
     }
 
     /// An expect: once the core accepts it, the room holds its destination regions.
-    fn expect(&mut self, room: RoomKey, peer: PeerId, parts: Vec<Vec<Slice>>, source_kinds: &[Option<kvgate_abi::MemoryKind>], timeout_ms: Option<u64>) -> Result<(), ApiError> {
+    fn expect(
+        &mut self,
+        room: RoomKey,
+        peer: PeerId,
+        parts: Vec<Vec<Slice>>,
+        part_peers: &[PeerId],
+        source_kinds: &[Option<kvgate_abi::MemoryKind>],
+        timeout_ms: Option<u64>,
+    ) -> Result<(), ApiError> {
         let longest_name = self.plugin_names.iter().map(String::len).max().unwrap_or(0);
         let frame_bytes = crate::peer_link::codec::expect_notice_frame_bytes(&parts, longest_name);
         let max_frame_bytes = self.config.peer_link.max_frame_bytes as usize;
@@ -239,7 +253,7 @@ impl Driver {
             ));
         }
         let now = self.now();
-        let result = self.core.handle_expect_from(now, room, peer, &parts, source_kinds, timeout_ms);
+        let result = self.core.handle_expect_from(now, room, peer, &parts, part_peers, source_kinds, timeout_ms);
         self.refusal_to_api(result)?;
         self.region_use.hold(room, Role::Receiver, parts.iter().flatten());
         Ok(())

@@ -121,15 +121,19 @@ impl Core {
         (total, ranges)
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn engine_expect<P: AsRef<[Slice]>>(
         &mut self,
         now: Nanos,
         key: RoomKey,
         peer: PeerId,
         parts: &[P],
+        part_peers: &[PeerId],
         source_kinds: &[Option<kvgate_abi::MemoryKind>],
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
+        // Each part's sender: `part_peers[p]`, or `peer` (the room's bound peer) when not given.
+        let sender_of = |index: usize| part_peers.get(index).copied().unwrap_or(peer);
         if timeout_ms == Some(0) {
             return Self::refuse(key, RefusalReason::InvalidTimeout);
         }
@@ -142,7 +146,8 @@ impl Core {
         if parts.iter().any(|p| p.as_ref().len() as u64 > self.config.max_slices_per_request) {
             return Self::refuse(key, RefusalReason::TooManySlices);
         }
-        if self.peers.get(&peer).is_none_or(|entry| entry.plugins.is_empty()) {
+        let connected = |peer: &PeerId| self.peers.get(peer).is_some_and(|entry| !entry.plugins.is_empty());
+        if !connected(&peer) || !part_peers.iter().all(connected) {
             return Self::refuse(key, RefusalReason::PeerNotConnected);
         }
         let lookup = self.lookup(key, Role::Receiver);
@@ -163,7 +168,7 @@ impl Core {
         let mut plugins = self.spare_plugin_lists.pop().unwrap_or_default();
         plugins.clear();
         for (index, part) in parts.iter().enumerate() {
-            match self.part_plugin(key, peer, part.as_ref(), source_kinds.get(index).copied().flatten()) {
+            match self.part_plugin(key, sender_of(index), part.as_ref(), source_kinds.get(index).copied().flatten()) {
                 Ok(plugin) => plugins.push(plugin),
                 Err(refusal) => {
                     self.spare_plugin_lists.push(plugins);
@@ -180,15 +185,30 @@ impl Core {
             // CONFORMANCE: TIME-11
             return Self::refuse(key, RefusalReason::TooManyRooms);
         }
-        // Accepted: from here on nothing refuses. Each part's ranges in its plugin's keys.
+        // Accepted: from here on nothing refuses. The senders (the bound peer first), then each
+        // part's ranges in its plugin's keys.
+        let senders = (!part_peers.is_empty() && part_peers.iter().any(|&p| p != peer)).then(|| {
+            let mut senders = super::room::Senders::default();
+            senders.peers.push((peer, false));
+            for &sender in part_peers {
+                if !senders.peers.iter().any(|(p, _)| *p == sender) {
+                    senders.peers.push((sender, false));
+                }
+            }
+            Box::new(senders)
+        });
+        let sender_index = |index: usize| -> u16 {
+            senders.as_ref().map_or(0, |s| s.peers.iter().position(|(p, _)| *p == sender_of(index)).expect("listed above") as u16)
+        };
         let mut part_ranges: smallvec::SmallVec<[Vec<LocalRange>; 1]> = smallvec::SmallVec::with_capacity(parts.len());
         let mut bytes_total = 0u64;
-        for (part, &plugin) in parts.iter().zip(&plugins) {
+        for (index, (part, &plugin)) in parts.iter().zip(&plugins).enumerate() {
             let (bytes, ranges) = self.resolve_expect_part(plugin, part.as_ref());
             bytes_total += bytes;
-            recv_parts.push(RecvPart { bytes, done: false, ticket_open: true, plugin });
+            recv_parts.push(RecvPart { bytes, done: false, ticket_open: true, plugin, sender: sender_index(index) });
             part_ranges.push(ranges);
         }
+        let extra_senders: smallvec::SmallVec<[PeerId; 2]> = senders.iter().flat_map(|s| s.peers[1..].iter().map(|(p, _)| *p)).collect();
         if let Lookup::Older(old) = lookup {
             self.supersede(now, old);
         }
@@ -198,7 +218,7 @@ impl Core {
         let deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
         let in_flight = parts.len() as u32;
         let slot = self.insert_room(|| {
-            let data = RoleData::Receiver { ticket_base, parts: recv_parts };
+            let data = RoleData::Receiver { ticket_base, parts: recv_parts, senders };
             let mut room = Room::new(key, Role::Receiver, RoomState::WaitingSender, now, data);
             room.deadline = deadline;
             room.bytes_total = bytes_total;
@@ -208,6 +228,9 @@ impl Core {
         });
         let epoch = self.epoch(slot);
         self.link_peer(slot, peer);
+        for &extra in &extra_senders {
+            self.extra_bound.entry(extra).or_default().insert((slot, epoch));
+        }
         let first = plugins[0];
         self.room_mut(slot).set_peer(peer, first);
         self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
@@ -220,8 +243,14 @@ impl Core {
             let ticket = Ticket(ticket_base + index as u64);
             self.tickets.insert(ticket.0, super::TicketRef { slot, epoch, part: index as u32 });
             let plugin = plugins[index];
-            self.commands.push_back(Command::ExpectIncoming { plugin, peer, ticket, timeout: remaining, ranges });
+            self.commands.push_back(Command::ExpectIncoming { plugin, peer: sender_of(index), ticket, timeout: remaining, ranges });
             tickets.push(ticket);
+        }
+        if !extra_senders.is_empty() {
+            self.push_split_notices(key, peer, parts, part_peers, &tickets, &plugins, remaining, &extra_senders);
+            Self::keep_spare(&mut self.spare_tickets, tickets);
+            Self::keep_spare(&mut self.spare_plugin_lists, plugins);
+            return Ok(());
         }
         // One entry when every part uses the same plugin (the common room).
         if plugins.iter().all(|&p| p == first) {
@@ -230,6 +259,31 @@ impl Core {
         let parts = self.notice_parts(parts);
         self.push_peer(peer, PeerMessage::ExpectNotice { room: key, parts, tickets, plugins, deadline_remaining: remaining });
         Ok(())
+    }
+
+    /// The expect notices of a room whose parts come from several senders: each sender gets every
+    /// part, with no slices (and ticket 0) for the parts another sender sends.
+    #[allow(clippy::too_many_arguments)]
+    fn push_split_notices<P: AsRef<[Slice]>>(
+        &mut self,
+        key: RoomKey,
+        peer: PeerId,
+        parts: &[P],
+        part_peers: &[PeerId],
+        tickets: &[Ticket],
+        plugins: &[PluginSlot],
+        remaining: Nanos,
+        extra_senders: &[PeerId],
+    ) {
+        let sender_of = |index: usize| part_peers.get(index).copied().unwrap_or(peer);
+        for sender in std::iter::once(peer).chain(extra_senders.iter().copied()) {
+            let own = |index: usize| sender_of(index) == sender;
+            let notice_parts = parts.iter().enumerate().map(|(i, p)| if own(i) { p.as_ref().to_vec() } else { Vec::new() }).collect();
+            let notice_tickets = tickets.iter().enumerate().map(|(i, t)| if own(i) { *t } else { Ticket(0) }).collect();
+            let notice_plugins = plugins.iter().enumerate().map(|(i, p)| if own(i) { *p } else { PluginSlot::NONE }).collect();
+            let message = PeerMessage::ExpectNotice { room: key, parts: notice_parts, tickets: notice_tickets, plugins: notice_plugins, deadline_remaining: remaining };
+            self.push_peer(sender, message);
+        }
     }
 
     /// A chunk of a part: placed after the previous chunk's bytes (`at` None, chunks in order), or at
@@ -338,7 +392,8 @@ impl Core {
         }
         let RoleData::Sender { notice, parts } = &room.data else { unreachable!("sender key maps to a sender room") };
         let notice = *notice;
-        if notice && part as usize >= parts.len() {
+        // After the notice: a part past the room's, or one another sender sends.
+        if notice && parts.get(part as usize).is_none_or(|p| p.foreign()) {
             return Self::refuse(key, RefusalReason::UnknownPart);
         }
         let (next_chunk, last_seen, placement) =
@@ -421,7 +476,7 @@ impl Core {
     /// past the part's end; with `last` it must complete the part.
     pub(super) fn place_chunk(&mut self, _now: Nanos, slot: u32, part: u32, at: u64, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
         let plugin = match &self.room_at(slot).data {
-            RoleData::Sender { parts, .. } => parts[part as usize].plugin,
+            RoleData::Sender { parts, .. } => parts[part as usize].plugin(),
             RoleData::Receiver { .. } => unreachable!("chunks are placed in sender rooms"),
         };
         // Resolve every source key first (nothing changes on error), then map without a copy.
@@ -503,7 +558,7 @@ impl Core {
         room.touch(now, LastEvent::Submitted);
         let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
         let target = &mut parts[part as usize];
-        let plugin = target.plugin;
+        let plugin = target.plugin();
         let chunk = (target.chunks.len() - 1) as u32;
         target.chunks[chunk as usize].xfer = xfer;
         target.next_chunk = target.next_chunk.max(chunk + 1);

@@ -148,6 +148,9 @@ pub struct Core {
     xfers: SequentialIdTable<XferRef>,
     tickets: SequentialIdTable<TicketRef>,
     peers: FxHashMap<PeerId, PeerEntry>,
+    /// Receiver rooms whose parts come from several peers, under each sender other than the room's
+    /// bound peer (which lists them itself): (slot, epoch), so that losing any sender fails them.
+    extra_bound: FxHashMap<PeerId, rustc_hash::FxHashSet<(u32, u32)>>,
     regions: FxHashMap<RegionId, LocalRegion>,
     /// Each room's one deadline entry: in the timer wheel, or in the nursery while far off.
     deadlines: Deadlines,
@@ -194,6 +197,7 @@ impl Core {
             xfers: SequentialIdTable::default(),
             tickets: SequentialIdTable::default(),
             peers: FxHashMap::default(),
+            extra_bound: FxHashMap::default(),
             regions: FxHashMap::default(),
             deadlines: Deadlines::default(),
             commands: VecDeque::new(),
@@ -222,7 +226,7 @@ impl Core {
     pub fn handle_engine(&mut self, now: Nanos, request: EngineRequest) -> Result<(), Refusal> {
         let result = match request {
             EngineRequest::Expect { room, peer, parts, timeout_ms } => {
-                let result = self.engine_expect(now, room, peer, &parts, &[], timeout_ms);
+                let result = self.engine_expect(now, room, peer, &parts, &[], &[], timeout_ms);
                 // The notice got its own copy: the request's buffer is kept for a later notice.
                 self.keep_spare_notice_parts(parts);
                 result
@@ -289,24 +293,28 @@ impl Core {
         parts: &[P],
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
-        let result = self.engine_expect(now, room, peer, parts, &[], timeout_ms);
+        let result = self.engine_expect(now, room, peer, parts, &[], &[], timeout_ms);
         self.count_refusal(result)
     }
 
-    /// `handle_expect` with the memory kind the sender reads each part from (`source_kinds[p]`;
-    /// None or missing: the kind of the part's destination). Each part
-    /// uses the first plugin connected with the peer that holds a key for every destination region
-    /// of the part and serves its source kind (`no_plugin_for_memory` when none does).
+    /// `handle_expect` with each part's sender (`part_peers[p]`; missing: `peer`, the room's bound
+    /// peer) and the memory kind the sender reads it from (`source_kinds[p]`; None or missing: the
+    /// kind of the part's destination). Each part uses the first plugin connected with its sender
+    /// that holds a key for every destination region of the part and serves its source kind
+    /// (`no_plugin_for_memory` when none does). A room with several senders fails as a whole when
+    /// any part fails or any sender is lost, and every sender is told.
+    #[allow(clippy::too_many_arguments)]
     pub fn handle_expect_from<P: AsRef<[Slice]>>(
         &mut self,
         now: Nanos,
         room: RoomKey,
         peer: PeerId,
         parts: &[P],
+        part_peers: &[PeerId],
         source_kinds: &[Option<kvgate_abi::MemoryKind>],
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
-        let result = self.engine_expect(now, room, peer, parts, source_kinds, timeout_ms);
+        let result = self.engine_expect(now, room, peer, parts, part_peers, source_kinds, timeout_ms);
         self.count_refusal(result)
     }
 

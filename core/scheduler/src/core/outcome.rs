@@ -9,7 +9,7 @@ use crate::api::*;
 use crate::metrics::ViolationClause;
 use crate::table::RoomInput;
 use crate::timer::TimerKind;
-use kvgate_abi::{Ticket, XferId};
+use kvgate_abi::{PeerId, Ticket, XferId};
 
 fn came_from_peer(reason: FailReason) -> bool {
     matches!(
@@ -62,12 +62,12 @@ impl Core {
                     part.held = SmallVec::new();
                     for chunk in &part.chunks {
                         if chunk.state == XferState::InFlight {
-                            commands.push(Command::Cancel { plugin: part.plugin, xfer: XferId(chunk.xfer) });
+                            commands.push(Command::Cancel { plugin: part.plugin(), xfer: XferId(chunk.xfer) });
                         }
                     }
                 }
             }
-            RoleData::Receiver { ticket_base, parts } => {
+            RoleData::Receiver { ticket_base, parts, .. } => {
                 for (index, part) in parts.iter().enumerate() {
                     if part.ticket_open {
                         commands.push(Command::CancelIncoming {
@@ -106,6 +106,11 @@ impl Core {
                 } else {
                     PeerMessage::RoomFailed { room: key, reason, to }
                 };
+                // Every sender of a room with several is told (one message each).
+                let extra: SmallVec<[PeerId; 2]> = self.room_at(slot).extra_senders().collect();
+                for other in extra {
+                    self.push_peer(other, message.clone());
+                }
                 self.push_peer(peer, message);
             }
         }
@@ -132,7 +137,7 @@ impl Core {
         let elapsed = now.saturating_sub(room.created);
         self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed }));
         self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight }));
-        if let RoleData::Receiver { ticket_base, parts } = &mut room.data {
+        if let RoleData::Receiver { ticket_base, parts, .. } = &mut room.data {
             for (index, part) in parts.iter_mut().enumerate() {
                 if part.ticket_open {
                     part.ticket_open = false;
@@ -228,7 +233,7 @@ impl Core {
     pub(super) fn create_tombstone(&mut self, now: Nanos, key: RoomKey, role: Role, reason: FailReason) {
         let data = match role {
             Role::Sender => RoleData::Sender { notice: false, parts: Vec::new() },
-            Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: SmallVec::new() },
+            Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: SmallVec::new(), senders: None },
         };
         let slot = self.insert_room(|| {
             let mut room = Room::new(key, role, RoomState::Failed, now, data);

@@ -19,7 +19,8 @@ impl Core {
             }
             self.peer_lost(now, peer, PeerLoss::Restarted);
         }
-        let plugins = plugins.iter().copied().collect();
+        // Slots past `MAX_PLUGIN_SLOTS` cannot be named by a part (kept in one byte).
+        let plugins = plugins.iter().copied().filter(|p| p.slot.0 < super::room::MAX_PLUGIN_SLOTS).collect();
         let entry = PeerEntry { incarnation, plugins, room_head: NIL, remote_regions: super::peer_keyed_map() };
         self.peers.insert(peer, entry);
     }
@@ -27,6 +28,7 @@ impl Core {
     // CONFORMANCE: TIME-7
     pub(super) fn peer_lost(&mut self, now: Nanos, peer: PeerId, _cause: PeerLoss) {
         self.fail_peer_rooms(now, peer, FailReason::PeerLost);
+        self.extra_bound.remove(&peer);
         let Some(entry) = self.peers.remove(&peer) else { return };
         // Rooms still listed (quarantined) keep waiting for a local quiesce or their timer.
         let mut slot = entry.room_head;
@@ -40,7 +42,7 @@ impl Core {
         }
     }
 
-    /// Fail every live room bound to `peer` with `reason`.
+    /// Fail every live room bound to `peer` with `reason`, and every live room with a part from it.
     pub(super) fn fail_peer_rooms(&mut self, now: Nanos, peer: PeerId, reason: FailReason) {
         let Some(entry) = self.peers.get(&peer) else { return };
         let mut live = Vec::new();
@@ -52,9 +54,26 @@ impl Core {
             }
             slot = room.peer_next;
         }
+        for &(slot, epoch) in self.extra_bound.get(&peer).into_iter().flatten() {
+            if self.slot_is(slot, epoch) && !self.room_at(slot).state.is_terminal() {
+                live.push(slot);
+            }
+        }
         let input = if reason == FailReason::PeerLost { RoomInput::PeerLost } else { RoomInput::PluginFailure };
         for slot in live {
+            // A room with several senders fails as a whole: the senders still there are told (read
+            // before the failure, which may release the room's slot).
+            let room = self.room_at(slot);
+            let others: smallvec::SmallVec<[PeerId; 2]> = if reason == FailReason::PeerLost && self.several_senders(slot) {
+                room.peer().into_iter().chain(room.extra_senders()).filter(|&p| p != peer).collect()
+            } else {
+                smallvec::SmallVec::new()
+            };
+            let key = room.key;
             self.fail_room(now, slot, input, reason, None, None);
+            for other in others {
+                self.push_peer(other, PeerMessage::RoomFailed { room: key, reason, to: Role::Sender });
+            }
         }
     }
 
@@ -77,6 +96,13 @@ impl Core {
     }
 
     pub(super) fn unlink_peer(&mut self, slot: u32) {
+        let epoch = self.epoch(slot);
+        let extra: smallvec::SmallVec<[PeerId; 2]> = self.room_at(slot).extra_senders().collect();
+        for peer in extra {
+            if let Some(rooms) = self.extra_bound.get_mut(&peer) {
+                rooms.remove(&(slot, epoch));
+            }
+        }
         let room = self.room_at(slot);
         if !room.in_peer_list {
             return;
@@ -96,12 +122,18 @@ impl Core {
         room.in_peer_list = false;
     }
 
-    /// The slot of `key`/`role` if it is exactly this generation and bound to `peer` (or unbound).
+    /// The slot of `key`/`role` if it is exactly this generation and bound to `peer` (or unbound,
+    /// or with a part from `peer`).
     fn peer_room(&self, key: RoomKey, role: Role, peer: PeerId) -> Option<u32> {
         match self.lookup(key, role) {
-            Lookup::Same(slot) if self.room_at(slot).peer().is_none_or(|bound| bound == peer) => Some(slot),
+            Lookup::Same(slot) if self.room_at(slot).peer().is_none() || self.room_at(slot).bound_to(peer) => Some(slot),
             _ => None,
         }
+    }
+
+    /// Whether a receiver room's parts come from more than one peer.
+    fn several_senders(&self, slot: u32) -> bool {
+        matches!(&self.room_at(slot).data, RoleData::Receiver { senders: Some(_), .. })
     }
 
     pub(super) fn peer_message(&mut self, now: Nanos, peer: PeerId, message: &PeerMessage) {
@@ -113,6 +145,8 @@ impl Core {
                 Some(slot) if self.room_at(slot).state == RoomState::WaitingSender => {
                     self.receiver_matched(now, slot);
                 }
+                // The first of several senders moved the room on; the others' words change nothing.
+                Some(slot) if self.several_senders(slot) && !self.room_at(slot).state.is_terminal() => {}
                 _ => self.count_late(LateSource::Peer),
             },
             PeerMessage::PartDone { room, part, bytes } => self.on_part_done(now, peer, room, part, bytes),
@@ -125,11 +159,24 @@ impl Core {
             }
             PeerMessage::Quiesced { room } => match self.peer_room(room, Role::Receiver, peer) {
                 Some(slot) if self.room_at(slot).state == RoomState::Quarantined => {
-                    self.release_quarantine(now, slot, RoomInput::Quiesced, ReleaseCause::Quiesced);
+                    if self.all_senders_quiesced(slot, peer) {
+                        self.release_quarantine(now, slot, RoomInput::Quiesced, ReleaseCause::Quiesced);
+                    }
                 }
                 _ => self.count_late(LateSource::Peer),
             },
         }
+    }
+
+    /// Note that `peer` said nothing more from it can land in the room; whether every sender has.
+    fn all_senders_quiesced(&mut self, slot: u32, peer: PeerId) -> bool {
+        let RoleData::Receiver { senders: Some(senders), .. } = &mut self.room_mut(slot).data else { return true };
+        for (sender, quiesced) in senders.peers.iter_mut() {
+            if *sender == peer {
+                *quiesced = true;
+            }
+        }
+        senders.peers.iter().all(|(_, quiesced)| *quiesced)
     }
 
     fn receiver_matched(&mut self, now: Nanos, slot: u32) {
@@ -147,8 +194,9 @@ impl Core {
         if room.state.is_terminal() {
             return self.count_late(LateSource::Peer);
         }
-        let RoleData::Receiver { parts, .. } = &mut room.data else { unreachable!() };
-        let Some(target) = parts.get_mut(part as usize).filter(|p| !p.done) else {
+        let RoleData::Receiver { parts, senders, .. } = &mut room.data else { unreachable!() };
+        let from = |p: &super::room::RecvPart| senders.as_ref().is_none_or(|s| s.peers[p.sender as usize].0 == peer);
+        let Some(target) = parts.get_mut(part as usize).filter(|p| !p.done && from(p)) else {
             return self.count_late(LateSource::Peer);
         };
         target.done = true;
@@ -190,7 +238,7 @@ impl Core {
                 }
             }
             Lookup::Same(slot) => {
-                if self.room_at(slot).peer().is_some_and(|bound| bound != peer) {
+                if self.room_at(slot).peer().is_some_and(|_| !self.room_at(slot).bound_to(peer)) {
                     return self.count_late(LateSource::Peer);
                 }
                 let state = self.room_at(slot).state;
@@ -198,7 +246,18 @@ impl Core {
                     if input == RoomInput::PeerAbort {
                         self.room_mut(slot).touch(now, LastEvent::Aborted);
                     }
+                    // The room's other senders stop too: the room fails as a whole (read before the
+                    // failure, which may release the room's slot).
+                    let room = self.room_at(slot);
+                    let others: smallvec::SmallVec<[PeerId; 2]> = if to == Role::Receiver {
+                        room.extra_senders().chain(room.peer()).filter(|&p| p != peer).collect()
+                    } else {
+                        smallvec::SmallVec::new()
+                    };
                     self.fail_room(now, slot, input, local_reason, Some(peer_reason), None);
+                    for other in others {
+                        self.push_peer(other, PeerMessage::RoomFailed { room: key, reason: local_reason, to: Role::Sender });
+                    }
                 } else {
                     self.count_late(LateSource::Peer);
                     if to == Role::Sender && matches!(state, RoomState::Succeeded | RoomState::Failed) {
@@ -333,9 +392,22 @@ impl Core {
             1 => plugins[0],
             _ => plugins[index],
         };
+        // A part with no slices is another sender's: at least one must be this sender's, and no
+        // chunk may be held for another's.
+        let foreign = |index: usize| notice_parts[index].is_empty();
+        let held_foreign = match &self.room_at(slot).data {
+            RoleData::Sender { parts, .. } => parts.iter().enumerate().any(|(i, p)| foreign(i) && !p.held.is_empty()),
+            RoleData::Receiver { .. } => unreachable!(),
+        };
+        if notice_parts.iter().all(Vec::is_empty) || held_foreign {
+            return Err(FailReason::LayoutMismatch);
+        }
         // Check every destination slice first (nothing changes on error), then resolve in place.
         let remote = &entry.remote_regions;
         for (index, part) in notice_parts.iter().enumerate() {
+            if foreign(index) {
+                continue;
+            }
             let plugin = part_plugin(index);
             if !entry.has_plugin(plugin) {
                 return Err(FailReason::NoPluginForMemory);
@@ -370,11 +442,17 @@ impl Core {
             part.dest = dest;
             part.dest_total = total;
             part.ticket = ticket;
-            part.plugin = plugin;
+            if notice_part.is_empty() {
+                part.done = true;
+                room.parts_done += 1;
+            } else {
+                part.set_plugin(plugin);
+            }
             bytes_total += total;
         }
         room.bytes_total = bytes_total;
-        room.set_peer(peer, assigned[0]);
+        let own = notice_parts.iter().position(|p| !p.is_empty()).expect("checked above");
+        room.set_peer(peer, assigned[own]);
         if notice_deadline < room.deadline {
             room.deadline = notice_deadline;
             self.arm(now, slot, TimerKind::Room, notice_deadline);

@@ -65,7 +65,7 @@ impl Core {
     }
 
     /// Keep an emptied buffer for reuse, if it is small enough and the pool has room.
-    fn keep_spare<T>(pool: &mut Vec<Vec<T>>, mut buffer: Vec<T>) {
+    pub(super) fn keep_spare<T>(pool: &mut Vec<Vec<T>>, mut buffer: Vec<T>) {
         if buffer.capacity() != 0
             && buffer.capacity() <= SPARE_COMMAND_BUFFER_CAPACITY
             && pool.len() < SPARE_COMMAND_BUFFERS

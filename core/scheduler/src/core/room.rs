@@ -66,8 +66,9 @@ pub(crate) struct DestSlice {
 pub(crate) struct SendPart {
     pub ticket: Ticket,
     /// The plugin the receiver opened the ticket on (set with the notice): every chunk of the part
-    /// goes through it.
-    pub plugin: PluginSlot,
+    /// goes through it. One byte (`PluginSlot` below `MAX_PLUGIN_SLOTS`): a sender room stays within
+    /// its memory budget.
+    plugin: u8,
     /// Set once from the expect notice; one slice inline (no heap block in the common case).
     pub dest: SmallVec<[DestSlice; 1]>,
     pub dest_total: u64,
@@ -92,6 +93,26 @@ pub(crate) struct SendPart {
     pub held: SmallVec<[HeldChunk; 1]>,
 }
 
+/// Plugin slots a room's parts can use: `0..MAX_PLUGIN_SLOTS` (a peer's plugins past it are ignored).
+pub(crate) const MAX_PLUGIN_SLOTS: u32 = 255;
+
+impl SendPart {
+    pub fn plugin(&self) -> PluginSlot {
+        PluginSlot(self.plugin as u32)
+    }
+
+    pub fn set_plugin(&mut self, plugin: PluginSlot) {
+        debug_assert!(plugin.0 < MAX_PLUGIN_SLOTS);
+        self.plugin = plugin.0 as u8;
+    }
+
+    /// Another sender sends this part (the notice gave it no slices): done from the start, never
+    /// sent here. Own parts always have a destination.
+    pub fn foreign(&self) -> bool {
+        self.done && self.dest.is_empty()
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct RecvPart {
     pub bytes: u64,
@@ -99,14 +120,24 @@ pub(crate) struct RecvPart {
     pub ticket_open: bool,
     /// The plugin the part's ticket is open on (chosen from its memory at the expect).
     pub plugin: PluginSlot,
+    /// Which of the room's senders the part comes from (an index into `Senders::peers`; 0, the
+    /// room's bound peer, when it has one sender).
+    pub sender: u16,
+}
+
+/// The senders of a receiver room whose parts come from several peers: index 0 is the room's bound
+/// peer. Each entry says whether that sender confirmed that nothing more from it can land.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Senders {
+    pub peers: SmallVec<[(PeerId, bool); 2]>,
 }
 
 #[derive(Clone, Debug)]
 pub(crate) enum RoleData {
     Sender { notice: bool, parts: Vec<SendPart> },
     /// One part inline (no heap block per room in the common case); a receiver's part list
-    /// never changes length.
-    Receiver { ticket_base: u64, parts: SmallVec<[RecvPart; 1]> },
+    /// never changes length. `senders`: set when the parts come from more than one peer.
+    Receiver { ticket_base: u64, parts: SmallVec<[RecvPart; 1]>, senders: Option<Box<Senders>> },
 }
 
 #[derive(Clone, Debug)]
@@ -277,6 +308,20 @@ impl Room {
             RoleData::Sender { parts, .. } => parts.len() as u32,
             RoleData::Receiver { parts, .. } => parts.len() as u32,
         }
+    }
+
+    /// The peers a receiver room's parts come from, beyond its bound peer (empty for one sender).
+    pub fn extra_senders(&self) -> impl Iterator<Item = PeerId> + '_ {
+        let senders = match &self.data {
+            RoleData::Receiver { senders: Some(senders), .. } => &senders.peers[1..],
+            _ => &[],
+        };
+        senders.iter().map(|(peer, _)| *peer)
+    }
+
+    /// Whether `peer` is the room's bound peer or one of its other senders.
+    pub fn bound_to(&self, peer: PeerId) -> bool {
+        self.peer() == Some(peer) || self.extra_senders().any(|p| p == peer)
     }
 
     pub fn touch(&mut self, now: Nanos, event: LastEvent) {

@@ -160,14 +160,14 @@ impl Core {
                     dropped_held += part.held.len() as u64;
                     for chunk in &part.chunks {
                         let index = ids.len() as u32;
-                        let plugin = part.plugin;
+                        let plugin = part.plugin();
                         ids.push(SettledId { id: chunk.xfer, bytes: chunk.bytes, state: chunk.state, ticket_open: false, plugin });
                         let xref = XferRef { slot: TOMBSTONE_SLOT, epoch: seq as u32, part: index, chunk: 0, plugin };
                         self.xfers.replace(chunk.xfer, xref);
                     }
                 }
             }
-            RoleData::Receiver { ticket_base, parts } => {
+            RoleData::Receiver { ticket_base, parts, .. } => {
                 for (index, part) in parts.iter().enumerate() {
                     let ticket = ticket_base + index as u64;
                     ids.push(SettledId { id: ticket, bytes: 0, state: XferState::Succeeded, ticket_open: part.ticket_open, plugin: part.plugin });
