@@ -12,7 +12,7 @@ use crate::peer_link::{server_tls, LocalIdentity, PeerDirectory, PeerLinks};
 use anyhow::Context;
 use kvgate_client::proto;
 use kvgate_client::proto::peer_link_server::PeerLinkServer;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
 
@@ -82,6 +82,12 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
 
     // Bind every listener before anything is announced, so a bad address fails start-up.
     let unix = if config.engine_api.unix_socket.is_empty() { None } else { Some(bind_unix_socket(&PathBuf::from(&config.engine_api.unix_socket))?) };
+    // Beside it, the fd socket (same folder checks and 0600 mode): engines pass memory descriptors.
+    let fd_socket_path = (!config.engine_api.unix_socket.is_empty()).then(|| crate::engine_api::fd_pass::fd_socket_path(Path::new(&config.engine_api.unix_socket)));
+    let fd_listener = match &fd_socket_path {
+        Some(path) => Some(bind_unix_socket(path)?.into_std()?),
+        None => None,
+    };
     let peer_listener = tokio::net::TcpListener::bind(&config.peer_link.listen).await.with_context(|| format!("peer_link.listen: bind {}", config.peer_link.listen))?;
     let admin_listener = if config.admin.listen.is_empty() {
         None
@@ -128,6 +134,11 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         incarnation: identity.incarnation,
     };
     let api = EngineApiService::new(input_tx.clone(), watch_tx, &config.engine_api, info);
+    let fd_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(listener) = fd_listener {
+        let timeout = std::time::Duration::from_millis(config.engine_api.connections.handshake_timeout_ms);
+        crate::engine_api::fd_pass::spawn_fd_socket(listener, api.passed_fds(), timeout, fd_stop.clone()).context("start the fd socket thread")?;
+    }
     let api_config = config.clone();
     let api_stop = stop_rx.clone();
     let api_metrics = metrics.clone();
@@ -165,8 +176,12 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         // It revokes this gateway's lease (bounded by discovery.request_timeout_ms).
         let _ = task.await;
     }
+    fd_stop.store(true, std::sync::atomic::Ordering::Relaxed);
     if !config.engine_api.unix_socket.is_empty() {
         let _ = std::fs::remove_file(&config.engine_api.unix_socket);
+    }
+    if let Some(path) = fd_socket_path {
+        let _ = std::fs::remove_file(path);
     }
     Ok(())
 }

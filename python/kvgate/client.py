@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVa
 
 import grpc
 
-from . import _channel
+from . import _channel, errors
+from .fd_pass import pass_fd
 from ._proto import kvgate_pb2 as pb
 from .errors import GatewayUnavailable, KvgateError, RoomError, SessionError, from_reason, from_rpc_error
 from .memory import SharedPool, cuda_ipc_export
@@ -89,6 +90,10 @@ def _expect_request(
 
 def _register_shared_request(path: str, offset: int, length: int, label: str) -> pb.RegisterMemoryRequest:
     return pb.RegisterMemoryRequest(shared_memory=pb.SharedMemoryFile(path=path, offset=offset, len=length), label=label)
+
+
+def _register_fd_request(token: int, offset: int, length: int, label: str) -> pb.RegisterMemoryRequest:
+    return pb.RegisterMemoryRequest(passed_fd=pb.PassedFdMemory(token=token, offset=offset, len=length), label=label)
 
 
 def _register_cuda_request(device: int, handle: bytes, length: int, label: str) -> pb.RegisterMemoryRequest:
@@ -281,6 +286,18 @@ class Client:
     def register_pool(self, pool: SharedPool, *, label: str = "") -> Region:
         """Register a whole `SharedPool`."""
         return self.register_shared_memory(pool.path, offset=pool.offset, length=pool.size, label=label)
+
+    def register_fd(self, fd: int, *, length: int, offset: int = 0, label: str = "") -> Region:
+        """Register `length` bytes at `offset` of the host memory behind descriptor `fd` (a memfd, or any
+        file this process can map), passed to the gateway on its fd socket: the gateway keeps its own
+        copy while the region is registered, so `fd` may be closed afterwards. Needs a Unix-socket
+        target (the gateway on this host)."""
+        self._ready()
+        if self.target.unix_path is None:
+            raise errors.InvalidRequest("missing_field", "register_fd needs the gateway's Unix socket (a descriptor cannot cross TCP)")
+        token = pass_fd(self.target.unix_path, fd)
+        reply = self._call(self._register, _register_fd_request(token, offset, length, label))
+        return Region(reply.region, length, tuple(reply.plugins), label)
 
     def register_cuda_ipc(self, device: int, ipc_handle: bytes, length: int, *, label: str = "", base: int = 0) -> Region:
         """Register CUDA device memory by its IPC handle (`cudaIpcGetMemHandle`), `length` bytes from the

@@ -67,6 +67,8 @@ class RegionError(KvgateError):
         "region_in_use",
         "no_plugin_for_memory",
         "unknown_memory_kind",
+        "unknown_fd_token",
+        "one_fd_per_message",
     )
 
 
@@ -89,6 +91,7 @@ class LimitError(KvgateError):
         "too_many_regions",
         "too_many_watchers",
         "too_many_sessions",
+        "too_many_passed_fds",
         "watch_lagged",
         "watch_cursor_expired",
     )
@@ -131,7 +134,7 @@ class GatewayUnavailable(KvgateError):
     """The gateway cannot be reached, or is stopping. Codes: `gateway_stopping`, `shutdown`, and
     `unavailable` / `deadline_exceeded` / `cancelled` for transport failures without a reason code."""
 
-    codes = ("gateway_stopping", "shutdown", "unavailable", "deadline_exceeded", "cancelled")
+    codes = ("gateway_stopping", "shutdown", "unavailable", "deadline_exceeded", "cancelled", "fd_socket_unavailable")
 
 
 class TransferFailed(KvgateError):

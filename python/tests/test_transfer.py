@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -83,6 +84,38 @@ def test_blocking_client_moves_scatter_gather_chunks(pair: Pair) -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_memfd_registered_by_descriptor_receives_kv_after_the_engine_closes_its_copy(pair: Pair) -> None:
+    import mmap
+
+    layout = Layout(parts=2, layers=2, tokens=16, token_bytes=128, chunks=2)
+    prefill = Engine(pair.prefill.socket, layout, slots=1, name="prefill")
+    decode = kvgate.Client(pair.decode.socket)
+    fd = os.memfd_create("kvgate-py-passed")
+    try:
+        os.ftruncate(fd, layout.size)
+        view = mmap.mmap(fd, layout.size)
+        region = decode.register_fd(fd, length=layout.size, label="passed memfd")
+        os.close(fd)
+        fd = -1
+        assert region.plugins == ("shm",)
+        prefill.fill(0, 77)
+        receiver = decode.expect(77, "prefill", layout.parts_of(region, 0))
+        assert prefill.send(77, 0).result(timeout=10).succeeded
+        assert receiver.result(timeout=10).succeeded
+        assert bytes(view[:]) == prefill.slot(0).tobytes(), "every byte landed in the engine's memfd"
+        with pytest.raises(kvgate.RegionError) as raised:
+            decode._call(decode._register, kvgate.client._register_fd_request(12345, 0, 64, "x"))
+        assert raised.value.code == "unknown_fd_token"
+        receiver.reusable(timeout=10)
+        decode.unregister_memory(region)
+        view.close()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        decode.close()
+        prefill.close()
 
 
 def test_asyncio_client_moves_kv_with_parts_side_by_side(pair: Pair) -> None:

@@ -7,6 +7,7 @@ pub mod proto {
     tonic::include_proto!("kvgate.v1");
 }
 
+pub mod fd_pass;
 pub mod outcomes;
 
 use hyper_util::rt::TokioIo;
@@ -165,6 +166,16 @@ impl Client {
     pub async fn register_cuda_ipc(&self, device: i32, ipc_handle: Vec<u8>, offset: u64, len: u64, label: &str) -> Result<u64, Status> {
         let request = proto::RegisterMemoryRequest {
             memory: Some(proto::register_memory_request::Memory::CudaIpc(proto::CudaIpcMemory { device, ipc_handle, len, offset })),
+            label: label.to_string(),
+        };
+        Ok(self.inner.clone().register_memory(request).await?.into_inner().region)
+    }
+
+    /// Register host memory behind a descriptor passed on the fd socket (`fd_pass::pass_fd`): `len`
+    /// bytes at `offset` of it.
+    pub async fn register_passed_fd(&self, token: u64, offset: u64, len: u64, label: &str) -> Result<u64, Status> {
+        let request = proto::RegisterMemoryRequest {
+            memory: Some(proto::register_memory_request::Memory::PassedFd(proto::PassedFdMemory { token, offset, len })),
             label: label.to_string(),
         };
         Ok(self.inner.clone().register_memory(request).await?.into_inner().region)

@@ -84,6 +84,12 @@ pub struct EngineApiSection {
     /// Longest free text an engine may send: a region's label (refused past it, `text_too_long`) and an
     /// abort's reason (cut to it in the log).
     pub max_text_bytes: u64,
+    /// Descriptors passed on the fd socket (`<unix_socket>.fds`) and not yet named by a
+    /// `RegisterMemory`, held at once (`too_many_passed_fds` past it).
+    pub max_passed_fds: u64,
+    /// How long a passed descriptor waits for its `RegisterMemory` before it is closed
+    /// (`unknown_fd_token` after it).
+    pub passed_fd_ttl_ms: u64,
 }
 
 impl Default for EngineApiSection {
@@ -104,6 +110,8 @@ impl Default for EngineApiSection {
             session_grace_ms: 5000,
             max_sessions: 1024,
             max_text_bytes: 1024,
+            max_passed_fds: 64,
+            passed_fd_ttl_ms: 10_000,
         }
     }
 }

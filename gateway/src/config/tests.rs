@@ -68,6 +68,8 @@ fn queue_limits_are_checked_at_and_just_past_each_bound() {
         ("engine_api", "session_grace_ms", 100, 3_600_000),
         ("engine_api", "max_sessions", 1, 65_536),
         ("engine_api", "max_text_bytes", 16, 65_536),
+        ("engine_api", "max_passed_fds", 1, 4096),
+        ("engine_api", "passed_fd_ttl_ms", 100, 3_600_000),
         ("admin", "quarantine_unhealthy_ms", 100, 86_400_000),
     ];
     for (section, key, min, max) in cases {

@@ -81,6 +81,8 @@ fn check_gateway_and_engine_api(config: &GatewayConfig, errors: &mut Vec<LimitEr
     errors.extend(check_range("engine_api.session_grace_ms", api.session_grace_ms, 100, 3_600_000));
     errors.extend(check_range("engine_api.max_sessions", api.max_sessions, 1, 65_536));
     errors.extend(check_range("engine_api.max_text_bytes", api.max_text_bytes, 16, 65_536));
+    errors.extend(check_range("engine_api.max_passed_fds", api.max_passed_fds, 1, 4096));
+    errors.extend(check_range("engine_api.passed_fd_ttl_ms", api.passed_fd_ttl_ms, 100, 3_600_000));
     errors.extend(check_range("engine_api.http2_max_pending_reset_streams", api.http2_max_pending_reset_streams, 20, 1 << 20));
     check_connections("engine_api", &api.connections, errors);
 }

@@ -43,10 +43,13 @@ pub struct Registered {
 }
 
 /// Memory an engine registers, by reference.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub enum MemorySpec {
     SharedFile { path: String, offset: u64, len: u64 },
     CudaIpc { device: i32, handle: Vec<u8>, offset: u64, len: u64 },
+    /// Host memory behind a descriptor the engine passed on the fd socket: the gateway keeps it open
+    /// while the region is registered, and names it to plugins as `/proc/<gateway pid>/fd/<n>`.
+    PassedFd { file: std::fs::File, offset: u64, len: u64 },
 }
 
 /// One expect, decoded.

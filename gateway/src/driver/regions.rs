@@ -14,6 +14,8 @@ pub struct LocalRegion {
     pub keys: Vec<(PluginSlot, LocalKey)>,
     pub announce: proto::RegionAnnounce,
     _mapping: Option<memmap2::MmapMut>,
+    /// A passed descriptor behind the region, kept open as long as it is registered.
+    _file: Option<std::fs::File>,
 }
 
 pub struct Regions {
@@ -47,6 +49,10 @@ fn map_shared_file(path: &str, offset: u64, len: u64) -> Result<memmap2::MmapMut
         .write(true)
         .open(path)
         .map_err(|e| ApiError::invalid("memory_unavailable", format!("cannot open {path}: {e}")))?;
+    map_file(&file, path, offset, len)
+}
+
+fn map_file(file: &std::fs::File, path: &str, offset: u64, len: u64) -> Result<memmap2::MmapMut, ApiError> {
     let file_len = file.metadata().map_err(|e| ApiError::invalid("memory_unavailable", format!("{path}: {e}")))?.len();
     if offset.checked_add(len).is_none_or(|end| end > file_len) {
         return Err(ApiError::invalid(
@@ -56,7 +62,7 @@ fn map_shared_file(path: &str, offset: u64, len: u64) -> Result<memmap2::MmapMut
     }
     // SAFETY: the mapping is shared with the engine that owns the file; the gateway never reads or
     // writes through it (plugins write into peers' mappings as the engines agreed by expect/send).
-    unsafe { memmap2::MmapOptions::new().offset(offset).len(len as usize).map_mut(&file) }
+    unsafe { memmap2::MmapOptions::new().offset(offset).len(len as usize).map_mut(file) }
         .map_err(|e| ApiError::invalid("memory_unavailable", format!("cannot map {path}: {e}")))
 }
 
@@ -79,6 +85,7 @@ impl Driver {
                 format!("engine_api.max_regions = {} regions are registered already", self.regions.max_regions),
             ));
         }
+        let mut passed = None;
         let (desc, mapping) = match memory {
             MemorySpec::SharedFile { path, offset, len } => {
                 if len == 0 {
@@ -94,6 +101,26 @@ impl Driver {
                     backing_offset: offset,
                     ipc_handle: RVec::new(),
                 };
+                (desc, Some(mapping))
+            }
+            MemorySpec::PassedFd { file, offset, len } => {
+                if len == 0 {
+                    return Err(ApiError::invalid("empty_region", "a region needs len > 0"));
+                }
+                use std::os::fd::AsRawFd;
+                // The path a same-host peer (and a plugin) opens: this process's descriptor.
+                let path = format!("/proc/{}/fd/{}", std::process::id(), file.as_raw_fd());
+                let mut mapping = map_file(&file, &path, offset, len)?;
+                let desc = RegionDesc {
+                    kind: MemoryKind::HOST,
+                    device: -1,
+                    addr: mapping.as_mut_ptr() as u64,
+                    len,
+                    backing_path: RString::from(path),
+                    backing_offset: offset,
+                    ipc_handle: RVec::new(),
+                };
+                passed = Some(file);
                 (desc, Some(mapping))
             }
             MemorySpec::CudaIpc { device, handle, offset, len } => {
@@ -140,7 +167,7 @@ impl Driver {
         self.core.handle_region_registered(now, RegionInfo { id: RegionId(id), len: desc.len, memory_kind: desc.kind, keys: keys.clone() });
         self.peers.broadcast(Frame::RegionAnnounce(announce.clone()));
         tracing::info!(region = id, len = desc.len, label = %label, plugins = ?accepted, refused = ?refusals, "region registered");
-        self.regions.by_id.insert(id, LocalRegion { label, keys, announce, _mapping: mapping });
+        self.regions.by_id.insert(id, LocalRegion { label, keys, announce, _mapping: mapping, _file: passed });
         Ok(Registered { region: id, plugins: accepted, refused: refusals })
     }
 

@@ -3,6 +3,7 @@
 //! bearer token. Never touches the core directly and never carries KV bytes.
 
 mod auth;
+pub mod fd_pass;
 mod listen;
 mod service;
 mod watch_feed;

@@ -24,6 +24,8 @@ pub struct EngineApiService {
     max_batch_calls: usize,
     session_grace_ms: u64,
     info: Arc<proto::InfoReply>,
+    /// Descriptors passed on the fd socket, taken by `RegisterMemory { passed_fd }`.
+    passed_fds: Arc<super::fd_pass::PassedFds>,
 }
 
 impl EngineApiService {
@@ -36,7 +38,13 @@ impl EngineApiService {
             max_batch_calls: config.max_batch_calls as usize,
             session_grace_ms: config.session_grace_ms,
             info: Arc::new(info),
+            passed_fds: Arc::new(super::fd_pass::PassedFds::new(config.max_passed_fds, config.passed_fd_ttl_ms)),
         }
+    }
+
+    /// The table the fd socket fills (`fd_pass::spawn_fd_socket`).
+    pub fn passed_fds(&self) -> Arc<super::fd_pass::PassedFds> {
+        self.passed_fds.clone()
     }
 
     /// A batch longer than `engine_api.max_batch_calls` is refused whole (nothing of it is applied).
@@ -197,7 +205,14 @@ impl EngineApi for EngineApiService {
         let memory = match r.memory {
             Some(Memory::SharedMemory(m)) => MemorySpec::SharedFile { path: m.path, offset: m.offset, len: m.len },
             Some(Memory::CudaIpc(c)) => MemorySpec::CudaIpc { device: c.device, handle: c.ipc_handle, offset: c.offset, len: c.len },
-            None => return Err(ApiError::invalid("missing_field", "register_memory needs shared_memory or cuda_ipc").to_status()),
+            Some(Memory::PassedFd(p)) => {
+                let Some(fd) = self.passed_fds.take(p.token) else {
+                    let message = format!("no descriptor waits under token {} (never passed, already registered, or past engine_api.passed_fd_ttl_ms)", p.token);
+                    return Err(ApiError::new(tonic::Code::NotFound, "unknown_fd_token", message).to_status());
+                };
+                MemorySpec::PassedFd { file: std::fs::File::from(fd), offset: p.offset, len: p.len }
+            }
+            None => return Err(ApiError::invalid("missing_field", "register_memory needs shared_memory, cuda_ipc or passed_fd").to_status()),
         };
         let registered = self.call(|reply| EngineCall::Register { memory, label: r.label, session, reply }).await?;
         Ok(Response::new(proto::RegisterMemoryReply { region: registered.region, plugins: registered.plugins, refused: registered.refused }))
