@@ -262,3 +262,24 @@ pub async fn run_room(prefill: &Engine, decode: &Engine, shape: &KvShape, room: 
     decode.events.forget(room);
     Ok(RoomResult { room, bytes: shape.request_bytes(), started, latency, engine_work, prefill: prefill_outcome, decode: decode_outcome, verified })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rooms_chunks_go_in_a_shuffled_order_of_its_own_every_time() {
+        let mut shuffled = 0;
+        for room in 0..200 {
+            let order = shuffled_chunks(room, 4);
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, vec![0, 1, 2, 3], "room {room}: every chunk once");
+            assert_eq!(order, shuffled_chunks(room, 4), "room {room}: the same order again");
+            shuffled += usize::from(order != sorted);
+        }
+        assert!(shuffled > 150, "most rooms go out of order: {shuffled} of 200");
+        assert_eq!(shuffled_chunks(7, 1), vec![0]);
+        assert!(shuffled_chunks(7, 0).is_empty());
+    }
+}
