@@ -74,6 +74,23 @@ fn tiny_bench_writes_a_complete_report() {
                     let in_flight = c["rooms_in_flight"].as_u64().unwrap();
                     assert!((1..=8).contains(&in_flight), "{at}: rooms_in_flight {in_flight} within 1..=--inflight");
                     assert_eq!(c["warm_up_rooms"].as_u64(), Some(in_flight), "{at}: every slot the cell uses moved once before the timed rooms");
+                    let verified_slots = c["verified_slots"].as_u64().unwrap();
+                    assert!((1..=in_flight).contains(&verified_slots), "{at}: every slot the timed rooms wrote was compared ({verified_slots} of {in_flight})");
+                    if name == "shm" {
+                        // Measured against the machine's copy limit too: two threads (the plugin's workers),
+                        // over a working set past the last-level cache (at least 2 x 256 MiB).
+                        let limit = &c["copy_limit"];
+                        let best = positive_finite(&limit["gbps"], &format!("{at} copy_limit.gbps"));
+                        let memcpy = positive_finite(&limit["memcpy_gbps"], &format!("{at} copy_limit.memcpy_gbps"));
+                        let streaming = positive_finite(&limit["streaming_gbps"], &format!("{at} copy_limit.streaming_gbps"));
+                        assert_eq!(best, memcpy.max(streaming), "{at}: the limit is the better method");
+                        assert_eq!(limit["threads"], 2, "{at}");
+                        assert!(limit["working_set_bytes"].as_u64().unwrap() >= 512 << 20, "{at}: {limit}");
+                        let limit_ratio = positive_finite(&c["limit_ratio"], &format!("{at} limit_ratio"));
+                        assert!((limit_ratio - throughput / best).abs() <= 1e-9 * limit_ratio.max(1.0), "{at}: limit_ratio is throughput / limit");
+                    } else {
+                        assert!(c["copy_limit"].is_null(), "{at}: only shm is measured against the copy limit");
+                    }
                 }
             }
             _ => {
@@ -133,4 +150,5 @@ fn tiny_bench_writes_a_complete_report() {
     assert_eq!(&std::fs::read(&png).expect("png written")[..8], b"\x89PNG\r\n\x1a\n");
     let page = std::fs::read_to_string(&md).expect("markdown written");
     assert!(page.contains("kvgate bench --quick --plugins shm,quic,ucx,nvlink") && page.contains("bench.svg"));
+    assert!(page.contains("this machine's copy limit") && page.contains("| limit GB/s | limit ratio |"), "the page names the limit shm is measured against");
 }

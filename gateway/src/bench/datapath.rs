@@ -6,7 +6,8 @@
 //! decides an outcome itself.
 
 use super::reference::{memcpy_copies, perftest_messages, tcp_copies, ucx_perftest_gbps, CopyBudget, ReferenceKind};
-use super::results::CellResult;
+use super::copy_limit::{LimitBuffers, LimitSamples};
+use super::results::{CellResult, CopyLimit};
 use super::stats::{gbps, millis, percentile, ratio};
 use crate::demo::engine::{wait_reusable, wait_terminal, Engine};
 use crate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
@@ -40,6 +41,8 @@ pub struct Rig {
     pub slots: u64,
     src_map: Arc<Mutex<memmap2::MmapMut>>,
     dst_map: Arc<Mutex<memmap2::MmapMut>>,
+    /// The buffers of the machine's copy limit, measured around every cell when set (shm).
+    pub copy_limit: Option<Arc<Mutex<LimitBuffers>>>,
 }
 
 fn map_file(path: &Path, len: u64) -> anyhow::Result<memmap2::MmapMut> {
@@ -65,11 +68,20 @@ impl Rig {
         let decode = Arc::new(Engine::connect(&pair.decode.socket, dst, "bench destination pool").await?);
         let src_map = Arc::new(Mutex::new(map_file(&src_path, slot_bytes * slots)?));
         let dst_map = Arc::new(Mutex::new(map_file(&dst_path, slot_bytes * slots)?));
-        Ok(Rig { pair, prefill, decode, slot_bytes, slots, src_map, dst_map })
+        Ok(Rig { pair, prefill, decode, slot_bytes, slots, src_map, dst_map, copy_limit: None })
     }
 
     pub fn stop(&mut self) {
         self.pair.stop();
+    }
+
+    /// Measure the machine's copy limit around every cell from now on: `threads` threads (the
+    /// plugin's copy threads), buffers sized for a last-level cache of `llc_kib` KiB.
+    pub async fn measure_copy_limit(&mut self, threads: usize, llc_kib: u64) -> anyhow::Result<()> {
+        let bytes = super::copy_limit::limit_buffer_bytes(llc_kib);
+        let buffers = tokio::task::spawn_blocking(move || LimitBuffers::new(bytes, threads)).await?;
+        self.copy_limit = Some(Arc::new(Mutex::new(buffers)));
+        Ok(())
     }
 
     /// CPU time used so far by (both gateways, this process).
@@ -174,7 +186,10 @@ struct PerftestRun {
 
 /// Run one cell: a verified warm-up room, one untimed room on every other slot it uses, then timed
 /// rooms (up to `inflight_rooms` at once, each on its own pool slot) for at least `budget`; the
-/// reference moves the same bytes for about as long, half before the rooms and half after.
+/// reference moves the same bytes for about as long, half before the rooms and half after (so does
+/// the copy limit, where the rig measures it). Before the timed rooms every slot they may write is
+/// overwritten with the complement of its source; after them (outside the timed window) every slot
+/// they wrote is compared with its source, and a slot that differs fails the cell.
 pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, blocks: u64, inflight_rooms: u64, budget: CopyBudget) -> anyhow::Result<CellResult> {
     let (verified, verified_latency) = verified_room(rig, block, blocks).await?;
     let bytes = block * blocks;
@@ -183,6 +198,12 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
     // The reference runs half just before the rooms and half just after, so a change
     // of load on this shared machine during the cell weighs on both sides alike.
     let half = CopyBudget { min_copies: budget.min_copies.div_ceil(2), budget: budget.budget / 2 };
+    // The copy limit (shm) likewise, for half the reference's time on each side (at least one pass
+    // of each method).
+    let limit_before = match &rig.copy_limit {
+        Some(buffers) => Some(limit_half(buffers.clone(), half.budget / 2).await?),
+        None => None,
+    };
     let copies_before = match reference {
         Some(kind) if kind.copies_memory() => Some(memory_reference_copies(rig, kind, block, blocks, (stride, depth), half).await),
         _ => None,
@@ -197,11 +218,16 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
         }
         _ => None,
     };
+    // No earlier copy (warm-up rooms, the reference) may pass for a timed room's bytes.
+    let offsets: Vec<u64> = (0..depth).map(|slot| slot * stride).collect();
+    poison_slots(rig, offsets, bytes).await?;
     let cpu_before = rig.cpu_used();
     let started = Instant::now();
     let mut latencies = Vec::new();
     let mut failures = warm_up_failures.len() as u64;
     let mut reasons: std::collections::BTreeSet<String> = warm_up_failures.into_iter().collect();
+    // Per slot: whether the last timed room on it succeeded (the slot then holds its bytes).
+    let mut last_on_slot: std::collections::BTreeMap<u64, bool> = std::collections::BTreeMap::new();
     let mut started_rooms = 0u64;
     let mut tasks = tokio::task::JoinSet::new();
     let more = |n: u64| n < super::plan::MAX_ROOMS_PER_CELL && (n < budget.min_copies || started.elapsed() < budget.budget);
@@ -214,6 +240,8 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
     }
     while let Some(joined) = tasks.join_next().await {
         let (offset, run) = joined.context("bench room task")?;
+        let succeeded = matches!(&run, Ok(r) if r.succeeded);
+        last_on_slot.insert(offset, succeeded);
         match run {
             Ok(r) if r.succeeded => latencies.push(r.latency),
             Ok(r) => {
@@ -232,6 +260,10 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
     }
     let wall = started.elapsed();
     let cpu_after = rig.cpu_used();
+    // Outside the timed window, before the reference's second half writes the slots again. A slot
+    // whose last room failed is a failure already; its bytes prove nothing.
+    let written: Vec<u64> = last_on_slot.iter().filter(|(_, ok)| **ok).map(|(offset, _)| *offset).collect();
+    let mismatches = verify_slots(rig, written.clone(), bytes).await?;
     for r in &reasons {
         tracing::warn!(reason = %r, block, blocks, "bench room failed");
     }
@@ -246,6 +278,7 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
         failures,
         failure_reasons: reasons.iter().take(MAX_FAILURE_REASONS_PER_CELL).cloned().collect(),
         verified,
+        verified_slots: written.len() as u64,
         throughput_gbps: gbps(bytes * latencies.len() as u64, wall),
         latency_p50_ms: millis(percentile(&latencies, 50.0)),
         latency_p99_ms: millis(percentile(&latencies, 99.0)),
@@ -254,6 +287,7 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
         engine_cpu_seconds: cpu_after.1.saturating_sub(cpu_before.1).as_secs_f64(),
         ..CellResult::default()
     };
+    record_mismatches(&mut cell, &mismatches);
     if let Some(kind) = reference {
         let figure = match copies_before {
             Some(before) => match (before, memory_reference_copies(rig, kind, block, blocks, (stride, depth), half).await) {
@@ -286,7 +320,100 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
             }
         }
     }
+    if let (Some(mut samples), Some(buffers)) = (limit_before, &rig.copy_limit) {
+        samples.add(&limit_half(buffers.clone(), half.budget / 2).await?);
+        let (threads, working_set_bytes) = {
+            let b = buffers.lock().unwrap_or_else(|e| e.into_inner());
+            (b.threads() as u64, b.working_set_bytes())
+        };
+        let limit = CopyLimit { threads, working_set_bytes, memcpy_gbps: samples.memcpy_gbps(), streaming_gbps: samples.streaming_gbps(), gbps: samples.best_gbps() };
+        cell.limit_ratio = ratio(cell.throughput_gbps, limit.gbps);
+        cell.copy_limit = Some(limit);
+    }
     Ok(cell)
+}
+
+/// Half of a cell's copy-limit measurement, off the async threads.
+async fn limit_half(buffers: Arc<Mutex<LimitBuffers>>, budget: Duration) -> anyhow::Result<LimitSamples> {
+    Ok(tokio::task::spawn_blocking(move || buffers.lock().unwrap_or_else(|e| e.into_inner()).measure(budget)).await?)
+}
+
+/// A destination slot whose bytes differ from its source after the timed rooms.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotMismatch {
+    /// The slot's first byte in the pools.
+    pub offset: u64,
+    /// How many of its bytes differ, and where the first one is (from the slot's start).
+    pub differing_bytes: u64,
+    pub first_difference: u64,
+}
+
+/// Overwrite `len` bytes at each of `offsets` in `dst` with the complement of `src` there: every
+/// byte differs from its source until a room writes it.
+pub fn poison(src: &[u8], dst: &mut [u8], offsets: &[u64], len: usize) {
+    for &offset in offsets {
+        let range = offset as usize..offset as usize + len;
+        for (d, s) in dst[range.clone()].iter_mut().zip(&src[range]) {
+            *d = !*s;
+        }
+    }
+}
+
+/// The slots at `offsets` (each `len` bytes) whose bytes in `dst` differ from `src`.
+pub fn mismatched_slots(src: &[u8], dst: &[u8], offsets: &[u64], len: usize) -> Vec<SlotMismatch> {
+    let mut out = Vec::new();
+    for &offset in offsets {
+        let range = offset as usize..offset as usize + len;
+        let (s, d) = (&src[range.clone()], &dst[range]);
+        if s == d {
+            continue;
+        }
+        let differing: Vec<usize> = s.iter().zip(d).enumerate().filter(|(_, (a, b))| a != b).map(|(i, _)| i).collect();
+        out.push(SlotMismatch { offset, differing_bytes: differing.len() as u64, first_difference: differing.first().copied().unwrap_or(0) as u64 });
+    }
+    out
+}
+
+/// Fail `cell` for `mismatches`: not verified, one failure per slot, and the first slot named
+/// among the reasons (kept even when the reasons are at their bound).
+pub fn record_mismatches(cell: &mut CellResult, mismatches: &[SlotMismatch]) {
+    let Some(first) = mismatches.first() else { return };
+    cell.verified = false;
+    cell.failures += mismatches.len() as u64;
+    let reason = format!(
+        "bytes_mismatch: {} of {} slots written by the timed rooms differ from their source (slot at pool byte {}: {} bytes differ, the first at +{})",
+        mismatches.len(),
+        cell.verified_slots.max(mismatches.len() as u64),
+        first.offset,
+        first.differing_bytes,
+        first.first_difference
+    );
+    if cell.failure_reasons.len() >= MAX_FAILURE_REASONS_PER_CELL {
+        cell.failure_reasons.truncate(MAX_FAILURE_REASONS_PER_CELL - 1);
+    }
+    cell.failure_reasons.insert(0, reason);
+}
+
+/// [`poison`] the cell's slots in this process's mappings of the pools, off the async threads.
+async fn poison_slots(rig: &Rig, offsets: Vec<u64>, len: u64) -> anyhow::Result<()> {
+    let (s, d) = (rig.src_map.clone(), rig.dst_map.clone());
+    tokio::task::spawn_blocking(move || {
+        let s = s.lock().unwrap_or_else(|e| e.into_inner());
+        let mut d = d.lock().unwrap_or_else(|e| e.into_inner());
+        poison(&s, &mut d, &offsets, len as usize);
+    })
+    .await?;
+    Ok(())
+}
+
+/// [`mismatched_slots`] over this process's mappings of the pools, off the async threads.
+async fn verify_slots(rig: &Rig, offsets: Vec<u64>, len: u64) -> anyhow::Result<Vec<SlotMismatch>> {
+    let (s, d) = (rig.src_map.clone(), rig.dst_map.clone());
+    Ok(tokio::task::spawn_blocking(move || {
+        let (s, d) = (s.lock().unwrap_or_else(|e| e.into_inner()), d.lock().unwrap_or_else(|e| e.into_inner()));
+        mismatched_slots(&s, &d, &offsets, len as usize)
+    })
+    .await?)
 }
 
 /// One untimed room on each of the cell's slots after the first (the verified room used slot 0), all at
@@ -375,6 +502,51 @@ mod tests {
         assert_eq!(perftest_figure(1, &[PerftestRun { bytes: 1, gbps: 0.0 }]).gbps, 0.0, "no rate, no figure");
         let one_unrated = perftest_figure(1, &[PerftestRun { bytes: 1_000_000_000, gbps: 0.0 }, PerftestRun { bytes: 2_000_000_000, gbps: 2.0 }]);
         assert!((one_unrated.gbps - 2.0).abs() < 1e-9, "an unrated run's bytes do not inflate the rate: {}", one_unrated.gbps);
+    }
+
+    #[test]
+    fn a_slot_that_differs_from_its_source_after_the_timed_rooms_fails_the_cell() {
+        let (len, stride) = (3000usize, 4096u64);
+        let offsets = [0, stride, 2 * stride];
+        let src: Vec<u8> = (0..4 * stride as usize).map(|i| (i % 251) as u8).collect();
+        // The warm-up rooms and the reference left right bytes: poisoning must undo them.
+        let mut dst = src.clone();
+        poison(&src, &mut dst, &offsets, len);
+        let untouched = mismatched_slots(&src, &dst, &offsets, len);
+        assert_eq!(untouched.len(), 3, "a slot no timed room wrote cannot pass");
+        assert!(untouched.iter().all(|m| m.differing_bytes == len as u64 && m.first_difference == 0), "{untouched:?}");
+        assert_eq!(&dst[len..stride as usize], &src[len..stride as usize], "bytes past the transfer are left alone");
+        // Every room writes its slot: nothing differs, and the cell stands.
+        for &o in &offsets {
+            let r = o as usize..o as usize + len;
+            dst[r.clone()].copy_from_slice(&src[r]);
+        }
+        assert!(mismatched_slots(&src, &dst, &offsets, len).is_empty());
+        let good = CellResult { verified: true, verified_slots: 3, failure_reasons: vec![], ..CellResult::default() };
+        let mut cell = good.clone();
+        record_mismatches(&mut cell, &[]);
+        assert!(!cell.failed());
+        // One byte of the middle slot corrupted: that slot, that byte, and the cell fails.
+        dst[stride as usize + 1234] ^= 0x40;
+        let bad = mismatched_slots(&src, &dst, &offsets, len);
+        assert_eq!(bad, vec![SlotMismatch { offset: stride, differing_bytes: 1, first_difference: 1234 }]);
+        record_mismatches(&mut cell, &bad);
+        assert!(cell.failed() && !cell.verified);
+        assert_eq!(cell.failures, 1);
+        assert!(cell.failure_reasons[0].starts_with("bytes_mismatch: 1 of 3 slots"), "{:?}", cell.failure_reasons);
+        assert!(cell.failure_reasons[0].contains("slot at pool byte 4096: 1 bytes differ, the first at +1234"), "{:?}", cell.failure_reasons);
+        // The mismatch is named even when the reasons were full.
+        let mut full = CellResult { failure_reasons: (0..MAX_FAILURE_REASONS_PER_CELL).map(|i| format!("r{i}")).collect(), verified: true, ..CellResult::default() };
+        record_mismatches(&mut full, &bad);
+        assert_eq!(full.failure_reasons.len(), MAX_FAILURE_REASONS_PER_CELL);
+        assert!(full.failure_reasons[0].starts_with("bytes_mismatch"));
+        // And the report says so: the table's verified column, the run's exit status.
+        let report = crate::bench::results::BenchReport {
+            data_path: vec![crate::bench::results::PluginResult { plugin: "shm".into(), status: "measured".into(), cells: vec![cell], ..Default::default() }],
+            ..Default::default()
+        };
+        let page = crate::bench::report::markdown(&report, None);
+        assert!(page.contains("| NO |") && page.contains("bytes_mismatch"), "{page}");
     }
 
     #[test]

@@ -53,6 +53,12 @@ send_window_bytes = 4194304
 malloc_trim_threshold_bytes = 67108864
 ";
 
+/// How many threads the shm plugin of `entry` copies with (its `workers`, from its plugin config or
+/// the plugin's default): the thread count of the machine's copy limit it is measured against.
+pub fn copy_threads(entry: &MatrixEntry) -> usize {
+    kvgate_plugin_shm::ShmConfig::parse(&entry.settings.plugin_config).map(|c| c.workers).unwrap_or(kvgate_plugin_shm::config::DEFAULT_WORKERS) as usize
+}
+
 /// Where the UCX plugin library is: `--ucx-library`, else next to the running `kvgate` (where cargo
 /// builds it: `cargo build --release -p kvgate-plugin-ucx-so`). The error says how to get it.
 pub fn ucx_library(explicit: Option<&Path>) -> Result<PathBuf, String> {

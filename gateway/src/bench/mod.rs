@@ -4,6 +4,7 @@
 //! It only measures and reports: never a pass/fail on timing, except the named targets it prints.
 
 pub mod control;
+pub mod copy_limit;
 pub mod core_abort;
 pub mod datapath;
 pub mod matrix;
@@ -260,6 +261,12 @@ async fn bench_plugin(binary: &Path, dir: &Path, entry: &matrix::MatrixEntry, pl
         }
     };
     let reference = entry.reference.as_ref().ok().copied();
+    if reference == Some(reference::ReferenceKind::Memcpy) {
+        bar.set_message(format!("{plugin}: allocating the copy-limit buffers"));
+        if let Err(e) = rig.measure_copy_limit(matrix::copy_threads(entry), system::machine().last_level_cache_kib).await {
+            bar.println(format!("{plugin}: the copy limit cannot be measured: {e:#}"));
+        }
+    }
     if let Err(why) = &entry.reference {
         result.skip_reason = format!("reference not measured, ratios are 0: {why}");
     }

@@ -1,6 +1,7 @@
 //! The plot model shared by the SVG and PNG outputs: one panel per measured plugin, x = block size
 //! (log scale), y = GB/s; per blocks-per-transfer count a solid kvgate line and a dashed reference
-//! line of the same colour. Geometry only; never writes a file.
+//! line of the same colour, and for shm a grey dashed line of the machine's copy limit. Geometry
+//! only; never writes a file.
 
 use super::results::BenchReport;
 
@@ -13,6 +14,9 @@ pub const MARGIN_BOTTOM: f64 = 50.0;
 
 /// Colours per blocks-per-transfer series, in order.
 pub const PALETTE: [(u8, u8, u8); 6] = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)];
+
+/// The machine's copy limit's line (shm's panel).
+pub const LIMIT_COLOR: (u8, u8, u8) = (110, 110, 110);
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Series {
@@ -57,6 +61,18 @@ pub fn panels(report: &BenchReport) -> Vec<Panel> {
             if !reference.is_empty() {
                 series.push(Series { label: format!("reference, {blocks} block(s)"), color, dashed: true, points: reference, point_labels: vec![] });
             }
+        }
+        // The machine's copy limit (shm), grey: per block size, the median of the cells' limits.
+        let mut limit_points = Vec::new();
+        for block in p.cells.iter().map(|c| c.block_bytes).collect::<std::collections::BTreeSet<u64>>() {
+            let mut limits: Vec<f64> = p.cells.iter().filter(|c| c.block_bytes == block).filter_map(|c| c.copy_limit.as_ref()).map(|l| l.gbps).filter(|g| *g > 0.0).collect();
+            limits.sort_by(f64::total_cmp);
+            if let Some(median) = limits.get(limits.len().saturating_sub(1) / 2) {
+                limit_points.push((block, *median));
+            }
+        }
+        if !limit_points.is_empty() {
+            series.push(Series { label: "copy limit".into(), color: LIMIT_COLOR, dashed: true, points: limit_points, point_labels: vec![] });
         }
         let x_min = p.cells.iter().map(|c| c.block_bytes).min().unwrap_or(4096);
         let x_max = p.cells.iter().map(|c| c.block_bytes).max().unwrap_or(4096).max(x_min * 2);
@@ -113,6 +129,32 @@ pub fn image_height(panels: &[Panel]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shm_panels_draw_the_copy_limit_per_block_size() {
+        use crate::bench::results::{CellResult, CopyLimit, PluginResult};
+        let cell = |block: u64, blocks: u64, limit: f64| CellResult {
+            block_bytes: block,
+            blocks,
+            throughput_gbps: 1.0,
+            copy_limit: (limit > 0.0).then(|| CopyLimit { gbps: limit, ..Default::default() }),
+            ..Default::default()
+        };
+        let report = BenchReport {
+            data_path: vec![PluginResult {
+                plugin: "shm".into(),
+                status: "measured".into(),
+                cells: vec![cell(4096, 1, 9.0), cell(4096, 100, 11.0), cell(4096, 1000, 10.0), cell(1 << 20, 1, 8.0), cell(1 << 22, 1, 0.0)],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let panel = &panels(&report)[0];
+        let limit = panel.series.iter().find(|s| s.label == "copy limit").expect("a limit line");
+        assert_eq!(limit.points, vec![(4096, 10.0), (1 << 20, 8.0)], "the median per block size; none where unmeasured");
+        assert!(limit.dashed && limit.color == LIMIT_COLOR);
+        assert_eq!(panel.y_max, 10.0, "the limit counts for the scale");
+    }
 
     #[test]
     fn ceilings_and_pixels() {

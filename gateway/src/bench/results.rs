@@ -77,8 +77,13 @@ pub struct CellResult {
     /// The distinct reasons of those failures (reason codes from the gateways, or the bench's own
     /// error), at most `MAX_FAILURE_REASONS_PER_CELL`.
     pub failure_reasons: Vec<String>,
-    /// The first room's destination bytes equal the source bytes.
+    /// The warm-up room's destination bytes equal the source bytes, and so does every destination
+    /// slot the timed rooms wrote (compared after the timed window, each slot having been
+    /// overwritten with the complement of its source before it): false fails the cell.
     pub verified: bool,
+    /// Destination slots the timed rooms wrote and the bench compared with their source after them.
+    #[serde(default)]
+    pub verified_slots: u64,
     pub throughput_gbps: f64,
     pub latency_p50_ms: f64,
     pub latency_p99_ms: f64,
@@ -105,6 +110,38 @@ pub struct CellResult {
     pub round_throughput_gbps: Vec<f64>,
     #[serde(default)]
     pub round_reference_gbps: Vec<f64>,
+    /// The machine's copy limit measured around this cell (shm only; `bench::copy_limit`).
+    #[serde(default)]
+    pub copy_limit: Option<CopyLimit>,
+    /// `throughput_gbps / copy_limit.gbps` (0 without a limit): shm's target ratio.
+    #[serde(default)]
+    pub limit_ratio: f64,
+    /// Every round's ratio to the copy limit and the limit itself (GB/s), in the order they ran.
+    #[serde(default)]
+    pub round_limit_ratios: Vec<f64>,
+    #[serde(default)]
+    pub round_limit_gbps: Vec<f64>,
+}
+
+/// The machine's copy limit around one cell: the best of memcpy and streaming-store copies on as
+/// many threads as the plugin copies with, over a working set larger than the last-level cache,
+/// half just before the cell's rooms and half just after.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct CopyLimit {
+    pub threads: u64,
+    /// Source and destination buffers together.
+    pub working_set_bytes: u64,
+    pub memcpy_gbps: f64,
+    pub streaming_gbps: f64,
+    /// The faster of the two: the limit.
+    pub gbps: f64,
+}
+
+impl CellResult {
+    /// Whether the cell failed: a room that did not succeed, or bytes that did not match.
+    pub fn failed(&self) -> bool {
+        self.failures > 0 || !self.verified
+    }
 }
 
 /// One way of moving SGLang-shaped rooms: its calls, time and CPU per room.

@@ -21,8 +21,8 @@ pub fn target_cell(plugin: &str, cells: &[(u64, u64)]) -> Option<(u64, u64)> {
     cells.iter().copied().filter(|&(_, blocks)| blocks == 1).max_by_key(|&(block, _)| block)
 }
 
-/// One cell from its rounds: the figures of the round with the median ratio (the lower median for an
-/// even count), the ratios of every round in `round_ratios`, and the failures, failure reasons and
+/// One cell from its rounds: the figures of the round with the median ratio (to the copy limit where
+/// every round measured one, else to the reference; the lower median for an even count), the ratios of every round in `round_ratios`, and the failures, failure reasons and
 /// verification of every round, so a bad round is never hidden behind a good median.
 pub fn median_round(mut rounds: Vec<CellResult>) -> Option<CellResult> {
     if rounds.is_empty() {
@@ -37,13 +37,20 @@ pub fn median_round(mut rounds: Vec<CellResult>) -> Option<CellResult> {
     reasons.sort();
     reasons.dedup();
     reasons.truncate(super::datapath::MAX_FAILURE_REASONS_PER_CELL);
+    // A cell measured against the machine's copy limit (shm) is decided on that ratio.
+    let by_limit = rounds.iter().all(|r| r.limit_ratio > 0.0);
+    let limit_ratios: Vec<f64> = if by_limit { rounds.iter().map(|r| r.limit_ratio).collect() } else { Vec::new() };
+    let limits: Vec<f64> = if by_limit { rounds.iter().map(|r| r.copy_limit.as_ref().map(|l| l.gbps).unwrap_or(0.0)).collect() } else { Vec::new() };
+    let key = |r: &CellResult| if by_limit { r.limit_ratio } else { r.ratio };
     let mut order: Vec<usize> = (0..rounds.len()).collect();
-    order.sort_by(|&a, &b| rounds[a].ratio.total_cmp(&rounds[b].ratio));
+    order.sort_by(|&a, &b| key(&rounds[a]).total_cmp(&key(&rounds[b])));
     let median = order[(order.len() - 1) / 2];
     let mut cell = rounds.swap_remove(median);
     cell.round_ratios = ratios;
     cell.round_throughput_gbps = throughputs;
     cell.round_reference_gbps = references;
+    cell.round_limit_ratios = limit_ratios;
+    cell.round_limit_gbps = limits;
     cell.failures = failures;
     cell.failure_reasons = reasons;
     cell.verified = verified;
@@ -64,7 +71,16 @@ pub fn rounds_note(cell: &CellResult) -> String {
         return String::new();
     }
     let (lo, hi) = min_max(&cell.round_ratios);
-    let mut note = format!("median of {} rounds, ratios {lo:.3}-{hi:.3}", cell.round_ratios.len());
+    let mut note = if cell.round_limit_ratios.len() == cell.round_ratios.len() {
+        let (l_lo, l_hi) = min_max(&cell.round_limit_ratios);
+        let (g_lo, g_hi) = min_max(&cell.round_limit_gbps);
+        format!(
+            "median of {} rounds by the ratio to the copy limit, ratios to it {l_lo:.3}-{l_hi:.3} (limit {g_lo:.2}-{g_hi:.2} GB/s), ratios to the reference {lo:.3}-{hi:.3}",
+            cell.round_ratios.len()
+        )
+    } else {
+        format!("median of {} rounds, ratios {lo:.3}-{hi:.3}", cell.round_ratios.len())
+    };
     if cell.round_reference_gbps.len() == cell.round_ratios.len() && cell.round_throughput_gbps.len() == cell.round_ratios.len() {
         let (k_lo, k_hi) = min_max(&cell.round_throughput_gbps);
         let (r_lo, r_hi) = min_max(&cell.round_reference_gbps);
@@ -215,6 +231,26 @@ mod tests {
         assert!(!cell.verified);
         assert!(median_round(vec![]).is_none());
         assert_eq!(rounds_note(&median_round(vec![round(0.4, 0, "")]).unwrap()), "", "one round is not a median");
+    }
+
+    #[test]
+    fn rounds_with_a_copy_limit_are_decided_on_the_ratio_to_it() {
+        let with_limit = |ratio: f64, limit_ratio: f64| CellResult {
+            limit_ratio,
+            copy_limit: Some(crate::bench::results::CopyLimit { gbps: 20.0, ..Default::default() }),
+            ..round(ratio, 0, "")
+        };
+        // By the reference the median would be the 1.2 round; by the limit it is the 0.85 one.
+        let cell = median_round(vec![with_limit(1.2, 0.95), with_limit(1.1, 0.85), with_limit(1.3, 0.80)]).unwrap();
+        assert_eq!(cell.limit_ratio, 0.85);
+        assert_eq!(cell.ratio, 1.1);
+        assert_eq!(cell.round_limit_ratios, vec![0.95, 0.85, 0.80]);
+        assert_eq!(cell.round_limit_gbps, vec![20.0; 3]);
+        assert!(rounds_note(&cell).starts_with("median of 3 rounds by the ratio to the copy limit, ratios to it 0.800-0.950 (limit 20.00-20.00 GB/s), ratios to the reference 1.100-1.300"), "{}", rounds_note(&cell));
+        // One round without a limit: decided on the reference, as before.
+        let mixed = median_round(vec![with_limit(1.2, 0.95), round(1.1, 0, ""), with_limit(1.3, 0.80)]).unwrap();
+        assert_eq!(mixed.ratio, 1.2);
+        assert!(mixed.round_limit_ratios.is_empty());
     }
 
     #[test]

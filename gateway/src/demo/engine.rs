@@ -97,7 +97,14 @@ pub struct SideOutcome {
 pub struct RoomResult {
     pub room: u64,
     pub bytes: u64,
+    /// When the engines issued the room's expect and first send: its transfer window starts.
+    pub started: Instant,
+    /// From `started` to the later of both sides' terminal events: the transfer through the gateways.
     pub latency: Duration,
+    /// The synthetic engines' own work on the room, outside `latency`: generating the source KV and
+    /// zeroing the destination before, checksumming the destination after (wall time, on the same
+    /// cores as the gateways).
+    pub engine_work: Duration,
     pub prefill: SideOutcome,
     pub decode: SideOutcome,
     /// The destination checksum matched the source (only checked when both sides succeeded).
@@ -151,6 +158,45 @@ pub async fn send_all(prefill: &Engine, shape: &KvShape, room: u64, slot: u64, p
     Ok(())
 }
 
+/// The order the demo's prefill engine sends a room's chunks in: a shuffle of `0..chunks` seeded by
+/// the room (the same room always in the same order), as an engine whose layers or pages finish out
+/// of order would send them.
+pub fn shuffled_chunks(room: u64, chunks: u64) -> Vec<u64> {
+    use rand::seq::SliceRandom;
+    use rand::SeedableRng;
+    let mut order: Vec<u64> = (0..chunks).collect();
+    order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(room));
+    order
+}
+
+/// Prefill side, the demo's engines: send every chunk of every part of `room` from `slot` in a
+/// shuffled order ([`shuffled_chunks`]), each chunk naming its byte offset in its part's stream
+/// (`SendRequest.offset`, so the receiver needs no agreement on how chunks are cut or numbered), one
+/// `SendBatch` per chunk (every part's slices of that chunk), `last` on the final batch (it
+/// completes every part). Stops at the first chunk with a refusal, as [`send_all`] does.
+pub async fn send_all_placed(prefill: &Engine, shape: &KvShape, room: u64, slot: u64, peer: &str) -> Result<(), tonic::Status> {
+    let slot_offset = prefill.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(slot);
+    let order = shuffled_chunks(room, shape.chunks);
+    for (i, &chunk) in order.iter().enumerate() {
+        let sends = (0..shape.parts)
+            .map(|part| proto::SendRequest {
+                offset: Some(shape.chunk_stream_offset(chunk)),
+                key: Some(room_key(room, 0)),
+                part: part as u32,
+                chunk: chunk as u32,
+                slices: shape.chunk_slices(prefill.region, slot_offset, part, chunk),
+                last: i + 1 == order.len(),
+                peer: peer.to_string(),
+            })
+            .collect();
+        let reply = prefill.client.send_batch(sends).await?;
+        if let Some(refused) = reply.results.into_iter().find(|r| !r.reason.is_empty()) {
+            return Err(refusal_status(&refused));
+        }
+    }
+    Ok(())
+}
+
 /// A refused call of a batch as the status a single call would have got (reason code in the message
 /// and in the `kvgate-reason` metadata).
 pub fn refusal_status(refused: &proto::CallResult) -> tonic::Status {
@@ -183,15 +229,18 @@ pub async fn slot_checksum(engine: &Engine, slot: u64) -> anyhow::Result<u64> {
     Ok(tokio::task::spawn_blocking(move || checksum(pool.lock().unwrap_or_else(|e| e.into_inner()).slot(slot))).await?)
 }
 
-/// Move one request's KV cache from `src` (prefill pool) to `dst` (decode pool) and verify it.
+/// Move one request's KV cache from `src` (prefill pool) to `dst` (decode pool) and verify it. The
+/// chunks go in a shuffled order, each placed by its offset ([`send_all_placed`]).
 pub async fn run_room(prefill: &Engine, decode: &Engine, shape: &KvShape, room: u64, src: u64, dst: u64) -> anyhow::Result<RoomResult> {
+    let engine_started = Instant::now();
     let expected = prepare_slots(prefill, decode, room, src, dst).await?;
+    let prepare = engine_started.elapsed();
     let mut p_rx = prefill.events.listen(room);
     let mut d_rx = decode.events.listen(room);
     let started = Instant::now();
     let (expect, send) = tokio::join!(
         expect_into(decode, shape, room, dst, super::gateways::PREFILL_NAME, 0),
-        send_all(prefill, shape, room, src, super::gateways::DECODE_NAME, None)
+        send_all_placed(prefill, shape, room, src, super::gateways::DECODE_NAME)
     );
     if let Err(s) = expect {
         bail!("expect of room {room} refused: {}", s.message());
@@ -203,11 +252,34 @@ pub async fn run_room(prefill: &Engine, decode: &Engine, shape: &KvShape, room: 
     let (p, d) = tokio::join!(wait_terminal(&mut p_rx, started, timeout), wait_terminal(&mut d_rx, started, timeout));
     let (prefill_outcome, decode_outcome) = (p?, d?);
     let latency = started.elapsed();
+    let check_started = Instant::now();
     let verified = prefill_outcome.succeeded && decode_outcome.succeeded && slot_checksum(decode, dst).await? == expected;
+    let engine_work = prepare + check_started.elapsed();
     // Slots are reused: wait until neither side can still touch them.
     let reuse = Duration::from_millis(ROOM_WAIT_TIMEOUT_MS);
     let _ = tokio::join!(wait_reusable(&mut p_rx, reuse), wait_reusable(&mut d_rx, reuse));
     prefill.events.forget(room);
     decode.events.forget(room);
-    Ok(RoomResult { room, bytes: shape.request_bytes(), latency, prefill: prefill_outcome, decode: decode_outcome, verified })
+    Ok(RoomResult { room, bytes: shape.request_bytes(), started, latency, engine_work, prefill: prefill_outcome, decode: decode_outcome, verified })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rooms_chunks_go_in_a_shuffled_order_of_its_own_every_time() {
+        let mut shuffled = 0;
+        for room in 0..200 {
+            let order = shuffled_chunks(room, 4);
+            let mut sorted = order.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, vec![0, 1, 2, 3], "room {room}: every chunk once");
+            assert_eq!(order, shuffled_chunks(room, 4), "room {room}: the same order again");
+            shuffled += usize::from(order != sorted);
+        }
+        assert!(shuffled > 150, "most rooms go out of order: {shuffled} of 200");
+        assert_eq!(shuffled_chunks(7, 1), vec![0]);
+        assert!(shuffled_chunks(7, 0).is_empty());
+    }
 }

@@ -86,6 +86,8 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<bool> {
     }
     println!();
     print!("{}", report::table(&runs));
+    println!();
+    print!("{}", report::legend(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), args.inflight));
     let transfers_ok = runs.iter().all(|r| r.unavailable.is_some() || (r.errors.is_empty() && r.verified() == r.results.len()));
     let faults_ok = if args.no_faults { true } else { faults::run(&binary, &dir, &shape).await? };
     Ok(transfers_ok && faults_ok)
@@ -93,7 +95,15 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<bool> {
 
 /// Start a pair for `plugin`, create and register pools, run `args.rooms` rooms, stop the pair.
 async fn run_plugin(binary: &Path, dir: &Path, plugin: &str, shape: &KvShape, args: &DemoArgs) -> PluginRun {
-    let mut run = PluginRun { plugin: plugin.to_string(), results: vec![], errors: vec![], wall: Duration::ZERO, unavailable: None };
+    let mut run = PluginRun {
+        plugin: plugin.to_string(),
+        results: vec![],
+        errors: vec![],
+        wall: Duration::ZERO,
+        unavailable: None,
+        gateway_cpu: Duration::ZERO,
+        engine_cpu: Duration::ZERO,
+    };
     // Both gateways are on this machine: QUIC gets its loopback tuning (its defaults are for real networks).
     let plugin_config = if plugin == "quic" { crate::bench::matrix::QUIC_LOOPBACK_CONFIG.to_string() } else { String::new() };
     let settings = PairSettings { plugin: plugin.to_string(), plugin_config, ..PairSettings::default() };
@@ -106,7 +116,16 @@ async fn run_plugin(binary: &Path, dir: &Path, plugin: &str, shape: &KvShape, ar
             return run;
         }
     };
-    match move_rooms(&pair, dir, plugin, shape, args).await {
+    let cpu = || {
+        let of = |pid: Option<i32>| pid.and_then(crate::bench::system::process_cpu).unwrap_or_default();
+        (of(pair.prefill.pid()) + of(pair.decode.pid()), of(Some(std::process::id() as i32)))
+    };
+    let cpu_before = cpu();
+    let moved = move_rooms(&pair, dir, plugin, shape, args).await;
+    let cpu_after = cpu();
+    run.gateway_cpu = cpu_after.0.saturating_sub(cpu_before.0);
+    run.engine_cpu = cpu_after.1.saturating_sub(cpu_before.1);
+    match moved {
         Ok((results, errors, wall)) => {
             run.results = results;
             run.errors = errors;

@@ -46,6 +46,11 @@ impl KvShape {
     fn offset(&self, part: u64, layer: u64, kv: u64, token: u64) -> u64 {
         ((part * self.layers + layer) * 2 + kv) * self.tokens * self.token_bytes() + token * self.token_bytes()
     }
+    /// Where a chunk's bytes start in its part's byte stream (the part's slices concatenated): every
+    /// earlier chunk's tokens, for every layer's K and V. The `offset` of a placed `Send`.
+    pub fn chunk_stream_offset(&self, chunk: u64) -> u64 {
+        self.layers * 2 * self.chunk_tokens(chunk).0 * self.token_bytes()
+    }
     /// The slices (in `region`, slot at `slot_offset`) of one chunk of one part, in stream order:
     /// every layer's K then V for the chunk's tokens.
     pub fn chunk_slices(&self, region: u64, slot_offset: u64, part: u64, chunk: u64) -> Vec<Slice> {
@@ -101,14 +106,28 @@ impl KvPool {
         let start = self.slot_offset(slot) as usize;
         &self.map[start..start + self.slot_bytes as usize]
     }
-    /// Fill a slot with bytes derived from `seed`; returns their checksum.
+    /// Fill a slot with bytes derived from `seed`; returns their checksum. Four independent xorshift
+    /// streams, one per word of every 32 bytes: one serial stream cost ~50 ms of a core per 64 MiB
+    /// room, work that competed with the transfers the demo shows (docs/bench-findings.md, "The
+    /// demo's table").
     pub fn fill(&mut self, slot: u64, seed: u64) -> u64 {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        for word in self.slot_mut(slot).chunks_exact_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            word.copy_from_slice(&x.to_le_bytes());
+        let mut x = [0u64; LANES];
+        for (lane, v) in x.iter_mut().enumerate() {
+            *v = seed.wrapping_add(lane as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        }
+        let bytes = self.slot_mut(slot);
+        let mut groups = bytes.chunks_exact_mut(8 * LANES);
+        for group in &mut groups {
+            for (lane, word) in group.chunks_exact_mut(8).enumerate() {
+                let v = &mut x[lane];
+                *v ^= *v << 13;
+                *v ^= *v >> 7;
+                *v ^= *v << 17;
+                word.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        for (i, b) in groups.into_remainder().iter_mut().enumerate() {
+            *b = (x[0] >> (8 * (i % 8))) as u8 ^ i as u8;
         }
         checksum(self.slot(slot))
     }
@@ -118,17 +137,30 @@ impl KvPool {
     }
 }
 
-/// A 64-bit checksum of `bytes` (order-sensitive; fast enough for gigabytes).
+/// Independent streams of [`KvPool::fill`] and [`checksum`] (a serial chain runs at one word per
+/// multiply latency; four chains keep a core's multipliers busy).
+const LANES: usize = 4;
+
+/// A 64-bit checksum of `bytes` (order-sensitive; fast enough for gigabytes): four chains over the
+/// words of every 32 bytes, folded together with the length, then the tail.
 pub fn checksum(bytes: &[u8]) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for word in bytes.chunks_exact(8) {
-        let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
-        h = (h.rotate_left(5) ^ w).wrapping_mul(0x0000_0100_0000_01b3);
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h = [0xcbf2_9ce4_8422_2325u64, 0x8422_2325_cbf2_9ce4, 0x9E37_79B9_7F4A_7C15, 0x7F4A_7C15_9E37_79B9];
+    let mut groups = bytes.chunks_exact(8 * LANES);
+    for group in &mut groups {
+        for (lane, word) in group.chunks_exact(8).enumerate() {
+            let w = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+            h[lane] = (h[lane].rotate_left(5) ^ w).wrapping_mul(PRIME);
+        }
     }
-    for b in bytes.chunks_exact(8).remainder() {
-        h = (h ^ *b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    let mut out = (bytes.len() as u64).wrapping_mul(PRIME);
+    for lane in h {
+        out = (out.rotate_left(5) ^ lane).wrapping_mul(PRIME);
     }
-    h
+    for b in groups.remainder() {
+        out = (out ^ *b as u64).wrapping_mul(PRIME);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -152,10 +184,51 @@ mod tests {
     }
 
     #[test]
+    fn a_chunks_stream_offset_is_the_bytes_of_the_chunks_before_it() {
+        for (tokens, chunks) in [(13, 4), (512, 4), (7, 7), (9, 1)] {
+            let shape = KvShape::llama_8b_like(tokens, chunks);
+            let mut at = 0;
+            for chunk in 0..chunks {
+                assert_eq!(shape.chunk_stream_offset(chunk), at, "{tokens} tokens, chunk {chunk} of {chunks}");
+                at += shape.chunk_slices(1, 0, 0, chunk).iter().map(|s| s.len).sum::<u64>();
+            }
+            assert_eq!(at, shape.part_bytes(), "the chunks cover the part");
+        }
+    }
+
+    #[test]
     fn checksum_sees_a_single_changed_byte() {
         let mut a = vec![7u8; 4096];
         let before = checksum(&a);
         a[4000] ^= 1;
         assert_ne!(before, checksum(&a));
+        // Anywhere: in every lane, and in a tail shorter than a group.
+        let base: Vec<u8> = (0..4099u32).map(|i| (i * 7 % 256) as u8).collect();
+        let sum = checksum(&base);
+        for at in [0, 8, 16, 24, 31, 4095, 4096, 4098] {
+            let mut b = base.clone();
+            b[at] ^= 0x80;
+            assert_ne!(sum, checksum(&b), "byte {at}");
+        }
+        // Order-sensitive: two words of one lane swapped, and two words of different lanes.
+        for (i, j) in [(0, 32), (0, 8)] {
+            let mut b = base.clone();
+            let (x, y) = (b[i..i + 8].to_vec(), b[j..j + 8].to_vec());
+            b[i..i + 8].copy_from_slice(&y);
+            b[j..j + 8].copy_from_slice(&x);
+            assert_ne!(sum, checksum(&b), "words at {i} and {j} swapped");
+        }
+    }
+
+    #[test]
+    fn a_fill_is_its_seeds_and_its_checksum_is_returned() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut pool = KvPool::create(dir.path(), "p", 4099, 2).unwrap();
+        let (a, b) = (pool.fill(0, 1), pool.fill(1, 2));
+        assert_ne!(a, b, "another seed, other bytes");
+        assert_eq!(a, checksum(pool.slot(0)));
+        assert_ne!(pool.slot(0)[..64], pool.slot(1)[..64]);
+        assert!(pool.slot(0).iter().filter(|&&x| x == 0).count() < 100, "no page of zeros passes for KV");
+        assert_eq!(pool.fill(0, 1), a, "the same seed, the same bytes");
     }
 }
