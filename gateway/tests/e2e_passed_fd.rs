@@ -32,18 +32,6 @@ fn holds_memfd(pid: i32, name: &str) -> bool {
         .unwrap_or(false)
 }
 
-async fn terminal(stream: &mut tonic::Streaming<proto::RoomEvent>, room: u64) -> proto::Terminal {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let event = tokio::time::timeout_at(deadline, stream.message()).await.expect("no terminal event in time").unwrap().expect("stream open");
-        if let (Some(key), Some(proto::room_event::Event::Terminal(t))) = (event.key, event.event) {
-            if key.room == room {
-                return t;
-            }
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memfd_passed_by_descriptor_receives_a_room_and_is_closed_at_unregister() {
     let _serial = serial().await;
@@ -75,7 +63,7 @@ async fn a_memfd_passed_by_descriptor_receives_a_room_and_is_closed_at_unregiste
     decode.expect(room_key(room, 0), PREFILL_NAME, vec![vec![slice(region, 0, LEN)]], 0).await.unwrap();
     let send = proto::SendRequest { key: Some(room_key(room, 0)), part: 0, chunk: 0, slices: vec![slice(src_region, 0, LEN)], last: true, peer: DECODE_NAME.into(), offset: None };
     prefill.send(send).await.unwrap();
-    let d = terminal(&mut d_events, room).await;
+    let d = terminal_event(&mut d_events, room, WAIT).await;
     assert!(d.succeeded, "{d:?}\n{}", pair.decode.log());
     assert_eq!(checksum(&mapping[..]), sum, "every byte landed in the engine's memfd");
 

@@ -58,18 +58,6 @@ fn reversed_chunks(room: u64, part: u32, region: u64, slot: u64) -> Vec<proto::S
         .collect()
 }
 
-async fn terminal(stream: &mut tonic::Streaming<proto::RoomEvent>, room: u64) -> proto::Terminal {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let event = tokio::time::timeout_at(deadline, stream.message()).await.expect("no terminal event in time").unwrap().expect("stream open");
-        if let (Some(key), Some(proto::room_event::Event::Terminal(t))) = (event.key, event.event) {
-            if key.room == room {
-                return t;
-            }
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
     let _serial = serial().await;
@@ -100,7 +88,7 @@ async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
     sends.extend(reversed_chunks(room, 0, src.host_region, 0));
     let reply = prefill.send_batch(sends).await.unwrap();
     assert!(reply.results.iter().all(|r| r.reason.is_empty()), "{reply:?}");
-    let (p, d) = (terminal(&mut p_events, room).await, terminal(&mut d_events, room).await);
+    let (p, d) = (terminal_event(&mut p_events, room, WAIT).await, terminal_event(&mut d_events, room, WAIT).await);
     assert!(p.succeeded && d.succeeded, "prefill {p:?}, decode {d:?}\n{}", pair.decode.log());
     assert_eq!(checksum(dst.host.slot(0)), host_sum, "the host part landed whole");
     assert_eq!(checksum(dst.device.slot(0)), device_sum, "the device part landed whole");

@@ -15,18 +15,6 @@ use std::time::{Duration, Instant};
 const SLOT: u64 = 512 * 1024;
 const WAIT: Duration = Duration::from_secs(20);
 
-async fn terminal(stream: &mut tonic::Streaming<proto::RoomEvent>, room: u64) -> proto::Terminal {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        let event = tokio::time::timeout_at(deadline, stream.message()).await.expect("no terminal event in time").unwrap().expect("stream open");
-        if let (Some(key), Some(proto::room_event::Event::Terminal(t))) = (event.key, event.event) {
-            if key.room == room {
-                return t;
-            }
-        }
-    }
-}
-
 /// Decode expects `room`: part 0 from `rank-0`, part 1 from `rank-1`, in slot `slot` of each half.
 fn two_sender_expect(room: u64, region: u64, slot: u64) -> proto::ExpectRequest {
     proto::ExpectRequest {
@@ -70,10 +58,10 @@ async fn a_room_takes_its_parts_from_two_prefill_gateways_and_fails_whole_when_o
     for (rank, client) in ranks.iter().enumerate() {
         client.send(send(room, rank as u32, sources[rank].1, 0)).await.unwrap();
     }
-    let d = terminal(&mut d_events, room).await;
+    let d = terminal_event(&mut d_events, room, WAIT).await;
     assert!(d.succeeded, "decode: {d:?}\n{}", cluster.get("decode").log());
     for (rank, events) in r_events.iter_mut().enumerate() {
-        let r = terminal(events, room).await;
+        let r = terminal_event(events, room, WAIT).await;
         assert!(r.succeeded, "rank {rank}: {r:?}");
     }
     assert_eq!(checksum(dst.slot(0)), sums[0], "part 0 came from rank 0");
@@ -91,9 +79,9 @@ async fn a_room_takes_its_parts_from_two_prefill_gateways_and_fails_whole_when_o
     let mut r0_events = ranks[0].watch(Some(room_key(room, 0))).await.unwrap();
     let died = Instant::now();
     cluster.get_mut("rank-1").kill();
-    let d = terminal(&mut d_events, room).await;
+    let d = terminal_event(&mut d_events, room, WAIT).await;
     assert!(!d.succeeded && d.reason == "peer_lost", "decode: {d:?}");
-    let r0 = terminal(&mut r0_events, room).await;
+    let r0 = terminal_event(&mut r0_events, room, WAIT).await;
     assert!(!r0.succeeded && r0.reason == "receiver_failed" && r0.peer_reason == "peer_lost", "rank 0: {r0:?}");
     let e = ranks[0].send(send(room, 0, sources[0].1, 1)).await.unwrap_err();
     assert_eq!(kvgate_client::reason_of(&e).as_deref(), Some("room_terminal"));

@@ -66,6 +66,19 @@ fn map_file(file: &std::fs::File, path: &str, offset: u64, len: u64) -> Result<m
         .map_err(|e| ApiError::invalid("memory_unavailable", format!("cannot map {path}: {e}")))
 }
 
+/// The plugins' view of host memory mapped here from `path` (which a same-host peer can open too).
+fn host_region(mapping: &mut memmap2::MmapMut, path: String, offset: u64, len: u64) -> RegionDesc {
+    RegionDesc {
+        kind: MemoryKind::HOST,
+        device: -1,
+        addr: mapping.as_mut_ptr() as u64,
+        len,
+        backing_path: RString::from(path),
+        backing_offset: offset,
+        ipc_handle: RVec::new(),
+    }
+}
+
 impl Driver {
     pub(super) fn register_region(&mut self, memory: MemorySpec, label: String) -> Result<Registered, ApiError> {
         let max_text = self.config.engine_api.max_text_bytes as usize;
@@ -92,16 +105,7 @@ impl Driver {
                     return Err(ApiError::invalid("empty_region", "a region needs len > 0"));
                 }
                 let mut mapping = map_shared_file(&path, offset, len)?;
-                let desc = RegionDesc {
-                    kind: MemoryKind::HOST,
-                    device: -1,
-                    addr: mapping.as_mut_ptr() as u64,
-                    len,
-                    backing_path: RString::from(path),
-                    backing_offset: offset,
-                    ipc_handle: RVec::new(),
-                };
-                (desc, Some(mapping))
+                (host_region(&mut mapping, path, offset, len), Some(mapping))
             }
             MemorySpec::PassedFd { file, offset, len } => {
                 if len == 0 {
@@ -111,17 +115,8 @@ impl Driver {
                 // The path a same-host peer (and a plugin) opens: this process's descriptor.
                 let path = format!("/proc/{}/fd/{}", std::process::id(), file.as_raw_fd());
                 let mut mapping = map_file(&file, &path, offset, len)?;
-                let desc = RegionDesc {
-                    kind: MemoryKind::HOST,
-                    device: -1,
-                    addr: mapping.as_mut_ptr() as u64,
-                    len,
-                    backing_path: RString::from(path),
-                    backing_offset: offset,
-                    ipc_handle: RVec::new(),
-                };
                 passed = Some(file);
-                (desc, Some(mapping))
+                (host_region(&mut mapping, path, offset, len), Some(mapping))
             }
             MemorySpec::CudaIpc { device, handle, offset, len } => {
                 if len == 0 || handle.is_empty() {

@@ -120,3 +120,17 @@ pub fn plain_log(log: &str) -> String {
     }
     out
 }
+
+/// The `Terminal` event of `room` on a `Watch` stream, waiting up to `within`.
+pub async fn terminal_event(stream: &mut tonic::Streaming<kvgate_client::proto::RoomEvent>, room: u64, within: Duration) -> kvgate_client::proto::Terminal {
+    use kvgate_client::proto::room_event::Event;
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let event = tokio::time::timeout_at(deadline, stream.message()).await.expect("no terminal event in time").unwrap().expect("stream open");
+        if let (Some(key), Some(Event::Terminal(t))) = (event.key, event.event) {
+            if key.room == room {
+                return t;
+            }
+        }
+    }
+}
