@@ -6,7 +6,7 @@ use crate::api::RoomState;
 use std::fmt;
 
 /// Everything that can happen to an existing room.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub enum RoomInput {
     /// An engine expect for this room and generation (always a duplicate once the room exists).
     Expect,
@@ -76,7 +76,7 @@ impl RoomInput {
 }
 
 /// An input that the table does not allow in a state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct IllegalTransition {
     pub state: RoomState,
     pub input: RoomInput,

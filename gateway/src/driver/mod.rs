@@ -87,6 +87,8 @@ pub struct Driver {
     stuck: stuck::StuckQueues,
     /// Plugin contract violations already logged, by `ViolationClause::ALL` index.
     violations_logged: [u64; ViolationClause::ALL.len()],
+    /// `Metrics::illegal_transitions` already logged.
+    illegal_transitions_logged: u64,
     /// The plugin event behind the latest violation of each clause, when one was (by the same index).
     violation_sites: [Option<ViolationSite>; ViolationClause::ALL.len()],
     /// After a stall: deadlines are acted on only from this instant (see `driver.stall_catch_up_ms`).
@@ -133,6 +135,7 @@ impl Driver {
             room_clock: HashMap::new(),
             stuck,
             violations_logged: [0; ViolationClause::ALL.len()],
+            illegal_transitions_logged: 0,
             violation_sites: Default::default(),
             catch_up_until: None,
         }
@@ -253,6 +256,12 @@ impl Driver {
     /// each `HOUSEKEEPING_INTERVAL_MS`, never one per event.
     fn log_new_violations(&mut self) {
         let metrics = self.core.metrics();
+        if metrics.illegal_transitions != self.illegal_transitions_logged {
+            let new = metrics.illegal_transitions - self.illegal_transitions_logged;
+            let latest = metrics.latest_illegal_transition.map(|t| t.to_string()).unwrap_or_default();
+            tracing::error!(new, total = metrics.illegal_transitions, latest = %latest, "core transition table refused an input (a kvgate bug; the room kept its state)");
+            self.illegal_transitions_logged = metrics.illegal_transitions;
+        }
         if metrics.violations_total() == self.violations_logged.iter().sum::<u64>() {
             return;
         }

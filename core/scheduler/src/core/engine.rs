@@ -449,7 +449,7 @@ impl Core {
             target.last_seen = last && at.is_none();
             self.metrics.pending_sends += 1;
             self.room_mut(slot).touch(now, LastEvent::Send);
-            let _ = self.apply(now, slot, RoomInput::Send);
+            self.step(now, slot, RoomInput::Send);
             return Ok(());
         }
         let segments = match self.place_chunk(now, slot, part, at.unwrap_or(AT_CURSOR), slices.as_slice(), last) {
@@ -462,7 +462,7 @@ impl Core {
         };
         self.room_mut(slot).touch(now, LastEvent::Send);
         if self.room_at(slot).state == RoomState::WaitingSend {
-            let _ = self.apply(now, slot, RoomInput::Send);
+            self.step(now, slot, RoomInput::Send);
             self.start_transfer(now, slot);
         }
         self.submit_last_placed(now, slot, part, segments);

@@ -650,6 +650,21 @@ impl Core {
         Ok(to)
     }
 
+    /// Apply one input through the transition table; an input the table refuses (a core bug) is
+    /// counted and kept (`Metrics::illegal_transitions`), never dropped unseen. Returns whether it
+    /// was applied.
+    fn step(&mut self, now: Nanos, slot: u32, input: RoomInput) -> bool {
+        match self.apply(now, slot, input) {
+            Ok(_) => true,
+            Err(illegal) => {
+                debug_assert!(false, "{illegal}");
+                self.metrics.illegal_transitions += 1;
+                self.metrics.latest_illegal_transition = Some(illegal);
+                false
+            }
+        }
+    }
+
     /// Whether `slot` holds a room and is at `epoch`.
     #[inline]
     fn slot_is(&self, slot: u32, epoch: u32) -> bool {

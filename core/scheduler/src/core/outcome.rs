@@ -39,8 +39,7 @@ impl Core {
         if self.room_at(slot).state.is_terminal() {
             return;
         }
-        if let Err(illegal) = self.apply(now, slot, input) {
-            debug_assert!(false, "{illegal}");
+        if !self.step(now, slot, input) {
             return;
         }
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room]);
@@ -126,8 +125,7 @@ impl Core {
 
     /// Every part succeeded.
     pub(super) fn succeed_room(&mut self, now: Nanos, slot: u32) {
-        if let Err(illegal) = self.apply(now, slot, RoomInput::AllPartsDone) {
-            debug_assert!(false, "{illegal}");
+        if !self.step(now, slot, RoomInput::AllPartsDone) {
             return;
         }
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace]);
@@ -156,8 +154,7 @@ impl Core {
 
     /// A quarantined room's memory is released (quiesced, nothing in flight, or timeout).
     pub(super) fn release_quarantine(&mut self, now: Nanos, slot: u32, input: RoomInput, cause: ReleaseCause) {
-        if let Err(illegal) = self.apply(now, slot, input) {
-            debug_assert!(false, "{illegal}");
+        if !self.step(now, slot, input) {
             return;
         }
         self.disarm_all(slot, &[TimerKind::Quarantine, TimerKind::PluginGrace]);
@@ -224,7 +221,7 @@ impl Core {
         if !self.room_at(slot).state.is_terminal() {
             self.fail_room(now, slot, RoomInput::PluginGraceTimer, FailReason::PluginSilent, None, None);
         } else {
-            let _ = self.apply(now, slot, RoomInput::PluginGraceTimer);
+            self.step(now, slot, RoomInput::PluginGraceTimer);
         }
     }
 

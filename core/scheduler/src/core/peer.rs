@@ -180,7 +180,7 @@ impl Core {
     }
 
     fn receiver_matched(&mut self, now: Nanos, slot: u32) {
-        let _ = self.apply(now, slot, RoomInput::Matched);
+        self.step(now, slot, RoomInput::Matched);
         let deadline = now.saturating_add(self.transfer_budget(self.room_at(slot).bytes_total));
         self.move_timer(now, slot, TimerKind::Bootstrap, TimerKind::Transfer, deadline);
         self.room_mut(slot).touch(now, LastEvent::Matched);
@@ -213,7 +213,7 @@ impl Core {
         } else if waiting {
             self.receiver_matched(now, slot);
         } else {
-            let _ = self.apply(now, slot, RoomInput::PartDone);
+            self.step(now, slot, RoomInput::PartDone);
         }
     }
 
@@ -460,7 +460,7 @@ impl Core {
         if self.room_at(slot).state != RoomState::WaitingExpect {
             return Ok(());
         }
-        let _ = self.apply(now, slot, RoomInput::ExpectNotice);
+        self.step(now, slot, RoomInput::ExpectNotice);
         self.start_transfer(now, slot);
         let part_count = self.room_at(slot).part_count();
         for part in 0..part_count {

@@ -172,7 +172,7 @@ impl Core {
         target.chunks_succeeded += 1;
         let part_complete = target.last_seen && target.chunks_succeeded == target.next_chunk && target.held.is_empty();
         if !part_complete {
-            let _ = self.apply(now, slot, RoomInput::ChunkSucceeded);
+            self.step(now, slot, RoomInput::ChunkSucceeded);
             return;
         }
         target.done = true;
@@ -185,7 +185,7 @@ impl Core {
         if all_done {
             self.succeed_room(now, slot);
         } else {
-            let _ = self.apply(now, slot, RoomInput::PartDone);
+            self.step(now, slot, RoomInput::PartDone);
         }
     }
 
