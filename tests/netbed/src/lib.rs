@@ -150,7 +150,7 @@ impl Link {
             let peer = &hosts[1 - i];
             run_ip(&["netns", "add", &host.namespace])?;
             // Made in this namespace under a unique name, moved into the host, renamed there.
-            let temp = format!("kvb{:x}{n}{i}", pid % 0xffff_ff);
+            let temp = format!("kvb{:x}{n}{i}", pid % 0x00ff_ffff);
             let fd = open_tun(&temp)?;
             let ns = host.namespace.as_str();
             run_ip(&["link", "set", "dev", &temp, "netns", ns])?;

@@ -257,10 +257,10 @@ impl BedPair {
 
     async fn wait_ready(&mut self, link: &std::sync::Arc<Link>) -> anyhow::Result<()> {
         let deadline = Instant::now() + Duration::from_millis(crate::demo::gateways::GATEWAY_READY_TIMEOUT_MS);
-        for i in 0..2 {
+        for (i, name) in NAMES.iter().enumerate() {
             loop {
                 if let Err(e) = self.gateways[i].alive() {
-                    bail!("gateway {} {e} during start-up:\n{}", NAMES[i], self.gateways[i].log());
+                    bail!("gateway {name} {e} during start-up:\n{}", self.gateways[i].log());
                 }
                 if let Ok((200, body)) = admin_get(link, i, "/plugins").await {
                     if body.contains("\"up\":true") && !body.contains("\"up\":false") {
@@ -268,7 +268,7 @@ impl BedPair {
                     }
                 }
                 if Instant::now() > deadline {
-                    bail!("gateway {} not ready within {} ms:\n{}", NAMES[i], crate::demo::gateways::GATEWAY_READY_TIMEOUT_MS, self.gateways[i].log());
+                    bail!("gateway {name} not ready within {} ms:\n{}", crate::demo::gateways::GATEWAY_READY_TIMEOUT_MS, self.gateways[i].log());
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }

@@ -172,6 +172,7 @@ async fn measure(binary: &Path, link: &Arc<Link>, dir: &Path, v: &Variant, ucx_l
 }
 
 /// The link bench: returns the process exit code.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(binary: &Path, dir: &Path, profile: &Profile, names: &[String], ucx_library: &Result<PathBuf, String>, inflight: u64, quick: bool, json: Option<&Path>) -> anyhow::Result<i32> {
     kvgate_netbed::available().map_err(|why| anyhow::anyhow!("--link-profile: {why}"))?;
     if !kvgate_netbed::iperf3_available() {
