@@ -194,9 +194,10 @@ async fn ucx_tcp_black_hole_ends_every_room_with_a_reason_within_its_bound() {
 }
 
 /// Issue 37, item 4, reproduced: after the black hole, with the link back, the UCX prefill gateway
-/// dies in `uct_tcp_iface_progress` (SIGSEGV, or UCX's `comp->count > 0` assertion) in about one
-/// run in three on a 2-core machine, so the first new room is refused (`Connection refused` on its
-/// engine socket). Ignored until the UCX plugin no longer lets a request outlive its endpoint or
+/// dies inside libuct under `uct_tcp_iface_progress` (SIGSEGV) in two runs of five on a 2-core
+/// machine, within a millisecond of the host connecting the UCX peer again (the same remote worker,
+/// its endpoint closed by force during the black hole), so the first new room is refused
+/// (`Connection refused` on its engine socket). Ignored until the UCX plugin no longer lets a request outlive its endpoint or
 /// memory; run it with `--ignored` (three rounds; it stops at the first crash).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "issue 37 item 4: the UCX plugin crashes the gateway after a black hole"]
