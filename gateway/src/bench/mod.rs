@@ -7,6 +7,7 @@ pub mod control;
 pub mod copy_limit;
 pub mod core_abort;
 pub mod datapath;
+pub mod link;
 pub mod matrix;
 pub mod plan;
 pub mod plot;
@@ -102,6 +103,11 @@ pub struct BenchArgs {
     /// It must be on a shared-memory filesystem (tmpfs): the shm plugin refuses other pool files.
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Instead of the loopback matrix: QUIC and UCX-TCP between two gateways on the two-host test bed
+    /// (two network namespaces joined by a shaped link; root and iperf3 needed), against iperf3 over
+    /// the same link. `a`, `b`, `c` or e.g. `delay=1ms,loss=0.1%,rate=10gbit` (docs/netbed.md).
+    #[arg(long, value_parser = kvgate_netbed::Profile::parse)]
+    pub link_profile: Option<kvgate_netbed::Profile>,
 }
 
 impl BenchArgs {
@@ -139,6 +145,9 @@ impl BenchArgs {
 }
 
 pub fn run(args: BenchArgs) -> i32 {
+    if let Some(profile) = &args.link_profile {
+        return run_link(&args, profile);
+    }
     let plan = args.plan();
     let problems = plan.validate();
     if !problems.is_empty() {
@@ -167,6 +176,28 @@ pub fn run(args: BenchArgs) -> i32 {
             eprintln!("kvgate bench failed: {e:#}");
             1
         }
+    }
+}
+
+/// `--link-profile`: the two-host bench (`link.rs`).
+fn run_link(args: &BenchArgs, profile: &kvgate_netbed::Profile) -> i32 {
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    let result = runtime.block_on(async {
+        let binary = std::env::current_exe().context("locate the kvgate binary")?;
+        let (dir, _guard) = work_dir(args)?;
+        let plugins = if args.plugins == BenchArgs::default_plugins() { vec!["quic".to_string(), "ucx-tcp".to_string()] } else { args.plugins.clone() };
+        let inflight = args.inflight.unwrap_or(4);
+        link::run(&binary, &dir, profile, &plugins, &matrix::ucx_library(args.ucx_library.as_deref()), inflight, args.quick, args.json.as_deref()).await
+    });
+    result.unwrap_or_else(|e| {
+        eprintln!("kvgate bench --link-profile failed: {e:#}");
+        1
+    })
+}
+
+impl BenchArgs {
+    fn default_plugins() -> Vec<String> {
+        ["shm", "quic", "ucx", "nvlink"].map(String::from).to_vec()
     }
 }
 
