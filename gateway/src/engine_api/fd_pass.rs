@@ -67,18 +67,30 @@ impl PassedFds {
     }
 }
 
-/// Serve the fd socket on its own thread until `stop` is set: one connection at a time, each read
-/// bounded by `read_timeout` (a silent client holds it at most that long).
+/// Serve the fd socket on its own thread (blocked in `accept` while idle) until `stop` is set: one
+/// connection at a time, each read bounded by `read_timeout` (a silent client holds it at most that
+/// long). Accept errors (out of descriptors) back off as the other listeners do, 10 ms doubling to
+/// 1 s, with one log line per `REFUSAL_LOG_INTERVAL_MS`.
 pub fn spawn_fd_socket(listener: UnixListener, table: Arc<PassedFds>, read_timeout: Duration, stop: Arc<AtomicBool>) -> std::io::Result<std::thread::JoinHandle<()>> {
-    listener.set_nonblocking(true)?;
+    use crate::listeners::{ACCEPT_BACKOFF_MAX_MS, ACCEPT_BACKOFF_MIN_MS, REFUSAL_LOG_INTERVAL_MS};
+    listener.set_nonblocking(false)?;
     std::thread::Builder::new().name("kvgate-fd-socket".into()).spawn(move || {
+        let mut backoff = Duration::from_millis(ACCEPT_BACKOFF_MIN_MS);
+        let (mut last_line, mut errors_since) = (None::<Instant>, 0u64);
         while !stop.load(Ordering::Relaxed) {
             match listener.accept() {
-                Ok((stream, _)) => serve_connection(stream, &table, read_timeout, &stop),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                Ok((stream, _)) => {
+                    backoff = Duration::from_millis(ACCEPT_BACKOFF_MIN_MS);
+                    serve_connection(stream, &table, read_timeout, &stop);
+                }
                 Err(e) => {
-                    tracing::warn!("fd socket: accept failed: {e}");
-                    std::thread::sleep(Duration::from_millis(100));
+                    errors_since += 1;
+                    if last_line.is_none_or(|at| at.elapsed() >= Duration::from_millis(REFUSAL_LOG_INTERVAL_MS)) {
+                        tracing::warn!(listener = "fd_socket", errors = errors_since, "fd socket cannot accept ({e}); waiting {backoff:?} before the next try");
+                        (last_line, errors_since) = (Some(Instant::now()), 0);
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_millis(ACCEPT_BACKOFF_MAX_MS));
                 }
             }
         }
