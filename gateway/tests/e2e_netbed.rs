@@ -97,7 +97,8 @@ async fn black_hole_ends_every_room_in_bounds(deployment: Deployment, then_new_r
     let room_bytes = 64 << 20;
     let w = Workload { room_bytes, rooms: 4, inflight: 4, verify_each_room: false };
     let engines = Engines::connect(dir.path(), &pair.prefill().socket, &pair.decode().socket, &w).await.unwrap();
-    let (transfer_bound, peer_loss_bound) = bounds(&pair, room_bytes);
+    // The rooms share the link: the last to start counts the other rooms' bytes ahead of its own.
+    let (transfer_bound, peer_loss_bound) = bounds(&pair, room_bytes * w.inflight);
     let started = Instant::now();
     let (result, black_hole_at) = tokio::join!(engines.run(&w), async {
         // Black out once the rooms' bytes are moving (or after 3 s): mid-transfer, not before.

@@ -30,7 +30,9 @@ pub struct CoreConfig {
     pub bootstrap_timeout_ms: u64,
     /// Fixed part of the transfer deadline. Default 1 000 ms.
     pub transfer_base_ms: u64,
-    /// The transfer deadline adds `bytes / min_bandwidth_bytes_per_s`. Default 100 000 000 (100 MB/s).
+    /// The transfer deadline adds `bytes / min_bandwidth_bytes_per_s`, counting the bytes of the rooms
+    /// already moving with the same peer ahead of the room's own (they share the link). Default
+    /// 100 000 000 (100 MB/s): the least the link to one peer is expected to carry.
     pub min_bandwidth_bytes_per_s: u64,
     /// A room's overall deadline when the engine names none. Default 60 000 ms.
     pub room_timeout_ms: u64,

@@ -572,7 +572,7 @@ impl Core {
     /// Sender: the room matched (notice + first chunk): leave bootstrap, arm the transfer deadline
     /// and the plugin grace, tell the receiver.
     pub(super) fn start_transfer(&mut self, now: Nanos, slot: u32) {
-        let transfer_deadline = now.saturating_add(self.transfer_budget(self.room_at(slot).bytes_total));
+        let transfer_deadline = self.link_transfer_deadline(now, slot);
         self.move_timer(now, slot, TimerKind::Bootstrap, TimerKind::Transfer, transfer_deadline);
         let grace = Nanos::from_ms(self.config.plugin_grace_ms);
         self.arm(now, slot, TimerKind::PluginGrace, transfer_deadline.saturating_add(grace));

@@ -65,6 +65,9 @@ impl RemoteRegion {
 struct PeerEntry {
     incarnation: u64,
     plugins: smallvec::SmallVec<[PeerPlugin; 2]>,
+    /// Bytes of the rooms with this peer whose transfer deadline runs (they share the link): a new
+    /// room's transfer bound counts them ahead of its own.
+    bytes_moving: u64,
     room_head: u32,
     remote_regions: PeerKeyedMap<RegionId, RemoteRegion>,
 }
@@ -723,6 +726,45 @@ impl Core {
     #[inline]
     fn count_late(&mut self, source: LateSource) {
         self.metrics.late_messages[source.index()] += 1;
+    }
+
+    /// The transfer deadline of a room starting to move its bytes now: `transfer_base_ms` plus its
+    /// bytes and those of the rooms already moving with the same peer (they share the link) at
+    /// `min_bandwidth_bytes_per_s`. Its bytes join the peer's until the room ends (`leave_link`).
+    fn link_transfer_deadline(&mut self, now: Nanos, slot: u32) -> Nanos {
+        let room = self.room_at(slot);
+        let (bytes, peer) = (room.bytes_total, room.peer());
+        let ahead = match peer.and_then(|peer| self.peers.get_mut(&peer)) {
+            Some(entry) => {
+                let ahead = entry.bytes_moving;
+                entry.bytes_moving = entry.bytes_moving.saturating_add(bytes);
+                Some(ahead)
+            }
+            None => None,
+        };
+        if ahead.is_some() {
+            self.room_mut(slot).bytes_counted = room::BytesCounted::OnLink;
+        }
+        let ahead = ahead.unwrap_or(0);
+        now.saturating_add(self.transfer_budget(ahead.saturating_add(bytes)))
+    }
+
+    /// The room no longer moves bytes over its peer's link (terminal): its share is taken off.
+    fn leave_link(&mut self, slot: u32) {
+        let room = self.room_mut(slot);
+        if room.bytes_counted != room::BytesCounted::OnLink {
+            return;
+        }
+        room.bytes_counted = room::BytesCounted::Nowhere;
+        let share = room.bytes_total;
+        if let Some(entry) = room.peer().and_then(|peer| self.peers.get_mut(&peer)) {
+            entry.bytes_moving = entry.bytes_moving.saturating_sub(share);
+        }
+    }
+
+    /// Bytes moving with `peer` now (the transfer bound counts them ahead of a new room).
+    pub fn bytes_moving_with(&self, peer: PeerId) -> u64 {
+        self.peers.get(&peer).map_or(0, |entry| entry.bytes_moving)
     }
 
     fn transfer_budget(&self, bytes: u64) -> Nanos {

@@ -2,7 +2,7 @@
 //! records: `tombstone`). Every terminal path goes through here so each room gets exactly one `Terminal` and one
 //! `Reusable`. It never revives a terminal room.
 
-use super::room::{RoleData, Room, XferState};
+use super::room::{BytesCounted, RoleData, Room, XferState};
 use smallvec::SmallVec;
 use super::Core;
 use crate::api::*;
@@ -42,6 +42,7 @@ impl Core {
         if !self.step(now, slot, input) {
             return;
         }
+        self.leave_link(slot);
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room]);
         let failure = Failure { reason, phase, peer_reason, plugin_reason };
         self.metrics.failures[reason.index()][phase.index()] += 1;
@@ -117,7 +118,7 @@ impl Core {
             self.release_quarantine(now, slot, RoomInput::NothingInFlight, ReleaseCause::NothingInFlight);
         } else {
             // CONFORMANCE: RES-4
-            self.room_mut(slot).quarantine_counted = true;
+            self.room_mut(slot).bytes_counted = BytesCounted::InQuarantine;
             self.metrics.quarantined_bytes += bytes_total;
             self.arm(now, slot, TimerKind::Quarantine, now.saturating_add(Nanos::from_ms(self.config.quarantine_timeout_ms)));
         }
@@ -128,6 +129,7 @@ impl Core {
         if !self.step(now, slot, RoomInput::AllPartsDone) {
             return;
         }
+        self.leave_link(slot);
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace]);
         self.metrics.rooms_succeeded += 1;
         let room = self.slots[slot as usize].room.as_mut().expect("live slot");
@@ -159,7 +161,7 @@ impl Core {
         }
         self.disarm_all(slot, &[TimerKind::Quarantine, TimerKind::PluginGrace]);
         let room = self.room_mut(slot);
-        let held = if std::mem::take(&mut room.quarantine_counted) { room.bytes_total } else { 0 };
+        let held = if std::mem::replace(&mut room.bytes_counted, BytesCounted::Nowhere) == BytesCounted::InQuarantine { room.bytes_total } else { 0 };
         let (key, role, peer, tombstone_only) = (room.key, room.role, room.peer(), room.tombstone_only);
         let failure = room.failure;
         if cause == ReleaseCause::Quiesced {

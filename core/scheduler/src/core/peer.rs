@@ -21,7 +21,7 @@ impl Core {
         }
         // Slots past `MAX_PLUGIN_SLOTS` cannot be named by a part (kept in one byte).
         let plugins = plugins.iter().copied().filter(|p| p.slot.0 < super::room::MAX_PLUGIN_SLOTS).collect();
-        let entry = PeerEntry { incarnation, plugins, room_head: NIL, remote_regions: super::peer_keyed_map() };
+        let entry = PeerEntry { incarnation, plugins, bytes_moving: 0, room_head: NIL, remote_regions: super::peer_keyed_map() };
         self.peers.insert(peer, entry);
     }
 
@@ -181,7 +181,7 @@ impl Core {
 
     fn receiver_matched(&mut self, now: Nanos, slot: u32) {
         self.step(now, slot, RoomInput::Matched);
-        let deadline = now.saturating_add(self.transfer_budget(self.room_at(slot).bytes_total));
+        let deadline = self.link_transfer_deadline(now, slot);
         self.move_timer(now, slot, TimerKind::Bootstrap, TimerKind::Transfer, deadline);
         self.room_mut(slot).touch(now, LastEvent::Matched);
     }

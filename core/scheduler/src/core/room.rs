@@ -175,9 +175,8 @@ pub(crate) struct Room {
     pub in_flight: u32,
     /// Sender: transfers failed (or forced) and not quiesced.
     pub unquiesced: u32,
-    /// Whether `bytes_total` is counted in the quarantined-bytes gauge (it never changes once
-    /// the room is terminal).
-    pub quarantine_counted: bool,
+    /// Where `bytes_total` is counted (it never changes once the transfer started).
+    pub bytes_counted: BytesCounted,
     /// Whether this core remembers the room only as a tombstone (never had a local engine).
     pub tombstone_only: bool,
     pub data: RoleData,
@@ -209,7 +208,7 @@ impl Room {
             parts_done: 0,
             in_flight: 0,
             unquiesced: 0,
-            quarantine_counted: false,
+            bytes_counted: BytesCounted::Nowhere,
             tombstone_only: false,
             data,
         }
@@ -328,6 +327,16 @@ impl Room {
         self.last_event = event;
         self.last_event_at = now;
     }
+}
+
+/// Where a room's bytes are counted: with its peer's bytes moving while its transfer runs
+/// (`Core::leave_link`), in the quarantined-bytes gauge while terminal with memory held. One or the
+/// other, never both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BytesCounted {
+    Nowhere,
+    OnLink,
+    InQuarantine,
 }
 
 /// A slab slot: the epoch changes every time the slot is reused, so stale timers and ids that name
