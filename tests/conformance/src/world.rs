@@ -62,15 +62,25 @@ pub struct Ctx {
     pub findings: Findings,
     /// The clause being checked (for run-wide findings' context).
     pub current: &'static str,
-    /// Per clause id: whether its situation arose (see [`Exercise`]).
-    pub exercised: BTreeMap<&'static str, Exercise>,
+    /// Per clause id: whether each of its situations arose (see [`Exercise`]).
+    pub exercised: BTreeMap<&'static str, Vec<Exercise>>,
 }
 
 impl Ctx {
-    /// Record that `seen` of `tries` attempts brought about `clause`'s situation (`what`); adds up
-    /// over calls. `absent` is the verdict for a passing clause whose situation never arose.
+    /// Record that `seen` of `tries` attempts brought about `clause`'s situation `what`; adds up over
+    /// calls with the same `what`. A clause may have several situations (ABORT-4: a storm, and cancels
+    /// under load), each of which must arise. `absent` is the verdict for a passing clause one of whose
+    /// situations never arose.
     pub fn exercise(&mut self, clause: &'static str, what: &str, seen: u64, tries: u64, absent: Status) {
-        let e = self.exercised.entry(clause).or_insert_with(|| Exercise { what: what.to_string(), seen: 0, tries: 0, absent });
+        let list = self.exercised.entry(clause).or_default();
+        let i = match list.iter().position(|e| e.what == what) {
+            Some(i) => i,
+            None => {
+                list.push(Exercise { what: what.to_string(), seen: 0, tries: 0, absent });
+                list.len() - 1
+            }
+        };
+        let e = &mut list[i];
         e.seen += seen;
         e.tries += tries;
         if absent == Status::NotExercised {
