@@ -286,7 +286,7 @@ fn abort_4_loaded(p: &mut Pair, ctx: &mut Ctx) -> Result<Result<String, Vec<Stri
     p.call(Side::Rx, Op::Fill { rid: dst.rid, offset: 0, len: piece, seed: ctx.rng.next_u64() }, ctx)?;
     let filled = p.region_bytes(Side::Rx, dst.rid, 0, 4096).map_err(|e| Verdict::Fail(format!("reading the destination: {e}")))?;
     let first = p.xfer_id() + 1;
-    for _ in 1..count {
+    for _ in 0..count {
         p.xfer_id();
     }
     let timeout_ns = ctx.limits.long_timeout_ms * 1_000_000;
