@@ -120,6 +120,9 @@ pub fn run(args: ConformanceArgs) -> i32 {
     }
 }
 
+/// A clause that failed or was not exercised in one run: its id, its verdict and its evidence.
+type Uncertified = (String, &'static str, String);
+
 /// How often each clause ended in each verdict over an N-seed run, and every run that did not certify.
 #[derive(serde::Serialize, Default)]
 struct SeedSummary {
@@ -131,7 +134,7 @@ struct SeedSummary {
     /// Per clause: runs with each verdict (`pass`, `fail`, `unsupported`, `not_exercised`).
     clauses: std::collections::BTreeMap<String, std::collections::BTreeMap<&'static str, u64>>,
     /// Per run that did not certify: its seed, and each clause that failed or was not exercised.
-    uncertified: Vec<(u64, Vec<(String, &'static str, String)>)>,
+    uncertified: Vec<(u64, Vec<Uncertified>)>,
 }
 
 /// `--seeds N`: the plan once per seed, `first`..`first + n`, summarised.

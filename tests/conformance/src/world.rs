@@ -741,6 +741,27 @@ pub fn seg(src: &Src, src_off: u64, dst: &Dst, dst_off: u64, len: u64) -> Seg {
 mod tests {
     use super::*;
 
+    #[test]
+    fn each_situation_of_a_clause_is_counted_on_its_own() {
+        let mut ctx = Ctx {
+            limits: HarnessLimits::default(),
+            plugin: String::new(),
+            plugin_config: String::new(),
+            cmd: PeerCommand::from_current_process().unwrap(),
+            rng: SplitMix64::new(1),
+            findings: Findings::default(),
+            current: "ABORT-4",
+            exercised: BTreeMap::new(),
+        };
+        ctx.exercise("ABORT-4", "storm", 5, 10, Status::NotExercised);
+        ctx.exercise("ABORT-4", "under load", 0, 400, Status::NotExercised);
+        ctx.exercise("ABORT-4", "storm", 1, 10, Status::NotExercised);
+        let list = &ctx.exercised["ABORT-4"];
+        assert_eq!(list.len(), 2);
+        assert_eq!((list[0].seen, list[0].tries), (6, 20), "the same situation adds up");
+        assert_eq!((list[1].seen, list[1].tries), (0, 400), "another situation is kept apart: one never seen leaves the clause not exercised");
+    }
+
     fn event(xfer: u64, kind: EventKind, flags: u32) -> WireEvent {
         WireEvent { kind: kind.0, xfer, peer: 1, reason: 0, bytes: 0, flags, message: String::new(), t_ns: 0 }
     }

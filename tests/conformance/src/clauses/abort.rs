@@ -475,3 +475,24 @@ pub fn abort_4(ctx: &mut Ctx) -> CheckResult {
         )
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::peer::protocol::WireEvent;
+
+    fn cancel(xfer: u64, started_ns: u64, ended_ns: Option<u64>) -> LoadedCancel {
+        let terminal = ended_ns.map(|t_ns| WireEvent { kind: EventKind::FAILED.0, xfer, peer: 1, reason: ReasonCode::CANCELLED.0, bytes: 0, flags: 0, message: "cancelled".into(), t_ns });
+        LoadedCancel { xfer, started_ns, returned_ns: started_ns + 1, live: 0, terminal }
+    }
+
+    // CONFORMANCE: ABORT-4 (the loaded case counts, for each cancel, the transfers live when it began)
+    #[test]
+    fn each_cancel_counts_the_transfers_live_when_it_began() {
+        // Transfer 1 ended before any cancel, 2 at its own cancel, 3 long after, 4 never.
+        let mut cancels = vec![cancel(1, 100, Some(50)), cancel(2, 110, Some(111)), cancel(3, 120, Some(900)), cancel(4, 130, None)];
+        live_at_each_cancel(&mut cancels);
+        let live: Vec<u64> = cancels.iter().map(|c| c.live).collect();
+        assert_eq!(live, vec![3, 3, 2, 2], "an event at the very moment a cancel began still counts as live");
+    }
+}
