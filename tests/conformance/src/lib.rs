@@ -16,6 +16,7 @@ pub mod registry;
 pub mod report;
 pub mod rng;
 pub mod runner;
+pub mod tcp_proxy;
 pub mod world;
 pub mod xref;
 

@@ -116,13 +116,15 @@ pub fn run_plan(plan: RunPlan) -> Report {
     }
     for result in &mut report.clauses {
         // A clause that passed without its situation ever arising is not a pass.
-        if let Some(e) = ctx.exercised.get(result.id.as_str()) {
+        if let Some(list) = ctx.exercised.get(result.id.as_str()) {
             if result.status == Status::Pass {
-                if e.seen == 0 {
-                    result.status = e.absent;
-                    result.evidence = format!("{}: 0 of {}; {}", e.what, e.tries, result.evidence);
-                } else {
-                    result.evidence = format!("{} ({}: {} of {})", result.evidence, e.what, e.seen, e.tries);
+                let counts = list.iter().map(|e| format!("{}: {} of {}", e.what, e.seen, e.tries)).collect::<Vec<_>>().join("; ");
+                match list.iter().find(|e| e.seen == 0) {
+                    Some(e) => {
+                        result.status = e.absent;
+                        result.evidence = format!("{counts}; {}", result.evidence);
+                    }
+                    None => result.evidence = format!("{} ({counts})", result.evidence),
                 }
             }
         }

@@ -62,15 +62,25 @@ pub struct Ctx {
     pub findings: Findings,
     /// The clause being checked (for run-wide findings' context).
     pub current: &'static str,
-    /// Per clause id: whether its situation arose (see [`Exercise`]).
-    pub exercised: BTreeMap<&'static str, Exercise>,
+    /// Per clause id: whether each of its situations arose (see [`Exercise`]).
+    pub exercised: BTreeMap<&'static str, Vec<Exercise>>,
 }
 
 impl Ctx {
-    /// Record that `seen` of `tries` attempts brought about `clause`'s situation (`what`); adds up
-    /// over calls. `absent` is the verdict for a passing clause whose situation never arose.
+    /// Record that `seen` of `tries` attempts brought about `clause`'s situation `what`; adds up over
+    /// calls with the same `what`. A clause may have several situations (ABORT-4: a storm, and cancels
+    /// under load), each of which must arise. `absent` is the verdict for a passing clause one of whose
+    /// situations never arose.
     pub fn exercise(&mut self, clause: &'static str, what: &str, seen: u64, tries: u64, absent: Status) {
-        let e = self.exercised.entry(clause).or_insert_with(|| Exercise { what: what.to_string(), seen: 0, tries: 0, absent });
+        let list = self.exercised.entry(clause).or_default();
+        let i = match list.iter().position(|e| e.what == what) {
+            Some(i) => i,
+            None => {
+                list.push(Exercise { what: what.to_string(), seen: 0, tries: 0, absent });
+                list.len() - 1
+            }
+        };
+        let e = &mut list[i];
         e.seen += seen;
         e.tries += tries;
         if absent == Status::NotExercised {
@@ -730,6 +740,27 @@ pub fn seg(src: &Src, src_off: u64, dst: &Dst, dst_off: u64, len: u64) -> Seg {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_situation_of_a_clause_is_counted_on_its_own() {
+        let mut ctx = Ctx {
+            limits: HarnessLimits::default(),
+            plugin: String::new(),
+            plugin_config: String::new(),
+            cmd: PeerCommand::from_current_process().unwrap(),
+            rng: SplitMix64::new(1),
+            findings: Findings::default(),
+            current: "ABORT-4",
+            exercised: BTreeMap::new(),
+        };
+        ctx.exercise("ABORT-4", "storm", 5, 10, Status::NotExercised);
+        ctx.exercise("ABORT-4", "under load", 0, 400, Status::NotExercised);
+        ctx.exercise("ABORT-4", "storm", 1, 10, Status::NotExercised);
+        let list = &ctx.exercised["ABORT-4"];
+        assert_eq!(list.len(), 2);
+        assert_eq!((list[0].seen, list[0].tries), (6, 20), "the same situation adds up");
+        assert_eq!((list[1].seen, list[1].tries), (0, 400), "another situation is kept apart: one never seen leaves the clause not exercised");
+    }
 
     fn event(xfer: u64, kind: EventKind, flags: u32) -> WireEvent {
         WireEvent { kind: kind.0, xfer, peer: 1, reason: 0, bytes: 0, flags, message: String::new(), t_ns: 0 }

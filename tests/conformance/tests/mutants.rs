@@ -127,6 +127,31 @@ fn ignores_cancel_mid_transfer_fails_res_3() {
     assert_fails_on_each_and_perhaps("kvgate-mutant-ignores-cancel-mid-transfer", &["RES-3"], &["ABORT-2"]);
 }
 
+// CONFORMANCE: ABORT-4 (cancels slow only under load: fast with a few transfers live, so ABORT-1,
+// ABORT-2 and the 5 s storm pass; the loaded case times each of 400 cancels, made with hundreds of
+// transfers live under a granted ticket, against G). Caught on other seeds and in the full profile
+// too: the clause alone, a few seconds a run.
+#[test]
+fn cancel_slow_under_load_fails_abort_4() {
+    let package = "kvgate-mutant-cancel-slow-under-load";
+    assert_fails_only_on(package, "ABORT-4");
+    let lib = mutant_library(package);
+    for (seed, profile) in [(1u64, &["--quick"][..]), (2, &["--quick"][..]), (3, &[][..])] {
+        let args: Vec<&str> = profile.iter().copied().chain(["--clauses", "ABORT-4"]).collect();
+        let run = run_harness_with_seed(&lib.to_string_lossy(), seed, &args, MUTANT_CONFIG);
+        let (_, status, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == "ABORT-4").unwrap();
+        assert_eq!(status, "fail", "seed {seed} {profile:?}: {}", run.stdout);
+        // In the full profile the 10 000-transfer storm's cancels, queued first, already overrun the
+        // storm grace, and the loaded case's wait behind them: the evidence says so instead.
+        assert!(evidence.contains("later than G") || profile.is_empty(), "seed {seed}: the evidence names the late cancels: {evidence}");
+    }
+    // The faithful base meets G in the same case, hundreds of transfers live.
+    let run = run_harness(&mutant_library("kvgate-mutant-reference").to_string_lossy(), &["--quick", "--clauses", "ABORT-4"], MUTANT_CONFIG);
+    let (_, status, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == "ABORT-4").unwrap();
+    assert_eq!(status, "pass", "{}", run.stdout);
+    assert!(evidence.contains("cancels under load") && !evidence.contains("cancels under load (a live transfer reached with at least 100 live, bytes seen moving): 0 of"), "{evidence}");
+}
+
 // CONFORMANCE: DATA-1
 #[test]
 fn early_success_fails_data_1() {

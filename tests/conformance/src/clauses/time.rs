@@ -214,7 +214,7 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
         match p.tx.wait_reply(id, stuck) {
             Ok(reply) => {
                 p.inspect(&reply.outcome, "submit", ctx);
-                if let Outcome::Batch { errors, max_call_ns, slowest_index } = reply.outcome {
+                if let Outcome::Batch { errors, max_call_ns, slowest_index, .. } = reply.outcome {
                     slowest.push((format!("submit #{slowest_index} to the frozen receiver"), max_call_ns));
                     for (i, e) in errors.iter().enumerate() {
                         p.xfers.insert(first + i as u64, crate::world::Xfer::new(e.is_none(), reply.t_ns, timeout_ns, 4096));

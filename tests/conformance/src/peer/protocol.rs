@@ -116,8 +116,18 @@ pub enum Outcome {
     Key { key: u64 },
     Checksum { value: u64 },
     Stats { stats: WireStats },
-    /// One result per call of a batch, with the longest call.
-    Batch { errors: Vec<Option<CallError>>, max_call_ns: u64, slowest_index: u64 },
+    /// One result per call of a batch, with the longest call, and the peer clock right before each
+    /// call began and right after it returned (ABORT-4 times each cancel of a batch to its transfer's
+    /// terminal event).
+    Batch {
+        errors: Vec<Option<CallError>>,
+        max_call_ns: u64,
+        slowest_index: u64,
+        #[serde(default)]
+        started_ns: Vec<u64>,
+        #[serde(default)]
+        returned_ns: Vec<u64>,
+    },
     /// The harness's own request could not be carried out (bad region id, mmap failure).
     PeerError { message: String },
 }

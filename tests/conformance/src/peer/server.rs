@@ -269,17 +269,20 @@ impl Peer {
                 let t = self.t()?;
                 let segs = to_segments(&segments);
                 let mut errors = Vec::with_capacity(count as usize);
+                let (mut started_ns, mut returned_ns) = (Vec::with_capacity(count as usize), Vec::with_capacity(count as usize));
                 let (mut max_call_ns, mut slowest_index) = (0, 0);
                 for i in 0..count {
+                    started_ns.push(now_ns());
                     let started = Instant::now();
                     let r = t.submit(request(first_xfer + i, peer, ticket, timeout_ns, &segs));
                     let ns = started.elapsed().as_nanos() as u64;
+                    returned_ns.push(now_ns());
                     if ns > max_call_ns {
                         (max_call_ns, slowest_index) = (ns, i);
                     }
                     errors.push(r.into_result().err().map(|e| call_error(&e)));
                 }
-                Outcome::Batch { errors, max_call_ns, slowest_index }
+                Outcome::Batch { errors, max_call_ns, slowest_index, started_ns, returned_ns }
             }
             Op::Cancel { xfer } => {
                 self.t()?.cancel(XferId(xfer));
@@ -288,15 +291,18 @@ impl Peer {
             Op::CancelMany { xfers } => {
                 let t = self.t()?;
                 let (mut max_call_ns, mut slowest_index) = (0, 0);
+                let (mut started_ns, mut returned_ns) = (Vec::with_capacity(xfers.len()), Vec::with_capacity(xfers.len()));
                 for (i, x) in xfers.iter().enumerate() {
+                    started_ns.push(now_ns());
                     let started = Instant::now();
                     t.cancel(XferId(*x));
                     let ns = started.elapsed().as_nanos() as u64;
+                    returned_ns.push(now_ns());
                     if ns > max_call_ns {
                         (max_call_ns, slowest_index) = (ns, i as u64);
                     }
                 }
-                Outcome::Batch { errors: vec![None; xfers.len()], max_call_ns, slowest_index }
+                Outcome::Batch { errors: vec![None; xfers.len()], max_call_ns, slowest_index, started_ns, returned_ns }
             }
             Op::ExpectIncoming { ticket, peer, timeout_ns, ranges } => {
                 let ranges: Vec<LocalRange> =

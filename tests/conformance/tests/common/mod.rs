@@ -53,8 +53,16 @@ fn debug_build_limits() -> &'static str {
     }
 }
 
+/// The seed every test run uses unless it asks for another ([`run_harness_with_seed`]).
+pub const TEST_SEED: u64 = 20261130;
+
 /// Run the harness binary on `plugin` with extra arguments; returns its exit status and report.
 pub fn run_harness(plugin: &str, extra: &[&str], plugin_config: &str) -> Run {
+    run_harness_with_seed(plugin, TEST_SEED, extra, plugin_config)
+}
+
+/// [`run_harness`] with the seed given.
+pub fn run_harness_with_seed(plugin: &str, seed: u64, extra: &[&str], plugin_config: &str) -> Run {
     let _one = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("kvgate-conformance-test-{}-{}", std::process::id(), plugin.replace(['/', ':', '.'], "_")));
     std::fs::create_dir_all(&dir).unwrap();
@@ -64,7 +72,7 @@ pub fn run_harness(plugin: &str, extra: &[&str], plugin_config: &str) -> Run {
     std::fs::write(&config, format!("{}{plugin_config}", debug_build_limits())).unwrap();
     let started = std::time::Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_kvgate-conformance"))
-        .args(["--plugin", plugin, "--seed", "20261130", "--config"])
+        .args(["--plugin", plugin, "--seed", &seed.to_string(), "--config"])
         .arg(&config)
         .arg("--json")
         .arg(&json)

@@ -106,6 +106,12 @@ pub struct Faults {
     /// A cancel that arrives once the copy has started is ignored: the copy finishes and the
     /// transfer reports `SUCCEEDED` (a "too late to cancel" shortcut taken while bytes still move).
     pub ignore_cancel_mid_copy: bool,
+    /// While more than [`QUEUED_CANCEL_LIVE_TRANSFERS`] transfers are live, a cancel of a transfer
+    /// not being copied is queued for the worker, which ends one queued transfer per
+    /// [`QUEUED_CANCEL_TICK_MS`]: a cancel is fast with few transfers live and its latency grows with
+    /// the number cancelled under load (a cancel path handed to a worker loop that drains it one entry
+    /// per turn).
+    pub cancel_queued_when_busy: bool,
     /// Not a fault: the same-host copy moves at most this many bytes per millisecond (a rate limit;
     /// 0 for none), so a large segment takes a while to write.
     pub copy_bytes_per_ms: u64,
@@ -117,6 +123,10 @@ pub struct Faults {
 
 /// Live transfers past which `drop_cancels_when_busy` drops a cancel.
 pub const BUSY_LIVE_TRANSFERS: usize = 256;
+/// Live transfers past which `cancel_queued_when_busy` queues a cancel for the worker.
+pub const QUEUED_CANCEL_LIVE_TRANSFERS: usize = 64;
+/// How often, in milliseconds, the worker of `cancel_queued_when_busy` ends one queued transfer.
+pub const QUEUED_CANCEL_TICK_MS: u64 = 1;
 /// How late `coarse_deadline_while_waiting_for_ticket` times a waiting transfer out, in milliseconds.
 pub const COARSE_SWEEP_MS: u64 = 1_000;
 /// Longest stall, in milliseconds, `abort_after_stall`'s watchdog lets pass before it aborts.

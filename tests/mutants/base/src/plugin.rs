@@ -60,6 +60,8 @@ pub(crate) struct Transfer {
     pub stop: Arc<AtomicBool>,
     /// Stopped because its source region went, to be reported `SUCCEEDED` (only under a fault).
     pub fail_open: bool,
+    /// Cancelled, the cancel queued for the worker (only under a fault): never picked for a copy.
+    pub cancel_queued: bool,
 }
 
 #[derive(Default)]
@@ -78,6 +80,9 @@ pub(crate) struct State {
     pub granted: HashSet<(u64, u64)>,
     pub tickets: HashMap<(u64, u64), Instant>,
     pub outbox: Vec<(String, Msg)>,
+    /// Cancels queued for the worker, and when it last ended one (only under a fault).
+    pub queued_cancels: std::collections::VecDeque<u64>,
+    pub last_queued_cancel: Option<Instant>,
     next_key: u64,
 }
 
@@ -417,6 +422,7 @@ impl Plugin for RefPlugin {
                 reported: false,
                 stop: Arc::new(AtomicBool::new(false)),
                 fail_open: false,
+                cancel_queued: false,
             },
         );
         Ok(())
@@ -432,7 +438,13 @@ impl Plugin for RefPlugin {
             }
             return;
         };
-        if t.reported {
+        if t.reported || t.cancel_queued {
+            return;
+        }
+        // FAULT: under load, a cancel of a transfer not being copied waits in the worker's queue.
+        if self.shared.faults.cancel_queued_when_busy && busy > crate::QUEUED_CANCEL_LIVE_TRANSFERS && t.phase != Phase::Copying {
+            t.cancel_queued = true;
+            st.queued_cancels.push_back(xfer.0);
             return;
         }
         // FAULT: the silent pin: a transfer the peer has not registered yet is not in the table
@@ -553,6 +565,7 @@ impl Plugin for RefPlugin {
         st.tickets.clear();
         st.granted.clear();
         st.outbox.clear();
+        st.queued_cancels.clear();
     }
 }
 

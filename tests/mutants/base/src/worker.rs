@@ -29,6 +29,7 @@ pub(crate) fn run(shared: &Arc<Shared>) {
         let job = {
             let mut st = shared.lock();
             fire_deadlines(shared, &mut st);
+            end_one_queued_cancel(shared, &mut st);
             pick_job(&mut st)
         };
         let busy = job.is_some();
@@ -190,10 +191,33 @@ pub(crate) fn fire_deadlines(shared: &Shared, st: &mut State) {
     }
 }
 
+/// `cancel_queued_when_busy`: end the oldest queued cancelled transfer, at most one per
+/// [`crate::QUEUED_CANCEL_TICK_MS`].
+fn end_one_queued_cancel(shared: &Shared, st: &mut State) {
+    let tick = Duration::from_millis(crate::QUEUED_CANCEL_TICK_MS);
+    if st.queued_cancels.is_empty() || st.last_queued_cancel.is_some_and(|t| t.elapsed() < tick) {
+        return;
+    }
+    st.last_queued_cancel = Some(Instant::now());
+    while let Some(x) = st.queued_cancels.pop_front() {
+        let Some(t) = st.transfers.get_mut(&x) else { continue };
+        if t.reported {
+            continue;
+        }
+        if shared.awaits_verdict(t) {
+            shared.fail_unquiesced(t, x, ReasonCode::CANCELLED, "cancelled with its commit unanswered");
+        } else {
+            st.transfers.remove(&x);
+            shared.failed(x, ReasonCode::CANCELLED, "cancelled".into(), true);
+        }
+        return;
+    }
+}
+
 type Job = (u64, u64, Arc<Vec<Piece>>, Arc<AtomicBool>, Instant);
 
 fn pick_job(st: &mut State) -> Option<Job> {
-    let (x, t) = st.transfers.iter_mut().filter(|(_, t)| t.phase == Phase::Ready && !t.reported).min_by_key(|(x, _)| **x)?;
+    let (x, t) = st.transfers.iter_mut().filter(|(_, t)| t.phase == Phase::Ready && !t.reported && !t.cancel_queued).min_by_key(|(x, _)| **x)?;
     t.phase = Phase::Copying;
     Some((*x, t.peer, Arc::clone(&t.pieces), Arc::clone(&t.stop), t.deadline))
 }
