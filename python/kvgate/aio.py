@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, 
 import grpc
 import grpc.aio
 
-from . import _channel
+from . import _channel, errors
+from .fd_pass import pass_fd
 from ._proto import kvgate_pb2 as pb
 from .client import (
     CONNECT_TIMEOUT_S,
@@ -26,6 +27,7 @@ from .client import (
     RECONNECT_PAUSE_S,
     _expect_request,
     _register_cuda_request,
+    _register_fd_request,
     _register_shared_request,
     _send_request,
     _watch_request,
@@ -196,6 +198,15 @@ class AsyncClient:
     async def register_pool(self, pool: SharedPool, *, label: str = "") -> Region:
         """Register a whole `SharedPool`."""
         return await self.register_shared_memory(pool.path, offset=pool.offset, length=pool.size, label=label)
+
+    async def register_fd(self, fd: int, *, length: int, offset: int = 0, label: str = "") -> Region:
+        """See `kvgate.Client.register_fd` (the descriptor is passed in a worker thread)."""
+        await self._ready()
+        if self.target.unix_path is None:
+            raise errors.InvalidRequest("missing_field", "register_fd needs the gateway's Unix socket (a descriptor cannot cross TCP)")
+        token = await asyncio.to_thread(pass_fd, self.target.unix_path, fd)
+        reply = await self._call(self._register, _register_fd_request(token, offset, length, label))
+        return Region(reply.region, length, tuple(reply.plugins), label)
 
     async def register_cuda_ipc(self, device: int, ipc_handle: bytes, length: int, *, label: str = "", base: int = 0) -> Region:
         await self._ready()
