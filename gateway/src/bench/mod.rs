@@ -15,6 +15,7 @@ pub mod png_plot;
 pub mod reference;
 pub mod report;
 pub mod results;
+pub mod room_cost;
 pub mod rounds;
 pub mod sglang_room;
 pub mod stats;
@@ -99,6 +100,15 @@ pub struct BenchArgs {
     /// SGLang-shaped rooms (122 parts, 4 chunks) moved each way: one call per part per chunk, and batched.
     #[arg(long)]
     pub sglang_rooms: Option<u64>,
+    /// 4 KiB rooms moved one after the other for the per-room cost (latency, CPU per room).
+    #[arg(long)]
+    pub room_cost_rooms: Option<u64>,
+    /// Minimal rooms moved through batched calls for the batched rooms-per-second figure.
+    #[arg(long)]
+    pub batched_rooms: Option<u64>,
+    /// Measure only the per-room cost and the batched rooms per second (and print them), nothing else.
+    #[arg(long)]
+    pub room_cost_only: bool,
     /// Where pools, configs and gateway logs go (default: a fresh folder in /dev/shm, removed after).
     /// It must be on a shared-memory filesystem (tmpfs): the shm plugin refuses other pool files.
     #[arg(long)]
@@ -138,6 +148,8 @@ impl BenchArgs {
         set(&mut plan.api_aborts, self.api_aborts);
         set(&mut plan.frozen_rooms, self.frozen_rooms);
         set(&mut plan.sglang_rooms, self.sglang_rooms);
+        set(&mut plan.room_cost_rooms, self.room_cost_rooms);
+        set(&mut plan.batched_rooms, self.batched_rooms);
         plan.control_concurrency = plan.control_concurrency.min(plan.control_rooms);
         plan.api_aborts = plan.api_aborts.min(plan.api_rooms_in_flight);
         plan
@@ -157,6 +169,9 @@ pub fn run(args: BenchArgs) -> i32 {
         return 2;
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+    if args.room_cost_only {
+        return runtime.block_on(run_room_cost_only(&args, &plan));
+    }
     match runtime.block_on(run_async(&args, &plan)) {
         Ok(report) => {
             let broken = report.data_path.iter().flat_map(|p| &p.cells).any(|c| c.failures > 0 || !c.verified);
@@ -174,6 +189,34 @@ pub fn run(args: BenchArgs) -> i32 {
         }
         Err(e) => {
             eprintln!("kvgate bench failed: {e:#}");
+            1
+        }
+    }
+}
+
+/// `--room-cost-only`: the per-room cost line and nothing else (for profiling the per-room path).
+async fn run_room_cost_only(args: &BenchArgs, plan: &Plan) -> i32 {
+    let measured = async {
+        let binary = std::env::current_exe().context("locate the kvgate binary")?;
+        let (dir, _guard) = work_dir(args)?;
+        let cost = room_cost::measure(&binary, &dir, plan.room_cost_rooms).await?;
+        let batched = room_cost::measure_batched(&binary, &dir, plan.batched_rooms).await?;
+        anyhow::Ok((cost, batched))
+    };
+    match measured.await {
+        Ok((cost, batched)) => {
+            let control = ControlPath { room_cost: Some(cost.clone()), batched_rooms: Some(batched), ..ControlPath::default() };
+            print!("{}", report::control_lines_of(&control));
+            if let Some(path) = &args.json {
+                if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&cost).unwrap_or_default() + "\n") {
+                    eprintln!("kvgate bench: write {}: {e}", path.display());
+                    return 1;
+                }
+            }
+            i32::from(cost.failures > 0)
+        }
+        Err(e) => {
+            eprintln!("kvgate bench --room-cost-only failed: {e:#}");
             1
         }
     }
@@ -346,6 +389,16 @@ async fn bench_control(binary: &Path, dir: &Path, plan: &Plan, bar: &ProgressBar
         Err(e) => out.errors.push(format!("abort-to-terminal in the core: {e}")),
     }
     bar.inc(1);
+    bar.set_message(format!("per-room cost, {} rooms of 4 KiB one at a time", plan.room_cost_rooms));
+    match room_cost::measure(binary, dir, plan.room_cost_rooms).await {
+        Ok(r) => out.room_cost = Some(r),
+        Err(e) => out.errors.push(format!("per-room cost: {e:#}")),
+    }
+    bar.set_message(format!("rooms per second with batched calls, {} rooms", plan.batched_rooms));
+    match room_cost::measure_batched(binary, dir, plan.batched_rooms).await {
+        Ok(r) => out.batched_rooms = Some(r),
+        Err(e) => out.errors.push(format!("batched rooms: {e:#}")),
+    }
     let settings = control::control_settings();
     bar.set_message("control path: starting two gateways");
     match control::start_control_rig(binary, dir, &settings).await {

@@ -56,6 +56,10 @@ pub struct Plan {
     pub frozen_rooms: u64,
     /// SGLang-shaped rooms moved each way (one call per part per chunk, and batched).
     pub sglang_rooms: u64,
+    /// 4 KiB rooms moved one after the other for the per-room cost (latency and CPU per room).
+    pub room_cost_rooms: u64,
+    /// Minimal rooms moved through batched calls (`ExpectBatch` / `SendBatch`) for rooms per second.
+    pub batched_rooms: u64,
 }
 
 const KIB: u64 = 1 << 10;
@@ -80,6 +84,8 @@ impl Plan {
             api_aborts: 1_000,
             frozen_rooms: 64,
             sglang_rooms: 100,
+            room_cost_rooms: 3_000,
+            batched_rooms: 100_000,
         }
     }
 
@@ -101,6 +107,8 @@ impl Plan {
             api_aborts: 500,
             frozen_rooms: 16,
             sglang_rooms: 20,
+            room_cost_rooms: 1_000,
+            batched_rooms: 20_000,
         }
     }
 
@@ -159,6 +167,8 @@ impl Plan {
         range("api_aborts", self.api_aborts, 1, self.api_rooms_in_flight.max(1));
         range("frozen_rooms", self.frozen_rooms, 1, 4_096);
         range("sglang_rooms", self.sglang_rooms, 1, 100_000);
+        range("room_cost_rooms", self.room_cost_rooms, 2, 1_000_000);
+        range("batched_rooms", self.batched_rooms, 1, 10_000_000);
         for &b in &self.block_sizes_bytes {
             range("block size (bytes)", b, 8, MAX_MAX_TRANSFER_BYTES);
         }

@@ -2,7 +2,7 @@
 //! `BENCHMARKS.md` page. Pure functions of the measured figures; never measures and never rounds a
 //! figure before it is stored.
 
-use super::results::{AbortLatency, BenchReport, CellResult, CopyLimit, PluginResult, TargetCheck};
+use super::results::{AbortLatency, BenchReport, CellResult, ControlPath, CopyLimit, PluginResult, TargetCheck};
 use super::stats::size_label;
 use std::fmt::Write;
 
@@ -278,8 +278,29 @@ pub fn table(report: &BenchReport) -> String {
 }
 
 fn control_lines(report: &BenchReport) -> String {
+    control_lines_of(&report.control_path)
+}
+
+/// The control-path lines of the table (also printed alone by `--room-cost-only`).
+pub fn control_lines_of(c: &ControlPath) -> String {
     let mut out = String::new();
-    let c = &report.control_path;
+    if let Some(r) = &c.room_cost {
+        let _ = writeln!(
+            out,
+            "control  per-room cost, {} rooms of {} B one at a time: p50 {:.3} ms, p99 {:.3} ms, wall {:.0} us a room; CPU per room: gateways {:.0} us, engines {:.0} us, together {:.0} us; reference Info round trip: p50 {:.3} ms, CPU {:.0} us ({} failed{})",
+            r.rooms, r.bytes_per_room, r.latency_p50_ms, r.latency_p99_ms, r.wall_us_per_room, r.gateway_cpu_us_per_room, r.engine_cpu_us_per_room,
+            r.gateway_cpu_us_per_room + r.engine_cpu_us_per_room, r.call_p50_ms, r.call_cpu_us, r.failures,
+            r.failure_reasons.first().map(|e| format!(": {e}")).unwrap_or_default()
+        );
+    }
+    if let Some(r) = &c.batched_rooms {
+        let _ = writeln!(
+            out,
+            "control  rooms/s with batched calls: {:.0} ({} rooms of 8 B, {} a batch (one ExpectBatch + one SendBatch), {} batches at once, {} failed{}; batch p50 {:.2} ms; CPU per room: gateways {:.1} us, engines {:.1} us)",
+            r.rooms_per_second, r.rooms, r.batch_rooms, r.batches_in_flight, r.failures,
+            r.first_error.as_deref().map(|e| format!(": {e}")).unwrap_or_default(), r.batch_p50_ms, r.gateway_cpu_us_per_room, r.engine_cpu_us_per_room
+        );
+    }
     if let Some(r) = &c.rooms_per_second {
         let _ = writeln!(
             out,

@@ -184,8 +184,52 @@ pub struct ControlPath {
     /// An SGLang-shaped room (122 parts, 4 chunks), with one call per part per chunk and batched.
     #[serde(default)]
     pub sglang_room: Option<SglangRoom>,
+    /// One 4 KiB room at a time: its latency and CPU against an engine-API round trip.
+    #[serde(default)]
+    pub room_cost: Option<RoomCost>,
+    /// Minimal rooms through `ExpectBatch` / `SendBatch`.
+    #[serde(default)]
+    pub batched_rooms: Option<BatchedRooms>,
     /// Control-path parts that could not run, with why.
     pub errors: Vec<String>,
+}
+
+/// The cost of one small room through two gateways, rooms one after the other, beside the cheapest
+/// engine-API call (`Info`) over the same sockets in the same run.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RoomCost {
+    pub rooms: u64,
+    pub bytes_per_room: u64,
+    pub failures: u64,
+    pub failure_reasons: Vec<String>,
+    pub latency_p50_ms: f64,
+    pub latency_p99_ms: f64,
+    /// Wall time of the timed rooms over their count, in microseconds.
+    pub wall_us_per_room: f64,
+    /// CPU (user + system) of both gateway processes per room, in microseconds.
+    pub gateway_cpu_us_per_room: f64,
+    /// The same for the bench process (both engines' clients and their event routers).
+    pub engine_cpu_us_per_room: f64,
+    /// The reference: p50 of one `Info` round trip on an engine's socket.
+    pub call_p50_ms: f64,
+    /// CPU of one `Info` round trip (gateways + bench process), in microseconds.
+    pub call_cpu_us: f64,
+}
+
+/// Minimal rooms carried by batched engine calls: rooms per second and CPU per room.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct BatchedRooms {
+    pub rooms: u64,
+    /// Rooms per `ExpectBatch` (and per `SendBatch`).
+    pub batch_rooms: u64,
+    pub batches_in_flight: u64,
+    pub failures: u64,
+    pub first_error: Option<String>,
+    pub rooms_per_second: f64,
+    /// From a batch's two calls to the last terminal event of its rooms.
+    pub batch_p50_ms: f64,
+    pub gateway_cpu_us_per_room: f64,
+    pub engine_cpu_us_per_room: f64,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
