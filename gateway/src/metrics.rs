@@ -40,10 +40,24 @@ pub struct GatewayMetrics {
     /// Incremented from plugin threads when the driver's plugin event queue is full.
     pub plugin_events_dropped: Counter<u64, AtomicU64>,
     bad_peer_frames: Counter,
+    /// Core messages sent to peers, alone or in batches, and the `CoreBatch` frames among the frames.
+    peer_core_messages: Counter,
+    peer_core_batches: Counter,
     discovery_registered: Gauge,
     discovery_errors: Family<Labels, Counter>,
     listener_connections: Family<Labels, Gauge>,
     listener_refused: Family<Labels, Counter>,
+    /// Each plugin's three per-room histograms, looked up by name without building a label set
+    /// (the families above hold the same series: a cached handle shares its family's storage).
+    per_plugin: std::sync::RwLock<Vec<(Box<str>, PluginHistograms)>>,
+}
+
+/// The histograms observed once per room, for one plugin label.
+#[derive(Clone)]
+struct PluginHistograms {
+    transfer_bytes: Histogram,
+    transfer_seconds: Histogram,
+    bootstrap_seconds: Histogram,
 }
 
 impl Default for GatewayMetrics {
@@ -57,10 +71,13 @@ impl Default for GatewayMetrics {
             peer_up: Family::default(),
             plugin_events_dropped: Counter::default(),
             bad_peer_frames: Counter::default(),
+            peer_core_messages: Counter::default(),
+            peer_core_batches: Counter::default(),
             discovery_registered: Gauge::default(),
             discovery_errors: Family::default(),
             listener_connections: Family::default(),
             listener_refused: Family::default(),
+            per_plugin: Default::default(),
         }
     }
 }
@@ -71,11 +88,31 @@ fn seconds(n: Nanos) -> f64 {
 
 impl GatewayMetrics {
     pub fn observe_transfer(&self, plugin: &str, bytes: u64, elapsed: Nanos) {
-        self.transfer_bytes.get_or_create(&labels(&[("plugin", plugin)])).observe(bytes as f64);
-        self.transfer_seconds.get_or_create(&labels(&[("plugin", plugin)])).observe(seconds(elapsed));
+        self.with_plugin(plugin, |h| {
+            h.transfer_bytes.observe(bytes as f64);
+            h.transfer_seconds.observe(seconds(elapsed));
+        });
     }
     pub fn observe_bootstrap(&self, plugin: &str, elapsed: Nanos) {
-        self.bootstrap_seconds.get_or_create(&labels(&[("plugin", plugin)])).observe(seconds(elapsed));
+        self.with_plugin(plugin, |h| h.bootstrap_seconds.observe(seconds(elapsed)));
+    }
+
+    /// Run `f` on `plugin`'s histograms, created in the families (and cached) on first use.
+    fn with_plugin(&self, plugin: &str, f: impl FnOnce(&PluginHistograms)) {
+        {
+            let cached = self.per_plugin.read().unwrap_or_else(|e| e.into_inner());
+            if let Some((_, h)) = cached.iter().find(|(name, _)| &**name == plugin) {
+                return f(h);
+            }
+        }
+        let label = labels(&[("plugin", plugin)]);
+        let handles = PluginHistograms {
+            transfer_bytes: self.transfer_bytes.get_or_create(&label).clone(),
+            transfer_seconds: self.transfer_seconds.get_or_create(&label).clone(),
+            bootstrap_seconds: self.bootstrap_seconds.get_or_create(&label).clone(),
+        };
+        f(&handles);
+        self.per_plugin.write().unwrap_or_else(|e| e.into_inner()).push((plugin.into(), handles));
     }
     pub fn count_failure(&self, reason: &str, phase: &str, plugin: &str) {
         self.failures.get_or_create(&labels(&[("reason", reason), ("phase", phase), ("plugin", plugin)])).inc();
@@ -89,6 +126,14 @@ impl GatewayMetrics {
     }
     pub fn count_bad_peer_frame(&self) {
         self.bad_peer_frames.inc();
+    }
+    pub fn count_core_message(&self) {
+        self.peer_core_messages.inc();
+    }
+    pub fn count_core_batches(&self, batches: u64) {
+        if batches > 0 {
+            self.peer_core_batches.inc_by(batches);
+        }
     }
     /// Whether this gateway's discovery record is in etcd under a live lease.
     pub fn set_discovery_registered(&self, registered: bool) {
@@ -122,6 +167,8 @@ impl GatewayMetrics {
         registry.register("peer_up", "1 while the peer link is up", self.peer_up.clone());
         registry.register("plugin_events_dropped", "Plugin events dropped because driver.plugin_event_queue_len was full", self.plugin_events_dropped.clone());
         registry.register("bad_peer_frames", "Peer frames that could not be decoded", self.bad_peer_frames.clone());
+        registry.register("peer_core_messages", "Core messages sent to peers, alone or in CoreBatch frames", self.peer_core_messages.clone());
+        registry.register("peer_core_batches", "CoreBatch frames sent to peers (each several core messages)", self.peer_core_batches.clone());
         registry.register("discovery_registered", "1 while this gateway's discovery record is in etcd under a live lease", self.discovery_registered.clone());
         let discovered = snapshot.peers.iter().filter(|p| p.source == crate::peer_link::PeerSource::Discovered.as_str()).count();
         registry.register("discovery_peers", "Peers discovery added and still knows (withdrawn ones with a live link included)", gauge(discovered as i64));
@@ -270,6 +317,25 @@ mod tests {
             "kvgate_transfer_bytes_count{plugin=\"shm\"} 1",
             "kvgate_plugin_contract_violations_total{clause=\"plugin_silent\"} 0",
             "kvgate_healthy 0",
+        ] {
+            assert!(text.contains(expected), "missing {expected} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn cached_plugin_histograms_count_into_the_rendered_series() {
+        let m = GatewayMetrics::default();
+        for _ in 0..3 {
+            m.observe_transfer("shm", 1 << 20, Nanos::from_ms(3));
+            m.observe_bootstrap("shm", Nanos::from_ms(1));
+        }
+        m.observe_transfer("quic", 1 << 20, Nanos::from_ms(3));
+        let text = m.render(&snapshot());
+        for expected in [
+            "kvgate_transfer_bytes_count{plugin=\"shm\"} 3",
+            "kvgate_transfer_seconds_count{plugin=\"shm\"} 3",
+            "kvgate_bootstrap_seconds_count{plugin=\"shm\"} 3",
+            "kvgate_transfer_bytes_count{plugin=\"quic\"} 1",
         ] {
             assert!(text.contains(expected), "missing {expected} in\n{text}");
         }

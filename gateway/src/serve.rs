@@ -75,6 +75,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
             .iter()
             .map(|p| proto::PluginEndpoint { plugin: p.name().to_string(), endpoint: p.transport().local_endpoint().to_vec() })
             .collect(),
+        features: if config.peer_link.core_batch { vec![crate::peer_link::FEATURE_CORE_BATCH.to_string()] } else { Vec::new() },
     });
     let (input_tx, input_rx) = mpsc::channel(config.driver.event_queue_len as usize);
     let watch_tx = crate::engine_api::WatchFeed::new(config.engine_api.watch_buffer_events as usize, config.engine_api.watch_replay_events as usize, identity.incarnation);

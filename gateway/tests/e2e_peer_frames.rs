@@ -1,6 +1,7 @@
 //! Large engine calls and the peer link: an expect whose notice is far larger than a fragment
 //! crosses the link in fragments while other rooms keep moving, and one whose notice would pass
-//! `peer_link.max_frame_bytes` is refused at the engine call instead of breaking the link.
+//! `peer_link.max_frame_bytes` is refused at the engine call instead of breaking the link; a gateway
+//! that sends core messages in batches links with one that does not, and rooms move both ways.
 
 mod common;
 
@@ -111,6 +112,42 @@ async fn an_expect_whose_notice_would_pass_the_frame_limit_is_refused_and_the_li
     decode.client.abort(room_key(room + 1, 0), "test done").await.unwrap();
     assert!(run_room(&prefill, &decode, &shape, room + 2, 0, 4).await.unwrap().verified);
     pair.stop();
+}
+
+/// `peer_link.core_batch = false` on one side: that side announces no `core_batch` feature, so the
+/// other sends it one frame per message and neither sends a `CoreBatch`; with it on both sides, rooms
+/// in flight together leave in batches. Every room arrives intact either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batching_gateway_and_one_without_batches_move_rooms_together() {
+    let _serial = serial().await;
+    for (prefill_batches, decode_batches) in [("false", "true"), ("true", "false"), ("true", "true")] {
+        let dir = work_dir();
+        let mut s = settings();
+        s.env_prefill.push(("KVGATE__PEER_LINK__CORE_BATCH".into(), prefill_batches.into()));
+        s.env_decode.push(("KVGATE__PEER_LINK__CORE_BATCH".into(), decode_batches.into()));
+        let mut pair = GatewayPair::start(&binary(), dir.path(), &s).await.unwrap();
+        let shape = small_shape();
+        let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 8).await;
+        let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 8).await;
+        let rooms = (0..8u64).map(|i| run_room(&prefill, &decode, &shape, 7300 + i, i, i));
+        for result in futures_util::future::join_all(rooms).await {
+            let result = result.unwrap();
+            assert!(result.verified, "prefill core_batch {prefill_batches}: {result:?}");
+        }
+        for log in [pair.prefill.log(), pair.decode.log()] {
+            assert!(!log.contains("undecodable"), "{log}");
+        }
+        let mut batches = 0.0;
+        for admin in [&pair.prefill.admin, &pair.decode.admin] {
+            assert!(metric(admin, "kvgate_peer_core_messages_total").await >= 8.0, "every room sends core messages");
+            batches += metric(admin, "kvgate_peer_core_batches_total").await;
+        }
+        match (prefill_batches, decode_batches) {
+            ("true", "true") => assert!(batches > 0.0, "rooms in flight together left in no batch"),
+            _ => assert_eq!(batches, 0.0, "a batch went to a gateway that does not take them"),
+        }
+        pair.stop();
+    }
 }
 
 #[test]

@@ -139,6 +139,10 @@ pub struct PeerLinkSection {
     /// A frame whose encoding is larger than this leaves in fragments of this size, so that
     /// heartbeats (which go first) never wait behind more than one fragment.
     pub frame_fragment_bytes: u64,
+    /// Core messages the driver sends a peer while handling one input leave together in `CoreBatch`
+    /// frames of at most `frame_fragment_bytes` (one frame, one MAC and one queue slot for many
+    /// rooms), when the peer's Hello says it takes them. `false` sends one frame per message.
+    pub core_batch: bool,
     /// Outcome messages (`Quiesced`) for a peer whose link was lost, kept until the same peer
     /// process is back on a new link and then delivered there, so that its quarantined rooms need
     /// not wait for `quarantine_timeout_ms`. Past it the oldest is dropped (and that room waits for
@@ -196,6 +200,7 @@ impl Default for PeerLinkSection {
             send_queue_frames: 65536,
             max_frame_bytes: 64 << 20,
             frame_fragment_bytes: 256 << 10,
+            core_batch: true,
             parked_outcomes: 65_536,
             auth: None,
             psk_file: String::new(),
@@ -332,14 +337,21 @@ pub struct DriverSection {
     /// deadlines that passed: frames already waiting in a socket (a peer's `PartDone`) are not
     /// overtaken by timeouts the stall caused. 0 acts on deadlines at once.
     pub stall_catch_up_ms: u64,
+    /// Inputs (plugin events, engine calls, peer frames) already queued that the driver handles in
+    /// one step before it sends the peer messages they caused (together, in `CoreBatch` frames with
+    /// `peer_link.core_batch`). 1 sends after every input. A deadline waits for at most one step.
+    pub inputs_per_step: u64,
 }
+
+/// Most inputs one driver step takes (`driver.inputs_per_step`).
+pub const MAX_INPUTS_PER_STEP: u64 = 4096;
 
 /// Most runtime threads `driver.io_threads` accepts.
 pub const MAX_IO_THREADS: u64 = 256;
 
 impl Default for DriverSection {
     fn default() -> Self {
-        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536, shutdown_grace_ms: 2000, io_threads: 0, stall_catch_up_ms: 500 }
+        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536, shutdown_grace_ms: 2000, io_threads: 0, stall_catch_up_ms: 500, inputs_per_step: 64 }
     }
 }
 

@@ -291,6 +291,14 @@ fn watchers_per_connection_are_checked_at_and_just_past_their_bounds() {
 }
 
 #[test]
+fn the_inputs_per_step_are_checked_at_and_just_past_their_bounds() {
+    assert_eq!(load_config_from_str("[driver]\ninputs_per_step = 1\n").unwrap().driver.inputs_per_step, 1);
+    load_config_from_str("[driver]\ninputs_per_step = 4096\n").unwrap();
+    assert!(errors_of("[driver]\ninputs_per_step = 4097\n").contains("driver.inputs_per_step = 4097"));
+    assert!(errors_of("[driver]\ninputs_per_step = 0\n").contains("driver.inputs_per_step = 0"));
+}
+
+#[test]
 fn the_stall_catch_up_is_checked_at_and_just_past_its_bounds() {
     load_config_from_str("[driver]\nstall_catch_up_ms = 0\n").unwrap();
     load_config_from_str("[driver]\nstall_catch_up_ms = 10000\n").unwrap();

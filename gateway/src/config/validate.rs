@@ -273,6 +273,7 @@ fn check_plugins_driver_admin_log(config: &GatewayConfig, errors: &mut Vec<Limit
     errors.extend(check_range("driver.shutdown_grace_ms", config.driver.shutdown_grace_ms, 0, 60_000));
     errors.extend(check_range("driver.io_threads", config.driver.io_threads, 0, super::MAX_IO_THREADS));
     errors.extend(check_range("driver.stall_catch_up_ms", config.driver.stall_catch_up_ms, 0, 10_000));
+    errors.extend(check_range("driver.inputs_per_step", config.driver.inputs_per_step, 1, super::MAX_INPUTS_PER_STEP));
     if !config.admin.listen.is_empty() && config.admin.listen.parse::<SocketAddr>().is_err() {
         errors.push(rule("admin.listen", format!("{:?}", config.admin.listen), "an ip:port address, or empty to disable"));
     }

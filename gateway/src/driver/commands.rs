@@ -6,7 +6,7 @@
 use super::{Driver, RoomClock};
 use crate::peer_link::codec;
 use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, Event, IncomingRequest, SubmitRequest};
-use kvgate_client::proto::{self, peer_frame::Frame};
+use kvgate_client::proto;
 use kvgate_core::{Command, Outcome, ReleaseCause, Role, RoomEvent, RoomState};
 
 impl Driver {
@@ -43,12 +43,13 @@ impl Driver {
                     opened.transport().cancel_incoming(*peer, *ticket);
                 }
             }
-            Command::ToPeer { peer, message } => match self.peers.session(peer.0) {
-                // A full queue makes the session task declare the peer lost; the core then learns it.
-                Some(state) => {
-                    state.sender.send(Frame::Core(codec::encode(message, &self.plugin_names)));
+            Command::ToPeer { peer, message } => match self.peers.session(peer.0).is_some() {
+                // Sent at the end of this driver step (`Peers::flush`). A full queue makes the session
+                // task declare the peer lost; the core then learns it.
+                true => {
+                    self.peers.send_core(peer.0, codec::encode(message, &self.plugin_names), &self.metrics);
                 }
-                None => {
+                false => {
                     let keep = matches!(message, kvgate_core::PeerMessage::Quiesced { .. });
                     let limit = self.config.peer_link.parked_outcomes as usize;
                     if !(keep && self.peers.park(peer.0, message.clone(), limit)) {

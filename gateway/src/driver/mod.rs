@@ -6,6 +6,7 @@
 
 mod commands;
 mod engine;
+mod outbox;
 mod peers;
 mod region_use;
 mod regions;
@@ -24,7 +25,7 @@ use crate::peer_link::PeerEvent;
 use kvgate_abi::{Event, EventKind};
 use kvgate_core::{Core, Nanos, PluginSlot, Role, RoomKey, ViolationClause};
 use kvgate_host::OpenedPlugin;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -82,7 +83,7 @@ pub struct Driver {
     /// Plugin events produced by the driver itself (a submit refused synchronously), fed back in order.
     feedback: VecDeque<PluginEventMsg>,
     /// Per live room: when this driver first saw it, when it started moving bytes, stuck warnings given.
-    room_clock: HashMap<(RoomKey, Role), RoomClock>,
+    room_clock: foldhash::HashMap<(RoomKey, Role), RoomClock>,
     /// Rooms waiting for their next stuck-room warning age.
     stuck: stuck::StuckQueues,
     /// Plugin contract violations already logged, by `ViolationClause::ALL` index.
@@ -132,7 +133,7 @@ impl Driver {
             watch: parts.watch,
             metrics: parts.metrics,
             feedback: VecDeque::new(),
-            room_clock: HashMap::new(),
+            room_clock: Default::default(),
             stuck,
             violations_logged: [0; ViolationClause::ALL.len()],
             illegal_transitions_logged: 0,
@@ -153,16 +154,15 @@ impl Driver {
     pub async fn run(mut self, mut inputs: mpsc::Receiver<DriverInput>, mut plugin_events: mpsc::Receiver<PluginEventMsg>) {
         let mut housekeeping = tokio::time::interval(Duration::from_millis(HOUSEKEEPING_INTERVAL_MS));
         housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let per_step = self.config.driver.inputs_per_step.max(1);
         loop {
             let wake = self.core.poll_timeout().map(|t| self.instant_of(t).max(self.catch_up_until.unwrap_or(Instant::now())));
             tokio::select! {
                 biased;
                 Some((slot, event)) = plugin_events.recv() => self.on_plugin_event(slot, event),
                 input = inputs.recv() => match input {
-                    Some(DriverInput::Engine(call)) => self.on_engine_call(call),
-                    Some(DriverInput::Peer(event)) => self.on_peer_event(event),
-                    Some(DriverInput::Admin(reply)) => { let _ = reply.send(self.snapshot()); }
-                    Some(DriverInput::Shutdown) | None => break,
+                    Some(input) => if !self.on_input(input) { break },
+                    None => break,
                 },
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {
                     if !self.caught_up_after_stall(wake.unwrap_or_else(Instant::now)) {
@@ -173,9 +173,42 @@ impl Driver {
                 }
                 _ = housekeeping.tick() => self.housekeeping(),
             }
-            self.drain();
+            self.execute_commands();
+            // The rest of the step: inputs already queued, plugin events first, each executed before
+            // the next is taken; then the peer messages of the whole step leave together.
+            let mut stop = false;
+            for _ in 1..per_step {
+                if let Ok((slot, event)) = plugin_events.try_recv() {
+                    self.on_plugin_event(slot, event);
+                } else if let Ok(input) = inputs.try_recv() {
+                    stop = !self.on_input(input);
+                } else {
+                    break;
+                }
+                self.execute_commands();
+                if stop {
+                    break;
+                }
+            }
+            self.peers.flush(&self.metrics);
+            if stop {
+                break;
+            }
         }
         self.shut_down(&mut inputs, &mut plugin_events).await;
+    }
+
+    /// One input from the queue; `false` for `Shutdown`.
+    fn on_input(&mut self, input: DriverInput) -> bool {
+        match input {
+            DriverInput::Engine(call) => self.on_engine_call(call),
+            DriverInput::Peer(event) => self.on_peer_event(event),
+            DriverInput::Admin(reply) => {
+                let _ = reply.send(self.snapshot());
+            }
+            DriverInput::Shutdown => return false,
+        }
+        true
     }
 
     /// Whether deadlines may be acted on now, the driver having woken for one at `asked`. A wake
@@ -237,8 +270,16 @@ impl Driver {
         }
     }
 
-    /// Executes every pending command, feeding synchronous plugin refusals back, until quiet.
+    /// Executes every pending command, feeding synchronous plugin refusals back, until quiet, and
+    /// sends the peer messages they made.
     fn drain(&mut self) {
+        self.execute_commands();
+        self.peers.flush(&self.metrics);
+    }
+
+    /// Executes every pending command, feeding synchronous plugin refusals back, until quiet; peer
+    /// messages wait in their session's outbox for `Peers::flush`.
+    fn execute_commands(&mut self) {
         loop {
             while let Some(command) = self.core.poll_command() {
                 self.execute(command);

@@ -9,6 +9,7 @@ use crate::peer_link::{codec, dials, PeerEvent, PeerSender, SessionId};
 use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, PeerId, RemoteKey};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use kvgate_core::{PeerLoss, PeerMessage, PeerPlugin, PluginSlot, RegionId, Role};
+use crate::metrics::GatewayMetrics;
 use std::collections::HashMap;
 
 pub struct PeerSessionState {
@@ -20,6 +21,8 @@ pub struct PeerSessionState {
     pub plugins: Vec<PluginSlot>,
     /// Remote keys imported from this session: (peer region id, plugin) -> key in that plugin.
     pub remote_keys: HashMap<(u64, PluginSlot), RemoteKey>,
+    /// Core messages of the current driver step, sent together at its end.
+    outbox: super::outbox::Outbox,
 }
 
 #[derive(Default)]
@@ -34,6 +37,8 @@ pub struct Peers {
     /// Per peer name: outcome messages for rooms of a lost session, kept for that peer's incarnation
     /// until it is back on a new session (`peer_link.parked_outcomes`).
     parked: HashMap<String, (u64, std::collections::VecDeque<PeerMessage>)>,
+    /// Sessions whose outbox holds messages (flushed at the end of the driver step).
+    unflushed: Vec<SessionId>,
 }
 
 /// How many ended sessions' names are kept for the log lines of their rooms.
@@ -88,9 +93,32 @@ impl Peers {
     pub fn is_up(&self, name: &str) -> bool {
         self.current.contains_key(name)
     }
-    pub fn broadcast(&self, frame: Frame) {
-        for state in self.by_session.values() {
+    /// `frame` to every session, after the core messages gathered for it (order is kept).
+    pub fn broadcast(&mut self, frame: Frame, metrics: &GatewayMetrics) {
+        for state in self.by_session.values_mut() {
+            metrics.count_core_batches(state.outbox.flush(&state.sender));
             state.sender.send(frame.clone());
+        }
+    }
+
+    /// Queue a core message for `session` (see `outbox.rs`); `false` when no such session is live.
+    pub fn send_core(&mut self, session: SessionId, message: proto::CoreMessage, metrics: &GatewayMetrics) -> bool {
+        let Some(state) = self.by_session.get_mut(&session) else { return false };
+        let was_empty = state.outbox.is_empty();
+        metrics.count_core_message();
+        metrics.count_core_batches(state.outbox.push(&state.sender, message));
+        if was_empty && !state.outbox.is_empty() {
+            self.unflushed.push(session);
+        }
+        true
+    }
+
+    /// Send every gathered core message: the end of a driver step.
+    pub fn flush(&mut self, metrics: &GatewayMetrics) {
+        for session in self.unflushed.drain(..) {
+            if let Some(state) = self.by_session.get_mut(&session) {
+                metrics.count_core_batches(state.outbox.flush(&state.sender));
+            }
         }
     }
 }
@@ -147,7 +175,9 @@ impl Driver {
             sender.send(Frame::RegionAnnounce(announce.clone()));
         }
         let plugins: Vec<PluginSlot> = connected.iter().map(|p| p.slot).collect();
-        self.peers.by_session.insert(session, PeerSessionState { name: name.clone(), incarnation: hello.incarnation, sender, plugins: plugins.clone(), remote_keys: HashMap::new() });
+        let batching = self.config.peer_link.core_batch && hello.features.iter().any(|f| f == crate::peer_link::FEATURE_CORE_BATCH);
+        let outbox = super::outbox::Outbox::new(batching, self.config.peer_link.frame_fragment_bytes);
+        self.peers.by_session.insert(session, PeerSessionState { name: name.clone(), incarnation: hello.incarnation, sender, plugins: plugins.clone(), remote_keys: HashMap::new(), outbox });
         if !connected.is_empty() {
             self.peers.current.insert(name.clone(), session);
             self.core.handle_peer_up_with(now, peer, hello.incarnation, &connected);
@@ -191,19 +221,31 @@ impl Driver {
                     }
                 }
             }
-            Frame::Core(message) => match codec::decode(message, &self.plugin_names) {
-                Ok(message) => {
-                    let peer = self.outcome_addressee(now, session, &message).unwrap_or(peer);
-                    self.core.handle_peer_message(now, peer, &message)
+            Frame::Core(message) => self.peer_core_message(now, session, message),
+            Frame::CoreBatch(batch) => {
+                for message in batch.messages {
+                    self.peer_core_message(now, session, message);
                 }
-                Err(e) => {
-                    self.metrics.count_bad_peer_frame();
-                    tracing::warn!(peer = %state.name, "undecodable peer message dropped: {e}");
-                }
-            },
+            }
             // The session task checks both before a frame gets here (a second Hello ends the link).
             // Fragments are joined by the link's session task; none reaches the driver.
             Frame::Hello(_) | Frame::Heartbeat(_) | Frame::AuthProof(_) | Frame::Fragment(_) => {}
+        }
+    }
+
+    /// One core message from a live session, to the core (a message that does not decode is counted
+    /// and dropped: the room it was for ends on its own deadline).
+    fn peer_core_message(&mut self, now: kvgate_core::Nanos, session: SessionId, message: proto::CoreMessage) {
+        match codec::decode(message, &self.plugin_names) {
+            Ok(message) => {
+                let peer = self.outcome_addressee(now, session, &message).unwrap_or(PeerId(session));
+                self.core.handle_peer_message(now, peer, &message)
+            }
+            Err(e) => {
+                self.metrics.count_bad_peer_frame();
+                let name = self.peers.name_of(session).unwrap_or("-");
+                tracing::warn!(peer = %name, "undecodable peer message dropped: {e}");
+            }
         }
     }
 
@@ -236,10 +278,12 @@ impl Driver {
             tracing::info!(peer = %name, dropped = messages.len(), "outcomes kept for a previous incarnation of the peer dropped (it restarted)");
             return;
         }
-        let Some(state) = self.peers.by_session.get(&session) else { return };
+        if self.peers.session(session).is_none() {
+            return;
+        }
         tracing::info!(peer = %name, delivered = messages.len(), "outcomes kept while the peer was away delivered on its new link");
         for message in messages {
-            state.sender.send(Frame::Core(codec::encode(&message, &self.plugin_names)));
+            self.peers.send_core(session, codec::encode(&message, &self.plugin_names), &self.metrics);
         }
     }
 

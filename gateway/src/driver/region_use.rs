@@ -4,7 +4,8 @@
 //! region is refused (`region_in_use`) naming the rooms. Never decides a room's fate.
 
 use kvgate_core::{Role, RoomKey, Slice};
-use std::collections::{HashMap, HashSet};
+// Keyed by engine-chosen room ids, touched several times per room: foldhash (randomly seeded).
+use foldhash::{HashMap, HashSet};
 
 /// How many holders a refusal names (the count is always given).
 pub const REGION_USERS_NAMED: usize = 4;

@@ -160,7 +160,7 @@ impl Driver {
         let announce = proto::RegionAnnounce { region: id, len: desc.len, keys: remote_keys };
         let now = self.now();
         self.core.handle_region_registered(now, RegionInfo { id: RegionId(id), len: desc.len, memory_kind: desc.kind, keys: keys.clone() });
-        self.peers.broadcast(Frame::RegionAnnounce(announce.clone()));
+        self.peers.broadcast(Frame::RegionAnnounce(announce.clone()), &self.metrics);
         tracing::info!(region = id, len = desc.len, label = %label, plugins = ?accepted, refused = ?refusals, "region registered");
         self.regions.by_id.insert(id, LocalRegion { label, keys, announce, _mapping: mapping, _file: passed });
         Ok(Registered { region: id, plugins: accepted, refused: refusals })
@@ -206,7 +206,7 @@ impl Driver {
                 }
             }
         }
-        self.peers.broadcast(Frame::RegionWithdraw(proto::RegionWithdraw { region: id }));
+        self.peers.broadcast(Frame::RegionWithdraw(proto::RegionWithdraw { region: id }), &self.metrics);
         tracing::info!(region = id, label = %region.label, "region unregistered");
         Ok(())
     }

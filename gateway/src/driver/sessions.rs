@@ -6,7 +6,9 @@
 //! again within the grace resumes the session. Plain bookkeeping: the driver acts on what it returns.
 
 use kvgate_core::{Nanos, Role, RoomKey};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
+// Keyed by engine-chosen room ids, touched on every room: foldhash (randomly seeded).
+use foldhash::{HashMap, HashSet};
 
 /// The metadata key engine calls carry their session id in.
 pub const SESSION_METADATA_KEY: &str = "kvgate-session";
@@ -53,7 +55,7 @@ impl Sessions {
                 break id;
             }
         };
-        let session = Session { name: name.to_string(), rooms: HashSet::new(), regions: BTreeSet::new(), attached: 0, detached_at: Some(now) };
+        let session = Session { name: name.to_string(), rooms: HashSet::default(), regions: BTreeSet::new(), attached: 0, detached_at: Some(now) };
         self.by_id.insert(id, session);
         self.by_name.insert(name.to_string(), id);
         Ok((id, false))

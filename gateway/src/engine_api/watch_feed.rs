@@ -7,6 +7,8 @@
 //! the log. Only a cursor older than the log ends a stream (`watch_cursor_expired`), and the engine
 //! then reconciles from `ListRooms`, whose `seq` says which events its snapshot already reflects.
 //! Lets the driver skip building progress events nobody reads; never drops an outcome silently.
+//! An event is built once and shared (`Arc`) by the log and the broadcast; each stream copies it
+//! once, when it hands it to tonic.
 
 use crate::driver::ApiError;
 use kvgate_client::proto;
@@ -18,16 +20,19 @@ use tokio::sync::broadcast;
 /// The sending side, shared by the driver (which publishes) and the engine API (which subscribes).
 #[derive(Clone)]
 pub struct WatchFeed {
-    events: broadcast::Sender<proto::RoomEvent>,
+    events: broadcast::Sender<SharedEvent>,
     log: Arc<Mutex<ReplayLog>>,
     progress_watchers: Arc<AtomicUsize>,
     /// This gateway process: cursors of another incarnation are refused.
     incarnation: u64,
 }
 
+/// One published event, held by the log and every stream's broadcast slot at once.
+type SharedEvent = Arc<proto::RoomEvent>;
+
 /// The latest events, oldest first, and the sequence number of the last one published.
 struct ReplayLog {
-    events: VecDeque<proto::RoomEvent>,
+    events: VecDeque<SharedEvent>,
     capacity: usize,
     last_seq: u64,
 }
@@ -39,7 +44,7 @@ impl ReplayLog {
     }
 
     /// The events after `after`, in order, or None when some of them were evicted already.
-    fn after(&self, after: u64) -> Option<Vec<proto::RoomEvent>> {
+    fn after(&self, after: u64) -> Option<Vec<SharedEvent>> {
         if after + 1 < self.oldest() {
             return None;
         }
@@ -103,6 +108,7 @@ impl WatchFeed {
         if log.events.len() == log.capacity {
             log.events.pop_front();
         }
+        let event = Arc::new(event);
         log.events.push_back(event.clone());
         // Sent under the lock: a subscriber that read the log then sees exactly the later events.
         let _ = self.events.send(event);
@@ -160,9 +166,9 @@ impl Drop for ProgressWatcher {
 pub struct Watcher {
     /// The feed's log (not the feed: a stream must not keep the broadcast open).
     log: Arc<Mutex<ReplayLog>>,
-    events: broadcast::Receiver<proto::RoomEvent>,
+    events: broadcast::Receiver<SharedEvent>,
     /// Events from the log still to send before the broadcast's.
-    replay: VecDeque<proto::RoomEvent>,
+    replay: VecDeque<SharedEvent>,
     /// The sequence number of the last event this stream passed (sent or filtered out).
     delivered: u64,
     room: Option<proto::RoomKey>,
@@ -220,7 +226,7 @@ impl Watcher {
             }
             self.delivered = event.seq;
             if self.wants(&event) {
-                return Some((Ok(event), self));
+                return Some((Ok(Arc::unwrap_or_clone(event)), self));
             }
         }
     }

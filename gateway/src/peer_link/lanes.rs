@@ -24,6 +24,14 @@ pub struct OutboundReceivers {
     urgent: mpsc::Receiver<PeerFrame>,
 }
 
+#[cfg(test)]
+impl OutboundReceivers {
+    /// The next bulk frame already queued, if any.
+    pub fn try_recv_bulk(&mut self) -> Option<PeerFrame> {
+        self.bulk.try_recv().ok()
+    }
+}
+
 /// Frames the urgent lane holds (heartbeats only: one per interval, so a handful is plenty; a full
 /// urgent lane means the link stopped draining, which the bulk lane's bound reports too).
 pub const URGENT_QUEUE_FRAMES: usize = 16;

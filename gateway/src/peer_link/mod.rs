@@ -32,7 +32,12 @@ pub struct LocalIdentity {
     pub host: String,
     /// Opened plugins in preference order, with their endpoints.
     pub plugins: Vec<proto::PluginEndpoint>,
+    /// Optional protocol features this gateway takes ([`FEATURE_CORE_BATCH`]), listed in its Hello.
+    pub features: Vec<String>,
 }
+
+/// A Hello listing this takes `CoreBatch` frames (`peer_link.core_batch`).
+pub const FEATURE_CORE_BATCH: &str = "core_batch";
 
 impl LocalIdentity {
     /// This gateway's Hello to `peer`, with the authentication fields of `auth` (`nonce` and
@@ -49,6 +54,7 @@ impl LocalIdentity {
                 auth: auth.as_str().to_string(),
                 nonce,
                 proof,
+                features: self.features.clone(),
             })),
             mac: Vec::new(),
         }

@@ -64,6 +64,12 @@ impl PeerSender {
         }
     }
 
+    /// A sender onto `lanes` alone (no session task watches its failures).
+    #[cfg(test)]
+    pub fn for_tests(lanes: super::lanes::Outbound) -> PeerSender {
+        PeerSender { tx: lanes, failed: Arc::default() }
+    }
+
     fn loss_detail(&self) -> &'static str {
         if self.failed.closed.load(Ordering::Relaxed) {
             "the link's outbound stream closed"
