@@ -3,7 +3,8 @@
 //! itself: accepted chunks become `Submit` commands.
 
 use super::mapping::{insert_range, map_chunk, stream_position, SourceSlice};
-use super::room::{ChunkXfer, HeldChunk, Placement, RecvPart, RoleData, Room, SendPart, XferState, AT_CURSOR};
+use super::room::{ChunkXfer, HeldChunk, Placement, RecvPart, RoleData, Room, SendPart, AT_CURSOR};
+use crate::lifecycle::{TicketState, TransferState};
 use super::{Core, LocalRegion, Lookup, XferRef};
 use crate::api::*;
 use crate::metrics::{HarmlessAbort, LateSource};
@@ -205,7 +206,7 @@ impl Core {
         for (index, (part, &plugin)) in parts.iter().zip(&plugins).enumerate() {
             let (bytes, ranges) = self.resolve_expect_part(plugin, part.as_ref());
             bytes_total += bytes;
-            recv_parts.push(RecvPart { bytes, done: false, ticket_open: true, plugin, sender: sender_index(index) });
+            recv_parts.push(RecvPart { bytes, done: false, ticket: TicketState::Open, plugin, sender: sender_index(index) });
             part_ranges.push(ranges);
         }
         let extra_senders: smallvec::SmallVec<[PeerId; 2]> = senders.iter().flat_map(|s| s.peers[1..].iter().map(|(p, _)| *p)).collect();
@@ -526,7 +527,7 @@ impl Core {
             target.placement = Placement::Explicit;
             target.filled += bytes;
             target.last_seen = target.filled == target.dest_total;
-            target.chunks.push(ChunkXfer { xfer: 0, bytes, state: XferState::InFlight });
+            target.chunks.push(ChunkXfer { xfer: 0, bytes, state: TransferState::InFlight });
             return Ok(segments);
         }
         let remaining = target.dest_total - target.filled;
@@ -541,7 +542,7 @@ impl Core {
         target.placement = Placement::Cursor;
         target.filled += bytes;
         target.last_seen = last;
-        target.chunks.push(ChunkXfer { xfer: 0, bytes, state: XferState::InFlight });
+        target.chunks.push(ChunkXfer { xfer: 0, bytes, state: TransferState::InFlight });
         Ok(segments)
     }
 

@@ -660,9 +660,7 @@ impl Core {
         match self.apply(now, slot, input) {
             Ok(_) => true,
             Err(illegal) => {
-                debug_assert!(false, "{illegal}");
-                self.metrics.illegal_transitions += 1;
-                self.metrics.latest_illegal_transition = Some(illegal);
+                self.count_refused_input(illegal.into());
                 false
             }
         }

@@ -2,11 +2,11 @@
 //! records: `tombstone`). Every terminal path goes through here so each room gets exactly one `Terminal` and one
 //! `Reusable`. It never revives a terminal room.
 
-use super::room::{BytesCounted, RoleData, Room, XferState};
+use super::room::{BytesCounted, RoleData, Room};
 use smallvec::SmallVec;
 use super::Core;
 use crate::api::*;
-use crate::metrics::ViolationClause;
+use crate::lifecycle::Verdict;
 use crate::table::RoomInput;
 use crate::timer::TimerKind;
 use kvgate_abi::{PeerId, Ticket, XferId};
@@ -61,7 +61,7 @@ impl Core {
                     dropped_held += part.held.len() as u64;
                     part.held = SmallVec::new();
                     for chunk in &part.chunks {
-                        if chunk.state == XferState::InFlight {
+                        if chunk.state.is_in_flight() {
                             commands.push(Command::Cancel { plugin: part.plugin(), xfer: XferId(chunk.xfer) });
                         }
                     }
@@ -69,7 +69,7 @@ impl Core {
             }
             RoleData::Receiver { ticket_base, parts, .. } => {
                 for (index, part) in parts.iter().enumerate() {
-                    if part.ticket_open {
+                    if part.ticket.is_open() {
                         commands.push(Command::CancelIncoming {
                             plugin: part.plugin,
                             peer: peer.expect("a receiver room has a peer"),
@@ -139,8 +139,8 @@ impl Core {
         self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight }));
         if let RoleData::Receiver { ticket_base, parts, .. } = &mut room.data {
             for (index, part) in parts.iter_mut().enumerate() {
-                if part.ticket_open {
-                    part.ticket_open = false;
+                if part.ticket.is_open() {
+                    part.ticket = super::plugin::CANCELLED_ON_SUCCESS;
                     self.commands.push_back(Command::CancelIncoming {
                         plugin: part.plugin,
                         peer: peer.expect("a receiver room has a peer"),
@@ -199,14 +199,16 @@ impl Core {
     /// failed and counted as a contract violation.
     // CONFORMANCE: TIME-6
     pub(super) fn plugin_grace_expired(&mut self, now: Nanos, slot: u32) {
+        // Each transfer still in flight takes the transfer table's `GraceExpired` row.
+        let forced_step = super::plugin::FORCED_SILENT;
         let room = self.room_mut(slot);
         let mut forced = 0u32;
         let mut last_forced = None;
         if let RoleData::Sender { parts, .. } = &mut room.data {
             for part in parts.iter_mut() {
                 for chunk in part.chunks.iter_mut() {
-                    if chunk.state == XferState::InFlight {
-                        chunk.state = XferState::ForcedSilent;
+                    if chunk.state.is_in_flight() {
+                        chunk.state = forced_step.next;
                         forced += 1;
                         last_forced = Some(chunk.xfer);
                     }
@@ -214,12 +216,14 @@ impl Core {
             }
         }
         room.in_flight -= forced;
-        room.unquiesced += forced;
+        room.unquiesced += forced * forced_step.next.is_unquiesced() as u32;
         if let Some(xfer) = last_forced {
             let (room, role, plugin) = (room.key, room.role, room.plugin());
             self.latest_silent = Some(SilentTransfer { xfer: XferId(xfer), room, role, plugin });
         }
-        self.metrics.violations[ViolationClause::PluginSilent.index()] += forced as u64;
+        if let Verdict::Violation(clause) = forced_step.verdict {
+            self.metrics.violations[clause.index()] += forced as u64;
+        }
         if !self.room_at(slot).state.is_terminal() {
             self.fail_room(now, slot, RoomInput::PluginGraceTimer, FailReason::PluginSilent, None, None);
         } else {

@@ -2,12 +2,12 @@
 //! freed at once, and a small record (key, outcome, what the admin view shows, its transfer ids and
 //! tickets) joins a FIFO, evicted oldest first by count and age. It never revives a room.
 
-use super::room::{RoleData, XferState, NIL};
+use super::room::{RoleData, NIL};
+use crate::lifecycle::{TicketState, TransferState};
 use super::{Core, TicketRef, XferRef};
 use crate::api::*;
-use crate::metrics::{LateSource, ViolationClause};
 use crate::wheel::Wheel;
-use kvgate_abi::{Event, EventKind, PeerId};
+use kvgate_abi::PeerId;
 use smallvec::SmallVec;
 
 /// The `slot` of a transfer or ticket reference that names a tombstone record (its `epoch` is then
@@ -43,17 +43,17 @@ pub(super) fn key_value_is_stale(value: u32, front_seq: u64, held: usize) -> boo
     value & TOMBSTONE_KEY_BIT != 0 && held_tombstone_offset(value, front_seq, held).is_none()
 }
 
-/// One transfer id (sender) or ticket (receiver) of a settled room, with what classifies a late
-/// plugin event for it.
+/// One transfer id (sender) or ticket (receiver) of a settled room, with its lifecycle state (what
+/// the lifecycle tables classify a late plugin event by).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SettledId {
     pub id: u64,
     /// Sender: the chunk's bytes (checked by a late `SUCCEEDED`). Receiver: unused.
     pub bytes: u64,
-    /// Sender: the chunk's state. Receiver: unused.
-    pub state: XferState,
-    /// Receiver: whether the ticket was still open. Sender: unused.
-    pub ticket_open: bool,
+    /// Sender: the transfer's state. Receiver: unused.
+    pub state: TransferState,
+    /// Receiver: the ticket's state. Sender: unused.
+    pub ticket: TicketState,
     /// The plugin the transfer ran on, or the ticket was open on.
     pub plugin: PluginSlot,
 }
@@ -161,7 +161,7 @@ impl Core {
                     for chunk in &part.chunks {
                         let index = ids.len() as u32;
                         let plugin = part.plugin();
-                        ids.push(SettledId { id: chunk.xfer, bytes: chunk.bytes, state: chunk.state, ticket_open: false, plugin });
+                        ids.push(SettledId { id: chunk.xfer, bytes: chunk.bytes, state: chunk.state, ticket: TicketState::Closed, plugin });
                         let xref = XferRef { slot: TOMBSTONE_SLOT, epoch: seq as u32, part: index, chunk: 0, plugin };
                         self.xfers.replace(chunk.xfer, xref);
                     }
@@ -170,7 +170,7 @@ impl Core {
             RoleData::Receiver { ticket_base, parts, .. } => {
                 for (index, part) in parts.iter().enumerate() {
                     let ticket = ticket_base + index as u64;
-                    ids.push(SettledId { id: ticket, bytes: 0, state: XferState::Succeeded, ticket_open: part.ticket_open, plugin: part.plugin });
+                    ids.push(SettledId { id: ticket, bytes: 0, state: TransferState::Succeeded, ticket: part.ticket, plugin: part.plugin });
                     self.tickets.replace(ticket, TicketRef { slot: TOMBSTONE_SLOT, epoch: seq as u32, part: index as u32 });
                 }
             }
@@ -287,103 +287,6 @@ impl Core {
             bytes_total: record.bytes_total,
             bytes_done: record.bytes_done,
             failure: record.failure,
-        }
-    }
-
-    /// A plugin event for a transfer of a settled (terminal) room: exactly what the event does to
-    /// a terminal room's chunk (a late event or a counted violation; the room never changes state).
-    pub(super) fn settled_xfer_event(&mut self, xref: XferRef, event: &Event) {
-        let index = self.tombstone_index_of(xref.epoch);
-        let chunk = xref.part as usize;
-        let (state, bytes) = {
-            let settled = &self.tombstones[index].ids[chunk];
-            (settled.state, settled.bytes)
-        };
-        let set_state = |core: &mut Core, new: XferState| core.tombstones[index].ids[chunk].state = new;
-        match event.kind {
-            EventKind::SUCCEEDED => match state {
-                XferState::InFlight if event.bytes == bytes => {
-                    set_state(self, XferState::Succeeded);
-                    self.metrics.bytes_moved += bytes;
-                    self.tombstones[index].bytes_done += bytes;
-                }
-                XferState::InFlight => {
-                    self.metrics.violations[ViolationClause::SucceededBytesMismatch.index()] += 1;
-                    set_state(self, XferState::FailedQuiesced);
-                }
-                XferState::ForcedSilent => {
-                    self.count_late(LateSource::Plugin);
-                    set_state(self, XferState::Succeeded);
-                }
-                _ => self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1,
-            },
-            EventKind::FAILED => {
-                let known_reason = event.reason.0 != 0 && event.reason.is_known();
-                if !known_reason {
-                    self.metrics.violations[ViolationClause::UnknownReasonCode.index()] += 1;
-                }
-                let quiesced = event.flags & kvgate_abi::event_flags::QUIESCED != 0;
-                let next = if quiesced { XferState::FailedQuiesced } else { XferState::FailedUnquiesced };
-                match state {
-                    XferState::InFlight => set_state(self, next),
-                    XferState::ForcedSilent => {
-                        self.count_late(LateSource::Plugin);
-                        if quiesced {
-                            set_state(self, XferState::FailedQuiesced);
-                        }
-                    }
-                    _ => self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1,
-                }
-            }
-            EventKind::QUIESCED => match state {
-                XferState::FailedUnquiesced | XferState::ForcedSilent => set_state(self, XferState::FailedQuiesced),
-                XferState::InFlight => {
-                    self.metrics.violations[ViolationClause::QuiescedBeforeTerminal.index()] += 1;
-                    set_state(self, XferState::FailedQuiesced);
-                }
-                XferState::Succeeded | XferState::FailedQuiesced => {
-                    self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1
-                }
-            },
-            EventKind::PROGRESS => {
-                if state != XferState::InFlight {
-                    self.metrics.violations[ViolationClause::EventAfterTerminal.index()] += 1;
-                }
-            }
-            _ => self.metrics.violations[ViolationClause::UnknownEventKind.index()] += 1,
-        }
-    }
-
-    /// A plugin event for a ticket of a settled (terminal) receiver room: exactly what the event
-    /// does to a terminal receiver (a late event or a counted violation).
-    pub(super) fn settled_ticket_event(&mut self, tref: TicketRef, plugin: PluginSlot, event: &Event) {
-        let index = self.tombstone_index_of(tref.epoch);
-        let part = tref.part as usize;
-        if self.tombstones[index].ids[part].plugin != plugin {
-            self.metrics.violations[ViolationClause::WrongPlugin.index()] += 1;
-            return;
-        }
-        match event.kind {
-            EventKind::QUIESCED => {
-                let record = &mut self.tombstones[index];
-                let settled = &mut record.ids[part];
-                if !settled.ticket_open {
-                    // The answer to the cancel sent on success: expected, nothing to do.
-                    if record.state != RoomState::Succeeded {
-                        self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1;
-                    }
-                    return;
-                }
-                settled.ticket_open = false;
-            }
-            EventKind::INCOMING_FAILED => {
-                let known_reason = event.reason.0 != 0 && event.reason.is_known();
-                if !known_reason {
-                    self.metrics.violations[ViolationClause::UnknownReasonCode.index()] += 1;
-                }
-                self.count_late(LateSource::Plugin);
-            }
-            _ => self.metrics.violations[ViolationClause::UnknownEventKind.index()] += 1,
         }
     }
 }
