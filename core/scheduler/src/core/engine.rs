@@ -5,7 +5,8 @@
 use super::mapping::{insert_range, map_chunk, stream_position, SourceSlice};
 use super::room::{ChunkXfer, HeldChunk, Placement, RecvPart, RoleData, Room, SendPart, AT_CURSOR};
 use crate::lifecycle::{TicketState, TransferState};
-use super::{Core, LocalRegion, Lookup, XferRef};
+use super::store::{Lookup, TicketRef, XferRef};
+use super::{Core, LocalRegion};
 use crate::api::*;
 use crate::metrics::{HarmlessAbort, LateSource};
 use crate::table::RoomInput;
@@ -112,7 +113,7 @@ impl Core {
     /// byte count and ranges.
     fn resolve_expect_part(&mut self, plugin: PluginSlot, slices: &[Slice]) -> (u64, Vec<LocalRange>) {
         let mut total = 0u64;
-        let mut ranges = self.spare_ranges.pop().unwrap_or_default();
+        let mut ranges = self.spares.ranges.pop().unwrap_or_default();
         ranges.reserve(slices.len());
         for slice in slices {
             total = total.saturating_add(slice.len);
@@ -122,17 +123,16 @@ impl Core {
         (total, ranges)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn engine_expect<P: AsRef<[Slice]>>(
         &mut self,
         now: Nanos,
         key: RoomKey,
         peer: PeerId,
         parts: &[P],
-        part_peers: &[PeerId],
-        source_kinds: &[Option<kvgate_abi::MemoryKind>],
+        shape: ExpectShape<'_>,
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
+        let ExpectShape { part_peers, source_kinds } = shape;
         // Each part's sender: `part_peers[p]`, or `peer` (the room's bound peer) when not given.
         let sender_of = |index: usize| part_peers.get(index).copied().unwrap_or(peer);
         if timeout_ms == Some(0) {
@@ -151,7 +151,7 @@ impl Core {
         if !connected(&peer) || !part_peers.iter().all(connected) {
             return Self::refuse(key, RefusalReason::PeerNotConnected);
         }
-        let lookup = self.lookup(key, Role::Receiver);
+        let lookup = self.rooms.lookup(key, Role::Receiver);
         match lookup {
             Lookup::Same(slot) if self.room_at(slot).state.is_terminal() => {
                 return Self::refuse(key, RefusalReason::RoomTerminal)
@@ -166,23 +166,23 @@ impl Core {
         for part in parts {
             self.check_local_slices(key, part.as_ref())?;
         }
-        let mut plugins = self.spare_plugin_lists.pop().unwrap_or_default();
+        let mut plugins = self.spares.plugin_lists.pop().unwrap_or_default();
         plugins.clear();
         for (index, part) in parts.iter().enumerate() {
             match self.part_plugin(key, sender_of(index), part.as_ref(), source_kinds.get(index).copied().flatten()) {
                 Ok(plugin) => plugins.push(plugin),
                 Err(refusal) => {
-                    self.spare_plugin_lists.push(plugins);
+                    self.spares.plugin_lists.push(plugins);
                     return Err(refusal);
                 }
             }
         }
         if overlapping_slices(parts) {
-            self.spare_plugin_lists.push(plugins);
+            self.spares.plugin_lists.push(plugins);
             return Self::refuse(key, RefusalReason::OverlappingSlices);
         }
-        if self.live_rooms >= self.config.max_inflight_rooms {
-            self.spare_plugin_lists.push(plugins);
+        if self.rooms.live() >= self.config.max_inflight_rooms {
+            self.spares.plugin_lists.push(plugins);
             // CONFORMANCE: TIME-11
             return Self::refuse(key, RefusalReason::TooManyRooms);
         }
@@ -210,15 +210,11 @@ impl Core {
             part_ranges.push(ranges);
         }
         let extra_senders: smallvec::SmallVec<[PeerId; 2]> = senders.iter().flat_map(|s| s.peers[1..].iter().map(|(p, _)| *p)).collect();
-        if let Lookup::Older(old) = lookup {
-            self.supersede(now, old);
-        }
-        let ticket_base = self.next_ticket;
-        self.next_ticket += parts.len() as u64;
+        let ticket_base = self.rooms.reserve_tickets(parts.len() as u64);
         let room_timeout_ms = timeout_ms.unwrap_or(self.config.room_timeout_ms).min(self.config.max_room_timeout_ms);
         let deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
         let in_flight = parts.len() as u32;
-        let slot = self.insert_room(|| {
+        let slot = self.open_room(now, lookup, Some(peer), || {
             let data = RoleData::Receiver { ticket_base, parts: recv_parts, senders };
             let mut room = Room::new(key, Role::Receiver, RoomState::WaitingSender, now, data);
             room.deadline = deadline;
@@ -227,30 +223,26 @@ impl Core {
             room.touch(now, LastEvent::Expect);
             room
         });
-        let epoch = self.epoch(slot);
-        self.link_peer(slot, peer);
+        let epoch = self.rooms.epoch(slot);
         for &extra in &extra_senders {
             self.extra_bound.entry(extra).or_default().insert((slot, epoch));
         }
         let first = plugins[0];
         self.room_mut(slot).set_peer(peer, first);
-        self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
-        self.arm(now, slot, TimerKind::Room, deadline);
-        self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Receiver, state: RoomState::WaitingSender });
         let remaining = deadline.saturating_sub(now);
-        let mut tickets = self.spare_tickets.pop().unwrap_or_default();
+        let mut tickets = self.spares.tickets.pop().unwrap_or_default();
         tickets.reserve(parts.len());
         for (index, ranges) in part_ranges.into_iter().enumerate() {
             let ticket = Ticket(ticket_base + index as u64);
-            self.tickets.insert(ticket.0, super::TicketRef { slot, epoch, part: index as u32 });
+            self.rooms.bind_ticket(ticket.0, TicketRef { slot, epoch, part: index as u32 });
             let plugin = plugins[index];
             self.commands.push_back(Command::ExpectIncoming { plugin, peer: sender_of(index), ticket, timeout: remaining, ranges });
             tickets.push(ticket);
         }
         if !extra_senders.is_empty() {
             self.push_split_notices(key, peer, parts, part_peers, &tickets, &plugins, remaining, &extra_senders);
-            Self::keep_spare(&mut self.spare_tickets, tickets);
-            Self::keep_spare(&mut self.spare_plugin_lists, plugins);
+            Self::keep_spare(&mut self.spares.tickets, tickets);
+            Self::keep_spare(&mut self.spares.plugin_lists, plugins);
             return Ok(());
         }
         // One entry when every part uses the same plugin (the common room).
@@ -320,13 +312,13 @@ impl Core {
             }
         }
         self.check_local_slices(key, slices.as_slice())?;
-        match self.lookup(key, Role::Sender) {
+        match self.rooms.lookup(key, Role::Sender) {
             Lookup::Newer => Self::refuse(key, RefusalReason::StaleGeneration),
             Lookup::Same(slot) => self.send_to_existing(now, slot, peer, part, chunk, at, slices, last),
             // CONFORMANCE: ABORT-6
             Lookup::Settled(_) => Self::refuse(key, RefusalReason::RoomTerminal),
             lookup @ (Lookup::Absent | Lookup::Older(_)) => {
-                if self.live_rooms >= self.config.max_inflight_rooms {
+                if self.rooms.live() >= self.config.max_inflight_rooms {
                     return Self::refuse(key, RefusalReason::TooManyRooms);
                 }
                 if self.metrics.pending_sends >= self.config.max_pending_sends {
@@ -334,9 +326,6 @@ impl Core {
                 }
                 if chunk != 0 && at.is_none() {
                     return Self::refuse(key, RefusalReason::OutOfOrderChunk);
-                }
-                if let Lookup::Older(old) = lookup {
-                    self.supersede(now, old);
                 }
                 let mut parts = self.spare_send_parts();
                 parts.reserve_exact(part as usize + 1);
@@ -348,7 +337,7 @@ impl Core {
                 // Explicit placement: done when every byte is covered, known once the notice came.
                 target.last_seen = last && at.is_none();
                 let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
-                let slot = self.insert_room(|| {
+                self.open_room(now, lookup, peer, || {
                     let data = RoleData::Sender { notice: false, parts };
                     let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, data);
                     room.deadline = deadline;
@@ -356,12 +345,6 @@ impl Core {
                     room
                 });
                 self.metrics.pending_sends += 1;
-                if let Some(peer) = peer {
-                    self.link_peer(slot, peer);
-                }
-                self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
-                self.arm(now, slot, TimerKind::Room, deadline);
-                self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Sender, state: RoomState::WaitingExpect });
                 Ok(())
             }
         }
@@ -505,9 +488,8 @@ impl Core {
             SourceSlice { key, offset: slice.offset, len: slice.len }
         });
         let max_segments = self.config.max_segments_per_submit;
-        let spare = self.spare_segments.pop().unwrap_or_default();
-        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
-        let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
+        let spare = self.spares.segments.pop().unwrap_or_default();
+        let RoleData::Sender { parts, .. } = &mut self.rooms.get_mut(slot).data else { unreachable!() };
         let target = &mut parts[part as usize];
         if at != AT_CURSOR {
             // Explicit: [at, at + bytes) of the stream, not overlapping any chunk already placed.
@@ -548,23 +530,24 @@ impl Core {
 
     /// Emit the `Submit` of the chunk `place_chunk` just recorded.
     pub(super) fn submit_last_placed(&mut self, now: Nanos, slot: u32, part: u32, segments: Vec<kvgate_abi::Segment>) {
-        let xfer = self.next_xfer;
-        self.next_xfer += 1;
-        let epoch = self.epoch(slot);
+        let epoch = self.rooms.epoch(slot);
         let transfer_deadline = self.timer_deadline(slot, TimerKind::Transfer).unwrap_or(now);
         let timeout = Nanos(transfer_deadline.saturating_sub(now).0.max(1_000_000));
+        let (plugin, chunk) = {
+            let RoleData::Sender { parts, .. } = &self.room_at(slot).data else { unreachable!() };
+            let target = &parts[part as usize];
+            (target.plugin(), (target.chunks.len() - 1) as u32)
+        };
+        let xfer = self.rooms.issue_transfer(XferRef { slot, epoch, part, chunk, plugin });
         let room = self.room_mut(slot);
         let peer = room.peer().expect("submitting room has a peer");
         room.in_flight += 1;
         room.touch(now, LastEvent::Submitted);
         let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
         let target = &mut parts[part as usize];
-        let plugin = target.plugin();
-        let chunk = (target.chunks.len() - 1) as u32;
         target.chunks[chunk as usize].xfer = xfer;
         target.next_chunk = target.next_chunk.max(chunk + 1);
         let ticket = target.ticket;
-        self.xfers.insert(xfer, XferRef { slot, epoch, part, chunk, plugin });
         self.metrics.submits += 1;
         self.metrics.segments_submitted += segments.len() as u64;
         self.commands.push_back(Command::Submit { plugin, xfer: XferId(xfer), peer, ticket, timeout, segments });
@@ -596,7 +579,7 @@ impl Core {
     /// The engine that owned the room on `role`'s side is gone: the room, if live, fails
     /// `engine_lost` (the peer is told, as for an abort). Returns whether it was live.
     pub(super) fn engine_lost(&mut self, now: Nanos, key: RoomKey, role: Role) -> bool {
-        let Lookup::Same(slot) = self.lookup(key, role) else { return false };
+        let Lookup::Same(slot) = self.rooms.lookup(key, role) else { return false };
         if self.room_at(slot).state.is_terminal() {
             return false;
         }
@@ -618,7 +601,7 @@ impl Core {
         let mut absent_roles: [Option<Role>; 2] = [None, None];
         let mut stale = false;
         for (index, &role) in roles.iter().enumerate() {
-            match self.lookup(key, role) {
+            match self.rooms.lookup(key, role) {
                 Lookup::Same(slot) => {
                     let room = self.room_at(slot);
                     if !room.state.is_terminal() {
@@ -632,7 +615,7 @@ impl Core {
                     }
                 }
                 Lookup::Settled(seq) => {
-                    if self.tombstone_at(seq).failure.is_some_and(|f| f.reason == FailReason::Aborted) {
+                    if self.rooms.record(seq).failure.is_some_and(|f| f.reason == FailReason::Aborted) {
                         harmless = HarmlessAbort::Duplicate;
                     } else if harmless != HarmlessAbort::Duplicate {
                         harmless = HarmlessAbort::AfterTerminal;
@@ -651,7 +634,7 @@ impl Core {
             // An abort before the counterpart exists: remember it, so the late counterpart is
             // refused and never re-creates the room.
             for role in absent_roles.into_iter().flatten() {
-                if let Lookup::Older(old) = self.lookup(key, role) {
+                if let Lookup::Older(old) = self.rooms.lookup(key, role) {
                     self.supersede(now, old);
                 }
                 self.create_tombstone(now, key, role, FailReason::Aborted);

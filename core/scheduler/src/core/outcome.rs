@@ -3,6 +3,7 @@
 //! `Reusable`. It never revives a terminal room.
 
 use super::room::{BytesCounted, RoleData, Room};
+use super::tombstone::Tombstone;
 use smallvec::SmallVec;
 use super::Core;
 use crate::api::*;
@@ -82,12 +83,9 @@ impl Core {
         let outstanding_xfers = role == Role::Sender && room.in_flight > 0;
         let quiet = Self::nothing_in_flight(room);
         let bytes_total = room.bytes_total;
-        let tombstone_only = room.tombstone_only;
         let elapsed = now.saturating_sub(room.created);
         self.metrics.pending_sends -= dropped_held;
-        if !tombstone_only {
-            self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Failed(failure), elapsed });
-        }
+        self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Failed(failure), elapsed });
         self.commands.extend(commands);
         if outstanding_xfers {
             let current = self.timer_deadline(slot, TimerKind::PluginGrace);
@@ -132,7 +130,7 @@ impl Core {
         self.leave_link(slot);
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace]);
         self.metrics.rooms_succeeded += 1;
-        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
+        let room = self.rooms.get_mut(slot);
         let (key, role, peer) = (room.key, room.role, room.peer());
         let elapsed = now.saturating_sub(room.created);
         self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed }));
@@ -162,7 +160,7 @@ impl Core {
         self.disarm_all(slot, &[TimerKind::Quarantine, TimerKind::PluginGrace]);
         let room = self.room_mut(slot);
         let held = if std::mem::replace(&mut room.bytes_counted, BytesCounted::Nowhere) == BytesCounted::InQuarantine { room.bytes_total } else { 0 };
-        let (key, role, peer, tombstone_only) = (room.key, room.role, room.peer(), room.tombstone_only);
+        let (key, role, peer) = (room.key, room.role, room.peer());
         let failure = room.failure;
         if cause == ReleaseCause::Quiesced {
             room.touch(now, LastEvent::Quiesced);
@@ -171,9 +169,7 @@ impl Core {
         if cause == ReleaseCause::QuarantineTimeout {
             self.metrics.failures[FailReason::QuarantineTimeout.index()][Phase::Terminal.index()] += 1;
         }
-        if !tombstone_only {
-            self.push_engine(RoomEvent::Reusable { room: key, role, cause });
-        }
+        self.push_engine(RoomEvent::Reusable { room: key, role, cause });
         // A failed room's receiver waits for this word before reusing its memory. Also after the
         // peer's link was lost: the host delivers it once the same peer process is back on a new
         // link (or drops it if the peer restarted, which ended the receiver's rooms anyway).
@@ -189,7 +185,7 @@ impl Core {
     /// After a quiesce or a late terminal event: release the quarantine if nothing is left.
     /// A slot already freed (the room settled while the event was handled) has nothing left.
     pub(super) fn check_release(&mut self, now: Nanos, slot: u32) {
-        let Some(room) = self.slots[slot as usize].room.as_ref() else { return };
+        let Some(room) = self.rooms.try_get(slot) else { return };
         if room.state == RoomState::Quarantined && Self::nothing_in_flight(room) {
             self.release_quarantine(now, slot, RoomInput::Quiesced, ReleaseCause::Quiesced);
         }
@@ -231,21 +227,34 @@ impl Core {
         }
     }
 
-    /// Remember a room that never existed here (an abort before the counterpart), so its late
-    /// counterpart is refused.
+    /// A terminal room whose memory is reusable: remember it as a tombstone record, bounded in
+    /// time and count, and free its slot and part lists now. Its expiry is one constant ttl away
+    /// (settle order is expiry order; a clock that steps back never puts an expiry before the one
+    /// ahead of it).
+    pub(super) fn settle(&mut self, now: Nanos, slot: u32) {
+        let expiry = self.rooms.expiry_at(now, Nanos::from_ms(self.config.tombstone_ttl_ms));
+        let (epoch, room) = self.rooms.get_with_epoch(slot);
+        // Nothing is armed once settled: the room's deadline entry (if any) is released.
+        debug_assert_eq!(room.earliest_wheel_deadline(), None);
+        debug_assert!(!room.in_peer_list, "a settled room is unlinked from its peer first");
+        debug_assert!(matches!(room.state, RoomState::Succeeded | RoomState::Failed));
+        room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, None);
+        room.armed = 0;
+        let record = Tombstone::of_room(room, expiry);
+        let room = self.rooms.settle(slot, record, self.config.max_tombstones, &mut self.metrics);
+        if let RoleData::Sender { parts, .. } = room.data {
+            self.metrics.pending_sends -= parts.iter().map(|part| part.held.len() as u64).sum::<u64>();
+            self.recycle_send_parts(parts);
+        }
+    }
+
+    /// Remember a room that never existed here (an abort or a failure before the counterpart), so
+    /// its late counterpart is refused.
     pub(super) fn create_tombstone(&mut self, now: Nanos, key: RoomKey, role: Role, reason: FailReason) {
-        let data = match role {
-            Role::Sender => RoleData::Sender { notice: false, parts: Vec::new() },
-            Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: SmallVec::new(), senders: None },
-        };
-        let slot = self.insert_room(|| {
-            let mut room = Room::new(key, role, RoomState::Failed, now, data);
-            room.tombstone_only = true;
-            room.failure = Some(Failure { reason, phase: Phase::Bootstrap, peer_reason: None, plugin_reason: None });
-            room.last_event = if reason == FailReason::Aborted { LastEvent::Aborted } else { LastEvent::Failed };
-            room
-        });
-        self.metrics.rooms_created -= 1;
-        self.settle(now, slot);
+        let expiry = self.rooms.expiry_at(now, Nanos::from_ms(self.config.tombstone_ttl_ms));
+        let failure = Failure { reason, phase: Phase::Bootstrap, peer_reason: None, plugin_reason: None };
+        let last_event = if reason == FailReason::Aborted { LastEvent::Aborted } else { LastEvent::Failed };
+        let record = Tombstone::remembered(key, role, failure, last_event, now, expiry);
+        self.rooms.bury(record, self.config.max_tombstones, &mut self.metrics);
     }
 }

@@ -4,7 +4,8 @@
 
 use super::engine::PlaceError;
 use super::room::{DestSlice, RoleData, SendPart, NIL};
-use super::{Core, Lookup, PeerEntry};
+use super::store::Lookup;
+use super::{Core, PeerEntry};
 use crate::api::*;
 use crate::metrics::LateSource;
 use crate::table::RoomInput;
@@ -55,7 +56,7 @@ impl Core {
             slot = room.peer_next;
         }
         for &(slot, epoch) in self.extra_bound.get(&peer).into_iter().flatten() {
-            if self.slot_is(slot, epoch) && !self.room_at(slot).state.is_terminal() {
+            if self.rooms.holds(slot, epoch) && !self.room_at(slot).state.is_terminal() {
                 live.push(slot);
             }
         }
@@ -96,7 +97,7 @@ impl Core {
     }
 
     pub(super) fn unlink_peer(&mut self, slot: u32) {
-        let epoch = self.epoch(slot);
+        let epoch = self.rooms.epoch(slot);
         let extra: smallvec::SmallVec<[PeerId; 2]> = self.room_at(slot).extra_senders().collect();
         for peer in extra {
             if let Some(rooms) = self.extra_bound.get_mut(&peer) {
@@ -125,7 +126,7 @@ impl Core {
     /// The slot of `key`/`role` if it is exactly this generation and bound to `peer` (or unbound,
     /// or with a part from `peer`).
     fn peer_room(&self, key: RoomKey, role: Role, peer: PeerId) -> Option<u32> {
-        match self.lookup(key, role) {
+        match self.rooms.lookup(key, role) {
             Lookup::Same(slot) if self.room_at(slot).peer().is_none() || self.room_at(slot).bound_to(peer) => Some(slot),
             _ => None,
         }
@@ -228,9 +229,9 @@ impl Core {
         local_reason: FailReason,
         peer_reason: FailReason,
     ) {
-        match self.lookup(key, to) {
+        match self.rooms.lookup(key, to) {
             Lookup::Settled(seq) => {
-                let bound = self.tombstone_at(seq).peer();
+                let bound = self.rooms.record(seq).peer();
                 self.count_late(LateSource::Peer);
                 if to == Role::Sender && bound.is_none_or(|bound| bound == peer) {
                     // The receiver waits for our word that nothing more lands.
@@ -306,11 +307,11 @@ impl Core {
         if !self.peers.contains_key(&peer) {
             return self.count_late(LateSource::Peer);
         }
-        let lookup = self.lookup(key, Role::Sender);
+        let lookup = self.rooms.lookup(key, Role::Sender);
         let slot = match lookup {
             Lookup::Newer => return self.count_late(LateSource::Peer),
             Lookup::Settled(seq) => {
-                let failure = self.tombstone_at(seq).failure;
+                let failure = self.rooms.record(seq).failure;
                 self.count_late(LateSource::Peer);
                 if let Some(failure) = failure {
                     self.tell_receiver_room_is_over(peer, key, failure.reason);
@@ -330,25 +331,18 @@ impl Core {
                 slot
             }
             Lookup::Absent | Lookup::Older(_) => {
-                if self.live_rooms >= self.config.max_inflight_rooms {
+                if self.rooms.live() >= self.config.max_inflight_rooms {
                     let message = PeerMessage::RoomFailed { room: key, reason: FailReason::Overloaded, to: Role::Receiver };
                     return self.push_peer(peer, message);
                 }
-                if let Lookup::Older(old) = lookup {
-                    self.supersede(now, old);
-                }
                 let parts = self.spare_send_parts();
                 let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
-                let slot = self.insert_room(|| {
+                self.open_room(now, lookup, Some(peer), || {
                     let data = RoleData::Sender { notice: false, parts };
                     let mut room = super::room::Room::new(key, Role::Sender, RoomState::WaitingSend, now, data);
                     room.deadline = deadline;
                     room
-                });
-                self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
-                self.arm(now, slot, TimerKind::Room, deadline);
-                self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Sender, state: RoomState::WaitingSend });
-                slot
+                })
             }
         };
         if self.room_at(slot).peer().is_none() {
@@ -425,7 +419,7 @@ impl Core {
         let room_cap = Nanos::from_ms(self.config.max_room_timeout_ms);
         let notice_deadline = now.saturating_add(if remaining < room_cap { remaining } else { room_cap });
         let remote = &self.peers[&peer].remote_regions;
-        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
+        let room = self.rooms.get_mut(slot);
         let RoleData::Sender { notice, parts } = &mut room.data else { unreachable!() };
         *notice = true;
         parts.reserve_exact(notice_parts.len().saturating_sub(parts.len()));

@@ -5,6 +5,7 @@
 //! the row. It never waits on a plugin: silence is handled by the plugin-grace timer.
 
 use super::room::RoleData;
+use super::store::TOMBSTONE_SLOT;
 use super::Core;
 use crate::api::*;
 use crate::lifecycle::{
@@ -109,8 +110,8 @@ impl Core {
     /// The transfer an event names, if this core issued it to `plugin` and still knows it (an id
     /// issued and forgotten is late, one never issued or from another plugin a violation).
     fn transfer_site(&mut self, plugin: PluginSlot, xfer: u64) -> Option<TransferSite> {
-        let Some(xref) = self.xfers.get(xfer) else {
-            if xfer != 0 && xfer < self.next_xfer {
+        let Some(xref) = self.rooms.transfer(xfer) else {
+            if self.rooms.transfer_issued(xfer) {
                 self.count_late(LateSource::Plugin);
             } else {
                 self.violation(ViolationClause::UnknownXfer);
@@ -121,10 +122,10 @@ impl Core {
             self.violation(ViolationClause::WrongPlugin);
             return None;
         }
-        if xref.slot == super::TOMBSTONE_SLOT {
-            return Some(TransferSite::Settled { index: self.tombstone_index_of(xref.epoch), entry: xref.part as usize });
+        if xref.slot == TOMBSTONE_SLOT {
+            return Some(TransferSite::Settled { index: self.rooms.record_index(xref.epoch), entry: xref.part as usize });
         }
-        debug_assert_eq!(self.epoch(xref.slot), xref.epoch);
+        debug_assert_eq!(self.rooms.epoch(xref.slot), xref.epoch);
         Some(TransferSite::Live { slot: xref.slot, part: xref.part, chunk: xref.chunk })
     }
 
@@ -137,7 +138,7 @@ impl Core {
                 (chunk.state, chunk.bytes)
             }
             TransferSite::Settled { index, entry } => {
-                let settled = &self.tombstones[index].ids[entry];
+                let settled = &self.rooms.record_at(index).ids[entry];
                 (settled.state, settled.bytes)
             }
         }
@@ -157,7 +158,7 @@ impl Core {
         match site {
             TransferSite::Live { slot, part, chunk } => self.live_transfer_step(now, slot, part, chunk, bytes, state, step, reason),
             TransferSite::Settled { index, entry } => {
-                let record = &mut self.tombstones[index];
+                let record = self.rooms.record_at_mut(index);
                 record.ids[entry].state = step.next;
                 if step.effect == TransferEffect::Landed {
                     record.bytes_done += bytes;
@@ -249,19 +250,19 @@ impl Core {
     /// on `plugin` (a ticket issued and forgotten is late, one never issued or on another plugin a
     /// violation).
     fn ticket_site(&mut self, plugin: PluginSlot, ticket: u64) -> Option<TicketSite> {
-        let Some(tref) = self.tickets.get(ticket) else {
-            if ticket != 0 && ticket < self.next_ticket {
+        let Some(tref) = self.rooms.ticket(ticket) else {
+            if self.rooms.ticket_issued(ticket) {
                 self.count_late(LateSource::Plugin);
             } else {
                 self.violation(ViolationClause::UnknownTicket);
             }
             return None;
         };
-        let (site, on) = if tref.slot == super::TOMBSTONE_SLOT {
-            let (index, entry) = (self.tombstone_index_of(tref.epoch), tref.part as usize);
-            (TicketSite::Settled { index, entry }, self.tombstones[index].ids[entry].plugin)
+        let (site, on) = if tref.slot == TOMBSTONE_SLOT {
+            let (index, entry) = (self.rooms.record_index(tref.epoch), tref.part as usize);
+            (TicketSite::Settled { index, entry }, self.rooms.record_at(index).ids[entry].plugin)
         } else {
-            debug_assert_eq!(self.epoch(tref.slot), tref.epoch);
+            debug_assert_eq!(self.rooms.epoch(tref.slot), tref.epoch);
             let RoleData::Receiver { parts, .. } = &self.room_at(tref.slot).data else { unreachable!("tickets belong to receivers") };
             (TicketSite::Live { slot: tref.slot, part: tref.part }, parts[tref.part as usize].plugin)
         };
@@ -280,7 +281,7 @@ impl Core {
                 let RoleData::Receiver { parts, .. } = &self.room_at(slot).data else { unreachable!() };
                 parts[part as usize].ticket
             }
-            TicketSite::Settled { index, entry } => self.tombstones[index].ids[entry].ticket,
+            TicketSite::Settled { index, entry } => self.rooms.record_at(index).ids[entry].ticket,
         };
         let input = ticket_input(event);
         let reason = if input == TicketInput::IncomingFailed { self.known_reason(event) } else { None };
@@ -292,7 +293,7 @@ impl Core {
         match site {
             TicketSite::Live { slot, part } => self.live_ticket_step(now, slot, part, step, reason),
             TicketSite::Settled { index, entry } => {
-                self.tombstones[index].ids[entry].ticket = step.next;
+                self.rooms.record_at_mut(index).ids[entry].ticket = step.next;
                 if step.effect == TicketEffect::Failed {
                     self.count_late(LateSource::Plugin);
                 }

@@ -163,8 +163,6 @@ pub(crate) struct Room {
     pub unquiesced: u32,
     /// Where `bytes_total` is counted (it never changes once the transfer started).
     pub bytes_counted: BytesCounted,
-    /// Whether this core remembers the room only as a tombstone (never had a local engine).
-    pub tombstone_only: bool,
     pub data: RoleData,
 }
 
@@ -195,7 +193,6 @@ impl Room {
             in_flight: 0,
             unquiesced: 0,
             bytes_counted: BytesCounted::Nowhere,
-            tombstone_only: false,
             data,
         }
     }
