@@ -456,6 +456,13 @@ impl Core {
         }
     }
 
+    /// An input a declared table refused (a core bug): counted and kept, never dropped unseen.
+    pub(super) fn count_refused_input(&mut self, refused: crate::lifecycle::RefusedInput) {
+        debug_assert!(false, "{refused}");
+        self.metrics.illegal_transitions += 1;
+        self.metrics.latest_illegal_transition = Some(refused);
+    }
+
     /// Arm (or re-arm) the room's timer of `kind` (never `Tombstone`: see `settle`). The room's one
     /// wheel entry moves only when the new deadline comes before it.
     fn arm(&mut self, now: Nanos, slot: u32, kind: TimerKind, deadline: Nanos) {

@@ -55,6 +55,39 @@ impl Core {
             room.touch(now, LastEvent::Failed);
         }
         let (key, role, peer) = (room.key, room.role, room.peer());
+        let dropped_held = Self::cancel_all(room, &mut commands);
+        let outstanding_xfers = role == Role::Sender && room.in_flight > 0;
+        let quiet = Self::nothing_in_flight(room);
+        let bytes_total = room.bytes_total;
+        let elapsed = now.saturating_sub(room.created);
+        self.metrics.pending_sends -= dropped_held;
+        self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Failed(failure), elapsed });
+        self.commands.extend(commands);
+        if outstanding_xfers {
+            let current = self.timer_deadline(slot, TimerKind::PluginGrace);
+            let after_cancel = now.saturating_add(grace);
+            if current.is_none_or(|deadline| after_cancel < deadline) {
+                self.arm(now, slot, TimerKind::PluginGrace, after_cancel);
+            }
+        }
+        // CONFORMANCE: TIME-8, ABORT-10
+        if let Some(peer) = peer.filter(|_| !came_from_peer(reason)) {
+            self.tell_peers_room_failed(slot, peer, reason);
+        }
+        if quiet {
+            self.release_quarantine(now, slot, RoomInput::NothingInFlight, ReleaseCause::NothingInFlight);
+        } else {
+            // CONFORMANCE: RES-4
+            self.room_mut(slot).bytes_counted = BytesCounted::InQuarantine;
+            self.metrics.quarantined_bytes += bytes_total;
+            self.arm(now, slot, TimerKind::Quarantine, now.saturating_add(Nanos::from_ms(self.config.quarantine_timeout_ms)));
+        }
+    }
+
+    /// A failing room's cancels: every transfer in flight (sender) or ticket still open
+    /// (receiver), into `commands`; a sender's held chunks are dropped. Returns how many were held.
+    fn cancel_all(room: &mut Room, commands: &mut Vec<Command>) -> u64 {
+        let peer = room.peer();
         let mut dropped_held = 0u64;
         match &mut room.data {
             RoleData::Sender { parts, .. } => {
@@ -80,46 +113,26 @@ impl Core {
                 }
             }
         }
-        let outstanding_xfers = role == Role::Sender && room.in_flight > 0;
-        let quiet = Self::nothing_in_flight(room);
-        let bytes_total = room.bytes_total;
-        let elapsed = now.saturating_sub(room.created);
-        self.metrics.pending_sends -= dropped_held;
-        self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Failed(failure), elapsed });
-        self.commands.extend(commands);
-        if outstanding_xfers {
-            let current = self.timer_deadline(slot, TimerKind::PluginGrace);
-            let after_cancel = now.saturating_add(grace);
-            if current.is_none_or(|deadline| after_cancel < deadline) {
-                self.arm(now, slot, TimerKind::PluginGrace, after_cancel);
-            }
-        }
-        // CONFORMANCE: TIME-8, ABORT-10
-        if let Some(peer) = peer {
-            if !came_from_peer(reason) {
-                let to = role.opposite();
-                // An engine gone is an abort the engine could no longer send itself.
-                let message = if matches!(reason, FailReason::Aborted | FailReason::EngineLost) {
-                    PeerMessage::Abort { room: key, reason, to }
-                } else {
-                    PeerMessage::RoomFailed { room: key, reason, to }
-                };
-                // Every sender of a room with several is told (one message each).
-                let extra: SmallVec<[PeerId; 2]> = self.room_at(slot).extra_senders().collect();
-                for other in extra {
-                    self.push_peer(other, message.clone());
-                }
-                self.push_peer(peer, message);
-            }
-        }
-        if quiet {
-            self.release_quarantine(now, slot, RoomInput::NothingInFlight, ReleaseCause::NothingInFlight);
+        dropped_held
+    }
+
+    /// Tell the room's peer (and each other sender of a room with several) that it failed here:
+    /// an abort as an abort (an engine gone is an abort the engine could no longer send itself),
+    /// any other cause as the room's failure.
+    fn tell_peers_room_failed(&mut self, slot: u32, peer: PeerId, reason: FailReason) {
+        let room = self.room_at(slot);
+        let (key, to) = (room.key, room.role.opposite());
+        let message = if matches!(reason, FailReason::Aborted | FailReason::EngineLost) {
+            PeerMessage::Abort { room: key, reason, to }
         } else {
-            // CONFORMANCE: RES-4
-            self.room_mut(slot).bytes_counted = BytesCounted::InQuarantine;
-            self.metrics.quarantined_bytes += bytes_total;
-            self.arm(now, slot, TimerKind::Quarantine, now.saturating_add(Nanos::from_ms(self.config.quarantine_timeout_ms)));
+            PeerMessage::RoomFailed { room: key, reason, to }
+        };
+        // Every sender of a room with several is told (one message each).
+        let extra: SmallVec<[PeerId; 2]> = room.extra_senders().collect();
+        for other in extra {
+            self.push_peer(other, message.clone());
         }
+        self.push_peer(peer, message);
     }
 
     /// Every part succeeded.

@@ -1,6 +1,7 @@
 //! The peer side: peer up/lost, the intrusive list of each peer's live rooms, and the messages one
 //! core sends another (expect notice, matched, part done, abort, room failed, quiesced). It trusts
-//! no message: anything for an unknown, stale or terminal room is counted late and changes nothing.
+//! no message: anything for an unknown, stale or terminal room, or that contradicts what this side
+//! announced (a part done with another byte count), is counted late and changes nothing.
 
 use super::engine::PlaceError;
 use super::room::{DestSlice, RoleData, SendPart, NIL};
@@ -197,12 +198,15 @@ impl Core {
         }
         let RoleData::Receiver { parts, senders, .. } = &mut room.data else { unreachable!() };
         let from = |p: &super::room::RecvPart| senders.as_ref().is_none_or(|s| s.peers[p.sender as usize].0 == peer);
-        let Some(target) = parts.get_mut(part as usize).filter(|p| !p.done && from(p)) else {
+        // The sender reports the bytes of the part's destination, which this side announced: any
+        // other count is a peer breaking the protocol. Like a word about an unknown or finished
+        // part it is counted and changes nothing (never fail-open: the part stays undone, and the
+        // room ends by a correct report or its transfer deadline).
+        let Some(target) = parts.get_mut(part as usize).filter(|p| !p.done && from(p) && p.bytes == bytes) else {
             return self.count_late(LateSource::Peer);
         };
         target.done = true;
         let part_bytes = target.bytes;
-        let _ = bytes;
         room.parts_done += 1;
         room.bytes_done += part_bytes;
         room.touch(now, LastEvent::PartDone);
@@ -367,19 +371,36 @@ impl Core {
         plugins: &[PluginSlot],
         remaining: Nanos,
     ) -> Result<(), FailReason> {
-        let held_parts = match &self.room_at(slot).data {
-            RoleData::Sender { parts, .. } => parts.len(),
-            RoleData::Receiver { .. } => unreachable!(),
-        };
+        let assigned = self.check_notice(slot, peer, notice_parts, tickets, plugins)?;
+        self.resolve_notice(now, slot, peer, notice_parts, tickets, &assigned, remaining);
+        if self.room_at(slot).state != RoomState::WaitingExpect {
+            return Ok(());
+        }
+        self.step(now, slot, RoomInput::ExpectNotice);
+        self.start_transfer(now, slot);
+        self.submit_held_chunks(now, slot)
+    }
+
+    /// Check an expect notice against the room's held sends and the peer's regions, changing
+    /// nothing; returns each part's plugin (an old receiver names none: every part uses the link's
+    /// preferred one).
+    fn check_notice(
+        &self,
+        slot: u32,
+        peer: PeerId,
+        notice_parts: &[Vec<Slice>],
+        tickets: &[Ticket],
+        plugins: &[PluginSlot],
+    ) -> Result<smallvec::SmallVec<[PluginSlot; 4]>, FailReason> {
+        let RoleData::Sender { parts: held, .. } = &self.room_at(slot).data else { unreachable!() };
         if notice_parts.is_empty()
             || notice_parts.len() as u64 > self.config.max_parts_per_room
             || tickets.len() != notice_parts.len()
-            || held_parts > notice_parts.len()
+            || held.len() > notice_parts.len()
             || !(plugins.is_empty() || plugins.len() == 1 || plugins.len() == notice_parts.len())
         {
             return Err(FailReason::LayoutMismatch);
         }
-        // An old receiver names no plugin: every part uses the link's preferred one.
         let entry = &self.peers[&peer];
         let part_plugin = |index: usize| match plugins.len() {
             0 => entry.first_plugin(),
@@ -389,19 +410,12 @@ impl Core {
         // A part with no slices is another sender's: at least one must be this sender's, and no
         // chunk may be held for another's.
         let foreign = |index: usize| notice_parts[index].is_empty();
-        let held_foreign = match &self.room_at(slot).data {
-            RoleData::Sender { parts, .. } => parts.iter().enumerate().any(|(i, p)| foreign(i) && !p.held.is_empty()),
-            RoleData::Receiver { .. } => unreachable!(),
-        };
+        let held_foreign = held.iter().enumerate().any(|(i, p)| foreign(i) && !p.held.is_empty());
         if notice_parts.iter().all(Vec::is_empty) || held_foreign {
             return Err(FailReason::LayoutMismatch);
         }
-        // Check every destination slice first (nothing changes on error), then resolve in place.
         let remote = &entry.remote_regions;
-        for (index, part) in notice_parts.iter().enumerate() {
-            if foreign(index) {
-                continue;
-            }
+        for (index, part) in notice_parts.iter().enumerate().filter(|(index, _)| !foreign(*index)) {
             let plugin = part_plugin(index);
             if !entry.has_plugin(plugin) {
                 return Err(FailReason::NoPluginForMemory);
@@ -415,7 +429,23 @@ impl Core {
                 }
             }
         }
-        let assigned: smallvec::SmallVec<[PluginSlot; 4]> = (0..notice_parts.len()).map(part_plugin).collect();
+        Ok((0..notice_parts.len()).map(part_plugin).collect())
+    }
+
+    /// Write a checked notice into the room: each part's destination in the peer's keys, its ticket
+    /// and plugin (another sender's part is done from the start), the room's bytes, and the
+    /// receiver's deadline when it comes before the room's own.
+    #[allow(clippy::too_many_arguments)]
+    fn resolve_notice(
+        &mut self,
+        now: Nanos,
+        slot: u32,
+        peer: PeerId,
+        notice_parts: &[Vec<Slice>],
+        tickets: &[Ticket],
+        assigned: &[PluginSlot],
+        remaining: Nanos,
+    ) {
         let room_cap = Nanos::from_ms(self.config.max_room_timeout_ms);
         let notice_deadline = now.saturating_add(if remaining < room_cap { remaining } else { room_cap });
         let remote = &self.peers[&peer].remote_regions;
@@ -425,11 +455,11 @@ impl Core {
         parts.reserve_exact(notice_parts.len().saturating_sub(parts.len()));
         parts.resize_with(notice_parts.len(), SendPart::default);
         let mut bytes_total = 0;
-        for (((part, notice_part), &ticket), &plugin) in parts.iter_mut().zip(notice_parts).zip(tickets).zip(&assigned) {
+        for (((part, notice_part), &ticket), &plugin) in parts.iter_mut().zip(notice_parts).zip(tickets).zip(assigned) {
             let mut dest = smallvec::SmallVec::with_capacity(notice_part.len());
             let mut total = 0u64;
             for slice in notice_part {
-                let key = remote[&slice.region].key_for(plugin).expect("checked above");
+                let key = remote[&slice.region].key_for(plugin).expect("checked by check_notice");
                 dest.push(DestSlice { key, offset: slice.offset, len: slice.len });
                 total += slice.len;
             }
@@ -445,17 +475,17 @@ impl Core {
             bytes_total += total;
         }
         room.bytes_total = bytes_total;
-        let own = notice_parts.iter().position(|p| !p.is_empty()).expect("checked above");
+        let own = notice_parts.iter().position(|p| !p.is_empty()).expect("checked by check_notice");
         room.set_peer(peer, assigned[own]);
         if notice_deadline < room.deadline {
             room.deadline = notice_deadline;
             self.arm(now, slot, TimerKind::Room, notice_deadline);
         }
-        if self.room_at(slot).state != RoomState::WaitingExpect {
-            return Ok(());
-        }
-        self.step(now, slot, RoomInput::ExpectNotice);
-        self.start_transfer(now, slot);
+    }
+
+    /// The room matched: submit the chunks held before the notice, part by part in order. The
+    /// first that does not fit its destination fails the room (the rest are dropped with it).
+    fn submit_held_chunks(&mut self, now: Nanos, slot: u32) -> Result<(), FailReason> {
         let part_count = self.room_at(slot).part_count();
         for part in 0..part_count {
             let held = {

@@ -69,13 +69,6 @@ impl Core {
         }
     }
 
-    /// An input a declared table refused (a core bug): counted and kept, never dropped unseen.
-    pub(super) fn count_refused_input(&mut self, refused: RefusedInput) {
-        debug_assert!(false, "{refused}");
-        self.metrics.illegal_transitions += 1;
-        self.metrics.latest_illegal_transition = Some(refused);
-    }
-
     /// The plugin's reason code of a failure, if this side knows it (an unknown or missing one is a
     /// counted violation).
     fn known_reason(&mut self, event: &Event) -> Option<u32> {
