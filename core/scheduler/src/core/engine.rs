@@ -386,38 +386,55 @@ impl Core {
             Lookup::Same(slot) => self.send_to_existing(now, slot, peer, part, chunk, at, slices, last),
             // CONFORMANCE: ABORT-6
             Lookup::Settled(_) => Self::refuse(key, RefusalReason::RoomTerminal),
-            lookup @ (Lookup::Absent | Lookup::Older(_)) => {
-                if self.rooms.live() >= self.config.max_inflight_rooms {
-                    return Self::refuse(key, RefusalReason::TooManyRooms);
-                }
-                if self.metrics.pending_sends >= self.config.max_pending_sends {
-                    return Self::refuse(key, RefusalReason::TooManyPendingSends);
-                }
-                if chunk != 0 && at.is_none() {
-                    return Self::refuse(key, RefusalReason::OutOfOrderChunk);
-                }
-                let mut parts = self.spare_send_parts();
-                parts.reserve_exact(part as usize + 1);
-                parts.resize_with(part as usize + 1, SendPart::default);
-                let target = &mut parts[part as usize];
-                target.held.push(HeldChunk { slices: slices.into_boxed(), at: at.unwrap_or(AT_CURSOR), last });
-                target.next_chunk = 1;
-                target.placement = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
-                // Explicit placement: done when every byte is covered, known once the notice came.
-                target.last_seen = last && at.is_none();
-                let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
-                self.open_room(now, lookup, peer, || {
-                    let data = RoleData::Sender { notice: false, parts };
-                    let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, data);
-                    room.deadline = deadline;
-                    room.touch(now, LastEvent::Send);
-                    room
-                });
-                self.metrics.pending_sends += 1;
-                Ok(())
-            }
+            lookup @ (Lookup::Absent | Lookup::Older(_)) => self.open_sender(now, key, lookup, peer, part, chunk, at, slices, last),
         }
     }
+
+    /// The first send of a room this core has not seen: after the room and pending-send limits, a
+    /// sender room waiting for the receiver's expect notice, holding the chunk.
+    #[allow(clippy::too_many_arguments)]
+    fn open_sender(
+        &mut self,
+        now: Nanos,
+        key: RoomKey,
+        lookup: Lookup,
+        peer: Option<PeerId>,
+        part: u32,
+        chunk: u32,
+        at: Option<u64>,
+        slices: SendSlices<'_>,
+        last: bool,
+    ) -> Result<(), Refusal> {
+        if self.rooms.live() >= self.config.max_inflight_rooms {
+            return Self::refuse(key, RefusalReason::TooManyRooms);
+        }
+        if self.metrics.pending_sends >= self.config.max_pending_sends {
+            return Self::refuse(key, RefusalReason::TooManyPendingSends);
+        }
+        if chunk != 0 && at.is_none() {
+            return Self::refuse(key, RefusalReason::OutOfOrderChunk);
+        }
+        let mut parts = self.spare_send_parts();
+        parts.reserve_exact(part as usize + 1);
+        parts.resize_with(part as usize + 1, SendPart::default);
+        let target = &mut parts[part as usize];
+        target.held.push(HeldChunk { slices: slices.into_boxed(), at: at.unwrap_or(AT_CURSOR), last });
+        target.next_chunk = 1;
+        target.placement = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
+        // Explicit placement: done when every byte is covered, known once the notice came.
+        target.last_seen = last && at.is_none();
+        let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
+        self.open_room(now, lookup, peer, || {
+            let data = RoleData::Sender { notice: false, parts };
+            let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, data);
+            room.deadline = deadline;
+            room.touch(now, LastEvent::Send);
+            room
+        });
+        self.metrics.pending_sends += 1;
+        Ok(())
+    }
+
 
     #[allow(clippy::too_many_arguments)]
     fn send_to_existing(
