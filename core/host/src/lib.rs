@@ -22,6 +22,8 @@
 //! Tests, benches and the conformance harness find the workspace's plugin libraries with
 //! [`artifacts::built_or_build_cdylib`] (`cargo test` builds no cdylib by itself).
 
+#![forbid(unsafe_code)]
+
 pub mod artifacts;
 pub mod error;
 pub mod host;

@@ -59,6 +59,18 @@ impl fmt::Display for RoomKey {
     }
 }
 
+/// How an expect's parts are sent, beyond the room's bound peer (`Core::handle_expect_from`); the
+/// default is the plain expect (every part from the bound peer, read from memory of its
+/// destination's kind).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExpectShape<'a> {
+    /// Each part's sender (`part_peers[p]`; missing: the room's bound peer).
+    pub part_peers: &'a [PeerId],
+    /// The memory kind each part's sender reads it from (`source_kinds[p]`; None or missing: the
+    /// kind of the part's first destination region).
+    pub source_kinds: &'a [Option<kvgate_abi::MemoryKind>],
+}
+
 /// Which side of a room this core plays. One gateway plays sender for some rooms and receiver for
 /// others (and both for a room whose two engines share the gateway).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

@@ -20,10 +20,31 @@
 //! (`too_many_segments`), never split; every room gets exactly one `Terminal` then one `Reusable`
 //! event; a newer generation of a room id supersedes a live older one (`superseded`); a dropped
 //! tombstone (after `tombstone_ttl_ms` or past `max_tombstones`) no longer refuses late messages.
+//!
+//! Assertion policy. Nothing an engine, a peer or a plugin sends is asserted: untrusted input is
+//! refused, counted late or counted as a violation, and never panics the core. What is asserted is
+//! the core's own bookkeeping, in three tiers:
+//! - `assert!`, on in release: a bound whose breach would silently corrupt state that later code
+//!   cannot detect, checked once per insert and not per event: a slab slot or timer-wheel handle
+//!   reaching the tag bit that marks a tombstone record or a nursery entry (2^31), the room-key
+//!   table's empty marker used as a value or the table growing past `MAX_KEY_TABLE_SLOTS` (past it a
+//!   stale key could alias a held tombstone), an id inserted out of order into the sequential id
+//!   table. Each is one compare; a panic there is better than answering for the wrong room.
+//! - `expect` / `unreachable!`: the core's structural invariants (a slot named by a live reference
+//!   holds a room, a transfer belongs to a sender room, a ticket to a receiver room); a failure is a
+//!   core bug, and stopping beats acting on another room's data.
+//! - `debug_assert!`, off in release: checks whose failure has a safe, observable release
+//!   behaviour. An input one of the declared tables (`table`, `lifecycle`) refuses is counted in
+//!   `Metrics::illegal_transitions`, the latest kept in `Metrics::latest_illegal_transition`, and the
+//!   room or transfer keeps its state; a timer entry for a vanished room is skipped. Debug builds
+//!   (and so the tests) stop at the first one.
+
+#![forbid(unsafe_code)]
 
 pub mod api;
 pub mod config;
 mod core;
+pub mod lifecycle;
 pub mod metrics;
 pub mod table;
 pub mod timer;
@@ -42,6 +63,9 @@ pub(crate) fn test_random(state: &mut u64) -> u64 {
 
 pub use crate::api::*;
 pub use crate::config::{ConfigError, CoreConfig};
+pub use crate::lifecycle::{
+    render_ticket_table, render_transfer_table, ticket_transition, transfer_transition, RefusedInput, TicketState, TransferState,
+};
 pub use crate::core::Core;
 pub use crate::metrics::{HarmlessAbort, LateSource, Metrics, ViolationClause};
 pub use crate::table::{render_table, transition, IllegalTransition, RoomInput};

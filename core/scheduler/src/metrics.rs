@@ -139,10 +139,10 @@ pub struct Metrics {
     pub violations: [u64; ViolationClause::COUNT],
     /// Late messages refused, by `LateSource::index()`.
     pub late_messages: [u64; LateSource::COUNT],
-    /// Inputs the room transition table refused (a bug in the core: never expected); the latest
-    /// is kept so the gateway can say which.
+    /// Inputs one of the core's declared tables refused (room, transfer or ticket: a bug in the
+    /// core, never expected); the latest is kept so the gateway can say which.
     pub illegal_transitions: u64,
-    pub latest_illegal_transition: Option<crate::table::IllegalTransition>,
+    pub latest_illegal_transition: Option<crate::lifecycle::RefusedInput>,
     /// Bytes of memory held in quarantine now (gauge).
     pub quarantined_bytes: u64,
     /// Bytes confirmed moved (`SUCCEEDED` transfers).

@@ -160,13 +160,13 @@ fn the_source_kind_picks_among_plugins_that_hold_the_destination() {
     // the device plugin.
     decode.handle_expect(now(), RoomKey::new(1, 0), PEER, &[part(3, 64)], None).unwrap();
     assert_eq!(opened_tickets(&drain(&mut decode))[0].0, HOST_PLUGIN);
-    decode.handle_expect_from(now(), RoomKey::new(2, 0), PEER, &[part(3, 64)], &[], &[Some(MemoryKind::CUDA_DEVICE)], None).unwrap();
+    decode.handle_expect_from(now(), RoomKey::new(2, 0), PEER, &[part(3, 64)], ExpectShape { source_kinds: &[Some(MemoryKind::CUDA_DEVICE)], ..Default::default() }, None).unwrap();
     let commands = drain(&mut decode);
     assert_eq!(opened_tickets(&commands)[0].0, DEVICE_PLUGIN);
     let PeerMessage::ExpectNotice { plugins, .. } = notice(commands) else { unreachable!() };
     assert_eq!(plugins, [DEVICE_PLUGIN], "one entry when every part uses the same plugin");
     // Device memory as destination with a host source: the device plugin serves host too.
-    decode.handle_expect_from(now(), RoomKey::new(3, 0), PEER, &[part(2, 64)], &[], &[Some(MemoryKind::HOST)], None).unwrap();
+    decode.handle_expect_from(now(), RoomKey::new(3, 0), PEER, &[part(2, 64)], ExpectShape { source_kinds: &[Some(MemoryKind::HOST)], ..Default::default() }, None).unwrap();
     assert_eq!(opened_tickets(&drain(&mut decode))[0].0, DEVICE_PLUGIN);
 }
 
@@ -180,7 +180,7 @@ fn memory_no_connected_plugin_serves_is_refused_with_its_reason() {
     let room = RoomKey::new(1, 0);
     let refused = decode.handle_expect(now(), room, PEER, &[part(1, 64), part(2, 64)], None).unwrap_err();
     assert_eq!(refused.reason, RefusalReason::NoPluginForMemory);
-    let refused = decode.handle_expect_from(now(), room, PEER, &[part(1, 64)], &[], &[Some(MemoryKind::CUDA_DEVICE)], None).unwrap_err();
+    let refused = decode.handle_expect_from(now(), room, PEER, &[part(1, 64)], ExpectShape { source_kinds: &[Some(MemoryKind::CUDA_DEVICE)], ..Default::default() }, None).unwrap_err();
     assert_eq!(refused.reason, RefusalReason::NoPluginForMemory, "the host plugin cannot read a device source");
     assert!(drain(&mut decode).is_empty(), "refusals change nothing");
     assert_eq!(decode.live_rooms(), 0);

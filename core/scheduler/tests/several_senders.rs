@@ -47,7 +47,7 @@ fn cluster() -> (Core, Core, Core) {
 /// A two-part room: part 0 from A, part 1 from B. Returns each sender's notice.
 fn expect(decode: &mut Core, room: RoomKey) -> (PeerMessage, PeerMessage) {
     let parts = [vec![Slice::new(RegionId(1), 0, PART)], vec![Slice::new(RegionId(1), PART, PART)]];
-    decode.handle_expect_from(now(), room, A, &parts, &[A, B], &[], None).unwrap();
+    decode.handle_expect_from(now(), room, A, &parts, ExpectShape { part_peers: &[A, B], ..Default::default() }, None).unwrap();
     let commands = drain(decode);
     let incoming: Vec<PeerId> = commands
         .iter()

@@ -227,3 +227,23 @@ fn late_peer_messages_are_counted_and_never_touch_another_room() {
     assert_eq!(pair.decode.state(pair.now, key(1), Role::Receiver), Some(RoomState::WaitingSender));
     assert_eq!(pair.decode.core.live_rooms(), 1);
 }
+
+/// A part done reporting another byte count than the part's destination holds is a peer breaking
+/// the protocol: counted, and the part stays undone (never fail-open); the correct report completes
+/// the room.
+#[test]
+fn a_part_done_with_another_byte_count_is_counted_and_changes_nothing() {
+    // CONFORMANCE: ABORT-8
+    let mut pair = Pair::new();
+    pair.expect(key(1), &[&[(0, 8)]]).unwrap();
+    for bytes in [0, 7, 9, u64::MAX] {
+        pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::PartDone { room: key(1), part: 0, bytes });
+    }
+    pair.drive();
+    assert_eq!(pair.decode.core.metrics().late_messages[LateSource::Peer.index()], 4);
+    assert_eq!(pair.decode.state(pair.now, key(1), Role::Receiver), Some(RoomState::WaitingSender));
+    pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::PartDone { room: key(1), part: 0, bytes: 8 });
+    pair.drive();
+    assert_eq!(pair.decode.core.metrics().late_messages[LateSource::Peer.index()], 4);
+    assert_eq!(pair.decode.state(pair.now, key(1), Role::Receiver), Some(RoomState::Succeeded));
+}

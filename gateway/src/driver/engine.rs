@@ -256,7 +256,8 @@ impl Driver {
             ));
         }
         let now = self.now();
-        let result = self.core.handle_expect_from(now, room, peer, &parts, part_peers, source_kinds, timeout_ms);
+        let shape = kvgate_core::ExpectShape { part_peers, source_kinds };
+        let result = self.core.handle_expect_from(now, room, peer, &parts, shape, timeout_ms);
         self.refusal_to_api(result)?;
         self.region_use.hold(room, Role::Receiver, parts.iter().flatten());
         Ok(())

@@ -3,8 +3,10 @@
 //! itself: accepted chunks become `Submit` commands.
 
 use super::mapping::{insert_range, map_chunk, stream_position, SourceSlice};
-use super::room::{ChunkXfer, HeldChunk, Placement, RecvPart, RoleData, Room, SendPart, XferState, AT_CURSOR};
-use super::{Core, LocalRegion, Lookup, XferRef};
+use super::room::{ChunkXfer, HeldChunk, Placement, RecvPart, RoleData, Room, SendPart, AT_CURSOR};
+use crate::lifecycle::{TicketState, TransferState};
+use super::store::{Lookup, TicketRef, XferRef};
+use super::{Core, LocalRegion};
 use crate::api::*;
 use crate::metrics::{HarmlessAbort, LateSource};
 use crate::table::RoomInput;
@@ -62,6 +64,21 @@ fn overlapping_slices<P: AsRef<[Slice]>>(parts: &[P]) -> bool {
     ranges.windows(2).any(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
 }
 
+/// The senders of a receiver room whose parts come from more than one peer (the bound peer first,
+/// each listed once); None when every part comes from the bound peer.
+fn receiver_senders(peer: PeerId, part_peers: &[PeerId]) -> Option<Box<super::room::Senders>> {
+    (!part_peers.is_empty() && part_peers.iter().any(|&p| p != peer)).then(|| {
+        let mut senders = super::room::Senders::default();
+        senders.peers.push((peer, false));
+        for &sender in part_peers {
+            if !senders.peers.iter().any(|(p, _)| *p == sender) {
+                senders.peers.push((sender, false));
+            }
+        }
+        Box::new(senders)
+    })
+}
+
 impl Core {
     fn refuse(room: RoomKey, reason: RefusalReason) -> Result<(), Refusal> {
         Err(Refusal { room, reason })
@@ -111,7 +128,7 @@ impl Core {
     /// byte count and ranges.
     fn resolve_expect_part(&mut self, plugin: PluginSlot, slices: &[Slice]) -> (u64, Vec<LocalRange>) {
         let mut total = 0u64;
-        let mut ranges = self.spare_ranges.pop().unwrap_or_default();
+        let mut ranges = self.spares.ranges.pop().unwrap_or_default();
         ranges.reserve(slices.len());
         for slice in slices {
             total = total.saturating_add(slice.len);
@@ -121,103 +138,153 @@ impl Core {
         (total, ranges)
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn engine_expect<P: AsRef<[Slice]>>(
         &mut self,
         now: Nanos,
         key: RoomKey,
         peer: PeerId,
         parts: &[P],
-        part_peers: &[PeerId],
-        source_kinds: &[Option<kvgate_abi::MemoryKind>],
+        shape: ExpectShape<'_>,
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
-        // Each part's sender: `part_peers[p]`, or `peer` (the room's bound peer) when not given.
-        let sender_of = |index: usize| part_peers.get(index).copied().unwrap_or(peer);
+        let lookup = self.check_expect(key, peer, parts, shape, timeout_ms)?;
+        let plugins = self.expect_plugins(key, peer, parts, shape)?;
+        // Accepted: from here on nothing refuses.
+        self.open_receiver(now, key, peer, lookup, parts, shape, plugins, timeout_ms);
+        Ok(())
+    }
+
+    /// Every check of an expect that needs no plugin: its limits, its peers, its room key, its
+    /// slices. Returns what the store holds for the key (absent or an older generation).
+    fn check_expect<P: AsRef<[Slice]>>(
+        &self,
+        key: RoomKey,
+        peer: PeerId,
+        parts: &[P],
+        shape: ExpectShape<'_>,
+        timeout_ms: Option<u64>,
+    ) -> Result<Lookup, Refusal> {
         if timeout_ms == Some(0) {
-            return Self::refuse(key, RefusalReason::InvalidTimeout);
+            return Err(Refusal { room: key, reason: RefusalReason::InvalidTimeout });
         }
         if parts.is_empty() || parts.iter().any(|p| p.as_ref().is_empty()) {
-            return Self::refuse(key, RefusalReason::EmptyRequest);
+            return Err(Refusal { room: key, reason: RefusalReason::EmptyRequest });
         }
         if parts.len() as u64 > self.config.max_parts_per_room {
-            return Self::refuse(key, RefusalReason::TooManyParts);
+            return Err(Refusal { room: key, reason: RefusalReason::TooManyParts });
         }
         if parts.iter().any(|p| p.as_ref().len() as u64 > self.config.max_slices_per_request) {
-            return Self::refuse(key, RefusalReason::TooManySlices);
+            return Err(Refusal { room: key, reason: RefusalReason::TooManySlices });
         }
         let connected = |peer: &PeerId| self.peers.get(peer).is_some_and(|entry| !entry.plugins.is_empty());
-        if !connected(&peer) || !part_peers.iter().all(connected) {
-            return Self::refuse(key, RefusalReason::PeerNotConnected);
+        if !connected(&peer) || !shape.part_peers.iter().all(connected) {
+            return Err(Refusal { room: key, reason: RefusalReason::PeerNotConnected });
         }
-        let lookup = self.lookup(key, Role::Receiver);
-        match lookup {
-            Lookup::Same(slot) if self.room_at(slot).state.is_terminal() => {
-                return Self::refuse(key, RefusalReason::RoomTerminal)
+        let lookup = self.rooms.lookup(key, Role::Receiver);
+        let refused = match lookup {
+            Lookup::Same(slot) if self.room_at(slot).state.is_terminal() => RefusalReason::RoomTerminal,
+            Lookup::Settled(_) => RefusalReason::RoomTerminal,
+            Lookup::Same(_) => RefusalReason::DuplicateExpect,
+            Lookup::Newer => RefusalReason::StaleGeneration,
+            Lookup::Absent | Lookup::Older(_) => {
+                // Every slice checked first (a slice out of range is reported before a missing plugin).
+                for part in parts {
+                    self.check_local_slices(key, part.as_ref())?;
+                }
+                return Ok(lookup);
             }
-            Lookup::Settled(_) => return Self::refuse(key, RefusalReason::RoomTerminal),
-            Lookup::Same(_) => return Self::refuse(key, RefusalReason::DuplicateExpect),
-            Lookup::Newer => return Self::refuse(key, RefusalReason::StaleGeneration),
-            Lookup::Absent | Lookup::Older(_) => {}
-        }
-        let mut recv_parts = smallvec::SmallVec::with_capacity(parts.len());
-        // Every slice checked first (a slice out of range is reported before a missing plugin).
-        for part in parts {
-            self.check_local_slices(key, part.as_ref())?;
-        }
-        let mut plugins = self.spare_plugin_lists.pop().unwrap_or_default();
+        };
+        Err(Refusal { room: key, reason: refused })
+    }
+
+    /// The plugin of each part of an expect (its sender's first plugin that serves it), then the
+    /// checks that come after: no two slices overlap, and there is room for one more room.
+    fn expect_plugins<P: AsRef<[Slice]>>(
+        &mut self,
+        key: RoomKey,
+        peer: PeerId,
+        parts: &[P],
+        shape: ExpectShape<'_>,
+    ) -> Result<Vec<PluginSlot>, Refusal> {
+        let mut plugins = self.spares.plugin_lists.pop().unwrap_or_default();
         plugins.clear();
+        let mut refusal = None;
         for (index, part) in parts.iter().enumerate() {
-            match self.part_plugin(key, sender_of(index), part.as_ref(), source_kinds.get(index).copied().flatten()) {
+            let sender = shape.part_peers.get(index).copied().unwrap_or(peer);
+            match self.part_plugin(key, sender, part.as_ref(), shape.source_kinds.get(index).copied().flatten()) {
                 Ok(plugin) => plugins.push(plugin),
-                Err(refusal) => {
-                    self.spare_plugin_lists.push(plugins);
-                    return Err(refusal);
+                Err(refused) => {
+                    refusal = Some(refused.reason);
+                    break;
                 }
             }
         }
-        if overlapping_slices(parts) {
-            self.spare_plugin_lists.push(plugins);
-            return Self::refuse(key, RefusalReason::OverlappingSlices);
+        if refusal.is_none() && overlapping_slices(parts) {
+            refusal = Some(RefusalReason::OverlappingSlices);
         }
-        if self.live_rooms >= self.config.max_inflight_rooms {
-            self.spare_plugin_lists.push(plugins);
+        if refusal.is_none() && self.rooms.live() >= self.config.max_inflight_rooms {
             // CONFORMANCE: TIME-11
-            return Self::refuse(key, RefusalReason::TooManyRooms);
+            refusal = Some(RefusalReason::TooManyRooms);
         }
-        // Accepted: from here on nothing refuses. The senders (the bound peer first), then each
-        // part's ranges in its plugin's keys.
-        let senders = (!part_peers.is_empty() && part_peers.iter().any(|&p| p != peer)).then(|| {
-            let mut senders = super::room::Senders::default();
-            senders.peers.push((peer, false));
-            for &sender in part_peers {
-                if !senders.peers.iter().any(|(p, _)| *p == sender) {
-                    senders.peers.push((sender, false));
-                }
+        match refusal {
+            None => Ok(plugins),
+            Some(reason) => {
+                self.spares.plugin_lists.push(plugins);
+                Err(Refusal { room: key, reason })
             }
-            Box::new(senders)
-        });
+        }
+    }
+
+    /// Each part of an accepted expect as its receiver room keeps it (from sender `sender_index`),
+    /// its ranges in its plugin's keys, and the room's bytes.
+    #[allow(clippy::type_complexity)]
+    fn receiver_parts<P: AsRef<[Slice]>>(
+        &mut self,
+        parts: &[P],
+        plugins: &[PluginSlot],
+        sender_index: impl Fn(usize) -> u16,
+    ) -> (smallvec::SmallVec<[RecvPart; 1]>, smallvec::SmallVec<[Vec<LocalRange>; 1]>, u64) {
+        let mut recv_parts = smallvec::SmallVec::with_capacity(parts.len());
+        let mut part_ranges = smallvec::SmallVec::with_capacity(parts.len());
+        let mut bytes_total = 0u64;
+        for (index, (part, &plugin)) in parts.iter().zip(plugins).enumerate() {
+            let (bytes, ranges) = self.resolve_expect_part(plugin, part.as_ref());
+            bytes_total += bytes;
+            recv_parts.push(RecvPart { bytes, done: false, ticket: TicketState::Open, plugin, sender: sender_index(index) });
+            part_ranges.push(ranges);
+        }
+        (recv_parts, part_ranges, bytes_total)
+    }
+
+    /// An accepted expect: open the receiver room (its senders, the bound peer first, and each
+    /// part's ranges in its plugin's keys), open each part's ticket on its plugin, and send the
+    /// expect notice (one per sender when the parts come from several).
+    #[allow(clippy::too_many_arguments)]
+    fn open_receiver<P: AsRef<[Slice]>>(
+        &mut self,
+        now: Nanos,
+        key: RoomKey,
+        peer: PeerId,
+        lookup: Lookup,
+        parts: &[P],
+        shape: ExpectShape<'_>,
+        mut plugins: Vec<PluginSlot>,
+        timeout_ms: Option<u64>,
+    ) {
+        let part_peers = shape.part_peers;
+        // Each part's sender: `part_peers[p]`, or `peer` (the room's bound peer) when not given.
+        let sender_of = |index: usize| part_peers.get(index).copied().unwrap_or(peer);
+        let senders = receiver_senders(peer, part_peers);
         let sender_index = |index: usize| -> u16 {
             senders.as_ref().map_or(0, |s| s.peers.iter().position(|(p, _)| *p == sender_of(index)).expect("listed above") as u16)
         };
-        let mut part_ranges: smallvec::SmallVec<[Vec<LocalRange>; 1]> = smallvec::SmallVec::with_capacity(parts.len());
-        let mut bytes_total = 0u64;
-        for (index, (part, &plugin)) in parts.iter().zip(&plugins).enumerate() {
-            let (bytes, ranges) = self.resolve_expect_part(plugin, part.as_ref());
-            bytes_total += bytes;
-            recv_parts.push(RecvPart { bytes, done: false, ticket_open: true, plugin, sender: sender_index(index) });
-            part_ranges.push(ranges);
-        }
+        let (recv_parts, part_ranges, bytes_total) = self.receiver_parts(parts, &plugins, sender_index);
         let extra_senders: smallvec::SmallVec<[PeerId; 2]> = senders.iter().flat_map(|s| s.peers[1..].iter().map(|(p, _)| *p)).collect();
-        if let Lookup::Older(old) = lookup {
-            self.supersede(now, old);
-        }
-        let ticket_base = self.next_ticket;
-        self.next_ticket += parts.len() as u64;
+        let ticket_base = self.rooms.reserve_tickets(parts.len() as u64);
         let room_timeout_ms = timeout_ms.unwrap_or(self.config.room_timeout_ms).min(self.config.max_room_timeout_ms);
         let deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
         let in_flight = parts.len() as u32;
-        let slot = self.insert_room(|| {
+        let slot = self.open_room(now, lookup, Some(peer), || {
             let data = RoleData::Receiver { ticket_base, parts: recv_parts, senders };
             let mut room = Room::new(key, Role::Receiver, RoomState::WaitingSender, now, data);
             room.deadline = deadline;
@@ -226,31 +293,27 @@ impl Core {
             room.touch(now, LastEvent::Expect);
             room
         });
-        let epoch = self.epoch(slot);
-        self.link_peer(slot, peer);
+        let epoch = self.rooms.epoch(slot);
         for &extra in &extra_senders {
             self.extra_bound.entry(extra).or_default().insert((slot, epoch));
         }
         let first = plugins[0];
         self.room_mut(slot).set_peer(peer, first);
-        self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
-        self.arm(now, slot, TimerKind::Room, deadline);
-        self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Receiver, state: RoomState::WaitingSender });
         let remaining = deadline.saturating_sub(now);
-        let mut tickets = self.spare_tickets.pop().unwrap_or_default();
+        let mut tickets = self.spares.tickets.pop().unwrap_or_default();
         tickets.reserve(parts.len());
         for (index, ranges) in part_ranges.into_iter().enumerate() {
             let ticket = Ticket(ticket_base + index as u64);
-            self.tickets.insert(ticket.0, super::TicketRef { slot, epoch, part: index as u32 });
+            self.rooms.bind_ticket(ticket.0, TicketRef { slot, epoch, part: index as u32 });
             let plugin = plugins[index];
             self.commands.push_back(Command::ExpectIncoming { plugin, peer: sender_of(index), ticket, timeout: remaining, ranges });
             tickets.push(ticket);
         }
         if !extra_senders.is_empty() {
             self.push_split_notices(key, peer, parts, part_peers, &tickets, &plugins, remaining, &extra_senders);
-            Self::keep_spare(&mut self.spare_tickets, tickets);
-            Self::keep_spare(&mut self.spare_plugin_lists, plugins);
-            return Ok(());
+            Self::keep_spare(&mut self.spares.tickets, tickets);
+            Self::keep_spare(&mut self.spares.plugin_lists, plugins);
+            return;
         }
         // One entry when every part uses the same plugin (the common room).
         if plugins.iter().all(|&p| p == first) {
@@ -258,7 +321,6 @@ impl Core {
         }
         let parts = self.notice_parts(parts);
         self.push_peer(peer, PeerMessage::ExpectNotice { room: key, parts, tickets, plugins, deadline_remaining: remaining });
-        Ok(())
     }
 
     /// The expect notices of a room whose parts come from several senders: each sender gets every
@@ -319,52 +381,60 @@ impl Core {
             }
         }
         self.check_local_slices(key, slices.as_slice())?;
-        match self.lookup(key, Role::Sender) {
+        match self.rooms.lookup(key, Role::Sender) {
             Lookup::Newer => Self::refuse(key, RefusalReason::StaleGeneration),
             Lookup::Same(slot) => self.send_to_existing(now, slot, peer, part, chunk, at, slices, last),
             // CONFORMANCE: ABORT-6
             Lookup::Settled(_) => Self::refuse(key, RefusalReason::RoomTerminal),
-            lookup @ (Lookup::Absent | Lookup::Older(_)) => {
-                if self.live_rooms >= self.config.max_inflight_rooms {
-                    return Self::refuse(key, RefusalReason::TooManyRooms);
-                }
-                if self.metrics.pending_sends >= self.config.max_pending_sends {
-                    return Self::refuse(key, RefusalReason::TooManyPendingSends);
-                }
-                if chunk != 0 && at.is_none() {
-                    return Self::refuse(key, RefusalReason::OutOfOrderChunk);
-                }
-                if let Lookup::Older(old) = lookup {
-                    self.supersede(now, old);
-                }
-                let mut parts = self.spare_send_parts();
-                parts.reserve_exact(part as usize + 1);
-                parts.resize_with(part as usize + 1, SendPart::default);
-                let target = &mut parts[part as usize];
-                target.held.push(HeldChunk { slices: slices.into_boxed(), at: at.unwrap_or(AT_CURSOR), last });
-                target.next_chunk = 1;
-                target.placement = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
-                // Explicit placement: done when every byte is covered, known once the notice came.
-                target.last_seen = last && at.is_none();
-                let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
-                let slot = self.insert_room(|| {
-                    let data = RoleData::Sender { notice: false, parts };
-                    let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, data);
-                    room.deadline = deadline;
-                    room.touch(now, LastEvent::Send);
-                    room
-                });
-                self.metrics.pending_sends += 1;
-                if let Some(peer) = peer {
-                    self.link_peer(slot, peer);
-                }
-                self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
-                self.arm(now, slot, TimerKind::Room, deadline);
-                self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Sender, state: RoomState::WaitingExpect });
-                Ok(())
-            }
+            lookup @ (Lookup::Absent | Lookup::Older(_)) => self.open_sender(now, key, lookup, peer, part, chunk, at, slices, last),
         }
     }
+
+    /// The first send of a room this core has not seen: after the room and pending-send limits, a
+    /// sender room waiting for the receiver's expect notice, holding the chunk.
+    #[allow(clippy::too_many_arguments)]
+    fn open_sender(
+        &mut self,
+        now: Nanos,
+        key: RoomKey,
+        lookup: Lookup,
+        peer: Option<PeerId>,
+        part: u32,
+        chunk: u32,
+        at: Option<u64>,
+        slices: SendSlices<'_>,
+        last: bool,
+    ) -> Result<(), Refusal> {
+        if self.rooms.live() >= self.config.max_inflight_rooms {
+            return Self::refuse(key, RefusalReason::TooManyRooms);
+        }
+        if self.metrics.pending_sends >= self.config.max_pending_sends {
+            return Self::refuse(key, RefusalReason::TooManyPendingSends);
+        }
+        if chunk != 0 && at.is_none() {
+            return Self::refuse(key, RefusalReason::OutOfOrderChunk);
+        }
+        let mut parts = self.spare_send_parts();
+        parts.reserve_exact(part as usize + 1);
+        parts.resize_with(part as usize + 1, SendPart::default);
+        let target = &mut parts[part as usize];
+        target.held.push(HeldChunk { slices: slices.into_boxed(), at: at.unwrap_or(AT_CURSOR), last });
+        target.next_chunk = 1;
+        target.placement = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
+        // Explicit placement: done when every byte is covered, known once the notice came.
+        target.last_seen = last && at.is_none();
+        let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
+        self.open_room(now, lookup, peer, || {
+            let data = RoleData::Sender { notice: false, parts };
+            let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, data);
+            room.deadline = deadline;
+            room.touch(now, LastEvent::Send);
+            room
+        });
+        self.metrics.pending_sends += 1;
+        Ok(())
+    }
+
 
     #[allow(clippy::too_many_arguments)]
     fn send_to_existing(
@@ -378,79 +448,9 @@ impl Core {
         slices: SendSlices<'_>,
         last: bool,
     ) -> Result<(), Refusal> {
-        let pending_full = self.metrics.pending_sends >= self.config.max_pending_sends;
-        let room = self.room_at(slot);
-        let key = room.key;
-        if room.state.is_terminal() {
-            // CONFORMANCE: ABORT-6
-            return Self::refuse(key, RefusalReason::RoomTerminal);
-        }
-        if let (Some(asked), Some(bound)) = (peer, room.peer()) {
-            if asked != bound {
-                return Self::refuse(key, RefusalReason::PeerMismatch);
-            }
-        }
-        let RoleData::Sender { notice, parts } = &room.data else { unreachable!("sender key maps to a sender room") };
-        let notice = *notice;
-        // After the notice: a part past the room's, or one another sender sends.
-        if notice && parts.get(part as usize).is_none_or(|p| p.foreign()) {
-            return Self::refuse(key, RefusalReason::UnknownPart);
-        }
-        let (next_chunk, last_seen, placement) =
-            parts.get(part as usize).map(|p| (p.next_chunk, p.last_seen, p.placement)).unwrap_or((0, false, Placement::Unset));
-        let wanted = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
-        if placement != Placement::Unset && placement != wanted {
-            return Self::refuse(key, RefusalReason::PlacementMismatch);
-        }
-        if at.is_some() {
-            // Any chunk number, any order: overlaps and the end of the part are checked at placement.
-            if last_seen {
-                return Self::refuse(key, RefusalReason::ChunkAfterLast);
-            }
-        } else {
-            if last_seen && chunk >= next_chunk {
-                return Self::refuse(key, RefusalReason::ChunkAfterLast);
-            }
-            if chunk < next_chunk {
-                return Self::refuse(key, RefusalReason::DuplicateChunk);
-            }
-            if chunk > next_chunk {
-                return Self::refuse(key, RefusalReason::OutOfOrderChunk);
-            }
-        }
+        let (key, notice, wanted) = self.check_send(slot, peer, part, chunk, at)?;
         if !notice {
-            if pending_full {
-                return Self::refuse(key, RefusalReason::TooManyPendingSends);
-            }
-            if room.peer().is_none() {
-                if let Some(peer) = peer {
-                    self.link_peer(slot, peer);
-                }
-            }
-            let RoleData::Sender { parts, .. } = &mut self.room_mut(slot).data else { unreachable!() };
-            if part as usize >= parts.len() {
-                parts.resize_with(part as usize + 1, SendPart::default);
-            }
-            let target = &mut parts[part as usize];
-            if let Some(at) = at {
-                // Before the notice the destination's length is unknown, but overlaps already show.
-                let end = at.saturating_add(slices.as_slice().iter().map(|s| s.len).sum());
-                let overlaps = target.held.iter().any(|h| {
-                    let held_end = h.at.saturating_add(h.slices.iter().map(|s| s.len).sum());
-                    h.at < end && at < held_end
-                });
-                if overlaps {
-                    return Self::refuse(key, RefusalReason::OverlappingChunk);
-                }
-            }
-            target.held.push(HeldChunk { slices: slices.into_boxed(), at: at.unwrap_or(AT_CURSOR), last });
-            target.next_chunk += 1;
-            target.placement = wanted;
-            target.last_seen = last && at.is_none();
-            self.metrics.pending_sends += 1;
-            self.room_mut(slot).touch(now, LastEvent::Send);
-            self.step(now, slot, RoomInput::Send);
-            return Ok(());
+            return self.hold_chunk(now, slot, peer, part, at, slices, last, wanted);
         }
         let segments = match self.place_chunk(now, slot, part, at.unwrap_or(AT_CURSOR), slices.as_slice(), last) {
             Ok(segments) => segments,
@@ -466,6 +466,103 @@ impl Core {
             self.start_transfer(now, slot);
         }
         self.submit_last_placed(now, slot, part, segments);
+        Ok(())
+    }
+
+    /// The checks of a send to an existing sender room, changing nothing: the room is live and
+    /// bound to the same peer, the part is its own (once the notice came), and the chunk follows
+    /// the part's placement and order. Returns the room's key, whether the notice came, and the
+    /// chunk's placement.
+    fn check_send(&self, slot: u32, peer: Option<PeerId>, part: u32, chunk: u32, at: Option<u64>) -> Result<(RoomKey, bool, Placement), Refusal> {
+        let room = self.room_at(slot);
+        let key = room.key;
+        let refusal = |reason| Refusal { room: key, reason };
+        if room.state.is_terminal() {
+            // CONFORMANCE: ABORT-6
+            return Err(refusal(RefusalReason::RoomTerminal));
+        }
+        if let (Some(asked), Some(bound)) = (peer, room.peer()) {
+            if asked != bound {
+                return Err(refusal(RefusalReason::PeerMismatch));
+            }
+        }
+        let RoleData::Sender { notice, parts } = &room.data else { unreachable!("sender key maps to a sender room") };
+        let notice = *notice;
+        // After the notice: a part past the room's, or one another sender sends.
+        if notice && parts.get(part as usize).is_none_or(|p| p.foreign()) {
+            return Err(refusal(RefusalReason::UnknownPart));
+        }
+        let (next_chunk, last_seen, placement) =
+            parts.get(part as usize).map(|p| (p.next_chunk, p.last_seen, p.placement)).unwrap_or((0, false, Placement::Unset));
+        let wanted = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
+        if placement != Placement::Unset && placement != wanted {
+            return Err(refusal(RefusalReason::PlacementMismatch));
+        }
+        if at.is_some() {
+            // Any chunk number, any order: overlaps and the end of the part are checked at placement.
+            if last_seen {
+                return Err(refusal(RefusalReason::ChunkAfterLast));
+            }
+        } else {
+            if last_seen && chunk >= next_chunk {
+                return Err(refusal(RefusalReason::ChunkAfterLast));
+            }
+            if chunk < next_chunk {
+                return Err(refusal(RefusalReason::DuplicateChunk));
+            }
+            if chunk > next_chunk {
+                return Err(refusal(RefusalReason::OutOfOrderChunk));
+            }
+        }
+        Ok((key, notice, wanted))
+    }
+
+    /// A chunk sent before the receiver's expect notice: held (bounded by `max_pending_sends`) until
+    /// the notice says where its bytes go.
+    #[allow(clippy::too_many_arguments)]
+    fn hold_chunk(
+        &mut self,
+        now: Nanos,
+        slot: u32,
+        peer: Option<PeerId>,
+        part: u32,
+        at: Option<u64>,
+        slices: SendSlices<'_>,
+        last: bool,
+        wanted: Placement,
+    ) -> Result<(), Refusal> {
+        let key = self.room_at(slot).key;
+        if self.metrics.pending_sends >= self.config.max_pending_sends {
+            return Self::refuse(key, RefusalReason::TooManyPendingSends);
+        }
+        if self.room_at(slot).peer().is_none() {
+            if let Some(peer) = peer {
+                self.link_peer(slot, peer);
+            }
+        }
+        let RoleData::Sender { parts, .. } = &mut self.room_mut(slot).data else { unreachable!() };
+        if part as usize >= parts.len() {
+            parts.resize_with(part as usize + 1, SendPart::default);
+        }
+        let target = &mut parts[part as usize];
+        if let Some(at) = at {
+            // Before the notice the destination's length is unknown, but overlaps already show.
+            let end = at.saturating_add(slices.as_slice().iter().map(|s| s.len).sum());
+            let overlaps = target.held.iter().any(|h| {
+                let held_end = h.at.saturating_add(h.slices.iter().map(|s| s.len).sum());
+                h.at < end && at < held_end
+            });
+            if overlaps {
+                return Self::refuse(key, RefusalReason::OverlappingChunk);
+            }
+        }
+        target.held.push(HeldChunk { slices: slices.into_boxed(), at: at.unwrap_or(AT_CURSOR), last });
+        target.next_chunk += 1;
+        target.placement = wanted;
+        target.last_seen = last && at.is_none();
+        self.metrics.pending_sends += 1;
+        self.room_mut(slot).touch(now, LastEvent::Send);
+        self.step(now, slot, RoomInput::Send);
         Ok(())
     }
 
@@ -504,9 +601,8 @@ impl Core {
             SourceSlice { key, offset: slice.offset, len: slice.len }
         });
         let max_segments = self.config.max_segments_per_submit;
-        let spare = self.spare_segments.pop().unwrap_or_default();
-        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
-        let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
+        let spare = self.spares.segments.pop().unwrap_or_default();
+        let RoleData::Sender { parts, .. } = &mut self.rooms.get_mut(slot).data else { unreachable!() };
         let target = &mut parts[part as usize];
         if at != AT_CURSOR {
             // Explicit: [at, at + bytes) of the stream, not overlapping any chunk already placed.
@@ -526,7 +622,7 @@ impl Core {
             target.placement = Placement::Explicit;
             target.filled += bytes;
             target.last_seen = target.filled == target.dest_total;
-            target.chunks.push(ChunkXfer { xfer: 0, bytes, state: XferState::InFlight });
+            target.chunks.push(ChunkXfer { xfer: 0, bytes, state: TransferState::InFlight });
             return Ok(segments);
         }
         let remaining = target.dest_total - target.filled;
@@ -541,29 +637,30 @@ impl Core {
         target.placement = Placement::Cursor;
         target.filled += bytes;
         target.last_seen = last;
-        target.chunks.push(ChunkXfer { xfer: 0, bytes, state: XferState::InFlight });
+        target.chunks.push(ChunkXfer { xfer: 0, bytes, state: TransferState::InFlight });
         Ok(segments)
     }
 
     /// Emit the `Submit` of the chunk `place_chunk` just recorded.
     pub(super) fn submit_last_placed(&mut self, now: Nanos, slot: u32, part: u32, segments: Vec<kvgate_abi::Segment>) {
-        let xfer = self.next_xfer;
-        self.next_xfer += 1;
-        let epoch = self.epoch(slot);
+        let epoch = self.rooms.epoch(slot);
         let transfer_deadline = self.timer_deadline(slot, TimerKind::Transfer).unwrap_or(now);
         let timeout = Nanos(transfer_deadline.saturating_sub(now).0.max(1_000_000));
+        let (plugin, chunk) = {
+            let RoleData::Sender { parts, .. } = &self.room_at(slot).data else { unreachable!() };
+            let target = &parts[part as usize];
+            (target.plugin(), (target.chunks.len() - 1) as u32)
+        };
+        let xfer = self.rooms.issue_transfer(XferRef { slot, epoch, part, chunk, plugin });
         let room = self.room_mut(slot);
         let peer = room.peer().expect("submitting room has a peer");
         room.in_flight += 1;
         room.touch(now, LastEvent::Submitted);
         let RoleData::Sender { parts, .. } = &mut room.data else { unreachable!() };
         let target = &mut parts[part as usize];
-        let plugin = target.plugin();
-        let chunk = (target.chunks.len() - 1) as u32;
         target.chunks[chunk as usize].xfer = xfer;
         target.next_chunk = target.next_chunk.max(chunk + 1);
         let ticket = target.ticket;
-        self.xfers.insert(xfer, XferRef { slot, epoch, part, chunk, plugin });
         self.metrics.submits += 1;
         self.metrics.segments_submitted += segments.len() as u64;
         self.commands.push_back(Command::Submit { plugin, xfer: XferId(xfer), peer, ticket, timeout, segments });
@@ -595,7 +692,7 @@ impl Core {
     /// The engine that owned the room on `role`'s side is gone: the room, if live, fails
     /// `engine_lost` (the peer is told, as for an abort). Returns whether it was live.
     pub(super) fn engine_lost(&mut self, now: Nanos, key: RoomKey, role: Role) -> bool {
-        let Lookup::Same(slot) = self.lookup(key, role) else { return false };
+        let Lookup::Same(slot) = self.rooms.lookup(key, role) else { return false };
         if self.room_at(slot).state.is_terminal() {
             return false;
         }
@@ -617,7 +714,7 @@ impl Core {
         let mut absent_roles: [Option<Role>; 2] = [None, None];
         let mut stale = false;
         for (index, &role) in roles.iter().enumerate() {
-            match self.lookup(key, role) {
+            match self.rooms.lookup(key, role) {
                 Lookup::Same(slot) => {
                     let room = self.room_at(slot);
                     if !room.state.is_terminal() {
@@ -631,7 +728,7 @@ impl Core {
                     }
                 }
                 Lookup::Settled(seq) => {
-                    if self.tombstone_at(seq).failure.is_some_and(|f| f.reason == FailReason::Aborted) {
+                    if self.rooms.record(seq).failure.is_some_and(|f| f.reason == FailReason::Aborted) {
                         harmless = HarmlessAbort::Duplicate;
                     } else if harmless != HarmlessAbort::Duplicate {
                         harmless = HarmlessAbort::AfterTerminal;
@@ -650,7 +747,7 @@ impl Core {
             // An abort before the counterpart exists: remember it, so the late counterpart is
             // refused and never re-creates the room.
             for role in absent_roles.into_iter().flatten() {
-                if let Lookup::Older(old) = self.lookup(key, role) {
+                if let Lookup::Older(old) = self.rooms.lookup(key, role) {
                     self.supersede(now, old);
                 }
                 self.create_tombstone(now, key, role, FailReason::Aborted);

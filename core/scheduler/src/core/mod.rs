@@ -1,8 +1,11 @@
-//! The `Core` state machine: rooms in a slab, keys in a seeded open-addressing table (`key_table`), deadlines in one timer wheel
-//! (at most one entry per room, at its earliest deadline; a far deadline waits in a nursery FIFO
-//! first, see `deadlines`), settled rooms as compact records in a tombstone FIFO (`tombstone`).
-//! Inputs are `handle_*(now, ..)`, outputs `poll_command()` / `poll_timeout()`; it never does IO,
-//! never reads a clock and never calls a plugin. Cost per event does not depend on the room count.
+//! The `Core` state machine: every room in the room store (`store`: live rooms in a slab, settled
+//! ones as compact tombstone records, found by key or by transfer id and ticket), deadlines in one
+//! timer wheel (at most one entry per room, at its earliest deadline; a far deadline waits in a
+//! nursery FIFO first, see `deadlines`). The handlers read as the protocol: engine requests
+//! (`engine`), peer messages (`peer`), plugin events (`plugin`, through the lifecycle tables), how
+//! rooms end (`outcome`). Inputs are `handle_*(now, ..)`, outputs `poll_command()` /
+//! `poll_timeout()`; it never does IO, never reads a clock and never calls a plugin. Cost per event
+//! does not depend on the room count.
 
 mod deadlines;
 mod engine;
@@ -15,25 +18,25 @@ mod peer_keyed;
 mod plugin;
 mod recycle;
 mod room;
+mod store;
 mod tombstone;
 mod view;
 
 use crate::api::*;
 use crate::config::{ConfigError, CoreConfig};
 use crate::metrics::{LateSource, Metrics};
-use crate::table::{transition_by_table, IllegalTransition, RoomInput};
+use crate::table::{IllegalTransition, RoomInput};
 use crate::timer::TimerKind;
 use crate::wheel::{Wheel, TICK_NS};
 use deadlines::{decode_entry, Deadlines};
-use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
 use engine::SendSlices;
-use id_table::SequentialIdTable;
-use room::{Room, Slot, NIL};
-use key_table::KeyTable;
-use tombstone::{key_value_is_stale, Tombstone, TOMBSTONE_KEY_BIT, TOMBSTONE_SLOT};
+use kvgate_abi::{Event, LocalKey, PeerId, RemoteKey};
+use peer_keyed::{peer_keyed_map, PeerKeyedMap};
+use recycle::Spares;
+use room::{Room, NIL};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
-use peer_keyed::{peer_keyed_map, PeerKeyedMap};
+use store::{Lookup, RoomStore};
 
 /// A local region as the core knows it.
 struct LocalRegion {
@@ -83,73 +86,12 @@ impl PeerEntry {
     }
 }
 
-/// Where an outgoing transfer id points: a room's chunk, or (`slot == TOMBSTONE_SLOT`) entry `part`
-/// of the tombstone record whose truncated sequence number is `epoch`.
-#[derive(Clone, Copy)]
-struct XferRef {
-    slot: u32,
-    epoch: u32,
-    part: u32,
-    chunk: u32,
-    plugin: PluginSlot,
-}
-
-/// Where an incoming ticket points: a room's part, or (`slot == TOMBSTONE_SLOT`) entry `part` of
-/// the tombstone record whose truncated sequence number is `epoch`.
-#[derive(Clone, Copy)]
-struct TicketRef {
-    slot: u32,
-    epoch: u32,
-    part: u32,
-}
-
-/// What the key table says about a room key.
-enum Lookup {
-    /// No room with this id and role.
-    Absent,
-    /// The room of exactly this generation, in the slab (live or quarantined).
-    Same(u32),
-    /// The room of exactly this generation, settled: its tombstone record's sequence number.
-    Settled(u64),
-    /// A room of a lower generation (to be superseded or replaced): its slot, NIL when settled.
-    Older(u32),
-    /// A room of a higher generation: the key is stale.
-    Newer,
-}
-
-/// What a held room or tombstone of generation `held` is to a request for generation `wanted` of
-/// the same id: `same`, `older` (to be superseded or replaced), or newer (the request is stale).
-#[inline(always)]
-fn by_generation(held: u32, wanted: u32, same: Lookup, older: Lookup) -> Lookup {
-    if held == wanted {
-        same
-    } else if held < wanted {
-        older
-    } else {
-        Lookup::Newer
-    }
-}
-
-/// Whether the age of the oldest room in `state` is kept (`Metrics::oldest_entered_by_state`): every
-/// live state, and quarantine (terminal, but memory still held: a quarantine that lasts must show).
-#[inline]
-fn aged(state: RoomState) -> bool {
-    !state.is_terminal() || state == RoomState::Quarantined
-}
-
 /// One gateway's scheduler. Deterministic: the same inputs give the same outputs.
 pub struct Core {
     config: CoreConfig,
     metrics: Metrics,
-    slots: Vec<Slot>,
-    free_slots: Vec<u32>,
-    /// Room id -> slot, or tombstone record (`tombstone_key_value(seq)`), one table per role
-    /// (indexed by `role as usize`): an 8-byte key hashes faster than `(id, role)`. Keyed hash: room
-    /// ids may come from peers. The ids live in the rooms and records (`key_value_room_id`).
-    keys: [KeyTable; 2],
-    /// Transfer id -> chunk, ticket -> part: both issued in increasing order.
-    xfers: SequentialIdTable<XferRef>,
-    tickets: SequentialIdTable<TicketRef>,
+    /// Every room held, live or settled, and the ids that name them.
+    rooms: RoomStore,
     peers: FxHashMap<PeerId, PeerEntry>,
     /// Receiver rooms whose parts come from several peers, under each sender other than the room's
     /// bound peer (which lists them itself): (slot, epoch), so that losing any sender fails them.
@@ -158,30 +100,8 @@ pub struct Core {
     /// Each room's one deadline entry: in the timer wheel, or in the nursery while far off.
     deadlines: Deadlines,
     commands: VecDeque<Command>,
-    next_xfer: u64,
-    next_ticket: u64,
-    live_rooms: u64,
-    /// Settled rooms as compact records in settle order: every tombstone lives
-    /// `tombstone_ttl_ms`, so this is expiry order too; the oldest is evicted first. Their slab
-    /// slots are free.
-    tombstones: VecDeque<Tombstone>,
-    /// The sequence number of `tombstones`' front record (record `seq` is at `seq - front`).
-    tombstone_front_seq: u64,
-    /// Emptied part lists of dropped sender rooms, reused by new ones (at most
-    /// `SPARE_SEND_PARTS` lists of at most `SPARE_SEND_PARTS_CAPACITY` parts: no heap block per
-    /// room in steady state).
-    spare_send_parts: Vec<Vec<room::SendPart>>,
-    state_fifos: [VecDeque<(u32, u32, Nanos)>; RoomState::COUNT],
-    /// Emptied buffers of executed commands (`recycle_command`), reused by the next `Submit` and
-    /// `ExpectIncoming` (at most `SPARE_COMMAND_BUFFERS` of each, of at most
-    /// `SPARE_COMMAND_BUFFER_CAPACITY` elements).
-    spare_segments: Vec<Vec<kvgate_abi::Segment>>,
-    spare_ranges: Vec<Vec<kvgate_abi::LocalRange>>,
-    /// Part lists and ticket lists of sent expect notices (`recycle_command`) and of owned expect
-    /// requests, reused by the next notice (same bounds, see `keep_spare_notice_parts`).
-    spare_notice_parts: Vec<Vec<Vec<Slice>>>,
-    spare_tickets: Vec<Vec<kvgate_abi::Ticket>>,
-    spare_plugin_lists: Vec<Vec<PluginSlot>>,
+    /// Buffers kept for reuse (`recycle`).
+    spares: Spares,
     /// The latest transfer the plugin-grace timer forced failed (`plugin_silent`): found on a timer,
     /// not from a plugin event, so the gateway's violation log asks here which room it was.
     latest_silent: Option<SilentTransfer>,
@@ -194,28 +114,13 @@ impl Core {
         Ok(Core {
             config,
             metrics: Metrics::default(),
-            slots: Vec::new(),
-            free_slots: Vec::new(),
-            keys: [KeyTable::new(), KeyTable::new()],
-            xfers: SequentialIdTable::default(),
-            tickets: SequentialIdTable::default(),
+            rooms: RoomStore::new(),
             peers: FxHashMap::default(),
             extra_bound: FxHashMap::default(),
             regions: FxHashMap::default(),
             deadlines: Deadlines::default(),
             commands: VecDeque::new(),
-            next_xfer: 1,
-            next_ticket: 1,
-            live_rooms: 0,
-            tombstones: VecDeque::new(),
-            tombstone_front_seq: 0,
-            spare_send_parts: Vec::new(),
-            state_fifos: Default::default(),
-            spare_segments: Vec::new(),
-            spare_ranges: Vec::new(),
-            spare_notice_parts: Vec::new(),
-            spare_tickets: Vec::new(),
-            spare_plugin_lists: Vec::new(),
+            spares: Spares::default(),
             latest_silent: None,
         })
     }
@@ -229,7 +134,7 @@ impl Core {
     pub fn handle_engine(&mut self, now: Nanos, request: EngineRequest) -> Result<(), Refusal> {
         let result = match request {
             EngineRequest::Expect { room, peer, parts, timeout_ms } => {
-                let result = self.engine_expect(now, room, peer, &parts, &[], &[], timeout_ms);
+                let result = self.engine_expect(now, room, peer, &parts, ExpectShape::default(), timeout_ms);
                 // The notice got its own copy: the request's buffer is kept for a later notice.
                 self.keep_spare_notice_parts(parts);
                 result
@@ -296,28 +201,25 @@ impl Core {
         parts: &[P],
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
-        let result = self.engine_expect(now, room, peer, parts, &[], &[], timeout_ms);
+        let result = self.engine_expect(now, room, peer, parts, ExpectShape::default(), timeout_ms);
         self.count_refusal(result)
     }
 
-    /// `handle_expect` with each part's sender (`part_peers[p]`; missing: `peer`, the room's bound
-    /// peer) and the memory kind the sender reads it from (`source_kinds[p]`; None or missing: the
-    /// kind of the part's destination). Each part uses the first plugin connected with its sender
-    /// that holds a key for every destination region of the part and serves its source kind
-    /// (`no_plugin_for_memory` when none does). A room with several senders fails as a whole when
-    /// any part fails or any sender is lost, and every sender is told.
-    #[allow(clippy::too_many_arguments)]
+    /// `handle_expect` with each part's sender and the memory kind the sender reads it from
+    /// (`ExpectShape`). Each part uses the first plugin connected with its sender that holds a key
+    /// for every destination region of the part and serves its source kind (`no_plugin_for_memory`
+    /// when none does). A room with several senders fails as a whole when any part fails or any
+    /// sender is lost, and every sender is told.
     pub fn handle_expect_from<P: AsRef<[Slice]>>(
         &mut self,
         now: Nanos,
         room: RoomKey,
         peer: PeerId,
         parts: &[P],
-        part_peers: &[PeerId],
-        source_kinds: &[Option<kvgate_abi::MemoryKind>],
+        shape: ExpectShape<'_>,
         timeout_ms: Option<u64>,
     ) -> Result<(), Refusal> {
-        let result = self.engine_expect(now, room, peer, parts, part_peers, source_kinds, timeout_ms);
+        let result = self.engine_expect(now, room, peer, parts, shape, timeout_ms);
         self.count_refusal(result)
     }
 
@@ -406,7 +308,7 @@ impl Core {
     #[inline]
     pub fn handle_timeout(&mut self, now: Nanos) {
         // Most calls find nothing due: three front checks, inlined into the driver.
-        let tombstone_due = self.tombstones.front().is_some_and(|record| Wheel::tick_of(record.expiry) <= now.0 / TICK_NS);
+        let tombstone_due = self.rooms.next_expiry().is_some_and(|expiry| Wheel::tick_of(expiry) <= now.0 / TICK_NS);
         if tombstone_due || self.deadlines.may_be_due(now) {
             self.fire_due(now);
         }
@@ -417,15 +319,14 @@ impl Core {
         let now_tick = now.0 / TICK_NS;
         // Rooms whose nursery span ended move to the wheel first (their deadlines may be due now).
         while let Some((slot, epoch)) = self.deadlines.pop_nursery(now) {
-            let entry = &mut self.slots[slot as usize];
-            debug_assert_eq!(entry.epoch, epoch, "a room leaves the nursery before its slot is reused");
-            let room = entry.room.as_mut().expect("a room in the nursery is held");
+            let (held_epoch, room) = self.rooms.get_with_epoch(slot);
+            debug_assert_eq!(held_epoch, epoch, "a room leaves the nursery before its slot is reused");
             debug_assert!(deadlines::in_nursery(room.wheel_entry));
             room.wheel_entry = self.deadlines.promote(slot, epoch, room.earliest_wheel_deadline());
         }
         while let Some(payload) = self.deadlines.wheel.pop_expired(now) {
             let (slot, epoch) = decode_entry(payload);
-            if !self.slot_is(slot, epoch) {
+            if !self.rooms.holds(slot, epoch) {
                 debug_assert!(false, "timer for a vanished room");
                 continue;
             }
@@ -434,21 +335,16 @@ impl Core {
             while let Some(kind) = self.room_at(slot).due_timer(now_tick) {
                 self.room_mut(slot).armed &= !kind.bit();
                 self.on_timer(now, slot, kind);
-                if !self.slot_is(slot, epoch) {
+                if !self.rooms.holds(slot, epoch) {
                     break;
                 }
             }
-            if self.slot_is(slot, epoch) {
+            if self.rooms.holds(slot, epoch) {
                 self.sync_wheel_entry(now, slot);
             }
         }
         // Tombstones expire in FIFO order (`tombstone_ttl_ms` after they settled).
-        while let Some(record) = self.tombstones.front() {
-            if Wheel::tick_of(record.expiry) > now_tick {
-                break;
-            }
-            self.drop_oldest_tombstone();
-        }
+        self.rooms.expire_due(now_tick, &mut self.metrics);
     }
 
     /// The next command for the driver, in order.
@@ -461,7 +357,7 @@ impl Core {
     /// (a wheel level boundary, or the end of a 64 ms nursery span): calling `handle_timeout` then is
     /// cheap and correct.
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        let tombstone = self.tombstones.front().map(|record| Wheel::fire_time(record.expiry));
+        let tombstone = self.rooms.next_expiry().map(Wheel::fire_time);
         match (self.deadlines.next_deadline(), tombstone) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -474,18 +370,18 @@ impl Core {
 
     /// Rooms that are not terminal.
     pub fn live_rooms(&self) -> u64 {
-        self.live_rooms
+        self.rooms.live()
     }
 
     /// Timer entries held: wheel entries (at most one per room) plus tombstone expiries (for leak
     /// checks: 0 once every room is dropped).
     pub fn armed_timers(&self) -> usize {
-        self.deadlines.len() + self.tombstones.len()
+        self.deadlines.len() + self.rooms.records()
     }
 
     /// Rooms held: in the slab (live and quarantined) plus tombstone records.
     pub fn held_rooms(&self) -> usize {
-        self.slots.len() - self.free_slots.len() + self.tombstones.len()
+        self.rooms.held()
     }
 
     // ----- the timer table's one match -----
@@ -504,153 +400,47 @@ impl Core {
         }
     }
 
-    // ----- slab, keys, states, timers -----
+    // ----- rooms, states, timers -----
 
     #[inline]
     fn room_at(&self, slot: u32) -> &Room {
-        self.slots[slot as usize].room.as_ref().expect("live slot")
+        self.rooms.get(slot)
     }
 
     #[inline]
     fn room_mut(&mut self, slot: u32) -> &mut Room {
-        self.slots[slot as usize].room.as_mut().expect("live slot")
+        self.rooms.get_mut(slot)
     }
 
-    #[inline]
-    fn epoch(&self, slot: u32) -> u32 {
-        self.slots[slot as usize].epoch
-    }
-
-    /// Whether a key-table value names the held room or tombstone record of room id `id` (a stale
-    /// value names nothing).
-    #[inline]
-    fn key_value_names(&self, value: u32, id: u64) -> bool {
-        if value & TOMBSTONE_KEY_BIT != 0 {
-            self.held_tombstone_seq(value).is_some_and(|seq| self.tombstone_at(seq).key().room == id)
-        } else {
-            self.room_at(value).key.room == id
+    /// Open a room: the one place a room is created. An older generation of its key is superseded
+    /// first; the room, built by `build` (with its overall deadline), joins the store, is bound to
+    /// `peer` when known, gets its bootstrap and room deadlines, and the engine hears its first
+    /// state.
+    fn open_room(&mut self, now: Nanos, older: Lookup, peer: Option<PeerId>, build: impl FnOnce() -> Room) -> u32 {
+        if let Lookup::Older(old) = older {
+            self.supersede(now, old);
         }
-    }
-
-    /// The key-table value held for room id `id` in `role`'s table, if any (never a stale one).
-    #[inline]
-    fn key_value(&self, id: u64, role: Role) -> Option<u32> {
-        let keys = &self.keys[role as usize];
-        let index = keys.find(keys.hash(id), |value| self.key_value_names(value, id))?;
-        Some(keys.value_at(index))
-    }
-
-    #[inline]
-    fn lookup(&self, key: RoomKey, role: Role) -> Lookup {
-        match self.key_value(key.room, role) {
-            None => Lookup::Absent,
-            Some(value) if value & TOMBSTONE_KEY_BIT != 0 => {
-                let seq = self.held_tombstone_seq(value).expect("key_value returns held values");
-                by_generation(self.tombstone_at(seq).key().generation, key.generation, Lookup::Settled(seq), Lookup::Older(NIL))
-            }
-            Some(slot) => by_generation(self.room_at(slot).key.generation, key.generation, Lookup::Same(slot), Lookup::Older(slot)),
+        let slot = self.rooms.open(build, &mut self.metrics);
+        if let Some(peer) = peer {
+            self.link_peer(slot, peer);
         }
-    }
-
-    /// Put a new room, built by `build`, in the slab and the key table (replacing an older
-    /// generation's entry). The slot is claimed first so the room is built in place, not copied.
-    #[inline(always)]
-    fn insert_room(&mut self, build: impl FnOnce() -> Room) -> u32 {
-        let slot = match self.free_slots.pop() {
-            Some(slot) => {
-                let entry = &mut self.slots[slot as usize];
-                entry.epoch = entry.epoch.wrapping_add(1);
-                slot
-            }
-            None => {
-                self.slots.push(Slot { epoch: 0, room: None });
-                (self.slots.len() - 1) as u32
-            }
-        };
-        let room = self.slots[slot as usize].room.insert(build());
-        let (key, role) = (room.key.room, room.role);
-        let state = room.state;
-        let entered = room.state_entered;
-        // The key's entry (an older generation's, if any) now names the new room.
-        assert!(slot < TOMBSTONE_KEY_BIT, "slab slots stay below 2^31");
-        let hash = self.keys[role as usize].hash(key);
-        let held = self.keys[role as usize].find(hash, |value| self.key_value_names(value, key));
-        let (front_seq, tombstones) = (self.tombstone_front_seq, self.tombstones.len());
-        match held {
-            Some(index) => self.keys[role as usize].set_value_at(index, slot),
-            None => self.keys[role as usize].insert_new(hash, slot, |value| key_value_is_stale(value, front_seq, tombstones)),
-        }
-        self.metrics.rooms_created += 1;
-        self.metrics.rooms_by_state[state.index()] += 1;
-        if !state.is_terminal() {
-            self.live_rooms += 1;
-            self.push_state_fifo(slot, state, entered);
-        }
+        let room = self.room_at(slot);
+        let (key, role, state, deadline) = (room.key, room.role, room.state, room.deadline);
+        self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
+        self.arm(now, slot, TimerKind::Room, deadline);
+        self.push_engine(RoomEvent::StateChanged { room: key, role, state });
         slot
     }
 
-    fn push_state_fifo(&mut self, slot: u32, state: RoomState, entered: Nanos) {
-        let epoch = self.epoch(slot);
-        let fifo = &mut self.state_fifos[state.index()];
-        if fifo.is_empty() {
-            self.metrics.oldest_entered_by_state[state.index()] = Some(entered);
-        }
-        fifo.push_back((slot, epoch, entered));
-    }
-
-    /// Drop stale heads of a state's FIFO and refresh its oldest-entered gauge.
-    fn refresh_state_fifo(&mut self, state: RoomState) {
-        let fifo = &mut self.state_fifos[state.index()];
-        while let Some(&(slot, epoch, entered)) = fifo.front() {
-            let slot_entry = &self.slots[slot as usize];
-            let current = slot_entry.epoch == epoch
-                && slot_entry.room.as_ref().is_some_and(|r| r.state == state && r.state_entered == entered);
-            if current {
-                break;
+    /// Apply one input through the transition table (the store keeps the gauges); the engine
+    /// hears of every new live state.
+    fn apply(&mut self, now: Nanos, slot: u32, input: RoomInput) -> Result<(), IllegalTransition> {
+        if let Some(moved) = self.rooms.transition(now, slot, input, &mut self.metrics)? {
+            if !moved.to.is_terminal() {
+                self.push_engine(RoomEvent::StateChanged { room: moved.key, role: moved.role, state: moved.to });
             }
-            fifo.pop_front();
         }
-        self.metrics.oldest_entered_by_state[state.index()] = fifo.front().map(|&(_, _, entered)| entered);
-    }
-
-    /// Apply one input through the transition table.
-    fn apply(&mut self, now: Nanos, slot: u32, input: RoomInput) -> Result<RoomState, IllegalTransition> {
-        let entry = &mut self.slots[slot as usize];
-        let epoch = entry.epoch;
-        let room = entry.room.as_mut().expect("live slot");
-        let from = room.state;
-        let to = transition_by_table(from, input)?;
-        if to == from {
-            return Ok(to);
-        }
-        room.state = to;
-        room.state_entered = now;
-        let (key, role) = (room.key, room.role);
-        self.metrics.rooms_by_state[from.index()] -= 1;
-        self.metrics.rooms_by_state[to.index()] += 1;
-        if aged(from) {
-            // The room leaving is most often its state's oldest: its entry is the front, dropped
-            // without reading the slot again.
-            let fifo = &mut self.state_fifos[from.index()];
-            if fifo.front().is_some_and(|&(front, front_epoch, _)| front == slot && front_epoch == epoch) {
-                fifo.pop_front();
-            }
-            self.refresh_state_fifo(from);
-        }
-        if !from.is_terminal() && to.is_terminal() {
-            self.live_rooms -= 1;
-        }
-        if aged(to) {
-            let fifo = &mut self.state_fifos[to.index()];
-            if fifo.is_empty() {
-                self.metrics.oldest_entered_by_state[to.index()] = Some(now);
-            }
-            fifo.push_back((slot, epoch, now));
-        }
-        if !to.is_terminal() {
-            self.commands.push_back(Command::ToEngine(RoomEvent::StateChanged { room: key, role, state: to }));
-        }
-        Ok(to)
+        Ok(())
     }
 
     /// Apply one input through the transition table; an input the table refuses (a core bug) is
@@ -660,28 +450,24 @@ impl Core {
         match self.apply(now, slot, input) {
             Ok(_) => true,
             Err(illegal) => {
-                debug_assert!(false, "{illegal}");
-                self.metrics.illegal_transitions += 1;
-                self.metrics.latest_illegal_transition = Some(illegal);
+                self.count_refused_input(illegal.into());
                 false
             }
         }
     }
 
-    /// Whether `slot` holds a room and is at `epoch`.
-    #[inline]
-    fn slot_is(&self, slot: u32, epoch: u32) -> bool {
-        let entry = &self.slots[slot as usize];
-        entry.epoch == epoch && entry.room.is_some()
+    /// An input a declared table refused (a core bug): counted and kept, never dropped unseen.
+    pub(super) fn count_refused_input(&mut self, refused: crate::lifecycle::RefusedInput) {
+        debug_assert!(false, "{refused}");
+        self.metrics.illegal_transitions += 1;
+        self.metrics.latest_illegal_transition = Some(refused);
     }
 
     /// Arm (or re-arm) the room's timer of `kind` (never `Tombstone`: see `settle`). The room's one
     /// wheel entry moves only when the new deadline comes before it.
     fn arm(&mut self, now: Nanos, slot: u32, kind: TimerKind, deadline: Nanos) {
         debug_assert!(kind != TimerKind::Tombstone);
-        let entry = &mut self.slots[slot as usize];
-        let epoch = entry.epoch;
-        let room = entry.room.as_mut().expect("live slot");
+        let (epoch, room) = self.rooms.get_with_epoch(slot);
         room.set_timer(kind, deadline);
         room.wheel_entry = self.deadlines.lower(now, room.wheel_entry, slot, epoch, deadline);
     }
@@ -711,9 +497,7 @@ impl Core {
     /// After the room's wheel entry fired or its timers changed: the entry (if any) is at its
     /// earliest armed deadline, or released when none is armed.
     fn sync_wheel_entry(&mut self, now: Nanos, slot: u32) {
-        let entry = &mut self.slots[slot as usize];
-        let epoch = entry.epoch;
-        let room = entry.room.as_mut().expect("live slot");
+        let (epoch, room) = self.rooms.get_with_epoch(slot);
         room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, room.earliest_wheel_deadline());
     }
 

@@ -2,11 +2,12 @@
 //! records: `tombstone`). Every terminal path goes through here so each room gets exactly one `Terminal` and one
 //! `Reusable`. It never revives a terminal room.
 
-use super::room::{BytesCounted, RoleData, Room, XferState};
+use super::room::{BytesCounted, RoleData, Room};
+use super::tombstone::Tombstone;
 use smallvec::SmallVec;
 use super::Core;
 use crate::api::*;
-use crate::metrics::ViolationClause;
+use crate::lifecycle::Verdict;
 use crate::table::RoomInput;
 use crate::timer::TimerKind;
 use kvgate_abi::{PeerId, Ticket, XferId};
@@ -54,40 +55,13 @@ impl Core {
             room.touch(now, LastEvent::Failed);
         }
         let (key, role, peer) = (room.key, room.role, room.peer());
-        let mut dropped_held = 0u64;
-        match &mut room.data {
-            RoleData::Sender { parts, .. } => {
-                for part in parts.iter_mut() {
-                    dropped_held += part.held.len() as u64;
-                    part.held = SmallVec::new();
-                    for chunk in &part.chunks {
-                        if chunk.state == XferState::InFlight {
-                            commands.push(Command::Cancel { plugin: part.plugin(), xfer: XferId(chunk.xfer) });
-                        }
-                    }
-                }
-            }
-            RoleData::Receiver { ticket_base, parts, .. } => {
-                for (index, part) in parts.iter().enumerate() {
-                    if part.ticket_open {
-                        commands.push(Command::CancelIncoming {
-                            plugin: part.plugin,
-                            peer: peer.expect("a receiver room has a peer"),
-                            ticket: Ticket(*ticket_base + index as u64),
-                        });
-                    }
-                }
-            }
-        }
+        let dropped_held = Self::cancel_all(room, &mut commands);
         let outstanding_xfers = role == Role::Sender && room.in_flight > 0;
         let quiet = Self::nothing_in_flight(room);
         let bytes_total = room.bytes_total;
-        let tombstone_only = room.tombstone_only;
         let elapsed = now.saturating_sub(room.created);
         self.metrics.pending_sends -= dropped_held;
-        if !tombstone_only {
-            self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Failed(failure), elapsed });
-        }
+        self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Failed(failure), elapsed });
         self.commands.extend(commands);
         if outstanding_xfers {
             let current = self.timer_deadline(slot, TimerKind::PluginGrace);
@@ -97,22 +71,8 @@ impl Core {
             }
         }
         // CONFORMANCE: TIME-8, ABORT-10
-        if let Some(peer) = peer {
-            if !came_from_peer(reason) {
-                let to = role.opposite();
-                // An engine gone is an abort the engine could no longer send itself.
-                let message = if matches!(reason, FailReason::Aborted | FailReason::EngineLost) {
-                    PeerMessage::Abort { room: key, reason, to }
-                } else {
-                    PeerMessage::RoomFailed { room: key, reason, to }
-                };
-                // Every sender of a room with several is told (one message each).
-                let extra: SmallVec<[PeerId; 2]> = self.room_at(slot).extra_senders().collect();
-                for other in extra {
-                    self.push_peer(other, message.clone());
-                }
-                self.push_peer(peer, message);
-            }
+        if let Some(peer) = peer.filter(|_| !came_from_peer(reason)) {
+            self.tell_peers_room_failed(slot, peer, reason);
         }
         if quiet {
             self.release_quarantine(now, slot, RoomInput::NothingInFlight, ReleaseCause::NothingInFlight);
@@ -124,6 +84,57 @@ impl Core {
         }
     }
 
+    /// A failing room's cancels: every transfer in flight (sender) or ticket still open
+    /// (receiver), into `commands`; a sender's held chunks are dropped. Returns how many were held.
+    fn cancel_all(room: &mut Room, commands: &mut Vec<Command>) -> u64 {
+        let peer = room.peer();
+        let mut dropped_held = 0u64;
+        match &mut room.data {
+            RoleData::Sender { parts, .. } => {
+                for part in parts.iter_mut() {
+                    dropped_held += part.held.len() as u64;
+                    part.held = SmallVec::new();
+                    for chunk in &part.chunks {
+                        if chunk.state.is_in_flight() {
+                            commands.push(Command::Cancel { plugin: part.plugin(), xfer: XferId(chunk.xfer) });
+                        }
+                    }
+                }
+            }
+            RoleData::Receiver { ticket_base, parts, .. } => {
+                for (index, part) in parts.iter().enumerate() {
+                    if part.ticket.is_open() {
+                        commands.push(Command::CancelIncoming {
+                            plugin: part.plugin,
+                            peer: peer.expect("a receiver room has a peer"),
+                            ticket: Ticket(*ticket_base + index as u64),
+                        });
+                    }
+                }
+            }
+        }
+        dropped_held
+    }
+
+    /// Tell the room's peer (and each other sender of a room with several) that it failed here:
+    /// an abort as an abort (an engine gone is an abort the engine could no longer send itself),
+    /// any other cause as the room's failure.
+    fn tell_peers_room_failed(&mut self, slot: u32, peer: PeerId, reason: FailReason) {
+        let room = self.room_at(slot);
+        let (key, to) = (room.key, room.role.opposite());
+        let message = if matches!(reason, FailReason::Aborted | FailReason::EngineLost) {
+            PeerMessage::Abort { room: key, reason, to }
+        } else {
+            PeerMessage::RoomFailed { room: key, reason, to }
+        };
+        // Every sender of a room with several is told (one message each).
+        let extra: SmallVec<[PeerId; 2]> = room.extra_senders().collect();
+        for other in extra {
+            self.push_peer(other, message.clone());
+        }
+        self.push_peer(peer, message);
+    }
+
     /// Every part succeeded.
     pub(super) fn succeed_room(&mut self, now: Nanos, slot: u32) {
         if !self.step(now, slot, RoomInput::AllPartsDone) {
@@ -132,15 +143,15 @@ impl Core {
         self.leave_link(slot);
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room, TimerKind::PluginGrace]);
         self.metrics.rooms_succeeded += 1;
-        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
+        let room = self.rooms.get_mut(slot);
         let (key, role, peer) = (room.key, room.role, room.peer());
         let elapsed = now.saturating_sub(room.created);
         self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed }));
         self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight }));
         if let RoleData::Receiver { ticket_base, parts, .. } = &mut room.data {
             for (index, part) in parts.iter_mut().enumerate() {
-                if part.ticket_open {
-                    part.ticket_open = false;
+                if part.ticket.is_open() {
+                    part.ticket = super::plugin::CANCELLED_ON_SUCCESS;
                     self.commands.push_back(Command::CancelIncoming {
                         plugin: part.plugin,
                         peer: peer.expect("a receiver room has a peer"),
@@ -162,7 +173,7 @@ impl Core {
         self.disarm_all(slot, &[TimerKind::Quarantine, TimerKind::PluginGrace]);
         let room = self.room_mut(slot);
         let held = if std::mem::replace(&mut room.bytes_counted, BytesCounted::Nowhere) == BytesCounted::InQuarantine { room.bytes_total } else { 0 };
-        let (key, role, peer, tombstone_only) = (room.key, room.role, room.peer(), room.tombstone_only);
+        let (key, role, peer) = (room.key, room.role, room.peer());
         let failure = room.failure;
         if cause == ReleaseCause::Quiesced {
             room.touch(now, LastEvent::Quiesced);
@@ -171,9 +182,7 @@ impl Core {
         if cause == ReleaseCause::QuarantineTimeout {
             self.metrics.failures[FailReason::QuarantineTimeout.index()][Phase::Terminal.index()] += 1;
         }
-        if !tombstone_only {
-            self.push_engine(RoomEvent::Reusable { room: key, role, cause });
-        }
+        self.push_engine(RoomEvent::Reusable { room: key, role, cause });
         // A failed room's receiver waits for this word before reusing its memory. Also after the
         // peer's link was lost: the host delivers it once the same peer process is back on a new
         // link (or drops it if the peer restarted, which ended the receiver's rooms anyway).
@@ -189,7 +198,7 @@ impl Core {
     /// After a quiesce or a late terminal event: release the quarantine if nothing is left.
     /// A slot already freed (the room settled while the event was handled) has nothing left.
     pub(super) fn check_release(&mut self, now: Nanos, slot: u32) {
-        let Some(room) = self.slots[slot as usize].room.as_ref() else { return };
+        let Some(room) = self.rooms.try_get(slot) else { return };
         if room.state == RoomState::Quarantined && Self::nothing_in_flight(room) {
             self.release_quarantine(now, slot, RoomInput::Quiesced, ReleaseCause::Quiesced);
         }
@@ -199,14 +208,16 @@ impl Core {
     /// failed and counted as a contract violation.
     // CONFORMANCE: TIME-6
     pub(super) fn plugin_grace_expired(&mut self, now: Nanos, slot: u32) {
+        // Each transfer still in flight takes the transfer table's `GraceExpired` row.
+        let forced_step = super::plugin::FORCED_SILENT;
         let room = self.room_mut(slot);
         let mut forced = 0u32;
         let mut last_forced = None;
         if let RoleData::Sender { parts, .. } = &mut room.data {
             for part in parts.iter_mut() {
                 for chunk in part.chunks.iter_mut() {
-                    if chunk.state == XferState::InFlight {
-                        chunk.state = XferState::ForcedSilent;
+                    if chunk.state.is_in_flight() {
+                        chunk.state = forced_step.next;
                         forced += 1;
                         last_forced = Some(chunk.xfer);
                     }
@@ -214,12 +225,14 @@ impl Core {
             }
         }
         room.in_flight -= forced;
-        room.unquiesced += forced;
+        room.unquiesced += forced * forced_step.next.is_unquiesced() as u32;
         if let Some(xfer) = last_forced {
             let (room, role, plugin) = (room.key, room.role, room.plugin());
             self.latest_silent = Some(SilentTransfer { xfer: XferId(xfer), room, role, plugin });
         }
-        self.metrics.violations[ViolationClause::PluginSilent.index()] += forced as u64;
+        if let Verdict::Violation(clause) = forced_step.verdict {
+            self.metrics.violations[clause.index()] += forced as u64;
+        }
         if !self.room_at(slot).state.is_terminal() {
             self.fail_room(now, slot, RoomInput::PluginGraceTimer, FailReason::PluginSilent, None, None);
         } else {
@@ -227,21 +240,34 @@ impl Core {
         }
     }
 
-    /// Remember a room that never existed here (an abort before the counterpart), so its late
-    /// counterpart is refused.
+    /// A terminal room whose memory is reusable: remember it as a tombstone record, bounded in
+    /// time and count, and free its slot and part lists now. Its expiry is one constant ttl away
+    /// (settle order is expiry order; a clock that steps back never puts an expiry before the one
+    /// ahead of it).
+    pub(super) fn settle(&mut self, now: Nanos, slot: u32) {
+        let expiry = self.rooms.expiry_at(now, Nanos::from_ms(self.config.tombstone_ttl_ms));
+        let (epoch, room) = self.rooms.get_with_epoch(slot);
+        // Nothing is armed once settled: the room's deadline entry (if any) is released.
+        debug_assert_eq!(room.earliest_wheel_deadline(), None);
+        debug_assert!(!room.in_peer_list, "a settled room is unlinked from its peer first");
+        debug_assert!(matches!(room.state, RoomState::Succeeded | RoomState::Failed));
+        room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, None);
+        room.armed = 0;
+        let record = Tombstone::of_room(room, expiry);
+        let room = self.rooms.settle(slot, record, self.config.max_tombstones, &mut self.metrics);
+        if let RoleData::Sender { parts, .. } = room.data {
+            self.metrics.pending_sends -= parts.iter().map(|part| part.held.len() as u64).sum::<u64>();
+            self.recycle_send_parts(parts);
+        }
+    }
+
+    /// Remember a room that never existed here (an abort or a failure before the counterpart), so
+    /// its late counterpart is refused.
     pub(super) fn create_tombstone(&mut self, now: Nanos, key: RoomKey, role: Role, reason: FailReason) {
-        let data = match role {
-            Role::Sender => RoleData::Sender { notice: false, parts: Vec::new() },
-            Role::Receiver => RoleData::Receiver { ticket_base: 0, parts: SmallVec::new(), senders: None },
-        };
-        let slot = self.insert_room(|| {
-            let mut room = Room::new(key, role, RoomState::Failed, now, data);
-            room.tombstone_only = true;
-            room.failure = Some(Failure { reason, phase: Phase::Bootstrap, peer_reason: None, plugin_reason: None });
-            room.last_event = if reason == FailReason::Aborted { LastEvent::Aborted } else { LastEvent::Failed };
-            room
-        });
-        self.metrics.rooms_created -= 1;
-        self.settle(now, slot);
+        let expiry = self.rooms.expiry_at(now, Nanos::from_ms(self.config.tombstone_ttl_ms));
+        let failure = Failure { reason, phase: Phase::Bootstrap, peer_reason: None, plugin_reason: None };
+        let last_event = if reason == FailReason::Aborted { LastEvent::Aborted } else { LastEvent::Failed };
+        let record = Tombstone::remembered(key, role, failure, last_event, now, expiry);
+        self.rooms.bury(record, self.config.max_tombstones, &mut self.metrics);
     }
 }

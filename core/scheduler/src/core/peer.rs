@@ -1,10 +1,12 @@
 //! The peer side: peer up/lost, the intrusive list of each peer's live rooms, and the messages one
 //! core sends another (expect notice, matched, part done, abort, room failed, quiesced). It trusts
-//! no message: anything for an unknown, stale or terminal room is counted late and changes nothing.
+//! no message: anything for an unknown, stale or terminal room, or that contradicts what this side
+//! announced (a part done with another byte count), is counted late and changes nothing.
 
 use super::engine::PlaceError;
 use super::room::{DestSlice, RoleData, SendPart, NIL};
-use super::{Core, Lookup, PeerEntry};
+use super::store::Lookup;
+use super::{Core, PeerEntry};
 use crate::api::*;
 use crate::metrics::LateSource;
 use crate::table::RoomInput;
@@ -55,7 +57,7 @@ impl Core {
             slot = room.peer_next;
         }
         for &(slot, epoch) in self.extra_bound.get(&peer).into_iter().flatten() {
-            if self.slot_is(slot, epoch) && !self.room_at(slot).state.is_terminal() {
+            if self.rooms.holds(slot, epoch) && !self.room_at(slot).state.is_terminal() {
                 live.push(slot);
             }
         }
@@ -96,7 +98,7 @@ impl Core {
     }
 
     pub(super) fn unlink_peer(&mut self, slot: u32) {
-        let epoch = self.epoch(slot);
+        let epoch = self.rooms.epoch(slot);
         let extra: smallvec::SmallVec<[PeerId; 2]> = self.room_at(slot).extra_senders().collect();
         for peer in extra {
             if let Some(rooms) = self.extra_bound.get_mut(&peer) {
@@ -125,7 +127,7 @@ impl Core {
     /// The slot of `key`/`role` if it is exactly this generation and bound to `peer` (or unbound,
     /// or with a part from `peer`).
     fn peer_room(&self, key: RoomKey, role: Role, peer: PeerId) -> Option<u32> {
-        match self.lookup(key, role) {
+        match self.rooms.lookup(key, role) {
             Lookup::Same(slot) if self.room_at(slot).peer().is_none() || self.room_at(slot).bound_to(peer) => Some(slot),
             _ => None,
         }
@@ -196,12 +198,15 @@ impl Core {
         }
         let RoleData::Receiver { parts, senders, .. } = &mut room.data else { unreachable!() };
         let from = |p: &super::room::RecvPart| senders.as_ref().is_none_or(|s| s.peers[p.sender as usize].0 == peer);
-        let Some(target) = parts.get_mut(part as usize).filter(|p| !p.done && from(p)) else {
+        // The sender reports the bytes of the part's destination, which this side announced: any
+        // other count is a peer breaking the protocol. Like a word about an unknown or finished
+        // part it is counted and changes nothing (never fail-open: the part stays undone, and the
+        // room ends by a correct report or its transfer deadline).
+        let Some(target) = parts.get_mut(part as usize).filter(|p| !p.done && from(p) && p.bytes == bytes) else {
             return self.count_late(LateSource::Peer);
         };
         target.done = true;
         let part_bytes = target.bytes;
-        let _ = bytes;
         room.parts_done += 1;
         room.bytes_done += part_bytes;
         room.touch(now, LastEvent::PartDone);
@@ -228,9 +233,9 @@ impl Core {
         local_reason: FailReason,
         peer_reason: FailReason,
     ) {
-        match self.lookup(key, to) {
+        match self.rooms.lookup(key, to) {
             Lookup::Settled(seq) => {
-                let bound = self.tombstone_at(seq).peer();
+                let bound = self.rooms.record(seq).peer();
                 self.count_late(LateSource::Peer);
                 if to == Role::Sender && bound.is_none_or(|bound| bound == peer) {
                     // The receiver waits for our word that nothing more lands.
@@ -306,11 +311,11 @@ impl Core {
         if !self.peers.contains_key(&peer) {
             return self.count_late(LateSource::Peer);
         }
-        let lookup = self.lookup(key, Role::Sender);
+        let lookup = self.rooms.lookup(key, Role::Sender);
         let slot = match lookup {
             Lookup::Newer => return self.count_late(LateSource::Peer),
             Lookup::Settled(seq) => {
-                let failure = self.tombstone_at(seq).failure;
+                let failure = self.rooms.record(seq).failure;
                 self.count_late(LateSource::Peer);
                 if let Some(failure) = failure {
                     self.tell_receiver_room_is_over(peer, key, failure.reason);
@@ -330,25 +335,18 @@ impl Core {
                 slot
             }
             Lookup::Absent | Lookup::Older(_) => {
-                if self.live_rooms >= self.config.max_inflight_rooms {
+                if self.rooms.live() >= self.config.max_inflight_rooms {
                     let message = PeerMessage::RoomFailed { room: key, reason: FailReason::Overloaded, to: Role::Receiver };
                     return self.push_peer(peer, message);
                 }
-                if let Lookup::Older(old) = lookup {
-                    self.supersede(now, old);
-                }
                 let parts = self.spare_send_parts();
                 let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
-                let slot = self.insert_room(|| {
+                self.open_room(now, lookup, Some(peer), || {
                     let data = RoleData::Sender { notice: false, parts };
                     let mut room = super::room::Room::new(key, Role::Sender, RoomState::WaitingSend, now, data);
                     room.deadline = deadline;
                     room
-                });
-                self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
-                self.arm(now, slot, TimerKind::Room, deadline);
-                self.push_engine(RoomEvent::StateChanged { room: key, role: Role::Sender, state: RoomState::WaitingSend });
-                slot
+                })
             }
         };
         if self.room_at(slot).peer().is_none() {
@@ -373,19 +371,36 @@ impl Core {
         plugins: &[PluginSlot],
         remaining: Nanos,
     ) -> Result<(), FailReason> {
-        let held_parts = match &self.room_at(slot).data {
-            RoleData::Sender { parts, .. } => parts.len(),
-            RoleData::Receiver { .. } => unreachable!(),
-        };
+        let assigned = self.check_notice(slot, peer, notice_parts, tickets, plugins)?;
+        self.resolve_notice(now, slot, peer, notice_parts, tickets, &assigned, remaining);
+        if self.room_at(slot).state != RoomState::WaitingExpect {
+            return Ok(());
+        }
+        self.step(now, slot, RoomInput::ExpectNotice);
+        self.start_transfer(now, slot);
+        self.submit_held_chunks(now, slot)
+    }
+
+    /// Check an expect notice against the room's held sends and the peer's regions, changing
+    /// nothing; returns each part's plugin (an old receiver names none: every part uses the link's
+    /// preferred one).
+    fn check_notice(
+        &self,
+        slot: u32,
+        peer: PeerId,
+        notice_parts: &[Vec<Slice>],
+        tickets: &[Ticket],
+        plugins: &[PluginSlot],
+    ) -> Result<smallvec::SmallVec<[PluginSlot; 4]>, FailReason> {
+        let RoleData::Sender { parts: held, .. } = &self.room_at(slot).data else { unreachable!() };
         if notice_parts.is_empty()
             || notice_parts.len() as u64 > self.config.max_parts_per_room
             || tickets.len() != notice_parts.len()
-            || held_parts > notice_parts.len()
+            || held.len() > notice_parts.len()
             || !(plugins.is_empty() || plugins.len() == 1 || plugins.len() == notice_parts.len())
         {
             return Err(FailReason::LayoutMismatch);
         }
-        // An old receiver names no plugin: every part uses the link's preferred one.
         let entry = &self.peers[&peer];
         let part_plugin = |index: usize| match plugins.len() {
             0 => entry.first_plugin(),
@@ -395,19 +410,12 @@ impl Core {
         // A part with no slices is another sender's: at least one must be this sender's, and no
         // chunk may be held for another's.
         let foreign = |index: usize| notice_parts[index].is_empty();
-        let held_foreign = match &self.room_at(slot).data {
-            RoleData::Sender { parts, .. } => parts.iter().enumerate().any(|(i, p)| foreign(i) && !p.held.is_empty()),
-            RoleData::Receiver { .. } => unreachable!(),
-        };
+        let held_foreign = held.iter().enumerate().any(|(i, p)| foreign(i) && !p.held.is_empty());
         if notice_parts.iter().all(Vec::is_empty) || held_foreign {
             return Err(FailReason::LayoutMismatch);
         }
-        // Check every destination slice first (nothing changes on error), then resolve in place.
         let remote = &entry.remote_regions;
-        for (index, part) in notice_parts.iter().enumerate() {
-            if foreign(index) {
-                continue;
-            }
+        for (index, part) in notice_parts.iter().enumerate().filter(|(index, _)| !foreign(*index)) {
             let plugin = part_plugin(index);
             if !entry.has_plugin(plugin) {
                 return Err(FailReason::NoPluginForMemory);
@@ -421,21 +429,37 @@ impl Core {
                 }
             }
         }
-        let assigned: smallvec::SmallVec<[PluginSlot; 4]> = (0..notice_parts.len()).map(part_plugin).collect();
+        Ok((0..notice_parts.len()).map(part_plugin).collect())
+    }
+
+    /// Write a checked notice into the room: each part's destination in the peer's keys, its ticket
+    /// and plugin (another sender's part is done from the start), the room's bytes, and the
+    /// receiver's deadline when it comes before the room's own.
+    #[allow(clippy::too_many_arguments)]
+    fn resolve_notice(
+        &mut self,
+        now: Nanos,
+        slot: u32,
+        peer: PeerId,
+        notice_parts: &[Vec<Slice>],
+        tickets: &[Ticket],
+        assigned: &[PluginSlot],
+        remaining: Nanos,
+    ) {
         let room_cap = Nanos::from_ms(self.config.max_room_timeout_ms);
         let notice_deadline = now.saturating_add(if remaining < room_cap { remaining } else { room_cap });
         let remote = &self.peers[&peer].remote_regions;
-        let room = self.slots[slot as usize].room.as_mut().expect("live slot");
+        let room = self.rooms.get_mut(slot);
         let RoleData::Sender { notice, parts } = &mut room.data else { unreachable!() };
         *notice = true;
         parts.reserve_exact(notice_parts.len().saturating_sub(parts.len()));
         parts.resize_with(notice_parts.len(), SendPart::default);
         let mut bytes_total = 0;
-        for (((part, notice_part), &ticket), &plugin) in parts.iter_mut().zip(notice_parts).zip(tickets).zip(&assigned) {
+        for (((part, notice_part), &ticket), &plugin) in parts.iter_mut().zip(notice_parts).zip(tickets).zip(assigned) {
             let mut dest = smallvec::SmallVec::with_capacity(notice_part.len());
             let mut total = 0u64;
             for slice in notice_part {
-                let key = remote[&slice.region].key_for(plugin).expect("checked above");
+                let key = remote[&slice.region].key_for(plugin).expect("checked by check_notice");
                 dest.push(DestSlice { key, offset: slice.offset, len: slice.len });
                 total += slice.len;
             }
@@ -451,17 +475,17 @@ impl Core {
             bytes_total += total;
         }
         room.bytes_total = bytes_total;
-        let own = notice_parts.iter().position(|p| !p.is_empty()).expect("checked above");
+        let own = notice_parts.iter().position(|p| !p.is_empty()).expect("checked by check_notice");
         room.set_peer(peer, assigned[own]);
         if notice_deadline < room.deadline {
             room.deadline = notice_deadline;
             self.arm(now, slot, TimerKind::Room, notice_deadline);
         }
-        if self.room_at(slot).state != RoomState::WaitingExpect {
-            return Ok(());
-        }
-        self.step(now, slot, RoomInput::ExpectNotice);
-        self.start_transfer(now, slot);
+    }
+
+    /// The room matched: submit the chunks held before the notice, part by part in order. The
+    /// first that does not fit its destination fails the room (the rest are dropped with it).
+    fn submit_held_chunks(&mut self, now: Nanos, slot: u32) -> Result<(), FailReason> {
         let part_count = self.room_at(slot).part_count();
         for part in 0..part_count {
             let held = {

@@ -14,6 +14,24 @@ const SPARE_COMMAND_BUFFER_CAPACITY: usize = 1024;
 /// Most parts of a notice part list kept for reuse (`recycle_command`).
 const SPARE_NOTICE_PARTS: usize = 64;
 
+/// The buffers kept for reuse, one pool per kind.
+#[derive(Default)]
+pub(super) struct Spares {
+    /// Emptied part lists of dropped sender rooms, reused by new ones (at most `SPARE_SEND_PARTS`
+    /// lists of at most `SPARE_SEND_PARTS_CAPACITY` parts: no heap block per room in steady state).
+    send_parts: Vec<Vec<room::SendPart>>,
+    /// Emptied buffers of executed commands (`recycle_command`), reused by the next `Submit` and
+    /// `ExpectIncoming` (at most `SPARE_COMMAND_BUFFERS` of each, of at most
+    /// `SPARE_COMMAND_BUFFER_CAPACITY` elements).
+    pub segments: Vec<Vec<kvgate_abi::Segment>>,
+    pub ranges: Vec<Vec<kvgate_abi::LocalRange>>,
+    /// Part lists and ticket lists of sent expect notices (`recycle_command`) and of owned expect
+    /// requests, reused by the next notice (same bounds, see `keep_spare_notice_parts`).
+    notice_parts: Vec<Vec<Vec<Slice>>>,
+    pub tickets: Vec<Vec<kvgate_abi::Ticket>>,
+    pub plugin_lists: Vec<Vec<PluginSlot>>,
+}
+
 impl Core {
     /// Optional: hand back a command the driver has executed, so the core reuses its buffers (a
     /// `Submit`'s segments, an `ExpectIncoming`'s ranges, a sent `ExpectNotice`'s parts and
@@ -23,12 +41,12 @@ impl Core {
     #[inline]
     pub fn recycle_command(&mut self, command: Command) {
         match command {
-            Command::Submit { segments, .. } => Self::keep_spare(&mut self.spare_segments, segments),
-            Command::ExpectIncoming { ranges, .. } => Self::keep_spare(&mut self.spare_ranges, ranges),
+            Command::Submit { segments, .. } => Self::keep_spare(&mut self.spares.segments, segments),
+            Command::ExpectIncoming { ranges, .. } => Self::keep_spare(&mut self.spares.ranges, ranges),
             Command::ToPeer { message: PeerMessage::ExpectNotice { parts, tickets, plugins, .. }, .. } => {
                 self.keep_spare_notice_parts(parts);
-                Self::keep_spare(&mut self.spare_tickets, tickets);
-                Self::keep_spare(&mut self.spare_plugin_lists, plugins);
+                Self::keep_spare(&mut self.spares.tickets, tickets);
+                Self::keep_spare(&mut self.spares.plugin_lists, plugins);
             }
             _ => {}
         }
@@ -42,15 +60,15 @@ impl Core {
         if parts.capacity() != 0
             && parts.capacity() <= SPARE_NOTICE_PARTS
             && slices <= SPARE_COMMAND_BUFFER_CAPACITY
-            && self.spare_notice_parts.len() < SPARE_COMMAND_BUFFERS
+            && self.spares.notice_parts.len() < SPARE_COMMAND_BUFFERS
         {
-            self.spare_notice_parts.push(parts);
+            self.spares.notice_parts.push(parts);
         }
     }
 
     /// The parts of a new expect notice: a copy of `parts`, in a reused buffer when there is one.
     pub(super) fn notice_parts<P: AsRef<[Slice]>>(&mut self, parts: &[P]) -> Vec<Vec<Slice>> {
-        let mut notice = self.spare_notice_parts.pop().unwrap_or_default();
+        let mut notice = self.spares.notice_parts.pop().unwrap_or_default();
         notice.truncate(parts.len());
         for (index, part) in parts.iter().enumerate() {
             match notice.get_mut(index) {
@@ -78,28 +96,28 @@ impl Core {
     /// Command buffers held for reuse: (segment buffers, range buffers).
     #[cfg(test)]
     pub(crate) fn spare_command_buffers(&self) -> (usize, usize) {
-        (self.spare_segments.len(), self.spare_ranges.len())
+        (self.spares.segments.len(), self.spares.ranges.len())
     }
 
     /// Notice buffers held for reuse: (part lists, ticket lists).
     #[cfg(test)]
     pub(crate) fn spare_notice_buffers(&self) -> (usize, usize) {
-        (self.spare_notice_parts.len(), self.spare_tickets.len())
+        (self.spares.notice_parts.len(), self.spares.tickets.len())
     }
 
     /// An empty part list for a new sender room (a reused one when there is one).
     pub(super) fn spare_send_parts(&mut self) -> Vec<room::SendPart> {
-        self.spare_send_parts.pop().unwrap_or_default()
+        self.spares.send_parts.pop().unwrap_or_default()
     }
 
     /// Keep a dropped sender room's part list for reuse (small ones, a bounded number of them).
     pub(super) fn recycle_send_parts(&mut self, mut parts: Vec<room::SendPart>) {
         if parts.capacity() != 0
             && parts.capacity() <= SPARE_SEND_PARTS_CAPACITY
-            && self.spare_send_parts.len() < SPARE_SEND_PARTS
+            && self.spares.send_parts.len() < SPARE_SEND_PARTS
         {
             parts.clear();
-            self.spare_send_parts.push(parts);
+            self.spares.send_parts.push(parts);
         }
     }
 }

@@ -2,6 +2,7 @@
 //! receiver's parts. Plain data with small helpers; every decision is taken in the core's handlers.
 
 use crate::api::*;
+use crate::lifecycle::{TicketState, TransferState};
 use crate::timer::TimerKind;
 use crate::wheel::Wheel;
 use kvgate_abi::{PeerId, RemoteKey, Ticket};
@@ -9,26 +10,11 @@ use smallvec::SmallVec;
 
 pub(crate) const NIL: u32 = u32::MAX;
 
-/// Where a transfer (one chunk) stands, as far as the core knows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum XferState {
-    /// Submitted, no terminal event yet.
-    InFlight,
-    /// `SUCCEEDED` (implies quiesced).
-    Succeeded,
-    /// `FAILED`, bytes may still land.
-    FailedUnquiesced,
-    /// `FAILED` and quiesced (flag or separate event).
-    FailedQuiesced,
-    /// Forced failed by the plugin-grace timer; bytes may still land.
-    ForcedSilent,
-}
-
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ChunkXfer {
     pub xfer: u64,
     pub bytes: u64,
-    pub state: XferState,
+    pub state: TransferState,
 }
 
 /// A chunk accepted before the expect notice arrived.
@@ -117,7 +103,7 @@ impl SendPart {
 pub(crate) struct RecvPart {
     pub bytes: u64,
     pub done: bool,
-    pub ticket_open: bool,
+    pub ticket: TicketState,
     /// The plugin the part's ticket is open on (chosen from its memory at the expect).
     pub plugin: PluginSlot,
     /// Which of the room's senders the part comes from (an index into `Senders::peers`; 0, the
@@ -177,8 +163,6 @@ pub(crate) struct Room {
     pub unquiesced: u32,
     /// Where `bytes_total` is counted (it never changes once the transfer started).
     pub bytes_counted: BytesCounted,
-    /// Whether this core remembers the room only as a tombstone (never had a local engine).
-    pub tombstone_only: bool,
     pub data: RoleData,
 }
 
@@ -209,7 +193,6 @@ impl Room {
             in_flight: 0,
             unquiesced: 0,
             bytes_counted: BytesCounted::Nowhere,
-            tombstone_only: false,
             data,
         }
     }

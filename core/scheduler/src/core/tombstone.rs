@@ -1,18 +1,15 @@
 //! Settled rooms as compact tombstone records: when a room settles its slab slot and part lists are
 //! freed at once, and a small record (key, outcome, what the admin view shows, its transfer ids and
-//! tickets) joins a FIFO, evicted oldest first by count and age. It never revives a room.
+//! tickets with their lifecycle states) takes its place in the room store's FIFO, evicted oldest
+//! first by count and age. This module holds the record and how key-table values name records; it
+//! never revives a room.
 
-use super::room::{RoleData, XferState, NIL};
-use super::{Core, TicketRef, XferRef};
+use super::room::{RoleData, Room};
+use crate::lifecycle::{TicketState, TransferState};
 use crate::api::*;
-use crate::metrics::{LateSource, ViolationClause};
 use crate::wheel::Wheel;
-use kvgate_abi::{Event, EventKind, PeerId};
+use kvgate_abi::PeerId;
 use smallvec::SmallVec;
-
-/// The `slot` of a transfer or ticket reference that names a tombstone record (its `epoch` is then
-/// the record's sequence number, truncated: at most `max_tombstones` < 2^32 records are held).
-pub(super) const TOMBSTONE_SLOT: u32 = NIL;
 
 /// A key-table value with this bit set names a tombstone record (the low 30 bits: its sequence
 /// number, truncated: at most `max_tombstones` < 2^30 records are held); without it, a slab slot.
@@ -43,23 +40,23 @@ pub(super) fn key_value_is_stale(value: u32, front_seq: u64, held: usize) -> boo
     value & TOMBSTONE_KEY_BIT != 0 && held_tombstone_offset(value, front_seq, held).is_none()
 }
 
-/// One transfer id (sender) or ticket (receiver) of a settled room, with what classifies a late
-/// plugin event for it.
+/// One transfer id (sender) or ticket (receiver) of a settled room, with its lifecycle state (what
+/// the lifecycle tables classify a late plugin event by).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SettledId {
     pub id: u64,
     /// Sender: the chunk's bytes (checked by a late `SUCCEEDED`). Receiver: unused.
     pub bytes: u64,
-    /// Sender: the chunk's state. Receiver: unused.
-    pub state: XferState,
-    /// Receiver: whether the ticket was still open. Sender: unused.
-    pub ticket_open: bool,
+    /// Sender: the transfer's state. Receiver: unused.
+    pub state: TransferState,
+    /// Receiver: the ticket's state. Sender: unused.
+    pub ticket: TicketState,
     /// The plugin the transfer ran on, or the ticket was open on.
     pub plugin: PluginSlot,
 }
 
 /// A settled room as remembered until its tombstone expires or is evicted (its sequence number is
-/// its place in the FIFO plus `Core::tombstone_front_seq`). Fields packed by hand (the key and the
+/// its place in the room store's FIFO plus the front's sequence number). Fields packed by hand (the key and the
 /// peer split into plain words): at most 128 bytes, two cache lines.
 #[derive(Clone, Debug)]
 pub(crate) struct Tombstone {
@@ -102,81 +99,28 @@ impl Tombstone {
     }
 }
 
-impl Core {
-    /// The record with sequence number `seq` (held: the key table and the id tables name only
-    /// held records).
-    #[inline]
-    pub(super) fn tombstone_at(&self, seq: u64) -> &Tombstone {
-        &self.tombstones[(seq - self.tombstone_front_seq) as usize]
-    }
-
-    /// The sequence number of the record a key-table value (`TOMBSTONE_KEY_BIT` set) names, if it
-    /// is still held (None: a stale entry).
-    #[inline]
-    pub(super) fn held_tombstone_seq(&self, value: u32) -> Option<u64> {
-        let offset = held_tombstone_offset(value, self.tombstone_front_seq, self.tombstones.len())?;
-        Some(self.tombstone_front_seq + offset as u64)
-    }
-
-    /// Drop the stale entries of `role`'s key table (records evicted since its last sweep).
-    #[cold]
-    fn sweep_keys(&mut self, role: Role) {
-        let (front_seq, held) = (self.tombstone_front_seq, self.tombstones.len());
-        self.keys[role as usize].sweep(|value| key_value_is_stale(value, front_seq, held));
-    }
-
-    /// The record a transfer or ticket reference names by its truncated sequence number.
-    #[inline]
-    pub(super) fn tombstone_index_of(&self, seq32: u32) -> usize {
-        let index = seq32.wrapping_sub(self.tombstone_front_seq as u32) as usize;
-        debug_assert!(index < self.tombstones.len(), "ids name only held tombstones");
-        index
-    }
-
-    /// A terminal room whose memory is reusable: remember it as a tombstone record, bounded in
-    /// time and count, and free its slot and part lists now. Its expiry is one constant ttl away
-    /// (settle order is expiry order; a clock that steps back never puts an expiry before the one
-    /// ahead of it).
-    pub(super) fn settle(&mut self, now: Nanos, slot: u32) {
-        let mut expiry = now.saturating_add(Nanos::from_ms(self.config.tombstone_ttl_ms));
-        if let Some(last) = self.tombstones.back() {
-            expiry = expiry.max(last.expiry);
-        }
-        let seq = self.tombstone_front_seq + self.tombstones.len() as u64;
-        let entry = &mut self.slots[slot as usize];
-        let epoch = entry.epoch;
-        let room = entry.room.as_mut().expect("live slot");
-        // Nothing is armed once settled: the room's deadline entry (if any) is released.
-        debug_assert_eq!(room.earliest_wheel_deadline(), None);
-        debug_assert!(!room.in_peer_list, "a settled room is unlinked from its peer first");
-        debug_assert!(matches!(room.state, RoomState::Succeeded | RoomState::Failed));
-        room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, None);
-        room.armed = 0;
+impl Tombstone {
+    /// The record of a settling room (terminal, its memory reusable), expiring at `expiry`.
+    pub fn of_room(room: &Room, expiry: Nanos) -> Tombstone {
         let mut ids = SmallVec::new();
-        let mut dropped_held = 0u64;
         match &room.data {
             RoleData::Sender { parts, .. } => {
                 for part in parts {
-                    dropped_held += part.held.len() as u64;
+                    let plugin = part.plugin();
                     for chunk in &part.chunks {
-                        let index = ids.len() as u32;
-                        let plugin = part.plugin();
-                        ids.push(SettledId { id: chunk.xfer, bytes: chunk.bytes, state: chunk.state, ticket_open: false, plugin });
-                        let xref = XferRef { slot: TOMBSTONE_SLOT, epoch: seq as u32, part: index, chunk: 0, plugin };
-                        self.xfers.replace(chunk.xfer, xref);
+                        ids.push(SettledId { id: chunk.xfer, bytes: chunk.bytes, state: chunk.state, ticket: TicketState::Closed, plugin });
                     }
                 }
             }
             RoleData::Receiver { ticket_base, parts, .. } => {
                 for (index, part) in parts.iter().enumerate() {
                     let ticket = ticket_base + index as u64;
-                    ids.push(SettledId { id: ticket, bytes: 0, state: XferState::Succeeded, ticket_open: part.ticket_open, plugin: part.plugin });
-                    self.tickets.replace(ticket, TicketRef { slot: TOMBSTONE_SLOT, epoch: seq as u32, part: index as u32 });
+                    ids.push(SettledId { id: ticket, bytes: 0, state: TransferState::Succeeded, ticket: part.ticket, plugin: part.plugin });
                 }
             }
         }
         let peer = room.peer();
-        let record = Tombstone {
+        Tombstone {
             room_id: room.key.room,
             generation: room.key.generation,
             role: room.role,
@@ -194,196 +138,50 @@ impl Core {
             bytes_done: room.bytes_done,
             failure: room.failure,
             ids,
-        };
-        self.metrics.pending_sends -= dropped_held;
-        let spare = match &mut room.data {
-            RoleData::Sender { parts, .. } => Some(std::mem::take(parts)),
-            RoleData::Receiver { .. } => None,
-        };
-        entry.room = None;
-        entry.epoch = entry.epoch.wrapping_add(1);
-        if let Some(parts) = spare {
-            self.recycle_send_parts(parts);
-        }
-        self.free_slots.push(slot);
-        // The oldest leaves before the new one joins (the same records go): a full FIFO is a ring
-        // of exactly `max_tombstones` records, so the new record is written where the evicted one
-        // was just read, in cache.
-        while self.metrics.tombstones >= self.config.max_tombstones {
-            self.metrics.tombstones_evicted += 1;
-            self.drop_oldest_tombstone();
-        }
-        self.reserve_tombstone();
-        let (role, room_id) = (record.role, record.room_id);
-        self.tombstones.push_back(record);
-        self.metrics.tombstones += 1;
-        // The room's key entry now names the record (unless a newer generation took the key over);
-        // only once the record is held, so a sweep during the evictions above never finds its
-        // value stale.
-        let keys = &mut self.keys[role as usize];
-        let hash = keys.hash(room_id);
-        if let Some(index) = keys.find_value(hash, slot) {
-            keys.set_value_at(index, tombstone_key_value(seq));
         }
     }
 
-    /// Room for one more record: the FIFO grows by doubling, but never past `max_tombstones`.
-    #[inline]
-    fn reserve_tombstone(&mut self) {
-        let (len, capacity) = (self.tombstones.len(), self.tombstones.capacity());
-        if len == capacity {
-            let limit = usize::try_from(self.config.max_tombstones).unwrap_or(usize::MAX);
-            let target = (2 * capacity).max(4).min(limit).max(len + 1);
-            self.tombstones.reserve_exact(target - len);
+    /// The record of a room that never existed here (an abort or a failure before the
+    /// counterpart), remembered from `now` so its late counterpart is refused.
+    pub fn remembered(key: RoomKey, role: Role, failure: Failure, last_event: LastEvent, now: Nanos, expiry: Nanos) -> Tombstone {
+        Tombstone {
+            room_id: key.room,
+            generation: key.generation,
+            role,
+            state: RoomState::Failed,
+            last_event,
+            peer_id: 0,
+            plugin_slot: PluginSlot(0),
+            has_peer: false,
+            created: now,
+            last_event_at: now,
+            expiry,
+            parts: 0,
+            parts_done: 0,
+            bytes_total: 0,
+            bytes_done: 0,
+            failure: Some(failure),
+            ids: SmallVec::new(),
         }
     }
 
-    /// Forget the oldest tombstone entirely (expired or evicted): its key, transfer ids, tickets.
-    pub(super) fn drop_oldest_tombstone(&mut self) {
-        // The record is read in place (not moved out of the ring: it is two cache lines).
-        let Some(record) = self.tombstones.front() else { return };
-        let state = record.state;
-        match record.role {
-            Role::Sender => {
-                for settled in &record.ids {
-                    self.xfers.remove(settled.id);
-                }
-            }
-            Role::Receiver => {
-                for settled in &record.ids {
-                    self.tickets.remove(settled.id);
-                }
-            }
-        }
-        self.tombstones.pop_front();
-        self.tombstone_front_seq += 1;
-        // Its key entry (unless a newer generation took the key over) is stale from now on, left
-        // where it is for a sweep: no random read of the key table per eviction. A sweep is due in
-        // a table after a quarter of its slots in evictions of either role (the sequence numbers
-        // are shared), so every stale entry goes while its value still reads as stale.
-        for role in Role::ALL {
-            if self.keys[role as usize].note_eviction() {
-                self.sweep_keys(role);
-            }
-        }
-        self.metrics.rooms_by_state[state.index()] -= 1;
-        self.metrics.tombstones -= 1;
-    }
-
-    /// The admin view of a tombstone (its next deadline is its expiry).
-    pub(super) fn view_of_tombstone(&self, now: Nanos, record: &Tombstone) -> RoomView {
+    /// The admin view of the record (its next deadline is its expiry).
+    pub fn view(&self, now: Nanos) -> RoomView {
         RoomView {
-            room: record.key(),
-            role: record.role,
-            state: record.state,
-            age: now.saturating_sub(record.created),
-            peer: record.peer().map(|peer| peer.0),
-            plugin: record.plugin(),
-            last_event: record.last_event,
-            last_event_age: now.saturating_sub(record.last_event_at),
-            next_deadline: Some(Wheel::fire_time(record.expiry)),
-            parts: record.parts,
-            parts_done: record.parts_done,
-            bytes_total: record.bytes_total,
-            bytes_done: record.bytes_done,
-            failure: record.failure,
-        }
-    }
-
-    /// A plugin event for a transfer of a settled (terminal) room: exactly what the event does to
-    /// a terminal room's chunk (a late event or a counted violation; the room never changes state).
-    pub(super) fn settled_xfer_event(&mut self, xref: XferRef, event: &Event) {
-        let index = self.tombstone_index_of(xref.epoch);
-        let chunk = xref.part as usize;
-        let (state, bytes) = {
-            let settled = &self.tombstones[index].ids[chunk];
-            (settled.state, settled.bytes)
-        };
-        let set_state = |core: &mut Core, new: XferState| core.tombstones[index].ids[chunk].state = new;
-        match event.kind {
-            EventKind::SUCCEEDED => match state {
-                XferState::InFlight if event.bytes == bytes => {
-                    set_state(self, XferState::Succeeded);
-                    self.metrics.bytes_moved += bytes;
-                    self.tombstones[index].bytes_done += bytes;
-                }
-                XferState::InFlight => {
-                    self.metrics.violations[ViolationClause::SucceededBytesMismatch.index()] += 1;
-                    set_state(self, XferState::FailedQuiesced);
-                }
-                XferState::ForcedSilent => {
-                    self.count_late(LateSource::Plugin);
-                    set_state(self, XferState::Succeeded);
-                }
-                _ => self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1,
-            },
-            EventKind::FAILED => {
-                let known_reason = event.reason.0 != 0 && event.reason.is_known();
-                if !known_reason {
-                    self.metrics.violations[ViolationClause::UnknownReasonCode.index()] += 1;
-                }
-                let quiesced = event.flags & kvgate_abi::event_flags::QUIESCED != 0;
-                let next = if quiesced { XferState::FailedQuiesced } else { XferState::FailedUnquiesced };
-                match state {
-                    XferState::InFlight => set_state(self, next),
-                    XferState::ForcedSilent => {
-                        self.count_late(LateSource::Plugin);
-                        if quiesced {
-                            set_state(self, XferState::FailedQuiesced);
-                        }
-                    }
-                    _ => self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1,
-                }
-            }
-            EventKind::QUIESCED => match state {
-                XferState::FailedUnquiesced | XferState::ForcedSilent => set_state(self, XferState::FailedQuiesced),
-                XferState::InFlight => {
-                    self.metrics.violations[ViolationClause::QuiescedBeforeTerminal.index()] += 1;
-                    set_state(self, XferState::FailedQuiesced);
-                }
-                XferState::Succeeded | XferState::FailedQuiesced => {
-                    self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1
-                }
-            },
-            EventKind::PROGRESS => {
-                if state != XferState::InFlight {
-                    self.metrics.violations[ViolationClause::EventAfterTerminal.index()] += 1;
-                }
-            }
-            _ => self.metrics.violations[ViolationClause::UnknownEventKind.index()] += 1,
-        }
-    }
-
-    /// A plugin event for a ticket of a settled (terminal) receiver room: exactly what the event
-    /// does to a terminal receiver (a late event or a counted violation).
-    pub(super) fn settled_ticket_event(&mut self, tref: TicketRef, plugin: PluginSlot, event: &Event) {
-        let index = self.tombstone_index_of(tref.epoch);
-        let part = tref.part as usize;
-        if self.tombstones[index].ids[part].plugin != plugin {
-            self.metrics.violations[ViolationClause::WrongPlugin.index()] += 1;
-            return;
-        }
-        match event.kind {
-            EventKind::QUIESCED => {
-                let record = &mut self.tombstones[index];
-                let settled = &mut record.ids[part];
-                if !settled.ticket_open {
-                    // The answer to the cancel sent on success: expected, nothing to do.
-                    if record.state != RoomState::Succeeded {
-                        self.metrics.violations[ViolationClause::DuplicateEvent.index()] += 1;
-                    }
-                    return;
-                }
-                settled.ticket_open = false;
-            }
-            EventKind::INCOMING_FAILED => {
-                let known_reason = event.reason.0 != 0 && event.reason.is_known();
-                if !known_reason {
-                    self.metrics.violations[ViolationClause::UnknownReasonCode.index()] += 1;
-                }
-                self.count_late(LateSource::Plugin);
-            }
-            _ => self.metrics.violations[ViolationClause::UnknownEventKind.index()] += 1,
+            room: self.key(),
+            role: self.role,
+            state: self.state,
+            age: now.saturating_sub(self.created),
+            peer: self.peer().map(|peer| peer.0),
+            plugin: self.plugin(),
+            last_event: self.last_event,
+            last_event_age: now.saturating_sub(self.last_event_at),
+            next_deadline: Some(Wheel::fire_time(self.expiry)),
+            parts: self.parts,
+            parts_done: self.parts_done,
+            bytes_total: self.bytes_total,
+            bytes_done: self.bytes_done,
+            failure: self.failure,
         }
     }
 }
@@ -429,11 +227,11 @@ mod tests {
     fn a_full_fifo_is_a_ring_of_exactly_max_tombstones_records() {
         for max_tombstones in [1u64, 3, 5, 100] {
             let config = crate::CoreConfig { max_tombstones, ..crate::CoreConfig::default() };
-            let mut core = Core::new(config).unwrap();
+            let mut core = super::super::Core::new(config).unwrap();
             for n in 0..3 * max_tombstones {
                 core.engine_abort(Nanos::from_ms(1), RoomKey::new(n, 0), Some(Role::Sender));
-                assert_eq!(core.tombstones.len() as u64, (n + 1).min(max_tombstones));
-                assert!(core.tombstones.capacity() as u64 <= max_tombstones, "capacity {}", core.tombstones.capacity());
+                assert_eq!(core.rooms.records() as u64, (n + 1).min(max_tombstones));
+                assert!(core.rooms.record_capacity() as u64 <= max_tombstones, "capacity {}", core.rooms.record_capacity());
             }
             assert_eq!(core.metrics.tombstones_evicted, 2 * max_tombstones);
         }
