@@ -250,7 +250,7 @@ fn register_core(registry: &mut Registry, snapshot: &AdminSnapshot) {
         late.get_or_create(&labels(&[("source", source.as_str())])).inc_by(m.late_messages[source.index()]);
     }
     registry.register("late_messages", "Late messages refused, by source", late);
-    registry.register("core_illegal_transitions", "Inputs the room transition table refused (a core bug: expected 0)", counter(m.illegal_transitions));
+    registry.register("core_illegal_transitions", "Inputs a core transition table (room, transfer or ticket) refused (a core bug: expected 0)", counter(m.illegal_transitions));
     registry.register("quarantined_bytes", "Bytes of memory quarantined now", gauge(m.quarantined_bytes as i64));
     registry.register("bytes_moved", "Bytes confirmed moved", counter(m.bytes_moved));
     registry.register("rooms_created", "Rooms created", counter(m.rooms_created));
