@@ -9,6 +9,7 @@ pub mod core_abort;
 pub mod datapath;
 pub mod link;
 pub mod matrix;
+pub mod peers;
 pub mod plan;
 pub mod plot;
 pub mod png_plot;
@@ -106,6 +107,12 @@ pub struct BenchArgs {
     /// Minimal rooms moved through batched calls for the batched rooms-per-second figure.
     #[arg(long)]
     pub batched_rooms: Option<u64>,
+    /// Side by side with other transfer layers on this host: `nixl`, `mooncake` (run from the source
+    /// tree's bench/peers in a virtual environment created once under target/peers-venv). The same
+    /// cells through kvgate (shm, UCX over TCP, QUIC) and each peer, one transfer in flight, in
+    /// alternating rounds; prints the table and nothing else.
+    #[arg(long, value_delimiter = ',')]
+    pub peers: Option<Vec<String>>,
     /// Measure only the per-room cost and the batched rooms per second (and print them), nothing else.
     #[arg(long)]
     pub room_cost_only: bool,
@@ -172,6 +179,9 @@ pub fn run(args: BenchArgs) -> i32 {
     if args.room_cost_only {
         return runtime.block_on(run_room_cost_only(&args, &plan));
     }
+    if let Some(wanted) = &args.peers {
+        return runtime.block_on(run_peers(&args, &plan, wanted));
+    }
     match runtime.block_on(run_async(&args, &plan)) {
         Ok(report) => {
             let broken = report.data_path.iter().flat_map(|p| &p.cells).any(|c| c.failures > 0 || !c.verified);
@@ -217,6 +227,36 @@ async fn run_room_cost_only(args: &BenchArgs, plan: &Plan) -> i32 {
         }
         Err(e) => {
             eprintln!("kvgate bench --room-cost-only failed: {e:#}");
+            1
+        }
+    }
+}
+
+/// `--peers`: kvgate beside NIXL and Mooncake (`peers.rs`).
+async fn run_peers(args: &BenchArgs, plan: &Plan, wanted: &[String]) -> i32 {
+    let cells: Vec<(u64, u64)> = match (&args.block_sizes, &args.blocks) {
+        (None, None) => peers::PEER_CELLS.to_vec(),
+        _ => plan.cells(),
+    };
+    let result = async {
+        let binary = std::env::current_exe().context("locate the kvgate binary")?;
+        let (dir, _guard) = work_dir(args)?;
+        let ucx = matrix::ucx_library(args.ucx_library.as_deref());
+        peers::run(&binary, &dir, wanted, plan, &cells, &ucx).await
+    };
+    match result.await {
+        Ok(rows) => {
+            print!("{}", peers::table(&rows));
+            if let Some(path) = &args.json {
+                if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&rows).unwrap_or_default() + "\n") {
+                    eprintln!("kvgate bench: write {}: {e}", path.display());
+                    return 1;
+                }
+            }
+            i32::from(rows.iter().any(|r| !r.verified))
+        }
+        Err(e) => {
+            eprintln!("kvgate bench --peers failed: {e:#}");
             1
         }
     }
