@@ -33,7 +33,7 @@ def import_nixl() -> Any:
     try:
         import nixl_cu12 as nixl
     except ImportError:
-        import nixl._api as nixl  # type: ignore[no-redef]
+        import nixl._api as nixl
     return nixl
 
 

@@ -16,7 +16,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, TextIO
+from typing import Callable, Optional, TextIO, Union
 
 DEFAULT_CELLS = "4K:1,64K:100,4M:1,64M:1"
 DEFAULT_CELL_MS = 1000
@@ -153,8 +153,10 @@ def poison(src: Pool, dst: Pool, length: int) -> None:
     dst.map[:length] = src.map[:length].translate(COMPLEMENT_TABLE)
 
 
-def first_difference(src: bytes | bytearray | memoryview, dst: bytes | bytearray | memoryview,
-                     length: int) -> Optional[int]:
+Buffer = Union[bytes, bytearray, memoryview, mmap.mmap]
+
+
+def first_difference(src: Buffer, dst: Buffer, length: int) -> Optional[int]:
     """The first offset below `length` where the destination differs from the source; None when
     the two agree over the whole length (or a buffer is shorter than `length`: offset of its end)."""
     if len(src) < length or len(dst) < length:
