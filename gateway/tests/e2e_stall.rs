@@ -60,7 +60,11 @@ async fn a_stopped_decode_gateway_finishes_the_rooms_its_peer_finished_while_it_
         assert_eq!(slot_checksum(&decode, *slot).await.unwrap(), *expected, "room {room}: bytes");
         assert!(wait_reusable(d_rx, Duration::from_secs(5)).await, "room {room}: memory not reusable within 5 s (quarantine bound 30 s)");
     }
-    assert!(pair.decode.log().contains("the gateway was stalled"), "the stall was not noticed:\n{}", pair.decode.log());
+    // Noticed by the driver (a deadline woke late) or by the link (its silence bound woke late):
+    // when the peer's messages for every room arrive in one batch, the driver may finish them all
+    // before any deadline of theirs is due, and then only the link saw the stall.
+    let log = pair.decode.log();
+    assert!(log.contains("the gateway was stalled") || log.contains("stalled past this link's silence bound"), "the stall was not noticed:\n{log}");
     pair.stop();
 }
 
