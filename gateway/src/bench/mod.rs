@@ -247,6 +247,18 @@ async fn run_peers(args: &BenchArgs, plan: &Plan, wanted: &[String]) -> i32 {
     match result.await {
         Ok(rows) => {
             print!("{}", peers::table(&rows));
+            if let Some(path) = &args.markdown {
+                let m = system::machine();
+                let machine = format!("{} CPUs ({}), {:.0} GiB memory, kernel {}", m.cpus, m.cpu_model, m.memory_gib, m.kernel);
+                let load = system::load_average();
+                let section = peers::markdown_section(&rows, &system::command_line(), &machine, &system::utc_now(), &load);
+                let page = std::fs::read_to_string(path).unwrap_or_default();
+                if let Err(e) = std::fs::write(path, peers::splice_section(&page, &section)) {
+                    eprintln!("kvgate bench: write {}: {e}", path.display());
+                    return 1;
+                }
+                println!("wrote the side-by-side section of {}", path.display());
+            }
             if let Some(path) = &args.json {
                 if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&rows).unwrap_or_default() + "\n") {
                     eprintln!("kvgate bench: write {}: {e}", path.display());
@@ -496,7 +508,12 @@ fn write_outputs(args: &BenchArgs, report: &BenchReport) -> anyhow::Result<()> {
     }
     if let Some(path) = &args.markdown {
         let svg_link = args.plot.as_ref().and_then(|p| link_in_same_folder(p, path));
-        std::fs::write(path, report::markdown(report, svg_link.as_deref())).with_context(|| format!("write {}", path.display()))?;
+        let mut page = report::markdown(report, svg_link.as_deref());
+        // The side-by-side section (`--peers --markdown`) is kept from the page being replaced.
+        if let Some(section) = std::fs::read_to_string(path).ok().as_deref().and_then(peers::section_of) {
+            page = peers::splice_section(&page, section);
+        }
+        std::fs::write(path, page).with_context(|| format!("write {}", path.display()))?;
         println!("wrote {}", path.display());
     }
     Ok(())

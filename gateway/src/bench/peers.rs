@@ -252,9 +252,56 @@ pub fn table(rows: &[SideBySide]) -> String {
     out
 }
 
+/// Where the side-by-side section starts and ends in BENCHMARKS.md: `--peers --markdown` writes
+/// between them, and the main run's `--markdown` keeps what is there.
+pub const SECTION_START: &str = "<!-- kvgate bench --peers: start -->";
+pub const SECTION_END: &str = "<!-- kvgate bench --peers: end -->";
+
+/// The side-by-side section of BENCHMARKS.md: how it was measured, on what, and the table.
+pub fn markdown_section(rows: &[SideBySide], command: &str, machine: &str, finished_utc: &str, load: &str) -> String {
+    format!(
+        "{SECTION_START}\n## Beside NIXL and Mooncake\n\n`{command}` on {machine}, finished {finished_utc} UTC; load average {load}. \
+         The same cells through kvgate (two gateways and the engine API, one room in flight) and through NVIDIA NIXL and \
+         Mooncake's Transfer Engine driven through their Python APIs (bench/peers/README.md: versions and caveats), one \
+         transfer in flight, {PEER_ROUNDS} rounds alternating kvgate and the peers; every cell's destination bytes are \
+         compared with the source. `kvgate / this` is kvgate's median GB/s over the peer's: over shared memory against \
+         kvgate shm, over TCP against kvgate's UCX-over-TCP plugin.\n\n{}\n{SECTION_END}\n",
+        table(rows)
+    )
+}
+
+/// `page` with its side-by-side section replaced by `section` (or `section` appended when it has none).
+pub fn splice_section(page: &str, section: &str) -> String {
+    match (page.find(SECTION_START), page.find(SECTION_END)) {
+        (Some(start), Some(end)) if end > start => format!("{}{}{}", &page[..start], section.trim_end_matches('\n'), &page[end + SECTION_END.len()..]),
+        _ => format!("{}\n{section}", page.trim_end_matches('\n').to_string() + "\n"),
+    }
+}
+
+/// The side-by-side section of `page`, if it has one.
+pub fn section_of(page: &str) -> Option<&str> {
+    let start = page.find(SECTION_START)?;
+    let end = page.find(SECTION_END)? + SECTION_END.len();
+    (end > start).then(|| &page[start..end])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_section_is_replaced_in_place_or_appended_and_survives_a_regenerated_page() {
+        let section = markdown_section(&gather(&[cell("nixl", "ucx", 2.0)]), "kvgate bench --peers nixl", "a host", "now", "1 1 1");
+        let page = "# Benchmarks\n\nfigures\n";
+        let once = splice_section(page, &section);
+        assert!(once.starts_with(page) && once.contains("| nixl ucx |"), "{once}");
+        let newer = markdown_section(&gather(&[cell("nixl", "ucx", 5.0)]), "kvgate bench --peers nixl", "a host", "later", "1 1 1");
+        let twice = splice_section(&once, &newer);
+        assert_eq!(twice.matches(SECTION_START).count(), 1, "{twice}");
+        assert!(twice.contains("5.000") && !twice.contains("| 2.000 |"), "{twice}");
+        let regenerated = splice_section("# Benchmarks\n\nnew figures\n", section_of(&twice).unwrap());
+        assert!(regenerated.contains("new figures") && regenerated.contains("5.000"), "{regenerated}");
+    }
 
     fn cell(peer: &str, transport: &str, gbps: f64) -> PeerCell {
         PeerCell { peer: peer.into(), transport: transport.into(), block_bytes: 65536, blocks: 100, transfers: 5, gbps, p50_ms: 1.0, p99_ms: 1.0, verified: true, error: None }
