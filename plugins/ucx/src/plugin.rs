@@ -117,6 +117,7 @@ impl PluginFactory for UcxFactory {
             progress_thread_sleeping: AtomicBool::new(false),
             healthy: AtomicBool::new(true),
             workers_alive: AtomicU64::new(0),
+            posted_bytes_peak: AtomicU64::new(0),
         });
         let engine = Engine::new(shared.clone(), worker).map_err(|e| unavailable(e.to_string()))?;
         let engine = SendBox(engine);
@@ -185,6 +186,13 @@ impl UcxPlugin {
     pub fn hold_commands_for_tests(&self, hold: bool) {
         self.shared.commands_held_for_tests.store(hold, Ordering::SeqCst);
         self.shared.wake();
+    }
+
+    /// Test hook: the most data bytes (messages or puts) this instance has had posted to UCX at
+    /// once, which `max_posted_bytes` bounds. Not part of the `Plugin` interface.
+    #[doc(hidden)]
+    pub fn posted_bytes_peak_for_tests(&self) -> u64 {
+        self.shared.posted_bytes_peak.load(Ordering::Relaxed)
     }
 }
 

@@ -232,6 +232,9 @@ pub struct Shared {
     pub progress_thread_sleeping: AtomicBool,
     pub healthy: AtomicBool,
     pub workers_alive: AtomicU64,
+    /// The most data bytes the progress thread has had posted to UCX at once (see
+    /// `max_posted_bytes`); read by tests through [`crate::UcxPlugin::posted_bytes_peak_for_tests`].
+    pub posted_bytes_peak: AtomicU64,
 }
 
 impl Shared {

@@ -80,6 +80,11 @@ impl Engine {
             let index = x.next_segment;
             let carries_commit = x.last_data_segment == Some(index);
             let segment = x.job.segments[index];
+            if segment.len > 0 && !self.window_takes(segment.len) {
+                // The instance's posted bytes are at `max_posted_bytes`: pumped again after activity.
+                self.stall(xfer);
+                return;
+            }
             self.xfers.get_mut(&xfer).unwrap().next_segment += 1;
             if segment.len == 0 {
                 continue;
@@ -93,6 +98,20 @@ impl Engine {
                 self.maybe_finish(xfer);
                 return;
             }
+        }
+    }
+
+    /// Whether a message of `len` bytes may be posted now (see [`window_takes`]).
+    fn window_takes(&self, len: u64) -> bool {
+        window_takes(self.posted_bytes, len, self.shared.config.max_posted_bytes)
+    }
+
+    /// Count a posted, still pending data request's bytes until its completion (`on_complete`).
+    fn count_posted_bytes(&mut self, token: u64, len: u64) {
+        if let Some(req) = self.requests.get_mut(&token) {
+            req.bytes = len;
+            self.posted_bytes += len;
+            self.shared.posted_bytes_peak.fetch_max(self.posted_bytes, Ordering::Relaxed);
         }
     }
 
@@ -138,6 +157,9 @@ impl Engine {
         let pending = self
             .track(token, posted, ReqKind::Xfer { xfer }, header)
             .map_err(|s| (reason_for(s), format!("ucp_am_send_nbx: {}", ucp::status_text(s))))?;
+        if pending {
+            self.count_posted_bytes(token, segment.len);
+        }
         let x = self.xfers.get_mut(&xfer).unwrap();
         x.posted += pending as u64;
         x.data_messages += 1;
@@ -198,6 +220,9 @@ impl Engine {
         let pending = self
             .track(token, posted, ReqKind::Xfer { xfer }, Vec::new())
             .map_err(|s| (reason_for(s), format!("ucp_put_nbx: {}", ucp::status_text(s))))?;
+        if pending {
+            self.count_posted_bytes(token, segment.len);
+        }
         let x = self.xfers.get_mut(&xfer).unwrap();
         x.posted += pending as u64;
         x.any_put_posted = true;
@@ -343,6 +368,13 @@ impl Engine {
     }
 }
 
+/// Whether a message of `len` bytes may be posted with `posted` bytes already posted: the sum stays
+/// within `max_posted` (`max_posted_bytes`), or nothing is posted (a message longer than the bound
+/// still moves, alone).
+fn window_takes(posted: u64, len: u64, max_posted: u64) -> bool {
+    posted == 0 || posted.saturating_add(len) <= max_posted
+}
+
 impl Outgoing {
     fn new(job: Box<OutgoingJob>, tokens: Vec<u64>) -> Outgoing {
         let last_data_segment = job.segments.iter().rposition(|s| s.len > 0);
@@ -363,5 +395,21 @@ impl Outgoing {
             stalled: false,
             tokens,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::window_takes;
+
+    #[test]
+    fn the_posted_bytes_window_takes_a_message_at_its_bound_and_not_past_it() {
+        assert!(window_takes(0, 10, 100));
+        assert!(window_takes(90, 10, 100), "at the bound");
+        assert!(!window_takes(91, 10, 100), "one byte past it");
+        assert!(!window_takes(100, 1, 100));
+        assert!(window_takes(0, 1000, 100), "a message longer than the bound moves when nothing else is posted");
+        assert!(!window_takes(1, 1000, 100), "but never next to another");
+        assert!(!window_takes(u64::MAX - 1, 2, u64::MAX - 1), "no overflow");
     }
 }

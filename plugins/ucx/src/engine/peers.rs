@@ -111,7 +111,7 @@ impl Engine {
                         closed_at_once = false;
                         let xfers = if close_quiesces { victims.clone() } else { Vec::new() };
                         let kind = ReqKind::Close { xfers };
-                        self.requests.insert(token, Req { request, kind, header: Vec::new() });
+                        self.requests.insert(token, Req { request, kind, header: Vec::new(), bytes: 0 });
                     }
                     Posted::Done => {}
                     Posted::Failed(status) => {
