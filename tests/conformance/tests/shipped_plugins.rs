@@ -44,10 +44,20 @@ fn ucx_over_shared_memory_passes_every_clause() {
 /// `ucp_worker_progress` call sent every posted byte (1.6 GiB, ~340 ms) while the cancels waited;
 /// the plugin's `max_posted_bytes` bounds that now.
 #[test]
+///
+/// TIME-12 and DATA-7 run through the harness's TCP fault proxy (black hole, reset and half-close of
+/// every connection; a 30 ms delay), with the bytes of both directions seen going through it, and
+/// HANDSHAKE-2's restarted receiver comes up behind the same proxy address.
+// CONFORMANCE: TIME-12, DATA-7, HANDSHAKE-2 (through the TCP fault proxy)
 fn ucx_over_tcp_passes_every_clause() {
     let run = run_harness("builtin:ucx", &[], &repo_file("plugins/ucx/conformance/tcp.toml"));
-    assert_all_pass(&run, false);
+    assert_all_pass(&run, true);
     assert_eq!(run.report["profile"], "full");
+    for (id, _, evidence) in run.clauses().into_iter().filter(|(id, _, _)| id == "TIME-12" || id == "DATA-7") {
+        assert!(evidence.contains("TCP proxy toward the receiver") && !evidence.contains("not proxied"), "{id}: {evidence}");
+    }
+    let (_, _, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == "HANDSHAKE-2").unwrap();
+    assert!(evidence.contains("behind the same TCP proxy address"), "{evidence}");
 }
 
 // CONFORMANCE: HYGIENE-3
