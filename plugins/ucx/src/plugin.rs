@@ -53,6 +53,7 @@ fn unavailable(message: String) -> PluginError {
 
 fn random_instance_id() -> u64 {
     let mut bytes = [0u8; 8];
+    // SAFETY: getrandom writes at most 8 bytes into the 8-byte array it is given.
     let got = unsafe { libc::getrandom(bytes.as_mut_ptr() as *mut libc::c_void, 8, 0) };
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     let fallback = nanos ^ ((std::process::id() as u64) << 32);
@@ -97,6 +98,8 @@ impl PluginFactory for UcxFactory {
         drop(ucx_config);
         let worker = Worker::new(&context).map_err(|e| unavailable(format!("no usable UCX transport: {e}")))?;
         let worker_address = worker.address().map_err(|e| unavailable(e.to_string()))?;
+        // SAFETY: eventfd takes only values; the descriptor it returns is checked below and owned by `Shared`
+        // (closed on drop).
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if wake_fd < 0 {
             return Err(unavailable(format!("eventfd: {}", std::io::Error::last_os_error())));
@@ -139,6 +142,8 @@ impl PluginFactory for UcxFactory {
 
 /// The engine holds raw UCX pointers; it is moved once into its own thread and used only there.
 struct SendBox(Box<Engine>);
+// SAFETY: the engine's raw UCX handles belong to a worker created with a single-thread mode; the box is moved
+// once into the progress thread and used only there, never touched from the thread that made it.
 unsafe impl Send for SendBox {}
 
 /// Marks the progress thread gone (and the instance unhealthy) however it ends.

@@ -258,6 +258,8 @@ impl Shared {
         self.commands_pending.store(true, Ordering::SeqCst);
         if self.progress_thread_sleeping.load(Ordering::SeqCst) {
             let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a u64 on the stack to the instance's own eventfd, open while `self`
+            // lives.
             unsafe { libc::write(self.wake_fd, &one as *const u64 as *const libc::c_void, 8) };
         }
     }
@@ -269,6 +271,8 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        // SAFETY: the eventfd was opened in `open` for this instance and is closed once, here, when the last
+        // holder of `Shared` drops it.
         unsafe { libc::close(self.wake_fd) };
     }
 }

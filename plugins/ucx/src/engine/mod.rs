@@ -290,10 +290,14 @@ impl Engine {
             libc::pollfd { fd: self.worker_fd, events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: self.shared.wake_fd, events: libc::POLLIN, revents: 0 },
         ];
+        // SAFETY: `fds` is an array of two valid pollfds on the stack and the count says 2; the timeout is
+        // bounded.
         unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
         self.shared.progress_thread_sleeping.store(false, Ordering::SeqCst);
         if fds[1].revents != 0 {
             let mut value: u64 = 0;
+            // SAFETY: reads 8 bytes into a u64 on the stack from the instance's own eventfd, which lives as
+            // long as `shared`.
             unsafe { libc::read(self.shared.wake_fd, &mut value as *mut u64 as *mut c_void, 8) };
         }
     }

@@ -143,6 +143,10 @@ impl Engine {
             0,
             segment.local_memh as ucp::ucp_mem_h,
         );
+        // SAFETY: `ep` is a live endpoint of this worker (from `conns`, used on the progress thread only);
+        // the header and the source bytes stay valid until the request completes: the header is kept in
+        // `requests` with it, and the source region is held mapped by the job's `local_regions` until the
+        // transfer is forgotten.
         let posted = ucp::classify(unsafe {
             ucp::ucp_am_send_nbx(
                 ep,
@@ -186,6 +190,8 @@ impl Engine {
             0,
             std::ptr::null_mut(),
         );
+        // SAFETY: `ep` is a live endpoint of this worker, used on the progress thread only; the header is
+        // kept in `requests` until the send completes, and no data buffer is passed.
         let posted = ucp::classify(unsafe {
             ucp::ucp_am_send_nbx(ep, id, header.as_ptr() as *const c_void, header.len(), std::ptr::null(), 0, &param)
         });
@@ -214,6 +220,9 @@ impl Engine {
         let rkey = self.rkey_for(peer, segment.remote_key, xfer).map_err(|m| (ReasonCode::TRANSPORT_ERROR, m))?;
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, segment.local_memh as ucp::ucp_mem_h);
+        // SAFETY: `ep` is a live endpoint of this worker; `rkey` was unpacked on it and lives until the
+        // endpoint closes; the source bytes are held mapped by the job's `local_regions` until the transfer
+        // is forgotten, after the put completed.
         let posted = ucp::classify(unsafe {
             ucp::ucp_put_nbx(ep, segment.local_addr as *const c_void, segment.len as usize, segment.remote_addr, rkey, &param)
         });
@@ -233,6 +242,8 @@ impl Engine {
     fn post_flush(&mut self, xfer: u64, ep: ucp_ep_h) {
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
+        // SAFETY: `ep` is a live endpoint of this worker, used on the progress thread only; a flush reads no
+        // caller memory.
         let posted = ucp::classify(unsafe { ucp::ucp_ep_flush_nbx(ep, &param) });
         let result = self.track(token, posted, ReqKind::Flush { xfer }, Vec::new());
         let x = self.xfers.get_mut(&xfer).unwrap();
