@@ -61,7 +61,7 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
         // The receiver dies and a new generation starts with the same plugin and config.
         p.rx.kill();
         p.rx = PeerProcess::spawn(&ctx.cmd, "receiver-gen2").map_err(Verdict::Fail)?;
-        match p.call(Side::Rx, Op::Open { plugin: ctx.plugin.clone(), config: ctx.plugin_config.clone() }, ctx)?.outcome {
+        match p.call(Side::Rx, Op::Open { plugin: ctx.plugin.clone(), config: ctx.plugin_config.clone(), memory: ctx.limits.memory_provider.clone() }, ctx)?.outcome {
             Outcome::Info { .. } => {}
             other => return fail(format!("second generation could not open: {other:?}")),
         }
