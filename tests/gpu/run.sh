@@ -7,6 +7,8 @@
 #     tests/gpu/run.sh            # logs and reports under tests/gpu/out/ (or $OUT if set)
 # What it runs, in order (each step bounded by `timeout`, each result in the summary):
 #   1. build   : cargo build --release -p kvgate-plugin-nvlink -p kvgate-plugin-nvlink-so -p kvgate-conformance
+#                --features kvgate-conformance/cuda (the harness's CUDA memory provider: the peers'
+#                regions in device memory, chosen because the plugin declares only cuda_device)
 #   2. unit    : cargo test --release -p kvgate-plugin-nvlink            (the CPU tests, for reference)
 #   3. gpu     : cargo test --release -p kvgate-plugin-nvlink --test gpu -- --ignored --test-threads=1
 #                (real device memory, cancel/timeout/shutdown, and two processes on one GPU through
@@ -57,7 +59,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 
 OFFLINE=--offline
-PACKAGES=(-p kvgate-plugin-nvlink -p kvgate-plugin-nvlink-so -p kvgate-conformance)
+PACKAGES=(-p kvgate-plugin-nvlink -p kvgate-plugin-nvlink-so -p kvgate-conformance --features kvgate-conformance/cuda)
 if ! step build 240 cargo build --release $OFFLINE "${PACKAGES[@]}"; then
     log "offline build failed (cargo cache incomplete?): retrying online, which needs network"
     unset 'SUMMARY[${#SUMMARY[@]}-1]'; FAILED=0; OFFLINE=
@@ -70,7 +72,10 @@ step conform 240 "$REL/kvgate-conformance" --plugin "$REL/libkvgate_nvlink.so" \
     --config "$ROOT/tests/gpu/nvlink-conformance.toml" --quick --json "$OUT_DIR/conformance.json"
 # The harness exits 0 when nothing failed, also when clauses were unsupported: say so. Certified
 # means nothing failed or went unexercised; of the unsupported clauses only OBS-5 is expected (it
-# checks PROGRESS events, which the plugin does not emit).
+# checks PROGRESS events, which the plugin does not emit). The peers' regions are CUDA device memory
+# (the harness's `cuda` memory provider); a clause that watches a destination from the controller
+# reads its host mirror, refreshed only at fills and checksums, and may say not exercised: then the
+# run is not a certification (see CONFORMANCE.md, *Memory providers*).
 UNCHECKED=$(python3 - "$OUT_DIR/conformance.json" <<'PY' 2>&1
 import json, sys
 try:

@@ -56,6 +56,13 @@ pub struct UcxConfig {
     pub max_segments_per_submit: u64,
     /// Most UCX operations one transfer keeps posted at once (the rest wait in its queue). Default 256; 1..=65536.
     pub max_posted_ops_per_transfer: u64,
+    /// Most bytes of data messages (or puts) this instance keeps posted to UCX at once, over all its
+    /// transfers; the rest wait in their transfers' queues (a message is posted whatever its size when
+    /// nothing is posted). It bounds the work one `ucp_worker_progress` call can do: over TCP, UCX
+    /// sends a posted message's fragments inside the progress call that takes its receiver's go-ahead,
+    /// for as long as the socket takes them, so with 1.6 GiB posted one call ran 340 ms and every
+    /// cancel queued behind it waited that long. Default 33554432 (32 MiB); 1..=1099511627776.
+    pub max_posted_bytes: u64,
     /// Most live incoming tickets. Default 65536; 1..=1048576.
     pub max_live_tickets: u64,
     /// How long the progress thread keeps polling after its last activity while operations are in flight,
@@ -93,6 +100,7 @@ impl Default for UcxConfig {
             max_inflight_transfers: 4096,
             max_segments_per_submit: 65536,
             max_posted_ops_per_transfer: 256,
+            max_posted_bytes: 32 << 20,
             max_live_tickets: 65536,
             busy_poll_us: 200,
             quiesce_timeout_ms: 2000,
@@ -128,6 +136,7 @@ impl UcxConfig {
         check_range("max_inflight_transfers", self.max_inflight_transfers, 1, 1 << 20)?;
         check_range("max_segments_per_submit", self.max_segments_per_submit, 1, 1 << 20)?;
         check_range("max_posted_ops_per_transfer", self.max_posted_ops_per_transfer, 1, 65536)?;
+        check_range("max_posted_bytes", self.max_posted_bytes, 1, 1 << 40)?;
         check_range("max_live_tickets", self.max_live_tickets, 1, 1 << 20)?;
         check_range("busy_poll_us", self.busy_poll_us, 0, 100_000)?;
         check_range("quiesce_timeout_ms", self.quiesce_timeout_ms, 1, 600_000)?;
@@ -239,6 +248,7 @@ mod tests {
             ("max_inflight_transfers", 1, 1 << 20),
             ("max_segments_per_submit", 1, 1 << 20),
             ("max_posted_ops_per_transfer", 1, 65536),
+            ("max_posted_bytes", 1, 1 << 40),
             ("max_live_tickets", 1, 1 << 20),
             ("busy_poll_us", 0, 100_000),
             ("quiesce_timeout_ms", 1, 600_000),

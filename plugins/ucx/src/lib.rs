@@ -10,6 +10,8 @@
 //!   the token a UCX completion hands back; [`vec_pool`]: spare vectors reused on the hot path;
 //! - [`ucx_log`]: UCX's log lines go to `tracing`, never to the host's stdout.
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod config;
 pub mod deadline_heap;
 pub mod engine;

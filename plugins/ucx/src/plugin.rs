@@ -53,6 +53,7 @@ fn unavailable(message: String) -> PluginError {
 
 fn random_instance_id() -> u64 {
     let mut bytes = [0u8; 8];
+    // SAFETY: getrandom writes at most 8 bytes into the 8-byte array it is given.
     let got = unsafe { libc::getrandom(bytes.as_mut_ptr() as *mut libc::c_void, 8, 0) };
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     let fallback = nanos ^ ((std::process::id() as u64) << 32);
@@ -97,6 +98,8 @@ impl PluginFactory for UcxFactory {
         drop(ucx_config);
         let worker = Worker::new(&context).map_err(|e| unavailable(format!("no usable UCX transport: {e}")))?;
         let worker_address = worker.address().map_err(|e| unavailable(e.to_string()))?;
+        // SAFETY: eventfd takes only values; the descriptor it returns is checked below and owned by `Shared`
+        // (closed on drop).
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
         if wake_fd < 0 {
             return Err(unavailable(format!("eventfd: {}", std::io::Error::last_os_error())));
@@ -117,6 +120,7 @@ impl PluginFactory for UcxFactory {
             progress_thread_sleeping: AtomicBool::new(false),
             healthy: AtomicBool::new(true),
             workers_alive: AtomicU64::new(0),
+            posted_bytes_peak: AtomicU64::new(0),
         });
         let engine = Engine::new(shared.clone(), worker).map_err(|e| unavailable(e.to_string()))?;
         let engine = SendBox(engine);
@@ -138,6 +142,8 @@ impl PluginFactory for UcxFactory {
 
 /// The engine holds raw UCX pointers; it is moved once into its own thread and used only there.
 struct SendBox(Box<Engine>);
+// SAFETY: the engine's raw UCX handles belong to a worker created with a single-thread mode; the box is moved
+// once into the progress thread and used only there, never touched from the thread that made it.
 unsafe impl Send for SendBox {}
 
 /// Marks the progress thread gone (and the instance unhealthy) however it ends.
@@ -185,6 +191,13 @@ impl UcxPlugin {
     pub fn hold_commands_for_tests(&self, hold: bool) {
         self.shared.commands_held_for_tests.store(hold, Ordering::SeqCst);
         self.shared.wake();
+    }
+
+    /// Test hook: the most data bytes (messages or puts) this instance has had posted to UCX at
+    /// once, which `max_posted_bytes` bounds. Not part of the `Plugin` interface.
+    #[doc(hidden)]
+    pub fn posted_bytes_peak_for_tests(&self) -> u64 {
+        self.shared.posted_bytes_peak.load(Ordering::Relaxed)
     }
 }
 

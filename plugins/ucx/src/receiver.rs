@@ -180,6 +180,10 @@ impl Receiver {
         };
         if !rndv {
             // Eager: the bytes are in `data` for the duration of this callback only.
+            // SAFETY: `check_write` placed `[dest.addr, dest.addr + length)` inside a registered region of
+            // this instance (bounds checked against the ticket and the region); `data` holds `length` bytes
+            // for this callback's duration (eager message); the two cannot overlap (UCX's receive buffer is
+            // not user memory).
             unsafe { std::ptr::copy_nonoverlapping(data as *const u8, dest.addr as *mut u8, length) };
             rec.landed_bytes += header.len;
             rec.landed_segments += 1;
@@ -191,6 +195,9 @@ impl Receiver {
         rec.pending += 1;
         let slot = self.pending.insert(PendingRecv { request: std::ptr::null_mut(), key, ticket: header.ticket, len: header.len });
         let param = ucp::recv_am_param(Some(recv_done), RECV_TOKEN_BIT | slot, dest.memh);
+        // SAFETY: `data` is the rendezvous descriptor UCX handed this callback; the destination range was
+        // checked inside a registered region (kept registered while the receive is pending,
+        // `pending_writes`), and the request is tracked in `pending` until its completion.
         let posted = ucp::classify(unsafe { ucp::ucp_am_recv_data_nbx(self.worker, data, dest.addr as *mut c_void, length, &param) });
         match posted {
             Posted::Pending(request) => self.pending.get_mut(slot).expect("just inserted").request = request,
@@ -395,6 +402,8 @@ fn header_bytes<'a>(header: *const c_void, len: usize) -> &'a [u8] {
     if header.is_null() || len == 0 {
         &[]
     } else {
+        // SAFETY: UCX hands the handler a header of `len` bytes at `header` (not null here), valid for the
+        // callback's duration, which outlives the returned slice's use.
         unsafe { std::slice::from_raw_parts(header as *const u8, len) }
     }
 }
@@ -405,6 +414,8 @@ unsafe fn receiver_of<'a>(arg: *mut c_void) -> Option<std::cell::RefMut<'a, Rece
 }
 
 fn is_rndv(param: *const sys::ucp_am_recv_param_t) -> bool {
+    // SAFETY: UCX passes a valid `ucp_am_recv_param_t` to every active-message handler, read here during the
+    // callback.
     unsafe { (*param).recv_attr & ucp::ucp_am_recv_attr_t::UCP_AM_RECV_ATTR_FLAG_RNDV.0 as u64 != 0 }
 }
 

@@ -232,6 +232,9 @@ pub struct Shared {
     pub progress_thread_sleeping: AtomicBool,
     pub healthy: AtomicBool,
     pub workers_alive: AtomicU64,
+    /// The most data bytes the progress thread has had posted to UCX at once (see
+    /// `max_posted_bytes`); read by tests through [`crate::UcxPlugin::posted_bytes_peak_for_tests`].
+    pub posted_bytes_peak: AtomicU64,
 }
 
 impl Shared {
@@ -255,6 +258,8 @@ impl Shared {
         self.commands_pending.store(true, Ordering::SeqCst);
         if self.progress_thread_sleeping.load(Ordering::SeqCst) {
             let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a u64 on the stack to the instance's own eventfd, open while `self`
+            // lives.
             unsafe { libc::write(self.wake_fd, &one as *const u64 as *const libc::c_void, 8) };
         }
     }
@@ -266,6 +271,8 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
+        // SAFETY: the eventfd was opened in `open` for this instance and is closed once, here, when the last
+        // holder of `Shared` drops it.
         unsafe { libc::close(self.wake_fd) };
     }
 }

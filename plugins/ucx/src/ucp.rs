@@ -10,6 +10,7 @@ pub use sys::{ucp_ep_h, ucp_mem_h, ucp_rkey_h, ucs_status_t};
 
 /// UCX's own text for a status (`"No such device"`, ...).
 pub fn status_text(status: ucs_status_t) -> String {
+    // SAFETY: ucs_status_string accepts any status and returns a static string or null (checked).
     unsafe {
         let text = sys::ucs_status_string(status);
         if text.is_null() {
@@ -52,6 +53,8 @@ impl Config {
     /// Read UCX's defaults and the `UCX_*` environment.
     pub fn read() -> Result<Config, UcxError> {
         let mut config = std::ptr::null_mut();
+        // SAFETY: null prefix and file name read UCX's defaults and the environment; `config` is an out-
+        // pointer on the stack, released by `Drop`.
         check("ucp_config_read", unsafe { sys::ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config) })?;
         Ok(Config(config))
     }
@@ -60,12 +63,15 @@ impl Config {
     pub fn modify(&mut self, name: &str, value: &str) -> Result<(), UcxError> {
         let name = CString::new(name).map_err(|_| UcxError { call: "ucp_config_modify", status: ucs_status_t::UCS_ERR_INVALID_PARAM })?;
         let value = CString::new(value).map_err(|_| UcxError { call: "ucp_config_modify", status: ucs_status_t::UCS_ERR_INVALID_PARAM })?;
+        // SAFETY: `self.0` is a live config (released only on drop); the names are NUL-terminated CStrings
+        // that outlive the call.
         check("ucp_config_modify", unsafe { sys::ucp_config_modify(self.0, name.as_ptr(), value.as_ptr()) })
     }
 }
 
 impl Drop for Config {
     fn drop(&mut self) {
+        // SAFETY: `self.0` came from ucp_config_read and is released once, here.
         unsafe { sys::ucp_config_release(self.0) }
     }
 }
@@ -73,8 +79,11 @@ impl Drop for Config {
 /// A UCP context (features: AM, RMA, wakeup; workers may share it across threads).
 pub struct Context(sys::ucp_context_h);
 
-// The context is created with `mt_workers_shared`, so its calls (mem_map, rkey_pack) are thread-safe.
+// SAFETY: the context is created with `mt_workers_shared`, so the calls made on it from any thread (mem_map,
+// rkey_pack, mem_unmap) are thread-safe in UCX.
 unsafe impl Send for Context {}
+// SAFETY: as for `Send`: UCX serialises its own context calls under `mt_workers_shared`; the handle itself is
+// never mutated from Rust.
 unsafe impl Sync for Context {}
 
 impl Context {
@@ -91,6 +100,8 @@ impl Context {
             ..Default::default()
         };
         let mut context = std::ptr::null_mut();
+        // SAFETY: `params` and the config are valid for the call (the config outlives it); `context` is an
+        // out-pointer on the stack, cleaned up by `Drop`.
         check("ucp_init", unsafe {
             sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config.0, &mut context)
         })?;
@@ -108,15 +119,24 @@ impl Context {
             ..Default::default()
         };
         let mut memh = std::ptr::null_mut();
+        // SAFETY: `self.0` is a live context; the range was checked by the caller to be a registered host
+        // region of the caller's; `memh` is an out-pointer, unmapped by `MemMap`'s `Drop`.
         check("ucp_mem_map", unsafe { sys::ucp_mem_map(self.0, &params, &mut memh) })?;
         let mut buffer = std::ptr::null_mut();
         let mut size = 0usize;
+        // SAFETY: `memh` was mapped just above on this context; `buffer` and `size` are out-pointers, the
+        // buffer released below.
         let packed = unsafe { sys::ucp_rkey_pack(self.0, memh, &mut buffer, &mut size) };
         if !is_ok(packed) {
+            // SAFETY: `memh` was mapped just above on this context and is unmapped once, here, since no
+            // `MemMap` owns it.
             unsafe { sys::ucp_mem_unmap(self.0, memh) };
             return Err(UcxError { call: "ucp_rkey_pack", status: packed });
         }
+        // SAFETY: ucp_rkey_pack returned OK, so `buffer` holds `size` bytes; they are copied before the
+        // buffer is released below.
         let rkey = unsafe { std::slice::from_raw_parts(buffer as *const u8, size).to_vec() };
+        // SAFETY: `buffer` came from ucp_rkey_pack and is released once, after its bytes were copied.
         unsafe { sys::ucp_rkey_buffer_release(buffer) };
         Ok(MemMap { context: self.clone(), memh, packed_rkey: rkey })
     }
@@ -124,6 +144,8 @@ impl Context {
 
 impl Drop for Context {
     fn drop(&mut self) {
+        // SAFETY: `self.0` is the live context, cleaned up once when its last `Arc` drops (after every worker
+        // and map holding it).
         unsafe { sys::ucp_cleanup(self.0) }
     }
 }
@@ -135,11 +157,16 @@ pub struct MemMap {
     pub packed_rkey: Vec<u8>,
 }
 
+// SAFETY: a memory handle is an opaque registration that UCX lets any thread use and unmap (the context is
+// `mt_workers_shared`); `MemMap` never mutates it.
 unsafe impl Send for MemMap {}
+// SAFETY: as for `Send`: shared references only read `memh` and the packed key.
 unsafe impl Sync for MemMap {}
 
 impl Drop for MemMap {
     fn drop(&mut self) {
+        // SAFETY: `memh` was mapped on this context (held alive by `self.context`) and is unmapped once, when
+        // the last holder drops the map.
         unsafe { sys::ucp_mem_unmap(self.context.0, self.memh) };
     }
 }
@@ -150,7 +177,9 @@ pub struct Worker {
     _context: Arc<Context>,
 }
 
-// Moved once into the progress thread; never shared.
+// SAFETY: a worker is single-threaded (`UCS_THREAD_MODE_SINGLE`): it is created on the opening thread and
+// then moved once into the progress thread, the only one that uses it afterwards; it is never shared
+// (`Worker` is not `Sync`).
 unsafe impl Send for Worker {}
 
 impl Worker {
@@ -166,6 +195,8 @@ impl Worker {
             ..Default::default()
         };
         let mut worker = std::ptr::null_mut();
+        // SAFETY: `context.0` is a live context (kept alive by the worker's `Arc`); `params` is valid for the
+        // call; `worker` is an out-pointer, destroyed by `Drop`.
         check("ucp_worker_create", unsafe { sys::ucp_worker_create(context.0, &params, &mut worker) })?;
         Ok(Worker { raw: worker, _context: context.clone() })
     }
@@ -174,20 +205,28 @@ impl Worker {
     pub fn address(&self) -> Result<Vec<u8>, UcxError> {
         let mut address = std::ptr::null_mut();
         let mut len = 0usize;
+        // SAFETY: `self.raw` is a live worker; `address` and `len` are out-pointers, the address released
+        // below.
         check("ucp_worker_get_address", unsafe { sys::ucp_worker_get_address(self.raw, &mut address, &mut len) })?;
+        // SAFETY: ucp_worker_get_address returned OK, so `address` holds `len` bytes; they are copied before
+        // it is released.
         let bytes = unsafe { std::slice::from_raw_parts(address as *const u8, len).to_vec() };
+        // SAFETY: `address` came from ucp_worker_get_address on this worker and is released once, here.
         unsafe { sys::ucp_worker_release_address(self.raw, address) };
         Ok(bytes)
     }
 
     pub fn event_fd(&self) -> Result<i32, UcxError> {
         let mut fd = -1;
+        // SAFETY: `self.raw` is a live worker created with wakeup events; `fd` is an out-pointer on the stack
+        // (the descriptor stays owned by UCX).
         check("ucp_worker_get_efd", unsafe { sys::ucp_worker_get_efd(self.raw, &mut fd) })?;
         Ok(fd)
     }
 
     /// `ucp_worker_arm`: `Ok(true)` armed (safe to sleep), `Ok(false)` events pending (progress again).
     pub fn arm(&self) -> Result<bool, UcxError> {
+        // SAFETY: `self.raw` is a live worker, used only by the thread that owns it.
         let status = unsafe { sys::ucp_worker_arm(self.raw) };
         if status == ucs_status_t::UCS_ERR_BUSY {
             return Ok(false);
@@ -197,6 +236,8 @@ impl Worker {
 
     /// One round of progress; the number of events it handled.
     pub fn progress(&self) -> u32 {
+        // SAFETY: `self.raw` is a live worker, progressed only by the thread that owns it (single-thread
+        // mode).
         unsafe { sys::ucp_worker_progress(self.raw) }
     }
 
@@ -212,6 +253,8 @@ impl Worker {
             arg,
             flags: sys::ucp_am_cb_flags::UCP_AM_FLAG_WHOLE_MSG.0,
         };
+        // SAFETY: `self.raw` is a live worker; the callback and its argument stay valid for the worker's life
+        // (the argument is the engine's boxed receiver, which outlives the worker's progress).
         check("ucp_worker_set_am_recv_handler", unsafe { sys::ucp_worker_set_am_recv_handler(self.raw, &params) })
     }
 
@@ -226,6 +269,8 @@ impl Worker {
         err_cb: sys::ucp_err_handler_cb_t,
         err_arg: u64,
     ) -> Result<ucp_ep_h, UcxError> {
+        // SAFETY: an all-zero `ucp_ep_params_t` is valid (no field selected); the fields used are set below
+        // and named in `field_mask`.
         let mut params: sys::ucp_ep_params_t = unsafe { std::mem::zeroed() };
         params.field_mask = (sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
             | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
@@ -239,6 +284,8 @@ impl Worker {
         };
         params.err_handler = sys::ucp_err_handler_t { cb: err_cb, arg: err_arg as *mut c_void };
         let mut ep = std::ptr::null_mut();
+        // SAFETY: `self.raw` is a live worker; `params.address` points into `address`, which outlives the
+        // call (UCX copies what it keeps); `ep` is an out-pointer.
         check("ucp_ep_create", unsafe { sys::ucp_ep_create(self.raw, &params, &mut ep) })?;
         Ok(ep)
     }
@@ -246,6 +293,8 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        // SAFETY: `self.raw` is destroyed once, here, after the engine stopped progressing it and closed its
+        // endpoints.
         unsafe { sys::ucp_worker_destroy(self.raw) }
     }
 }
@@ -271,6 +320,8 @@ pub fn classify(ptr: *mut c_void) -> Posted {
 
 /// Request parameters with a send-completion callback, `user_data` and optional flags/memh.
 pub fn send_param(cb: sys::ucp_send_nbx_callback_t, user_data: u64, flags: u32, memh: ucp_mem_h) -> sys::ucp_request_param_t {
+    // SAFETY: an all-zero `ucp_request_param_t` is valid (no attribute selected); the attributes used are set
+    // below and named in `op_attr_mask`.
     let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
     let mut mask = sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA;
     if flags != 0 {
@@ -289,6 +340,8 @@ pub fn send_param(cb: sys::ucp_send_nbx_callback_t, user_data: u64, flags: u32, 
 
 /// Request parameters for `ucp_am_recv_data_nbx`.
 pub fn recv_am_param(cb: sys::ucp_am_recv_data_nbx_callback_t, user_data: u64, memh: ucp_mem_h) -> sys::ucp_request_param_t {
+    // SAFETY: an all-zero `ucp_request_param_t` is valid (no attribute selected); the attributes used are set
+    // below and named in `op_attr_mask`.
     let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
     let mut mask = sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_USER_DATA;
     if !memh.is_null() {
@@ -309,18 +362,22 @@ pub fn recv_am_param(cb: sys::ucp_am_recv_data_nbx_callback_t, user_data: u64, m
 pub unsafe fn close_ep(ep: ucp_ep_h, force: bool, cb: sys::ucp_send_nbx_callback_t, user_data: u64) -> Posted {
     let flags = if force { sys::ucp_ep_close_flags_t::UCP_EP_CLOSE_FLAG_FORCE.0 } else { 0 };
     let param = send_param(cb, user_data, flags, std::ptr::null_mut());
+    // SAFETY: the caller guarantees `ep` is a live endpoint of the worker this thread progresses, closed
+    // once; `param` is valid for the call.
     classify(unsafe { sys::ucp_ep_close_nbx(ep, &param) })
 }
 
 /// # Safety
 /// `request` is a request UCX returned to this thread and that has not been freed.
 pub unsafe fn request_free(request: *mut c_void) {
+    // SAFETY: the caller guarantees `request` came from UCX on this thread and is freed once.
     unsafe { sys::ucp_request_free(request) }
 }
 
 /// # Safety
 /// `request` is a live (not yet freed) request of `worker`.
 pub unsafe fn request_cancel(worker: &Worker, request: *mut c_void) {
+    // SAFETY: the caller guarantees `request` is live (not freed) and belongs to `worker`.
     unsafe { sys::ucp_request_cancel(worker.raw, request) }
 }
 
@@ -328,6 +385,8 @@ pub unsafe fn request_cancel(worker: &Worker, request: *mut c_void) {
 /// `ep` is a live endpoint of the worker this thread progresses.
 pub unsafe fn rkey_unpack(ep: ucp_ep_h, packed: &[u8]) -> Result<ucp_rkey_h, UcxError> {
     let mut rkey = std::ptr::null_mut();
+    // SAFETY: the caller guarantees `ep` is live; `packed` is valid for the call (UCX copies what it keeps);
+    // `rkey` is an out-pointer.
     check("ucp_ep_rkey_unpack", unsafe { sys::ucp_ep_rkey_unpack(ep, packed.as_ptr() as *const c_void, &mut rkey) })?;
     Ok(rkey)
 }
@@ -335,10 +394,13 @@ pub unsafe fn rkey_unpack(ep: ucp_ep_h, packed: &[u8]) -> Result<ucp_rkey_h, Ucx
 /// # Safety
 /// `rkey` came from [`rkey_unpack`] and is destroyed once, with no operation using it in flight.
 pub unsafe fn rkey_destroy(rkey: ucp_rkey_h) {
+    // SAFETY: the caller guarantees `rkey` came from `rkey_unpack`, is destroyed once, and no operation uses
+    // it.
     unsafe { sys::ucp_rkey_destroy(rkey) }
 }
 
 pub fn version() -> String {
+    // SAFETY: ucp_get_version_string returns a static NUL-terminated string.
     unsafe { CStr::from_ptr(sys::ucp_get_version_string()).to_string_lossy().into_owned() }
 }
 

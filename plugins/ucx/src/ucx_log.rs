@@ -59,6 +59,8 @@ unsafe extern "C" fn to_tracing(
 pub fn route_ucx_logs_to_tracing() {
     static ONCE: Once = Once::new();
     if cfg!(target_arch = "x86_64") {
+        // SAFETY: the handler has the C signature UCX expects on x86_64 (checked by the `cfg!` above) and
+        // lives for the whole program; pushing it is done once (`Once`).
         ONCE.call_once(|| unsafe { ucs_log_push_handler(to_tracing) });
     }
 }

@@ -145,6 +145,50 @@ fn posted_ops_bound(config: &str) {
     baseline(&a, &b);
 }
 
+/// `max_posted_bytes` (the instance's posted data, over all its transfers): ten transfers of four
+/// 64 KiB blocks each, none joined. At three blocks the instance never has more than three posted
+/// (and, in active-message mode, where a block stays posted until its rendezvous ends, reaches
+/// three); at one byte under a block each block moves alone. Every transfer succeeds with its bytes:
+/// a transfer held by the bound resumes as others' messages complete.
+fn posted_bytes_bound(config: &str) {
+    const BLOCK: u64 = 64 << 10;
+    const TRANSFERS: u64 = 10;
+    const BLOCKS: u64 = 4;
+    let am = !config.contains("mode = \"put\"");
+    for (limit, peak_expected) in [(3 * BLOCK, 3 * BLOCK), (BLOCK - 1, BLOCK)] {
+        let (a, b) = pair(&format!("{config}max_posted_bytes = {limit}\n"));
+        let total = TRANSFERS * BLOCKS;
+        let src = buffer(&a, (total * BLOCK) as usize, 93);
+        let dst = buffer(&b, (2 * total * BLOCK) as usize, 94);
+        let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
+        for t in 0..TRANSFERS {
+            let blocks = t * BLOCKS..(t + 1) * BLOCKS;
+            let ranges: Vec<LocalRange> = blocks.clone().map(|k| LocalRange { key: dst.key, offset: 2 * k * BLOCK, len: BLOCK }).collect();
+            expect(&b, 40 + t, PEER_A, LONG, &ranges);
+            let segments: Vec<Segment> =
+                blocks.map(|k| Segment { local: src.key, local_offset: k * BLOCK, remote, remote_offset: 2 * k * BLOCK, len: BLOCK }).collect();
+            submit(&a, 400 + t, PEER_B, 40 + t, LONG, &segments).unwrap();
+        }
+        for t in 0..TRANSFERS {
+            let done = a.log.terminal_of(XferId(400 + t), WAIT_LIMIT);
+            assert_eq!((done.kind, done.bytes), (EventKind::SUCCEEDED, BLOCKS * BLOCK), "limit {limit}, transfer {t}: {done:?}");
+        }
+        for k in 0..total as usize {
+            let block = BLOCK as usize;
+            assert_eq!(&dst.bytes[2 * k * block..][..block], &src.bytes[k * block..][..block], "limit {limit}: block {k}");
+        }
+        let peak = a.plugin.posted_bytes_peak_for_tests();
+        assert!(peak <= peak_expected, "limit {limit}: {peak} bytes posted at once");
+        if am {
+            assert_eq!(peak, peak_expected, "limit {limit}: the bound is reached");
+        }
+        for t in 0..TRANSFERS {
+            b.plugin.cancel_incoming(PEER_A, Ticket(40 + t));
+        }
+        baseline(&a, &b);
+    }
+}
+
 /// Zero-length segments before, between and after the data (the last message with bytes carries
 /// the commit in active-message mode; empty ones send nothing): every transfer succeeds with its bytes.
 fn empty_segments_around_the_data(config: &str) {
@@ -400,7 +444,7 @@ macro_rules! per_transport {
     };
 }
 
-per_transport!(data_integrity, scatter_gather, adjacent_blocks, posted_ops_bound, empty_segments_around_the_data, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight, shutdown_with_zero_grace);
+per_transport!(data_integrity, scatter_gather, adjacent_blocks, posted_ops_bound, posted_bytes_bound, empty_segments_around_the_data, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight, shutdown_with_zero_grace);
 
 #[test]
 fn tcp_receiver_refuses() {

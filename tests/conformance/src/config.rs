@@ -27,6 +27,10 @@ pub struct HarnessLimits {
     pub scatter_segments: u64,
     /// The largest single transfer of the data check (DATA-1).
     pub max_data_bytes: u64,
+    /// Where the peers' regions live: `auto` (host memory when the plugin declares it, else CUDA
+    /// device memory), `host`, `fake_device` (host memory declared as CUDA device memory, for
+    /// device-only test plugins) or `cuda` (needs the harness's `cuda` feature and a driver).
+    pub memory_provider: String,
 }
 
 impl Default for HarnessLimits {
@@ -42,6 +46,7 @@ impl Default for HarnessLimits {
             lifecycles: 10_000,
             scatter_segments: 10_000,
             max_data_bytes: 64 << 20,
+            memory_provider: "auto".into(),
         }
     }
 }
@@ -84,6 +89,9 @@ impl HarnessLimits {
         }
         if self.max_data_bytes == 0 || self.max_data_bytes > MAX_DATA_BYTES {
             return Err(format!("[harness] max_data_bytes = {}: must be in 1..={MAX_DATA_BYTES}", self.max_data_bytes));
+        }
+        if !crate::peer::memory::PROVIDERS.contains(&self.memory_provider.as_str()) {
+            return Err(format!("[harness] memory_provider = {:?}: must be one of {:?}", self.memory_provider, crate::peer::memory::PROVIDERS));
         }
         if self.reply_bound_ms <= self.call_bound_ms {
             return Err("[harness] reply_bound_ms must exceed call_bound_ms".into());

@@ -32,7 +32,7 @@ fn probe(plan: &RunPlan) -> Probe {
         Ok(p) => p,
         Err(e) => return Probe::Broken(e),
     };
-    let op = Op::Open { plugin: plan.plugin.clone(), config: plan.plugin_config.clone() };
+    let op = Op::Open { plugin: plan.plugin.clone(), config: plan.plugin_config.clone(), memory: plan.limits.memory_provider.clone() };
     let result = match peer.call(&op, Duration::from_millis(plan.limits.reply_bound_ms)) {
         Ok(r) => match r.outcome {
             Outcome::Info { instance, .. } => Probe::Ready { name: instance.name, abi_version: instance.abi_version },

@@ -3,7 +3,11 @@
 //! proxy to the receiver, and on demand it passes, black-holes, delays, resets or half-closes every
 //! connection. Owns its sockets and threads; never parses a plugin's protocol.
 //!
-//! Not yet used by a clause: see CONFORMANCE.md (*Network faults over TCP*) for what is missing.
+//! The way in ([`find_listening_port`]): a receiver's endpoint bytes name the TCP port it listens on
+//! (UCX's worker address carries it big-endian, and no literal loopback address), so the harness
+//! finds, in the endpoint, a port the receiver process really listens on (read from `/proc`) and
+//! rewrites it to the proxy's. The target can change ([`TcpProxy::retarget`]): a receiver restarted
+//! behind the proxy is a peer restarting at the same address (HANDSHAKE-2).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -39,7 +43,7 @@ pub struct TcpCounters {
 
 pub struct TcpProxy {
     pub listen: SocketAddr,
-    pub target: SocketAddr,
+    target: Arc<Mutex<SocketAddr>>,
     fault: Arc<Mutex<TcpFault>>,
     pub counters: Arc<TcpCounters>,
     stop: Arc<AtomicBool>,
@@ -56,18 +60,91 @@ impl TcpProxy {
         let listener = TcpListener::bind("127.0.0.1:0")?;
         listener.set_nonblocking(true)?;
         let listen = listener.local_addr()?;
+        let target = Arc::new(Mutex::new(target));
         let fault = Arc::new(Mutex::new(TcpFault::Pass));
         let counters = Arc::new(TcpCounters::default());
         let stop = Arc::new(AtomicBool::new(false));
         let threads: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let (f, c, s, t) = (Arc::clone(&fault), Arc::clone(&counters), Arc::clone(&stop), Arc::clone(&threads));
-        let acceptor = std::thread::Builder::new().name("tcp-fault-proxy".into()).spawn(move || accept(listener, target, f, c, s, t))?;
+        let (to, f, c, s, t) = (Arc::clone(&target), Arc::clone(&fault), Arc::clone(&counters), Arc::clone(&stop), Arc::clone(&threads));
+        let acceptor = std::thread::Builder::new().name("tcp-fault-proxy".into()).spawn(move || accept(listener, to, f, c, s, t))?;
         Ok(TcpProxy { listen, target, fault, counters, stop, threads, acceptor: Some(acceptor) })
     }
 
     pub fn set(&self, fault: TcpFault) {
         *self.fault.lock().unwrap_or_else(|e| e.into_inner()) = fault;
     }
+
+    /// Forward connections accepted from now on to `target` (those already open keep theirs).
+    pub fn retarget(&self, target: SocketAddr) {
+        *self.target.lock().unwrap_or_else(|e| e.into_inner()) = target;
+    }
+
+    pub fn target(&self) -> SocketAddr {
+        *self.target.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What it did so far, for evidence.
+    pub fn summary(&self) -> String {
+        let c = &self.counters;
+        format!(
+            "{} connections, {} bytes forwarded, {} dropped, {} reset, {} half-closed",
+            c.connections.load(Ordering::Relaxed),
+            c.forwarded_bytes.load(Ordering::Relaxed),
+            c.dropped_bytes.load(Ordering::Relaxed),
+            c.resets.load(Ordering::Relaxed),
+            c.half_closes.load(Ordering::Relaxed)
+        )
+    }
+}
+
+/// The TCP ports process `pid` listens on (IPv4 and IPv6), read from `/proc`: the listening sockets
+/// of its network namespace whose inode is one of its open descriptors.
+pub fn listening_tcp_ports(pid: u32) -> Vec<u16> {
+    let mut inodes = std::collections::HashSet::new();
+    if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        for fd in fds.flatten() {
+            let Ok(link) = std::fs::read_link(fd.path()) else { continue };
+            let link = link.to_string_lossy();
+            if let Some(inode) = link.strip_prefix("socket:[").and_then(|l| l.strip_suffix(']')) {
+                inodes.insert(inode.to_string());
+            }
+        }
+    }
+    let mut ports = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")) else { continue };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // sl local_address rem_address st tx:rx tr:tm retrnsmt uid timeout inode
+            let (Some(local), Some(state), Some(inode)) = (fields.get(1), fields.get(3), fields.get(9)) else { continue };
+            if *state != "0A" || !inodes.contains(*inode) {
+                continue;
+            }
+            if let Some(port) = local.rsplit(':').next().and_then(|h| u16::from_str_radix(h, 16).ok()) {
+                ports.push(port);
+            }
+        }
+    }
+    ports.sort_unstable();
+    ports.dedup();
+    ports
+}
+
+/// Where in `endpoint` a port of `ports` is written big-endian (network order, as in a socket
+/// address): the last such place (UCX's worker address ends with its TCP interface's port), with the
+/// port. None when no listening port appears.
+pub fn find_listening_port(endpoint: &[u8], ports: &[u16]) -> Option<(usize, u16)> {
+    (0..endpoint.len().saturating_sub(1))
+        .rev()
+        .map(|at| (at, u16::from_be_bytes([endpoint[at], endpoint[at + 1]])))
+        .find(|(_, port)| *port != 0 && ports.contains(port))
+}
+
+/// `endpoint` with the port at `at` replaced by `port` (big-endian).
+pub fn rewrite_tcp_port(endpoint: &[u8], at: usize, port: u16) -> Vec<u8> {
+    let mut out = endpoint.to_vec();
+    out[at..at + 2].copy_from_slice(&port.to_be_bytes());
+    out
 }
 
 impl Drop for TcpProxy {
@@ -102,7 +179,7 @@ fn reset(s: &TcpStream) {
     };
 }
 
-fn accept(listener: TcpListener, target: SocketAddr, fault: Arc<Mutex<TcpFault>>, counters: Arc<TcpCounters>, stop: Arc<AtomicBool>, threads: Arc<Mutex<Vec<JoinHandle<()>>>>) {
+fn accept(listener: TcpListener, target: Arc<Mutex<SocketAddr>>, fault: Arc<Mutex<TcpFault>>, counters: Arc<TcpCounters>, stop: Arc<AtomicBool>, threads: Arc<Mutex<Vec<JoinHandle<()>>>>) {
     while !stop.load(Ordering::SeqCst) {
         let client = match listener.accept() {
             Ok((client, _)) => client,
@@ -117,7 +194,8 @@ fn accept(listener: TcpListener, target: SocketAddr, fault: Arc<Mutex<TcpFault>>
             counters.resets.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        let Ok(server) = TcpStream::connect_timeout(&target, Duration::from_secs(1)) else {
+        let to = *target.lock().unwrap_or_else(|e| e.into_inner());
+        let Ok(server) = TcpStream::connect_timeout(&to, Duration::from_secs(1)) else {
             reset(&client);
             continue;
         };
@@ -248,6 +326,42 @@ mod tests {
         let mut got = vec![0u8; msg.len()];
         client.read_exact(&mut got)?;
         Ok(got)
+    }
+
+    #[test]
+    fn finds_a_listening_port_of_this_process_in_endpoint_bytes_and_rewrites_it() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let ports = listening_tcp_ports(std::process::id());
+        assert!(ports.contains(&port), "{port} not in {ports:?}");
+        let mut endpoint = vec![7u8; 40];
+        endpoint.extend_from_slice(&port.to_be_bytes());
+        assert_eq!(find_listening_port(&endpoint, &ports), Some((40, port)));
+        let rewritten = rewrite_tcp_port(&endpoint, 40, 4242);
+        assert_eq!(&rewritten[40..], &4242u16.to_be_bytes());
+        assert_eq!(&rewritten[..40], &endpoint[..40]);
+        assert_eq!(find_listening_port(&[7u8; 40], &ports), None, "no listening port: none found");
+        drop(listener);
+        assert!(!listening_tcp_ports(std::process::id()).contains(&port), "a closed listener is not listed");
+    }
+
+    #[test]
+    fn a_retargeted_proxy_forwards_new_connections_to_the_new_target() {
+        let (first, _) = echo_server();
+        let (second, second_eofs) = echo_server();
+        let proxy = TcpProxy::start(first).unwrap();
+        let mut client = TcpStream::connect(proxy.listen).unwrap();
+        assert_eq!(echo_within(&mut client, b"one", Duration::from_secs(2)).unwrap(), b"one");
+        proxy.retarget(second);
+        assert_eq!(proxy.target(), second);
+        let mut client = TcpStream::connect(proxy.listen).unwrap();
+        assert_eq!(echo_within(&mut client, b"two", Duration::from_secs(2)).unwrap(), b"two");
+        client.shutdown(Shutdown::Write).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while second_eofs.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(second_eofs.load(Ordering::SeqCst), 1, "the second connection reached the new target");
     }
 
     #[test]

@@ -184,7 +184,7 @@ impl Pair {
         let mut tx = PeerProcess::spawn(&ctx.cmd, "sender").map_err(Verdict::Fail)?;
         let mut rx = PeerProcess::spawn(&ctx.cmd, "receiver").map_err(Verdict::Fail)?;
         let bound = Duration::from_millis(ctx.limits.reply_bound_ms);
-        let open = Op::Open { plugin: ctx.plugin.clone(), config: ctx.plugin_config.clone() };
+        let open = Op::Open { plugin: ctx.plugin.clone(), config: ctx.plugin_config.clone(), memory: ctx.limits.memory_provider.clone() };
         let mut infos = Vec::new();
         for p in [&mut tx, &mut rx] {
             let reply = p.call(&open, bound).map_err(|e| fail_no_reply(&p.role, "open", e))?;
@@ -302,7 +302,10 @@ impl Pair {
         match self.call(side, Op::Register { rid }, ctx)?.outcome {
             Outcome::Registered { key, remote_key } => Ok((rid, key, remote_key)),
             Outcome::Failed { error } => {
-                Err(Verdict::Fail(format!("register of a {len}-byte host region refused: {}: {}", error.code_name, error.message)))
+                Err(Verdict::Fail(format!(
+                "register of a {len}-byte region (memory provider {:?}) refused: {}: {}",
+                self.limits.memory_provider, error.code_name, error.message
+            )))
             }
             other => Err(Verdict::Fail(format!("register: unexpected reply {other:?}"))),
         }

@@ -338,3 +338,19 @@ fn abort_after_stall_fails_hygiene_1_from_a_clause_with_no_call_after_the_death(
     assert!(evidence.contains("watchdog"), "the evidence quotes the peer's last words: {evidence}");
     assert_eq!(run.status, 1);
 }
+
+/// The real UCX plugin over TCP, with each transfer's deadline dropped on its way to the transport:
+/// through the harness's TCP fault proxy, the black-holed case of TIME-12 leaves its transfers
+/// without a terminal event, and the clause fails naming the proxy's fault. (Only TIME-12 runs: the
+/// defect breaks every deadline clause, and the point here is the TCP proxy.)
+// CONFORMANCE: TIME-12 (through the TCP fault proxy)
+#[test]
+fn ucx_tcp_drops_deadlines_fails_time_12_through_the_tcp_proxy() {
+    let lib = mutant_library("kvgate-mutant-ucx-tcp-drops-deadlines");
+    let run = run_harness(&lib.to_string_lossy(), &["--quick", "--clauses", "TIME-12"], "[plugin]\ntls = \"tcp\"\ndevices = \"lo\"\n");
+    assert_eq!(run.with_status("fail"), ["TIME-12"], "{}", run.stdout);
+    let (_, _, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == "TIME-12").unwrap();
+    assert!(evidence.contains("every byte of every connection dropped"), "the TCP proxy's black hole: {evidence}");
+    assert!(evidence.contains("has no terminal event"), "{evidence}");
+    assert_eq!(run.status, 1);
+}

@@ -72,6 +72,8 @@ struct Req {
     kind: ReqKind,
     /// An active-message header UCX may read until the request completes.
     header: Vec<u8>,
+    /// Data bytes this request carries (counted in `Engine::posted_bytes` until it completes).
+    bytes: u64,
 }
 
 struct Outgoing {
@@ -109,6 +111,9 @@ pub struct Engine {
     ep_tokens: FastMap<u64, u64>,
     xfers: FastMap<u64, Outgoing>,
     requests: FastMap<u64, Req>,
+    /// Bytes of the data messages and puts posted to UCX and not completed yet, over all transfers;
+    /// at most `max_posted_bytes` (a message alone may exceed it).
+    posted_bytes: u64,
     next_token: u64,
     timers: DeadlineHeap,
     last_sweep: Instant,
@@ -161,6 +166,7 @@ impl Engine {
             ep_tokens: FastMap::default(),
             xfers: FastMap::default(),
             requests: FastMap::default(),
+            posted_bytes: 0,
             next_token: 1,
             timers: DeadlineHeap::default(),
             last_sweep: Instant::now(),
@@ -284,10 +290,14 @@ impl Engine {
             libc::pollfd { fd: self.worker_fd, events: libc::POLLIN, revents: 0 },
             libc::pollfd { fd: self.shared.wake_fd, events: libc::POLLIN, revents: 0 },
         ];
+        // SAFETY: `fds` is an array of two valid pollfds on the stack and the count says 2; the timeout is
+        // bounded.
         unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
         self.shared.progress_thread_sleeping.store(false, Ordering::SeqCst);
         if fds[1].revents != 0 {
             let mut value: u64 = 0;
+            // SAFETY: reads 8 bytes into a u64 on the stack from the instance's own eventfd, which lives as
+            // long as `shared`.
             unsafe { libc::read(self.shared.wake_fd, &mut value as *mut u64 as *mut c_void, 8) };
         }
     }
@@ -319,7 +329,7 @@ impl Engine {
                         x.tokens.push(token);
                     }
                 }
-                self.requests.insert(token, Req { request, kind, header });
+                self.requests.insert(token, Req { request, kind, header, bytes: 0 });
                 Ok(true)
             }
             Posted::Failed(status) => {
@@ -397,6 +407,7 @@ impl Engine {
         let Some(req) = self.requests.remove(&token) else { return };
         // SAFETY: removed from `requests` above, so freed once.
         unsafe { ucp::request_free(req.request) };
+        self.posted_bytes -= req.bytes;
         self.headers.give(req.header);
         match req.kind {
             ReqKind::Xfer { xfer } => {

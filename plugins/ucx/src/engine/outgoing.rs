@@ -80,6 +80,11 @@ impl Engine {
             let index = x.next_segment;
             let carries_commit = x.last_data_segment == Some(index);
             let segment = x.job.segments[index];
+            if segment.len > 0 && !self.window_takes(segment.len) {
+                // The instance's posted bytes are at `max_posted_bytes`: pumped again after activity.
+                self.stall(xfer);
+                return;
+            }
             self.xfers.get_mut(&xfer).unwrap().next_segment += 1;
             if segment.len == 0 {
                 continue;
@@ -93,6 +98,20 @@ impl Engine {
                 self.maybe_finish(xfer);
                 return;
             }
+        }
+    }
+
+    /// Whether a message of `len` bytes may be posted now (see [`window_takes`]).
+    fn window_takes(&self, len: u64) -> bool {
+        window_takes(self.posted_bytes, len, self.shared.config.max_posted_bytes)
+    }
+
+    /// Count a posted, still pending data request's bytes until its completion (`on_complete`).
+    fn count_posted_bytes(&mut self, token: u64, len: u64) {
+        if let Some(req) = self.requests.get_mut(&token) {
+            req.bytes = len;
+            self.posted_bytes += len;
+            self.shared.posted_bytes_peak.fetch_max(self.posted_bytes, Ordering::Relaxed);
         }
     }
 
@@ -124,6 +143,10 @@ impl Engine {
             0,
             segment.local_memh as ucp::ucp_mem_h,
         );
+        // SAFETY: `ep` is a live endpoint of this worker (from `conns`, used on the progress thread only);
+        // the header and the source bytes stay valid until the request completes: the header is kept in
+        // `requests` with it, and the source region is held mapped by the job's `local_regions` until the
+        // transfer is forgotten.
         let posted = ucp::classify(unsafe {
             ucp::ucp_am_send_nbx(
                 ep,
@@ -138,6 +161,9 @@ impl Engine {
         let pending = self
             .track(token, posted, ReqKind::Xfer { xfer }, header)
             .map_err(|s| (reason_for(s), format!("ucp_am_send_nbx: {}", ucp::status_text(s))))?;
+        if pending {
+            self.count_posted_bytes(token, segment.len);
+        }
         let x = self.xfers.get_mut(&xfer).unwrap();
         x.posted += pending as u64;
         x.data_messages += 1;
@@ -164,6 +190,8 @@ impl Engine {
             0,
             std::ptr::null_mut(),
         );
+        // SAFETY: `ep` is a live endpoint of this worker, used on the progress thread only; the header is
+        // kept in `requests` until the send completes, and no data buffer is passed.
         let posted = ucp::classify(unsafe {
             ucp::ucp_am_send_nbx(ep, id, header.as_ptr() as *const c_void, header.len(), std::ptr::null(), 0, &param)
         });
@@ -192,12 +220,18 @@ impl Engine {
         let rkey = self.rkey_for(peer, segment.remote_key, xfer).map_err(|m| (ReasonCode::TRANSPORT_ERROR, m))?;
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, segment.local_memh as ucp::ucp_mem_h);
+        // SAFETY: `ep` is a live endpoint of this worker; `rkey` was unpacked on it and lives until the
+        // endpoint closes; the source bytes are held mapped by the job's `local_regions` until the transfer
+        // is forgotten, after the put completed.
         let posted = ucp::classify(unsafe {
             ucp::ucp_put_nbx(ep, segment.local_addr as *const c_void, segment.len as usize, segment.remote_addr, rkey, &param)
         });
         let pending = self
             .track(token, posted, ReqKind::Xfer { xfer }, Vec::new())
             .map_err(|s| (reason_for(s), format!("ucp_put_nbx: {}", ucp::status_text(s))))?;
+        if pending {
+            self.count_posted_bytes(token, segment.len);
+        }
         let x = self.xfers.get_mut(&xfer).unwrap();
         x.posted += pending as u64;
         x.any_put_posted = true;
@@ -208,6 +242,8 @@ impl Engine {
     fn post_flush(&mut self, xfer: u64, ep: ucp_ep_h) {
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
+        // SAFETY: `ep` is a live endpoint of this worker, used on the progress thread only; a flush reads no
+        // caller memory.
         let posted = ucp::classify(unsafe { ucp::ucp_ep_flush_nbx(ep, &param) });
         let result = self.track(token, posted, ReqKind::Flush { xfer }, Vec::new());
         let x = self.xfers.get_mut(&xfer).unwrap();
@@ -343,6 +379,13 @@ impl Engine {
     }
 }
 
+/// Whether a message of `len` bytes may be posted with `posted` bytes already posted: the sum stays
+/// within `max_posted` (`max_posted_bytes`), or nothing is posted (a message longer than the bound
+/// still moves, alone).
+fn window_takes(posted: u64, len: u64, max_posted: u64) -> bool {
+    posted == 0 || posted.saturating_add(len) <= max_posted
+}
+
 impl Outgoing {
     fn new(job: Box<OutgoingJob>, tokens: Vec<u64>) -> Outgoing {
         let last_data_segment = job.segments.iter().rposition(|s| s.len > 0);
@@ -363,5 +406,21 @@ impl Outgoing {
             stalled: false,
             tokens,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::window_takes;
+
+    #[test]
+    fn the_posted_bytes_window_takes_a_message_at_its_bound_and_not_past_it() {
+        assert!(window_takes(0, 10, 100));
+        assert!(window_takes(90, 10, 100), "at the bound");
+        assert!(!window_takes(91, 10, 100), "one byte past it");
+        assert!(!window_takes(100, 1, 100));
+        assert!(window_takes(0, 1000, 100), "a message longer than the bound moves when nothing else is posted");
+        assert!(!window_takes(1, 1000, 100), "but never next to another");
+        assert!(!window_takes(u64::MAX - 1, 2, u64::MAX - 1), "no overflow");
     }
 }

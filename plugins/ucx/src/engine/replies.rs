@@ -43,6 +43,8 @@ impl Engine {
         wire::encode_replies(replies.iter().map(|(_, h)| h), &mut bytes);
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
+        // SAFETY: `ep` is a live endpoint of this worker; `bytes` is kept with the request in `requests` (or
+        // reused only once the send completed at once), so UCX may read it until completion.
         let posted = ucp::classify(unsafe {
             ucp::ucp_am_send_nbx(ep, wire::AM_REPLY, bytes.as_ptr() as *const c_void, bytes.len(), std::ptr::null(), 0, &param)
         });

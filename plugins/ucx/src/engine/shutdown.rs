@@ -36,6 +36,8 @@ impl Engine {
         for ep in eps {
             let token = self.token();
             let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
+            // SAFETY: `ep` is a live endpoint of this worker (taken from `conns` just above); the goodbye
+            // bytes are kept with the request in `requests` until the send completes.
             let posted = ucp::classify(unsafe {
                 ucp::ucp_am_send_nbx(ep, wire::AM_BYE, bye.as_ptr() as *const c_void, bye.len(), std::ptr::null(), 0, &param)
             });

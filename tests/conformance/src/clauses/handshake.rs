@@ -1,10 +1,17 @@
 //! HANDSHAKE-2..4: a restarted peer is a new generation, unsupported memory is refused at
-//! registration, malformed endpoint and key bytes are refused.
+//! registration, malformed endpoint and key bytes are refused. Over TCP (a receiver endpoint naming a
+//! port the receiver listens on, no loopback UDP address) HANDSHAKE-2 runs through the harness's TCP
+//! proxy, and the restarted receiver comes up behind the same proxy address.
 
 use super::*;
 use crate::controller::PeerProcess;
 use crate::peer::protocol::{Op, Outcome, RawRegion};
-use crate::world::{describe, seg, Side, TX_PEER};
+use crate::proxy::find_loopback_udp;
+use crate::tcp_proxy::{find_listening_port, listening_tcp_ports, rewrite_tcp_port};
+use crate::world::{describe, seg, Side, RX_PEER, TX_PEER};
+
+/// The id the sender knows the first generation by when it goes through the TCP proxy.
+const PROXIED_PEER: u64 = 22;
 use kvgate_abi::{EventKind, MemoryKind, ReasonCode};
 
 fn refused(outcome: &Outcome) -> Option<String> {
@@ -17,6 +24,27 @@ fn refused(outcome: &Outcome) -> Option<String> {
 // CONFORMANCE: HANDSHAKE-2
 pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
     with_pair(ctx, |p, ctx| {
+        // Over TCP: each side reaches the other through a TCP proxy from the start (UCX pairs the
+        // sockets of both directions, so both go the same way).
+        let rx_endpoint = p.endpoint(Side::Rx, ctx)?;
+        let to_rx = match find_loopback_udp(&rx_endpoint) {
+            Some(_) => None,
+            None => super::network::tcp_proxy_to(p, Side::Rx, ctx)?,
+        };
+        let mut to_tx = None;
+        if let Some((_, rewritten)) = &to_rx {
+            if let Some((proxy, tx_endpoint)) = super::network::tcp_proxy_to(p, Side::Tx, ctx)? {
+                p.call(Side::Rx, Op::Disconnect { peer: TX_PEER }, ctx)?;
+                p.call(Side::Rx, Op::Connect { peer: TX_PEER, endpoint: tx_endpoint.clone() }, ctx)?;
+                to_tx = Some((proxy, tx_endpoint));
+            }
+            p.call(Side::Tx, Op::Disconnect { peer: RX_PEER }, ctx)?;
+            if let Outcome::Failed { error } = p.call(Side::Tx, Op::Connect { peer: PROXIED_PEER, endpoint: rewritten.clone() }, ctx)?.outcome {
+                return fail(format!("connect through the TCP proxy refused: {}: {}", error.code_name, error.message));
+            }
+            p.rx_peer = PROXIED_PEER;
+        }
+        let proxy = to_rx.map(|(proxy, _)| proxy);
         let src = p.alloc_src(1 << 20, ctx.rng.next_u64(), ctx)?;
         let dst = p.alloc_dst(1 << 20, ctx.rng.next_u64(), ctx)?;
         let ticket = p.authorise(&dst, ctx)?;
@@ -33,11 +61,14 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
         // The receiver dies and a new generation starts with the same plugin and config.
         p.rx.kill();
         p.rx = PeerProcess::spawn(&ctx.cmd, "receiver-gen2").map_err(Verdict::Fail)?;
-        match p.call(Side::Rx, Op::Open { plugin: ctx.plugin.clone(), config: ctx.plugin_config.clone() }, ctx)?.outcome {
+        match p.call(Side::Rx, Op::Open { plugin: ctx.plugin.clone(), config: ctx.plugin_config.clone(), memory: ctx.limits.memory_provider.clone() }, ctx)?.outcome {
             Outcome::Info { .. } => {}
             other => return fail(format!("second generation could not open: {other:?}")),
         }
-        let tx_endpoint = p.endpoint(Side::Tx, ctx)?;
+        let tx_endpoint = match &to_tx {
+            Some((_, through_proxy)) => through_proxy.clone(),
+            None => p.endpoint(Side::Tx, ctx)?,
+        };
         p.call(Side::Rx, Op::Connect { peer: TX_PEER, endpoint: tx_endpoint }, ctx)?;
         let disc = p.call(Side::Tx, Op::Disconnect { peer: p.rx_peer }, ctx)?;
         let mut problems = Vec::new();
@@ -52,7 +83,16 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
             }
         }
         let old_peer = p.rx_peer;
-        let endpoint = p.endpoint(Side::Rx, ctx)?;
+        let mut endpoint = p.endpoint(Side::Rx, ctx)?;
+        if let Some(proxy) = &proxy {
+            // The new generation behind the same address: the proxy now forwards to its port.
+            let ports = listening_tcp_ports(p.rx.pid());
+            let Some((at, port)) = find_listening_port(&endpoint, &ports) else {
+                return fail(format!("the restarted receiver's endpoint names none of the TCP ports it listens on ({ports:?})"));
+            };
+            proxy.retarget(([127, 0, 0, 1], port).into());
+            endpoint = rewrite_tcp_port(&endpoint, at, proxy.listen.port());
+        }
         p.rx_peer = 3;
         if let Outcome::Failed { error } = p.call(Side::Tx, Op::Connect { peer: 3, endpoint }, ctx)?.outcome {
             return fail(format!("connect to the new generation refused: {}: {}", error.code_name, error.message));
@@ -82,9 +122,18 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
                 }
             }
         }
+        let route = match &proxy {
+            Some(proxy) => format!(
+                "; both generations behind the same TCP proxy address {} ({}; the way back: {})",
+                proxy.listen,
+                proxy.summary(),
+                to_tx.as_ref().map_or("direct".to_string(), |(t, _)| t.summary())
+            ),
+            None => String::new(),
+        };
         verdict_of(
             problems,
-            format!("receiver killed and restarted; disconnect ended the old generation's transfers; new generation moved data ({moved}); old keys and id refused"),
+            format!("receiver killed and restarted; disconnect ended the old generation's transfers; new generation moved data ({moved}); old keys and id refused{route}"),
         )
     })
 }

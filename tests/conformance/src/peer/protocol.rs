@@ -27,18 +27,30 @@ pub struct RawRegion {
     pub ipc_handle: Vec<u8>,
 }
 
+fn auto_memory() -> String {
+    "auto".into()
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Op {
-    /// Load and open the plugin (`builtin:NAME` or a `.so` path) with its TOML config.
-    Open { plugin: String, config: String },
+    /// Load and open the plugin (`builtin:NAME` or a `.so` path) with its TOML config; its regions
+    /// then come from the memory provider `memory` (`[harness] memory_provider`: `auto` chooses from
+    /// the plugin's memory kinds). A provider this peer cannot have is answered `Unavailable`.
+    Open {
+        plugin: String,
+        config: String,
+        #[serde(default = "auto_memory")]
+        memory: String,
+    },
     /// Open a second time with this config (to check refusals), closing the result at once.
     TryOpen { config: String },
     Info,
     Endpoint,
     Connect { peer: u64, endpoint: Vec<u8> },
     Disconnect { peer: u64 },
-    /// Create a `/dev/shm` file of `len` bytes, map it, fill it from `seed`.
+    /// Create a region of `len` bytes with the memory provider (a `/dev/shm` file mapped, and device
+    /// memory behind it for `cuda`), fill it from `seed`.
     Alloc { rid: u32, len: u64, seed: u64 },
     /// Register the whole of region `rid` with the plugin.
     Register { rid: u32 },

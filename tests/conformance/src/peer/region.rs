@@ -18,6 +18,9 @@ pub struct Region {
     pub path: PathBuf,
     pub addr: *mut u8,
     pub len: u64,
+    /// Device memory behind the region (the CUDA provider): fills are written through to it, and
+    /// checksums read it back into the host file first (which is then a mirror of it).
+    pub device: Option<Box<dyn super::memory::DeviceMemory>>,
     _file: File,
 }
 
@@ -54,7 +57,7 @@ impl Region {
         if addr == libc::MAP_FAILED {
             return Err(format!("mmap {}: {}", path.display(), std::io::Error::last_os_error()));
         }
-        Ok(Region { path, addr: addr as *mut u8, len, _file: file })
+        Ok(Region { path, addr: addr as *mut u8, len, device: None, _file: file })
     }
 
     fn check_range(&self, offset: u64, len: u64) -> Result<(), String> {
@@ -79,13 +82,25 @@ impl Region {
     pub fn fill(&mut self, offset: u64, len: u64, seed: u64) -> Result<(), String> {
         let bytes = self.bytes_mut(offset, len)?;
         SplitMix64::new(seed).fill(bytes);
+        if let Some(device) = &self.device {
+            device.write(offset, self.bytes(offset, len)?)?;
+        }
+        Ok(())
+    }
+
+    /// Copy `offset..offset + len` of the device memory behind the region (if any) into its host file.
+    fn refresh_from_device(&mut self, offset: u64, len: u64) -> Result<(), String> {
+        let Some(device) = &self.device else { return Ok(()) };
+        let fresh = device.read(offset, len)?;
+        self.bytes_mut(offset, len)?.copy_from_slice(&fresh);
         Ok(())
     }
 
     /// Hash of each range in turn; two regions holding the same bytes in the same ranges agree.
-    pub fn checksum(&self, ranges: &[(u64, u64)]) -> Result<u64, String> {
+    pub fn checksum(&mut self, ranges: &[(u64, u64)]) -> Result<u64, String> {
         let mut total = 0xcbf2_9ce4_8422_2325u64;
         for &(offset, len) in ranges {
+            self.refresh_from_device(offset, len)?;
             let h = hash_bytes(self.bytes(offset, len)?);
             total = (total ^ h).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(29);
         }

@@ -3,6 +3,7 @@
 //! with a timestamp. Never judges a result and never blocks the plugin's sink (events go to a writer thread).
 
 use super::protocol::*;
+use super::memory::{self, MemoryProvider};
 use super::region::Region;
 use crate::plugin_spec;
 use kvgate_abi::abi_stable::std_types::{RResult, RSlice};
@@ -58,6 +59,8 @@ struct Peer {
     host: Option<(PluginHost, String)>,
     opened: Option<kvgate_host::OpenedPlugin>,
     regions: HashMap<u32, Region>,
+    /// Where regions live (host memory until `Open` chose from the plugin's memory kinds).
+    memory: Box<dyn MemoryProvider>,
     out: mpsc::Sender<Line>,
 }
 
@@ -96,7 +99,7 @@ pub fn peer_main() -> i32 {
             }
         }
     });
-    let mut peer = Peer { host: None, opened: None, regions: HashMap::new(), out: tx };
+    let mut peer = Peer { host: None, opened: None, regions: HashMap::new(), memory: Box::new(memory::HostProvider), out: tx };
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
         let Ok(line) = line else { break };
@@ -151,7 +154,7 @@ impl Peer {
     fn serve_inner(&mut self, op: Op) -> Result<Outcome, Outcome> {
         let perr = |m: String| Outcome::PeerError { message: m };
         Ok(match op {
-            Op::Open { plugin, config } => {
+            Op::Open { plugin, config, memory } => {
                 let (host, name) = plugin_spec::load(&plugin).map_err(perr)?;
                 let out = self.out.clone();
                 let sink = sink_from_fn(move |e: Event| {
@@ -172,7 +175,14 @@ impl Peer {
                         let module = host.module(&name).map(|m| wire_info(&(m.info())()));
                         let instance = wire_info(opened.info());
                         self.opened = Some(opened);
-                        Outcome::Info { module: module.unwrap_or_else(|| instance.clone()), instance }
+                        // The regions' memory, as the plugin declares it serves (or as configured).
+                        match memory::choose(&memory, instance.memory_kinds) {
+                            Ok(provider) => {
+                                self.memory = provider;
+                                Outcome::Info { module: module.unwrap_or_else(|| instance.clone()), instance }
+                            }
+                            Err(reason) => Outcome::Unavailable { reason: format!("memory provider {memory:?}: {reason}"), module },
+                        }
                     }
                     Err(OpenError::Unavailable { reason, .. }) => {
                         Outcome::Unavailable { reason, module: host.module(&name).map(|m| wire_info(&(m.info())())) }
@@ -206,22 +216,14 @@ impl Peer {
                 Outcome::Done
             }
             Op::Alloc { rid, len, seed } => {
-                let mut region = Region::create(rid, len).map_err(perr)?;
+                let mut region = self.memory.alloc(rid, len).map_err(perr)?;
                 region.fill(0, len, seed).map_err(perr)?;
                 self.regions.insert(rid, region);
                 Outcome::Done
             }
             Op::Register { rid } => {
                 let r = self.regions.get(&rid).ok_or_else(|| perr(format!("no region {rid}")))?;
-                let desc = RegionDesc {
-                    kind: MemoryKind::HOST,
-                    device: -1,
-                    addr: r.addr as u64,
-                    len: r.len,
-                    backing_path: r.path.to_string_lossy().as_ref().into(),
-                    backing_offset: 0,
-                    ipc_handle: Default::default(),
-                };
+                let desc = self.memory.describe(r);
                 self.register(&desc)?
             }
             Op::RegisterRaw { region } => {
@@ -258,7 +260,7 @@ impl Peer {
                 Outcome::Done
             }
             Op::Checksum { rid, ranges } => {
-                let r = self.regions.get(&rid).ok_or_else(|| perr(format!("no region {rid}")))?;
+                let r = self.regions.get_mut(&rid).ok_or_else(|| perr(format!("no region {rid}")))?;
                 Outcome::Checksum { value: r.checksum(&ranges).map_err(perr)? }
             }
             Op::Submit { xfer, peer, ticket, timeout_ns, segments } => {
