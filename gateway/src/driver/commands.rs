@@ -17,7 +17,9 @@ impl Driver {
         };
         match &command {
             Command::Submit { plugin, xfer, peer, ticket, timeout, segments } => {
-                let request = SubmitRequest { xfer: *xfer, peer: *peer, ticket: *ticket, timeout_ns: timeout.0, segments: RSlice::from_slice(segments) };
+                // To the peer instance the destination key was imported from (see `pairing`).
+                let route = segments.first().and_then(|s| self.peers.session(peer.0)?.key_routes.get(&(*plugin, s.remote)).copied());
+                let request = SubmitRequest { xfer: *xfer, peer: route.unwrap_or(*peer), ticket: *ticket, timeout_ns: timeout.0, segments: RSlice::from_slice(segments) };
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
                     if let RResult::RErr(e) = opened.transport().submit(request) {
                         tracing::debug!(plugin = opened.name(), xfer = xfer.0, "submit refused: {e}");
@@ -31,22 +33,30 @@ impl Driver {
                 }
             }
             Command::ExpectIncoming { plugin, peer, ticket, timeout, ranges } => {
-                let request = IncomingRequest { ticket: *ticket, peer: *peer, timeout_ns: timeout.0, ranges: RSlice::from_slice(ranges) };
+                // For the peer instance this one is paired with (the notice names it).
+                let route = self.peers.session(peer.0).and_then(|s| s.remote_ids.get(s.partner.get(plugin)?).copied()).filter(|id| id != peer);
+                if let Some(id) = route {
+                    self.ticket_routes.insert((*plugin, *ticket), id);
+                }
+                let request = IncomingRequest { ticket: *ticket, peer: route.unwrap_or(*peer), timeout_ns: timeout.0, ranges: RSlice::from_slice(ranges) };
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
                     if let RResult::RErr(e) = opened.transport().expect_incoming(request) {
+                        self.ticket_routes.remove(&(*plugin, *ticket));
                         self.feedback.push_back((*plugin, Event::incoming_failed(*peer, *ticket, e.code, e.message.to_string())));
                     }
                 }
             }
             Command::CancelIncoming { plugin, peer, ticket } => {
+                let route = self.ticket_routes.remove(&(*plugin, *ticket)).unwrap_or(*peer);
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
-                    opened.transport().cancel_incoming(*peer, *ticket);
+                    opened.transport().cancel_incoming(route, *ticket);
                 }
             }
             Command::ToPeer { peer, message } => match self.peers.session(peer.0) {
                 // A full queue makes the session task declare the peer lost; the core then learns it.
                 Some(state) => {
-                    state.sender.send(Frame::Core(codec::encode(message, &self.plugin_names)));
+                    let names = codec::InstanceNames { own: &self.plugin_names, partner: &state.partner_by_slot };
+                    state.sender.send(Frame::Core(codec::encode_in(message, names)));
                 }
                 None => {
                     let keep = matches!(message, kvgate_core::PeerMessage::Quiesced { .. });
