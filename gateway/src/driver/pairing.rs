@@ -154,8 +154,8 @@ impl Driver {
     }
 
     /// Import one announced region into `slots`, each from the key of the peer instance it is
-    /// paired with. A key from another peer instance than before replaces it for new rooms; the old
-    /// one stays imported (rooms may still use it) until the session ends.
+    /// paired with. A key already imported from the same instance is kept; another replaces it for
+    /// new rooms, the old one staying imported (rooms may still use it) until the session ends.
     pub(super) fn import_region(&mut self, session: SessionId, announce: &proto::RegionAnnounce, slots: &[PluginSlot]) -> usize {
         let now = self.now();
         let peer = PeerId(session);
@@ -165,17 +165,19 @@ impl Driver {
             let Some(partner) = state.partner.get(&slot).cloned() else { continue };
             let Some(key) = announce.keys.iter().find(|k| k.plugin == partner) else { continue };
             let Some(&id) = state.remote_ids.get(&partner) else { continue };
+            // The same key from the same instance again (every plugin change re-announces every
+            // region): keep the imported one, which rooms may be using.
+            let source = (partner.clone(), key.key.clone());
+            if state.key_source.get(&(announce.region, slot)) == Some(&source) && state.remote_keys.contains_key(&(announce.region, slot)) {
+                continue;
+            }
             let plugin = &self.plugins[slot.0 as usize];
             match plugin.transport().import_remote_key(id, RSlice::from_slice(&key.key)) {
                 RResult::ROk(remote) => {
-                    let same_source = state.key_source.insert((announce.region, slot), partner.clone()).is_none_or(|old| old == partner);
+                    state.key_source.insert((announce.region, slot), source);
+                    // A replaced key stays imported (rooms may still use it) until the session ends.
                     if let Some(old) = state.remote_keys.insert((announce.region, slot), remote) {
-                        if same_source {
-                            state.key_routes.remove(&(slot, old));
-                            plugin.transport().release_remote_key(old);
-                        } else {
-                            state.superseded_keys.push((slot, old));
-                        }
+                        state.superseded_keys.push((slot, old));
                     }
                     state.key_routes.insert((slot, remote), id);
                     self.core.handle_remote_region_key(now, peer, kvgate_core::RegionId(announce.region), announce.len, slot, remote);
@@ -225,8 +227,20 @@ impl Driver {
             if state.partner.get(slot) == Some(wire) {
                 state.partner.remove(slot);
             }
-            if let Some(id) = state.remote_ids.get(wire) {
-                self.plugins[slot.0 as usize].transport().disconnect(*id);
+            if let Some(&id) = state.remote_ids.get(wire) {
+                let transport = self.plugins[slot.0 as usize].transport();
+                transport.disconnect(id);
+                // Keys from that instance that re-pairing replaced: no room can use them any more
+                // (the peer closed the instance once the rooms bound to it ended).
+                let routes = &mut state.key_routes;
+                state.superseded_keys.retain(|(s, key)| {
+                    if s != slot || routes.get(&(*s, *key)) != Some(&id) {
+                        return true;
+                    }
+                    routes.remove(&(*s, *key));
+                    transport.release_remote_key(*key);
+                    false
+                });
             }
             tracing::info!(peer = %state.name, plugin = %self.instances[slot.0 as usize].wire_name, remote = %wire, "the peer closed a plugin instance: connection dropped");
         }

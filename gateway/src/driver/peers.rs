@@ -30,8 +30,9 @@ pub struct PeerSessionState {
     pub partner: HashMap<PluginSlot, String>,
     /// The peer's latest announce of each of its regions (imported again into re-paired instances).
     pub announces: HashMap<u64, proto::RegionAnnounce>,
-    /// The peer instance each imported key came from: (peer region id, plugin) -> wire name.
-    pub key_source: HashMap<(u64, PluginSlot), String>,
+    /// The peer instance and key bytes each imported key came from: (peer region id, plugin) ->
+    /// (wire name, key bytes).
+    pub key_source: HashMap<(u64, PluginSlot), (String, Vec<u8>)>,
     /// Keys a re-pairing replaced (rooms may still use them), released when the session ends.
     pub superseded_keys: Vec<(PluginSlot, RemoteKey)>,
     /// The plugin peer id each imported key was imported under: where a submit with it goes.

@@ -172,7 +172,7 @@ impl Driver {
         }
         let Some(failure) = failure else { return Ok(opened) };
         for (plugin, want) in opened.into_iter().zip(to_open) {
-            plugin.shutdown();
+            let plugin = plugin.into_closed();
             let generation = self.next_generation(&want.name);
             let mut instance = Instance::new(&want.name, generation, want.config_text.clone(), want.origin.clone());
             instance.state = InstanceState::Closed;
@@ -347,7 +347,10 @@ impl Driver {
         self.deregister_regions_from(plugin_slot);
         self.instances[slot].state = InstanceState::Closed;
         self.instances[slot].closed_reason = reason.to_string();
-        self.plugins[slot].shutdown();
+        drop(transport);
+        // Shut down, and its transport object dropped: its threads, sockets and buffers go.
+        let placeholder = self.plugins[slot].clone();
+        self.plugins[slot] = std::mem::replace(&mut self.plugins[slot], placeholder).into_closed();
         tracing::info!(plugin = %self.instances[slot].wire_name, generation = self.instances[slot].generation, reason, "plugin instance shut down (its library stays mapped)");
         self.plugin_change_seq += 1;
         self.announce_plugin_change();
