@@ -51,15 +51,18 @@ pub fn sections_needing_restart(running: &GatewayConfig, new: &GatewayConfig) ->
 impl Reloader {
     /// Read the file, check it, and apply its plugin part. Every refusal is logged with its reason.
     pub async fn reload(&self) -> ReloadOutcome {
-        let outcome = self.reload_inner().await;
-        if !outcome.applied {
+        let (outcome, from_driver) = self.reload_inner().await;
+        if !outcome.applied && !from_driver {
+            // The driver logs and keeps its own refusals; these it is told about for `/plugins`.
             tracing::error!(reason = "plugin_reload_refused", "plugin reload refused, the running plugins stay in service: {}", outcome.error);
+            let _ = self.driver.send(DriverInput::ReloadRefused(outcome.clone())).await;
         }
         outcome
     }
 
-    async fn reload_inner(&self) -> ReloadOutcome {
-        let refused = |error: String| ReloadOutcome { error, ..Default::default() };
+    /// The outcome, and whether the driver gave it.
+    async fn reload_inner(&self) -> (ReloadOutcome, bool) {
+        let refused = |error: String| (ReloadOutcome::refused(error), false);
         let Some(path) = &self.config_path else {
             return refused("the gateway was started without --config: there is no file to read again".into());
         };
@@ -80,7 +83,7 @@ impl Reloader {
             return refused("the gateway is stopping".into());
         }
         match tokio::time::timeout(Duration::from_millis(RELOAD_TIMEOUT_MS), rx).await {
-            Ok(Ok(outcome)) => outcome,
+            Ok(Ok(outcome)) => (outcome, true),
             Ok(Err(_)) => refused("the gateway is stopping".into()),
             Err(_) => refused(format!("no answer from the driver within {RELOAD_TIMEOUT_MS} ms (the reload may still complete: see /plugins)")),
         }

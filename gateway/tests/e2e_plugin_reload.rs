@@ -98,7 +98,7 @@ impl Traffic {
         let (stop, rooms, failures) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)), Arc::new(std::sync::Mutex::new(Vec::new())));
         let tasks = (0..WORKERS)
             .map(|slot| {
-                let (prefill, decode, shape) = (prefill.clone(), decode.clone(), shape.clone());
+                let (prefill, decode, shape) = (prefill.clone(), decode.clone(), shape);
                 let (stop, rooms, failures) = (stop.clone(), rooms.clone(), failures.clone());
                 tokio::spawn(async move {
                     let mut n = 0u64;
@@ -172,7 +172,7 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
     let shape = KvShape::llama_8b_like(2, 2);
     let prefill = Arc::new(engine(dir.path(), &pair.prefill.socket, "prefill", &shape, WORKERS).await);
     let decode = Arc::new(engine(dir.path(), &pair.decode.socket, "decode", &shape, WORKERS).await);
-    let traffic = Traffic::start(prefill.clone(), decode.clone(), shape.clone());
+    let traffic = Traffic::start(prefill.clone(), decode.clone(), shape);
     traffic.run_for(WORKERS).await;
     let descriptors_before = (open_descriptors(&pair.prefill), open_descriptors(&pair.decode));
 
@@ -235,5 +235,88 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
     let descriptors_after = (open_descriptors(&pair.prefill), open_descriptors(&pair.decode));
     eprintln!("descriptors (prefill, decode): {descriptors_before:?} -> {descriptors_after:?}");
     assert!(descriptors_after.0 <= descriptors_before.0 + 2 && descriptors_after.1 <= descriptors_before.1 + 2, "{descriptors_before:?} -> {descriptors_after:?}");
+    pair.stop();
+}
+
+fn mutant_unavailable_library() -> PathBuf {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    kvgate_host::artifacts::built_or_build_cdylib("kvgate-mutant-unavailable", "kvgate_mutant_unavailable", &workspace).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Reload `gateway` with `plugins`; it must be refused with an error containing every `needle`,
+/// leave `active` the one active instance, and a room must still move.
+async fn refused(gateway: &GatewayProcess, plugins: &str, needles: &[&str], active: &str) -> String {
+    rewrite_plugins(&gateway.config_path, plugins);
+    let (code, outcome) = reload(gateway).await;
+    assert_eq!(code, 409, "{outcome}");
+    let error = outcome["error"].as_str().unwrap().to_string();
+    for needle in needles {
+        assert!(error.contains(needle), "{needle:?} not in {error}");
+    }
+    assert_eq!(plugins_view(gateway).await["last_reload"]["error"].as_str(), Some(error.as_str()));
+    let all = instances(gateway).await;
+    let open: Vec<&(String, String, String)> = all.iter().filter(|(_, s, _)| s != "closed").collect();
+    assert_eq!(open.len(), 1, "{all:?}");
+    assert_eq!((open[0].0.as_str(), open[0].1.as_str()), (active, "active"), "{all:?}");
+    error
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_cannot_be_applied_changes_nothing_and_says_why() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let copy = dir.path().join("libkvgate_shm-next.so");
+    std::fs::copy(shm_library(), &copy).unwrap();
+    let copy = toml::Value::String(copy.display().to_string());
+    let unavailable = toml::Value::String(mutant_unavailable_library().display().to_string());
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
+    let shape = KvShape::llama_8b_like(2, 2);
+    let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 1).await;
+    let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 1).await;
+    let gateway = &pair.prefill;
+    let config = std::fs::read_to_string(&gateway.config_path).unwrap();
+
+    // A change outside [plugins] names what needs a restart and applies nothing (not even the
+    // plugin part beside it).
+    std::fs::write(&gateway.config_path, config.replace("heartbeat_misses = 5", "heartbeat_misses = 6")).unwrap();
+    let error = refused(gateway, "preference = [\"shm\"]\n[plugins.config.shm]\nworkers = 2\n", &["[peer_link]", "restart"], "shm").await;
+    assert!(!error.contains("scheduler"), "{error}");
+    std::fs::write(&gateway.config_path, &config).unwrap();
+    // An invalid setting, named.
+    refused(gateway, "preference = [\"shm\"]\n[plugins.config.shm]\nworkers = \"many\"\n", &["plugins.config.shm", "invalid_config"], "shm").await;
+    // A plugin that reports unavailable on this machine.
+    refused(gateway, &format!("preference = [\"mutant-unavailable\", \"shm\"]\nlibraries = [{unavailable}]\n"), &["mutant-unavailable", "unavailable"], "shm").await;
+    // plugins.max_mapped_libraries, just past it (the mutant's library is mapped already) ...
+    let at_most_one = format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 1\n");
+    refused(gateway, &at_most_one, &["plugins.max_mapped_libraries = 1", "never unloaded"], "shm").await;
+    let run = |room| run_room(&prefill, &decode, &shape, room, 0, 0);
+    let r = run(1).await.unwrap();
+    assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "{r:?}");
+    // ... and at it.
+    rewrite_plugins(&gateway.config_path, &format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 2\n"));
+    let (code, outcome) = reload(gateway).await;
+    assert_eq!((code, &outcome["opened"]), (200, &serde_json::json!(["shm@2"])), "{outcome}");
+    let r = run(2).await.unwrap();
+    assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "{r:?}");
+
+    // The command line says the same and exits 1 when refused, 0 when applied.
+    let cli = |args: &[&str]| std::process::Command::new(binary()).args(args).output().unwrap();
+    rewrite_plugins(&gateway.config_path, &format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 2\n[plugins.config.shm]\nworkers = \"many\"\n"));
+    let out = cli(&["plugins", "reload", "--admin", &gateway.admin]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("plugin reload refused (the running plugins stay in service)") && stdout.contains("invalid_config"), "{stdout}");
+    rewrite_plugins(&gateway.config_path, &format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 2\n[plugins.config.shm]\nworkers = 2\n"));
+    let out = cli(&["plugins", "reload", "--config", &gateway.config_path.display().to_string()]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("plugin reload applied: opened shm@3; kept -; retired shm@2"), "{stdout}");
+
+    // SIGHUP reloads too.
+    rewrite_plugins(&gateway.config_path, &format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 2\n[plugins.config.shm]\nworkers = 3\n"));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(gateway.pid().unwrap()), nix::sys::signal::Signal::SIGHUP).unwrap();
+    eventually(Duration::from_secs(20), "SIGHUP opens shm@4", || async { instances(gateway).await.iter().any(|(w, s, _)| w == "shm@4" && s == "active") }, &|| gateway.log()).await;
+    let r = run(3).await.unwrap();
+    assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "{r:?}");
     pair.stop();
 }

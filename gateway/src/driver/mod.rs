@@ -41,6 +41,8 @@ pub enum DriverInput {
     Admin(oneshot::Sender<AdminSnapshot>),
     /// Apply the plugin part of a newly read configuration (see `reload`).
     ReloadPlugins(Box<crate::config::PluginsSection>, oneshot::Sender<reload::ReloadOutcome>),
+    /// A reload refused before it reached the driver (kept for `/plugins`).
+    ReloadRefused(reload::ReloadOutcome),
     /// Stop: shut the plugins down and return.
     Shutdown,
 }
@@ -202,6 +204,7 @@ impl Driver {
                     Some(DriverInput::Peer(event)) => self.on_peer_event(event),
                     Some(DriverInput::Admin(reply)) => { let _ = reply.send(self.snapshot()); }
                     Some(DriverInput::ReloadPlugins(plugins, reply)) => { let _ = reply.send(self.reload_plugins(*plugins)); }
+                    Some(DriverInput::ReloadRefused(outcome)) => self.last_reload = Some(outcome),
                     Some(DriverInput::Shutdown) | None => break,
                 },
                 _ = tokio::time::sleep_until(wake.unwrap_or_else(Instant::now)), if wake.is_some() => {

@@ -75,7 +75,7 @@ impl Driver {
         for name in self.pairing_order(&state.name, &state.remote) {
             let Some(slot) = self.local_instance_of(&name, same_host) else { continue };
             let of_name = || state.remote.iter().filter(|e| plugin_of(&e.plugin) == name);
-            let Some(remote) = of_name().find(|e| !e.retiring).or_else(|| of_name().last()) else { continue };
+            let Some(remote) = of_name().find(|e| !e.retiring).or_else(|| of_name().next_back()) else { continue };
             let both_current = self.instances[slot.0 as usize].is_active() && !remote.retiring;
             pairs.push(Pair { slot, remote: remote.plugin.clone(), endpoint: remote.endpoint.clone(), both_current });
         }

@@ -37,7 +37,7 @@ pub struct ReloadOutcome {
 }
 
 impl ReloadOutcome {
-    fn refused(error: String) -> ReloadOutcome {
+    pub fn refused(error: String) -> ReloadOutcome {
         ReloadOutcome { error, at_unix_ms: unix_ms(), ..Default::default() }
     }
 }
@@ -47,7 +47,9 @@ fn unix_ms() -> u64 {
 }
 
 /// A file's (device, inode): a library rebuilt in place at a mapped path has another.
-pub fn file_identity(path: &Path) -> (u64, u64) {
+pub type FileIdentity = (u64, u64);
+
+pub fn file_identity(path: &Path) -> FileIdentity {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).map_or((0, 0), |m| (m.dev(), m.ino()))
 }
@@ -81,7 +83,7 @@ impl Driver {
 
     /// Check the libraries against `plugins.max_mapped_libraries` and in-place rebuilds; returns
     /// the libraries this reload maps for the first time.
-    fn libraries_to_map(&self, plugins: &PluginsSection) -> Result<Vec<(std::path::PathBuf, (u64, u64))>, String> {
+    fn libraries_to_map(&self, plugins: &PluginsSection) -> Result<Vec<(std::path::PathBuf, FileIdentity)>, String> {
         let mut new_maps = Vec::new();
         for library in &plugins.libraries {
             let canonical = std::fs::canonicalize(library).map_err(|e| format!("plugins.libraries: {library}: not_found: {e}"))?;

@@ -56,7 +56,7 @@ impl Driver {
                     Some(DriverInput::ReloadPlugins(_, reply)) => {
                         let _ = reply.send(reload::ReloadOutcome { error: "the gateway is shutting down".into(), ..Default::default() });
                     }
-                    Some(DriverInput::Shutdown) | None => {}
+                    Some(DriverInput::ReloadRefused(_)) | Some(DriverInput::Shutdown) | None => {}
                 },
                 _ = tokio::time::sleep_until(wake) => {
                     let now = self.now();
