@@ -65,7 +65,8 @@ pub fn expect_notice_frame_bytes(parts: &[Vec<Slice>], max_plugin_name: usize) -
     use prost::encoding::encoded_len_varint as varint;
     let field = |v: u64| if v == 0 { 0 } else { 1 + varint(v) };
     let mut total = EXPECT_NOTICE_OVERHEAD_BYTES + 1 + varint(parts.len() as u64 * 10) + parts.len() * 10;
-    total += parts.len() * (1 + varint(max_plugin_name as u64) + max_plugin_name);
+    // Each part may name its plugin instance and, after a plugin reload, the sender's instance too.
+    total += 2 * parts.len() * (1 + varint(max_plugin_name as u64) + max_plugin_name);
     for part in parts {
         let body: usize = part
             .iter()
@@ -153,12 +154,15 @@ mod tests {
                 parts: parts.clone(),
                 deadline_remaining: Nanos(u64::MAX),
             };
-            let frame = proto::PeerFrame { frame: Some(proto::peer_frame::Frame::Core(encode(&message, &names))), mac: vec![0; 32] };
+            // After a reload: the sender's instances named too (the longest case).
+            let partner = vec!["shm@2".to_string(), "a-plugin-with-a-long-name@2".to_string()];
+            let wire = encode_in(&message, InstanceNames { own: &names, partner: &partner });
+            let frame = proto::PeerFrame { frame: Some(proto::peer_frame::Frame::Core(wire)), mac: vec![0; 32] };
             let real = frame.encoded_len();
-            let bound = expect_notice_frame_bytes(&parts, names[1].len());
+            let bound = expect_notice_frame_bytes(&parts, partner[1].len());
             assert!(bound >= real, "bound {bound} < real {real}");
             // The bound allows a name per part; a notice names one for all when they share it.
-            let names_allowance = parts.len() * (2 + names[1].len());
+            let names_allowance = 2 * parts.len() * (2 + names[1].len());
             assert!(bound <= real + 2 * EXPECT_NOTICE_OVERHEAD_BYTES + names_allowance, "bound {bound} far above real {real}");
         }
     }
