@@ -310,6 +310,12 @@ pub struct PluginsSection {
     /// After a plugin reload retired an instance, how long it may take to finish what it holds
     /// before it is shut down anyway (what it still holds then fails with the plugin's reason).
     pub drain_timeout_ms: u64,
+    /// An instance whose worker died is replaced by a new one after `restart_backoff_ms` (doubled
+    /// for each restart already made within `restart_window_ms`), at most `restart_max_attempts`
+    /// times within `restart_window_ms`; past that it stays down and `/healthz` says why.
+    pub restart_max_attempts: u64,
+    pub restart_window_ms: u64,
+    pub restart_backoff_ms: u64,
 }
 
 /// Most plugin instances one gateway process opens over its life (a part names its plugin in one
@@ -324,6 +330,9 @@ impl Default for PluginsSection {
             config: BTreeMap::new(),
             max_mapped_libraries: 16,
             drain_timeout_ms: 120_000,
+            restart_max_attempts: 3,
+            restart_window_ms: 600_000,
+            restart_backoff_ms: 1_000,
         }
     }
 }

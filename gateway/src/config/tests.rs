@@ -141,6 +141,16 @@ fn plugin_reload_limits_are_checked_at_and_just_past_their_bounds() {
         let e = errors_of(&format!("[plugins]\ndrain_timeout_ms = {bad}\n"));
         assert!(e.contains(&format!("plugins.drain_timeout_ms = {bad}")) && e.contains("100..=86400000"), "{e}");
     }
+    for (key, min, max) in [("restart_max_attempts", 0u64, 100u64), ("restart_window_ms", 1_000, 86_400_000), ("restart_backoff_ms", 10, 600_000)] {
+        for ok in [min, max] {
+            load_config_from_str(&format!("[plugins]\n{key} = {ok}\n")).unwrap();
+        }
+        let past: Vec<u64> = if min > 0 { vec![min - 1, max + 1] } else { vec![max + 1] };
+        for bad in past {
+            let e = errors_of(&format!("[plugins]\n{key} = {bad}\n"));
+            assert!(e.contains(&format!("plugins.{key} = {bad}")) && e.contains(&format!("{min}..={max}")), "{e}");
+        }
+    }
 }
 
 #[test]

@@ -13,6 +13,7 @@ mod region_use;
 mod regions;
 pub mod reload;
 mod session_calls;
+pub mod supervision;
 pub mod sessions;
 mod shutdown;
 mod stuck;
@@ -94,6 +95,11 @@ pub struct Driver {
     mapped_libraries: std::collections::BTreeMap<std::path::PathBuf, (u64, u64)>,
     /// The latest plugin reload's outcome, for `/plugins`.
     last_reload: Option<reload::ReloadOutcome>,
+    /// Restarts of dead instances, by plugin name; restarts waiting for their back-off (when, slot);
+    /// instances past the restart limit, with why (by slot).
+    restart_history: HashMap<String, supervision::RestartHistory>,
+    pending_restarts: Vec<(std::time::Instant, usize)>,
+    restart_given_up: HashMap<usize, String>,
     /// `Some(reason)` once a plugin reported itself unhealthy.
     plugin_unhealthy: Vec<Option<String>>,
     regions: regions::Regions,
@@ -169,6 +175,9 @@ impl Driver {
             ticket_routes: HashMap::new(),
             plugin_change_seq: 0,
             last_reload: None,
+            restart_history: HashMap::new(),
+            pending_restarts: Vec::new(),
+            restart_given_up: HashMap::new(),
             plugin_unhealthy: vec![None; slots],
             watch: parts.watch,
             metrics: parts.metrics,
@@ -269,6 +278,7 @@ impl Driver {
             if let Some(h) = self.plugin_unhealthy.get_mut(slot.0 as usize) {
                 *h = Some(reason);
             }
+            self.supervise(slot.0 as usize);
         }
         self.feed_plugin_event(slot, &event);
     }
@@ -367,6 +377,7 @@ impl Driver {
     }
 
     fn housekeeping(&mut self) {
+        self.restart_due_instances();
         self.close_drained_instances();
         self.warn_stuck_rooms();
         self.log_new_violations();

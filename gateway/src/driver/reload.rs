@@ -358,3 +358,67 @@ impl Driver {
         self.announce_plugin_change();
     }
 }
+
+impl Driver {
+    /// An instance reported a dead worker: stop offering it, and restart it after the back-off or,
+    /// past the restart limit, leave it down (see `supervision`).
+    pub(super) fn supervise(&mut self, slot: usize) {
+        if !self.instances.get(slot).is_some_and(|i| i.is_active()) || self.pending_restarts.iter().any(|(_, s)| *s == slot) || self.restart_given_up.contains_key(&slot) {
+            return;
+        }
+        for session in self.peers.sessions() {
+            self.repair_session(session);
+        }
+        self.schedule_restart(slot);
+    }
+
+    fn schedule_restart(&mut self, slot: usize) {
+        let name = self.plugins[slot].name().to_string();
+        let limits = super::supervision::RestartLimits::of(&self.config.plugins);
+        match self.restart_history.entry(name.clone()).or_default().decide(Instant::now(), limits) {
+            super::supervision::Decision::RestartAfter { backoff, attempt } => {
+                tracing::warn!(plugin = %self.instances[slot].wire_name, backoff_ms = backoff.as_millis() as u64, attempt, max_attempts = limits.max_attempts, "plugin instance unhealthy: its rooms failed; restarting it after the back-off");
+                self.pending_restarts.push((Instant::now() + backoff, slot));
+            }
+            super::supervision::Decision::GiveUp(why) => {
+                tracing::error!(plugin = %self.instances[slot].wire_name, reason = "plugin_restart_limit", "plugin instance unhealthy and not restarted: {why}");
+                self.restart_given_up.insert(slot, why);
+            }
+        }
+    }
+
+    /// Restart every instance whose back-off has passed.
+    pub(super) fn restart_due_instances(&mut self) {
+        let now = Instant::now();
+        let due: Vec<usize> = self.pending_restarts.iter().filter(|(at, _)| *at <= now).map(|(_, s)| *s).collect();
+        self.pending_restarts.retain(|(at, _)| *at > now);
+        for slot in due {
+            self.restart_instance(slot);
+        }
+    }
+
+    /// Open a new generation of `slot`'s plugin with its settings, then close `slot`.
+    fn restart_instance(&mut self, slot: usize) {
+        if !self.instances[slot].is_active() {
+            return;
+        }
+        let want = ToOpen { name: self.plugins[slot].name().to_string(), config_text: self.instances[slot].config_text.clone(), origin: self.instances[slot].origin.clone() };
+        let (host, _) = plugin_setup::host_for_reload(&self.config.plugins.libraries);
+        match self.open_new_instances(&host, std::slice::from_ref(&want)) {
+            Ok(opened) => {
+                let new_slot = self.plugins.len();
+                let generation = self.next_generation(&want.name);
+                for plugin in opened {
+                    self.push_instance(plugin, Instance::new(&want.name, generation, want.config_text.clone(), want.origin.clone()));
+                }
+                tracing::info!(plugin = %want.name, generation, replaces = %self.instances[slot].wire_name, "plugin instance restarted");
+                self.register_regions_with(&[new_slot]);
+                self.close_instance(slot, "restarted");
+            }
+            Err(error) => {
+                tracing::error!(plugin = %self.instances[slot].wire_name, reason = "plugin_restart_failed", "plugin restart failed: {error}");
+                self.schedule_restart(slot);
+            }
+        }
+    }
+}

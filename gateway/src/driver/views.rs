@@ -147,7 +147,12 @@ impl Driver {
                 if !instance.is_open() {
                     continue;
                 }
-                problems.push(format!("plugin {} unhealthy: {reason}", instance.wire_name));
+                let supervision = match self.restart_given_up.get(&slot) {
+                    Some(why) => format!("; {why}"),
+                    None if self.pending_restarts.iter().any(|(_, s)| *s == slot) => "; restarting after its back-off".to_string(),
+                    None => String::new(),
+                };
+                problems.push(format!("plugin {} unhealthy: {reason}{supervision}", instance.wire_name));
                 if let Some(p) = plugins.iter_mut().find(|p| p.wire_name == instance.wire_name) {
                     p.status = "unhealthy".into();
                     p.reason = reason.clone();
