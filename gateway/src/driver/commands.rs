@@ -18,7 +18,10 @@ impl Driver {
         match &command {
             Command::Submit { plugin, xfer, peer, ticket, timeout, segments } => {
                 // To the peer instance the destination key was imported from (see `pairing`).
-                let route = segments.first().and_then(|s| self.peers.session(peer.0)?.key_routes.get(&(*plugin, s.remote)).copied());
+                let route = match self.peers.session(peer.0) {
+                    Some(state) if state.virtual_ids => segments.first().and_then(|s| state.key_routes.get(&(*plugin, s.remote)).copied()),
+                    _ => None,
+                };
                 let request = SubmitRequest { xfer: *xfer, peer: route.unwrap_or(*peer), ticket: *ticket, timeout_ns: timeout.0, segments: RSlice::from_slice(segments) };
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
                     if let RResult::RErr(e) = opened.transport().submit(request) {
@@ -34,7 +37,10 @@ impl Driver {
             }
             Command::ExpectIncoming { plugin, peer, ticket, timeout, ranges } => {
                 // For the peer instance this one is paired with (the notice names it).
-                let route = self.peers.session(peer.0).and_then(|s| s.remote_ids.get(s.partner.get(plugin)?).copied()).filter(|id| id != peer);
+                let route = match self.peers.session(peer.0) {
+                    Some(s) if s.virtual_ids => s.remote_ids.get(s.partner.get(plugin).map_or("", String::as_str)).copied().filter(|id| id != peer),
+                    _ => None,
+                };
                 if let Some(id) = route {
                     self.ticket_routes.insert((*plugin, *ticket), id);
                 }
@@ -47,7 +53,10 @@ impl Driver {
                 }
             }
             Command::CancelIncoming { plugin, peer, ticket } => {
-                let route = self.ticket_routes.remove(&(*plugin, *ticket)).unwrap_or(*peer);
+                let route = match self.ticket_routes.is_empty() {
+                    true => *peer,
+                    false => self.ticket_routes.remove(&(*plugin, *ticket)).unwrap_or(*peer),
+                };
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
                     opened.transport().cancel_incoming(route, *ticket);
                 }

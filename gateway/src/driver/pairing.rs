@@ -119,6 +119,7 @@ impl Driver {
             PeerId(session)
         } else {
             self.next_plugin_peer_id += 1;
+            state.virtual_ids = true;
             PeerId(VIRTUAL_PEER_BASE + self.next_plugin_peer_id)
         };
         state.remote_ids.insert(remote.to_string(), id);

@@ -37,6 +37,9 @@ pub struct PeerSessionState {
     pub superseded_keys: Vec<(PluginSlot, RemoteKey)>,
     /// The plugin peer id each imported key was imported under: where a submit with it goes.
     pub key_routes: HashMap<(PluginSlot, RemoteKey), PeerId>,
+    /// Whether any of the peer's instances is known by a plugin peer id other than the session's
+    /// (only after a plugin reload): until then no submit or ticket needs routing.
+    pub virtual_ids: bool,
     /// `partner` by slot ("" where none): how notices to and from this peer name instances.
     pub partner_by_slot: Vec<String>,
     /// The highest plugin change of the peer seen here, and the highest of ours it applied.
@@ -60,6 +63,7 @@ impl PeerSessionState {
             key_source: HashMap::new(),
             superseded_keys: Vec::new(),
             key_routes: HashMap::new(),
+            virtual_ids: false,
             partner_by_slot: Vec::new(),
             peer_change_seq: 0,
             acked_change_seq: 0,
