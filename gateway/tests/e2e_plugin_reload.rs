@@ -27,13 +27,8 @@ fn shm_library() -> PathBuf {
     kvgate_host::artifacts::built_or_build_cdylib("kvgate-plugin-shm-so", "kvgate_shm", &workspace).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Replace the `[plugins]` part of a generated config (up to `[scheduler]`) with `plugins`.
 fn rewrite_plugins(config: &Path, plugins: &str) {
-    let text = std::fs::read_to_string(config).unwrap();
-    let start = text.find("[plugins]\n").expect("a [plugins] table");
-    let end = text.find("[scheduler]\n").expect("a [scheduler] table");
-    let new = format!("{}[plugins]\n{}\n{}", &text[..start], plugins.trim_end(), &text[end..]);
-    std::fs::write(config, new).unwrap();
+    kvgate::demo::gateways::rewrite_plugins(config, plugins).unwrap()
 }
 
 async fn reload(gateway: &GatewayProcess) -> (u16, serde_json::Value) {
