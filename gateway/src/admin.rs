@@ -1,7 +1,8 @@
 //! The admin HTTP listener: `/metrics` (Prometheus text), `/rooms` (JSON, every non-terminal room),
 //! `/healthz` (503 with the reasons when a plugin worker died or a room outlived its deadline),
-//! `/plugins` and `/discovery` (this gateway's etcd registration). Read-only: it asks the driver for a
-//! snapshot and never changes anything.
+//! `/plugins` and `/discovery` (this gateway's etcd registration), all read-only (a snapshot from the
+//! driver), and `POST /plugins/reload`, the one call that changes something: it re-reads the plugin
+//! part of the configuration (`plugin_reload`). Bind the listener where only operators reach it.
 
 use crate::driver::{AdminSnapshot, DriverInput};
 use crate::metrics::GatewayMetrics;
@@ -23,6 +24,8 @@ pub struct AdminState {
     pub metrics: Arc<GatewayMetrics>,
     /// What discovery reports (`enabled: false` while `[discovery]` is off).
     pub discovery: crate::discovery::DiscoveryStatus,
+    /// Re-reads the configuration for `POST /plugins/reload`.
+    pub reloader: Option<crate::plugin_reload::Reloader>,
 }
 
 async fn snapshot(state: &AdminState) -> Result<AdminSnapshot, Response> {
@@ -63,9 +66,19 @@ async fn healthz(State(state): State<AdminState>) -> Response {
 
 async fn plugins(State(state): State<AdminState>) -> Response {
     match snapshot(&state).await {
-        Ok(s) => Json(serde_json::json!({"plugins": s.plugins, "peers": s.peers, "peer_link_auth": s.peer_link_auth})).into_response(),
+        Ok(s) => Json(serde_json::json!({"plugins": s.plugins, "peers": s.peers, "peer_link_auth": s.peer_link_auth, "last_reload": s.last_reload})).into_response(),
         Err(r) => r,
     }
+}
+
+/// `POST /plugins/reload`: 200 with what was applied, 409 with why nothing was.
+async fn reload(State(state): State<AdminState>) -> Response {
+    let Some(reloader) = &state.reloader else {
+        return (StatusCode::NOT_FOUND, "plugin reload is not available on this listener\n").into_response();
+    };
+    let outcome = reloader.reload().await;
+    let code = if outcome.applied { StatusCode::OK } else { StatusCode::CONFLICT };
+    (code, Json(outcome)).into_response()
 }
 
 async fn discovery(State(state): State<AdminState>) -> Response {
@@ -78,6 +91,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/metrics", get(metrics))
         .route("/rooms", get(rooms))
         .route("/healthz", get(healthz))
+        .route("/plugins/reload", axum::routing::post(reload))
         .route("/plugins", get(plugins))
         .route("/discovery", get(discovery))
         .with_state(state)

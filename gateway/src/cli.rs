@@ -80,6 +80,16 @@ pub enum PluginsCommand {
     },
     /// Load one plugin library and describe it (or say why it does not load).
     Inspect { path: PathBuf },
+    /// Make a running gateway read the `[plugins]` part of its configuration file again and apply
+    /// it without failing a room (the same as `POST /plugins/reload` or SIGHUP). Exit 0 when applied,
+    /// 1 when refused (the running plugins stay in service; the reason is printed).
+    Reload {
+        /// The gateway's admin listener (`127.0.0.1:9090`); default: `admin.listen` of --config.
+        #[arg(long)]
+        admin: Option<String>,
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
 }
 
 /// Which running gateway to talk to.
@@ -115,6 +125,7 @@ pub fn main() -> i32 {
     let cli = Cli::parse();
     match cli.command {
         Command::Serve { config } => {
+            let config_path = config.clone();
             let config = match load_or_exit(config.as_deref()) {
                 Ok(c) => c,
                 Err(code) => return code,
@@ -123,7 +134,8 @@ pub fn main() -> i32 {
             for warning in single_underscore_env_warnings() {
                 tracing::warn!("{warning}");
             }
-            match serve_runtime(config.driver.io_threads).block_on(crate::serve::serve(config)) {
+            let path = config_path.as_ref().map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()));
+            match serve_runtime(config.driver.io_threads).block_on(crate::serve::serve_from(config, path)) {
                 Ok(()) => 0,
                 Err(e) => {
                     tracing::error!("gateway failed: {e:#}");

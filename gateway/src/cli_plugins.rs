@@ -1,5 +1,6 @@
-//! `kvgate plugins list|inspect`: what the plugin host sees, printed as a table. Opens nothing
-//! (listing reads static module info only).
+//! `kvgate plugins list|inspect|reload`: what the plugin host sees, printed as a table (opens
+//! nothing: listing reads static module info only); `reload` asks a running gateway to re-read
+//! the plugin part of its configuration and prints what it did or why it refused.
 
 use crate::cli::PluginsCommand;
 use crate::plugin_setup::{describe, host_with_builtins};
@@ -29,6 +30,7 @@ pub fn run(command: PluginsCommand) -> i32 {
             print(&statuses);
             0
         }
+        PluginsCommand::Reload { admin, config } => reload(admin, config),
         PluginsCommand::Inspect { path } => {
             let mut host = kvgate_host::PluginHost::new();
             match host.load_library(&path) {
@@ -43,6 +45,45 @@ pub fn run(command: PluginsCommand) -> i32 {
                     1
                 }
             }
+        }
+    }
+}
+
+fn reload(admin: Option<String>, config: Option<std::path::PathBuf>) -> i32 {
+    let admin = match admin {
+        Some(a) => a,
+        None => match crate::config::load_config(config.as_deref()) {
+            Ok(c) if !c.admin.listen.is_empty() => c.admin.listen,
+            Ok(_) => {
+                eprintln!("kvgate plugins reload: no --admin and admin.listen is empty in the config");
+                return 2;
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                return 2;
+            }
+        },
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
+    let timeout = std::time::Duration::from_millis(crate::plugin_reload::RELOAD_TIMEOUT_MS + 5_000);
+    match runtime.block_on(crate::demo::http::post(&admin, "/plugins/reload", timeout)) {
+        Ok((code, body)) => match serde_json::from_str::<crate::driver::reload::ReloadOutcome>(&body) {
+            Ok(outcome) => {
+                println!("{}", crate::plugin_reload::describe(&outcome));
+                if outcome.applied {
+                    0
+                } else {
+                    1
+                }
+            }
+            Err(_) => {
+                eprintln!("kvgate plugins reload: {admin} answered {code}: {}", body.trim());
+                1
+            }
+        },
+        Err(e) => {
+            eprintln!("kvgate plugins reload: cannot reach the admin listener {admin}: {e}");
+            1
         }
     }
 }

@@ -18,5 +18,6 @@ pub mod logging;
 pub mod metrics;
 pub mod listeners;
 pub mod peer_link;
+pub mod plugin_reload;
 pub mod plugin_setup;
 pub mod serve;

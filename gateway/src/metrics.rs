@@ -219,6 +219,15 @@ fn register_core(registry: &mut Registry, snapshot: &AdminSnapshot) {
         live_family.get_or_create(&labels(&[("state", &state), ("plugin", &plugin)])).set(n);
     }
     registry.register("live_rooms", "Non-terminal rooms per state and plugin", live_family);
+    // One series per plugin instance (generation), 1 while it is open: an operator watches a
+    // retired generation drain (live_rooms of its plugin label falls to 0) and close (state closed).
+    let instances: Family<Labels, Gauge> = Family::default();
+    for p in snapshot.plugins.iter().filter(|p| p.generation > 0) {
+        let generation = p.generation.to_string();
+        let open = i64::from(p.state != "closed");
+        instances.get_or_create(&labels(&[("plugin", &p.name), ("generation", &generation), ("state", &p.state)])).set(open);
+    }
+    registry.register("plugin_instances", "Plugin instances by plugin, generation and state (active, draining, closed)", instances);
     let failures: Family<Labels, Counter> = Family::default();
     for reason in FailReason::ALL {
         for phase in Phase::ALL {
@@ -282,6 +291,7 @@ mod tests {
                 age_ms: 2000,
                 peer: "decode".into(),
                 plugin: "shm".into(),
+                plugin_generation: 1,
                 last_event: "Submitted".into(),
                 last_event_age_ms: 1,
                 parts: 2,
@@ -294,6 +304,7 @@ mod tests {
             peer_link_auth: "psk",
             problems: vec!["plugin shm unhealthy".into()],
             warnings: vec![],
+            last_reload: None,
         }
     }
 

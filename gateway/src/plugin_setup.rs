@@ -13,15 +13,58 @@ use kvgate_host::{ConfigCheck, OpenError, OpenedPlugin, PluginHost, PluginListin
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
+/// The shm module, built once per process (each build leaks one small allocation).
+fn shm_module() -> kvgate_abi::PluginModRef {
+    static MODULE: std::sync::OnceLock<kvgate_abi::PluginModRef> = std::sync::OnceLock::new();
+    *MODULE.get_or_init(kvgate_plugin_shm::module)
+}
+
 /// A host with every built-in plugin registered.
 pub fn host_with_builtins() -> PluginHost {
     let mut host = PluginHost::new();
     // The shm plugin is always built in (same-host shared memory, the reference plugin).
-    if let Err(e) = host.register_builtin("shm", kvgate_plugin_shm::module()) {
+    if let Err(e) = host.register_builtin("shm", shm_module()) {
         tracing::error!("built-in shm plugin refused: {e}");
     }
     crate::builtin_extra::register(&mut host);
     host
+}
+
+/// For a plugin reload: a host with `plugins.libraries` loaded first, then every built-in plugin
+/// that no library replaces (a library carrying `shm` takes the place of the built-in one). Every
+/// library that does not load is returned with why.
+pub fn host_for_reload(libraries: &[String]) -> (PluginHost, Vec<String>) {
+    let mut host = PluginHost::new();
+    let mut failures = Vec::new();
+    for result in host.load_all(libraries) {
+        if let Err(e) = result {
+            failures.push(format!("plugins.libraries: not loaded: {e}"));
+        }
+    }
+    let builtins = std::iter::once(("shm", shm_module())).chain(crate::builtin_extra::modules());
+    for (name, module) in builtins {
+        if host.module(name).is_none() {
+            if let Err(e) = host.register_builtin(name, module) {
+                failures.push(format!("built-in {name}: {e}"));
+            }
+        }
+    }
+    (host, failures)
+}
+
+/// The config text plugin `name` is opened with.
+pub fn plugin_config_text_of(plugins: &crate::config::PluginsSection, name: &str) -> String {
+    plugins.config.get(name).map(|t| toml::to_string(t).unwrap_or_default()).unwrap_or_default()
+}
+
+/// A sink that tags each event with `slot` and queues it for the driver without ever blocking a
+/// plugin thread: a full queue drops the event, counted; the core's plugin grace then ends it.
+pub fn slot_sink(slot: PluginSlot, events: mpsc::Sender<PluginEventMsg>, metrics: Arc<GatewayMetrics>) -> kvgate_abi::EventSinkBox {
+    sink_from_fn(move |event| {
+        if events.try_send((slot, event)).is_err() {
+            metrics.plugin_events_dropped.inc();
+        }
+    })
 }
 
 pub fn memory_kinds(caps: &Capabilities) -> Vec<&'static str> {
@@ -39,9 +82,12 @@ pub fn scopes(caps: &Capabilities) -> Vec<&'static str> {
     v
 }
 
-fn status_of(info: &PluginInfo, name: &str, origin: String, status: &str, reason: String) -> PluginStatus {
+pub fn status_of(info: &PluginInfo, name: &str, origin: String, status: &str, reason: String) -> PluginStatus {
     PluginStatus {
         name: name.to_string(),
+        generation: 0,
+        wire_name: String::new(),
+        state: String::new(),
         origin,
         status: status.to_string(),
         reason,
@@ -70,6 +116,9 @@ pub fn describe(listing: &[PluginListing], opened: &[(String, Result<(), String>
             }
             Err(e) => PluginStatus {
                 name: l.name.clone(),
+                generation: 0,
+                wire_name: String::new(),
+                state: String::new(),
                 origin: l.origin.to_string(),
                 status: "load_failed".into(),
                 reason: e.to_string(),
@@ -93,20 +142,7 @@ pub struct PluginConfigFindings {
 }
 
 fn plugin_config_text(config: &GatewayConfig, name: &str) -> String {
-    config.plugins.config.get(name).map(|t| toml::to_string(t).unwrap_or_default()).unwrap_or_default()
-}
-
-/// Load `plugins.libraries`; one that does not load is logged and returned (a plugin it carried is
-/// then "not checked" and not opened, as on a machine without that library installed).
-fn load_libraries(config: &GatewayConfig, host: &mut PluginHost) -> Vec<String> {
-    let mut failures = Vec::new();
-    for result in host.load_all(&config.plugins.libraries) {
-        if let Err(e) = result {
-            tracing::error!(reason = e.code(), "plugin library not loaded: {e}");
-            failures.push(format!("plugins.libraries: not loaded: {e}"));
-        }
-    }
-    failures
+    plugin_config_text_of(&config.plugins, name)
 }
 
 /// Check the config of every preferred plugin and of every `[plugins.config.NAME]` section with
@@ -137,8 +173,7 @@ pub fn check_plugin_configs(config: &GatewayConfig, host: &PluginHost) -> Plugin
 
 /// `config check`'s plugin part: load the configured libraries and check every plugin section.
 pub fn check_config_file_plugins(config: &GatewayConfig) -> PluginConfigFindings {
-    let mut host = host_with_builtins();
-    let library_failures = load_libraries(config, &mut host);
+    let (host, library_failures) = host_for_reload(&config.plugins.libraries);
     let mut findings = check_plugin_configs(config, &host);
     findings.notes.splice(0..0, library_failures);
     findings
@@ -153,10 +188,12 @@ pub fn open_plugins(
     events: mpsc::Sender<PluginEventMsg>,
     metrics: Arc<GatewayMetrics>,
 ) -> anyhow::Result<(Vec<OpenedPlugin>, Vec<PluginStatus>)> {
-    let mut host = host_with_builtins();
     // A library that does not load is logged; the plugin it carried is then an unknown name below
-    // if it is preferred.
-    let _ = load_libraries(config, &mut host);
+    // if it is preferred. A library carrying a built-in plugin's name replaces the built-in one.
+    let (host, library_failures) = host_for_reload(&config.plugins.libraries);
+    for failure in &library_failures {
+        tracing::error!("plugin library not loaded: {failure}");
+    }
     let findings = check_plugin_configs(config, &host);
     for note in &findings.notes {
         tracing::info!("{note}");
@@ -171,15 +208,7 @@ pub fn open_plugins(
     let mut outcomes = Vec::new();
     for name in &config.plugins.preference {
         let slot = PluginSlot(opened.len() as u32);
-        let tx = events.clone();
-        let dropped = metrics.clone();
-        let sink = sink_from_fn(move |event| {
-            // Never block a plugin thread: a full queue drops the event, counted; the core's
-            // plugin grace then ends the transfer.
-            if tx.try_send((slot, event)).is_err() {
-                dropped.plugin_events_dropped.inc();
-            }
-        });
+        let sink = slot_sink(slot, events.clone(), metrics.clone());
         match host.open(name, &plugin_config_text(config, name), sink) {
             Ok(plugin) => {
                 tracing::info!(plugin = %name, slot = slot.0, "plugin opened");

@@ -8,7 +8,7 @@ use crate::driver::{Driver, DriverInput, DriverParts};
 use crate::engine_api::{bind_unix_socket, serve_engine_api, EngineApiService};
 use crate::listeners::{keepalive_interval, GuardedListener};
 use crate::metrics::GatewayMetrics;
-use crate::peer_link::{server_tls, LocalIdentity, PeerDirectory, PeerLinks};
+use crate::peer_link::{server_tls, AdvertisedPlugins, LocalIdentity, PeerDirectory, PeerLinks};
 use anyhow::Context;
 use kvgate_client::proto;
 use kvgate_client::proto::peer_link_server::PeerLinkServer;
@@ -47,6 +47,12 @@ fn spawn_driver_thread(
 
 /// Run one gateway until a signal arrives.
 pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
+    serve_from(config, None).await
+}
+
+/// Run one gateway read from `config_path` (SIGHUP and `POST /plugins/reload` read its
+/// `[plugins]` part again) until SIGINT or SIGTERM.
+pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> anyhow::Result<()> {
     let config = Arc::new(config);
     // etcd credentials and TLS files are read before anything starts: a missing one stops start-up.
     let discovery_options = match config.discovery.etcd_endpoints.is_empty() {
@@ -62,7 +68,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         metrics.set_peer_up(&peer.name, false);
     }
     let (plugin_tx, plugin_rx) = mpsc::channel(config.driver.plugin_event_queue_len as usize);
-    let (plugins, listing) = crate::plugin_setup::open_plugins(&config, plugin_tx, metrics.clone())?;
+    let (plugins, listing) = crate::plugin_setup::open_plugins(&config, plugin_tx.clone(), metrics.clone())?;
     if plugins.is_empty() {
         anyhow::bail!("no plugin could be opened (plugins.preference = {:?}); see the lines above", config.plugins.preference);
     }
@@ -71,10 +77,12 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         name: config.gateway.name.clone(),
         incarnation: rand::random(),
         host: hostname(),
-        plugins: plugins
-            .iter()
-            .map(|p| proto::PluginEndpoint { plugin: p.name().to_string(), endpoint: p.transport().local_endpoint().to_vec() })
-            .collect(),
+        plugins: AdvertisedPlugins::new(
+            plugins
+                .iter()
+                .map(|p| proto::PluginEndpoint { plugin: p.name().to_string(), endpoint: p.transport().local_endpoint().to_vec(), retiring: false })
+                .collect(),
+        ),
         features: if config.peer_link.core_batch { vec![crate::peer_link::FEATURE_CORE_BATCH.to_string()] } else { Vec::new() },
     });
     let (input_tx, input_rx) = mpsc::channel(config.driver.event_queue_len as usize);
@@ -102,6 +110,8 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
         core,
         plugins,
         plugin_listing: listing,
+        plugin_events: plugin_tx,
+        advertised: identity.plugins.clone(),
         watch: watch_tx.clone(),
         metrics: metrics.clone(),
         directory: directory.clone(),
@@ -131,7 +141,7 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let info = proto::InfoReply {
         api_version: crate::engine_api::ENGINE_API_VERSION,
         gateway: config.gateway.name.clone(),
-        plugins: identity.plugins.iter().map(|p| p.plugin.clone()).collect(),
+        plugins: identity.plugins.get().iter().map(|p| p.plugin.clone()).collect(),
         incarnation: identity.incarnation,
     };
     let api = EngineApiService::new(input_tx.clone(), watch_tx, &config.engine_api, info);
@@ -144,8 +154,10 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     let api_stop = stop_rx.clone();
     let api_metrics = metrics.clone();
     let api_task = tokio::spawn(async move { serve_engine_api(&api_config, api, unix, api_metrics, api_stop).await });
+    let reloader = crate::plugin_reload::Reloader { config_path, running: config.clone(), driver: input_tx.clone() };
     if let Some(listener) = admin_listener {
-        let state = AdminState { driver: input_tx.clone(), metrics: metrics.clone(), discovery: discovery_status.clone() };
+        let reloader = Some(reloader.clone());
+        let state = AdminState { driver: input_tx.clone(), metrics: metrics.clone(), discovery: discovery_status.clone(), reloader };
         let listener = GuardedListener::new(listener, "admin", config.admin.connections, metrics.clone());
         tokio::spawn(serve_admin(listener, state, stop_rx.clone()));
     }
@@ -161,11 +173,23 @@ pub async fn serve(config: GatewayConfig) -> anyhow::Result<()> {
     );
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
-        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
-        r = api_task => { r??; anyhow::bail!("engine API stopped unexpectedly") }
-        r = peer_task => { r??; anyhow::bail!("peer-link server stopped unexpectedly") }
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let (mut api_task, mut peer_task) = (api_task, peer_task);
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => { tracing::info!("SIGINT: stopping"); break }
+            _ = term.recv() => { tracing::info!("SIGTERM: stopping"); break }
+            _ = hangup.recv() => {
+                tracing::info!("SIGHUP: reloading the plugin part of the configuration");
+                let reloader = reloader.clone();
+                tokio::spawn(async move {
+                    let outcome = reloader.reload().await;
+                    tracing::info!("{}", crate::plugin_reload::describe(&outcome));
+                });
+            }
+            r = &mut api_task => { r??; anyhow::bail!("engine API stopped unexpectedly") }
+            r = &mut peer_task => { r??; anyhow::bail!("peer-link server stopped unexpectedly") }
+        }
     }
     // The driver first (it aborts every live room, tells peers and engines, waits for the plugins
     // to quiesce, releases registrations), with the listeners still up so those frames go out.

@@ -2,7 +2,14 @@
 //! capabilities read once at open. Never decides a transfer's fate; it only carries the object.
 
 use crate::error::PluginOrigin;
-use kvgate_abi::{Capabilities, PluginInfo, TransportBox};
+use kvgate_abi::abi_stable::{
+    sabi_trait::TD_Opaque,
+    std_types::{RErr, RResult, RSlice, RVec},
+};
+use kvgate_abi::{
+    Capabilities, IncomingRequest, LocalKey, PeerId, PluginError, PluginInfo, ReasonCode, RegionDesc, Registration, RemoteKey, Stats,
+    SubmitRequest, Ticket, Transport, TransportBox, Transport_TO, XferId,
+};
 use std::fmt;
 use std::sync::Arc;
 
@@ -48,6 +55,59 @@ impl OpenedPlugin {
     pub fn shutdown(&self) {
         self.transport.shutdown()
     }
+
+    /// Shut the instance down and let go of its transport object (its threads, sockets and
+    /// buffers), keeping name, origin and info: what is left refuses every call. The library stays
+    /// mapped. Other clones keep the object until they are dropped.
+    pub fn into_closed(self) -> OpenedPlugin {
+        self.transport.shutdown();
+        let closed = Transport_TO::from_value(ClosedTransport { info: self.info.clone() }, TD_Opaque);
+        OpenedPlugin { transport: Arc::new(closed), ..self }
+    }
+}
+
+/// What remains of a closed instance: refuses every call, reports nothing live and unhealthy.
+struct ClosedTransport {
+    info: PluginInfo,
+}
+
+fn closed() -> PluginError {
+    PluginError::new(ReasonCode::UNAVAILABLE, "this plugin instance is closed")
+}
+
+impl Transport for ClosedTransport {
+    fn info(&self) -> PluginInfo {
+        self.info.clone()
+    }
+    fn local_endpoint(&self) -> RVec<u8> {
+        RVec::new()
+    }
+    fn connect(&self, _peer: PeerId, _endpoint: RSlice<'_, u8>) -> RResult<(), PluginError> {
+        RErr(closed())
+    }
+    fn disconnect(&self, _peer: PeerId) {}
+    fn register(&self, _region: &RegionDesc) -> RResult<Registration, PluginError> {
+        RErr(closed())
+    }
+    fn deregister(&self, _key: LocalKey) -> RResult<(), PluginError> {
+        RErr(closed())
+    }
+    fn import_remote_key(&self, _peer: PeerId, _bytes: RSlice<'_, u8>) -> RResult<RemoteKey, PluginError> {
+        RErr(closed())
+    }
+    fn release_remote_key(&self, _key: RemoteKey) {}
+    fn submit(&self, _request: SubmitRequest<'_>) -> RResult<(), PluginError> {
+        RErr(closed())
+    }
+    fn cancel(&self, _xfer: XferId) {}
+    fn expect_incoming(&self, _request: IncomingRequest<'_>) -> RResult<(), PluginError> {
+        RErr(closed())
+    }
+    fn cancel_incoming(&self, _peer: PeerId, _ticket: Ticket) {}
+    fn stats(&self) -> Stats {
+        Stats::default()
+    }
+    fn shutdown(&self) {}
 }
 
 impl fmt::Debug for OpenedPlugin {

@@ -308,11 +308,37 @@ pub struct PluginsSection {
     pub libraries: Vec<String>,
     /// Per-plugin config, passed to the plugin's `open` as TOML (keys are the plugin's own).
     pub config: BTreeMap<String, toml::Table>,
+    /// Most plugin libraries this process maps over its life. Libraries loaded through abi_stable
+    /// are never unloaded, so each plugin reload that names a new library path maps one more; a
+    /// reload that would pass this is refused (restart the gateway to start afresh).
+    pub max_mapped_libraries: u64,
+    /// After a plugin reload retired an instance, how long it may take to finish what it holds
+    /// before it is shut down anyway (what it still holds then fails with the plugin's reason).
+    pub drain_timeout_ms: u64,
+    /// An instance whose worker died is replaced by a new one after `restart_backoff_ms` (doubled
+    /// for each restart already made within `restart_window_ms`), at most `restart_max_attempts`
+    /// times within `restart_window_ms`; past that it stays down and `/healthz` says why.
+    pub restart_max_attempts: u64,
+    pub restart_window_ms: u64,
+    pub restart_backoff_ms: u64,
 }
+
+/// Most plugin instances one gateway process opens over its life (a part names its plugin in one
+/// byte, `kvgate_core`'s slot limit): each plugin reload that opens an instance uses one.
+pub const MAX_PLUGIN_INSTANCES: usize = 255;
 
 impl Default for PluginsSection {
     fn default() -> Self {
-        PluginsSection { preference: vec!["shm".to_string(), "quic".to_string()], libraries: vec![], config: BTreeMap::new() }
+        PluginsSection {
+            preference: vec!["shm".to_string(), "quic".to_string()],
+            libraries: vec![],
+            config: BTreeMap::new(),
+            max_mapped_libraries: 16,
+            drain_timeout_ms: 120_000,
+            restart_max_attempts: 3,
+            restart_window_ms: 600_000,
+            restart_backoff_ms: 1_000,
+        }
     }
 }
 

@@ -126,6 +126,34 @@ fn plugin_config_tables_are_passed_through_as_toml() {
 }
 
 #[test]
+fn plugin_reload_limits_are_checked_at_and_just_past_their_bounds() {
+    for ok in [1, 1024] {
+        assert_eq!(load_config_from_str(&format!("[plugins]\nmax_mapped_libraries = {ok}\n")).unwrap().plugins.max_mapped_libraries, ok);
+    }
+    for bad in [0, 1025] {
+        let e = errors_of(&format!("[plugins]\nmax_mapped_libraries = {bad}\n"));
+        assert!(e.contains(&format!("plugins.max_mapped_libraries = {bad}")) && e.contains("1..=1024"), "{e}");
+    }
+    for ok in [100, 86_400_000] {
+        assert_eq!(load_config_from_str(&format!("[plugins]\ndrain_timeout_ms = {ok}\n")).unwrap().plugins.drain_timeout_ms, ok);
+    }
+    for bad in [99, 86_400_001] {
+        let e = errors_of(&format!("[plugins]\ndrain_timeout_ms = {bad}\n"));
+        assert!(e.contains(&format!("plugins.drain_timeout_ms = {bad}")) && e.contains("100..=86400000"), "{e}");
+    }
+    for (key, min, max) in [("restart_max_attempts", 0u64, 100u64), ("restart_window_ms", 1_000, 86_400_000), ("restart_backoff_ms", 10, 600_000)] {
+        for ok in [min, max] {
+            load_config_from_str(&format!("[plugins]\n{key} = {ok}\n")).unwrap();
+        }
+        let past: Vec<u64> = if min > 0 { vec![min - 1, max + 1] } else { vec![max + 1] };
+        for bad in past {
+            let e = errors_of(&format!("[plugins]\n{key} = {bad}\n"));
+            assert!(e.contains(&format!("plugins.{key} = {bad}")) && e.contains(&format!("{min}..={max}")), "{e}");
+        }
+    }
+}
+
+#[test]
 fn shutdown_grace_is_checked_at_and_just_past_its_bounds() {
     for ok in [0, 60_000] {
         assert_eq!(load_config_from_str(&format!("[driver]\nshutdown_grace_ms = {ok}\n")).unwrap().driver.shutdown_grace_ms, ok);

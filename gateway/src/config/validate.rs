@@ -268,6 +268,11 @@ fn check_plugins_driver_admin_log(config: &GatewayConfig, errors: &mut Vec<Limit
     if config.plugins.preference.is_empty() {
         errors.push(rule("plugins.preference", "[]", "at least one plugin name"));
     }
+    errors.extend(check_range("plugins.max_mapped_libraries", config.plugins.max_mapped_libraries, 1, 1024));
+    errors.extend(check_range("plugins.drain_timeout_ms", config.plugins.drain_timeout_ms, 100, 86_400_000));
+    errors.extend(check_range("plugins.restart_max_attempts", config.plugins.restart_max_attempts, 0, 100));
+    errors.extend(check_range("plugins.restart_window_ms", config.plugins.restart_window_ms, 1_000, 86_400_000));
+    errors.extend(check_range("plugins.restart_backoff_ms", config.plugins.restart_backoff_ms, 10, 600_000));
     errors.extend(check_range("driver.event_queue_len", config.driver.event_queue_len, 16, 1 << 20));
     errors.extend(check_range("driver.plugin_event_queue_len", config.driver.plugin_event_queue_len, 16, 1 << 24));
     errors.extend(check_range("driver.shutdown_grace_ms", config.driver.shutdown_grace_ms, 0, 60_000));

@@ -239,6 +239,16 @@ stuck_room_warn_ms = {stuck:?}
     )
 }
 
+/// Replace the `[plugins]` part of a generated config (up to `[scheduler]`) with `plugins`, as an
+/// operator edits it before `kvgate plugins reload`.
+pub fn rewrite_plugins(config: &Path, plugins: &str) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(config)?;
+    let start = text.find("[plugins]\n").ok_or_else(|| anyhow::anyhow!("{}: no [plugins] table", config.display()))?;
+    let end = text.find("[scheduler]\n").ok_or_else(|| anyhow::anyhow!("{}: no [scheduler] table", config.display()))?;
+    std::fs::write(config, format!("{}[plugins]\n{}\n{}", &text[..start], plugins.trim_end(), &text[end..]))?;
+    Ok(())
+}
+
 /// Several gateways on this machine, each linked to all the others.
 pub struct Cluster {
     pub gateways: Vec<GatewayProcess>,

@@ -1,7 +1,8 @@
 //! `kvgate demo`: starts a prefill and a decode gateway on this machine (two `kvgate serve` child
 //! processes with generated configs), synthetic engines that register KV pools and move realistic
 //! KV caches through every plugin available here, verifies checksums, prints a table, then runs a
-//! short fault act (abort storm, frozen decode gateway). Never needs anything but this binary.
+//! short fault act (abort storm, frozen decode gateway) and a swap act (the transport changed under
+//! traffic by plugin reloads, no room lost). Never needs anything but this binary.
 
 pub mod engine;
 pub mod faults;
@@ -9,6 +10,7 @@ pub mod gateways;
 pub mod http;
 pub mod pool;
 pub mod report;
+pub mod swap;
 
 use anyhow::Context;
 use engine::{run_room, Engine};
@@ -40,6 +42,9 @@ pub struct DemoArgs {
     /// Skip the fault act.
     #[arg(long)]
     pub no_faults: bool,
+    /// Skip the swap act (shm -> quic -> shm by plugin reloads under traffic).
+    #[arg(long)]
+    pub no_swap: bool,
     /// Where pools, configs and gateway logs go (default: a fresh folder in /dev/shm or the temp dir).
     #[arg(long)]
     pub dir: Option<PathBuf>,
@@ -90,7 +95,8 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<bool> {
     print!("{}", report::legend(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), args.inflight));
     let transfers_ok = runs.iter().all(|r| r.unavailable.is_some() || (r.errors.is_empty() && r.verified() == r.results.len()));
     let faults_ok = if args.no_faults { true } else { faults::run(&binary, &dir, &shape).await? };
-    Ok(transfers_ok && faults_ok)
+    let swap_ok = if args.no_swap { true } else { swap::run(&binary, &dir).await? };
+    Ok(transfers_ok && faults_ok && swap_ok)
 }
 
 /// Start a pair for `plugin`, create and register pools, run `args.rooms` rooms, stop the pair.

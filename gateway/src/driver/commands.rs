@@ -17,7 +17,12 @@ impl Driver {
         };
         match &command {
             Command::Submit { plugin, xfer, peer, ticket, timeout, segments } => {
-                let request = SubmitRequest { xfer: *xfer, peer: *peer, ticket: *ticket, timeout_ns: timeout.0, segments: RSlice::from_slice(segments) };
+                // To the peer instance the destination key was imported from (see `pairing`).
+                let route = match self.peers.session(peer.0) {
+                    Some(state) if state.virtual_ids => segments.first().and_then(|s| state.key_routes.get(&(*plugin, s.remote)).copied()),
+                    _ => None,
+                };
+                let request = SubmitRequest { xfer: *xfer, peer: route.unwrap_or(*peer), ticket: *ticket, timeout_ns: timeout.0, segments: RSlice::from_slice(segments) };
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
                     if let RResult::RErr(e) = opened.transport().submit(request) {
                         tracing::debug!(plugin = opened.name(), xfer = xfer.0, "submit refused: {e}");
@@ -31,25 +36,40 @@ impl Driver {
                 }
             }
             Command::ExpectIncoming { plugin, peer, ticket, timeout, ranges } => {
-                let request = IncomingRequest { ticket: *ticket, peer: *peer, timeout_ns: timeout.0, ranges: RSlice::from_slice(ranges) };
+                // For the peer instance this one is paired with (the notice names it).
+                let route = match self.peers.session(peer.0) {
+                    Some(s) if s.virtual_ids => s.remote_ids.get(s.partner.get(plugin).map_or("", String::as_str)).copied().filter(|id| id != peer),
+                    _ => None,
+                };
+                if let Some(id) = route {
+                    self.ticket_routes.insert((*plugin, *ticket), id);
+                }
+                let request = IncomingRequest { ticket: *ticket, peer: route.unwrap_or(*peer), timeout_ns: timeout.0, ranges: RSlice::from_slice(ranges) };
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
                     if let RResult::RErr(e) = opened.transport().expect_incoming(request) {
+                        self.ticket_routes.remove(&(*plugin, *ticket));
                         self.feedback.push_back((*plugin, Event::incoming_failed(*peer, *ticket, e.code, e.message.to_string())));
                     }
                 }
             }
             Command::CancelIncoming { plugin, peer, ticket } => {
+                let route = match self.ticket_routes.is_empty() {
+                    true => *peer,
+                    false => self.ticket_routes.remove(&(*plugin, *ticket)).unwrap_or(*peer),
+                };
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
-                    opened.transport().cancel_incoming(*peer, *ticket);
+                    opened.transport().cancel_incoming(route, *ticket);
                 }
             }
-            Command::ToPeer { peer, message } => match self.peers.session(peer.0).is_some() {
+            Command::ToPeer { peer, message } => match self.peers.session(peer.0) {
                 // Sent at the end of this driver step (`Peers::flush`). A full queue makes the session
                 // task declare the peer lost; the core then learns it.
-                true => {
-                    self.peers.send_core(peer.0, codec::encode(message, &self.plugin_names), &self.metrics);
+                Some(state) => {
+                    let names = codec::InstanceNames { own: &self.plugin_names, partner: &state.partner_by_slot };
+                    let encoded = codec::encode_in(message, names);
+                    self.peers.send_core(peer.0, encoded, &self.metrics);
                 }
-                false => {
+                None => {
                     let keep = matches!(message, kvgate_core::PeerMessage::Quiesced { .. });
                     let limit = self.config.peer_link.parked_outcomes as usize;
                     if !(keep && self.peers.park(peer.0, message.clone(), limit)) {

@@ -6,11 +6,15 @@
 
 mod commands;
 mod engine;
+pub mod instances;
 mod outbox;
+mod pairing;
 mod peers;
 mod region_use;
 mod regions;
+pub mod reload;
 mod session_calls;
+pub mod supervision;
 pub mod sessions;
 mod shutdown;
 mod stuck;
@@ -21,11 +25,12 @@ pub use views::{AdminSnapshot, PeerStatus, PluginStatus, RoomJson};
 
 use crate::config::GatewayConfig;
 use crate::metrics::GatewayMetrics;
+use crate::plugin_setup;
 use crate::peer_link::PeerEvent;
 use kvgate_abi::{Event, EventKind};
 use kvgate_core::{Core, Nanos, PluginSlot, Role, RoomKey, ViolationClause};
 use kvgate_host::OpenedPlugin;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -36,6 +41,10 @@ pub enum DriverInput {
     Engine(EngineCall),
     Peer(PeerEvent),
     Admin(oneshot::Sender<AdminSnapshot>),
+    /// Apply the plugin part of a newly read configuration (see `reload`).
+    ReloadPlugins(Box<crate::config::PluginsSection>, oneshot::Sender<reload::ReloadOutcome>),
+    /// A reload refused before it reached the driver (kept for `/plugins`).
+    ReloadRefused(reload::ReloadOutcome),
     /// Stop: shut the plugins down and return.
     Shutdown,
 }
@@ -49,6 +58,10 @@ pub struct DriverParts {
     pub core: Core,
     pub plugins: Vec<OpenedPlugin>,
     pub plugin_listing: Vec<PluginStatus>,
+    /// Where opened instances send their events (a plugin reload opens new ones on it).
+    pub plugin_events: mpsc::Sender<PluginEventMsg>,
+    /// The plugin instances every Hello advertises (a plugin reload changes them).
+    pub advertised: crate::peer_link::AdvertisedPlugins,
     pub watch: crate::engine_api::WatchFeed,
     pub metrics: Arc<GatewayMetrics>,
     /// The peers this gateway knows (static and discovered), shared with the peer links.
@@ -64,9 +77,30 @@ pub struct Driver {
     origin: Instant,
     config: Arc<GatewayConfig>,
     plugins: Vec<OpenedPlugin>,
-    /// Each plugin's name, by slot: how peer messages name a plugin on the wire.
+    /// Each instance's wire name, by slot: how peer messages name a plugin instance on the wire.
     plugin_names: Vec<String>,
+    /// Generation and lifecycle of each instance, by slot.
+    instances: Vec<instances::Instance>,
     plugin_listing: Vec<PluginStatus>,
+    plugin_events: mpsc::Sender<PluginEventMsg>,
+    advertised: crate::peer_link::AdvertisedPlugins,
+    /// Plugin peer ids above `pairing::VIRTUAL_PEER_BASE` handed out so far, and their sessions.
+    next_plugin_peer_id: u64,
+    plugin_peer_sessions: HashMap<u64, u64>,
+    /// Tickets opened for a plugin peer id other than their session's: where to revoke them.
+    ticket_routes: HashMap<(PluginSlot, kvgate_abi::Ticket), kvgate_abi::PeerId>,
+    /// How many plugin changes (reloads, closed instances) this gateway made.
+    plugin_change_seq: u64,
+    /// Libraries mapped by this process (never unmapped), by canonical path, with the file's
+    /// identity when mapped (a file rebuilt in place at a mapped path cannot be loaded again).
+    mapped_libraries: std::collections::BTreeMap<std::path::PathBuf, (u64, u64)>,
+    /// The latest plugin reload's outcome, for `/plugins`.
+    last_reload: Option<reload::ReloadOutcome>,
+    /// Restarts of dead instances, by plugin name; restarts waiting for their back-off (when, slot);
+    /// instances past the restart limit, with why (by slot).
+    restart_history: HashMap<String, supervision::RestartHistory>,
+    pending_restarts: Vec<(std::time::Instant, usize)>,
+    restart_given_up: HashMap<usize, String>,
     /// `Some(reason)` once a plugin reported itself unhealthy.
     plugin_unhealthy: Vec<Option<String>>,
     regions: regions::Regions,
@@ -114,6 +148,7 @@ struct RoomClock {
 impl Driver {
     pub fn new(parts: DriverParts) -> Driver {
         let slots = parts.plugins.len();
+        let instances = parts.plugins.iter().map(|p| instances::Instance::new(p.name(), 1, plugin_setup::plugin_config_text_of(&parts.config.plugins, p.name()), p.origin().to_string())).collect();
         let admin = &parts.config.admin;
         let stuck = stuck::StuckQueues::new(&admin.stuck_room_warn_ms, admin.stuck_room_warn_lines_per_s, Nanos(0));
         Driver {
@@ -127,8 +162,23 @@ impl Driver {
             directory: parts.directory,
             config: parts.config,
             plugin_names: parts.plugins.iter().map(|p| p.name().to_string()).collect(),
+            instances,
+            mapped_libraries: parts.plugins.iter().filter_map(|p| match p.origin() {
+                kvgate_host::PluginOrigin::Library(path) => Some((path.clone(), reload::file_identity(path))),
+                _ => None,
+            }).collect(),
             plugins: parts.plugins,
             plugin_listing: parts.plugin_listing,
+            plugin_events: parts.plugin_events,
+            advertised: parts.advertised,
+            next_plugin_peer_id: 0,
+            plugin_peer_sessions: HashMap::new(),
+            ticket_routes: HashMap::new(),
+            plugin_change_seq: 0,
+            last_reload: None,
+            restart_history: HashMap::new(),
+            pending_restarts: Vec::new(),
+            restart_given_up: HashMap::new(),
             plugin_unhealthy: vec![None; slots],
             watch: parts.watch,
             metrics: parts.metrics,
@@ -206,6 +256,10 @@ impl Driver {
             DriverInput::Admin(reply) => {
                 let _ = reply.send(self.snapshot());
             }
+            DriverInput::ReloadPlugins(plugins, reply) => {
+                let _ = reply.send(self.reload_plugins(*plugins));
+            }
+            DriverInput::ReloadRefused(outcome) => self.last_reload = Some(outcome),
             DriverInput::Shutdown => return false,
         }
         true
@@ -237,13 +291,29 @@ impl Driver {
         false
     }
 
-    fn on_plugin_event(&mut self, slot: PluginSlot, event: Event) {
+    fn on_plugin_event(&mut self, slot: PluginSlot, mut event: Event) {
+        // A plugin names a peer's instance by its plugin peer id; the core knows the session.
+        if event.peer.0 != 0 {
+            if event.kind == EventKind::PEER_DOWN && self.plugin_peer_is_leaving(event.peer) {
+                tracing::info!(plugin = self.plugin_name(slot), peer = event.peer.0, "a retiring peer instance went away: {}", event.message);
+                return;
+            }
+            event.peer = self.session_of_plugin_peer(event.peer);
+        }
+        if event.is_incoming() && matches!(event.kind, EventKind::INCOMING_FAILED | EventKind::QUIESCED) {
+            self.ticket_routes.remove(&(slot, kvgate_abi::Ticket(event.xfer.0)));
+        }
+        if event.kind == EventKind::UNHEALTHY && !self.instances.get(slot.0 as usize).is_some_and(|i| i.is_open()) {
+            tracing::info!(plugin = self.plugin_name(slot), "a closed plugin instance reported unhealthy: {}", event.message);
+            return;
+        }
         if event.kind == EventKind::UNHEALTHY {
             let reason = format!("{}: {}", event.reason, event.message);
             tracing::error!(plugin = self.plugin_name(slot), reason = %event.reason, "plugin unhealthy: {}", event.message);
             if let Some(h) = self.plugin_unhealthy.get_mut(slot.0 as usize) {
                 *h = Some(reason);
             }
+            self.supervise(slot.0 as usize);
         }
         self.feed_plugin_event(slot, &event);
     }
@@ -344,11 +414,14 @@ impl Driver {
         })
     }
 
+    /// The wire name of the instance in `slot` (`shm`, `shm@2`).
     fn plugin_name(&self, slot: PluginSlot) -> &str {
-        self.plugins.get(slot.0 as usize).map(|p| p.name()).unwrap_or("?")
+        self.instances.get(slot.0 as usize).map(|p| p.wire_name.as_str()).unwrap_or("?")
     }
 
     fn housekeeping(&mut self) {
+        self.restart_due_instances();
+        self.close_drained_instances();
         self.warn_stuck_rooms();
         self.log_new_violations();
         self.end_expired_sessions();

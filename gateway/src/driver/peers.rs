@@ -5,29 +5,90 @@
 //! without blocking (`PeerSender::send`).
 
 use super::Driver;
-use crate::peer_link::{codec, dials, PeerEvent, PeerSender, SessionId};
-use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, PeerId, RemoteKey};
+use crate::peer_link::{codec, PeerEvent, PeerSender, SessionId};
+use kvgate_abi::{PeerId, RemoteKey};
 use kvgate_client::proto::{self, peer_frame::Frame};
-use kvgate_core::{PeerLoss, PeerMessage, PeerPlugin, PluginSlot, RegionId, Role};
 use crate::metrics::GatewayMetrics;
-use std::collections::HashMap;
+use kvgate_core::{PeerLoss, PeerMessage, PluginSlot, Role};
+use std::collections::{HashMap, HashSet};
 
 pub struct PeerSessionState {
     pub name: String,
     /// The peer process's incarnation (from its Hello).
     pub incarnation: u64,
     pub sender: PeerSender,
-    /// The plugins connected with this peer, in preference order (empty: none usable).
+    /// The plugins offered for new rooms with this peer, in preference order (empty: none usable).
     pub plugins: Vec<PluginSlot>,
     /// Remote keys imported from this session: (peer region id, plugin) -> key in that plugin.
     pub remote_keys: HashMap<(u64, PluginSlot), RemoteKey>,
+    /// The peer's open plugin instances (its Hello, then its latest `PluginsChanged`).
+    pub remote: Vec<proto::PluginEndpoint>,
+    /// The plugin peer id local instances know each of the peer's instances by (see `pairing`).
+    pub remote_ids: HashMap<String, PeerId>,
+    /// Connections made: (local instance, the peer's instance by wire name).
+    pub links: HashSet<(PluginSlot, String)>,
+    /// The peer instance each connected local instance is paired with now.
+    pub partner: HashMap<PluginSlot, String>,
+    /// The peer's latest announce of each of its regions (imported again into re-paired instances).
+    pub announces: HashMap<u64, proto::RegionAnnounce>,
+    /// The peer instance and key bytes each imported key came from: (peer region id, plugin) ->
+    /// (wire name, key bytes).
+    pub key_source: HashMap<(u64, PluginSlot), (String, Vec<u8>)>,
+    /// Keys a re-pairing replaced (rooms may still use them), released when the session ends.
+    pub superseded_keys: Vec<(PluginSlot, RemoteKey)>,
+    /// The plugin peer id each imported key was imported under: where a submit with it goes.
+    pub key_routes: HashMap<(PluginSlot, RemoteKey), PeerId>,
+    /// Whether any of the peer's instances is known by a plugin peer id other than the session's
+    /// (only after a plugin reload): until then no submit or ticket needs routing.
+    pub virtual_ids: bool,
+    /// `partner` by slot ("" where none): how notices to and from this peer name instances.
+    pub partner_by_slot: Vec<String>,
+    /// The highest plugin change of the peer seen here, and the highest of ours it applied.
+    pub peer_change_seq: u64,
+    pub acked_change_seq: u64,
     /// Core messages of the current driver step, sent together at its end.
     outbox: super::outbox::Outbox,
 }
 
+impl PeerSessionState {
+    fn new(name: String, incarnation: u64, sender: PeerSender, remote: Vec<proto::PluginEndpoint>, outbox: super::outbox::Outbox) -> PeerSessionState {
+        PeerSessionState {
+            name,
+            incarnation,
+            sender,
+            plugins: Vec::new(),
+            remote_keys: HashMap::new(),
+            remote,
+            remote_ids: HashMap::new(),
+            links: HashSet::new(),
+            partner: HashMap::new(),
+            announces: HashMap::new(),
+            key_source: HashMap::new(),
+            superseded_keys: Vec::new(),
+            key_routes: HashMap::new(),
+            virtual_ids: false,
+            partner_by_slot: Vec::new(),
+            peer_change_seq: 0,
+            acked_change_seq: 0,
+            outbox,
+        }
+    }
+
+    /// Send `frame` now, after the core messages gathered for this session (order is kept).
+    pub fn send_frame(&mut self, frame: Frame, metrics: &GatewayMetrics) -> bool {
+        metrics.count_core_batches(self.outbox.flush(&self.sender));
+        self.sender.send(frame)
+    }
+
+    /// Rebuild `partner_by_slot` after `partner` changed.
+    pub fn refresh_partner_names(&mut self, slots: usize) {
+        self.partner_by_slot = (0..slots).map(|s| self.partner.get(&PluginSlot(s as u32)).cloned().unwrap_or_default()).collect();
+    }
+}
+
 #[derive(Default)]
 pub struct Peers {
-    by_session: HashMap<SessionId, PeerSessionState>,
+    pub(super) by_session: HashMap<SessionId, PeerSessionState>,
     current: HashMap<String, SessionId>,
     /// The last incarnation seen per name (a different one on the next Up = the peer restarted).
     incarnations: HashMap<String, u64>,
@@ -90,8 +151,14 @@ impl Peers {
         entry.1.push_back(message);
         true
     }
+    pub fn set_current(&mut self, name: &str, session: SessionId) {
+        self.current.insert(name.to_string(), session);
+    }
     pub fn is_up(&self, name: &str) -> bool {
         self.current.contains_key(name)
+    }
+    pub fn sessions(&self) -> Vec<SessionId> {
+        self.by_session.keys().copied().collect()
     }
     /// `frame` to every session, after the core messages gathered for it (order is kept).
     pub fn broadcast(&mut self, frame: Frame, metrics: &GatewayMetrics) {
@@ -123,13 +190,6 @@ impl Peers {
     }
 }
 
-/// The plugin both sides use: the dialler's preference order, restricted to plugins both opened.
-fn shared_preferences(local_name: &str, local_prefs: &[String], hello: &proto::Hello) -> Vec<String> {
-    let theirs: Vec<String> = hello.plugins.iter().map(|p| p.plugin.clone()).collect();
-    let order = if dials(local_name, &hello.name) { local_prefs.to_vec() } else { theirs.clone() };
-    order.into_iter().filter(|p| theirs.contains(p) && local_prefs.contains(p)).collect()
-}
-
 impl Driver {
     pub(super) fn on_peer_event(&mut self, event: PeerEvent) {
         match event {
@@ -154,34 +214,28 @@ impl Driver {
                 tracing::warn!(peer = %name, previous, incarnation = hello.incarnation, "peer restarted (new incarnation)");
             }
         }
-        let local_prefs: Vec<String> = self.plugins.iter().map(|p| p.name().to_string()).collect();
-        let same_host = self.directory.entry(&name).is_some_and(|p| p.same_host);
-        let candidates = shared_preferences(&self.config.gateway.name, &local_prefs, &hello);
+        let ours = self.advertised_plugins();
+        let theirs: Vec<String> = hello.plugins.iter().map(|p| p.plugin.clone()).collect();
+        let batching = self.config.peer_link.core_batch && hello.features.iter().any(|f| f == crate::peer_link::FEATURE_CORE_BATCH);
+        let outbox = super::outbox::Outbox::new(batching, self.config.peer_link.frame_fragment_bytes);
+        self.peers.by_session.insert(session, PeerSessionState::new(name.clone(), hello.incarnation, sender, hello.plugins, outbox));
         // Every shared plugin that reaches this peer (scope) and is healthy, connected in order.
-        let mut connected = Vec::new();
-        for slot in usable_plugins(&self.plugins, &candidates, same_host) {
-            let endpoint = hello.plugins.iter().find(|p| p.plugin == self.plugins[slot].name()).map(|p| p.endpoint.clone()).unwrap_or_default();
-            match self.plugins[slot].transport().connect(peer, RSlice::from_slice(&endpoint)) {
-                RResult::ROk(()) => connected.push(PeerPlugin { slot: PluginSlot(slot as u32), memory_kinds: self.plugins[slot].capabilities().memory_kinds }),
-                RResult::RErr(e) => tracing::error!(peer = %name, plugin = self.plugins[slot].name(), "plugin connect failed: {e}"),
-            }
-        }
+        let (connected, _) = self.pair_session(session);
+        let same_host = self.directory.entry(&name).is_some_and(|p| p.same_host);
         if connected.is_empty() {
-            tracing::error!(peer = %name, ours = ?local_prefs, theirs = ?hello.plugins.iter().map(|p| &p.plugin).collect::<Vec<_>>(), same_host,
+            tracing::error!(peer = %name, ours = ?ours.iter().map(|p| &p.plugin).collect::<Vec<_>>(), theirs = ?theirs, same_host,
                 "no plugin usable with this peer: rooms with it will be refused (peer_not_connected)");
         }
         self.metrics.set_peer_up(&name, true);
-        for announce in self.regions.announcements() {
-            sender.send(Frame::RegionAnnounce(announce.clone()));
+        if let Some(state) = self.peers.by_session.get(&session) {
+            for announce in self.regions.announcements() {
+                state.sender.send(Frame::RegionAnnounce(announce.clone()));
+            }
         }
-        let plugins: Vec<PluginSlot> = connected.iter().map(|p| p.slot).collect();
-        let batching = self.config.peer_link.core_batch && hello.features.iter().any(|f| f == crate::peer_link::FEATURE_CORE_BATCH);
-        let outbox = super::outbox::Outbox::new(batching, self.config.peer_link.frame_fragment_bytes);
-        self.peers.by_session.insert(session, PeerSessionState { name: name.clone(), incarnation: hello.incarnation, sender, plugins: plugins.clone(), remote_keys: HashMap::new(), outbox });
         if !connected.is_empty() {
             self.peers.current.insert(name.clone(), session);
             self.core.handle_peer_up_with(now, peer, hello.incarnation, &connected);
-            let names: Vec<&str> = plugins.iter().map(|slot| self.plugin_name(*slot)).collect();
+            let names: Vec<&str> = connected.iter().map(|p| self.instances[p.slot.0 as usize].wire_name.as_str()).collect();
             tracing::info!(peer = %name, session, plugins = ?names, "peer ready");
         }
         self.deliver_parked(&name, session, hello.incarnation);
@@ -190,37 +244,32 @@ impl Driver {
     fn peer_frame(&mut self, session: SessionId, frame: Frame) {
         let now = self.now();
         let Some(state) = self.peers.by_session.get_mut(&session) else { return };
-        let peer = PeerId(session);
         match frame {
             Frame::RegionAnnounce(announce) => {
-                // Imported into every plugin connected with the peer that the region is registered with.
-                let mut imported = 0;
-                for &slot in &state.plugins {
-                    let plugin = &self.plugins[slot.0 as usize];
-                    let Some(key) = announce.keys.iter().find(|k| k.plugin == plugin.name()) else { continue };
-                    match plugin.transport().import_remote_key(peer, RSlice::from_slice(&key.key)) {
-                        RResult::ROk(remote) => {
-                            if let Some(old) = state.remote_keys.insert((announce.region, slot), remote) {
-                                plugin.transport().release_remote_key(old);
-                            }
-                            self.core.handle_remote_region_key(now, peer, RegionId(announce.region), announce.len, slot, remote);
-                            imported += 1;
-                        }
-                        RResult::RErr(e) => tracing::error!(peer = %state.name, region = announce.region, plugin = plugin.name(), "import of a peer region failed: {e}"),
-                    }
-                }
-                if imported == 0 && !state.plugins.is_empty() {
+                // Imported into every local instance connected with the peer, from the key of the
+                // peer instance it is paired with.
+                state.announces.insert(announce.region, announce.clone());
+                let slots: Vec<PluginSlot> = state.partner.keys().copied().collect();
+                let offered = !state.plugins.is_empty();
+                let imported = self.import_region(session, &announce, &slots);
+                if imported == 0 && offered {
                     let theirs: Vec<&str> = announce.keys.iter().map(|k| k.plugin.as_str()).collect();
-                    tracing::warn!(peer = %state.name, region = announce.region, plugins = ?theirs, "peer region has no key for any plugin connected with it");
+                    let name = self.peers.by_session.get(&session).map(|s| s.name.clone()).unwrap_or_default();
+                    tracing::warn!(peer = %name, region = announce.region, plugins = ?theirs, "peer region has no key for any plugin connected with it");
                 }
             }
             Frame::RegionWithdraw(w) => {
-                for &slot in &state.plugins {
-                    if let Some(key) = state.remote_keys.remove(&(w.region, slot)) {
-                        self.plugins[slot.0 as usize].transport().release_remote_key(key);
+                state.announces.remove(&w.region);
+                let held: Vec<(u64, PluginSlot)> = state.remote_keys.keys().filter(|(region, _)| *region == w.region).copied().collect();
+                for entry in held {
+                    state.key_source.remove(&entry);
+                    if let Some(key) = state.remote_keys.remove(&entry) {
+                        state.key_routes.remove(&(entry.1, key));
+                        self.plugins[entry.1 .0 as usize].transport().release_remote_key(key);
                     }
                 }
             }
+            Frame::PluginsChanged(update) => self.on_plugins_changed(session, update),
             Frame::Core(message) => self.peer_core_message(now, session, message),
             Frame::CoreBatch(batch) => {
                 for message in batch.messages {
@@ -236,7 +285,9 @@ impl Driver {
     /// One core message from a live session, to the core (a message that does not decode is counted
     /// and dropped: the room it was for ends on its own deadline).
     fn peer_core_message(&mut self, now: kvgate_core::Nanos, session: SessionId, message: proto::CoreMessage) {
-        match codec::decode(message, &self.plugin_names) {
+        let Some(state) = self.peers.by_session.get(&session) else { return };
+        let decoded = codec::decode_in(message, codec::InstanceNames { own: &self.plugin_names, partner: &state.partner_by_slot });
+        match decoded {
             Ok(message) => {
                 let peer = self.outcome_addressee(now, session, &message).unwrap_or(PeerId(session));
                 self.core.handle_peer_message(now, peer, &message)
@@ -259,12 +310,19 @@ impl Driver {
         self.metrics.set_peer_up(name, false);
         if !state.plugins.is_empty() {
             self.core.handle_peer_lost(now, PeerId(session), cause);
-            for &slot in &state.plugins {
-                self.plugins[slot.0 as usize].transport().disconnect(PeerId(session));
-            }
-            for ((_, slot), key) in &state.remote_keys {
-                self.plugins[slot.0 as usize].transport().release_remote_key(*key);
-            }
+        }
+        for (slot, wire) in &state.links {
+            let id = state.remote_ids.get(wire).copied().unwrap_or(PeerId(session));
+            self.plugins[slot.0 as usize].transport().disconnect(id);
+        }
+        for ((_, slot), key) in &state.remote_keys {
+            self.plugins[slot.0 as usize].transport().release_remote_key(*key);
+        }
+        for (slot, key) in &state.superseded_keys {
+            self.plugins[slot.0 as usize].transport().release_remote_key(*key);
+        }
+        for id in state.remote_ids.values() {
+            self.plugin_peer_sessions.remove(&id.0);
         }
         tracing::warn!(peer = %name, session, cause = cause.as_str(), "peer lost: every room bound to it fails (peer_lost)");
     }
@@ -283,7 +341,10 @@ impl Driver {
         }
         tracing::info!(peer = %name, delivered = messages.len(), "outcomes kept while the peer was away delivered on its new link");
         for message in messages {
-            self.peers.send_core(session, codec::encode(&message, &self.plugin_names), &self.metrics);
+            let Some(state) = self.peers.session(session) else { return };
+            let names = codec::InstanceNames { own: &self.plugin_names, partner: &state.partner_by_slot };
+            let encoded = codec::encode_in(&message, names);
+            self.peers.send_core(session, encoded, &self.metrics);
         }
     }
 
@@ -303,20 +364,4 @@ impl Driver {
         let (name, incarnation) = self.peers.departed(bound)?;
         (name == current.name && incarnation == current.incarnation).then_some(PeerId(bound))
     }
-}
-
-/// The slots of the `candidates` (shared plugin names, in preference order) that reach a peer on
-/// this host or another (`same_host`) and are healthy. Memory kinds are not checked here: the core
-/// picks, per part, a plugin that serves the part's memory.
-fn usable_plugins(plugins: &[kvgate_host::OpenedPlugin], candidates: &[String], same_host: bool) -> Vec<usize> {
-    use kvgate_abi::scope;
-    candidates
-        .iter()
-        .filter_map(|name| {
-            let slot = plugins.iter().position(|p| p.name() == name)?;
-            let caps = plugins[slot].capabilities();
-            let scope_ok = caps.scope & if same_host { scope::SAME_HOST } else { scope::CROSS_HOST } != 0;
-            (scope_ok && plugins[slot].transport().stats().healthy != 0).then_some(slot)
-        })
-        .collect()
 }

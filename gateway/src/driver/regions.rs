@@ -13,6 +13,8 @@ pub struct LocalRegion {
     pub label: String,
     pub keys: Vec<(PluginSlot, LocalKey)>,
     pub announce: proto::RegionAnnounce,
+    /// What plugins were given at registration (a plugin reload registers it with new instances).
+    pub desc: RegionDesc,
     _mapping: Option<memmap2::MmapMut>,
     /// A passed descriptor behind the region, kept open as long as it is registered.
     _file: Option<std::fs::File>,
@@ -139,6 +141,9 @@ impl Driver {
         let mut accepted = Vec::new();
         let mut refusals = Vec::new();
         for (slot, plugin) in self.plugins.iter().enumerate() {
+            if !self.instances[slot].is_active() {
+                continue;
+            }
             if !plugin.capabilities().serves(desc.kind) {
                 refusals.push(format!("{}: memory kind {} not served", plugin.name(), desc.kind));
                 continue;
@@ -146,7 +151,7 @@ impl Driver {
             match plugin.transport().register(&desc) {
                 RResult::ROk(registration) => {
                     keys.push((PluginSlot(slot as u32), registration.key));
-                    remote_keys.push(proto::RemoteKey { plugin: plugin.name().to_string(), key: registration.remote_key.to_vec() });
+                    remote_keys.push(proto::RemoteKey { plugin: self.instances[slot].wire_name.clone(), key: registration.remote_key.to_vec() });
                     accepted.push(plugin.name().to_string());
                 }
                 RResult::RErr(e) => refusals.push(format!("{}: {e}", plugin.name())),
@@ -162,7 +167,7 @@ impl Driver {
         self.core.handle_region_registered(now, RegionInfo { id: RegionId(id), len: desc.len, memory_kind: desc.kind, keys: keys.clone() });
         self.peers.broadcast(Frame::RegionAnnounce(announce.clone()), &self.metrics);
         tracing::info!(region = id, len = desc.len, label = %label, plugins = ?accepted, refused = ?refusals, "region registered");
-        self.regions.by_id.insert(id, LocalRegion { label, keys, announce, _mapping: mapping, _file: passed });
+        self.regions.by_id.insert(id, LocalRegion { label, keys, announce, desc, _mapping: mapping, _file: passed });
         Ok(Registered { region: id, plugins: accepted, refused: refusals })
     }
 
@@ -209,5 +214,46 @@ impl Driver {
         self.peers.broadcast(Frame::RegionWithdraw(proto::RegionWithdraw { region: id }), &self.metrics);
         tracing::info!(region = id, label = %region.label, "region unregistered");
         Ok(())
+    }
+
+    /// A plugin reload opened `slots`: register every region with those that serve its memory
+    /// kind, tell the core, and add their keys to its announcement (sent by the caller).
+    pub(super) fn register_regions_with(&mut self, slots: &[usize]) {
+        let now = self.now();
+        for (id, region) in self.regions.by_id.iter_mut() {
+            for &slot in slots {
+                let plugin = &self.plugins[slot];
+                if !plugin.capabilities().serves(region.desc.kind) {
+                    continue;
+                }
+                match plugin.transport().register(&region.desc) {
+                    RResult::ROk(registration) => {
+                        region.keys.push((PluginSlot(slot as u32), registration.key));
+                        let key = proto::RemoteKey { plugin: self.instances[slot].wire_name.clone(), key: registration.remote_key.to_vec() };
+                        region.announce.keys.push(key);
+                    }
+                    RResult::RErr(e) => tracing::warn!(region = id, plugin = %self.instances[slot].wire_name, "a reloaded plugin refused a registered region: {e}"),
+                }
+            }
+            let info = RegionInfo { id: RegionId(*id), len: region.desc.len, memory_kind: region.desc.kind, keys: region.keys.clone() };
+            self.core.handle_region_registered(now, info);
+        }
+    }
+
+    /// An instance is closing: deregister every region from it and drop its keys (core and
+    /// announcements).
+    pub(super) fn deregister_regions_from(&mut self, slot: PluginSlot) {
+        let now = self.now();
+        let wire = self.instances[slot.0 as usize].wire_name.clone();
+        for (id, region) in self.regions.by_id.iter_mut() {
+            let Some(at) = region.keys.iter().position(|(s, _)| *s == slot) else { continue };
+            let (_, key) = region.keys.remove(at);
+            if let RResult::RErr(e) = self.plugins[slot.0 as usize].transport().deregister(key) {
+                tracing::warn!(region = id, plugin = %wire, "deregister failed: {e}");
+            }
+            region.announce.keys.retain(|k| k.plugin != wire);
+            let info = RegionInfo { id: RegionId(*id), len: region.desc.len, memory_kind: region.desc.kind, keys: region.keys.clone() };
+            self.core.handle_region_registered(now, info);
+        }
     }
 }

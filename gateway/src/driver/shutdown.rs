@@ -3,6 +3,7 @@
 //! what they had in flight, then releases every engine registration and shuts every plugin down.
 //! Never returns with a room live or a region still mapped.
 
+use super::reload;
 use super::{ApiError, Driver, DriverInput, EngineCall, PluginEventMsg};
 use kvgate_core::{EngineRequest, RoomKey, RoomState};
 use std::collections::BTreeSet;
@@ -52,7 +53,10 @@ impl Driver {
                     Some(DriverInput::Peer(event)) => self.on_peer_event(event),
                     Some(DriverInput::Engine(call)) => refuse_while_stopping(call),
                     Some(DriverInput::Admin(reply)) => { let _ = reply.send(self.snapshot()); }
-                    Some(DriverInput::Shutdown) | None => {}
+                    Some(DriverInput::ReloadPlugins(_, reply)) => {
+                        let _ = reply.send(reload::ReloadOutcome { error: "the gateway is shutting down".into(), ..Default::default() });
+                    }
+                    Some(DriverInput::ReloadRefused(_)) | Some(DriverInput::Shutdown) | None => {}
                 },
                 _ = tokio::time::sleep_until(wake) => {
                     let now = self.now();
@@ -91,7 +95,10 @@ impl Driver {
     }
 
     fn shut_down_plugins(&mut self) {
-        for plugin in &self.plugins {
+        for (plugin, instance) in self.plugins.iter().zip(&self.instances) {
+            if !instance.is_open() {
+                continue;
+            }
             plugin.shutdown();
             tracing::info!(plugin = %plugin.name(), "plugin shut down");
         }

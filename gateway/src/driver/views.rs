@@ -18,7 +18,10 @@ pub struct RoomJson {
     pub state: &'static str,
     pub age_ms: u64,
     pub peer: String,
+    /// The wire name of the plugin instance carrying the room (`shm`, `shm@2`).
     pub plugin: String,
+    /// That instance's generation (0 before one was chosen).
+    pub plugin_generation: u32,
     pub last_event: String,
     pub last_event_age_ms: u64,
     pub parts: u32,
@@ -31,6 +34,13 @@ pub struct RoomJson {
 #[derive(Clone, Debug, Serialize)]
 pub struct PluginStatus {
     pub name: String,
+    /// For an opened instance: its generation (1 for the first, one more per reload that reopened
+    /// it) and its wire name; 0 and empty for a plugin with no instance.
+    pub generation: u32,
+    pub wire_name: String,
+    /// `active`, `draining` (retired by a reload, finishing what it holds), `closed`; empty for a
+    /// plugin with no instance.
+    pub state: String,
     /// `builtin` or the library path.
     pub origin: String,
     /// `opened`, `unavailable`, `open_failed`, `load_failed`, `not_opened` (not in plugins.preference),
@@ -67,6 +77,8 @@ pub struct AdminSnapshot {
     pub peer_link_auth: &'static str,
     /// Empty when healthy; otherwise one line per problem.
     pub problems: Vec<String>,
+    /// The latest plugin reload's outcome, if there was one.
+    pub last_reload: Option<super::reload::ReloadOutcome>,
     /// What an operator should know that does not make the gateway unhealthy (e.g. no peer is up).
     pub warnings: Vec<String>,
 }
@@ -119,7 +131,8 @@ impl Driver {
                 state: view.state.as_str(),
                 age_ms: view.age.as_ms(),
                 peer: peer_name(&self.peers, &view),
-                plugin: plugin_name(&self.plugins, &view),
+                plugin: view.plugin.map(|slot| self.plugin_name(slot).to_string()).unwrap_or_default(),
+                plugin_generation: view.plugin.and_then(|slot| self.instances.get(slot.0 as usize)).map_or(0, |i| i.generation),
                 last_event: format!("{:?}", view.last_event),
                 last_event_age_ms: view.last_event_age.as_ms(),
                 parts: view.parts,
@@ -128,12 +141,19 @@ impl Driver {
                 bytes_done: view.bytes_done,
             });
         }
-        let mut plugins = self.plugin_listing.clone();
+        let mut plugins = self.instance_statuses();
         for (slot, unhealthy) in self.plugin_unhealthy.iter().enumerate() {
-            if let Some(reason) = unhealthy {
-                let name = self.plugins[slot].name();
-                problems.push(format!("plugin {name} unhealthy: {reason}"));
-                if let Some(p) = plugins.iter_mut().find(|p| p.name == name) {
+            if let (Some(reason), Some(instance)) = (unhealthy, self.instances.get(slot)) {
+                if !instance.is_open() {
+                    continue;
+                }
+                let supervision = match self.restart_given_up.get(&slot) {
+                    Some(why) => format!("; {why}"),
+                    None if self.pending_restarts.iter().any(|(_, s)| *s == slot) => "; restarting after its back-off".to_string(),
+                    None => String::new(),
+                };
+                problems.push(format!("plugin {} unhealthy: {reason}{supervision}", instance.wire_name));
+                if let Some(p) = plugins.iter_mut().find(|p| p.wire_name == instance.wire_name) {
                     p.status = "unhealthy".into();
                     p.reason = reason.clone();
                 }
@@ -167,6 +187,26 @@ impl Driver {
             warnings.push(format!("no configured peer is up ({}): no room can move", names.join(", ")));
         }
         let peer_link_auth = self.config.peer_link.auth_mode().as_str();
-        AdminSnapshot { now, metrics, rooms, plugins, peers, peer_link_auth, problems, warnings }
+        let last_reload = self.last_reload.clone();
+        AdminSnapshot { now, metrics, rooms, plugins, peers, peer_link_auth, problems, warnings, last_reload }
+    }
+
+    /// One line per plugin instance (every generation, closed ones included), then the plugins
+    /// known at start that have no instance (not loaded, unavailable, not preferred).
+    fn instance_statuses(&self) -> Vec<PluginStatus> {
+        let mut lines: Vec<PluginStatus> = self
+            .plugins
+            .iter()
+            .zip(&self.instances)
+            .map(|(plugin, instance)| {
+                let mut line = crate::plugin_setup::status_of(plugin.info(), plugin.name(), instance.origin.clone(), "opened", instance.closed_reason.clone());
+                line.generation = instance.generation;
+                line.wire_name = instance.wire_name.clone();
+                line.state = instance.state.as_str().to_string();
+                line
+            })
+            .collect();
+        lines.extend(self.plugin_listing.iter().filter(|l| l.status != "opened" && !self.plugins.iter().any(|p| p.name() == l.name)).cloned());
+        lines
     }
 }

@@ -5,9 +5,25 @@ use kvgate_client::proto::{self, core_message::Message as Wire};
 use kvgate_core::api::{FailReason, Nanos, PeerMessage, PluginSlot, RegionId, Role, RoomKey, Slice};
 use kvgate_abi::Ticket;
 
+/// How one peer session names plugin instances: `own[slot]` is this gateway's wire name of each
+/// local instance; `partner[slot]` the peer's instance that local one is connected with in the
+/// session (empty: none). Before any plugin reload both are the plugin names.
+#[derive(Clone, Copy, Debug)]
+pub struct InstanceNames<'a> {
+    pub own: &'a [String],
+    pub partner: &'a [String],
+}
+
 /// `plugin_names[slot]`: the name of each local plugin instance, by which an expect notice names
 /// the plugin of each part on the wire.
 pub fn encode(message: &PeerMessage, plugin_names: &[String]) -> proto::CoreMessage {
+    encode_in(message, InstanceNames { own: plugin_names, partner: &[] })
+}
+
+/// `encode` for a session whose instances may have been reloaded: an expect notice also names,
+/// per part, the peer's instance its ticket was opened for (`names.partner`).
+pub fn encode_in(message: &PeerMessage, names: InstanceNames<'_>) -> proto::CoreMessage {
+    let plugin_names = names.own;
     let key = Some(proto::RoomKey { room: message.room().room, generation: message.room().generation });
     let body = match message {
         PeerMessage::ExpectNotice { parts, tickets, plugins, deadline_remaining, .. } => Wire::ExpectNotice(proto::ExpectNotice {
@@ -20,6 +36,11 @@ pub fn encode(message: &PeerMessage, plugin_names: &[String]) -> proto::CoreMess
                 .collect(),
             tickets: tickets.iter().map(|t| t.0).collect(),
             deadline_remaining_ns: deadline_remaining.0,
+            // Only once a reload made the two sides' names differ: until then the wire is as before.
+            part_sender_plugins: match plugins.iter().any(|slot| names.partner.get(slot.0 as usize).is_some_and(|p| Some(p) != plugin_names.get(slot.0 as usize))) {
+                false => Vec::new(),
+                true => plugins.iter().map(|slot| names.partner.get(slot.0 as usize).cloned().unwrap_or_default()).collect(),
+            },
         }),
         PeerMessage::Matched { .. } => Wire::Matched(proto::Matched {}),
         PeerMessage::PartDone { part, bytes, .. } => Wire::PartDone(proto::PartDone { part: *part, bytes: *bytes }),
@@ -44,7 +65,8 @@ pub fn expect_notice_frame_bytes(parts: &[Vec<Slice>], max_plugin_name: usize) -
     use prost::encoding::encoded_len_varint as varint;
     let field = |v: u64| if v == 0 { 0 } else { 1 + varint(v) };
     let mut total = EXPECT_NOTICE_OVERHEAD_BYTES + 1 + varint(parts.len() as u64 * 10) + parts.len() * 10;
-    total += parts.len() * (1 + varint(max_plugin_name as u64) + max_plugin_name);
+    // Each part may name its plugin instance and, after a plugin reload, the sender's instance too.
+    total += 2 * parts.len() * (1 + varint(max_plugin_name as u64) + max_plugin_name);
     for part in parts {
         let body: usize = part
             .iter()
@@ -73,10 +95,27 @@ fn reason(name: &str) -> Result<FailReason, String> {
 /// `plugin_names` as for `encode`: a plugin name this gateway did not open decodes to
 /// `PluginSlot::NONE` (the core fails such a room `no_plugin_for_memory`).
 pub fn decode(message: proto::CoreMessage, plugin_names: &[String]) -> Result<PeerMessage, String> {
+    decode_in(message, InstanceNames { own: plugin_names, partner: plugin_names })
+}
+
+/// The local instance each part of an expect notice uses: the one the receiver opened its ticket
+/// for (`part_sender_plugins`, by this gateway's wire name), or, from a gateway that does not name
+/// it, the local instance connected with the receiver's named one.
+fn part_slots(notice: &proto::ExpectNotice, names: InstanceNames<'_>) -> Vec<PluginSlot> {
+    let position = |list: &[String], name: &str| list.iter().position(|p| !p.is_empty() && p == name).map(|slot| PluginSlot(slot as u32));
+    if !notice.part_sender_plugins.is_empty() && notice.part_sender_plugins.len() == notice.part_plugins.len() {
+        return notice.part_sender_plugins.iter().map(|name| position(names.own, name).unwrap_or(PluginSlot::NONE)).collect();
+    }
+    notice.part_plugins.iter().map(|name| position(names.partner, name).or_else(|| position(names.own, name)).unwrap_or(PluginSlot::NONE)).collect()
+}
+
+/// `decode` in a session whose instances may have been reloaded (see `InstanceNames`).
+pub fn decode_in(message: proto::CoreMessage, names: InstanceNames<'_>) -> Result<PeerMessage, String> {
     let key = message.key.ok_or("core message without a room key")?;
     let room = RoomKey::new(key.room, key.generation);
     Ok(match message.message.ok_or("core message without a body")? {
         Wire::ExpectNotice(n) => PeerMessage::ExpectNotice {
+            plugins: part_slots(&n, names),
             room,
             parts: n
                 .parts
@@ -84,11 +123,6 @@ pub fn decode(message: proto::CoreMessage, plugin_names: &[String]) -> Result<Pe
                 .map(|p| p.slices.into_iter().map(|s| Slice::new(RegionId(s.region), s.offset, s.len)).collect())
                 .collect(),
             tickets: n.tickets.into_iter().map(Ticket).collect(),
-            plugins: n
-                .part_plugins
-                .iter()
-                .map(|name| plugin_names.iter().position(|p| p == name).map_or(PluginSlot::NONE, |slot| PluginSlot(slot as u32)))
-                .collect(),
             deadline_remaining: Nanos(n.deadline_remaining_ns),
         },
         Wire::Matched(_) => PeerMessage::Matched { room },
@@ -120,12 +154,15 @@ mod tests {
                 parts: parts.clone(),
                 deadline_remaining: Nanos(u64::MAX),
             };
-            let frame = proto::PeerFrame { frame: Some(proto::peer_frame::Frame::Core(encode(&message, &names))), mac: vec![0; 32] };
+            // After a reload: the sender's instances named too (the longest case).
+            let partner = vec!["shm@2".to_string(), "a-plugin-with-a-long-name@2".to_string()];
+            let wire = encode_in(&message, InstanceNames { own: &names, partner: &partner });
+            let frame = proto::PeerFrame { frame: Some(proto::peer_frame::Frame::Core(wire)), mac: vec![0; 32] };
             let real = frame.encoded_len();
-            let bound = expect_notice_frame_bytes(&parts, names[1].len());
+            let bound = expect_notice_frame_bytes(&parts, partner[1].len());
             assert!(bound >= real, "bound {bound} < real {real}");
             // The bound allows a name per part; a notice names one for all when they share it.
-            let names_allowance = parts.len() * (2 + names[1].len());
+            let names_allowance = 2 * parts.len() * (2 + names[1].len());
             assert!(bound <= real + 2 * EXPECT_NOTICE_OVERHEAD_BYTES + names_allowance, "bound {bound} far above real {real}");
         }
     }
@@ -165,6 +202,36 @@ mod tests {
         let wire = encode(&message, &["shm".to_string(), "nvlink".to_string()]);
         let PeerMessage::ExpectNotice { plugins, .. } = decode(wire, &["shm".to_string(), "quic".to_string()]).unwrap() else { unreachable!() };
         assert_eq!(plugins, [PluginSlot::NONE]);
+    }
+
+    #[test]
+    fn after_a_reload_the_notice_names_the_sender_instance_its_ticket_is_for() {
+        let message = PeerMessage::ExpectNotice {
+            room: RoomKey::new(1, 0),
+            parts: vec![vec![Slice::new(RegionId(1), 0, 8)], vec![Slice::new(RegionId(2), 0, 8)]],
+            tickets: vec![Ticket(1), Ticket(2)],
+            plugins: vec![PluginSlot(0), PluginSlot(1)],
+            deadline_remaining: Nanos::from_ms(1),
+        };
+        // Receiver: slot 0 is its first shm (connected with the sender's shm@2), slot 1 its shm@3
+        // (connected with the sender's first shm).
+        let (own, partner) = (["shm".to_string(), "shm@3".to_string()], ["shm@2".to_string(), "shm".to_string()]);
+        let wire = encode_in(&message, InstanceNames { own: &own, partner: &partner });
+        let Some(Wire::ExpectNotice(notice)) = &wire.message else { unreachable!() };
+        assert_eq!(notice.part_sender_plugins, ["shm@2", "shm"]);
+        // Sender: slot 0 is its first shm, slot 1 its shm@2; each part goes to the named instance
+        // even though both are connected with receiver instances of the same plugin.
+        let (own, partner) = (["shm".to_string(), "shm@2".to_string()], ["shm@3".to_string(), "shm@3".to_string()]);
+        let PeerMessage::ExpectNotice { plugins, .. } = decode_in(wire.clone(), InstanceNames { own: &own, partner: &partner }).unwrap() else { unreachable!() };
+        assert_eq!(plugins, [PluginSlot(1), PluginSlot(0)]);
+        // A gateway that does not name the sender's instance: the one connected with the named one.
+        let mut old = wire;
+        if let Some(Wire::ExpectNotice(n)) = &mut old.message {
+            n.part_sender_plugins.clear();
+        }
+        let partner = ["shm@3".to_string(), "shm".to_string()];
+        let PeerMessage::ExpectNotice { plugins, .. } = decode_in(old, InstanceNames { own: &own, partner: &partner }).unwrap() else { unreachable!() };
+        assert_eq!(plugins, [PluginSlot(1), PluginSlot(0)]);
     }
 
     #[test]

@@ -30,10 +30,28 @@ pub struct LocalIdentity {
     pub name: String,
     pub incarnation: u64,
     pub host: String,
-    /// Opened plugins in preference order, with their endpoints.
-    pub plugins: Vec<proto::PluginEndpoint>,
+    /// Opened plugin instances, current ones in preference order, then retiring ones, with their
+    /// endpoints. A plugin reload replaces the list; a link dialled or accepted later says the new one.
+    pub plugins: AdvertisedPlugins,
     /// Optional protocol features this gateway takes ([`FEATURE_CORE_BATCH`]), listed in its Hello.
     pub features: Vec<String>,
+}
+
+/// The plugin instances every Hello advertises, shared between the driver (which changes them on a
+/// plugin reload) and the peer-link tasks (which read them for each new link).
+#[derive(Clone, Debug, Default)]
+pub struct AdvertisedPlugins(Arc<std::sync::RwLock<Vec<proto::PluginEndpoint>>>);
+
+impl AdvertisedPlugins {
+    pub fn new(plugins: Vec<proto::PluginEndpoint>) -> AdvertisedPlugins {
+        AdvertisedPlugins(Arc::new(std::sync::RwLock::new(plugins)))
+    }
+    pub fn get(&self) -> Vec<proto::PluginEndpoint> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    pub fn set(&self, plugins: Vec<proto::PluginEndpoint>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = plugins;
+    }
 }
 
 /// A Hello listing this takes `CoreBatch` frames (`peer_link.core_batch`).
@@ -48,7 +66,7 @@ impl LocalIdentity {
                 name: self.name.clone(),
                 incarnation: self.incarnation,
                 protocol_version: PEER_PROTOCOL_VERSION,
-                plugins: self.plugins.clone(),
+                plugins: self.plugins.get(),
                 host: self.host.clone(),
                 to: peer.to_string(),
                 auth: auth.as_str().to_string(),

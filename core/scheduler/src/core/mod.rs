@@ -68,6 +68,9 @@ impl RemoteRegion {
 struct PeerEntry {
     incarnation: u64,
     plugins: smallvec::SmallVec<[PeerPlugin; 2]>,
+    /// Plugin instances still connected with this peer but no longer offered for new rooms (a
+    /// plugin reload retired them): an expect notice may still name one for rooms it started.
+    retired: smallvec::SmallVec<[PluginSlot; 2]>,
     /// Bytes of the rooms with this peer whose transfer deadline runs (they share the link): a new
     /// room's transfer bound counts them ahead of its own.
     bytes_moving: u64,
@@ -82,7 +85,7 @@ impl PeerEntry {
     }
 
     fn has_plugin(&self, plugin: PluginSlot) -> bool {
-        self.plugins.iter().any(|p| p.slot == plugin)
+        self.plugins.iter().any(|p| p.slot == plugin) || self.retired.contains(&plugin)
     }
 }
 
@@ -284,6 +287,16 @@ impl Core {
     /// (`restarted`) + up.
     pub fn handle_peer_up_with(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugins: &[PeerPlugin]) {
         self.peer_up(now, peer, incarnation, plugins);
+    }
+
+    /// The plugins connected with an up peer changed without the link going down (a plugin reload):
+    /// `plugins` (preference order) are offered for new rooms from now on; `retired` are still
+    /// connected and accepted for the rooms that already use them, never chosen for a new one.
+    /// Rooms keep the plugins they were given. Ignored for a peer that is not up.
+    pub fn handle_peer_plugins(&mut self, _now: Nanos, peer: PeerId, plugins: &[PeerPlugin], retired: &[PluginSlot]) {
+        let Some(entry) = self.peers.get_mut(&peer) else { return };
+        entry.plugins = plugins.iter().copied().filter(|p| p.slot.0 < room::MAX_PLUGIN_SLOTS).collect();
+        entry.retired = retired.iter().copied().filter(|s| s.0 < room::MAX_PLUGIN_SLOTS && !plugins.iter().any(|p| p.slot == *s)).collect();
     }
 
     /// The peer link is lost: every live room bound to `peer` fails at once (`peer_lost`).

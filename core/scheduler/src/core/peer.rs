@@ -23,7 +23,7 @@ impl Core {
         }
         // Slots past `MAX_PLUGIN_SLOTS` cannot be named by a part (kept in one byte).
         let plugins = plugins.iter().copied().filter(|p| p.slot.0 < super::room::MAX_PLUGIN_SLOTS).collect();
-        let entry = PeerEntry { incarnation, plugins, bytes_moving: 0, room_head: NIL, remote_regions: super::peer_keyed_map() };
+        let entry = PeerEntry { incarnation, plugins, retired: smallvec::SmallVec::new(), bytes_moving: 0, room_head: NIL, remote_regions: super::peer_keyed_map() };
         self.peers.insert(peer, entry);
     }
 
