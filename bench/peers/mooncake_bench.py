@@ -18,8 +18,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from peer_common import (  # noqa: E402
+    drive_cells,
     Cell, Pool, PreparedCell, TransferFailed, cell_record, common_arguments, emit, json_stdout, log,
-    parse_cells, run_cell,
+    parse_cells,
 )
 
 PEER = "mooncake"
@@ -28,7 +29,6 @@ LOOPBACK_HOST = "127.0.0.1"
 # No metadata server: engines exchange segment descriptors over their handshake port.
 METADATA_MODE = "P2PHANDSHAKE"
 MEMORY_LOCATION = "cpu:0"
-TARGET_STOP_WAIT_S = 10.0
 
 
 def network_interfaces() -> list[str]:
@@ -131,41 +131,12 @@ def main() -> int:
     conn, child_conn = ctx.Pipe()
     target = ctx.Process(target=target_main, args=(child_conn, transport, dst), daemon=True)
     target.start()
-    initiator = None
-    failed = 0
-    try:
-        if not conn.poll(args.setup_timeout_ms / 1000):
-            return fail_all(f"target engine not up after {args.setup_timeout_ms} ms (setup_timeout_ms)")
-        kind, payload = conn.recv()
-        if kind != "ready":
-            return fail_all(payload)
-        try:
-            initiator = Initiator(transport, src, dst, payload)
-        except Exception as e:
-            return fail_all(f"initiator engine: {type(e).__name__}: {e}")
+    def make_initiator(payload: Any) -> Initiator:
+        initiator = Initiator(transport, src, dst, payload)
         log(f"engines up, transport {transport}, target segment {payload}, pools {pool_bytes} bytes")
-        for index, cell in enumerate(cells):
-            record = run_cell(PEER, transport, cell, src, dst, args.cell_ms, initiator.prepare,
-                              args.flip_destination_byte, seed=index + 1)
-            emit(out, record)
-            failed += record["error"] is not None
-            log(f"cell {cell.block_bytes}x{cell.blocks}: {record['transfers']} transfers, "
-                f"{record['gbps']:.3f} GB/s, p50 {record['p50_ms']:.4f} ms, error {record['error']}")
-    finally:
-        if initiator is not None:
-            initiator.close()
-        try:
-            conn.send("stop")
-        except OSError:
-            pass
-        target.join(TARGET_STOP_WAIT_S)
-        if target.is_alive():
-            log(f"target did not stop within {TARGET_STOP_WAIT_S} s; killing it")
-            target.kill()
-            target.join()
-        if target.exitcode not in (0, None):
-            log(f"target exited with {target.exitcode}")
-    return 1 if failed else 0
+        return initiator
+
+    return drive_cells(PEER, transport, cells, src, dst, args, out, target, conn, make_initiator, "engine", fail_all)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from peer_common import (  # noqa: E402
+    drive_cells,
     Cell, Pool, PreparedCell, TransferFailed, cell_record, common_arguments, emit, json_stdout, log,
-    parse_cells, run_cell,
+    parse_cells,
 )
 
 PEER = "nixl"
@@ -26,7 +27,6 @@ PEER = "nixl"
 TRANSPORT_ENVIRONMENT = {"ucx": {}, "tcp": {"UCX_TLS": "tcp"}}
 TARGET_AGENT = "kvgate-peer-target"
 INITIATOR_AGENT = "kvgate-peer-initiator"
-TARGET_STOP_WAIT_S = 10.0
 
 
 def import_nixl() -> Any:
@@ -133,41 +133,12 @@ def main() -> int:
     conn, child_conn = ctx.Pipe()
     target = ctx.Process(target=target_main, args=(child_conn, dst.address, dst.size_bytes), daemon=True)
     target.start()
-    initiator = None
-    failed = 0
-    try:
-        if not conn.poll(args.setup_timeout_ms / 1000):
-            return fail_all(f"target agent not up after {args.setup_timeout_ms} ms (setup_timeout_ms)")
-        kind, payload = conn.recv()
-        if kind != "ready":
-            return fail_all(payload)
-        try:
-            initiator = Initiator(import_nixl(), src, dst, payload, args.transfer_timeout_ms)
-        except Exception as e:
-            return fail_all(f"initiator agent: {type(e).__name__}: {e}")
+    def make_initiator(payload: Any) -> Initiator:
+        initiator = Initiator(import_nixl(), src, dst, payload, args.transfer_timeout_ms)
         log(f"agents up, transport {transport} (UCX_TLS={os.environ.get('UCX_TLS', 'default')}), pools {pool_bytes} bytes")
-        for index, cell in enumerate(cells):
-            record = run_cell(PEER, transport, cell, src, dst, args.cell_ms, initiator.prepare,
-                              args.flip_destination_byte, seed=index + 1)
-            emit(out, record)
-            failed += record["error"] is not None
-            log(f"cell {cell.block_bytes}x{cell.blocks}: {record['transfers']} transfers, "
-                f"{record['gbps']:.3f} GB/s, p50 {record['p50_ms']:.4f} ms, error {record['error']}")
-    finally:
-        if initiator is not None:
-            initiator.close()
-        try:
-            conn.send("stop")
-        except OSError:
-            pass
-        target.join(TARGET_STOP_WAIT_S)
-        if target.is_alive():
-            log(f"target did not stop within {TARGET_STOP_WAIT_S} s; killing it")
-            target.kill()
-            target.join()
-        if target.exitcode not in (0, None):
-            log(f"target exited with {target.exitcode}")
-    return 1 if failed else 0
+        return initiator
+
+    return drive_cells(PEER, transport, cells, src, dst, args, out, target, conn, make_initiator, "agent", fail_all)
 
 
 if __name__ == "__main__":

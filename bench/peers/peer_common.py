@@ -16,7 +16,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, TextIO, Union
+from typing import Any, Callable, Optional, Protocol, TextIO, Union
 
 DEFAULT_CELLS = "4K:1,64K:100,4M:1,64M:1"
 DEFAULT_CELL_MS = 1000
@@ -243,3 +243,58 @@ def wait_deadline(timeout_ms: int) -> Callable[[], bool]:
     """A function that says whether `timeout_ms` has passed since this call."""
     deadline = time.monotonic() + timeout_ms / 1000
     return lambda: time.monotonic() >= deadline
+
+
+# How long a runner waits for its target process to stop before it kills it.
+TARGET_STOP_WAIT_S = 10.0
+
+
+class Initiator(Protocol):
+    """The initiating side of a runner: prepares one cell's transfer call, and lets go at the end."""
+
+    def prepare(self, cell: Cell) -> PreparedCell: ...
+
+    def close(self) -> None: ...
+
+
+def drive_cells(peer: str, transport: str, cells: list[Cell], src: Pool, dst: Pool, args: argparse.Namespace,
+                out: TextIO, target: Any, conn: Any, make_initiator: Callable[[Any], Initiator],
+                side: str, fail_all: Callable[[str], int]) -> int:
+    """Wait for the forked `target` to say it is ready over `conn` (its payload is what the initiator
+    needs to reach it), run every cell through the initiator `make_initiator(payload)` builds, one
+    JSON object each, and stop the target (killed after TARGET_STOP_WAIT_S). Returns the exit code:
+    1 when a cell has an error. `side` names the library's objects in messages (`agent`, `engine`)."""
+    initiator: Optional[Initiator] = None
+    failed = 0
+    try:
+        if not conn.poll(args.setup_timeout_ms / 1000):
+            return fail_all(f"target {side} not up after {args.setup_timeout_ms} ms (setup_timeout_ms)")
+        kind, payload = conn.recv()
+        if kind != "ready":
+            return fail_all(payload)
+        try:
+            initiator = make_initiator(payload)
+        except Exception as e:  # the library's own exception types vary; its message is the reason
+            return fail_all(f"initiator {side}: {type(e).__name__}: {e}")
+        for index, cell in enumerate(cells):
+            record = run_cell(peer, transport, cell, src, dst, args.cell_ms, initiator.prepare,
+                              args.flip_destination_byte, seed=index + 1)
+            emit(out, record)
+            failed += record["error"] is not None
+            log(f"cell {cell.block_bytes}x{cell.blocks}: {record['transfers']} transfers, "
+                f"{record['gbps']:.3f} GB/s, p50 {record['p50_ms']:.4f} ms, error {record['error']}")
+    finally:
+        if initiator is not None:
+            initiator.close()
+        try:
+            conn.send("stop")
+        except OSError:
+            pass
+        target.join(TARGET_STOP_WAIT_S)
+        if target.is_alive():
+            log(f"target did not stop within {TARGET_STOP_WAIT_S} s; killing it")
+            target.kill()
+            target.join()
+        if target.exitcode not in (0, None):
+            log(f"target exited with {target.exitcode}")
+    return 1 if failed else 0
