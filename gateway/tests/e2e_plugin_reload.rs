@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Rooms in flight at once (one engine slot each).
-const WORKERS: u64 = 128;
+const WORKERS: u64 = 256;
 /// A retired generation must be closed within this (it holds only rooms of a few ms each).
 const DRAIN_WAIT: Duration = Duration::from_secs(60);
 const RELOAD_TIMEOUT: Duration = Duration::from_secs(40);
@@ -152,6 +152,18 @@ fn open_descriptors(gateway: &GatewayProcess) -> usize {
     std::fs::read_dir(format!("/proc/{}/fd", gateway.pid().unwrap())).map_or(0, |d| d.count())
 }
 
+/// Bytes of the files under `dir` (the engines' pools) that `gateway` has mapped: each plugin
+/// instance maps the pools it moves bytes in or out of, so a closed generation must unmap its own.
+/// (The plugin libraries in `dir` are left out: a library, once loaded, stays mapped.)
+fn mapped_pool_bytes(gateway: &GatewayProcess, dir: &Path) -> u64 {
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", gateway.pid().unwrap())).unwrap_or_default();
+    let dir = dir.display().to_string();
+    maps.lines()
+        .filter(|l| l.split_whitespace().nth(5).is_some_and(|path| path.starts_with(&dir) && !path.ends_with(".so")))
+        .filter_map(|l| l.split_whitespace().next()?.split_once('-').and_then(|(a, b)| Some(u64::from_str_radix(b, 16).ok()? - u64::from_str_radix(a, 16).ok()?)))
+        .sum()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_room() {
     let _serial = serial().await;
@@ -170,6 +182,8 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
     let traffic = Traffic::start(prefill.clone(), decode.clone(), shape);
     traffic.run_for(WORKERS).await;
     let descriptors_before = (open_descriptors(&pair.prefill), open_descriptors(&pair.decode));
+    let mapped_before = (mapped_pool_bytes(&pair.prefill, dir.path()), mapped_pool_bytes(&pair.decode, dir.path()));
+    assert!(mapped_before.0 > 0 && mapped_before.1 > 0, "the gateways map the engines' pools: {mapped_before:?}");
 
     let library = toml::Value::String(copy.display().to_string());
     // 1. shm to a copy of its own library.
@@ -230,6 +244,10 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
     let descriptors_after = (open_descriptors(&pair.prefill), open_descriptors(&pair.decode));
     eprintln!("descriptors (prefill, decode): {descriptors_before:?} -> {descriptors_after:?}");
     assert!(descriptors_after.0 <= descriptors_before.0 + 2 && descriptors_after.1 <= descriptors_before.1 + 2, "{descriptors_before:?} -> {descriptors_after:?}");
+    // And their mappings of the pools: the one active generation maps what the first one did.
+    let mapped_after = (mapped_pool_bytes(&pair.prefill, dir.path()), mapped_pool_bytes(&pair.decode, dir.path()));
+    eprintln!("pool bytes mapped (prefill, decode): {mapped_before:?} -> {mapped_after:?}");
+    assert!(mapped_after.0 <= mapped_before.0 && mapped_after.1 <= mapped_before.1, "{mapped_before:?} -> {mapped_after:?}");
     pair.stop();
 }
 
