@@ -18,9 +18,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from peer_common import (  # noqa: E402
-    drive_cells,
-    Cell, Pool, PreparedCell, TransferFailed, cell_record, common_arguments, emit, json_stdout, log,
-    parse_cells,
+    drive_cells, start_runner,
+    Cell, Pool, PreparedCell, TransferFailed, common_arguments, log,
 )
 
 PEER = "mooncake"
@@ -100,24 +99,11 @@ def main() -> int:
     parser = common_arguments(PEER, TRANSPORTS)
     parser.add_argument("--allow-host-network", action="store_true",
                         help="run even where interfaces other than loopback exist (the engines then listen on them)")
-    args = parser.parse_args()
-    try:
-        cells = parse_cells(args.cells)
-    except ValueError as e:
-        parser.error(str(e))
-    out = json_stdout()
-    transport = args.transport
-
-    def fail_all(reason: str) -> int:
-        log(f"error: {reason}")
-        for cell in cells:
-            emit(out, cell_record(PEER, transport, cell, error=reason))
-        return 1
-
-    if args.report_unavailable:
-        return fail_all(args.report_unavailable)
-    if transport not in TRANSPORTS:
-        return fail_all(f"transport {transport!r} not supported by this runner (one of {', '.join(TRANSPORTS)})")
+    runner = start_runner(parser, PEER)
+    args, cells, out, transport, fail_all = runner.args, runner.cells, runner.out, runner.transport, runner.fail_all
+    refused = runner.refusal(TRANSPORTS)
+    if refused is not None:
+        return fail_all(refused)
     others = [name for name in network_interfaces() if name != "lo"]
     if others and not args.allow_host_network:
         return fail_all(f"not in a private network namespace (interfaces {', '.join(others)}): Mooncake's listeners "

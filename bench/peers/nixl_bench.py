@@ -17,9 +17,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from peer_common import (  # noqa: E402
-    drive_cells,
-    Cell, Pool, PreparedCell, TransferFailed, cell_record, common_arguments, emit, json_stdout, log,
-    parse_cells,
+    drive_cells, start_runner,
+    Cell, Pool, PreparedCell, TransferFailed, common_arguments, log,
 )
 
 PEER = "nixl"
@@ -105,24 +104,11 @@ class Initiator:
 
 def main() -> int:
     parser = common_arguments(PEER, list(TRANSPORT_ENVIRONMENT))
-    args = parser.parse_args()
-    try:
-        cells = parse_cells(args.cells)
-    except ValueError as e:
-        parser.error(str(e))
-    out = json_stdout()
-    transport = args.transport
-
-    def fail_all(reason: str) -> int:
-        log(f"error: {reason}")
-        for cell in cells:
-            emit(out, cell_record(PEER, transport, cell, error=reason))
-        return 1
-
-    if args.report_unavailable:
-        return fail_all(args.report_unavailable)
-    if transport not in TRANSPORT_ENVIRONMENT:
-        return fail_all(f"transport {transport!r} not supported by this runner (one of {', '.join(TRANSPORT_ENVIRONMENT)})")
+    runner = start_runner(parser, PEER)
+    args, cells, out, transport, fail_all = runner.args, runner.cells, runner.out, runner.transport, runner.fail_all
+    refused = runner.refusal(list(TRANSPORT_ENVIRONMENT))
+    if refused is not None:
+        return fail_all(refused)
     os.environ.update(TRANSPORT_ENVIRONMENT[transport])
     # UCX's InfiniBand module, loaded on a host without InfiniBand, crashes the process at exit.
     os.environ.setdefault("UCX_MODULES", "^ib")

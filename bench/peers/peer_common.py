@@ -104,6 +104,44 @@ def common_arguments(peer: str, transports: list[str]) -> argparse.ArgumentParse
     return parser
 
 
+@dataclass
+class Runner:
+    """A runner's parsed command line, its cells and its JSON output, and how it fails them all."""
+    args: argparse.Namespace
+    cells: list[Cell]
+    out: TextIO
+    peer: str
+
+    @property
+    def transport(self) -> str:
+        return str(self.args.transport)
+
+    def fail_all(self, reason: str) -> int:
+        """Every cell reported with `reason` as its error; the runner's exit code."""
+        log(f"error: {reason}")
+        for cell in self.cells:
+            emit(self.out, cell_record(self.peer, self.transport, cell, error=reason))
+        return 1
+
+    def refusal(self, transports: list[str]) -> Optional[str]:
+        """Why nothing may run: `--report-unavailable`, or a transport this runner lacks."""
+        if self.args.report_unavailable:
+            return str(self.args.report_unavailable)
+        if self.transport not in transports:
+            return f"transport {self.transport!r} not supported by this runner (one of {', '.join(transports)})"
+        return None
+
+
+def start_runner(parser: argparse.ArgumentParser, peer: str) -> Runner:
+    """Parse the command line (a bad `--cells` exits 2 with the reason) and open the JSON output."""
+    args = parser.parse_args()
+    try:
+        cells = parse_cells(args.cells)
+    except ValueError as e:
+        parser.error(str(e))
+    return Runner(args, cells, json_stdout(), peer)
+
+
 def json_stdout() -> TextIO:
     """The real stdout, for the JSON lines only; fd 1 then points at stderr, so that whatever the
     native libraries print cannot land between the JSON lines."""

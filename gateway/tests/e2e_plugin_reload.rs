@@ -42,18 +42,6 @@ async fn plugins_view(gateway: &GatewayProcess) -> serde_json::Value {
     serde_json::from_str(&body).unwrap()
 }
 
-/// (wire name, state, closed reason) of every plugin instance of `gateway`.
-async fn instances(gateway: &GatewayProcess) -> Vec<(String, String, String)> {
-    let view = plugins_view(gateway).await;
-    view["plugins"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["generation"].as_u64().unwrap_or(0) > 0)
-        .map(|p| (p["wire_name"].as_str().unwrap().to_string(), p["state"].as_str().unwrap().to_string(), p["reason"].as_str().unwrap().to_string()))
-        .collect()
-}
-
 /// Reload both gateways with `plugins`; each must open `opened` and retire `retired`, and the
 /// retired instances must then drain and close on both.
 async fn reload_both(pair: &GatewayPair, plugins: &str, opened: &str, retired: &str) {
@@ -69,11 +57,11 @@ async fn reload_both(pair: &GatewayPair, plugins: &str, opened: &str, retired: &
         eventually(
             DRAIN_WAIT,
             &what,
-            || async { instances(gateway).await.iter().any(|(w, s, _)| w == retired && s == "closed") },
+            || async { plugin_instances(&gateway.admin).await.iter().any(|(w, s, _)| w == retired && s == "closed") },
             &|| gateway.log(),
         )
         .await;
-        let all = instances(gateway).await;
+        let all = plugin_instances(&gateway.admin).await;
         let old = all.iter().find(|(w, _, _)| w == retired).unwrap();
         assert_eq!(old.2, "drained", "{}: closed because it drained, not by its timeout: {all:?}", gateway.name);
         assert!(all.iter().any(|(w, s, _)| w == opened && s == "active"), "{}: {all:?}", gateway.name);
@@ -210,7 +198,7 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
     assert_eq!(view["last_reload"]["error"].as_str(), Some(error), "{view}");
     assert!(plain_log(&pair.prefill.log()).contains("plugin reload refused"), "the log says why");
     traffic.run_for(WORKERS).await;
-    let active: Vec<String> = instances(&pair.prefill).await.into_iter().filter(|(_, s, _)| s == "active").map(|(w, _, _)| w).collect();
+    let active: Vec<String> = plugin_instances(&pair.prefill.admin).await.into_iter().filter(|(_, s, _)| s == "active").map(|(w, _, _)| w).collect();
     assert_eq!(active, ["shm@4"]);
 
     let (rooms, failures) = traffic.stop().await;
@@ -267,7 +255,7 @@ async fn refused(gateway: &GatewayProcess, plugins: &str, needles: &[&str], acti
         assert!(error.contains(needle), "{needle:?} not in {error}");
     }
     assert_eq!(plugins_view(gateway).await["last_reload"]["error"].as_str(), Some(error.as_str()));
-    let all = instances(gateway).await;
+    let all = plugin_instances(&gateway.admin).await;
     let open: Vec<&(String, String, String)> = all.iter().filter(|(_, s, _)| s != "closed").collect();
     assert_eq!(open.len(), 1, "{all:?}");
     assert_eq!((open[0].0.as_str(), open[0].1.as_str()), (active, "active"), "{all:?}");
@@ -328,7 +316,7 @@ async fn a_reload_that_cannot_be_applied_changes_nothing_and_says_why() {
     // SIGHUP reloads too.
     rewrite_plugins(&gateway.config_path, &format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 2\n[plugins.config.shm]\nworkers = 3\n"));
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(gateway.pid().unwrap()), nix::sys::signal::Signal::SIGHUP).unwrap();
-    eventually(Duration::from_secs(20), "SIGHUP opens shm@4", || async { instances(gateway).await.iter().any(|(w, s, _)| w == "shm@4" && s == "active") }, &|| gateway.log()).await;
+    eventually(Duration::from_secs(20), "SIGHUP opens shm@4", || async { plugin_instances(&gateway.admin).await.iter().any(|(w, s, _)| w == "shm@4" && s == "active") }, &|| gateway.log()).await;
     let r = run(3).await.unwrap();
     assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "{r:?}");
     pair.stop();

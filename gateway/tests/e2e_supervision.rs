@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use kvgate::demo::engine::run_room;
-use kvgate::demo::gateways::{GatewayPair, GatewayProcess, PairSettings};
+use kvgate::demo::gateways::{GatewayPair, PairSettings};
 use kvgate::demo::pool::KvShape;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -15,18 +15,6 @@ use std::time::Duration;
 fn dying_library() -> PathBuf {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     kvgate_host::artifacts::built_or_build_cdylib("kvgate-gateway-fixture-dying-plugin", "kvgate_fixture_dying_plugin", &workspace).unwrap_or_else(|e| panic!("{e}"))
-}
-
-async fn instances(gateway: &GatewayProcess) -> Vec<(String, String, String)> {
-    let (_, body) = kvgate::demo::http::get(&gateway.admin, "/plugins").await.unwrap();
-    let view: serde_json::Value = serde_json::from_str(&body).unwrap();
-    view["plugins"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["generation"].as_u64().unwrap_or(0) > 0)
-        .map(|p| (p["wire_name"].as_str().unwrap().to_string(), p["state"].as_str().unwrap().to_string(), p["reason"].as_str().unwrap().to_string()))
-        .collect()
 }
 
 /// The room failed with a reason on both sides, or ended (failed) before its later chunks were sent.
@@ -67,7 +55,7 @@ async fn a_dead_worker_fails_its_room_is_restarted_and_stays_down_past_the_limit
         Duration::from_secs(20),
         "dying-shm restarted as dying-shm@2",
         || async {
-            let all = instances(gateway).await;
+            let all = plugin_instances(&gateway.admin).await;
             all.iter().any(|(w, s, _)| w == "dying-shm@2" && s == "active") && all.iter().any(|(w, s, r)| w == "dying-shm" && s == "closed" && r == "restarted")
         },
         &|| gateway.log(),
@@ -92,6 +80,6 @@ async fn a_dead_worker_fails_its_room_is_restarted_and_stays_down_past_the_limit
     )
     .await;
     assert!(plain_log(&gateway.log()).contains("plugin_restart_limit"), "logged with its reason");
-    assert!(!instances(gateway).await.iter().any(|(w, _, _)| w == "dying-shm@3"), "not restarted past the limit");
+    assert!(!plugin_instances(&gateway.admin).await.iter().any(|(w, _, _)| w == "dying-shm@3"), "not restarted past the limit");
     pair.stop();
 }

@@ -90,6 +90,20 @@ pub async fn peers(admin: &str) -> Vec<serde_json::Value> {
     value["peers"].as_array().cloned().unwrap_or_default()
 }
 
+/// (wire name, state, closed reason) of every plugin instance `/plugins` lists on `admin`.
+pub async fn plugin_instances(admin: &str) -> Vec<(String, String, String)> {
+    let (code, body) = http::get(admin, "/plugins").await.unwrap();
+    assert_eq!(code, 200, "{body}");
+    let view: serde_json::Value = serde_json::from_str(&body).unwrap();
+    view["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["generation"].as_u64().unwrap_or(0) > 0)
+        .map(|p| (p["wire_name"].as_str().unwrap().to_string(), p["state"].as_str().unwrap().to_string(), p["reason"].as_str().unwrap().to_string()))
+        .collect()
+}
+
 /// Polls `check` every 50 ms until it holds; fails with `what` and `context()` after `within`.
 pub async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F, context: &dyn Fn() -> String)
 where
