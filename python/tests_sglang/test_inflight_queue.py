@@ -59,7 +59,11 @@ def test_decode_abort_before_the_prefill_side_registered_the_room(shared: tuple[
     # The prefill gateway learnt of the abort first (its Send is refused: `room_terminal`), or after
     # the Send (the room fails `aborted_by_peer`).
     assert any("bootstrap_room=301" in line and ("aborted_by_peer" in line or "room_terminal" in line) for line in logged), logged
-    assert any("bootstrap_room=300" in line and "aborted" in line for line in logged), logged
+    # Room 300 had both messages: SGLang's abort (`aborted`), or kvgate's, which may reach the prefill
+    # gateway before its Send (`room_terminal`) or after it (`aborted_by_peer`).
+    assert any(
+        "bootstrap_room=300" in line and ("aborted" in line or "room_terminal" in line) for line in logged
+    ), logged
 
 
 @pytest.mark.parametrize("plugin", ["quic", "shm"])
