@@ -239,9 +239,16 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
     pair.stop();
 }
 
-fn mutant_unavailable_library() -> PathBuf {
+/// The conformance mutants' library; with `KVGATE_MUTANT=unavailable` in a gateway's environment it
+/// is the plugin that reports unavailable everywhere.
+fn mutant_library() -> PathBuf {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    kvgate_host::artifacts::built_or_build_cdylib("kvgate-mutant-unavailable", "kvgate_mutant_unavailable", &workspace).unwrap_or_else(|e| panic!("{e}"))
+    kvgate_host::artifacts::built_or_build_cdylib("kvgate-mutants", "kvgate_mutants", &workspace).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn with_mutant(defect: &str) -> PairSettings {
+    let env = vec![("KVGATE_MUTANT".to_string(), defect.to_string())];
+    PairSettings { env_prefill: env.clone(), env_decode: env, ..PairSettings::default() }
 }
 
 /// Reload `gateway` with `plugins`; it must be refused with an error containing every `needle`,
@@ -269,8 +276,8 @@ async fn a_reload_that_cannot_be_applied_changes_nothing_and_says_why() {
     let copy = dir.path().join("libkvgate_shm-next.so");
     std::fs::copy(shm_library(), &copy).unwrap();
     let copy = toml::Value::String(copy.display().to_string());
-    let unavailable = toml::Value::String(mutant_unavailable_library().display().to_string());
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
+    let unavailable = toml::Value::String(mutant_library().display().to_string());
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &with_mutant("unavailable")).await.unwrap();
     let shape = KvShape::llama_8b_like(2, 2);
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 1).await;
     let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 1).await;

@@ -137,7 +137,7 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     pair.stop();
 }
 
-/// A plugin that reports every success twice (the `double_success` conformance mutant, as a `.so`),
+/// A plugin that reports every success twice (the `double-success` conformance mutant, as a `.so`),
 /// one transfer a room: the core does not take the plugin's word. A duplicate that arrives while the
 /// room is live fails it `plugin_protocol_violation`; one that arrives after it settled is only
 /// counted. Either way every room ends, every duplicate is counted, and the log carries at most one
@@ -147,8 +147,16 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
 async fn duplicate_events_are_counted_each_and_logged_in_bounded_lines() {
     let _serial = serial().await;
     let dir = work_dir();
-    let library = plugin_library("kvgate-mutant-double-success", "kvgate_mutant_double_success");
-    let settings = PairSettings { plugin: "mutant-double-success".into(), plugin_libraries: vec![library], ..PairSettings::default() };
+    // The conformance mutants' library, with the `double-success` defect.
+    let library = plugin_library("kvgate-mutants", "kvgate_mutants");
+    let env = vec![("KVGATE_MUTANT".to_string(), "double-success".to_string())];
+    let settings = PairSettings {
+        plugin: "mutant-double-success".into(),
+        plugin_libraries: vec![library],
+        env_prefill: env.clone(),
+        env_decode: env,
+        ..PairSettings::default()
+    };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let shape = KvShape { parts: 1, chunks: 1, ..small_shape() };
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 2).await;

@@ -63,8 +63,25 @@ pub fn run_harness(plugin: &str, extra: &[&str], plugin_config: &str) -> Run {
 
 /// [`run_harness`] with the seed given.
 pub fn run_harness_with_seed(plugin: &str, seed: u64, extra: &[&str], plugin_config: &str) -> Run {
+    run_harness_in(plugin, seed, extra, plugin_config, &[])
+}
+
+/// The harness on the mutant library with `defect` (a row of `kvgate_mutant_base::DEFECTS`) switched on.
+pub fn run_mutant(defect: &str, extra: &[&str], plugin_config: &str) -> Run {
+    run_mutant_with_seed(defect, TEST_SEED, extra, plugin_config)
+}
+
+/// [`run_mutant`] with the seed given.
+pub fn run_mutant_with_seed(defect: &str, seed: u64, extra: &[&str], plugin_config: &str) -> Run {
+    assert!(kvgate_mutant_base::defect(defect).is_some(), "no defect named {defect:?} in kvgate_mutant_base::DEFECTS");
+    let library = mutant_library("kvgate-mutants");
+    run_harness_in(&library.to_string_lossy(), seed, extra, plugin_config, &[(kvgate_mutant_base::DEFECT_ENV, defect)])
+}
+
+/// The harness process with `env` set (the peer processes it starts inherit it).
+fn run_harness_in(plugin: &str, seed: u64, extra: &[&str], plugin_config: &str, env: &[(&str, &str)]) -> Run {
     let _one = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("kvgate-conformance-test-{}-{}", std::process::id(), plugin.replace(['/', ':', '.'], "_")));
+    let dir = std::env::temp_dir().join(format!("kvgate-conformance-test-{}-{}{}", std::process::id(), plugin.replace(['/', ':', '.'], "_"), env.iter().map(|(_, v)| format!("-{v}")).collect::<String>()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("report.json");
     let junit = dir.join("report.xml");
@@ -79,6 +96,7 @@ pub fn run_harness_with_seed(plugin: &str, seed: u64, extra: &[&str], plugin_con
         .arg("--junit")
         .arg(&junit)
         .args(extra)
+        .envs(env.iter().copied())
         .output()
         .expect("harness binary runs");
     let seconds = started.elapsed().as_secs_f64();

@@ -9,6 +9,7 @@
 //! them into its region when the sender commits, then acknowledges. A fault proxy can stand between
 //! the two, so the network clauses (TIME-12, DATA-7) apply to it.
 
+pub mod defects;
 mod link;
 mod plugin;
 mod udp_rx;
@@ -17,6 +18,7 @@ mod udp_wire;
 mod wire;
 mod worker;
 
+pub use defects::{defect, Defect, DEFECTS, DEFECT_ENV};
 pub use plugin::RefPlugin;
 
 use kvgate_abi::sdk::Sink;
@@ -119,6 +121,49 @@ pub struct Faults {
     pub udp: bool,
     /// Pacing of the copy, per segment, unless the config sets `segment_delay_us`.
     pub default_segment_delay_us: u64,
+}
+
+impl Faults {
+    /// Every switch off: the faithful plugin (equal to `Faults::default()`, usable in a `const`).
+    pub const NONE: Faults = Faults {
+        ignore_cancel_while_waiting_for_ticket: false,
+        no_deadline_while_waiting_for_ack: false,
+        blocking_send_in_submit: false,
+        double_success: false,
+        leak_on_cancel: false,
+        write_after_cancel: false,
+        succeed_before_last_segment: false,
+        skip_segment_range_checks: false,
+        accept_any_memory_kind: false,
+        reasonless_failures: false,
+        panic_on_offset_overflow: false,
+        unavailable: false,
+        stale_live_transfers: false,
+        ignore_config_errors: false,
+        accept_any_endpoint: false,
+        shutdown_without_terminal_events: false,
+        drop_cancels_when_busy: false,
+        copy_first_segments_only: false,
+        coarse_deadline_while_waiting_for_ticket: false,
+        no_deadline_during_copy: false,
+        cancel_left_to_ack: false,
+        deregister_succeeds_partial_copy: false,
+        fail_unknown_cancels: false,
+        disconnect_keeps_transfers: false,
+        unchecked_payloads: false,
+        no_deadline_while_waiting_for_window: false,
+        never_acknowledge: false,
+        abort_after_stall: false,
+        lose_some_successes: false,
+        progress_events: false,
+        progress_per_segment: false,
+        quiesce_before_copy_stops: false,
+        ignore_cancel_mid_copy: false,
+        cancel_queued_when_busy: false,
+        copy_bytes_per_ms: 0,
+        udp: false,
+        default_segment_delay_us: 0,
+    };
 }
 
 /// Live transfers past which `drop_cancels_when_busy` drops a cancel.
