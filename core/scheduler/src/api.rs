@@ -398,6 +398,24 @@ pub enum Command {
     ToPeer { peer: PeerId, message: PeerMessage },
     /// Tell the engine(s) of the room.
     ToEngine(RoomEvent),
+    /// A plugin broke its contract (already counted in `Metrics::violations`): for the driver's log.
+    Violation(Violation),
+}
+
+/// A plugin contract violation the core counted, with where it came from: the plugin instance,
+/// the event (none for one found on a timer: `plugin_silent`), the transfer id or ticket it named
+/// and the room that id belongs to, when the core knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Violation {
+    pub clause: crate::metrics::ViolationClause,
+    pub plugin: Option<PluginSlot>,
+    /// The event's kind (`EventKind::as_str`); `None` for a violation found on a timer.
+    pub event: Option<&'static str>,
+    pub xfer: u64,
+    pub room: Option<(RoomKey, Role)>,
+    /// How many violations this one report stands for (several transfers of one room forced
+    /// silent at once; otherwise 1).
+    pub count: u32,
 }
 
 /// The lifecycle state of a room.
@@ -662,14 +680,27 @@ impl ReleaseCause {
 /// one `Reusable` (at once after success or when nothing was in flight).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RoomEvent {
-    /// The room entered a non-terminal state.
-    StateChanged { room: RoomKey, role: Role, state: RoomState },
+    /// The room entered a non-terminal state: from `from`, or, `None`, as the room opened here at
+    /// `opened_at`. `plugin`: the instance carrying the room, once bound to a peer.
+    StateChanged { room: RoomKey, role: Role, state: RoomState, from: Option<RoomState>, opened_at: Nanos, plugin: Option<PluginSlot> },
     /// One part succeeded (receiver: the sender's `PartDone`; sender: its last chunk succeeded).
     PartSucceeded { room: RoomKey, role: Role, part: u32, bytes: u64 },
-    /// The room's outcome, `elapsed` since the room was created here.
-    Terminal { room: RoomKey, role: Role, outcome: Outcome, elapsed: Nanos },
+    /// The room's outcome, `elapsed` since the room was created here; what the log and the
+    /// metrics report of it: `bytes` landed, the peer (`PeerId.0`) and plugin instance it was bound to, and how
+    /// long it spent `transferring` (`None`: it never started moving bytes).
+    Terminal {
+        room: RoomKey,
+        role: Role,
+        outcome: Outcome,
+        elapsed: Nanos,
+        bytes: u64,
+        peer: Option<u64>,
+        plugin: Option<PluginSlot>,
+        transferring: Option<Nanos>,
+    },
     /// No byte can land in (receiver) or be read from (sender) the room's memory any more.
-    Reusable { room: RoomKey, role: Role, cause: ReleaseCause },
+    /// `plugin`: the instance that carried the room, if it was bound to a peer.
+    Reusable { room: RoomKey, role: Role, cause: ReleaseCause, plugin: Option<PluginSlot> },
 }
 
 impl RoomEvent {
@@ -707,17 +738,6 @@ pub enum LastEvent {
     Aborted,
     Quiesced,
     TimerFired,
-}
-
-/// A transfer the core forced failed because its plugin sent no terminal event within the plugin
-/// grace (`FailReason::PluginSilent`, counted as a `plugin_silent` contract violation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SilentTransfer {
-    pub xfer: XferId,
-    pub room: RoomKey,
-    pub role: Role,
-    /// The plugin instance the room used; `None` if it had not bound a peer.
-    pub plugin: Option<PluginSlot>,
 }
 
 /// A room as the admin view shows it.

@@ -334,6 +334,8 @@ impl Sim {
                 self.schedule(delay, Action::Plugin { node, event });
             }
             Command::ExpectIncoming { .. } => {}
+            // Counted in the metrics, which the run checks.
+            Command::Violation(_) => {}
             Command::CancelIncoming { peer, ticket, .. } => {
                 if self.rng.chance(500_000) {
                     let delay = self.rng.below(5 * TICK);

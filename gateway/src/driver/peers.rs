@@ -5,7 +5,7 @@
 //! without blocking (`PeerSender::send`).
 
 use super::Driver;
-use crate::peer_link::{codec, PeerEvent, PeerSender, SessionId};
+use crate::peer_link::{codec, LinkEnd, PeerEvent, PeerSender, SessionId};
 use kvgate_abi::{PeerId, RemoteKey};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use crate::metrics::GatewayMetrics;
@@ -195,10 +195,10 @@ impl Driver {
         match event {
             PeerEvent::Up { name, session, hello, sender } => self.peer_up(name, session, hello, sender),
             PeerEvent::Frame { session, frame } => self.peer_frame(session, frame),
-            PeerEvent::Lost { name, session, reason, detail } => {
-                let cause = match reason {
-                    "peer_restarted" => PeerLoss::Restarted,
-                    _ if detail.starts_with("no frame for") => PeerLoss::HeartbeatTimeout,
+            PeerEvent::Lost { name, session, end } => {
+                let cause = match end {
+                    LinkEnd::Restarted => PeerLoss::Restarted,
+                    LinkEnd::HeartbeatTimeout => PeerLoss::HeartbeatTimeout,
                     _ => PeerLoss::LinkClosed,
                 };
                 self.peer_lost(&name, session, cause);

@@ -89,8 +89,9 @@ impl Driver {
             let age_ms = self.stuck.ages_ms[level];
             let (mut found, mut unnamed) = (0u64, 0u64);
             while let Some((first_seen, room, role)) = self.stuck.pop_due(level, now) {
-                let same_room = self.room_clock.get(&(room, role)).is_some_and(|c| c.first_seen == first_seen);
-                let Some(view) = self.core.room(now, room, role).filter(|v| same_room && !v.state.is_terminal()) else { continue };
+                // The room opened at `first_seen`, not a later one under the same key.
+                let same_room = |age: kvgate_core::Nanos| now.saturating_sub(age) == first_seen;
+                let Some(view) = self.core.room(now, room, role).filter(|v| same_room(v.age) && !v.state.is_terminal()) else { continue };
                 found += 1;
                 if self.stuck.lines.take() {
                     let peer = view.peer.and_then(|p| self.peers.name_of(p)).unwrap_or("-");

@@ -14,7 +14,7 @@ mod tls;
 
 pub use directory::{PeerDirectory, PeerSource, Upsert};
 pub use server::PeerLinkService;
-pub use session::{PeerEvent, PeerSender, SessionId};
+pub use session::{LinkEnd, PeerEvent, PeerSender, SessionId};
 
 use crate::config::{GatewayConfig, PeerAuthMode, PeerEntry};
 use kvgate_client::proto::{self, PeerFrame};

@@ -28,8 +28,39 @@ pub enum PeerEvent {
     Up { name: String, session: SessionId, hello: proto::Hello, sender: PeerSender },
     /// A frame (not a heartbeat) from a live session, in order.
     Frame { session: SessionId, frame: Frame },
-    /// The session ended (`reason` is a reason code: `peer_lost`, `peer_restarted`, ...).
-    Lost { name: String, session: SessionId, reason: &'static str, detail: String },
+    /// The session ended, and why (the session task logged the details).
+    Lost { name: String, session: SessionId, end: LinkEnd },
+}
+
+/// Why a session ended, known where it ended; `reason` is the reason code logged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkEnd {
+    /// A frame failed its MAC (`peer_auth_failed`).
+    AuthFailed,
+    /// A frame broke the link protocol (`protocol_violation`).
+    ProtocolViolation,
+    /// The peer closed the link, the stream failed, or the send queue overflowed or closed (`peer_lost`).
+    Closed,
+    /// No frame within `heartbeat_interval_ms * heartbeat_misses` (`peer_lost`).
+    HeartbeatTimeout,
+    /// The same peer process dialled a new link (`peer_lost`).
+    Replaced,
+    /// The peer dialled a new link with a new incarnation (`peer_restarted`).
+    Restarted,
+    /// This gateway is stopping (`shutdown`).
+    Shutdown,
+}
+
+impl LinkEnd {
+    pub fn reason(self) -> &'static str {
+        match self {
+            LinkEnd::AuthFailed => "peer_auth_failed",
+            LinkEnd::ProtocolViolation => "protocol_violation",
+            LinkEnd::Closed | LinkEnd::HeartbeatTimeout | LinkEnd::Replaced => "peer_lost",
+            LinkEnd::Restarted => "peer_restarted",
+            LinkEnd::Shutdown => "shutdown",
+        }
+    }
 }
 
 /// Sends frames to one session. `send` never waits: a full queue (the peer stopped reading) or a
@@ -191,7 +222,7 @@ impl PeerTask {
         let catch_up = Duration::from_millis(self.config.driver.stall_catch_up_ms);
         let mut joining = super::lanes::Reassembly::new(self.config.peer_link.max_frame_bytes);
         let mut replacement = None;
-        let (reason, detail): (&'static str, String) = loop {
+        let (end, detail): (LinkEnd, String) = loop {
             // Frames already received go first: after a stall of this process, the peer's frames
             // waiting in the socket are read before its silence is judged.
             tokio::select! {
@@ -200,7 +231,7 @@ impl PeerTask {
                     Some(opener) => opener.open(frame),
                     None => Ok(frame),
                 })) {
-                    Ok(Some(Err(why))) => break ("peer_auth_failed", why),
+                    Ok(Some(Err(why))) => break (LinkEnd::AuthFailed, why),
                     Ok(Some(Ok(PeerFrame { frame: Some(frame), .. }))) => {
                         last_heard = Instant::now();
                         if matches!(frame, Frame::Heartbeat(_)) { continue; }
@@ -208,22 +239,22 @@ impl PeerTask {
                             Frame::Fragment(fragment) => match joining.push(fragment) {
                                 Ok(Some(whole)) => whole,
                                 Ok(None) => continue,
-                                Err(why) => break ("protocol_violation", why),
+                                Err(why) => break (LinkEnd::ProtocolViolation, why),
                             },
-                            _ if joining.pending_bytes() > 0 => break ("protocol_violation", "a frame between the fragments of another".into()),
+                            _ if joining.pending_bytes() > 0 => break (LinkEnd::ProtocolViolation, "a frame between the fragments of another".into()),
                             frame => frame,
                         };
-                        if let Frame::Hello(_) = frame { break ("protocol_violation", "a second hello on a live link".into()); }
+                        if let Frame::Hello(_) = frame { break (LinkEnd::ProtocolViolation, "a second hello on a live link".into()); }
                         if self.events.send(DriverInput::Peer(PeerEvent::Frame { session: id, frame })).await.is_err() { return None; }
                     }
                     Ok(Some(Ok(PeerFrame { frame: None, .. }))) => last_heard = Instant::now(),
-                    Ok(None) => break ("peer_lost", "the peer closed the link".into()),
-                    Err(status) => break ("peer_lost", format!("link error: {}", status.message())),
+                    Ok(None) => break (LinkEnd::Closed, "the peer closed the link".into()),
+                    Err(status) => break (LinkEnd::Closed, format!("link error: {}", status.message())),
                 },
                 _ = heartbeat.tick() => {
                     seq += 1;
                     if !sender.send(Frame::Heartbeat(proto::Heartbeat { seq })) {
-                        break ("peer_lost", sender.loss_detail().into());
+                        break (LinkEnd::Closed, sender.loss_detail().into());
                     }
                 }
                 _ = tokio::time::sleep_until(last_heard + silence_limit) => {
@@ -235,22 +266,22 @@ impl PeerTask {
                         last_heard = Instant::now() + catch_up - silence_limit;
                         continue;
                     }
-                    break ("peer_lost", format!("no frame for {} ms (heartbeat_interval_ms {} x heartbeat_misses {})",
+                    break (LinkEnd::HeartbeatTimeout, format!("no frame for {} ms (heartbeat_interval_ms {} x heartbeat_misses {})",
                         silence_limit.as_millis(), interval.as_millis(), self.config.peer_link.heartbeat_misses));
                 }
-                _ = failed.notify.notified() => break ("peer_lost", sender.loss_detail().into()),
+                _ = failed.notify.notified() => break (LinkEnd::Closed, sender.loss_detail().into()),
                 newer = self.incoming.recv() => match newer {
                     Some(s) => {
                         let restarted = s.hello.incarnation != session.hello.incarnation;
                         replacement = Some(s);
-                        break (if restarted { "peer_restarted" } else { "peer_lost" }, "the peer dialled a new link".into());
+                        break (if restarted { LinkEnd::Restarted } else { LinkEnd::Replaced }, "the peer dialled a new link".into());
                     }
-                    None => break ("shutdown", "gateway stopping".into()),
+                    None => break (LinkEnd::Shutdown, "gateway stopping".into()),
                 },
             }
         };
-        tracing::warn!(peer = %name, session = id, reason, "peer link lost: {detail}");
-        let _ = self.events.send(DriverInput::Peer(PeerEvent::Lost { name, session: id, reason, detail })).await;
+        tracing::warn!(peer = %name, session = id, reason = end.reason(), "peer link lost: {detail}");
+        let _ = self.events.send(DriverInput::Peer(PeerEvent::Lost { name, session: id, end })).await;
         replacement
     }
 }

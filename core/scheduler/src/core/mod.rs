@@ -105,9 +105,6 @@ pub struct Core {
     commands: VecDeque<Command>,
     /// Buffers kept for reuse (`recycle`).
     spares: Spares,
-    /// The latest transfer the plugin-grace timer forced failed (`plugin_silent`): found on a timer,
-    /// not from a plugin event, so the gateway's violation log asks here which room it was.
-    latest_silent: Option<SilentTransfer>,
 }
 
 impl Core {
@@ -124,7 +121,6 @@ impl Core {
             deadlines: Deadlines::default(),
             commands: VecDeque::new(),
             spares: Spares::default(),
-            latest_silent: None,
         })
     }
 
@@ -438,10 +434,10 @@ impl Core {
             self.link_peer(slot, peer);
         }
         let room = self.room_at(slot);
-        let (key, role, state, deadline) = (room.key, room.role, room.state, room.deadline);
+        let (key, role, state, deadline, plugin) = (room.key, room.role, room.state, room.deadline, room.plugin());
         self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
         self.arm(now, slot, TimerKind::Room, deadline);
-        self.push_engine(RoomEvent::StateChanged { room: key, role, state });
+        self.push_engine(RoomEvent::StateChanged { room: key, role, state, from: None, opened_at: now, plugin });
         slot
     }
 
@@ -450,7 +446,9 @@ impl Core {
     fn apply(&mut self, now: Nanos, slot: u32, input: RoomInput) -> Result<(), IllegalTransition> {
         if let Some(moved) = self.rooms.transition(now, slot, input, &mut self.metrics)? {
             if !moved.to.is_terminal() {
-                self.push_engine(RoomEvent::StateChanged { room: moved.key, role: moved.role, state: moved.to });
+                let room = self.room_at(slot);
+                let (opened_at, plugin) = (room.created, room.plugin());
+                self.push_engine(RoomEvent::StateChanged { room: moved.key, role: moved.role, state: moved.to, from: Some(moved.from), opened_at, plugin });
             }
         }
         Ok(())

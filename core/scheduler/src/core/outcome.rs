@@ -37,6 +37,7 @@ impl Core {
         plugin_reason: Option<u32>,
     ) {
         let phase = self.room_at(slot).state.phase();
+        let transferring = self.time_transferring(now, slot);
         if self.room_at(slot).state.is_terminal() {
             return;
         }
@@ -60,8 +61,10 @@ impl Core {
         let quiet = Self::nothing_in_flight(room);
         let bytes_total = room.bytes_total;
         let elapsed = now.saturating_sub(room.created);
+        let (bytes, plugin) = (room.bytes_done, room.plugin());
         self.metrics.pending_sends -= dropped_held;
-        self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Failed(failure), elapsed });
+        let outcome = Outcome::Failed(failure);
+        self.push_engine(RoomEvent::Terminal { room: key, role, outcome, elapsed, bytes, peer: peer.map(|p| p.0), plugin, transferring });
         self.commands.extend(commands);
         if outstanding_xfers {
             let current = self.timer_deadline(slot, TimerKind::PluginGrace);
@@ -135,8 +138,15 @@ impl Core {
         self.push_peer(peer, message);
     }
 
+    /// How long the room has been moving bytes (`None`: it is not in `Transferring`).
+    fn time_transferring(&self, now: Nanos, slot: u32) -> Option<Nanos> {
+        let room = self.room_at(slot);
+        (room.state == RoomState::Transferring).then(|| now.saturating_sub(room.state_entered))
+    }
+
     /// Every part succeeded.
     pub(super) fn succeed_room(&mut self, now: Nanos, slot: u32) {
+        let transferring = self.time_transferring(now, slot);
         if !self.step(now, slot, RoomInput::AllPartsDone) {
             return;
         }
@@ -146,8 +156,10 @@ impl Core {
         let room = self.rooms.get_mut(slot);
         let (key, role, peer) = (room.key, room.role, room.peer());
         let elapsed = now.saturating_sub(room.created);
-        self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed }));
-        self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight }));
+        let (bytes, plugin) = (room.bytes_done, room.plugin());
+        let outcome = Outcome::Succeeded;
+        self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome, elapsed, bytes, peer: peer.map(|p| p.0), plugin, transferring }));
+        self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight, plugin }));
         if let RoleData::Receiver { ticket_base, parts, .. } = &mut room.data {
             for (index, part) in parts.iter_mut().enumerate() {
                 if part.ticket.is_open() {
@@ -173,7 +185,7 @@ impl Core {
         self.disarm_all(slot, &[TimerKind::Quarantine, TimerKind::PluginGrace]);
         let room = self.room_mut(slot);
         let held = if std::mem::replace(&mut room.bytes_counted, BytesCounted::Nowhere) == BytesCounted::InQuarantine { room.bytes_total } else { 0 };
-        let (key, role, peer) = (room.key, room.role, room.peer());
+        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin());
         let failure = room.failure;
         if cause == ReleaseCause::Quiesced {
             room.touch(now, LastEvent::Quiesced);
@@ -182,7 +194,7 @@ impl Core {
         if cause == ReleaseCause::QuarantineTimeout {
             self.metrics.failures[FailReason::QuarantineTimeout.index()][Phase::Terminal.index()] += 1;
         }
-        self.push_engine(RoomEvent::Reusable { room: key, role, cause });
+        self.push_engine(RoomEvent::Reusable { room: key, role, cause, plugin });
         // A failed room's receiver waits for this word before reusing its memory. Also after the
         // peer's link was lost: the host delivers it once the same peer process is back on a new
         // link (or drops it if the peer restarted, which ended the receiver's rooms anyway).
@@ -226,12 +238,13 @@ impl Core {
         }
         room.in_flight -= forced;
         room.unquiesced += forced * forced_step.next.is_unquiesced() as u32;
-        if let Some(xfer) = last_forced {
-            let (room, role, plugin) = (room.key, room.role, room.plugin());
-            self.latest_silent = Some(SilentTransfer { xfer: XferId(xfer), room, role, plugin });
-        }
-        if let Verdict::Violation(clause) = forced_step.verdict {
+        let site = last_forced.map(|xfer| (xfer, room.key, room.role, room.plugin()));
+        if let (Verdict::Violation(clause), Some((xfer, key, role, plugin))) = (forced_step.verdict, site) {
+            // Found on a timer, not in a plugin event: the report names the room and its latest
+            // forced transfer.
             self.metrics.violations[clause.index()] += forced as u64;
+            let violation = Violation { clause, plugin, event: None, xfer, room: Some((key, role)), count: forced };
+            self.commands.push_back(Command::Violation(violation));
         }
         if !self.room_at(slot).state.is_terminal() {
             self.fail_room(now, slot, RoomInput::PluginGraceTimer, FailReason::PluginSilent, None, None);

@@ -56,25 +56,31 @@ fn ticket_input(event: &Event) -> TicketInput {
 }
 
 impl Core {
-    fn violation(&mut self, clause: ViolationClause) {
+    /// Count a violation by `plugin`'s `event` and report it (`Command::Violation`), naming the
+    /// room the event's transfer id or ticket belongs to.
+    fn violation(&mut self, clause: ViolationClause, plugin: PluginSlot, event: &Event) {
         self.metrics.violations[clause.index()] += 1;
+        let id = event.xfer.0;
+        let room = if event.is_incoming() { self.rooms.owner_of_ticket(id) } else { self.rooms.owner_of_transfer(id) };
+        let violation = Violation { clause, plugin: Some(plugin), event: Some(event.kind.as_str()), xfer: id, room, count: 1 };
+        self.commands.push_back(Command::Violation(violation));
     }
 
     /// Count what a table row says the input was.
-    fn count_verdict(&mut self, verdict: Verdict) {
+    fn count_verdict(&mut self, verdict: Verdict, plugin: PluginSlot, event: &Event) {
         match verdict {
             Verdict::Accepted => {}
             Verdict::Late => self.count_late(LateSource::Plugin),
-            Verdict::Violation(clause) => self.violation(clause),
+            Verdict::Violation(clause) => self.violation(clause, plugin, event),
         }
     }
 
     /// The plugin's reason code of a failure, if this side knows it (an unknown or missing one is a
     /// counted violation).
-    fn known_reason(&mut self, event: &Event) -> Option<u32> {
+    fn known_reason(&mut self, plugin: PluginSlot, event: &Event) -> Option<u32> {
         let known = event.reason.0 != 0 && event.reason.is_known();
         if !known {
-            self.violation(ViolationClause::UnknownReasonCode);
+            self.violation(ViolationClause::UnknownReasonCode, plugin, event);
         }
         known.then_some(event.reason.0)
     }
@@ -102,17 +108,18 @@ impl Core {
 
     /// The transfer an event names, if this core issued it to `plugin` and still knows it (an id
     /// issued and forgotten is late, one never issued or from another plugin a violation).
-    fn transfer_site(&mut self, plugin: PluginSlot, xfer: u64) -> Option<TransferSite> {
+    fn transfer_site(&mut self, plugin: PluginSlot, event: &Event) -> Option<TransferSite> {
+        let xfer = event.xfer.0;
         let Some(xref) = self.rooms.transfer(xfer) else {
             if self.rooms.transfer_issued(xfer) {
                 self.count_late(LateSource::Plugin);
             } else {
-                self.violation(ViolationClause::UnknownXfer);
+                self.violation(ViolationClause::UnknownXfer, plugin, event);
             }
             return None;
         };
         if xref.plugin != plugin {
-            self.violation(ViolationClause::WrongPlugin);
+            self.violation(ViolationClause::WrongPlugin, plugin, event);
             return None;
         }
         if xref.slot == TOMBSTONE_SLOT {
@@ -139,15 +146,15 @@ impl Core {
 
     /// An event about an outgoing transfer: its row in the transfer table, carried out.
     fn transfer_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
-        let Some(site) = self.transfer_site(plugin, event.xfer.0) else { return };
+        let Some(site) = self.transfer_site(plugin, event) else { return };
         let (state, bytes) = self.transfer_at(site);
         let input = transfer_input(event, bytes);
-        let reason = if event.kind == EventKind::FAILED { self.known_reason(event) } else { None };
+        let reason = if event.kind == EventKind::FAILED { self.known_reason(plugin, event) } else { None };
         let step = match transfer_transition(state, input) {
             Ok(step) => step,
             Err(illegal) => return self.count_refused_input(RefusedInput::Transfer(illegal)),
         };
-        self.count_verdict(step.verdict);
+        self.count_verdict(step.verdict, plugin, event);
         match site {
             TransferSite::Live { slot, part, chunk } => self.live_transfer_step(now, slot, part, chunk, bytes, state, step, reason),
             TransferSite::Settled { index, entry } => {
@@ -242,12 +249,13 @@ impl Core {
     /// The ticket an incoming event names, if this core issued it and still knows it and it is open
     /// on `plugin` (a ticket issued and forgotten is late, one never issued or on another plugin a
     /// violation).
-    fn ticket_site(&mut self, plugin: PluginSlot, ticket: u64) -> Option<TicketSite> {
+    fn ticket_site(&mut self, plugin: PluginSlot, event: &Event) -> Option<TicketSite> {
+        let ticket = event.xfer.0;
         let Some(tref) = self.rooms.ticket(ticket) else {
             if self.rooms.ticket_issued(ticket) {
                 self.count_late(LateSource::Plugin);
             } else {
-                self.violation(ViolationClause::UnknownTicket);
+                self.violation(ViolationClause::UnknownTicket, plugin, event);
             }
             return None;
         };
@@ -260,7 +268,7 @@ impl Core {
             (TicketSite::Live { slot: tref.slot, part: tref.part }, parts[tref.part as usize].plugin)
         };
         if on != plugin {
-            self.violation(ViolationClause::WrongPlugin);
+            self.violation(ViolationClause::WrongPlugin, plugin, event);
             return None;
         }
         Some(site)
@@ -268,7 +276,7 @@ impl Core {
 
     /// Receiver-side events about an incoming ticket: its row in the ticket table, carried out.
     fn ticket_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
-        let Some(site) = self.ticket_site(plugin, event.xfer.0) else { return };
+        let Some(site) = self.ticket_site(plugin, event) else { return };
         let state = match site {
             TicketSite::Live { slot, part } => {
                 let RoleData::Receiver { parts, .. } = &self.room_at(slot).data else { unreachable!() };
@@ -277,12 +285,12 @@ impl Core {
             TicketSite::Settled { index, entry } => self.rooms.record_at(index).ids[entry].ticket,
         };
         let input = ticket_input(event);
-        let reason = if input == TicketInput::IncomingFailed { self.known_reason(event) } else { None };
+        let reason = if input == TicketInput::IncomingFailed { self.known_reason(plugin, event) } else { None };
         let step = match ticket_transition(state, input) {
             Ok(step) => step,
             Err(illegal) => return self.count_refused_input(RefusedInput::Ticket(illegal)),
         };
-        self.count_verdict(step.verdict);
+        self.count_verdict(step.verdict, plugin, event);
         match site {
             TicketSite::Live { slot, part } => self.live_ticket_step(now, slot, part, step, reason),
             TicketSite::Settled { index, entry } => {

@@ -84,6 +84,7 @@ pub(super) enum Held<'a> {
 pub(super) struct Moved {
     pub key: RoomKey,
     pub role: Role,
+    pub from: RoomState,
     pub to: RoomState,
 }
 
@@ -334,7 +335,7 @@ impl RoomStore {
             }
             fifo.push_back((slot, epoch, now));
         }
-        Ok(Some(Moved { key, role, to }))
+        Ok(Some(Moved { key, role, from, to }))
     }
 
     // ----- transfer ids and tickets -----
@@ -393,6 +394,18 @@ impl RoomStore {
             return Some((record.key(), record.role));
         }
         let room = self.slots.get(xref.slot as usize)?.room.as_ref()?;
+        Some((room.key, room.role))
+    }
+
+    /// The room, and its role, that a ticket belongs to: live, quarantined, or settled while its
+    /// record is held.
+    pub fn owner_of_ticket(&self, ticket: u64) -> Option<(RoomKey, Role)> {
+        let tref = self.tickets.get(ticket)?;
+        if tref.slot == TOMBSTONE_SLOT {
+            let record = self.tombstones.get(self.record_index(tref.epoch))?;
+            return Some((record.key(), record.role));
+        }
+        let room = self.slots.get(tref.slot as usize)?.room.as_ref()?;
         Some((room.key, room.role))
     }
 

@@ -51,12 +51,6 @@ impl Core {
         self.rooms.owner_of_transfer(xfer.0)
     }
 
-    /// The latest transfer the core forced failed because its plugin stayed silent past the plugin
-    /// grace (counted as a `plugin_silent` violation), with its room: `None` before the first.
-    pub fn latest_silent_transfer(&self) -> Option<SilentTransfer> {
-        self.latest_silent
-    }
-
     /// Every room the core holds: live and quarantined rooms in slab order, then tombstones
     /// oldest first.
     pub fn rooms(&self, now: Nanos) -> impl Iterator<Item = RoomView> + '_ {

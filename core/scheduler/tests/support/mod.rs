@@ -42,6 +42,8 @@ pub struct Node {
     pub tickets_opened: Vec<Ticket>,
     pub tickets_cancelled: Vec<Ticket>,
     pub to_peer: Vec<PeerMessage>,
+    /// Plugin contract violations the core reported (`Command::Violation`).
+    pub violations: Vec<Violation>,
     pub memory: Vec<u8>,
 }
 
@@ -56,6 +58,7 @@ impl Node {
             tickets_opened: Vec::new(),
             tickets_cancelled: Vec::new(),
             to_peer: Vec::new(),
+            violations: Vec::new(),
             memory: vec![0; REGION_LEN as usize],
         }
     }
@@ -233,6 +236,7 @@ impl Pair {
     fn execute_decode(&mut self, command: Command) {
         match command {
             Command::ToEngine(event) => self.decode.events.push(event),
+            Command::Violation(violation) => self.decode.violations.push(violation),
             Command::ToPeer { peer, message } => {
                 self.decode.to_peer.push(message.clone());
                 if self.link_up && peer == PREFILL_ID {
@@ -254,6 +258,7 @@ impl Pair {
     fn execute_prefill(&mut self, command: Command) {
         match command {
             Command::ToEngine(event) => self.prefill.events.push(event),
+            Command::Violation(violation) => self.prefill.violations.push(violation),
             Command::ToPeer { peer, message } => {
                 assert_eq!(peer, DECODE_ID);
                 self.prefill.to_peer.push(message.clone());
