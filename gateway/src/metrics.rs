@@ -2,7 +2,7 @@
 //! text rendering that adds the core's plain-data `Metrics` and the room views of one snapshot.
 //! Never influences an outcome: a metric that cannot be recorded is simply not recorded.
 
-use crate::driver::AdminSnapshot;
+use crate::channels::AdminSnapshot;
 use kvgate_core::{FailReason, HarmlessAbort, LateSource, Nanos, Phase, RefusalReason, RoomState, ViolationClause};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -272,7 +272,7 @@ fn register_core(registry: &mut Registry, snapshot: &AdminSnapshot) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::driver::{AdminSnapshot, RoomJson};
+    use crate::channels::{AdminSnapshot, RoomJson};
 
     fn snapshot() -> AdminSnapshot {
         let mut metrics = kvgate_core::Metrics::default();

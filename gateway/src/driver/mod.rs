@@ -21,37 +21,19 @@ mod stuck;
 mod views;
 mod violations;
 
-pub use engine::{ApiError, EngineCall, ExpectCall, MemorySpec, Registered, Reply, SendCall};
-pub use views::{AdminSnapshot, PeerStatus, PluginStatus, RoomJson};
 
+use crate::channels::{DriverInput, PluginEventMsg, PluginStatus};
 use crate::config::GatewayConfig;
 use crate::metrics::GatewayMetrics;
 use crate::plugin_setup;
-use crate::peer_link::PeerEvent;
 use kvgate_abi::{Event, EventKind};
 use kvgate_core::{Core, Nanos, PluginSlot};
 use kvgate_host::OpenedPlugin;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
-
-/// Everything the driver is asked, except plugin events (which have their own queue).
-pub enum DriverInput {
-    Engine(EngineCall),
-    Peer(PeerEvent),
-    Admin(oneshot::Sender<AdminSnapshot>),
-    /// Apply the plugin part of a newly read configuration (see `reload`).
-    ReloadPlugins(Box<crate::config::PluginsSection>, oneshot::Sender<reload::ReloadOutcome>),
-    /// A reload refused before it reached the driver (kept for `/plugins`).
-    ReloadRefused(reload::ReloadOutcome),
-    /// Stop: shut the plugins down and return.
-    Shutdown,
-}
-
-/// A plugin event, tagged with the slot of the instance that delivered it.
-pub type PluginEventMsg = (PluginSlot, Event);
 
 /// What the driver needs at start.
 pub struct DriverParts {

@@ -5,7 +5,8 @@
 //! without blocking (`PeerSender::send`).
 
 use super::Driver;
-use crate::peer_link::{codec, LinkEnd, PeerEvent, PeerSender, SessionId};
+use crate::channels::{LinkEnd, PeerEvent, PeerSender, SessionId};
+use crate::peer_link::codec;
 use kvgate_abi::{PeerId, RemoteKey};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use crate::metrics::GatewayMetrics;

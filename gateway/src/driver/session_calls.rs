@@ -3,23 +3,9 @@
 //! `engine_lost`), and releasing an ended session's regions as soon as no room holds them. Every end
 //! is logged with what it did.
 
-use super::{ApiError, Driver};
-use kvgate_client::proto;
+use super::Driver;
+use crate::channels::{ApiError, SessionEnd};
 use kvgate_core::Nanos;
-
-/// What ending a session did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SessionEnd {
-    pub rooms_ended: u32,
-    pub regions_released: u32,
-    pub regions_pending: u32,
-}
-
-impl From<SessionEnd> for proto::CloseSessionReply {
-    fn from(end: SessionEnd) -> Self {
-        proto::CloseSessionReply { rooms_ended: end.rooms_ended, regions_released: end.regions_released, regions_pending: end.regions_pending }
-    }
-}
 
 /// Longest session name.
 pub const MAX_SESSION_NAME_BYTES: usize = 128;

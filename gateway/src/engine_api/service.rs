@@ -3,7 +3,7 @@
 //! Never decides anything the core decides.
 
 use crate::driver::sessions::SESSION_METADATA_KEY;
-use crate::driver::{ApiError, DriverInput, EngineCall, ExpectCall, MemorySpec, SendCall};
+use crate::channels::{ApiError, DriverInput, EngineCall, ExpectCall, MemorySpec, SendCall};
 use kvgate_client::proto::{self, engine_api_server::EngineApi, register_memory_request::Memory};
 use kvgate_core::{RegionId, RoomKey, Slice};
 use std::pin::Pin;

@@ -9,14 +9,8 @@
 
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use prost::Message;
+use crate::channels::Outbound;
 use tokio::sync::mpsc;
-
-/// The sending halves of one link's lanes.
-#[derive(Clone, Debug)]
-pub struct Outbound {
-    pub bulk: mpsc::Sender<PeerFrame>,
-    pub urgent: mpsc::Sender<PeerFrame>,
-}
 
 /// The receiving halves, turned into the link's outbound stream by [`outbound_stream`].
 pub struct OutboundReceivers {

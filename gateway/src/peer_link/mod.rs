@@ -14,7 +14,6 @@ mod tls;
 
 pub use directory::{PeerDirectory, PeerSource, Upsert};
 pub use server::PeerLinkService;
-pub use session::{LinkEnd, PeerEvent, PeerSender, SessionId};
 
 use crate::config::{GatewayConfig, PeerAuthMode, PeerEntry};
 use kvgate_client::proto::{self, PeerFrame};
@@ -157,7 +156,7 @@ pub fn dials(local_name: &str, peer: &str) -> bool {
 pub struct PeerLinks {
     config: Arc<GatewayConfig>,
     identity: Arc<LocalIdentity>,
-    events: mpsc::Sender<crate::driver::DriverInput>,
+    events: mpsc::Sender<crate::channels::DriverInput>,
     auth: LinkAuth,
     directory: Arc<PeerDirectory>,
 }
@@ -169,7 +168,7 @@ impl PeerLinks {
     pub fn start(
         config: Arc<GatewayConfig>,
         identity: Arc<LocalIdentity>,
-        events: mpsc::Sender<crate::driver::DriverInput>,
+        events: mpsc::Sender<crate::channels::DriverInput>,
         directory: Arc<PeerDirectory>,
         static_tasks: Vec<(String, directory::NewPeer)>,
     ) -> anyhow::Result<(PeerLinks, PeerLinkService)> {

@@ -6,7 +6,7 @@
 
 use super::{dial, LocalIdentity, PeerDirectory};
 use crate::config::{GatewayConfig, PeerEntry};
-use crate::driver::DriverInput;
+use crate::channels::{DriverInput, LinkEnd, Outbound, PeerEvent, PeerSender};
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,107 +15,14 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tonic::Streaming;
 
-/// A process-unique number for one session with one peer incarnation; the driver uses it as the
-/// plugin `PeerId`, so a reconnected or restarted peer is always a new peer to the core.
-pub type SessionId = u64;
-
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
-
-/// What the peer links tell the driver.
-#[derive(Debug)]
-pub enum PeerEvent {
-    /// A session is up: the peer's Hello and how to send to it.
-    Up { name: String, session: SessionId, hello: proto::Hello, sender: PeerSender },
-    /// A frame (not a heartbeat) from a live session, in order.
-    Frame { session: SessionId, frame: Frame },
-    /// The session ended, and why (the session task logged the details).
-    Lost { name: String, session: SessionId, end: LinkEnd },
-}
-
-/// Why a session ended, known where it ended; `reason` is the reason code logged.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LinkEnd {
-    /// A frame failed its MAC (`peer_auth_failed`).
-    AuthFailed,
-    /// A frame broke the link protocol (`protocol_violation`).
-    ProtocolViolation,
-    /// The peer closed the link, the stream failed, or the send queue overflowed or closed (`peer_lost`).
-    Closed,
-    /// No frame within `heartbeat_interval_ms * heartbeat_misses` (`peer_lost`).
-    HeartbeatTimeout,
-    /// The same peer process dialled a new link (`peer_lost`).
-    Replaced,
-    /// The peer dialled a new link with a new incarnation (`peer_restarted`).
-    Restarted,
-    /// This gateway is stopping (`shutdown`).
-    Shutdown,
-}
-
-impl LinkEnd {
-    pub fn reason(self) -> &'static str {
-        match self {
-            LinkEnd::AuthFailed => "peer_auth_failed",
-            LinkEnd::ProtocolViolation => "protocol_violation",
-            LinkEnd::Closed | LinkEnd::HeartbeatTimeout | LinkEnd::Replaced => "peer_lost",
-            LinkEnd::Restarted => "peer_restarted",
-            LinkEnd::Shutdown => "shutdown",
-        }
-    }
-}
-
-/// Sends frames to one session. `send` never waits: a full queue (the peer stopped reading) or a
-/// closed one (the link's stream ended) reports `false`, and the session task then declares the
-/// peer lost with that cause.
-#[derive(Clone, Debug)]
-pub struct PeerSender {
-    tx: super::lanes::Outbound,
-    failed: Arc<SendFailure>,
-}
-
-/// Why a send failed, for the session task's loss message.
-#[derive(Debug, Default)]
-struct SendFailure {
-    notify: tokio::sync::Notify,
-    closed: std::sync::atomic::AtomicBool,
-}
-
-impl PeerSender {
-    /// Queues `frame`: a heartbeat on the urgent lane, anything else on the bulk lane.
-    pub fn send(&self, frame: Frame) -> bool {
-        let lane = if matches!(frame, Frame::Heartbeat(_)) { &self.tx.urgent } else { &self.tx.bulk };
-        match lane.try_send(PeerFrame { frame: Some(frame), mac: Vec::new() }) {
-            Ok(()) => true,
-            Err(e) => {
-                if matches!(e, mpsc::error::TrySendError::Closed(_)) {
-                    self.failed.closed.store(true, Ordering::Relaxed);
-                }
-                self.failed.notify.notify_one();
-                false
-            }
-        }
-    }
-
-    /// A sender onto `lanes` alone (no session task watches its failures).
-    #[cfg(test)]
-    pub fn for_tests(lanes: super::lanes::Outbound) -> PeerSender {
-        PeerSender { tx: lanes, failed: Arc::default() }
-    }
-
-    fn loss_detail(&self) -> &'static str {
-        if self.failed.closed.load(Ordering::Relaxed) {
-            "the link's outbound stream closed"
-        } else {
-            "send queue full (peer_link.send_queue_frames; the peer stopped reading)"
-        }
-    }
-}
 
 /// A handshaken (and authenticated) link: the peer's hello, its inbound frames, our outbound queue
 /// and, with `peer_link.auth = "psk"`, the check of every inbound frame's MAC.
 pub struct Session {
     pub hello: proto::Hello,
     pub inbound: Streaming<PeerFrame>,
-    pub outbound: super::lanes::Outbound,
+    pub outbound: Outbound,
     pub opener: Option<super::psk::FrameOpener>,
 }
 
@@ -208,8 +115,7 @@ impl PeerTask {
     async fn run_session(&mut self, mut session: Session) -> Option<Session> {
         let id = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
         let name = self.name.clone();
-        let failed = Arc::new(SendFailure::default());
-        let sender = PeerSender { tx: session.outbound.clone(), failed: failed.clone() };
+        let sender = PeerSender::new(session.outbound.clone());
         tracing::info!(peer = %name, session = id, incarnation = session.hello.incarnation, "peer link up");
         if self.events.send(DriverInput::Peer(PeerEvent::Up { name: name.clone(), session: id, hello: session.hello.clone(), sender: sender.clone() })).await.is_err() {
             return None;
@@ -269,7 +175,7 @@ impl PeerTask {
                     break (LinkEnd::HeartbeatTimeout, format!("no frame for {} ms (heartbeat_interval_ms {} x heartbeat_misses {})",
                         silence_limit.as_millis(), interval.as_millis(), self.config.peer_link.heartbeat_misses));
                 }
-                _ = failed.notify.notified() => break (LinkEnd::Closed, sender.loss_detail().into()),
+                _ = sender.failed() => break (LinkEnd::Closed, sender.loss_detail().into()),
                 newer = self.incoming.recv() => match newer {
                     Some(s) => {
                         let restarted = s.hello.incarnation != session.hello.incarnation;
