@@ -180,7 +180,7 @@ fn no_false_timeout_when_the_completion_is_already_observable() {
     pair.send(room, 0, 0, &[(0, 1_000)], true).unwrap();
     let xfer = pair.prefill.live_submits()[0];
     // The completion and the deadline arrive at the same instant; the driver feeds events first.
-    pair.now = pair.now.saturating_add(Nanos::from_ms(1_000));
+    pair.now = pair.now.saturating_add(Span::from_ms(1_000));
     pair.complete(xfer);
     pair.drive();
     pair.advance_ms(0);
@@ -194,5 +194,5 @@ fn poll_timeout_names_the_earliest_deadline() {
     assert_eq!(pair.decode.core.poll_timeout(), None);
     pair.expect(key(10), &[&[(0, 8)]]).unwrap();
     let wake = pair.decode.core.poll_timeout().unwrap();
-    assert!(wake <= pair.now.saturating_add(Nanos::from_ms(10_000)));
+    assert!(wake <= pair.now.saturating_add(Span::from_ms(10_000)));
 }

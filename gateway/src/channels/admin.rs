@@ -1,7 +1,7 @@
 //! What the admin listener asks the driver for and gets back: the snapshot `/metrics`, `/rooms`,
 //! `/plugins` and `/health` render, and a plugin reload's outcome. Plain data.
 
-use kvgate_core::{Metrics, Nanos};
+use kvgate_core::{At, Metrics};
 use serde::Serialize;
 
 /// One non-terminal room in `/rooms`.
@@ -63,7 +63,7 @@ pub struct PeerStatus {
 /// Everything the admin listener shows, taken in one driver turn.
 #[derive(Clone, Debug)]
 pub struct AdminSnapshot {
-    pub now: Nanos,
+    pub now: At,
     pub metrics: Metrics,
     pub rooms: Vec<RoomJson>,
     pub plugins: Vec<PluginStatus>,

@@ -7,7 +7,7 @@ use super::Driver;
 use crate::peer_link::codec;
 use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, Event, IncomingRequest, SubmitRequest};
 use kvgate_client::proto;
-use kvgate_core::{Command, Outcome, PluginSlot, ReleaseCause, Role, RoomEvent, RoomState};
+use kvgate_core::{Command, Outcome, PluginSlot, ReleaseCause, Role, RoomEvent, RoomKey, RoomState, Span};
 
 impl Driver {
     pub(super) fn execute(&mut self, command: Command) {
@@ -95,14 +95,14 @@ impl Driver {
     /// Everything reported comes with the event.
     fn room_event(&mut self, event: RoomEvent) {
         let now = self.now();
-        let at_ms = now.as_ms();
+        let at_ms = now.since_origin().as_ms();
         let wire = match &event {
             RoomEvent::StateChanged { room, role, state, from, opened_at, plugin } => {
                 if from.is_none() {
                     self.stuck.track(*opened_at, *room, *role);
                 }
                 if *state == RoomState::Transferring {
-                    self.metrics.observe_bootstrap(self.room_plugin_name(*plugin), now.saturating_sub(*opened_at));
+                    self.metrics.observe_bootstrap(self.room_plugin_name(*plugin), now.saturating_since(*opened_at));
                 }
                 if !self.watch.wants_progress() {
                     return;
@@ -116,34 +116,8 @@ impl Driver {
                 proto::room_event::Event::StateChanged(proto::StateChanged { state: format!("part_{part}_succeeded_{bytes}_bytes") })
             }
             RoomEvent::Terminal { room, role, outcome, elapsed, bytes, peer, plugin, transferring } => {
-                let (bytes, plugin_name) = (*bytes, self.room_plugin_name(*plugin));
-                match outcome {
-                    Outcome::Succeeded => {
-                        if *role == Role::Sender {
-                            self.metrics.observe_transfer(plugin_name, bytes, transferring.unwrap_or(*elapsed));
-                        }
-                        tracing::debug!(room = %room, role = role.as_str(), elapsed_ms = elapsed.as_ms(), bytes, "room succeeded");
-                        proto::room_event::Event::Terminal(proto::Terminal { succeeded: true, elapsed_ms: elapsed.as_ms(), bytes, ..Default::default() })
-                    }
-                    Outcome::Failed(failure) => {
-                        let peer_name = peer.and_then(|p| self.peers.name_of(p)).unwrap_or("-");
-                        tracing::warn!(
-                            room = %room, role = role.as_str(), reason = failure.reason.as_str(), phase = failure.phase.as_str(),
-                            peer = %peer_name, plugin = %plugin_name, elapsed_ms = elapsed.as_ms(),
-                            peer_reason = failure.peer_reason.map(|r| r.as_str()), plugin_reason = failure.plugin_reason_str(),
-                            "room failed"
-                        );
-                        self.metrics.count_failure(failure.reason.as_str(), failure.phase.as_str(), plugin_name);
-                        proto::room_event::Event::Terminal(proto::Terminal {
-                            succeeded: false,
-                            reason: failure.reason.as_str().into(),
-                            phase: failure.phase.as_str().into(),
-                            elapsed_ms: elapsed.as_ms(),
-                            bytes,
-                            peer_reason: failure.peer_reason.map(|r| r.as_str().to_string()).unwrap_or_default(),
-                        })
-                    }
-                }
+                let ended = Ended { room: *room, role: *role, elapsed: *elapsed, bytes: *bytes, peer: *peer, plugin: *plugin, transferring: *transferring };
+                self.terminal_event(outcome, ended)
             }
             RoomEvent::Reusable { room, role, cause, plugin } => {
                 if *cause == ReleaseCause::QuarantineTimeout {
@@ -168,4 +142,48 @@ impl Driver {
             seq: 0, // assigned by the feed
         });
     }
+
+    /// A room's outcome: the metrics and log line it is worth, and its wire event.
+    fn terminal_event(&mut self, outcome: &Outcome, ended: Ended) -> proto::room_event::Event {
+        let Ended { room, role, elapsed, bytes, peer, plugin, transferring } = ended;
+        let plugin_name = self.room_plugin_name(plugin);
+        match outcome {
+            Outcome::Succeeded => {
+                if role == Role::Sender {
+                    self.metrics.observe_transfer(plugin_name, bytes, transferring.unwrap_or(elapsed));
+                }
+                tracing::debug!(room = %room, role = role.as_str(), elapsed_ms = elapsed.as_ms(), bytes, "room succeeded");
+                proto::room_event::Event::Terminal(proto::Terminal { succeeded: true, elapsed_ms: elapsed.as_ms(), bytes, ..Default::default() })
+            }
+            Outcome::Failed(failure) => {
+                let peer_name = peer.and_then(|p| self.peers.name_of(p)).unwrap_or("-");
+                tracing::warn!(
+                    room = %room, role = role.as_str(), reason = failure.reason.as_str(), phase = failure.phase.as_str(),
+                    peer = %peer_name, plugin = %plugin_name, elapsed_ms = elapsed.as_ms(),
+                    peer_reason = failure.peer_reason.map(|r| r.as_str()), plugin_reason = failure.plugin_reason_str(),
+                    "room failed"
+                );
+                self.metrics.count_failure(failure.reason.as_str(), failure.phase.as_str(), plugin_name);
+                proto::room_event::Event::Terminal(proto::Terminal {
+                    succeeded: false,
+                    reason: failure.reason.as_str().into(),
+                    phase: failure.phase.as_str().into(),
+                    elapsed_ms: elapsed.as_ms(),
+                    bytes,
+                    peer_reason: failure.peer_reason.map(|r| r.as_str().to_string()).unwrap_or_default(),
+                })
+            }
+        }
+    }
+}
+
+/// What a `Terminal` room event says of the room besides its outcome.
+struct Ended {
+    room: RoomKey,
+    role: Role,
+    elapsed: Span,
+    bytes: u64,
+    peer: Option<u64>,
+    plugin: Option<PluginSlot>,
+    transferring: Option<Span>,
 }

@@ -27,7 +27,7 @@ use crate::config::GatewayConfig;
 use crate::metrics::GatewayMetrics;
 use crate::plugin_setup;
 use kvgate_abi::{Event, EventKind};
-use kvgate_core::{Core, Nanos, PluginSlot};
+use kvgate_core::{At, Core, PluginSlot};
 use kvgate_host::OpenedPlugin;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -112,7 +112,7 @@ impl Driver {
         let slots = parts.plugins.len();
         let instances = parts.plugins.iter().map(|p| instances::Instance::new(p.name(), 1, plugin_setup::plugin_config_text_of(&parts.config.plugins, p.name()), p.origin().to_string())).collect();
         let admin = &parts.config.admin;
-        let stuck = stuck::StuckQueues::new(&admin.stuck_room_warn_ms, admin.stuck_room_warn_lines_per_s, Nanos(0));
+        let stuck = stuck::StuckQueues::new(&admin.stuck_room_warn_ms, admin.stuck_room_warn_lines_per_s, At::ZERO);
         Driver {
             core: parts.core,
             origin: Instant::now(),
@@ -151,11 +151,11 @@ impl Driver {
         }
     }
 
-    fn now(&self) -> Nanos {
-        Nanos(self.origin.elapsed().as_nanos() as u64)
+    fn now(&self) -> At {
+        At(self.origin.elapsed().as_nanos() as u64)
     }
 
-    fn instant_of(&self, at: Nanos) -> Instant {
+    fn instant_of(&self, at: At) -> Instant {
         self.origin + Duration::from_nanos(at.0)
     }
 

@@ -5,7 +5,7 @@
 
 use super::Driver;
 use crate::channels::{ApiError, SessionEnd};
-use kvgate_core::Nanos;
+use kvgate_core::Span;
 
 /// Longest session name.
 pub const MAX_SESSION_NAME_BYTES: usize = 128;
@@ -56,7 +56,7 @@ impl Driver {
     }
 
     pub(super) fn end_expired_sessions(&mut self) {
-        let grace = Nanos::from_ms(self.config.engine_api.session_grace_ms);
+        let grace = Span::from_ms(self.config.engine_api.session_grace_ms);
         for id in self.sessions.expired(self.now(), grace) {
             self.end_session(id, "no Watch stream open for engine_api.session_grace_ms");
         }

@@ -6,7 +6,7 @@ use super::peers::Peers;
 use super::Driver;
 use crate::channels::{AdminSnapshot, PeerStatus, PluginStatus, RoomJson};
 use kvgate_client::proto;
-use kvgate_core::{Nanos, RoomState, RoomView};
+use kvgate_core::{RoomState, RoomView, Span};
 use kvgate_host::OpenedPlugin;
 
 pub fn peer_name(peers: &Peers, view: &RoomView) -> String {
@@ -45,9 +45,9 @@ impl Driver {
             }
             if let Some(deadline) = view.next_deadline {
                 // A room past its own next deadline by more than the plugin grace is overdue.
-                let grace = Nanos::from_ms(self.config.scheduler.plugin_grace_ms + super::HOUSEKEEPING_INTERVAL_MS);
+                let grace = Span::from_ms(self.config.scheduler.plugin_grace_ms + super::HOUSEKEEPING_INTERVAL_MS);
                 if now > deadline.saturating_add(grace) {
-                    problems.push(format!("room {} ({}) outlived its deadline by {} ms", view.room, view.role.as_str(), now.saturating_sub(deadline).as_ms()));
+                    problems.push(format!("room {} ({}) outlived its deadline by {} ms", view.room, view.role.as_str(), now.saturating_since(deadline).as_ms()));
                 }
             }
             rooms.push(RoomJson {
@@ -88,7 +88,7 @@ impl Driver {
         let metrics = self.core.metrics().clone();
         let quarantined = RoomState::Quarantined.index();
         if let Some(entered) = metrics.oldest_entered_by_state[quarantined] {
-            let (age_ms, limit_ms) = (now.saturating_sub(entered).as_ms(), self.config.admin.quarantine_unhealthy_ms);
+            let (age_ms, limit_ms) = (now.saturating_since(entered).as_ms(), self.config.admin.quarantine_unhealthy_ms);
             if age_ms > limit_ms {
                 problems.push(format!(
                     "{} room(s) quarantined, the oldest for {age_ms} ms (admin.quarantine_unhealthy_ms = {limit_ms}): no word yet that nothing can land in their memory",

@@ -141,7 +141,7 @@ mod tests {
 
     fn core_frame(payload_bytes: usize) -> PeerFrame {
         let slices = (0..payload_bytes / 8).map(|i| proto::RemoteSlice { region: 1, offset: i as u64, len: 1 }).collect();
-        let notice = proto::ExpectNotice { parts: vec![proto::RemoteParts { slices }], tickets: vec![7], deadline_remaining_ns: 1, part_plugins: Vec::new(), ..Default::default() };
+        let notice = proto::ExpectNotice { parts: vec![proto::RemoteParts { slices }], tickets: vec![7], timeout_ns: 1, part_plugins: Vec::new(), ..Default::default() };
         let core = proto::CoreMessage {
             key: Some(proto::RoomKey { room: 9, generation: 1 }),
             message: Some(proto::core_message::Message::ExpectNotice(notice)),

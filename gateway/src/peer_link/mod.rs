@@ -6,6 +6,7 @@
 pub mod codec;
 mod dial;
 pub mod directory;
+mod handshaken;
 pub mod lanes;
 pub mod psk;
 mod server;

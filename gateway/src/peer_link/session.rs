@@ -4,27 +4,18 @@
 //! session is left. Never blocks the driver: frames out go through a bounded queue whose overflow is
 //! itself a loss.
 
+use super::handshaken::Session;
 use super::{dial, LocalIdentity, PeerDirectory};
 use crate::config::{GatewayConfig, PeerEntry};
-use crate::channels::{DriverInput, LinkEnd, Outbound, PeerEvent, PeerSender};
+use crate::channels::{DriverInput, LinkEnd, PeerEvent, PeerSender};
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tonic::Streaming;
 
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
-
-/// A handshaken (and authenticated) link: the peer's hello, its inbound frames, our outbound queue
-/// and, with `peer_link.auth = "psk"`, the check of every inbound frame's MAC.
-pub struct Session {
-    pub hello: proto::Hello,
-    pub inbound: Streaming<PeerFrame>,
-    pub outbound: Outbound,
-    pub opener: Option<super::psk::FrameOpener>,
-}
 
 pub(super) struct PeerTask {
     pub config: Arc<GatewayConfig>,

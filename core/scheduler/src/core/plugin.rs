@@ -12,7 +12,7 @@ use crate::lifecycle::{
     ticket_transition, transfer_transition, RefusedInput, TicketEffect, TicketInput, TicketState, TicketStep, TransferEffect,
     TransferInput, TransferState, TransferStep, Verdict,
 };
-use crate::metrics::{LateSource, ViolationClause};
+use crate::metrics::LateSource;
 use crate::table::RoomInput;
 use kvgate_abi::{event_flags, Event, EventKind};
 
@@ -86,7 +86,7 @@ impl Core {
     }
 
     // CONFORMANCE: ABORT-9, TIME-10
-    pub(super) fn plugin_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
+    pub(super) fn plugin_event(&mut self, now: At, plugin: PluginSlot, event: &Event) {
         if event.is_incoming() {
             return self.ticket_event(now, plugin, event);
         }
@@ -99,7 +99,7 @@ impl Core {
 
     /// Every room with a peer the plugin serves fails: a room whose parts use other plugins fails
     /// too (a bound, never a wait).
-    fn plugin_unhealthy(&mut self, now: Nanos, plugin: PluginSlot) {
+    fn plugin_unhealthy(&mut self, now: At, plugin: PluginSlot) {
         let peers: Vec<_> = self.peers.iter().filter(|(_, entry)| entry.has_plugin(plugin)).map(|(peer, _)| *peer).collect();
         for peer in peers {
             self.fail_peer_rooms(now, peer, FailReason::PluginFailed);
@@ -145,7 +145,7 @@ impl Core {
     }
 
     /// An event about an outgoing transfer: its row in the transfer table, carried out.
-    fn transfer_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
+    fn transfer_event(&mut self, now: At, plugin: PluginSlot, event: &Event) {
         let Some(site) = self.transfer_site(plugin, event) else { return };
         let (state, bytes) = self.transfer_at(site);
         let input = transfer_input(event, bytes);
@@ -185,7 +185,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn live_transfer_step(
         &mut self,
-        now: Nanos,
+        now: At,
         slot: u32,
         part: u32,
         chunk: u32,
@@ -220,7 +220,7 @@ impl Core {
     }
 
     /// A chunk of a live sender room succeeded: complete its part, maybe the room.
-    fn chunk_succeeded(&mut self, now: Nanos, slot: u32, part: u32) {
+    fn chunk_succeeded(&mut self, now: At, slot: u32, part: u32) {
         let room = self.room_mut(slot);
         room.touch(now, LastEvent::ChunkSucceeded);
         let key = room.key;
@@ -275,7 +275,7 @@ impl Core {
     }
 
     /// Receiver-side events about an incoming ticket: its row in the ticket table, carried out.
-    fn ticket_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
+    fn ticket_event(&mut self, now: At, plugin: PluginSlot, event: &Event) {
         let Some(site) = self.ticket_site(plugin, event) else { return };
         let state = match site {
             TicketSite::Live { slot, part } => {
@@ -303,7 +303,7 @@ impl Core {
     }
 
     /// A ticket table row for a live (or quarantined) receiver room's part.
-    fn live_ticket_step(&mut self, now: Nanos, slot: u32, part: u32, step: TicketStep, reason: Option<u32>) {
+    fn live_ticket_step(&mut self, now: At, slot: u32, part: u32, step: TicketStep, reason: Option<u32>) {
         let room = self.room_mut(slot);
         let live = !room.state.is_terminal();
         let RoleData::Receiver { parts, .. } = &mut room.data else { unreachable!() };

@@ -28,7 +28,7 @@ pub fn slices(region: RegionId, list: &[(u64, u64)]) -> Vec<Slice> {
 pub struct Submitted {
     pub xfer: XferId,
     pub ticket: Ticket,
-    pub timeout: Nanos,
+    pub timeout: Span,
     pub segments: Vec<Segment>,
 }
 
@@ -88,7 +88,7 @@ impl Node {
         })
     }
 
-    pub fn state(&self, now: Nanos, room: RoomKey, role: Role) -> Option<RoomState> {
+    pub fn state(&self, now: At, room: RoomKey, role: Role) -> Option<RoomState> {
         self.core.room(now, room, role).map(|v| v.state)
     }
 
@@ -100,7 +100,7 @@ impl Node {
 /// The pair. `auto_complete`: the fake plugin finishes every submit (copying bytes) on the next
 /// `drive`; otherwise the test completes or fails transfers itself.
 pub struct Pair {
-    pub now: Nanos,
+    pub now: At,
     pub decode: Node,
     pub prefill: Node,
     pub link_up: bool,
@@ -118,7 +118,7 @@ impl Pair {
 
     pub fn with_config(config: CoreConfig) -> Pair {
         let mut pair = Pair {
-            now: Nanos::from_ms(1_000),
+            now: At::ZERO.saturating_add(Span::from_ms(1_000)),
             decode: Node::new(config.clone(), DECODE_ID),
             prefill: Node::new(config, PREFILL_ID),
             link_up: true,
@@ -282,7 +282,7 @@ impl Pair {
 
     /// Move the clock and fire due timers on both sides.
     pub fn advance_ms(&mut self, ms: u64) {
-        let target = self.now.saturating_add(Nanos::from_ms(ms));
+        let target = self.now.saturating_add(Span::from_ms(ms));
         // Step through every wake-up the cores ask for, the way a driver would.
         loop {
             let next = [self.decode.core.poll_timeout(), self.prefill.core.poll_timeout()]
