@@ -485,7 +485,7 @@ def traffic(prefill: str, decode: str, prefill_name: str, decode_name: str, read
         # aborted_by_peer) and a send aborted by the prefill engine before any expect.
         fail_a, fail_b, fail_c, parked = base + 10_000, base + 10_001, base + 10_002, base + 10_003
         # And a failure no engine asked for: an expect whose own deadline passes without a sender.
-        hc = d.expect(fail_c, prefill_name, [[dregion.slice(2 * chunk, chunk)]], deadline_ms=500)
+        hc = d.expect(fail_c, prefill_name, [[dregion.slice(2 * chunk, chunk)]], timeout_ms=500)
         ha = d.expect(fail_a, prefill_name, [[dregion.slice(0, chunk)]])
         time.sleep(0.3)
         d.abort(fail_a, why="prometheus-check")

@@ -4,7 +4,7 @@
 //! driver), and `POST /plugins/reload`, the one call that changes something: it re-reads the plugin
 //! part of the configuration (`plugin_reload`). Bind the listener where only operators reach it.
 
-use crate::driver::{AdminSnapshot, DriverInput};
+use crate::channels::{AdminSnapshot, DriverInput};
 use crate::metrics::GatewayMetrics;
 use axum::extract::State;
 use axum::http::{header, StatusCode};

@@ -5,7 +5,7 @@
 use crate::cli::PluginsCommand;
 use crate::plugin_setup::{describe, host_with_builtins};
 
-fn print(statuses: &[crate::driver::PluginStatus]) {
+fn print(statuses: &[crate::channels::PluginStatus]) {
     println!("{:<10} {:<8} {:<12} {:<22} {:<22} origin / reason", "plugin", "abi", "status", "memory", "scope");
     for s in statuses {
         let abi = s.abi_version.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
@@ -67,7 +67,7 @@ fn reload(admin: Option<String>, config: Option<std::path::PathBuf>) -> i32 {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     let timeout = std::time::Duration::from_millis(crate::plugin_reload::RELOAD_TIMEOUT_MS + 5_000);
     match runtime.block_on(crate::demo::http::post(&admin, "/plugins/reload", timeout)) {
-        Ok((code, body)) => match serde_json::from_str::<crate::driver::reload::ReloadOutcome>(&body) {
+        Ok((code, body)) => match serde_json::from_str::<crate::channels::ReloadOutcome>(&body) {
             Ok(outcome) => {
                 println!("{}", crate::plugin_reload::describe(&outcome));
                 if outcome.applied {

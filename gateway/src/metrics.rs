@@ -2,8 +2,8 @@
 //! text rendering that adds the core's plain-data `Metrics` and the room views of one snapshot.
 //! Never influences an outcome: a metric that cannot be recorded is simply not recorded.
 
-use crate::driver::AdminSnapshot;
-use kvgate_core::{FailReason, HarmlessAbort, LateSource, Nanos, Phase, RefusalReason, RoomState, ViolationClause};
+use crate::channels::AdminSnapshot;
+use kvgate_core::{FailReason, HarmlessAbort, LateSource, Phase, RefusalReason, RoomState, Span, ViolationClause};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -82,18 +82,18 @@ impl Default for GatewayMetrics {
     }
 }
 
-fn seconds(n: Nanos) -> f64 {
+fn seconds(n: Span) -> f64 {
     n.0 as f64 / 1e9
 }
 
 impl GatewayMetrics {
-    pub fn observe_transfer(&self, plugin: &str, bytes: u64, elapsed: Nanos) {
+    pub fn observe_transfer(&self, plugin: &str, bytes: u64, elapsed: Span) {
         self.with_plugin(plugin, |h| {
             h.transfer_bytes.observe(bytes as f64);
             h.transfer_seconds.observe(seconds(elapsed));
         });
     }
-    pub fn observe_bootstrap(&self, plugin: &str, elapsed: Nanos) {
+    pub fn observe_bootstrap(&self, plugin: &str, elapsed: Span) {
         self.with_plugin(plugin, |h| h.bootstrap_seconds.observe(seconds(elapsed)));
     }
 
@@ -272,16 +272,16 @@ fn register_core(registry: &mut Registry, snapshot: &AdminSnapshot) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::driver::{AdminSnapshot, RoomJson};
+    use crate::channels::{AdminSnapshot, RoomJson};
 
     fn snapshot() -> AdminSnapshot {
         let mut metrics = kvgate_core::Metrics::default();
         metrics.rooms_by_state[RoomState::Transferring.index()] = 3;
-        metrics.oldest_entered_by_state[RoomState::Transferring.index()] = Some(Nanos::from_ms(500));
+        metrics.oldest_entered_by_state[RoomState::Transferring.index()] = Some(kvgate_core::At::from_origin(Span::from_ms(500)));
         metrics.failures[FailReason::PeerLost.index()][Phase::Transfer as usize] = 2;
         metrics.quarantined_bytes = 4096;
         AdminSnapshot {
-            now: Nanos::from_ms(2500),
+            now: kvgate_core::At::from_origin(Span::from_ms(2500)),
             metrics,
             rooms: vec![RoomJson {
                 room: 1,
@@ -311,7 +311,7 @@ mod tests {
     #[test]
     fn render_exposes_core_and_gateway_metrics_with_their_labels() {
         let m = GatewayMetrics::default();
-        m.observe_transfer("shm", 1 << 20, Nanos::from_ms(3));
+        m.observe_transfer("shm", 1 << 20, Span::from_ms(3));
         m.count_failure("peer_lost", "transfer", "shm");
         m.set_peer_up("decode", true);
         m.listener_opened("admin", 1);
@@ -337,10 +337,10 @@ mod tests {
     fn cached_plugin_histograms_count_into_the_rendered_series() {
         let m = GatewayMetrics::default();
         for _ in 0..3 {
-            m.observe_transfer("shm", 1 << 20, Nanos::from_ms(3));
-            m.observe_bootstrap("shm", Nanos::from_ms(1));
+            m.observe_transfer("shm", 1 << 20, Span::from_ms(3));
+            m.observe_bootstrap("shm", Span::from_ms(1));
         }
-        m.observe_transfer("quic", 1 << 20, Nanos::from_ms(3));
+        m.observe_transfer("quic", 1 << 20, Span::from_ms(3));
         let text = m.render(&snapshot());
         for expected in [
             "kvgate_transfer_bytes_count{plugin=\"shm\"} 3",
@@ -359,8 +359,8 @@ mod tests {
         let listed = &listed[..listed[1..].find("\n## ").map_or(listed.len(), |i| i + 1)];
         // A labelled family is rendered only once it has a member: give each one.
         let m = GatewayMetrics::default();
-        m.observe_transfer("shm", 1 << 20, Nanos::from_ms(3));
-        m.observe_bootstrap("shm", Nanos::from_ms(1));
+        m.observe_transfer("shm", 1 << 20, Span::from_ms(3));
+        m.observe_bootstrap("shm", Span::from_ms(1));
         m.count_failure("peer_lost", "transfer", "shm");
         m.count_stuck_rooms(5000, 1);
         m.set_peer_up("decode", true);

@@ -4,8 +4,7 @@
 //! it or says why not (`driver::reload`). Never changes anything itself.
 
 use crate::config::{load_config, GatewayConfig};
-use crate::driver::reload::ReloadOutcome;
-use crate::driver::DriverInput;
+use crate::channels::{DriverInput, ReloadOutcome};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;

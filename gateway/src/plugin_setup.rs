@@ -5,7 +5,7 @@
 //! `config check` reports the findings, `serve` refuses to start on any invalid one.
 
 use crate::config::GatewayConfig;
-use crate::driver::{PluginEventMsg, PluginStatus};
+use crate::channels::{PluginEventMsg, PluginStatus};
 use crate::metrics::GatewayMetrics;
 use kvgate_abi::{scope, sdk::sink_from_fn, Capabilities, MemoryKind, PluginInfo};
 use kvgate_core::PluginSlot;

@@ -4,7 +4,8 @@
 
 use crate::admin::{serve_admin, AdminState};
 use crate::config::GatewayConfig;
-use crate::driver::{Driver, DriverInput, DriverParts};
+use crate::channels::{DriverInput, PluginEventMsg};
+use crate::driver::{Driver, DriverParts};
 use crate::engine_api::{bind_unix_socket, serve_engine_api, EngineApiService};
 use crate::listeners::{keepalive_interval, GuardedListener};
 use crate::metrics::GatewayMetrics;
@@ -31,7 +32,7 @@ const SHUTDOWN_FLUSH_MS: u64 = 100;
 fn spawn_driver_thread(
     driver: Driver,
     inputs: mpsc::Receiver<DriverInput>,
-    plugin_events: mpsc::Receiver<crate::driver::PluginEventMsg>,
+    plugin_events: mpsc::Receiver<PluginEventMsg>,
 ) -> anyhow::Result<tokio::sync::oneshot::Receiver<()>> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("driver runtime")?;
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();

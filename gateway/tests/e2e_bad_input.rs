@@ -62,6 +62,18 @@ async fn bad_engine_calls_are_refused_with_a_reason_and_change_nothing() {
     assert_eq!(status_reason(decode.client.expect(room, "nobody", vec![vec![slice(decode.region, 0, 4096)]], 0).await), "unknown_peer");
     let no_key = proto::SendRequest { offset: None, key: None, ..Default::default() };
     assert_eq!(status_reason(prefill.client.send(no_key).await), "missing_field");
+    // A timeout of 0 ms given explicitly (an absent one means the gateway's `room_timeout_ms`);
+    // the room is not created, so the same key is accepted with a timeout of 1 ms, at the limit.
+    let with_timeout = |timeout_ms| proto::ExpectRequest {
+        key: Some(room_key(690, 0)),
+        peer: PREFILL_NAME.into(),
+        parts: vec![proto::PartSlices { slices: vec![slice(decode.region, 0, 4096)], source_kind: String::new() }],
+        timeout_ms,
+        part_peers: Vec::new(),
+    };
+    assert_eq!(status_reason(decode.client.expect_request(with_timeout(Some(0))).await), "invalid_timeout");
+    assert!(decode.client.get_room(room_key(690, 0)).await.is_err(), "a refused expect creates no room");
+    decode.client.expect_request(with_timeout(Some(1))).await.unwrap();
 
     // A second expect for a live room.
     expect_into(&decode, &shape, 601, 0, PREFILL_NAME, 0).await.unwrap();

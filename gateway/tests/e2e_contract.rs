@@ -155,8 +155,8 @@ async fn every_failure_is_logged_every_time_with_reason_room_peer_phase_and_elap
     let mut rx = Vec::new();
     for room in [820u64, 821, 822] {
         rx.push(decode.events.listen(room));
-        let deadline_ms = if room == 822 { 0 } else { 300 };
-        decode.client.expect(room_key(room, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, part)]], deadline_ms).await.unwrap();
+        let timeout_ms = if room == 822 { 0 } else { 300 };
+        decode.client.expect(room_key(room, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, part)]], timeout_ms).await.unwrap();
     }
     decode.client.abort(room_key(822, 0), "the test aborts it").await.unwrap();
     let started = Instant::now();

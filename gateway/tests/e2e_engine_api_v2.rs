@@ -140,7 +140,7 @@ async fn an_engine_back_within_its_grace_resumes_its_session_and_a_closed_one_en
 async fn move_rooms(prefill: &Client, decode: &Client, src: u64, dst: u64, rooms: std::ops::Range<u64>) {
     let expects: Vec<proto::ExpectRequest> = rooms
         .clone()
-        .map(|room| proto::ExpectRequest { key: Some(room_key(room, 0)), peer: PREFILL_NAME.into(), parts: vec![proto::PartSlices { slices: vec![slice(dst, (room % 256) * SLOT, SLOT)], source_kind: String::new() }], deadline_ms: 0, part_peers: Vec::new() })
+        .map(|room| proto::ExpectRequest { key: Some(room_key(room, 0)), peer: PREFILL_NAME.into(), parts: vec![proto::PartSlices { slices: vec![slice(dst, (room % 256) * SLOT, SLOT)], source_kind: String::new() }], timeout_ms: None, part_peers: Vec::new() })
         .collect();
     let reply = decode.expect_batch(expects).await.unwrap();
     assert_eq!(reply.accepted as usize, rooms.clone().count(), "{:?}", reply.results.iter().find(|r| !r.reason.is_empty()));
@@ -244,7 +244,7 @@ async fn each_call_of_a_batch_stands_alone_and_a_batch_past_its_limit_is_refused
         key: Some(RoomKey { room, generation: 0 }),
         peer: PREFILL_NAME.into(),
         parts: vec![proto::PartSlices { slices: vec![slice(region, (room % 8) * SLOT, SLOT)], source_kind: String::new() }],
-        deadline_ms: 0,
+        timeout_ms: None,
         part_peers: Vec::new(),
     };
     // At the limit: 8 calls, the fourth naming an unknown region; the others are applied.

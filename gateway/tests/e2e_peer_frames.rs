@@ -34,7 +34,7 @@ fn expect_request_bytes(room: u64, slices: &[Slice]) -> usize {
         key: Some(room_key(room, 0)),
         peer: PREFILL_NAME.to_string(),
         parts: vec![proto::PartSlices { slices: slices.to_vec(), source_kind: String::new() }],
-        deadline_ms: 0,
+        timeout_ms: None,
         part_peers: Vec::new(),
     }
     .encoded_len()

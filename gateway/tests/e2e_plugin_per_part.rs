@@ -99,7 +99,7 @@ async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
             key: Some(room_key(4_001, 0)),
             peer: PREFILL_NAME.into(),
             parts: vec![proto::PartSlices { slices: vec![slice(dst.device_region, SLOT, SLOT)], source_kind: "host".into() }],
-            deadline_ms: 0,
+            timeout_ms: None,
             part_peers: Vec::new(),
         }])
         .await
@@ -110,7 +110,7 @@ async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
             key: Some(room_key(4_001, 0)),
             peer: PREFILL_NAME.into(),
             parts: vec![proto::PartSlices { slices: vec![slice(dst.device_region, SLOT, SLOT)], source_kind: "tpu".into() }],
-            deadline_ms: 0,
+            timeout_ms: None,
             part_peers: Vec::new(),
         }])
         .await;

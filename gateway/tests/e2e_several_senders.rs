@@ -21,7 +21,7 @@ fn two_sender_expect(room: u64, region: u64, slot: u64) -> proto::ExpectRequest 
         key: Some(room_key(room, 0)),
         peer: "rank-0".into(),
         parts: (0..2).map(|p| proto::PartSlices { slices: vec![slice(region, (2 * slot + p) * SLOT, SLOT)], source_kind: String::new() }).collect(),
-        deadline_ms: 0,
+        timeout_ms: None,
         part_peers: vec!["rank-0".into(), "rank-1".into()],
     }
 }

@@ -230,7 +230,7 @@ class AsyncClient:
         peer: str,
         parts: Sequence[Sequence[Slice]],
         *,
-        deadline_ms: int = 0,
+        timeout_ms: int = 0,
         source_kinds: Sequence[str] = (),
         part_peers: Sequence[str] = (),
     ) -> AsyncRoomHandle:
@@ -239,7 +239,7 @@ class AsyncClient:
         k = room_key(key)
         handle = await self._tracker.begin(k, RECEIVER)
         try:
-            await self._call(self._expect, _expect_request(k, peer, parts, deadline_ms, source_kinds, part_peers))
+            await self._call(self._expect, _expect_request(k, peer, parts, timeout_ms, source_kinds, part_peers))
         except KvgateError:
             self._tracker.table.forget(handle)
             raise
@@ -310,13 +310,13 @@ class AsyncClient:
         keys = [room_key(e.key) for e in expects]
         handles = {k: await self._tracker.begin(k, RECEIVER) for k in keys}
         if (await self.info()).api_version >= 2:
-            request = pb.ExpectBatchRequest(expects=[_expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds, e.part_peers) for k, e in zip(keys, expects)])
+            request = pb.ExpectBatchRequest(expects=[_expect_request(k, e.peer, e.parts, e.timeout_ms, e.source_kinds, e.part_peers) for k, e in zip(keys, expects)])
             errors = batch_errors(await self._call(self._expect_batch, request), len(expects))
         else:
 
             async def one(k: RoomKey, e: Expectation) -> KvgateError | None:
                 try:
-                    await self._call(self._expect, _expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds, e.part_peers))
+                    await self._call(self._expect, _expect_request(k, e.peer, e.parts, e.timeout_ms, e.source_kinds, e.part_peers))
                 except KvgateError as error:
                     return error
                 return None

@@ -74,7 +74,7 @@ def _expect_request(
     key: RoomKey,
     peer: str,
     parts: Sequence[Sequence[Slice]],
-    deadline_ms: int,
+    timeout_ms: int,
     source_kinds: Sequence[str] = (),
     part_peers: Sequence[str] = (),
 ) -> pb.ExpectRequest:
@@ -83,7 +83,8 @@ def _expect_request(
         key=key_pb(key),
         peer=peer,
         parts=[pb.PartSlices(slices=slices_pb(p), source_kind=kind) for p, kind in zip(parts, kinds)],
-        deadline_ms=deadline_ms,
+        # 0: the field is left unset, so the gateway applies its `room_timeout_ms`.
+        timeout_ms=timeout_ms or None,
         part_peers=list(part_peers),
     )
 
@@ -326,12 +327,13 @@ class Client:
         peer: str,
         parts: Sequence[Sequence[Slice]],
         *,
-        deadline_ms: int = 0,
+        timeout_ms: int = 0,
         source_kinds: Sequence[str] = (),
         part_peers: Sequence[str] = (),
     ) -> RoomHandle:
         """Decode side: bytes for `key` come from the prefill gateway `peer` into `parts` (one list of
-        slices per part, concatenated in order). `deadline_ms` 0: the gateway's `room_timeout_ms`.
+        slices per part, concatenated in order). `timeout_ms`: how long the room may live from now
+        (0: the gateway's `room_timeout_ms`).
         `source_kinds`: the memory kind the sender reads each part from (`"host"`, `"cuda_device"`;
         missing: the kind of the part's destination); with the destination it picks each part's plugin.
         `part_peers`: the prefill gateway each part comes from (missing: `peer`); the room fails as a
@@ -340,7 +342,7 @@ class Client:
         k = room_key(key)
         handle = self._tracker.begin(k, RECEIVER)
         try:
-            self._call(self._expect, _expect_request(k, peer, parts, deadline_ms, source_kinds, part_peers))
+            self._call(self._expect, _expect_request(k, peer, parts, timeout_ms, source_kinds, part_peers))
         except KvgateError:
             self._tracker.table.forget(handle)
             raise
@@ -403,13 +405,13 @@ class Client:
         keys = [room_key(e.key) for e in expects]
         handles = {k: self._tracker.begin(k, RECEIVER) for k in keys}
         if self.info().api_version >= 2:
-            request = pb.ExpectBatchRequest(expects=[_expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds, e.part_peers) for k, e in zip(keys, expects)])
+            request = pb.ExpectBatchRequest(expects=[_expect_request(k, e.peer, e.parts, e.timeout_ms, e.source_kinds, e.part_peers) for k, e in zip(keys, expects)])
             errors = batch_errors(self._call(self._expect_batch, request), len(expects))
         else:
             errors = []
             for k, e in zip(keys, expects):
                 try:
-                    self._call(self._expect, _expect_request(k, e.peer, e.parts, e.deadline_ms, e.source_kinds, e.part_peers))
+                    self._call(self._expect, _expect_request(k, e.peer, e.parts, e.timeout_ms, e.source_kinds, e.part_peers))
                     errors.append(None)
                 except KvgateError as error:
                     errors.append(error)

@@ -71,14 +71,15 @@ class Chunk(NamedTuple):
 
 class Expectation(NamedTuple):
     """One expect of a batch (`expect_batch`): the room, the prefill gateway, the destination parts,
-    and (optional) the memory kind the sender reads each part from (`"host"`, `"cuda_device"`; empty
-    or missing: the kind of the part's destination), and (optional) the prefill gateway each part comes
-    from (empty or missing: `peer`)."""
+    (optional) how long the room may live from now (`timeout_ms`; 0: the gateway's
+    `room_timeout_ms`), and (optional) the memory kind the sender reads each part from (`"host"`,
+    `"cuda_device"`; empty or missing: the kind of the part's destination), and (optional) the prefill
+    gateway each part comes from (empty or missing: `peer`)."""
 
     key: "RoomKeyLike"
     peer: str
     parts: Sequence[Sequence[Slice]]
-    deadline_ms: int = 0
+    timeout_ms: int = 0
     source_kinds: Sequence[str] = ()
     part_peers: Sequence[str] = ()
 

@@ -83,8 +83,8 @@ class Engine:
     def holds(self, slot: int, room: int) -> bool:
         return bool(np.array_equal(self.slot(slot), pattern(room, self.layout.size)))
 
-    def expect(self, room: kvgate.types.RoomKeyLike, slot: int, peer: str = "prefill", deadline_ms: int = 0) -> kvgate.RoomHandle:
-        return self.client.expect(room, peer, self.layout.parts_of(self.region, self.base(slot)), deadline_ms=deadline_ms)
+    def expect(self, room: kvgate.types.RoomKeyLike, slot: int, peer: str = "prefill", timeout_ms: int = 0) -> kvgate.RoomHandle:
+        return self.client.expect(room, peer, self.layout.parts_of(self.region, self.base(slot)), timeout_ms=timeout_ms)
 
     def send(self, room: kvgate.types.RoomKeyLike, slot: int, peer: str = "decode", chunks: int | None = None) -> kvgate.RoomHandle:
         return self.client.send_chunks(room, self.layout.chunks_of(self.region, self.base(slot), chunks), peer=peer)

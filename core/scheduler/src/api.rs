@@ -6,34 +6,72 @@ use kvgate_abi::{LocalKey, LocalRange, PeerId, ReasonCode, Segment, Ticket, Xfer
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
-/// Monotonic nanoseconds from an origin the driver picks. Also used for durations.
+/// An instant: monotonic nanoseconds from an origin the driver picks. Instants are compared, moved
+/// by a `Span` (`saturating_add`) and subtracted into a `Span` (`saturating_since`); they are never
+/// added to each other.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct Nanos(pub u64);
+pub struct At(pub u64);
 
-impl Nanos {
-    pub const ZERO: Nanos = Nanos(0);
-    pub const MAX: Nanos = Nanos(u64::MAX);
-    pub const fn from_ms(ms: u64) -> Nanos {
-        Nanos(ms.saturating_mul(1_000_000))
+/// A span of time in nanoseconds: a timeout, an age, an elapsed time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Span(pub u64);
+
+impl At {
+    /// The driver's origin.
+    pub const ZERO: At = At(0);
+    pub const MAX: At = At(u64::MAX);
+    /// The instant `span` after the driver's origin.
+    pub const fn from_origin(span: Span) -> At {
+        At(span.0)
     }
-    pub const fn from_us(us: u64) -> Nanos {
-        Nanos(us.saturating_mul(1_000))
+    /// `span` after this instant (saturating at `At::MAX`).
+    pub const fn saturating_add(self, span: Span) -> At {
+        At(self.0.saturating_add(span.0))
     }
-    pub const fn from_secs(s: u64) -> Nanos {
-        Nanos(s.saturating_mul(1_000_000_000))
+    /// `span` before this instant (saturating at the origin).
+    pub const fn saturating_sub(self, span: Span) -> At {
+        At(self.0.saturating_sub(span.0))
+    }
+    /// The span from `earlier` to this instant (zero if `earlier` is later).
+    pub const fn saturating_since(self, earlier: At) -> Span {
+        Span(self.0.saturating_sub(earlier.0))
+    }
+    /// The span from the driver's origin to this instant.
+    pub const fn since_origin(self) -> Span {
+        Span(self.0)
+    }
+}
+
+impl Span {
+    pub const ZERO: Span = Span(0);
+    pub const MAX: Span = Span(u64::MAX);
+    pub const fn from_ms(ms: u64) -> Span {
+        Span(ms.saturating_mul(1_000_000))
+    }
+    pub const fn from_us(us: u64) -> Span {
+        Span(us.saturating_mul(1_000))
+    }
+    pub const fn from_secs(s: u64) -> Span {
+        Span(s.saturating_mul(1_000_000_000))
     }
     pub const fn as_ms(self) -> u64 {
         self.0 / 1_000_000
     }
-    pub const fn saturating_add(self, d: Nanos) -> Nanos {
-        Nanos(self.0.saturating_add(d.0))
+    pub const fn saturating_add(self, other: Span) -> Span {
+        Span(self.0.saturating_add(other.0))
     }
-    pub const fn saturating_sub(self, d: Nanos) -> Nanos {
-        Nanos(self.0.saturating_sub(d.0))
+    pub const fn saturating_sub(self, other: Span) -> Span {
+        Span(self.0.saturating_sub(other.0))
     }
 }
 
-impl fmt::Display for Nanos {
+impl fmt::Display for At {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", Span(self.0))
+    }
+}
+
+impl fmt::Display for Span {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}.{:06}ms", self.0 / 1_000_000, self.0 % 1_000_000)
     }
@@ -335,7 +373,7 @@ pub enum PeerMessage {
     /// `plugins`: the plugin each part's ticket is open on (as the core that holds the message
     /// numbers its plugin instances; the driver translates by name on the wire), one entry per
     /// part, or one entry for every part.
-    ExpectNotice { room: RoomKey, parts: Vec<Vec<Slice>>, tickets: Vec<Ticket>, plugins: Vec<PluginSlot>, deadline_remaining: Nanos },
+    ExpectNotice { room: RoomKey, parts: Vec<Vec<Slice>>, tickets: Vec<Ticket>, plugins: Vec<PluginSlot>, timeout: Span },
     /// Sender → receiver: the expect met the first send; bytes may now move (the receiver leaves
     /// its bootstrap phase).
     Matched { room: RoomKey },
@@ -387,17 +425,95 @@ impl PeerMessage {
 pub enum Command {
     /// Start an outgoing transfer. If the plugin's `submit` returns `Err`, the driver reports it as
     /// `Event::failed_quiesced(xfer, code, message)` through `handle_plugin_event`.
-    Submit { plugin: PluginSlot, xfer: XferId, peer: PeerId, ticket: Ticket, timeout: Nanos, segments: Vec<Segment> },
+    Submit { plugin: PluginSlot, xfer: XferId, peer: PeerId, ticket: Ticket, timeout: Span, segments: Vec<Segment> },
     /// Stop an outgoing transfer (harmless if already finished).
     Cancel { plugin: PluginSlot, xfer: XferId },
     /// Receiver: authorise incoming writes under `ticket` for `timeout`.
-    ExpectIncoming { plugin: PluginSlot, peer: PeerId, ticket: Ticket, timeout: Nanos, ranges: Vec<LocalRange> },
+    ExpectIncoming { plugin: PluginSlot, peer: PeerId, ticket: Ticket, timeout: Span, ranges: Vec<LocalRange> },
     /// Receiver: revoke a ticket.
     CancelIncoming { plugin: PluginSlot, peer: PeerId, ticket: Ticket },
     /// Send a message to a peer gateway.
     ToPeer { peer: PeerId, message: PeerMessage },
     /// Tell the engine(s) of the room.
     ToEngine(RoomEvent),
+    /// A plugin broke its contract (already counted in `Metrics::violations`): for the driver's log.
+    Violation(Violation),
+}
+
+/// A plugin contract clause the core saw broken. Each is counted; none is ever "keep waiting".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ViolationClause {
+    /// An event for a transfer id this core never submitted.
+    UnknownXfer,
+    /// A second terminal event (or any event) for a transfer already finished and quiesced.
+    DuplicateEvent,
+    /// An `EventKind` this side does not know (the transfer's room fails `plugin_protocol_violation`).
+    UnknownEventKind,
+    /// A `FAILED` with an unknown or missing `ReasonCode` (the room fails `plugin_protocol_violation`).
+    UnknownReasonCode,
+    /// No terminal event within the transfer's timeout + `plugin_grace_ms` (forced failed).
+    PluginSilent,
+    /// An event about a transfer from a plugin instance other than the one it was submitted to.
+    WrongPlugin,
+    /// `SUCCEEDED` reporting a byte count other than the transfer's.
+    SucceededBytesMismatch,
+    /// `QUIESCED` for an outgoing transfer that had no terminal event yet.
+    QuiescedBeforeTerminal,
+    /// An incoming event for a ticket this core never issued or already released.
+    UnknownTicket,
+    /// `PROGRESS` or `SUCCEEDED` after the transfer failed.
+    EventAfterTerminal,
+}
+
+impl ViolationClause {
+    pub const ALL: [ViolationClause; 10] = [
+        ViolationClause::UnknownXfer,
+        ViolationClause::DuplicateEvent,
+        ViolationClause::UnknownEventKind,
+        ViolationClause::UnknownReasonCode,
+        ViolationClause::PluginSilent,
+        ViolationClause::WrongPlugin,
+        ViolationClause::SucceededBytesMismatch,
+        ViolationClause::QuiescedBeforeTerminal,
+        ViolationClause::UnknownTicket,
+        ViolationClause::EventAfterTerminal,
+    ];
+    pub const COUNT: usize = 10;
+    pub fn index(self) -> usize {
+        self as usize
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ViolationClause::UnknownXfer => "unknown_xfer",
+            ViolationClause::DuplicateEvent => "duplicate_event",
+            ViolationClause::UnknownEventKind => "unknown_event_kind",
+            ViolationClause::UnknownReasonCode => "unknown_reason_code",
+            ViolationClause::PluginSilent => "plugin_silent",
+            ViolationClause::WrongPlugin => "wrong_plugin",
+            ViolationClause::SucceededBytesMismatch => "succeeded_bytes_mismatch",
+            ViolationClause::QuiescedBeforeTerminal => "quiesced_before_terminal",
+            ViolationClause::UnknownTicket => "unknown_ticket",
+            ViolationClause::EventAfterTerminal => "event_after_terminal",
+        }
+    }
+}
+
+/// A plugin contract violation the core counted, with where it came from: the plugin instance,
+/// the event (none for one found on a timer: `plugin_silent`), the transfer id or ticket it named
+/// and the room that id belongs to, when the core knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Violation {
+    pub clause: ViolationClause,
+    pub plugin: Option<PluginSlot>,
+    /// The event's kind (`EventKind::as_str`); `None` for a violation found on a timer.
+    pub event: Option<&'static str>,
+    pub xfer: u64,
+    pub room: Option<(RoomKey, Role)>,
+    /// How many violations this one report stands for (several transfers of one room forced
+    /// silent at once; otherwise 1).
+    pub count: u32,
 }
 
 /// The lifecycle state of a room.
@@ -662,14 +778,27 @@ impl ReleaseCause {
 /// one `Reusable` (at once after success or when nothing was in flight).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RoomEvent {
-    /// The room entered a non-terminal state.
-    StateChanged { room: RoomKey, role: Role, state: RoomState },
+    /// The room entered a non-terminal state: from `from`, or, `None`, as the room opened here at
+    /// `opened_at`. `plugin`: the instance carrying the room, once bound to a peer.
+    StateChanged { room: RoomKey, role: Role, state: RoomState, from: Option<RoomState>, opened_at: At, plugin: Option<PluginSlot> },
     /// One part succeeded (receiver: the sender's `PartDone`; sender: its last chunk succeeded).
     PartSucceeded { room: RoomKey, role: Role, part: u32, bytes: u64 },
-    /// The room's outcome, `elapsed` since the room was created here.
-    Terminal { room: RoomKey, role: Role, outcome: Outcome, elapsed: Nanos },
+    /// The room's outcome, `elapsed` since the room was created here; what the log and the
+    /// metrics report of it: `bytes` landed, the peer (`PeerId.0`) and plugin instance it was bound to, and how
+    /// long it spent `transferring` (`None`: it never started moving bytes).
+    Terminal {
+        room: RoomKey,
+        role: Role,
+        outcome: Outcome,
+        elapsed: Span,
+        bytes: u64,
+        peer: Option<u64>,
+        plugin: Option<PluginSlot>,
+        transferring: Option<Span>,
+    },
     /// No byte can land in (receiver) or be read from (sender) the room's memory any more.
-    Reusable { room: RoomKey, role: Role, cause: ReleaseCause },
+    /// `plugin`: the instance that carried the room, if it was bound to a peer.
+    Reusable { room: RoomKey, role: Role, cause: ReleaseCause, plugin: Option<PluginSlot> },
 }
 
 impl RoomEvent {
@@ -709,17 +838,6 @@ pub enum LastEvent {
     TimerFired,
 }
 
-/// A transfer the core forced failed because its plugin sent no terminal event within the plugin
-/// grace (`FailReason::PluginSilent`, counted as a `plugin_silent` contract violation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SilentTransfer {
-    pub xfer: XferId,
-    pub room: RoomKey,
-    pub role: Role,
-    /// The plugin instance the room used; `None` if it had not bound a peer.
-    pub plugin: Option<PluginSlot>,
-}
-
 /// A room as the admin view shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RoomView {
@@ -727,14 +845,14 @@ pub struct RoomView {
     pub role: Role,
     pub state: RoomState,
     /// Time since the room was created here.
-    pub age: Nanos,
+    pub age: Span,
     /// The peer gateway's id (`PeerId.0`), once the room is bound to one.
     pub peer: Option<u64>,
     pub plugin: Option<PluginSlot>,
     pub last_event: LastEvent,
-    pub last_event_age: Nanos,
+    pub last_event_age: Span,
     /// The next deadline of the room (any timer), if one is armed.
-    pub next_deadline: Option<Nanos>,
+    pub next_deadline: Option<At>,
     pub parts: u32,
     pub parts_done: u32,
     pub bytes_total: u64,

@@ -67,7 +67,7 @@ pub use crate::lifecycle::{
     render_ticket_table, render_transfer_table, ticket_transition, transfer_transition, RefusedInput, TicketState, TransferState,
 };
 pub use crate::core::Core;
-pub use crate::metrics::{HarmlessAbort, LateSource, Metrics, ViolationClause};
+pub use crate::metrics::{HarmlessAbort, LateSource, Metrics};
 pub use crate::table::{render_table, transition, IllegalTransition, RoomInput};
 pub use crate::timer::TimerKind;
 pub use kvgate_abi::{Event, LocalKey, LocalRange, PeerId, ReasonCode, RemoteKey, Segment, Ticket, XferId};

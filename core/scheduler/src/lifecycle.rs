@@ -5,7 +5,7 @@
 //! them for every plugin event, for live rooms and settled ones alike (a settled room's record keeps
 //! each transfer's and ticket's state); this module holds no data and performs no side effect.
 
-use crate::metrics::ViolationClause;
+use crate::api::ViolationClause;
 use crate::table::IllegalTransition;
 use std::fmt;
 

@@ -2,68 +2,8 @@
 //! The core updates them in O(1) per event; this module never formats or exports them (the gateway
 //! does) and never reads a clock (ages take `now`).
 
-use crate::api::{FailReason, Nanos, Phase, RefusalReason, RoomState};
+use crate::api::{At, FailReason, Span, Phase, RefusalReason, RoomState, ViolationClause};
 use serde::{Deserialize, Serialize};
-
-/// A plugin contract clause the core saw broken. Each is counted; none is ever "keep waiting".
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-#[non_exhaustive]
-pub enum ViolationClause {
-    /// An event for a transfer id this core never submitted.
-    UnknownXfer,
-    /// A second terminal event (or any event) for a transfer already finished and quiesced.
-    DuplicateEvent,
-    /// An `EventKind` this side does not know (the transfer's room fails `plugin_protocol_violation`).
-    UnknownEventKind,
-    /// A `FAILED` with an unknown or missing `ReasonCode` (the room fails `plugin_protocol_violation`).
-    UnknownReasonCode,
-    /// No terminal event within the transfer's timeout + `plugin_grace_ms` (forced failed).
-    PluginSilent,
-    /// An event about a transfer from a plugin instance other than the one it was submitted to.
-    WrongPlugin,
-    /// `SUCCEEDED` reporting a byte count other than the transfer's.
-    SucceededBytesMismatch,
-    /// `QUIESCED` for an outgoing transfer that had no terminal event yet.
-    QuiescedBeforeTerminal,
-    /// An incoming event for a ticket this core never issued or already released.
-    UnknownTicket,
-    /// `PROGRESS` or `SUCCEEDED` after the transfer failed.
-    EventAfterTerminal,
-}
-
-impl ViolationClause {
-    pub const ALL: [ViolationClause; 10] = [
-        ViolationClause::UnknownXfer,
-        ViolationClause::DuplicateEvent,
-        ViolationClause::UnknownEventKind,
-        ViolationClause::UnknownReasonCode,
-        ViolationClause::PluginSilent,
-        ViolationClause::WrongPlugin,
-        ViolationClause::SucceededBytesMismatch,
-        ViolationClause::QuiescedBeforeTerminal,
-        ViolationClause::UnknownTicket,
-        ViolationClause::EventAfterTerminal,
-    ];
-    pub const COUNT: usize = 10;
-    pub fn index(self) -> usize {
-        self as usize
-    }
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ViolationClause::UnknownXfer => "unknown_xfer",
-            ViolationClause::DuplicateEvent => "duplicate_event",
-            ViolationClause::UnknownEventKind => "unknown_event_kind",
-            ViolationClause::UnknownReasonCode => "unknown_reason_code",
-            ViolationClause::PluginSilent => "plugin_silent",
-            ViolationClause::WrongPlugin => "wrong_plugin",
-            ViolationClause::SucceededBytesMismatch => "succeeded_bytes_mismatch",
-            ViolationClause::QuiescedBeforeTerminal => "quiesced_before_terminal",
-            ViolationClause::UnknownTicket => "unknown_ticket",
-            ViolationClause::EventAfterTerminal => "event_after_terminal",
-        }
-    }
-}
 
 /// Where a late message (for a terminal, tombstoned or older-generation room) came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -123,7 +63,7 @@ pub struct Metrics {
     pub rooms_by_state: [u64; RoomState::COUNT],
     /// When the room that has waited longest in each non-terminal state entered it (gauge; `None`
     /// when the state is empty; always `None` for terminal states).
-    pub oldest_entered_by_state: [Option<Nanos>; RoomState::COUNT],
+    pub oldest_entered_by_state: [Option<At>; RoomState::COUNT],
     pub rooms_created: u64,
     pub rooms_succeeded: u64,
     /// Failures by `FailReason::index()` then `Phase::index()`. `quarantine_timeout` is counted here
@@ -158,8 +98,8 @@ pub struct Metrics {
 
 impl Metrics {
     /// How long at `now` the longest-waiting room in non-terminal `state` has been in it.
-    pub fn oldest_age(&self, state: RoomState, now: Nanos) -> Option<Nanos> {
-        self.oldest_entered_by_state[state.index()].map(|created| now.saturating_sub(created))
+    pub fn oldest_age(&self, state: RoomState, now: At) -> Option<Span> {
+        self.oldest_entered_by_state[state.index()].map(|created| now.saturating_since(created))
     }
     pub fn failures_total(&self) -> u64 {
         self.failures.iter().flatten().sum()

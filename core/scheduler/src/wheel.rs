@@ -2,7 +2,7 @@
 //! timers are armed. Ticks are 1 ms; a timer fires at the first tick boundary at or after its deadline.
 //! It stores opaque `u64` payloads and never interprets them (the timer table does).
 
-use crate::api::Nanos;
+use crate::api::At;
 
 /// Nanoseconds per wheel tick.
 pub const TICK_NS: u64 = 1_000_000;
@@ -88,13 +88,13 @@ impl Wheel {
     }
 
     /// The tick a deadline fires at (ceiling).
-    pub fn tick_of(deadline: Nanos) -> u64 {
+    pub fn tick_of(deadline: At) -> u64 {
         deadline.0.div_ceil(TICK_NS)
     }
 
     /// When a timer with `deadline` fires: its tick boundary.
-    pub fn fire_time(deadline: Nanos) -> Nanos {
-        Nanos(Wheel::tick_of(deadline).saturating_mul(TICK_NS))
+    pub fn fire_time(deadline: At) -> At {
+        At(Wheel::tick_of(deadline).saturating_mul(TICK_NS))
     }
 
     /// The tick an armed timer fires at.
@@ -104,7 +104,7 @@ impl Wheel {
 
     /// Arm a timer for `deadline` carrying `payload`. A deadline already past fires at the next
     /// `expire` call.
-    pub fn insert(&mut self, deadline: Nanos, payload: u64) -> TimerHandle {
+    pub fn insert(&mut self, deadline: At, payload: u64) -> TimerHandle {
         let when = Wheel::tick_of(deadline).max(self.elapsed).min(self.elapsed.saturating_add(MAX_TICKS));
         let index = if self.free_head != NIL {
             let index = self.free_head;
@@ -176,7 +176,7 @@ impl Wheel {
     }
 
     /// Move an armed timer to `deadline` with a new payload, reusing its entry (same handle).
-    pub fn rearm(&mut self, handle: TimerHandle, deadline: Nanos, payload: u64) {
+    pub fn rearm(&mut self, handle: TimerHandle, deadline: At, payload: u64) {
         let when = Wheel::tick_of(deadline).max(self.elapsed).min(self.elapsed.saturating_add(MAX_TICKS));
         self.unlink(handle.0);
         let entry = &mut self.entries[handle.0 as usize];
@@ -196,8 +196,8 @@ impl Wheel {
 
     /// The deadline of an armed timer (its tick boundary).
     #[cfg(test)]
-    pub fn deadline(&self, handle: TimerHandle) -> Nanos {
-        Nanos(self.entries[handle.0 as usize].when.saturating_mul(TICK_NS))
+    pub fn deadline(&self, handle: TimerHandle) -> At {
+        At(self.entries[handle.0 as usize].when.saturating_mul(TICK_NS))
     }
 
     /// `(level, slot, tick)` of the next occupied bucket in time order.
@@ -224,13 +224,13 @@ impl Wheel {
 
     /// The earliest time `expire` may have something to do (a level>0 bucket's start is a lower
     /// bound: waking then cascades it).
-    pub fn next_deadline(&self) -> Option<Nanos> {
+    pub fn next_deadline(&self) -> Option<At> {
         if self.heads[PENDING] != NIL {
-            return Some(Nanos(self.elapsed.saturating_mul(TICK_NS)));
+            return Some(At(self.elapsed.saturating_mul(TICK_NS)));
         }
         // `quiet_until` bounds every timer's tick from below too (and moves past a level boundary
         // whose cascade `pop_expired` skipped as not due).
-        self.next_bucket().map(|(_, _, tick)| Nanos(tick.max(self.quiet_until).saturating_mul(TICK_NS)))
+        self.next_bucket().map(|(_, _, tick)| At(tick.max(self.quiet_until).saturating_mul(TICK_NS)))
     }
 
     /// Pop one timer due at `now` (its payload), or None when none is due. Timers are popped one
@@ -238,12 +238,12 @@ impl Wheel {
     /// popped can still be cancelled).
     /// Whether a timer may be due at `now` (false: `pop_expired` would return None).
     #[inline]
-    pub fn may_be_due(&self, now: Nanos) -> bool {
+    pub fn may_be_due(&self, now: At) -> bool {
         now.0 / TICK_NS >= self.quiet_until
     }
 
     #[inline]
-    pub fn pop_expired(&mut self, now: Nanos) -> Option<u64> {
+    pub fn pop_expired(&mut self, now: At) -> Option<u64> {
         if now.0 / TICK_NS < self.quiet_until {
             // Nothing is due (a skipped cascade only moves timers that are not due yet).
             return None;
@@ -251,7 +251,7 @@ impl Wheel {
         self.pop_expired_slow(now)
     }
 
-    fn pop_expired_slow(&mut self, now: Nanos) -> Option<u64> {
+    fn pop_expired_slow(&mut self, now: At) -> Option<u64> {
         let now_tick = now.0 / TICK_NS;
         loop {
             let head = self.heads[PENDING];
@@ -292,7 +292,7 @@ impl Wheel {
 
     /// Pop every timer due at `now` into `out` (for tests and callers that cancel nothing between).
     #[cfg(test)]
-    pub fn expire(&mut self, now: Nanos, out: &mut Vec<u64>) {
+    pub fn expire(&mut self, now: At, out: &mut Vec<u64>) {
         while let Some(payload) = self.pop_expired(now) {
             out.push(payload);
         }
@@ -322,8 +322,8 @@ mod tests {
                     let spans = [10u64, 100, 5_000, 300_000, 20_000_000, 3_000_000_000];
                     let span = spans[(next_random(&mut rng) % spans.len() as u64) as usize];
                     let deadline = now * TICK_NS + next_random(&mut rng) % (span * TICK_NS);
-                    let handle = wheel.insert(Nanos(deadline), next_payload);
-                    model.insert(next_payload, Wheel::tick_of(Nanos(deadline)).max(now));
+                    let handle = wheel.insert(At(deadline), next_payload);
+                    model.insert(next_payload, Wheel::tick_of(At(deadline)).max(now));
                     handles.insert(next_payload, handle);
                     next_payload += 1;
                 }
@@ -344,7 +344,7 @@ mod tests {
                     let step = [0u64, 1, 7, 64, 4096, 300_000][(next_random(&mut rng) % 6) as usize];
                     now += next_random(&mut rng) % (step + 1);
                     let mut fired = Vec::new();
-                    wheel.expire(Nanos(now * TICK_NS), &mut fired);
+                    wheel.expire(At(now * TICK_NS), &mut fired);
                     let mut expected: Vec<u64> =
                         model.iter().filter(|(_, &tick)| tick <= now).map(|(&p, _)| p).collect();
                     fired.sort_unstable();
@@ -365,28 +365,28 @@ mod tests {
     #[test]
     fn a_due_timer_not_yet_popped_can_be_cancelled() {
         let mut wheel = Wheel::new();
-        let first = wheel.insert(Nanos(5_000_000), 1);
-        let second = wheel.insert(Nanos(5_000_000), 2);
-        let popped = wheel.pop_expired(Nanos(6_000_000)).unwrap();
+        let first = wheel.insert(At(5_000_000), 1);
+        let second = wheel.insert(At(5_000_000), 2);
+        let popped = wheel.pop_expired(At(6_000_000)).unwrap();
         let other = if popped == 1 { second } else { first };
         wheel.cancel(other);
-        let again = wheel.insert(Nanos(7_000_000), 3);
-        assert_eq!(wheel.pop_expired(Nanos(6_000_000)), None);
+        let again = wheel.insert(At(7_000_000), 3);
+        assert_eq!(wheel.pop_expired(At(6_000_000)), None);
         assert_eq!(wheel.len(), 1);
-        assert_eq!(wheel.deadline(again), Nanos(7_000_000));
-        assert_eq!(wheel.pop_expired(Nanos(7_000_000)), Some(3));
+        assert_eq!(wheel.deadline(again), At(7_000_000));
+        assert_eq!(wheel.pop_expired(At(7_000_000)), Some(3));
         assert_eq!(wheel.len(), 0);
     }
 
     #[test]
     fn deadline_fires_at_its_tick_boundary_not_before() {
         let mut wheel = Wheel::new();
-        wheel.insert(Nanos(1_500_000), 1);
+        wheel.insert(At(1_500_000), 1);
         let mut out = Vec::new();
-        wheel.expire(Nanos(1_999_999), &mut out);
+        wheel.expire(At(1_999_999), &mut out);
         assert!(out.is_empty());
-        assert_eq!(wheel.next_deadline(), Some(Nanos(2_000_000)));
-        wheel.expire(Nanos(2_000_000), &mut out);
+        assert_eq!(wheel.next_deadline(), Some(At(2_000_000)));
+        wheel.expire(At(2_000_000), &mut out);
         assert_eq!(out, vec![1]);
     }
 }

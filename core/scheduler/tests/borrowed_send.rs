@@ -12,7 +12,7 @@ const REGION: RegionId = RegionId(1);
 const UNKNOWN_REGION: RegionId = RegionId(9);
 
 struct Pair {
-    now: Nanos,
+    now: At,
     receiver: Core,
     sender: Core,
     /// Every command of both cores, in the order the driver saw them.
@@ -22,7 +22,7 @@ struct Pair {
 
 impl Pair {
     fn new(borrowed: bool) -> Pair {
-        let now = Nanos::from_ms(1);
+        let now = At::from_origin(Span::from_ms(1));
         let config = CoreConfig { max_chunks_per_part: 4, ..CoreConfig::default() };
         let mut receiver = Core::new(config.clone()).unwrap();
         let mut sender = Core::new(config).unwrap();

@@ -108,13 +108,13 @@ fn silent_plugin_is_forced_failed_after_grace_and_counted() {
     assert_eq!(pair.prefill.core.metrics().violation(ViolationClause::PluginSilent), 0);
     pair.advance_ms(49);
     assert_eq!(pair.prefill.core.metrics().violation(ViolationClause::PluginSilent), 0);
-    assert_eq!(pair.prefill.core.latest_silent_transfer(), None);
+    assert!(pair.prefill.violations.is_empty(), "{:?}", pair.prefill.violations);
     pair.advance_ms(1);
     assert_eq!(pair.prefill.core.metrics().violation(ViolationClause::PluginSilent), 1);
-    // Found on a timer, not in a plugin event: the core keeps which transfer and room it was.
-    let silent = pair.prefill.core.latest_silent_transfer().expect("the forced transfer is named");
-    assert_eq!((silent.room, silent.role), (room, Role::Sender));
-    assert_eq!(pair.prefill.core.room_of_xfer(silent.xfer), Some((room, Role::Sender)));
+    // Found on a timer, not in a plugin event: the report names the transfer and the room.
+    let [silent] = pair.prefill.violations[..] else { panic!("one report: {:?}", pair.prefill.violations) };
+    assert_eq!((silent.clause, silent.room, silent.event, silent.count), (ViolationClause::PluginSilent, Some((room, Role::Sender)), None, 1));
+    assert_eq!(pair.prefill.core.room_of_xfer(XferId(silent.xfer)), Some((room, Role::Sender)));
     assert!(silent.plugin.is_some(), "the room had bound its peer's plugin: {silent:?}");
     // Still quarantined: a silent plugin never proved no byte can land.
     assert_eq!(pair.prefill.state(pair.now, room, Role::Sender), Some(RoomState::Quarantined));
@@ -180,7 +180,7 @@ fn no_false_timeout_when_the_completion_is_already_observable() {
     pair.send(room, 0, 0, &[(0, 1_000)], true).unwrap();
     let xfer = pair.prefill.live_submits()[0];
     // The completion and the deadline arrive at the same instant; the driver feeds events first.
-    pair.now = pair.now.saturating_add(Nanos::from_ms(1_000));
+    pair.now = pair.now.saturating_add(Span::from_ms(1_000));
     pair.complete(xfer);
     pair.drive();
     pair.advance_ms(0);
@@ -194,5 +194,5 @@ fn poll_timeout_names_the_earliest_deadline() {
     assert_eq!(pair.decode.core.poll_timeout(), None);
     pair.expect(key(10), &[&[(0, 8)]]).unwrap();
     let wake = pair.decode.core.poll_timeout().unwrap();
-    assert!(wake <= pair.now.saturating_add(Nanos::from_ms(10_000)));
+    assert!(wake <= pair.now.saturating_add(Span::from_ms(10_000)));
 }

@@ -132,7 +132,7 @@ fn submit_timeout_and_ticket_are_passed_to_the_plugin() {
     let submitted = pair.prefill.submits.values().next().unwrap().clone();
     assert_eq!(submitted.ticket, pair.decode.tickets_opened[0]);
     // transfer_base_ms 1000 + 1 MB / 100 MB/s = 1010 ms.
-    assert_eq!(submitted.timeout, Nanos::from_ms(1_010));
+    assert_eq!(submitted.timeout, Span::from_ms(1_010));
 }
 
 #[test]
@@ -169,11 +169,11 @@ fn room_view_shows_state_age_peer_and_deadline() {
     pair.advance_ms(5);
     let view = pair.decode.core.room(pair.now, room, Role::Receiver).unwrap();
     assert_eq!(view.state, RoomState::WaitingSender);
-    assert_eq!(view.age, Nanos::from_ms(5));
+    assert_eq!(view.age, Span::from_ms(5));
     assert_eq!(view.peer, Some(PREFILL_ID.0));
     assert_eq!(view.plugin, Some(SLOT));
     assert_eq!(view.last_event, LastEvent::Expect);
     // Bootstrap (10 s) comes before the room deadline (60 s).
-    assert_eq!(view.next_deadline, Some(Nanos::from_ms(1_000 + 10_000)));
+    assert_eq!(view.next_deadline, Some(At::from_origin(Span::from_ms(1_000 + 10_000))));
     assert_eq!(pair.decode.core.rooms(pair.now).count(), 1);
 }

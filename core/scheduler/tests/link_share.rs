@@ -18,15 +18,15 @@ fn config() -> CoreConfig {
 
 fn decode() -> Core {
     let mut core = Core::new(config()).unwrap();
-    core.handle_peer_up(Nanos::ZERO, A, 1, PLUGIN);
-    core.handle_peer_up(Nanos::ZERO, B, 1, PLUGIN);
+    core.handle_peer_up(At::ZERO, A, 1, PLUGIN);
+    core.handle_peer_up(At::ZERO, B, 1, PLUGIN);
     let info = RegionInfo { id: RegionId(1), len: 16 * ROOM_BYTES, memory_kind: MemoryKind::HOST, keys: vec![(PLUGIN, LocalKey(1))] };
-    core.handle_region_registered(Nanos::ZERO, info);
+    core.handle_region_registered(At::ZERO, info);
     core
 }
 
 /// Expect room `id` from `peer` in slot `slot`, and the sender's word that bytes move.
-fn start(core: &mut Core, now: Nanos, id: u64, peer: PeerId, slot: u64) -> RoomKey {
+fn start(core: &mut Core, now: At, id: u64, peer: PeerId, slot: u64) -> RoomKey {
     let key = RoomKey::new(id, 0);
     core.handle_expect(now, key, peer, &[vec![Slice::new(RegionId(1), slot * ROOM_BYTES, ROOM_BYTES)]], None).unwrap();
     core.handle_peer_message(now, peer, &PeerMessage::Matched { room: key });
@@ -34,14 +34,14 @@ fn start(core: &mut Core, now: Nanos, id: u64, peer: PeerId, slot: u64) -> RoomK
     key
 }
 
-fn transfer_bound(core: &Core, now: Nanos, key: RoomKey) -> u64 {
-    core.room(now, key, Role::Receiver).unwrap().next_deadline.unwrap().saturating_sub(now).0 / 1_000_000
+fn transfer_bound(core: &Core, now: At, key: RoomKey) -> u64 {
+    core.room(now, key, Role::Receiver).unwrap().next_deadline.unwrap().saturating_since(now).0 / 1_000_000
 }
 
 #[test]
 fn each_room_moving_with_a_peer_counts_the_bytes_ahead_of_it_and_others_peers_do_not() {
     let mut core = decode();
-    let now = Nanos::from_ms(10);
+    let now = At::from_origin(Span::from_ms(10));
     let rooms: Vec<RoomKey> = (0..4).map(|i| start(&mut core, now, i, A, i)).collect();
     let bounds: Vec<u64> = rooms.iter().map(|&key| transfer_bound(&core, now, key)).collect();
     // Rounded up to the timer wheel's tick.
@@ -64,7 +64,7 @@ fn each_room_moving_with_a_peer_counts_the_bytes_ahead_of_it_and_others_peers_do
     assert!((3_000..3_010).contains(&transfer_bound(&core, now, later)), "one room ahead");
 
     // Still a bound: nothing arrives, and every room ends at its own deadline.
-    let end = now.saturating_add(Nanos::from_ms(10_000));
+    let end = now.saturating_add(Span::from_ms(10_000));
     core.handle_timeout(end);
     for key in [rooms[3], later] {
         let view = core.room(end, key, Role::Receiver).unwrap();

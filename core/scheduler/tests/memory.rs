@@ -19,7 +19,7 @@ const BYTES_PER_ROOM_LIMIT: isize = 512;
 #[test]
 fn receiver_room_costs_at_most_512_bytes() {
     let _one_at_a_time = MEASURING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let now = Nanos::from_ms(1);
+    let now = At::from_origin(Span::from_ms(1));
     let config = CoreConfig { max_inflight_rooms: 1_000_000, ..CoreConfig::default() };
     let mut core = Core::new(config).unwrap();
     core.handle_peer_up(now, PeerId(2), 1, PluginSlot(0));
@@ -41,7 +41,7 @@ fn receiver_room_costs_at_most_512_bytes() {
 #[test]
 fn sender_room_holding_one_chunk_costs_at_most_512_bytes() {
     let _one_at_a_time = MEASURING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let now = Nanos::from_ms(1);
+    let now = At::from_origin(Span::from_ms(1));
     let config = CoreConfig { max_inflight_rooms: 1_000_000, max_pending_sends: 1_000_000, ..CoreConfig::default() };
     let mut core = Core::new(config).unwrap();
     core.handle_peer_up(now, PeerId(1), 1, PluginSlot(0));
@@ -68,7 +68,7 @@ const BYTES_PER_TOMBSTONE_LIMIT: isize = 192;
 #[test]
 fn tombstone_costs_at_most_192_bytes() {
     let _one_at_a_time = MEASURING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let now = Nanos::from_ms(1);
+    let now = At::from_origin(Span::from_ms(1));
     let config = CoreConfig { max_tombstones: 1_000_000, ..CoreConfig::default() };
     let mut core = Core::new(config).unwrap();
     let before = LIVE_BYTES.load(Ordering::Relaxed);

@@ -21,8 +21,8 @@ fn plugins() -> [PeerPlugin; 2] {
     ]
 }
 
-fn now() -> Nanos {
-    Nanos::from_ms(1_000)
+fn now() -> At {
+    At::from_origin(Span::from_ms(1_000))
 }
 
 fn register(core: &mut Core, id: u64, kind: MemoryKind, keys: &[PluginSlot]) {
@@ -199,7 +199,7 @@ fn a_notice_naming_a_plugin_the_sender_lacks_fails_the_room_with_its_reason() {
         parts: vec![part(1, 64)],
         tickets: vec![Ticket(1)],
         plugins: vec![PluginSlot::NONE],
-        deadline_remaining: Nanos::from_ms(1_000),
+        timeout: Span::from_ms(1_000),
     };
     prefill.handle_peer_message(now(), PEER, &notice);
     let commands = drain(&mut prefill);
@@ -213,7 +213,7 @@ fn a_notice_naming_a_plugin_the_sender_lacks_fails_the_room_with_its_reason() {
         parts: vec![part(2, 64)],
         tickets: vec![Ticket(2)],
         plugins: vec![HOST_PLUGIN],
-        deadline_remaining: Nanos::from_ms(1_000),
+        timeout: Span::from_ms(1_000),
     };
     prefill.handle_peer_message(now(), PEER, &notice);
     let commands = drain(&mut prefill);

@@ -10,8 +10,8 @@ const NEW: PluginSlot = PluginSlot(1);
 const PEER: PeerId = PeerId(7);
 const LEN: u64 = 1 << 16;
 
-fn now() -> Nanos {
-    Nanos::from_ms(1_000)
+fn now() -> At {
+    At::from_origin(Span::from_ms(1_000))
 }
 
 fn host(slot: PluginSlot) -> PeerPlugin {
@@ -72,7 +72,7 @@ fn a_notice_may_name_a_retired_instance_but_not_one_the_peer_was_never_given() {
         parts: vec![part(1, 64)],
         tickets: vec![Ticket(room)],
         plugins: vec![plugin],
-        deadline_remaining: Nanos::from_ms(1_000),
+        timeout: Span::from_ms(1_000),
     };
     sender.handle_peer_message(now(), PEER, &notice(1, OLD));
     sender.handle_send(now(), RoomKey::new(1, 0), Some(PEER), 0, 0, &part(5, 64), true).unwrap();

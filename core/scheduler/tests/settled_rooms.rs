@@ -145,7 +145,7 @@ fn late_ticket_events_for_settled_receivers_follow_the_ticket_state() {
     assert_eq!((view.state, view.parts, view.parts_done, view.bytes_done), (RoomState::Succeeded, 1, 1, 64));
     assert_eq!(view.peer, Some(PREFILL_ID.0));
     assert_eq!(view.plugin, Some(SLOT));
-    assert_eq!(view.next_deadline, Some(pair.now.saturating_add(Nanos::from_ms(60_000))));
+    assert_eq!(view.next_deadline, Some(pair.now.saturating_add(Span::from_ms(60_000))));
     assert_eq!(pair.decode.core.rooms(pair.now).filter(|v| v.state.is_terminal()).count(), 2);
 }
 
@@ -214,7 +214,7 @@ fn settled_rooms_refuse_late_requests_and_messages_like_any_terminal_room() {
     pair.abort_prefill(key(3));
     assert_eq!(pair.prefill.core.metrics().aborts_harmless[HarmlessAbort::Unknown.index()], 1);
     pair.link_up = false;
-    let notice = PeerMessage::ExpectNotice { room: key(3), parts: vec![slices(DST_REGION, &[(0, 8)])], tickets: vec![Ticket(99)], plugins: vec![], deadline_remaining: Nanos::from_ms(1_000) };
+    let notice = PeerMessage::ExpectNotice { room: key(3), parts: vec![slices(DST_REGION, &[(0, 8)])], tickets: vec![Ticket(99)], plugins: vec![], timeout: Span::from_ms(1_000) };
     let sent_before = pair.prefill.to_peer.len();
     pair.prefill.core.handle_peer_message(pair.now, DECODE_ID, &notice);
     pair.drive();
@@ -241,7 +241,7 @@ fn keys_of_evicted_tombstones_are_free_and_held_ones_answer_through_every_sweep(
     const MAX_TOMBSTONES: usize = 8;
     let config = CoreConfig { max_tombstones: MAX_TOMBSTONES as u64, ..CoreConfig::default() };
     let mut core = Core::new(config).unwrap();
-    let now = Nanos::from_ms(1);
+    let now = At::from_origin(Span::from_ms(1));
     // The model: FIFO of (id, generation, seq); id -> (generation, seq) of its latest record.
     let mut fifo = std::collections::VecDeque::new();
     let mut latest: std::collections::HashMap<u64, (u32, u64)> = std::collections::HashMap::new();

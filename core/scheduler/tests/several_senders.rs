@@ -14,8 +14,8 @@ const PLUGIN: PluginSlot = PluginSlot(0);
 const LEN: u64 = 1 << 16;
 const PART: u64 = 4096;
 
-fn now() -> Nanos {
-    Nanos::from_ms(1_000)
+fn now() -> At {
+    At::from_origin(Span::from_ms(1_000))
 }
 
 fn region(core: &mut Core, id: u64) {
@@ -200,7 +200,7 @@ fn an_engine_abort_reaches_every_sender_and_a_notice_without_own_parts_is_refuse
         parts: vec![vec![]],
         tickets: vec![Ticket(0)],
         plugins: vec![PluginSlot::NONE],
-        deadline_remaining: Nanos::from_ms(1_000),
+        timeout: Span::from_ms(1_000),
     };
     a.handle_peer_message(now(), DECODE, &notice);
     let commands = drain(&mut a);

@@ -205,7 +205,7 @@ impl Sim {
                 memory_kind: kvgate_abi::MemoryKind::HOST,
                 keys: vec![(SLOT, LocalKey(node as u64 + 100))],
             };
-            sim.nodes[node].core.handle_region_registered(Nanos(0), info);
+            sim.nodes[node].core.handle_region_registered(At(0), info);
         }
         sim
     }
@@ -213,7 +213,7 @@ impl Sim {
     fn connect(&mut self, node: usize) {
         let other = 1 - node;
         let incarnation = self.nodes[other].peer_incarnation;
-        let now = Nanos(self.now);
+        let now = At(self.now);
         self.nodes[node].core.handle_peer_up(now, peer_of(other), incarnation, SLOT);
         self.nodes[node].core.handle_remote_region(now, peer_of(other), REGION, REGION_LEN, RemoteKey(other as u64 + 200));
     }
@@ -334,6 +334,8 @@ impl Sim {
                 self.schedule(delay, Action::Plugin { node, event });
             }
             Command::ExpectIncoming { .. } => {}
+            // Counted in the metrics, which the run checks.
+            Command::Violation(_) => {}
             Command::CancelIncoming { peer, ticket, .. } => {
                 if self.rng.chance(500_000) {
                     let delay = self.rng.below(5 * TICK);
@@ -423,7 +425,7 @@ impl Sim {
             let victim = self.rng.below(2) as usize;
             self.link_epoch += 1;
             self.nodes[victim].peer_incarnation += 1;
-            let now = Nanos(self.now);
+            let now = At(self.now);
             for node in 0..2 {
                 self.nodes[node].core.handle_peer_lost(now, peer_of(1 - node), PeerLoss::LinkClosed);
                 self.drain(node);
@@ -437,13 +439,13 @@ impl Sim {
             let live: Vec<(RoomKey, Role)> = self
                 .nodes[node]
                 .core
-                .rooms(Nanos(self.now))
+                .rooms(At(self.now))
                 .filter(|view| !view.state.is_terminal())
                 .map(|view| (view.room, view.role))
                 .collect();
             for (room, role) in live {
                 let request = EngineRequest::Abort { room, role: Some(role) };
-                let _ = self.nodes[node].core.handle_engine(Nanos(self.now), request);
+                let _ = self.nodes[node].core.handle_engine(At(self.now), request);
                 self.drain(node);
             }
         }
@@ -464,7 +466,7 @@ impl Sim {
         self.steps += 1;
         if is_timer {
             for node in 0..2 {
-                self.nodes[node].core.handle_timeout(Nanos(self.now));
+                self.nodes[node].core.handle_timeout(At(self.now));
                 self.drain(node);
             }
         } else {
@@ -476,7 +478,7 @@ impl Sim {
     }
 
     fn run(&mut self, action: Action) {
-        let now = Nanos(self.now);
+        let now = At(self.now);
         match action {
             Action::Engine { node, request } => {
                 let _ = self.nodes[node].core.handle_engine(now, request);

@@ -50,6 +50,9 @@ fn event_for_a_transfer_never_submitted_is_counted_and_changes_nothing() {
     pair.plugin_event(Event::succeeded(XferId(987_654), 64));
     assert_eq!(violations(&pair, ViolationClause::UnknownXfer), 1);
     assert_eq!(pair.prefill.terminal(room), None);
+    // Reported as found: the plugin and its event, and no room (the id names none).
+    let reported = Violation { clause: ViolationClause::UnknownXfer, plugin: Some(SLOT), event: Some("succeeded"), xfer: 987_654, room: None, count: 1 };
+    assert_eq!(pair.prefill.violations, [reported]);
 }
 
 #[test]
@@ -65,6 +68,9 @@ fn second_terminal_event_is_a_violation() {
     pair.plugin_event(Event::succeeded(XferId(first), 32));
     assert_eq!(violations(&pair, ViolationClause::DuplicateEvent), 1);
     assert_eq!(pair.prefill.failure(room), Some(FailReason::PluginProtocolViolation));
+    // Reported with the room the transfer belongs to.
+    let reported = Violation { clause: ViolationClause::DuplicateEvent, plugin: Some(SLOT), event: Some("succeeded"), xfer: first, room: Some((room, Role::Sender)), count: 1 };
+    assert_eq!(pair.prefill.violations, [reported]);
 }
 
 #[test]

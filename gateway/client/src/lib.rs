@@ -186,13 +186,14 @@ impl Client {
         Ok(())
     }
 
-    /// Decode side: the room's destination, one list of slices per part.
-    pub async fn expect(&self, key: RoomKey, peer: &str, parts: Vec<Vec<Slice>>, deadline_ms: u64) -> Result<(), Status> {
+    /// Decode side: the room's destination, one list of slices per part. `timeout_ms`: how long the
+    /// room may live from now; 0 leaves it unset (the gateway's `room_timeout_ms`).
+    pub async fn expect(&self, key: RoomKey, peer: &str, parts: Vec<Vec<Slice>>, timeout_ms: u64) -> Result<(), Status> {
         let request = proto::ExpectRequest {
             key: Some(key),
             peer: peer.to_string(),
             parts: parts.into_iter().map(|slices| proto::PartSlices { slices, source_kind: String::new() }).collect(),
-            deadline_ms,
+            timeout_ms: (timeout_ms > 0).then_some(timeout_ms),
             part_peers: Vec::new(),
         };
         self.inner.clone().expect(request).await?;

@@ -5,7 +5,7 @@
 
 use super::results::AbortLatency;
 use super::stats::{micros, percentile};
-use kvgate_core::{Command, Core, CoreConfig, EngineRequest, Nanos, PeerId, PluginSlot, RegionId, RegionInfo, RoomEvent, RoomKey, Slice};
+use kvgate_core::{At, Command, Core, CoreConfig, EngineRequest, PeerId, PluginSlot, RegionId, RegionInfo, RoomEvent, RoomKey, Slice};
 use std::time::{Duration, Instant};
 
 const PEER: PeerId = PeerId(1);
@@ -23,8 +23,8 @@ struct Bench {
 }
 
 impl Bench {
-    fn now(&self) -> Nanos {
-        Nanos(self.origin.elapsed().as_nanos() as u64)
+    fn now(&self) -> At {
+        At(self.origin.elapsed().as_nanos() as u64)
     }
 
     /// A fresh live room: even ids are receivers (expect), odd ids senders (one held last chunk).
@@ -83,7 +83,7 @@ pub fn abort_to_terminal_in_core(rooms_in_flight: u64, aborts: u64) -> Result<Ab
         let index = (k * step + k / live.len().max(1)) % live.len();
         let key = live[index];
         let t0 = Instant::now();
-        bench.core.handle_engine(Nanos(bench.origin.elapsed().as_nanos() as u64), EngineRequest::Abort { room: key, role: None }).map_err(|r| r.to_string())?;
+        bench.core.handle_engine(At(bench.origin.elapsed().as_nanos() as u64), EngineRequest::Abort { room: key, role: None }).map_err(|r| r.to_string())?;
         let mut terminal = false;
         while let Some(command) = bench.core.poll_command() {
             if matches!(command, Command::ToEngine(RoomEvent::Terminal { room, .. }) if room == key) {

@@ -3,16 +3,17 @@
 //! failure and the transfer metrics. Never decides a room's fate: a synchronous plugin refusal is
 //! fed back to the core as the failure event the contract prescribes.
 
-use super::{Driver, RoomClock};
+use super::Driver;
 use crate::peer_link::codec;
 use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, Event, IncomingRequest, SubmitRequest};
 use kvgate_client::proto;
-use kvgate_core::{Command, Outcome, ReleaseCause, Role, RoomEvent, RoomState};
+use kvgate_core::{Command, Outcome, PluginSlot, ReleaseCause, Role, RoomEvent, RoomKey, RoomState, Span};
 
 impl Driver {
     pub(super) fn execute(&mut self, command: Command) {
         let command = match command {
             Command::ToEngine(event) => return self.room_event(event),
+            Command::Violation(violation) => return self.violation_log.note(violation),
             other => other,
         };
         match &command {
@@ -77,7 +78,7 @@ impl Driver {
                     }
                 }
             },
-            Command::ToEngine(_) => {} // delivered above, before the match
+            Command::ToEngine(_) | Command::Violation(_) => {} // handled above, before the match
         }
         // The plugin call borrowed the segments (or ranges) only for its duration: the core may
         // reuse the buffer for a later command.
@@ -85,28 +86,23 @@ impl Driver {
     }
 
     /// The name of the plugin carrying a room ("none" before one was chosen).
-    fn room_plugin_name(&self, view: Option<&kvgate_core::RoomView>) -> &str {
-        view.and_then(|v| v.plugin).map(|s| self.plugin_name(s)).unwrap_or("none")
+    fn room_plugin_name(&self, plugin: Option<PluginSlot>) -> &str {
+        plugin.map(|s| self.plugin_name(s)).unwrap_or("none")
     }
 
     /// One room event: its metrics and log line, then the wire event for the `Watch` streams.
     /// Progress events (state changes, parts done) are not even built while no stream wants them.
+    /// Everything reported comes with the event.
     fn room_event(&mut self, event: RoomEvent) {
         let now = self.now();
-        let key = (event.room(), event.role());
-        let clock = *self.room_clock.entry(key).or_insert_with(|| {
-            self.stuck.track(now, key.0, key.1);
-            RoomClock { first_seen: now, ..Default::default() }
-        });
-        let at_ms = now.as_ms();
+        let at_ms = now.since_origin().as_ms();
         let wire = match &event {
-            RoomEvent::StateChanged { state, .. } => {
+            RoomEvent::StateChanged { room, role, state, from, opened_at, plugin } => {
+                if from.is_none() {
+                    self.stuck.track(*opened_at, *room, *role);
+                }
                 if *state == RoomState::Transferring {
-                    if let Some(c) = self.room_clock.get_mut(&key) {
-                        c.transfer_started.get_or_insert(now);
-                    }
-                    let view = self.core.room(now, key.0, key.1);
-                    self.metrics.observe_bootstrap(self.room_plugin_name(view.as_ref()), now.saturating_sub(clock.first_seen));
+                    self.metrics.observe_bootstrap(self.room_plugin_name(*plugin), now.saturating_since(*opened_at));
                 }
                 if !self.watch.wants_progress() {
                     return;
@@ -119,49 +115,18 @@ impl Driver {
                 }
                 proto::room_event::Event::StateChanged(proto::StateChanged { state: format!("part_{part}_succeeded_{bytes}_bytes") })
             }
-            RoomEvent::Terminal { room, role, outcome, elapsed } => {
-                let view = self.core.room(now, *room, *role);
-                let bytes = view.as_ref().map(|v| v.bytes_done).unwrap_or(0);
-                let plugin_name = self.room_plugin_name(view.as_ref());
-                match outcome {
-                    Outcome::Succeeded => {
-                        if *role == Role::Sender {
-                            let transfer = now.saturating_sub(clock.transfer_started.unwrap_or(clock.first_seen));
-                            self.metrics.observe_transfer(plugin_name, bytes, transfer);
-                        }
-                        tracing::debug!(room = %room, role = role.as_str(), elapsed_ms = elapsed.as_ms(), bytes, "room succeeded");
-                        proto::room_event::Event::Terminal(proto::Terminal { succeeded: true, elapsed_ms: elapsed.as_ms(), bytes, ..Default::default() })
-                    }
-                    Outcome::Failed(failure) => {
-                        let peer_name = view.as_ref().and_then(|v| v.peer).and_then(|p| self.peers.name_of(p)).unwrap_or("-");
-                        tracing::warn!(
-                            room = %room, role = role.as_str(), reason = failure.reason.as_str(), phase = failure.phase.as_str(),
-                            peer = %peer_name, plugin = %plugin_name, elapsed_ms = elapsed.as_ms(),
-                            peer_reason = failure.peer_reason.map(|r| r.as_str()), plugin_reason = failure.plugin_reason_str(),
-                            "room failed"
-                        );
-                        self.metrics.count_failure(failure.reason.as_str(), failure.phase.as_str(), plugin_name);
-                        proto::room_event::Event::Terminal(proto::Terminal {
-                            succeeded: false,
-                            reason: failure.reason.as_str().into(),
-                            phase: failure.phase.as_str().into(),
-                            elapsed_ms: elapsed.as_ms(),
-                            bytes,
-                            peer_reason: failure.peer_reason.map(|r| r.as_str().to_string()).unwrap_or_default(),
-                        })
-                    }
-                }
+            RoomEvent::Terminal { room, role, outcome, elapsed, bytes, peer, plugin, transferring } => {
+                let ended = Ended { room: *room, role: *role, elapsed: *elapsed, bytes: *bytes, peer: *peer, plugin: *plugin, transferring: *transferring };
+                self.terminal_event(outcome, ended)
             }
-            RoomEvent::Reusable { room, role, cause } => {
+            RoomEvent::Reusable { room, role, cause, plugin } => {
                 if *cause == ReleaseCause::QuarantineTimeout {
-                    let view = self.core.room(now, *room, *role);
                     tracing::warn!(
-                        room = %room, role = role.as_str(), plugin = %self.room_plugin_name(view.as_ref()),
+                        room = %room, role = role.as_str(), plugin = %self.room_plugin_name(*plugin),
                         quarantine_timeout_ms = self.config.scheduler.quarantine_timeout_ms,
                         "quarantine timed out: memory released without the plugin reporting that no byte can land any more"
                     );
                 }
-                self.room_clock.remove(&key);
                 self.region_use.release(*room, *role);
                 self.sessions.room_reusable(*room, *role);
                 self.release_orphan_regions();
@@ -177,4 +142,48 @@ impl Driver {
             seq: 0, // assigned by the feed
         });
     }
+
+    /// A room's outcome: the metrics and log line it is worth, and its wire event.
+    fn terminal_event(&mut self, outcome: &Outcome, ended: Ended) -> proto::room_event::Event {
+        let Ended { room, role, elapsed, bytes, peer, plugin, transferring } = ended;
+        let plugin_name = self.room_plugin_name(plugin);
+        match outcome {
+            Outcome::Succeeded => {
+                if role == Role::Sender {
+                    self.metrics.observe_transfer(plugin_name, bytes, transferring.unwrap_or(elapsed));
+                }
+                tracing::debug!(room = %room, role = role.as_str(), elapsed_ms = elapsed.as_ms(), bytes, "room succeeded");
+                proto::room_event::Event::Terminal(proto::Terminal { succeeded: true, elapsed_ms: elapsed.as_ms(), bytes, ..Default::default() })
+            }
+            Outcome::Failed(failure) => {
+                let peer_name = peer.and_then(|p| self.peers.name_of(p)).unwrap_or("-");
+                tracing::warn!(
+                    room = %room, role = role.as_str(), reason = failure.reason.as_str(), phase = failure.phase.as_str(),
+                    peer = %peer_name, plugin = %plugin_name, elapsed_ms = elapsed.as_ms(),
+                    peer_reason = failure.peer_reason.map(|r| r.as_str()), plugin_reason = failure.plugin_reason_str(),
+                    "room failed"
+                );
+                self.metrics.count_failure(failure.reason.as_str(), failure.phase.as_str(), plugin_name);
+                proto::room_event::Event::Terminal(proto::Terminal {
+                    succeeded: false,
+                    reason: failure.reason.as_str().into(),
+                    phase: failure.phase.as_str().into(),
+                    elapsed_ms: elapsed.as_ms(),
+                    bytes,
+                    peer_reason: failure.peer_reason.map(|r| r.as_str().to_string()).unwrap_or_default(),
+                })
+            }
+        }
+    }
+}
+
+/// What a `Terminal` room event says of the room besides its outcome.
+struct Ended {
+    room: RoomKey,
+    role: Role,
+    elapsed: Span,
+    bytes: u64,
+    peer: Option<u64>,
+    plugin: Option<PluginSlot>,
+    transferring: Option<Span>,
 }

@@ -19,38 +19,21 @@ pub mod sessions;
 mod shutdown;
 mod stuck;
 mod views;
+mod violations;
 
-pub use engine::{ApiError, EngineCall, ExpectCall, MemorySpec, Registered, Reply, SendCall};
-pub use views::{AdminSnapshot, PeerStatus, PluginStatus, RoomJson};
 
+use crate::channels::{DriverInput, PluginEventMsg, PluginStatus};
 use crate::config::GatewayConfig;
 use crate::metrics::GatewayMetrics;
 use crate::plugin_setup;
-use crate::peer_link::PeerEvent;
 use kvgate_abi::{Event, EventKind};
-use kvgate_core::{Core, Nanos, PluginSlot, Role, RoomKey, ViolationClause};
+use kvgate_core::{At, Core, PluginSlot};
 use kvgate_host::OpenedPlugin;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
-
-/// Everything the driver is asked, except plugin events (which have their own queue).
-pub enum DriverInput {
-    Engine(EngineCall),
-    Peer(PeerEvent),
-    Admin(oneshot::Sender<AdminSnapshot>),
-    /// Apply the plugin part of a newly read configuration (see `reload`).
-    ReloadPlugins(Box<crate::config::PluginsSection>, oneshot::Sender<reload::ReloadOutcome>),
-    /// A reload refused before it reached the driver (kept for `/plugins`).
-    ReloadRefused(reload::ReloadOutcome),
-    /// Stop: shut the plugins down and return.
-    Shutdown,
-}
-
-/// A plugin event, tagged with the slot of the instance that delivered it.
-pub type PluginEventMsg = (PluginSlot, Event);
 
 /// What the driver needs at start.
 pub struct DriverParts {
@@ -116,33 +99,12 @@ pub struct Driver {
     metrics: Arc<GatewayMetrics>,
     /// Plugin events produced by the driver itself (a submit refused synchronously), fed back in order.
     feedback: VecDeque<PluginEventMsg>,
-    /// Per live room: when this driver first saw it, when it started moving bytes, stuck warnings given.
-    room_clock: foldhash::HashMap<(RoomKey, Role), RoomClock>,
     /// Rooms waiting for their next stuck-room warning age.
     stuck: stuck::StuckQueues,
-    /// Plugin contract violations already logged, by `ViolationClause::ALL` index.
-    violations_logged: [u64; ViolationClause::ALL.len()],
-    /// `Metrics::illegal_transitions` already logged.
-    illegal_transitions_logged: u64,
-    /// The plugin event behind the latest violation of each clause, when one was (by the same index).
-    violation_sites: [Option<ViolationSite>; ViolationClause::ALL.len()],
+    /// Plugin contract violations reported by the core and not yet logged.
+    violation_log: violations::ViolationLog,
     /// After a stall: deadlines are acted on only from this instant (see `driver.stall_catch_up_ms`).
     catch_up_until: Option<Instant>,
-}
-
-/// Where a violation came from: the plugin, the event and the room its transfer belongs to.
-#[derive(Clone, Debug)]
-struct ViolationSite {
-    plugin: String,
-    kind: &'static str,
-    xfer: u64,
-    room: Option<(RoomKey, Role)>,
-}
-
-#[derive(Clone, Copy, Debug, Default)]
-struct RoomClock {
-    first_seen: Nanos,
-    transfer_started: Option<Nanos>,
 }
 
 impl Driver {
@@ -150,7 +112,7 @@ impl Driver {
         let slots = parts.plugins.len();
         let instances = parts.plugins.iter().map(|p| instances::Instance::new(p.name(), 1, plugin_setup::plugin_config_text_of(&parts.config.plugins, p.name()), p.origin().to_string())).collect();
         let admin = &parts.config.admin;
-        let stuck = stuck::StuckQueues::new(&admin.stuck_room_warn_ms, admin.stuck_room_warn_lines_per_s, Nanos(0));
+        let stuck = stuck::StuckQueues::new(&admin.stuck_room_warn_ms, admin.stuck_room_warn_lines_per_s, At::ZERO);
         Driver {
             core: parts.core,
             origin: Instant::now(),
@@ -183,20 +145,17 @@ impl Driver {
             watch: parts.watch,
             metrics: parts.metrics,
             feedback: VecDeque::new(),
-            room_clock: Default::default(),
             stuck,
-            violations_logged: [0; ViolationClause::ALL.len()],
-            illegal_transitions_logged: 0,
-            violation_sites: Default::default(),
+            violation_log: Default::default(),
             catch_up_until: None,
         }
     }
 
-    fn now(&self) -> Nanos {
-        Nanos(self.origin.elapsed().as_nanos() as u64)
+    fn now(&self) -> At {
+        At(self.origin.elapsed().as_nanos() as u64)
     }
 
-    fn instant_of(&self, at: Nanos) -> Instant {
+    fn instant_of(&self, at: At) -> Instant {
         self.origin + Duration::from_nanos(at.0)
     }
 
@@ -318,26 +277,10 @@ impl Driver {
         self.feed_plugin_event(slot, &event);
     }
 
-    /// Hand a plugin event to the core, noting which event a violation it counts came from.
+    /// Hand a plugin event to the core (a violation it finds comes back as a command).
     fn feed_plugin_event(&mut self, slot: PluginSlot, event: &Event) {
-        let before = self.core.metrics().violations;
         let now = self.now();
         self.core.handle_plugin_event(now, slot, event);
-        let after = &self.core.metrics().violations;
-        if *after == before {
-            return;
-        }
-        let site = ViolationSite {
-            plugin: self.plugin_name(slot).to_string(),
-            kind: event.kind.as_str(),
-            xfer: event.xfer.0,
-            room: self.core.room_of_xfer(event.xfer),
-        };
-        for (i, (a, b)) in after.iter().zip(before.iter()).enumerate() {
-            if a != b {
-                self.violation_sites[i] = Some(site.clone());
-            }
-        }
     }
 
     /// Executes every pending command, feeding synchronous plugin refusals back, until quiet, and
@@ -359,59 +302,6 @@ impl Driver {
                 None => break,
             }
         }
-    }
-
-    /// One warning per clause for the plugin contract violations the core counted since the last
-    /// call (the core counts them in `kvgate_plugin_contract_violations_total`; the log says so too).
-    /// Called from housekeeping, so a plugin flooding bad events costs at most one line per clause
-    /// each `HOUSEKEEPING_INTERVAL_MS`, never one per event.
-    fn log_new_violations(&mut self) {
-        let metrics = self.core.metrics();
-        if metrics.illegal_transitions != self.illegal_transitions_logged {
-            let new = metrics.illegal_transitions - self.illegal_transitions_logged;
-            let latest = metrics.latest_illegal_transition.map(|t| t.to_string()).unwrap_or_default();
-            tracing::error!(new, total = metrics.illegal_transitions, latest = %latest, "core transition table refused an input (a kvgate bug; the room kept its state)");
-            self.illegal_transitions_logged = metrics.illegal_transitions;
-        }
-        if metrics.violations_total() == self.violations_logged.iter().sum::<u64>() {
-            return;
-        }
-        for (i, clause) in ViolationClause::ALL.iter().enumerate() {
-            let (total, logged) = (metrics.violation(*clause), self.violations_logged[i]);
-            if total == logged {
-                continue;
-            }
-            let site = self.violation_sites[i].take().or_else(|| self.silent_site(*clause));
-            match site {
-                Some(site) => {
-                    let (room, role) = match site.room {
-                        Some((key, role)) => (key.to_string(), role.as_str()),
-                        None => ("-".to_string(), "-"),
-                    };
-                    tracing::warn!(
-                        clause = clause.as_str(), new = total - logged, total, plugin = %site.plugin, event = site.kind,
-                        xfer = site.xfer, room = %room, role, "plugin contract violation (the latest named)"
-                    );
-                }
-                None => tracing::warn!(clause = clause.as_str(), new = total - logged, total, "plugin contract violation"),
-            }
-            self.violations_logged[i] = total;
-        }
-    }
-
-    /// For `plugin_silent`, which the core finds on a timer rather than in a plugin event: the latest
-    /// transfer it forced failed, named like an event's site.
-    fn silent_site(&self, clause: ViolationClause) -> Option<ViolationSite> {
-        if clause != ViolationClause::PluginSilent {
-            return None;
-        }
-        let silent = self.core.latest_silent_transfer()?;
-        Some(ViolationSite {
-            plugin: silent.plugin.map_or("?", |slot| self.plugin_name(slot)).to_string(),
-            kind: "none",
-            xfer: silent.xfer.0,
-            room: Some((silent.room, silent.role)),
-        })
     }
 
     /// The wire name of the instance in `slot` (`shm`, `shm@2`).

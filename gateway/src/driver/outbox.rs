@@ -7,7 +7,7 @@
 //! makes a frame fragment; one message larger than that leaves alone, fragmented as before. Order is
 //! kept: any other frame to the session sends the gathered messages first.
 
-use crate::peer_link::PeerSender;
+use crate::channels::PeerSender;
 use kvgate_client::proto::{self, peer_frame::Frame};
 use prost::Message;
 
@@ -97,7 +97,7 @@ mod tests {
     #[test]
     fn messages_leave_together_at_flush_in_order_and_one_alone_as_a_core_frame() {
         let (tx, mut rx) = lanes::channels(64);
-        let sender = PeerSender::for_tests(tx);
+        let sender = PeerSender::new(tx);
         let mut outbox = Outbox::new(true, 256 << 10);
         for room in 1..=5 {
             outbox.push(&sender, message(room));
@@ -122,7 +122,7 @@ mod tests {
         // Exactly four fields fit: one frame. One byte less: the fourth starts a second batch.
         for (bound, frames) in [(4 * field, 1), (4 * field - 1, 2)] {
             let (tx, mut rx) = lanes::channels(64);
-            let sender = PeerSender::for_tests(tx);
+            let sender = PeerSender::new(tx);
             let mut outbox = Outbox::new(true, bound as u64);
             for room in 1..=4 {
                 outbox.push(&sender, message(room));
@@ -142,7 +142,7 @@ mod tests {
     #[test]
     fn without_batching_every_message_leaves_at_once() {
         let (tx, mut rx) = lanes::channels(64);
-        let sender = PeerSender::for_tests(tx);
+        let sender = PeerSender::new(tx);
         let mut outbox = Outbox::new(false, 256 << 10);
         outbox.push(&sender, message(1));
         outbox.push(&sender, message(2));

@@ -12,7 +12,8 @@
 
 use super::instances::plugin_of;
 use super::Driver;
-use crate::peer_link::{dials, SessionId};
+use crate::channels::SessionId;
+use crate::peer_link::dials;
 use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, scope, PeerId};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use kvgate_core::{PeerPlugin, PluginSlot};

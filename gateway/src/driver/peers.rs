@@ -5,7 +5,8 @@
 //! without blocking (`PeerSender::send`).
 
 use super::Driver;
-use crate::peer_link::{codec, PeerEvent, PeerSender, SessionId};
+use crate::channels::{LinkEnd, PeerEvent, PeerSender, SessionId};
+use crate::peer_link::codec;
 use kvgate_abi::{PeerId, RemoteKey};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use crate::metrics::GatewayMetrics;
@@ -195,10 +196,10 @@ impl Driver {
         match event {
             PeerEvent::Up { name, session, hello, sender } => self.peer_up(name, session, hello, sender),
             PeerEvent::Frame { session, frame } => self.peer_frame(session, frame),
-            PeerEvent::Lost { name, session, reason, detail } => {
-                let cause = match reason {
-                    "peer_restarted" => PeerLoss::Restarted,
-                    _ if detail.starts_with("no frame for") => PeerLoss::HeartbeatTimeout,
+            PeerEvent::Lost { name, session, end } => {
+                let cause = match end {
+                    LinkEnd::Restarted => PeerLoss::Restarted,
+                    LinkEnd::HeartbeatTimeout => PeerLoss::HeartbeatTimeout,
                     _ => PeerLoss::LinkClosed,
                 };
                 self.peer_lost(&name, session, cause);
@@ -284,7 +285,7 @@ impl Driver {
 
     /// One core message from a live session, to the core (a message that does not decode is counted
     /// and dropped: the room it was for ends on its own deadline).
-    fn peer_core_message(&mut self, now: kvgate_core::Nanos, session: SessionId, message: proto::CoreMessage) {
+    fn peer_core_message(&mut self, now: kvgate_core::At, session: SessionId, message: proto::CoreMessage) {
         let Some(state) = self.peers.by_session.get(&session) else { return };
         let decoded = codec::decode_in(message, codec::InstanceNames { own: &self.plugin_names, partner: &state.partner_by_slot });
         match decoded {
@@ -350,7 +351,7 @@ impl Driver {
 
     /// For an outcome message (`Quiesced`, `RoomFailed`) about a room bound to an earlier session of
     /// the same peer process: that session's peer id, under which the core knows the room.
-    fn outcome_addressee(&self, now: kvgate_core::Nanos, session: SessionId, message: &PeerMessage) -> Option<PeerId> {
+    fn outcome_addressee(&self, now: kvgate_core::At, session: SessionId, message: &PeerMessage) -> Option<PeerId> {
         let role = match message {
             PeerMessage::Quiesced { .. } => Role::Receiver,
             PeerMessage::RoomFailed { to, .. } => *to,

@@ -2,7 +2,8 @@
 //! plugin that serves its kind, telling the core, and announcing its remote keys to peers. Never
 //! copies or reads the bytes; the mapping only gives plugins an address.
 
-use super::{ApiError, Driver, MemorySpec, Registered};
+use super::Driver;
+use crate::channels::{ApiError, MemorySpec, Registered};
 use kvgate_abi::{abi_stable::std_types::{RResult, RString, RVec}, LocalKey, MemoryKind, RegionDesc};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use kvgate_core::{PluginSlot, RegionId, RegionInfo};

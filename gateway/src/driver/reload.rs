@@ -10,41 +10,17 @@
 
 use super::instances::{Instance, InstanceState};
 use super::Driver;
+use crate::channels::admin::unix_ms;
+pub use crate::channels::ReloadOutcome;
 use crate::config::{PluginsSection, MAX_PLUGIN_INSTANCES};
 use crate::plugin_setup;
 use kvgate_abi::PeerId;
 use kvgate_client::proto::peer_frame::Frame;
 use kvgate_core::{PeerPlugin, PluginSlot, RoomState};
 use kvgate_host::OpenedPlugin;
-use serde::Serialize;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// What a reload did, or why it did nothing.
-#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
-pub struct ReloadOutcome {
-    pub applied: bool,
-    /// Why it was refused (empty when applied).
-    pub error: String,
-    /// Wire names of the instances opened, kept and retired.
-    pub opened: Vec<String>,
-    pub kept: Vec<String>,
-    pub retired: Vec<String>,
-    pub preference: Vec<String>,
-    /// Milliseconds since the Unix epoch.
-    pub at_unix_ms: u64,
-}
-
-impl ReloadOutcome {
-    pub fn refused(error: String) -> ReloadOutcome {
-        ReloadOutcome { error, at_unix_ms: unix_ms(), ..Default::default() }
-    }
-}
-
-fn unix_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
 
 /// A file's (device, inode): a library rebuilt in place at a mapped path has another.
 pub type FileIdentity = (u64, u64);

@@ -3,23 +3,9 @@
 //! `engine_lost`), and releasing an ended session's regions as soon as no room holds them. Every end
 //! is logged with what it did.
 
-use super::{ApiError, Driver};
-use kvgate_client::proto;
-use kvgate_core::Nanos;
-
-/// What ending a session did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SessionEnd {
-    pub rooms_ended: u32,
-    pub regions_released: u32,
-    pub regions_pending: u32,
-}
-
-impl From<SessionEnd> for proto::CloseSessionReply {
-    fn from(end: SessionEnd) -> Self {
-        proto::CloseSessionReply { rooms_ended: end.rooms_ended, regions_released: end.regions_released, regions_pending: end.regions_pending }
-    }
-}
+use super::Driver;
+use crate::channels::{ApiError, SessionEnd};
+use kvgate_core::Span;
 
 /// Longest session name.
 pub const MAX_SESSION_NAME_BYTES: usize = 128;
@@ -70,7 +56,7 @@ impl Driver {
     }
 
     pub(super) fn end_expired_sessions(&mut self) {
-        let grace = Nanos::from_ms(self.config.engine_api.session_grace_ms);
+        let grace = Span::from_ms(self.config.engine_api.session_grace_ms);
         for id in self.sessions.expired(self.now(), grace) {
             self.end_session(id, "no Watch stream open for engine_api.session_grace_ms");
         }

@@ -5,7 +5,7 @@
 //! told) and its regions are released once no room holds them. An engine that opens the same name
 //! again within the grace resumes the session. Plain bookkeeping: the driver acts on what it returns.
 
-use kvgate_core::{Nanos, Role, RoomKey};
+use kvgate_core::{At, Role, RoomKey, Span};
 use std::collections::BTreeSet;
 // Keyed by engine-chosen room ids, touched on every room: foldhash (randomly seeded).
 use foldhash::{HashMap, HashSet};
@@ -20,7 +20,7 @@ pub struct Session {
     /// Open `Watch` streams of the session.
     attached: u32,
     /// Since when no stream is open (a new session starts detached: it must attach within the grace).
-    detached_at: Option<Nanos>,
+    detached_at: Option<At>,
 }
 
 /// Why a session call was refused (reason code, message).
@@ -35,7 +35,7 @@ pub struct Sessions {
 
 impl Sessions {
     /// Open `name`, or resume it when it exists and has no stream open. Returns `(id, resumed)`.
-    pub fn open(&mut self, name: &str, now: Nanos, max_sessions: u64) -> Result<(u64, bool), SessionRefusal> {
+    pub fn open(&mut self, name: &str, now: At, max_sessions: u64) -> Result<(u64, bool), SessionRefusal> {
         if let Some(&id) = self.by_name.get(name) {
             let session = self.by_id.get_mut(&id).expect("by_name names held sessions");
             if session.attached > 0 {
@@ -81,7 +81,7 @@ impl Sessions {
         Ok(())
     }
 
-    pub fn detach(&mut self, id: u64, now: Nanos) {
+    pub fn detach(&mut self, id: u64, now: At) {
         if let Some(session) = self.by_id.get_mut(&id) {
             session.attached = session.attached.saturating_sub(1);
             if session.attached == 0 {
@@ -121,9 +121,9 @@ impl Sessions {
     }
 
     /// Sessions detached for longer than `grace`.
-    pub fn expired(&self, now: Nanos, grace: Nanos) -> Vec<u64> {
+    pub fn expired(&self, now: At, grace: Span) -> Vec<u64> {
         let mut ids: Vec<u64> =
-            self.by_id.iter().filter(|(_, s)| s.detached_at.is_some_and(|at| now.saturating_sub(at) > grace)).map(|(id, _)| *id).collect();
+            self.by_id.iter().filter(|(_, s)| s.detached_at.is_some_and(|at| now.saturating_since(at) > grace)).map(|(id, _)| *id).collect();
         ids.sort();
         ids
     }
@@ -148,51 +148,51 @@ impl Sessions {
 mod tests {
     use super::*;
 
-    const GRACE: Nanos = Nanos(1_000);
+    const GRACE: Span = Span(1_000);
 
     #[test]
     fn a_session_must_attach_within_its_grace_and_ends_a_grace_after_its_last_stream_closes() {
         let mut s = Sessions::default();
-        let (id, resumed) = s.open("prefill-rank-3", Nanos(0), 8).unwrap();
+        let (id, resumed) = s.open("prefill-rank-3", At(0), 8).unwrap();
         assert!(!resumed);
-        assert!(s.expired(Nanos(1_000), GRACE).is_empty(), "at the grace it is still open");
-        assert_eq!(s.expired(Nanos(1_001), GRACE), [id], "just past it, it has ended");
+        assert!(s.expired(At(1_000), GRACE).is_empty(), "at the grace it is still open");
+        assert_eq!(s.expired(At(1_001), GRACE), [id], "just past it, it has ended");
         s.attach(id).unwrap();
         s.attach(id).unwrap();
-        s.detach(id, Nanos(5_000));
-        assert!(s.expired(Nanos(100_000), GRACE).is_empty(), "one stream still open");
-        s.detach(id, Nanos(6_000));
-        assert!(s.expired(Nanos(7_000), GRACE).is_empty());
-        assert_eq!(s.expired(Nanos(7_001), GRACE), [id]);
+        s.detach(id, At(5_000));
+        assert!(s.expired(At(100_000), GRACE).is_empty(), "one stream still open");
+        s.detach(id, At(6_000));
+        assert!(s.expired(At(7_000), GRACE).is_empty());
+        assert_eq!(s.expired(At(7_001), GRACE), [id]);
     }
 
     #[test]
     fn the_same_name_resumes_a_detached_session_and_is_refused_while_attached() {
         let mut s = Sessions::default();
-        let (id, _) = s.open("decode-0", Nanos(0), 8).unwrap();
+        let (id, _) = s.open("decode-0", At(0), 8).unwrap();
         s.own_region(id, 4);
         s.attach(id).unwrap();
-        assert_eq!(s.open("decode-0", Nanos(1), 8).unwrap_err().0, "session_in_use");
-        s.detach(id, Nanos(10));
-        assert_eq!(s.open("decode-0", Nanos(500), 8).unwrap(), (id, true));
+        assert_eq!(s.open("decode-0", At(1), 8).unwrap_err().0, "session_in_use");
+        s.detach(id, At(10));
+        assert_eq!(s.open("decode-0", At(500), 8).unwrap(), (id, true));
         // Resuming restarts the grace.
-        assert!(s.expired(Nanos(1_400), GRACE).is_empty());
+        assert!(s.expired(At(1_400), GRACE).is_empty());
         let ended = s.end(id).unwrap();
         assert_eq!(ended.regions.into_iter().collect::<Vec<_>>(), [4]);
         assert_eq!(s.check(id).unwrap_err().0, "unknown_session");
-        assert!(!s.open("decode-0", Nanos(2_000), 8).unwrap().1, "a fresh session after the end");
+        assert!(!s.open("decode-0", At(2_000), 8).unwrap().1, "a fresh session after the end");
     }
 
     #[test]
     fn rooms_leave_their_session_when_reusable_and_the_session_count_is_bounded() {
         let mut s = Sessions::default();
-        let (id, _) = s.open("a", Nanos(0), 2).unwrap();
+        let (id, _) = s.open("a", At(0), 2).unwrap();
         let room = RoomKey::new(9, 1);
         s.own_room(id, room, Role::Sender);
         s.own_room(id, RoomKey::new(10, 0), Role::Receiver);
         s.room_reusable(room, Role::Sender);
-        let (b, _) = s.open("b", Nanos(0), 2).unwrap();
-        assert_eq!(s.open("c", Nanos(0), 2).unwrap_err().0, "too_many_sessions");
+        let (b, _) = s.open("b", At(0), 2).unwrap();
+        assert_eq!(s.open("c", At(0), 2).unwrap_err().0, "too_many_sessions");
         assert_eq!(s.count(), 2);
         let ended = s.end(id).unwrap();
         assert_eq!(ended.rooms.into_iter().collect::<Vec<_>>(), [(RoomKey::new(10, 0), Role::Receiver)]);

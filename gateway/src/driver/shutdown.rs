@@ -4,7 +4,8 @@
 //! Never returns with a room live or a region still mapped.
 
 use super::reload;
-use super::{ApiError, Driver, DriverInput, EngineCall, PluginEventMsg};
+use super::Driver;
+use crate::channels::{ApiError, DriverInput, EngineCall, PluginEventMsg};
 use kvgate_core::{EngineRequest, RoomKey, RoomState};
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -7,13 +7,13 @@
 //! driver a few lines per tick, not thousands (each line is formatted and written on this thread).
 
 use super::Driver;
-use kvgate_core::{Nanos, Role, RoomKey};
+use kvgate_core::{At, Role, RoomKey, Span};
 use std::collections::VecDeque;
 
 /// The per-age FIFOs of `(first_seen, room, role)`, and the ration of warning lines.
 pub struct StuckQueues {
     ages_ms: Vec<u64>,
-    queues: Vec<VecDeque<(Nanos, RoomKey, Role)>>,
+    queues: Vec<VecDeque<(At, RoomKey, Role)>>,
     lines: LineRation,
 }
 
@@ -22,17 +22,17 @@ pub struct StuckQueues {
 struct LineRation {
     per_s: u64,
     milli_lines: u64,
-    refilled_at: Nanos,
+    refilled_at: At,
 }
 
 impl LineRation {
-    fn new(per_s: u64, now: Nanos) -> LineRation {
+    fn new(per_s: u64, now: At) -> LineRation {
         LineRation { per_s, milli_lines: per_s.saturating_mul(1000), refilled_at: now }
     }
 
-    fn refill(&mut self, now: Nanos) {
-        let elapsed_ms = now.saturating_sub(self.refilled_at).0 / 1_000_000;
-        self.refilled_at = self.refilled_at.saturating_add(Nanos::from_ms(elapsed_ms));
+    fn refill(&mut self, now: At) {
+        let elapsed_ms = now.saturating_since(self.refilled_at).0 / 1_000_000;
+        self.refilled_at = self.refilled_at.saturating_add(Span::from_ms(elapsed_ms));
         let full = self.per_s.saturating_mul(1000);
         self.milli_lines = self.milli_lines.saturating_add(elapsed_ms.saturating_mul(self.per_s)).min(full);
     }
@@ -48,7 +48,7 @@ impl LineRation {
 }
 
 impl StuckQueues {
-    pub fn new(ages_ms: &[u64], lines_per_s: u64, now: Nanos) -> StuckQueues {
+    pub fn new(ages_ms: &[u64], lines_per_s: u64, now: At) -> StuckQueues {
         StuckQueues {
             ages_ms: ages_ms.to_vec(),
             queues: ages_ms.iter().map(|_| VecDeque::new()).collect(),
@@ -57,7 +57,7 @@ impl StuckQueues {
     }
 
     /// A room the driver sees for the first time.
-    pub fn track(&mut self, first_seen: Nanos, room: RoomKey, role: Role) {
+    pub fn track(&mut self, first_seen: At, room: RoomKey, role: Role) {
         if let Some(first) = self.queues.first_mut() {
             first.push_back((first_seen, room, role));
         }
@@ -69,8 +69,8 @@ impl StuckQueues {
         self.queues.iter().map(VecDeque::len).sum()
     }
 
-    fn pop_due(&mut self, level: usize, now: Nanos) -> Option<(Nanos, RoomKey, Role)> {
-        let due = |first_seen: Nanos| first_seen.saturating_add(Nanos::from_ms(self.ages_ms[level])) <= now;
+    fn pop_due(&mut self, level: usize, now: At) -> Option<(At, RoomKey, Role)> {
+        let due = |first_seen: At| first_seen.saturating_add(Span::from_ms(self.ages_ms[level])) <= now;
         match self.queues[level].front() {
             Some(&(first_seen, _, _)) if due(first_seen) => self.queues[level].pop_front(),
             _ => None,
@@ -89,8 +89,9 @@ impl Driver {
             let age_ms = self.stuck.ages_ms[level];
             let (mut found, mut unnamed) = (0u64, 0u64);
             while let Some((first_seen, room, role)) = self.stuck.pop_due(level, now) {
-                let same_room = self.room_clock.get(&(room, role)).is_some_and(|c| c.first_seen == first_seen);
-                let Some(view) = self.core.room(now, room, role).filter(|v| same_room && !v.state.is_terminal()) else { continue };
+                // The room opened at `first_seen`, not a later one under the same key.
+                let same_room = |age: Span| now.saturating_sub(age) == first_seen;
+                let Some(view) = self.core.room(now, room, role).filter(|v| same_room(v.age) && !v.state.is_terminal()) else { continue };
                 found += 1;
                 if self.stuck.lines.take() {
                     let peer = view.peer.and_then(|p| self.peers.name_of(p)).unwrap_or("-");
@@ -125,16 +126,16 @@ mod tests {
 
     #[test]
     fn entries_come_due_in_order_and_only_when_their_age_is_reached() {
-        let mut q = StuckQueues::new(&[100, 1000], 100, Nanos(0));
+        let mut q = StuckQueues::new(&[100, 1000], 100, At(0));
         for i in 0..3u64 {
-            q.track(Nanos::from_ms(i * 10), RoomKey::new(i, 0), Role::Receiver);
+            q.track(At::from_origin(Span::from_ms(i * 10)), RoomKey::new(i, 0), Role::Receiver);
         }
-        assert_eq!(q.pop_due(0, Nanos::from_ms(99)), None, "nothing is due before its age");
-        assert_eq!(q.pop_due(0, Nanos::from_ms(100)).map(|e| e.1), Some(RoomKey::new(0, 0)));
-        assert_eq!(q.pop_due(0, Nanos::from_ms(100)), None, "the next one is due at 110 ms");
-        assert_eq!(q.pop_due(0, Nanos::from_ms(200)).map(|e| e.1), Some(RoomKey::new(1, 0)));
+        assert_eq!(q.pop_due(0, At::from_origin(Span::from_ms(99))), None, "nothing is due before its age");
+        assert_eq!(q.pop_due(0, At::from_origin(Span::from_ms(100))).map(|e| e.1), Some(RoomKey::new(0, 0)));
+        assert_eq!(q.pop_due(0, At::from_origin(Span::from_ms(100))), None, "the next one is due at 110 ms");
+        assert_eq!(q.pop_due(0, At::from_origin(Span::from_ms(200))).map(|e| e.1), Some(RoomKey::new(1, 0)));
         assert_eq!(q.len(), 1);
-        let empty = StuckQueues::new(&[], 100, Nanos(0));
+        let empty = StuckQueues::new(&[], 100, At(0));
         assert_eq!(empty.len(), 0);
     }
 
@@ -144,29 +145,29 @@ mod tests {
 
     #[test]
     fn the_line_ration_allows_one_second_of_lines_at_once_and_refills_by_the_millisecond() {
-        let mut ration = LineRation::new(100, Nanos(0));
+        let mut ration = LineRation::new(100, At(0));
         assert_eq!(lines_taken(&mut ration), 100, "a full second's worth at the start");
-        ration.refill(Nanos::from_ms(9));
+        ration.refill(At::from_origin(Span::from_ms(9)));
         assert_eq!(lines_taken(&mut ration), 0, "9 ms at 100/s is 0.9 of a line");
-        ration.refill(Nanos::from_ms(10));
+        ration.refill(At::from_origin(Span::from_ms(10)));
         assert_eq!(lines_taken(&mut ration), 1, "the tenth millisecond completes a line");
-        ration.refill(Nanos::from_ms(250));
+        ration.refill(At::from_origin(Span::from_ms(250)));
         assert_eq!(lines_taken(&mut ration), 24, "240 ms more at 100/s");
-        ration.refill(Nanos::from_ms(3_600_000));
+        ration.refill(At::from_origin(Span::from_ms(3_600_000)));
         assert_eq!(lines_taken(&mut ration), 100, "an idle hour saves up one second's worth, no more");
-        ration.refill(Nanos::from_ms(3_600_000).saturating_add(Nanos(999_999)));
+        ration.refill(At::from_origin(Span::from_ms(3_600_000)).saturating_add(Span(999_999)));
         assert_eq!(lines_taken(&mut ration), 0, "under a millisecond adds nothing yet");
     }
 
     #[test]
     fn the_line_ration_at_its_bounds() {
-        let mut none = LineRation::new(0, Nanos(0));
-        none.refill(Nanos::from_ms(10_000));
+        let mut none = LineRation::new(0, At(0));
+        none.refill(At::from_origin(Span::from_ms(10_000)));
         assert_eq!(lines_taken(&mut none), 0, "0 lines a second: every room goes to the summary line");
         let max = crate::config::MAX_STUCK_ROOM_WARN_LINES_PER_S;
-        let mut most = LineRation::new(max, Nanos(0));
+        let mut most = LineRation::new(max, At(0));
         assert_eq!(lines_taken(&mut most), max);
-        most.refill(Nanos(u64::MAX));
+        most.refill(At(u64::MAX));
         assert_eq!(lines_taken(&mut most), max, "no overflow at the largest rate and clock");
     }
 }

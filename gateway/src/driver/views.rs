@@ -4,84 +4,10 @@
 
 use super::peers::Peers;
 use super::Driver;
+use crate::channels::{AdminSnapshot, PeerStatus, PluginStatus, RoomJson};
 use kvgate_client::proto;
-use kvgate_core::{Metrics, Nanos, RoomState, RoomView};
+use kvgate_core::{RoomState, RoomView, Span};
 use kvgate_host::OpenedPlugin;
-use serde::Serialize;
-
-/// One non-terminal room in `/rooms`.
-#[derive(Clone, Debug, Serialize)]
-pub struct RoomJson {
-    pub room: u64,
-    pub generation: u32,
-    pub role: &'static str,
-    pub state: &'static str,
-    pub age_ms: u64,
-    pub peer: String,
-    /// The wire name of the plugin instance carrying the room (`shm`, `shm@2`).
-    pub plugin: String,
-    /// That instance's generation (0 before one was chosen).
-    pub plugin_generation: u32,
-    pub last_event: String,
-    pub last_event_age_ms: u64,
-    pub parts: u32,
-    pub parts_done: u32,
-    pub bytes_total: u64,
-    pub bytes_done: u64,
-}
-
-/// One line of `/plugins`.
-#[derive(Clone, Debug, Serialize)]
-pub struct PluginStatus {
-    pub name: String,
-    /// For an opened instance: its generation (1 for the first, one more per reload that reopened
-    /// it) and its wire name; 0 and empty for a plugin with no instance.
-    pub generation: u32,
-    pub wire_name: String,
-    /// `active`, `draining` (retired by a reload, finishing what it holds), `closed`; empty for a
-    /// plugin with no instance.
-    pub state: String,
-    /// `builtin` or the library path.
-    pub origin: String,
-    /// `opened`, `unavailable`, `open_failed`, `load_failed`, `not_opened` (not in plugins.preference),
-    /// or `unhealthy` once a worker died.
-    pub status: String,
-    pub reason: String,
-    pub abi_version: Option<u32>,
-    pub version: String,
-    pub memory_kinds: Vec<&'static str>,
-    pub scope: Vec<&'static str>,
-    pub max_inflight_transfers: u64,
-    pub max_segments_per_submit: u64,
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct PeerStatus {
-    pub name: String,
-    /// Empty for a discovered peer whose record is withdrawn (its link may still be up).
-    pub address: String,
-    pub up: bool,
-    /// `static` (`[[peers]]`) or `etcd` (discovery).
-    pub source: &'static str,
-}
-
-/// Everything the admin listener shows, taken in one driver turn.
-#[derive(Clone, Debug)]
-pub struct AdminSnapshot {
-    pub now: Nanos,
-    pub metrics: Metrics,
-    pub rooms: Vec<RoomJson>,
-    pub plugins: Vec<PluginStatus>,
-    pub peers: Vec<PeerStatus>,
-    /// `peer_link.auth` in force (`psk`, `tls` or `none`).
-    pub peer_link_auth: &'static str,
-    /// Empty when healthy; otherwise one line per problem.
-    pub problems: Vec<String>,
-    /// The latest plugin reload's outcome, if there was one.
-    pub last_reload: Option<super::reload::ReloadOutcome>,
-    /// What an operator should know that does not make the gateway unhealthy (e.g. no peer is up).
-    pub warnings: Vec<String>,
-}
 
 pub fn peer_name(peers: &Peers, view: &RoomView) -> String {
     view.peer.and_then(|p| peers.name_of(p)).map(str::to_string).unwrap_or_default()
@@ -119,9 +45,9 @@ impl Driver {
             }
             if let Some(deadline) = view.next_deadline {
                 // A room past its own next deadline by more than the plugin grace is overdue.
-                let grace = Nanos::from_ms(self.config.scheduler.plugin_grace_ms + super::HOUSEKEEPING_INTERVAL_MS);
+                let grace = Span::from_ms(self.config.scheduler.plugin_grace_ms + super::HOUSEKEEPING_INTERVAL_MS);
                 if now > deadline.saturating_add(grace) {
-                    problems.push(format!("room {} ({}) outlived its deadline by {} ms", view.room, view.role.as_str(), now.saturating_sub(deadline).as_ms()));
+                    problems.push(format!("room {} ({}) outlived its deadline by {} ms", view.room, view.role.as_str(), now.saturating_since(deadline).as_ms()));
                 }
             }
             rooms.push(RoomJson {
@@ -162,7 +88,7 @@ impl Driver {
         let metrics = self.core.metrics().clone();
         let quarantined = RoomState::Quarantined.index();
         if let Some(entered) = metrics.oldest_entered_by_state[quarantined] {
-            let (age_ms, limit_ms) = (now.saturating_sub(entered).as_ms(), self.config.admin.quarantine_unhealthy_ms);
+            let (age_ms, limit_ms) = (now.saturating_since(entered).as_ms(), self.config.admin.quarantine_unhealthy_ms);
             if age_ms > limit_ms {
                 problems.push(format!(
                     "{} room(s) quarantined, the oldest for {age_ms} ms (admin.quarantine_unhealthy_ms = {limit_ms}): no word yet that nothing can land in their memory",

@@ -3,7 +3,7 @@
 //! Never decides anything the core decides.
 
 use crate::driver::sessions::SESSION_METADATA_KEY;
-use crate::driver::{ApiError, DriverInput, EngineCall, ExpectCall, MemorySpec, SendCall};
+use crate::channels::{ApiError, DriverInput, EngineCall, ExpectCall, MemorySpec, SendCall};
 use kvgate_client::proto::{self, engine_api_server::EngineApi, register_memory_request::Memory};
 use kvgate_core::{RegionId, RoomKey, Slice};
 use std::pin::Pin;
@@ -107,9 +107,8 @@ fn expect_call(r: proto::ExpectRequest, session: Option<u64>) -> Result<ExpectCa
         return Err(ApiError::invalid("unknown_part", format!("{} part_peers for {} parts", r.part_peers.len(), r.parts.len())));
     }
     let parts = r.parts.into_iter().map(|p| slices(p.slices)).collect();
-    let timeout_ms = (r.deadline_ms > 0).then_some(r.deadline_ms);
     let room = RoomKey::new(key.room, key.generation);
-    Ok(ExpectCall { session, room, peer: r.peer, part_peers: r.part_peers, parts, source_kinds, timeout_ms })
+    Ok(ExpectCall { session, room, peer: r.peer, part_peers: r.part_peers, parts, source_kinds, timeout_ms: r.timeout_ms })
 }
 
 /// Held by a session's `Watch` stream: its end detaches the session (the driver then counts the grace).

@@ -10,7 +10,7 @@
 //! An event is built once and shared (`Arc`) by the log and the broadcast; each stream copies it
 //! once, when it hands it to tonic.
 
-use crate::driver::ApiError;
+use crate::channels::ApiError;
 use kvgate_client::proto;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -2,7 +2,7 @@
 //! undecodable frame is an error the driver counts and logs; it never guesses a missing field.
 
 use kvgate_client::proto::{self, core_message::Message as Wire};
-use kvgate_core::api::{FailReason, Nanos, PeerMessage, PluginSlot, RegionId, Role, RoomKey, Slice};
+use kvgate_core::api::{FailReason, PeerMessage, PluginSlot, RegionId, Role, RoomKey, Slice, Span};
 use kvgate_abi::Ticket;
 
 /// How one peer session names plugin instances: `own[slot]` is this gateway's wire name of each
@@ -26,7 +26,7 @@ pub fn encode_in(message: &PeerMessage, names: InstanceNames<'_>) -> proto::Core
     let plugin_names = names.own;
     let key = Some(proto::RoomKey { room: message.room().room, generation: message.room().generation });
     let body = match message {
-        PeerMessage::ExpectNotice { parts, tickets, plugins, deadline_remaining, .. } => Wire::ExpectNotice(proto::ExpectNotice {
+        PeerMessage::ExpectNotice { parts, tickets, plugins, timeout, .. } => Wire::ExpectNotice(proto::ExpectNotice {
             part_plugins: plugins.iter().map(|slot| plugin_names.get(slot.0 as usize).cloned().unwrap_or_default()).collect(),
             parts: parts
                 .iter()
@@ -35,7 +35,7 @@ pub fn encode_in(message: &PeerMessage, names: InstanceNames<'_>) -> proto::Core
                 })
                 .collect(),
             tickets: tickets.iter().map(|t| t.0).collect(),
-            deadline_remaining_ns: deadline_remaining.0,
+            timeout_ns: timeout.0,
             // Only once a reload made the two sides' names differ: until then the wire is as before.
             part_sender_plugins: match plugins.iter().any(|slot| names.partner.get(slot.0 as usize).is_some_and(|p| Some(p) != plugin_names.get(slot.0 as usize))) {
                 false => Vec::new(),
@@ -123,7 +123,7 @@ pub fn decode_in(message: proto::CoreMessage, names: InstanceNames<'_>) -> Resul
                 .map(|p| p.slices.into_iter().map(|s| Slice::new(RegionId(s.region), s.offset, s.len)).collect())
                 .collect(),
             tickets: n.tickets.into_iter().map(Ticket).collect(),
-            deadline_remaining: Nanos(n.deadline_remaining_ns),
+            timeout: Span(n.timeout_ns),
         },
         Wire::Matched(_) => PeerMessage::Matched { room },
         Wire::PartDone(d) => PeerMessage::PartDone { room, part: d.part, bytes: d.bytes },
@@ -152,7 +152,7 @@ mod tests {
                 tickets: (0..parts.len()).map(|_| Ticket(u64::MAX)).collect(),
                 plugins: (0..parts.len()).map(|p| PluginSlot(p as u32 % 2)).collect(),
                 parts: parts.clone(),
-                deadline_remaining: Nanos(u64::MAX),
+                timeout: Span::MAX,
             };
             // After a reload: the sender's instances named too (the longest case).
             let partner = vec!["shm@2".to_string(), "a-plugin-with-a-long-name@2".to_string()];
@@ -176,7 +176,7 @@ mod tests {
                 parts: vec![vec![Slice::new(RegionId(1), 4096, 100), Slice::new(RegionId(2), 0, 5)], vec![]],
                 tickets: vec![Ticket(9), Ticket(10)],
                 plugins: vec![PluginSlot(1), PluginSlot(0)],
-                deadline_remaining: Nanos::from_ms(1234),
+                timeout: Span::from_ms(1234),
             },
             PeerMessage::Matched { room },
             PeerMessage::PartDone { room, part: 1, bytes: 1 << 40 },
@@ -197,7 +197,7 @@ mod tests {
             parts: vec![vec![Slice::new(RegionId(1), 0, 8)]],
             tickets: vec![Ticket(1)],
             plugins: vec![PluginSlot(1)],
-            deadline_remaining: Nanos::from_ms(1),
+            timeout: Span::from_ms(1),
         };
         let wire = encode(&message, &["shm".to_string(), "nvlink".to_string()]);
         let PeerMessage::ExpectNotice { plugins, .. } = decode(wire, &["shm".to_string(), "quic".to_string()]).unwrap() else { unreachable!() };
@@ -211,7 +211,7 @@ mod tests {
             parts: vec![vec![Slice::new(RegionId(1), 0, 8)], vec![Slice::new(RegionId(2), 0, 8)]],
             tickets: vec![Ticket(1), Ticket(2)],
             plugins: vec![PluginSlot(0), PluginSlot(1)],
-            deadline_remaining: Nanos::from_ms(1),
+            timeout: Span::from_ms(1),
         };
         // Receiver: slot 0 is its first shm (connected with the sender's shm@2), slot 1 its shm@3
         // (connected with the sender's first shm).

@@ -2,7 +2,7 @@
 //! Hellos (and, with `psk`, check the server's proof and answer its challenge), all within
 //! `connect_timeout_ms`. Never retries by itself (the peer task paces retries).
 
-use super::session::Session;
+use super::handshaken::Session;
 use super::{lanes, psk, sealed_stream, LinkAuth, LocalIdentity};
 use crate::config::{GatewayConfig, PeerEntry};
 use anyhow::{bail, Context};

@@ -3,7 +3,7 @@
 //! discovered peer's task starts (its first record) and ends (its record withdrawn and no session
 //! left); never decides that a live link is lost (heartbeats do).
 
-use super::session::Session;
+use super::handshaken::Session;
 use crate::config::PeerEntry;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};

@@ -9,14 +9,8 @@
 
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use prost::Message;
+use crate::channels::Outbound;
 use tokio::sync::mpsc;
-
-/// The sending halves of one link's lanes.
-#[derive(Clone, Debug)]
-pub struct Outbound {
-    pub bulk: mpsc::Sender<PeerFrame>,
-    pub urgent: mpsc::Sender<PeerFrame>,
-}
 
 /// The receiving halves, turned into the link's outbound stream by [`outbound_stream`].
 pub struct OutboundReceivers {
@@ -147,7 +141,7 @@ mod tests {
 
     fn core_frame(payload_bytes: usize) -> PeerFrame {
         let slices = (0..payload_bytes / 8).map(|i| proto::RemoteSlice { region: 1, offset: i as u64, len: 1 }).collect();
-        let notice = proto::ExpectNotice { parts: vec![proto::RemoteParts { slices }], tickets: vec![7], deadline_remaining_ns: 1, part_plugins: Vec::new(), ..Default::default() };
+        let notice = proto::ExpectNotice { parts: vec![proto::RemoteParts { slices }], tickets: vec![7], timeout_ns: 1, part_plugins: Vec::new(), ..Default::default() };
         let core = proto::CoreMessage {
             key: Some(proto::RoomKey { room: 9, generation: 1 }),
             message: Some(proto::core_message::Message::ExpectNotice(notice)),

@@ -6,6 +6,7 @@
 pub mod codec;
 mod dial;
 pub mod directory;
+mod handshaken;
 pub mod lanes;
 pub mod psk;
 mod server;
@@ -14,7 +15,6 @@ mod tls;
 
 pub use directory::{PeerDirectory, PeerSource, Upsert};
 pub use server::PeerLinkService;
-pub use session::{PeerEvent, PeerSender, SessionId};
 
 use crate::config::{GatewayConfig, PeerAuthMode, PeerEntry};
 use kvgate_client::proto::{self, PeerFrame};
@@ -157,7 +157,7 @@ pub fn dials(local_name: &str, peer: &str) -> bool {
 pub struct PeerLinks {
     config: Arc<GatewayConfig>,
     identity: Arc<LocalIdentity>,
-    events: mpsc::Sender<crate::driver::DriverInput>,
+    events: mpsc::Sender<crate::channels::DriverInput>,
     auth: LinkAuth,
     directory: Arc<PeerDirectory>,
 }
@@ -169,7 +169,7 @@ impl PeerLinks {
     pub fn start(
         config: Arc<GatewayConfig>,
         identity: Arc<LocalIdentity>,
-        events: mpsc::Sender<crate::driver::DriverInput>,
+        events: mpsc::Sender<crate::channels::DriverInput>,
         directory: Arc<PeerDirectory>,
         static_tasks: Vec<(String, directory::NewPeer)>,
     ) -> anyhow::Result<(PeerLinks, PeerLinkService)> {

@@ -4,7 +4,7 @@
 //! accepts an unknown peer (neither in `[[peers]]` nor discovered, or withdrawn from discovery), and
 //! logs every refusal with its reason.
 
-use super::session::Session;
+use super::handshaken::Session;
 use super::{lanes, psk, sealed_stream, LinkAuth, LocalIdentity, PeerDirectory};
 use crate::config::GatewayConfig;
 use kvgate_client::proto::{peer_frame::Frame, peer_link_server::PeerLink, PeerFrame};

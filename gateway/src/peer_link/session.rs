@@ -4,89 +4,18 @@
 //! session is left. Never blocks the driver: frames out go through a bounded queue whose overflow is
 //! itself a loss.
 
+use super::handshaken::Session;
 use super::{dial, LocalIdentity, PeerDirectory};
 use crate::config::{GatewayConfig, PeerEntry};
-use crate::driver::DriverInput;
+use crate::channels::{DriverInput, LinkEnd, PeerEvent, PeerSender};
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tonic::Streaming;
-
-/// A process-unique number for one session with one peer incarnation; the driver uses it as the
-/// plugin `PeerId`, so a reconnected or restarted peer is always a new peer to the core.
-pub type SessionId = u64;
 
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
-
-/// What the peer links tell the driver.
-#[derive(Debug)]
-pub enum PeerEvent {
-    /// A session is up: the peer's Hello and how to send to it.
-    Up { name: String, session: SessionId, hello: proto::Hello, sender: PeerSender },
-    /// A frame (not a heartbeat) from a live session, in order.
-    Frame { session: SessionId, frame: Frame },
-    /// The session ended (`reason` is a reason code: `peer_lost`, `peer_restarted`, ...).
-    Lost { name: String, session: SessionId, reason: &'static str, detail: String },
-}
-
-/// Sends frames to one session. `send` never waits: a full queue (the peer stopped reading) or a
-/// closed one (the link's stream ended) reports `false`, and the session task then declares the
-/// peer lost with that cause.
-#[derive(Clone, Debug)]
-pub struct PeerSender {
-    tx: super::lanes::Outbound,
-    failed: Arc<SendFailure>,
-}
-
-/// Why a send failed, for the session task's loss message.
-#[derive(Debug, Default)]
-struct SendFailure {
-    notify: tokio::sync::Notify,
-    closed: std::sync::atomic::AtomicBool,
-}
-
-impl PeerSender {
-    /// Queues `frame`: a heartbeat on the urgent lane, anything else on the bulk lane.
-    pub fn send(&self, frame: Frame) -> bool {
-        let lane = if matches!(frame, Frame::Heartbeat(_)) { &self.tx.urgent } else { &self.tx.bulk };
-        match lane.try_send(PeerFrame { frame: Some(frame), mac: Vec::new() }) {
-            Ok(()) => true,
-            Err(e) => {
-                if matches!(e, mpsc::error::TrySendError::Closed(_)) {
-                    self.failed.closed.store(true, Ordering::Relaxed);
-                }
-                self.failed.notify.notify_one();
-                false
-            }
-        }
-    }
-
-    /// A sender onto `lanes` alone (no session task watches its failures).
-    #[cfg(test)]
-    pub fn for_tests(lanes: super::lanes::Outbound) -> PeerSender {
-        PeerSender { tx: lanes, failed: Arc::default() }
-    }
-
-    fn loss_detail(&self) -> &'static str {
-        if self.failed.closed.load(Ordering::Relaxed) {
-            "the link's outbound stream closed"
-        } else {
-            "send queue full (peer_link.send_queue_frames; the peer stopped reading)"
-        }
-    }
-}
-
-/// A handshaken (and authenticated) link: the peer's hello, its inbound frames, our outbound queue
-/// and, with `peer_link.auth = "psk"`, the check of every inbound frame's MAC.
-pub struct Session {
-    pub hello: proto::Hello,
-    pub inbound: Streaming<PeerFrame>,
-    pub outbound: super::lanes::Outbound,
-    pub opener: Option<super::psk::FrameOpener>,
-}
 
 pub(super) struct PeerTask {
     pub config: Arc<GatewayConfig>,
@@ -177,8 +106,7 @@ impl PeerTask {
     async fn run_session(&mut self, mut session: Session) -> Option<Session> {
         let id = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
         let name = self.name.clone();
-        let failed = Arc::new(SendFailure::default());
-        let sender = PeerSender { tx: session.outbound.clone(), failed: failed.clone() };
+        let sender = PeerSender::new(session.outbound.clone());
         tracing::info!(peer = %name, session = id, incarnation = session.hello.incarnation, "peer link up");
         if self.events.send(DriverInput::Peer(PeerEvent::Up { name: name.clone(), session: id, hello: session.hello.clone(), sender: sender.clone() })).await.is_err() {
             return None;
@@ -191,7 +119,7 @@ impl PeerTask {
         let catch_up = Duration::from_millis(self.config.driver.stall_catch_up_ms);
         let mut joining = super::lanes::Reassembly::new(self.config.peer_link.max_frame_bytes);
         let mut replacement = None;
-        let (reason, detail): (&'static str, String) = loop {
+        let (end, detail): (LinkEnd, String) = loop {
             // Frames already received go first: after a stall of this process, the peer's frames
             // waiting in the socket are read before its silence is judged.
             tokio::select! {
@@ -200,7 +128,7 @@ impl PeerTask {
                     Some(opener) => opener.open(frame),
                     None => Ok(frame),
                 })) {
-                    Ok(Some(Err(why))) => break ("peer_auth_failed", why),
+                    Ok(Some(Err(why))) => break (LinkEnd::AuthFailed, why),
                     Ok(Some(Ok(PeerFrame { frame: Some(frame), .. }))) => {
                         last_heard = Instant::now();
                         if matches!(frame, Frame::Heartbeat(_)) { continue; }
@@ -208,22 +136,22 @@ impl PeerTask {
                             Frame::Fragment(fragment) => match joining.push(fragment) {
                                 Ok(Some(whole)) => whole,
                                 Ok(None) => continue,
-                                Err(why) => break ("protocol_violation", why),
+                                Err(why) => break (LinkEnd::ProtocolViolation, why),
                             },
-                            _ if joining.pending_bytes() > 0 => break ("protocol_violation", "a frame between the fragments of another".into()),
+                            _ if joining.pending_bytes() > 0 => break (LinkEnd::ProtocolViolation, "a frame between the fragments of another".into()),
                             frame => frame,
                         };
-                        if let Frame::Hello(_) = frame { break ("protocol_violation", "a second hello on a live link".into()); }
+                        if let Frame::Hello(_) = frame { break (LinkEnd::ProtocolViolation, "a second hello on a live link".into()); }
                         if self.events.send(DriverInput::Peer(PeerEvent::Frame { session: id, frame })).await.is_err() { return None; }
                     }
                     Ok(Some(Ok(PeerFrame { frame: None, .. }))) => last_heard = Instant::now(),
-                    Ok(None) => break ("peer_lost", "the peer closed the link".into()),
-                    Err(status) => break ("peer_lost", format!("link error: {}", status.message())),
+                    Ok(None) => break (LinkEnd::Closed, "the peer closed the link".into()),
+                    Err(status) => break (LinkEnd::Closed, format!("link error: {}", status.message())),
                 },
                 _ = heartbeat.tick() => {
                     seq += 1;
                     if !sender.send(Frame::Heartbeat(proto::Heartbeat { seq })) {
-                        break ("peer_lost", sender.loss_detail().into());
+                        break (LinkEnd::Closed, sender.loss_detail().into());
                     }
                 }
                 _ = tokio::time::sleep_until(last_heard + silence_limit) => {
@@ -235,22 +163,22 @@ impl PeerTask {
                         last_heard = Instant::now() + catch_up - silence_limit;
                         continue;
                     }
-                    break ("peer_lost", format!("no frame for {} ms (heartbeat_interval_ms {} x heartbeat_misses {})",
+                    break (LinkEnd::HeartbeatTimeout, format!("no frame for {} ms (heartbeat_interval_ms {} x heartbeat_misses {})",
                         silence_limit.as_millis(), interval.as_millis(), self.config.peer_link.heartbeat_misses));
                 }
-                _ = failed.notify.notified() => break ("peer_lost", sender.loss_detail().into()),
+                _ = sender.failed() => break (LinkEnd::Closed, sender.loss_detail().into()),
                 newer = self.incoming.recv() => match newer {
                     Some(s) => {
                         let restarted = s.hello.incarnation != session.hello.incarnation;
                         replacement = Some(s);
-                        break (if restarted { "peer_restarted" } else { "peer_lost" }, "the peer dialled a new link".into());
+                        break (if restarted { LinkEnd::Restarted } else { LinkEnd::Replaced }, "the peer dialled a new link".into());
                     }
-                    None => break ("shutdown", "gateway stopping".into()),
+                    None => break (LinkEnd::Shutdown, "gateway stopping".into()),
                 },
             }
         };
-        tracing::warn!(peer = %name, session = id, reason, "peer link lost: {detail}");
-        let _ = self.events.send(DriverInput::Peer(PeerEvent::Lost { name, session: id, reason, detail })).await;
+        tracing::warn!(peer = %name, session = id, reason = end.reason(), "peer link lost: {detail}");
+        let _ = self.events.send(DriverInput::Peer(PeerEvent::Lost { name, session: id, end })).await;
         replacement
     }
 }

@@ -83,8 +83,8 @@ class Settings:
     gateway_name: str
     #: Decode: the prefill gateway to expect from when the bootstrap server names none.
     prefill_peer: str
-    #: Decode: a room's overall deadline in ms (0: the decode gateway's `room_timeout_ms`).
-    room_deadline_ms: int
+    #: Decode: how long each room may live, in ms (0: the decode gateway's `room_timeout_ms`).
+    room_timeout_ms: int
     #: Decode: how long a failed request waits for its rooms' `Reusable` at most, in seconds.
     release_timeout_s: float
 
@@ -96,7 +96,7 @@ class Settings:
             token_file=os.environ.get("KVGATE_SGLANG_TOKEN_FILE") or None,
             gateway_name=os.environ.get("KVGATE_SGLANG_GATEWAY", ""),
             prefill_peer=os.environ.get("KVGATE_SGLANG_PREFILL_PEER", ""),
-            room_deadline_ms=int(_env_float("KVGATE_SGLANG_ROOM_DEADLINE_MS", 0)),
+            room_timeout_ms=int(_env_float("KVGATE_SGLANG_ROOM_TIMEOUT_MS", 0)),
             release_timeout_s=_env_float("KVGATE_SGLANG_RELEASE_TIMEOUT_S", 60.0),
         )
 
@@ -690,7 +690,7 @@ class KvgateKVReceiver(CommonKVReceiver):  # type: ignore[misc]
                 self._conclude_failed(Failure("unknown_peer", "expect", 0, f"prefill rank {where} named no kvgate gateway (set KVGATE_SGLANG_PREFILL_PEER)"))
                 return None
             keys[n] = room_key(self.bootstrap_room, info["kvgate_rank"], mgr.decode_rank())
-            expectations.append(Expectation(keys[n], peer, parts, mgr.settings.room_deadline_ms))
+            expectations.append(Expectation(keys[n], peer, parts, mgr.settings.room_timeout_ms))
         return expectations
 
     # -- outcome ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ pub const REGION: RegionId = RegionId(1);
 
 /// Two cores wired back to back with a plugin that succeeds every submit at once.
 pub struct NoopPair {
-    pub now: Nanos,
+    pub now: At,
     pub receiver: Core,
     pub sender: Core,
     pub next_room: u64,
@@ -33,11 +33,11 @@ pub enum Side {
 
 /// One input to one core, as the pair delivered it.
 pub enum Input {
-    Expect { now: Nanos, room: RoomKey },
-    Send { now: Nanos, room: RoomKey },
-    PeerMessage { now: Nanos, from: PeerId, message: PeerMessage },
-    PluginEvent { now: Nanos, event: Event },
-    Timeout { now: Nanos },
+    Expect { now: At, room: RoomKey },
+    Send { now: At, room: RoomKey },
+    PeerMessage { now: At, from: PeerId, message: PeerMessage },
+    PluginEvent { now: At, event: Event },
+    Timeout { now: At },
 }
 
 /// The expect's one part: a page of the registered region.
@@ -46,7 +46,7 @@ pub const EXPECT_PART: [Slice; 1] = [Slice { region: REGION, offset: 0, len: 409
 pub const SEND_SLICES: [Slice; 1] = [Slice { region: REGION, offset: 0, len: 4096 }];
 
 /// A core of `side` as the pair sets it up: peer up, region registered, remote region known.
-pub fn new_side(config: CoreConfig, now: Nanos, side: Side) -> Core {
+pub fn new_side(config: CoreConfig, now: At, side: Side) -> Core {
     let mut core = Core::new(config).unwrap();
     let peer = match side {
         Side::Receiver => B,
@@ -70,7 +70,7 @@ impl NoopPair {
     }
 
     /// The clock of a new pair.
-    pub const START: Nanos = Nanos(1_000_000);
+    pub const START: At = At(1_000_000);
 
     fn recording(&self, side: Side) -> bool {
         self.record == Some(side)
@@ -127,7 +127,7 @@ impl NoopPair {
     pub fn lifecycle(&mut self) {
         let room = RoomKey::new(self.next_room, 0);
         self.next_room += 1;
-        self.now = self.now.saturating_add(Nanos(1_000));
+        self.now = self.now.saturating_add(Span(1_000));
         let now = self.now;
         // The expect's parts borrowed (`handle_expect`), as from an engine's own buffer.
         if self.recording(Side::Receiver) {

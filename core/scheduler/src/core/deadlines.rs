@@ -3,7 +3,7 @@
 //! Most rooms end before that, so they never touch the wheel. It stores (slot, epoch) payloads and
 //! never fires a room's timer itself (the core does), nor decides which timers a room has.
 
-use crate::api::Nanos;
+use crate::api::At;
 use crate::wheel::{TimerHandle, Wheel, TICK_NS};
 use std::collections::VecDeque;
 
@@ -33,7 +33,7 @@ const NURSERY_SPAN_NS: u64 = 64 * TICK_NS;
 struct NurseryEntry {
     slot: u32,
     epoch: u32,
-    promote_at: Nanos,
+    promote_at: At,
 }
 
 /// The payload of a room's wheel entry: its slot and the slot's epoch.
@@ -54,7 +54,7 @@ pub(crate) struct Deadlines {
     /// Rooms in the nursery (the FIFO also holds the entries of rooms that left it, marked `LEFT`).
     nursery_rooms: usize,
     /// The promote time of the nursery's newest entry (meaningful while the nursery is not empty).
-    newest_promote_at: Nanos,
+    newest_promote_at: At,
 }
 
 impl Deadlines {
@@ -64,8 +64,8 @@ impl Deadlines {
     }
 
     /// When a room entering the nursery at `now` would move to the wheel.
-    fn promote_time(&self, now: Nanos) -> Nanos {
-        let end_of_span = Nanos((now.0 / NURSERY_SPAN_NS).saturating_add(1).saturating_mul(NURSERY_SPAN_NS));
+    fn promote_time(&self, now: At) -> At {
+        let end_of_span = At((now.0 / NURSERY_SPAN_NS).saturating_add(1).saturating_mul(NURSERY_SPAN_NS));
         match self.newest_promote_time() {
             Some(last) => end_of_span.max(last),
             None => end_of_span,
@@ -74,12 +74,12 @@ impl Deadlines {
 
     /// The latest promote time of the nursery (a room whose earliest deadline is at or after it may
     /// stay in the nursery, whichever entry is its own).
-    fn newest_promote_time(&self) -> Option<Nanos> {
+    fn newest_promote_time(&self) -> Option<At> {
         (!self.nursery.is_empty()).then_some(self.newest_promote_at)
     }
 
     /// A new entry for a room that has none, due at `deadline`; returns the room's entry value.
-    fn place(&mut self, now: Nanos, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
+    fn place(&mut self, now: At, slot: u32, epoch: u32, deadline: At) -> u32 {
         let promote_at = self.promote_time(now);
         if deadline >= promote_at {
             let sequence = self.front_sequence + self.nursery.len() as u64;
@@ -92,7 +92,7 @@ impl Deadlines {
         }
     }
 
-    fn wheel_insert(&mut self, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
+    fn wheel_insert(&mut self, slot: u32, epoch: u32, deadline: At) -> u32 {
         let raw = self.wheel.insert(deadline, encode_entry(slot, epoch)).raw();
         assert!(raw < NURSERY_BIT, "timer wheel handles stay below 2^31");
         raw
@@ -112,14 +112,14 @@ impl Deadlines {
     /// The common case (a room in the nursery whose new deadline is still past the nursery's
     /// newest promote time) is answered inline; the rest is `lower_slow`.
     #[inline]
-    pub fn lower(&mut self, now: Nanos, entry: u32, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
+    pub fn lower(&mut self, now: At, entry: u32, slot: u32, epoch: u32, deadline: At) -> u32 {
         if in_nursery(entry) && self.newest_promote_time().is_some_and(|at| deadline >= at) {
             return entry;
         }
         self.lower_slow(now, entry, slot, epoch, deadline)
     }
 
-    fn lower_slow(&mut self, now: Nanos, entry: u32, slot: u32, epoch: u32, deadline: Nanos) -> u32 {
+    fn lower_slow(&mut self, now: At, entry: u32, slot: u32, epoch: u32, deadline: At) -> u32 {
         if entry == NO_ENTRY {
             return self.place(now, slot, epoch, deadline);
         }
@@ -138,7 +138,7 @@ impl Deadlines {
     }
 
     /// The room's earliest deadline is now `earliest` (None: nothing armed); returns its entry value.
-    pub fn sync(&mut self, now: Nanos, entry: u32, slot: u32, epoch: u32, earliest: Option<Nanos>) -> u32 {
+    pub fn sync(&mut self, now: At, entry: u32, slot: u32, epoch: u32, earliest: Option<At>) -> u32 {
         match earliest {
             None if entry == NO_ENTRY => NO_ENTRY,
             None if in_nursery(entry) => {
@@ -162,21 +162,21 @@ impl Deadlines {
 
     /// Whether a nursery span or a wheel timer may be due at `now` (false: certainly nothing).
     #[inline]
-    pub fn may_be_due(&self, now: Nanos) -> bool {
+    pub fn may_be_due(&self, now: At) -> bool {
         self.nursery.front().is_some_and(|front| front.promote_at <= now) || self.wheel.may_be_due(now)
     }
 
     /// Take the next room whose nursery span ended at `now` (its slot and epoch); the caller moves it
     /// to the wheel with `promote`. Entries of rooms that left are dropped on the way.
     #[inline]
-    pub fn pop_nursery(&mut self, now: Nanos) -> Option<(u32, u32)> {
+    pub fn pop_nursery(&mut self, now: At) -> Option<(u32, u32)> {
         match self.nursery.front() {
             Some(front) if front.promote_at <= now => self.pop_nursery_slow(now),
             _ => None,
         }
     }
 
-    fn pop_nursery_slow(&mut self, now: Nanos) -> Option<(u32, u32)> {
+    fn pop_nursery_slow(&mut self, now: At) -> Option<(u32, u32)> {
         loop {
             let front = *self.nursery.front()?;
             if front.promote_at > now {
@@ -192,7 +192,7 @@ impl Deadlines {
 
     /// Move a room out of the nursery (just popped) into the wheel at its earliest deadline (None:
     /// no entry).
-    pub fn promote(&mut self, slot: u32, epoch: u32, earliest: Option<Nanos>) -> u32 {
+    pub fn promote(&mut self, slot: u32, epoch: u32, earliest: Option<At>) -> u32 {
         self.nursery_rooms -= 1;
         match earliest {
             Some(deadline) => self.wheel_insert(slot, epoch, deadline),
@@ -201,7 +201,7 @@ impl Deadlines {
     }
 
     /// The earliest time `handle_timeout` may have something to do here.
-    pub fn next_deadline(&self) -> Option<Nanos> {
+    pub fn next_deadline(&self) -> Option<At> {
         let nursery = self.nursery.front().map(|entry| entry.promote_at);
         match (self.wheel.next_deadline(), nursery) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -217,7 +217,7 @@ mod tests {
     const MS: u64 = 1_000_000;
 
     /// Pop everything due at `now` the way the core does: nursery first, then the wheel.
-    fn fire(deadlines: &mut Deadlines, entries: &mut [u32], earliest: &[Option<Nanos>], now: Nanos) -> Vec<u32> {
+    fn fire(deadlines: &mut Deadlines, entries: &mut [u32], earliest: &[Option<At>], now: At) -> Vec<u32> {
         while let Some((slot, _)) = deadlines.pop_nursery(now) {
             assert!(in_nursery(entries[slot as usize]), "only rooms still in the nursery come up");
             entries[slot as usize] = deadlines.promote(slot, 0, earliest[slot as usize]);
@@ -234,8 +234,8 @@ mod tests {
     #[test]
     fn a_far_deadline_waits_in_the_nursery_and_still_fires_on_its_tick() {
         let mut deadlines = Deadlines::default();
-        let now = Nanos(10 * MS);
-        let far = Nanos(10_000 * MS);
+        let now = At(10 * MS);
+        let far = At(10_000 * MS);
         let mut entries = [deadlines.lower(now, NO_ENTRY, 0, 0, far)];
         assert!(in_nursery(entries[0]));
         assert_eq!(deadlines.wheel.len(), 0);
@@ -246,7 +246,7 @@ mod tests {
         assert!(fire(&mut deadlines, &mut entries, &[Some(far)], wake).is_empty());
         assert!(!in_nursery(entries[0]), "promoted at the end of its span");
         assert_eq!(deadlines.wheel.len(), 1);
-        assert!(fire(&mut deadlines, &mut entries, &[Some(far)], Nanos(far.0 - 1)).is_empty());
+        assert!(fire(&mut deadlines, &mut entries, &[Some(far)], At(far.0 - 1)).is_empty());
         assert_eq!(fire(&mut deadlines, &mut entries, &[Some(far)], far), vec![0]);
         assert_eq!(deadlines.len(), 0);
     }
@@ -254,21 +254,21 @@ mod tests {
     #[test]
     fn a_near_deadline_goes_straight_to_the_wheel_and_an_earlier_one_leaves_the_nursery() {
         let mut deadlines = Deadlines::default();
-        let now = Nanos(10 * MS);
+        let now = At(10 * MS);
         // Within the current span: straight to the wheel.
-        let near = deadlines.lower(now, NO_ENTRY, 0, 0, Nanos(12 * MS));
+        let near = deadlines.lower(now, NO_ENTRY, 0, 0, At(12 * MS));
         assert!(!in_nursery(near));
         // Far, then lowered to a near deadline: moves to the wheel and fires at the near one.
-        let mut entries = [near, deadlines.lower(now, NO_ENTRY, 1, 0, Nanos(10_000 * MS))];
+        let mut entries = [near, deadlines.lower(now, NO_ENTRY, 1, 0, At(10_000 * MS))];
         assert!(in_nursery(entries[1]));
-        entries[1] = deadlines.lower(now, entries[1], 1, 0, Nanos(20 * MS));
+        entries[1] = deadlines.lower(now, entries[1], 1, 0, At(20 * MS));
         assert!(!in_nursery(entries[1]));
         assert_eq!(deadlines.len(), 2);
-        let earliest = [Some(Nanos(12 * MS)), Some(Nanos(20 * MS))];
-        assert_eq!(fire(&mut deadlines, &mut entries, &earliest, Nanos(12 * MS)), vec![0]);
-        assert_eq!(fire(&mut deadlines, &mut entries, &earliest, Nanos(20 * MS)), vec![1]);
+        let earliest = [Some(At(12 * MS)), Some(At(20 * MS))];
+        assert_eq!(fire(&mut deadlines, &mut entries, &earliest, At(12 * MS)), vec![0]);
+        assert_eq!(fire(&mut deadlines, &mut entries, &earliest, At(20 * MS)), vec![1]);
         // The stale nursery entry is skipped when its span ends.
-        assert!(fire(&mut deadlines, &mut entries, &earliest, Nanos(1_000 * MS)).is_empty());
+        assert!(fire(&mut deadlines, &mut entries, &earliest, At(1_000 * MS)).is_empty());
         assert_eq!(deadlines.len(), 0);
         assert_eq!(deadlines.next_deadline(), None);
     }
@@ -276,8 +276,8 @@ mod tests {
     #[test]
     fn a_room_that_ends_in_the_nursery_leaves_no_entry() {
         let mut deadlines = Deadlines::default();
-        let entry = deadlines.lower(Nanos(MS), NO_ENTRY, 0, 0, Nanos(10_000 * MS));
-        assert_eq!(deadlines.sync(Nanos(2 * MS), entry, 0, 0, None), NO_ENTRY);
+        let entry = deadlines.lower(At(MS), NO_ENTRY, 0, 0, At(10_000 * MS));
+        assert_eq!(deadlines.sync(At(2 * MS), entry, 0, 0, None), NO_ENTRY);
         assert_eq!(deadlines.len(), 0);
     }
 }

@@ -140,7 +140,7 @@ impl Core {
 
     pub(super) fn engine_expect<P: AsRef<[Slice]>>(
         &mut self,
-        now: Nanos,
+        now: At,
         key: RoomKey,
         peer: PeerId,
         parts: &[P],
@@ -262,7 +262,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn open_receiver<P: AsRef<[Slice]>>(
         &mut self,
-        now: Nanos,
+        now: At,
         key: RoomKey,
         peer: PeerId,
         lookup: Lookup,
@@ -282,7 +282,7 @@ impl Core {
         let extra_senders: smallvec::SmallVec<[PeerId; 2]> = senders.iter().flat_map(|s| s.peers[1..].iter().map(|(p, _)| *p)).collect();
         let ticket_base = self.rooms.reserve_tickets(parts.len() as u64);
         let room_timeout_ms = timeout_ms.unwrap_or(self.config.room_timeout_ms).min(self.config.max_room_timeout_ms);
-        let deadline = now.saturating_add(Nanos::from_ms(room_timeout_ms));
+        let deadline = now.saturating_add(Span::from_ms(room_timeout_ms));
         let in_flight = parts.len() as u32;
         let slot = self.open_room(now, lookup, Some(peer), || {
             let data = RoleData::Receiver { ticket_base, parts: recv_parts, senders };
@@ -299,7 +299,7 @@ impl Core {
         }
         let first = plugins[0];
         self.room_mut(slot).set_peer(peer, first);
-        let remaining = deadline.saturating_sub(now);
+        let remaining = deadline.saturating_since(now);
         let mut tickets = self.spares.tickets.pop().unwrap_or_default();
         tickets.reserve(parts.len());
         for (index, ranges) in part_ranges.into_iter().enumerate() {
@@ -320,7 +320,7 @@ impl Core {
             plugins.truncate(1);
         }
         let parts = self.notice_parts(parts);
-        self.push_peer(peer, PeerMessage::ExpectNotice { room: key, parts, tickets, plugins, deadline_remaining: remaining });
+        self.push_peer(peer, PeerMessage::ExpectNotice { room: key, parts, tickets, plugins, timeout: remaining });
     }
 
     /// The expect notices of a room whose parts come from several senders: each sender gets every
@@ -334,7 +334,7 @@ impl Core {
         part_peers: &[PeerId],
         tickets: &[Ticket],
         plugins: &[PluginSlot],
-        remaining: Nanos,
+        remaining: Span,
         extra_senders: &[PeerId],
     ) {
         let sender_of = |index: usize| part_peers.get(index).copied().unwrap_or(peer);
@@ -343,7 +343,7 @@ impl Core {
             let notice_parts = parts.iter().enumerate().map(|(i, p)| if own(i) { p.as_ref().to_vec() } else { Vec::new() }).collect();
             let notice_tickets = tickets.iter().enumerate().map(|(i, t)| if own(i) { *t } else { Ticket(0) }).collect();
             let notice_plugins = plugins.iter().enumerate().map(|(i, p)| if own(i) { *p } else { PluginSlot::NONE }).collect();
-            let message = PeerMessage::ExpectNotice { room: key, parts: notice_parts, tickets: notice_tickets, plugins: notice_plugins, deadline_remaining: remaining };
+            let message = PeerMessage::ExpectNotice { room: key, parts: notice_parts, tickets: notice_tickets, plugins: notice_plugins, timeout: remaining };
             self.push_peer(sender, message);
         }
     }
@@ -354,7 +354,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn engine_send(
         &mut self,
-        now: Nanos,
+        now: At,
         key: RoomKey,
         peer: Option<PeerId>,
         part: u32,
@@ -395,7 +395,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn open_sender(
         &mut self,
-        now: Nanos,
+        now: At,
         key: RoomKey,
         lookup: Lookup,
         peer: Option<PeerId>,
@@ -423,7 +423,7 @@ impl Core {
         target.placement = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
         // Explicit placement: done when every byte is covered, known once the notice came.
         target.last_seen = last && at.is_none();
-        let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
+        let deadline = now.saturating_add(Span::from_ms(self.config.room_timeout_ms));
         self.open_room(now, lookup, peer, || {
             let data = RoleData::Sender { notice: false, parts };
             let mut room = Room::new(key, Role::Sender, RoomState::WaitingExpect, now, data);
@@ -439,7 +439,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn send_to_existing(
         &mut self,
-        now: Nanos,
+        now: At,
         slot: u32,
         peer: Option<PeerId>,
         part: u32,
@@ -522,7 +522,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn hold_chunk(
         &mut self,
-        now: Nanos,
+        now: At,
         slot: u32,
         peer: Option<PeerId>,
         part: u32,
@@ -571,7 +571,7 @@ impl Core {
     /// `at`: the byte of the part's destination stream the chunk starts at, or `AT_CURSOR` (right after
     /// the previous chunk). An explicitly placed chunk must not overlap one already placed nor run
     /// past the part's end; with `last` it must complete the part.
-    pub(super) fn place_chunk(&mut self, _now: Nanos, slot: u32, part: u32, at: u64, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
+    pub(super) fn place_chunk(&mut self, _now: At, slot: u32, part: u32, at: u64, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
         let plugin = match &self.room_at(slot).data {
             RoleData::Sender { parts, .. } => parts[part as usize].plugin(),
             RoleData::Receiver { .. } => unreachable!("chunks are placed in sender rooms"),
@@ -642,10 +642,10 @@ impl Core {
     }
 
     /// Emit the `Submit` of the chunk `place_chunk` just recorded.
-    pub(super) fn submit_last_placed(&mut self, now: Nanos, slot: u32, part: u32, segments: Vec<kvgate_abi::Segment>) {
+    pub(super) fn submit_last_placed(&mut self, now: At, slot: u32, part: u32, segments: Vec<kvgate_abi::Segment>) {
         let epoch = self.rooms.epoch(slot);
         let transfer_deadline = self.timer_deadline(slot, TimerKind::Transfer).unwrap_or(now);
-        let timeout = Nanos(transfer_deadline.saturating_sub(now).0.max(1_000_000));
+        let timeout = Span(transfer_deadline.saturating_since(now).0.max(1_000_000));
         let (plugin, chunk) = {
             let RoleData::Sender { parts, .. } = &self.room_at(slot).data else { unreachable!() };
             let target = &parts[part as usize];
@@ -668,10 +668,10 @@ impl Core {
 
     /// Sender: the room matched (notice + first chunk): leave bootstrap, arm the transfer deadline
     /// and the plugin grace, tell the receiver.
-    pub(super) fn start_transfer(&mut self, now: Nanos, slot: u32) {
+    pub(super) fn start_transfer(&mut self, now: At, slot: u32) {
         let transfer_deadline = self.link_transfer_deadline(now, slot);
         self.move_timer(now, slot, TimerKind::Bootstrap, TimerKind::Transfer, transfer_deadline);
-        let grace = Nanos::from_ms(self.config.plugin_grace_ms);
+        let grace = Span::from_ms(self.config.plugin_grace_ms);
         self.arm(now, slot, TimerKind::PluginGrace, transfer_deadline.saturating_add(grace));
         let room = self.room_mut(slot);
         room.touch(now, LastEvent::Matched);
@@ -683,7 +683,7 @@ impl Core {
 
     /// A newer generation replaces `old` (NIL: a settled one): a live one fails `superseded`;
     /// either way its key entry is taken over by the new room.
-    pub(super) fn supersede(&mut self, now: Nanos, old: u32) {
+    pub(super) fn supersede(&mut self, now: At, old: u32) {
         if old != super::NIL && !self.room_at(old).state.is_terminal() {
             self.fail_room(now, old, RoomInput::Superseded, FailReason::Superseded, None, None);
         }
@@ -691,7 +691,7 @@ impl Core {
 
     /// The engine that owned the room on `role`'s side is gone: the room, if live, fails
     /// `engine_lost` (the peer is told, as for an abort). Returns whether it was live.
-    pub(super) fn engine_lost(&mut self, now: Nanos, key: RoomKey, role: Role) -> bool {
+    pub(super) fn engine_lost(&mut self, now: At, key: RoomKey, role: Role) -> bool {
         let Lookup::Same(slot) = self.rooms.lookup(key, role) else { return false };
         if self.room_at(slot).state.is_terminal() {
             return false;
@@ -703,7 +703,7 @@ impl Core {
     }
 
     // CONFORMANCE: ABORT-6, ABORT-7
-    pub(super) fn engine_abort(&mut self, now: Nanos, key: RoomKey, role: Option<Role>) {
+    pub(super) fn engine_abort(&mut self, now: At, key: RoomKey, role: Option<Role>) {
         let roles: &[Role] = match role {
             Some(Role::Sender) => &[Role::Sender],
             Some(Role::Receiver) => &[Role::Receiver],

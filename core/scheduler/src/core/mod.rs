@@ -105,9 +105,6 @@ pub struct Core {
     commands: VecDeque<Command>,
     /// Buffers kept for reuse (`recycle`).
     spares: Spares,
-    /// The latest transfer the plugin-grace timer forced failed (`plugin_silent`): found on a timer,
-    /// not from a plugin event, so the gateway's violation log asks here which room it was.
-    latest_silent: Option<SilentTransfer>,
 }
 
 impl Core {
@@ -124,7 +121,6 @@ impl Core {
             deadlines: Deadlines::default(),
             commands: VecDeque::new(),
             spares: Spares::default(),
-            latest_silent: None,
         })
     }
 
@@ -134,7 +130,7 @@ impl Core {
 
     /// An engine's expect, send or abort. A refusal changes nothing (a refusal for a terminal or
     /// stale room is counted as a late engine message). An abort is never refused.
-    pub fn handle_engine(&mut self, now: Nanos, request: EngineRequest) -> Result<(), Refusal> {
+    pub fn handle_engine(&mut self, now: At, request: EngineRequest) -> Result<(), Refusal> {
         let result = match request {
             EngineRequest::Expect { room, peer, parts, timeout_ms } => {
                 let result = self.engine_expect(now, room, peer, &parts, ExpectShape::default(), timeout_ms);
@@ -159,7 +155,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     pub fn handle_send(
         &mut self,
-        now: Nanos,
+        now: At,
         room: RoomKey,
         peer: Option<PeerId>,
         part: u32,
@@ -179,7 +175,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     pub fn handle_send_at(
         &mut self,
-        now: Nanos,
+        now: At,
         room: RoomKey,
         peer: Option<PeerId>,
         part: u32,
@@ -198,7 +194,7 @@ impl Core {
     /// with `recycle_command`.
     pub fn handle_expect<P: AsRef<[Slice]>>(
         &mut self,
-        now: Nanos,
+        now: At,
         room: RoomKey,
         peer: PeerId,
         parts: &[P],
@@ -215,7 +211,7 @@ impl Core {
     /// sender is lost, and every sender is told.
     pub fn handle_expect_from<P: AsRef<[Slice]>>(
         &mut self,
-        now: Nanos,
+        now: At,
         room: RoomKey,
         peer: PeerId,
         parts: &[P],
@@ -240,33 +236,33 @@ impl Core {
 
     /// The engine that owned `room` on `role`'s side is gone (its session ended): a live room fails
     /// `engine_lost` at once and the peer is told, as for an abort. Returns whether it was live.
-    pub fn handle_engine_lost(&mut self, now: Nanos, room: RoomKey, role: Role) -> bool {
+    pub fn handle_engine_lost(&mut self, now: At, room: RoomKey, role: Role) -> bool {
         self.engine_lost(now, room, role)
     }
 
     /// A local region, registered by the driver with the plugins named in `info.keys`. Registering
     /// an id again replaces it.
-    pub fn handle_region_registered(&mut self, _now: Nanos, info: RegionInfo) {
+    pub fn handle_region_registered(&mut self, _now: At, info: RegionInfo) {
         self.regions.insert(info.id, LocalRegion { len: info.len, kind: info.memory_kind, keys: info.keys });
     }
 
     /// A local region is gone; later sends naming it are refused, held chunks naming it fail
     /// (`region_unregistered`) when their room matches.
-    pub fn handle_region_unregistered(&mut self, _now: Nanos, region: RegionId) {
+    pub fn handle_region_unregistered(&mut self, _now: At, region: RegionId) {
         self.regions.remove(&region);
     }
 
     /// A peer's region (its id as the peer numbers it), imported by the driver into the peer's
     /// preferred plugin (`handle_remote_region_key` names the plugin). Call after `handle_peer_up`
     /// of the peer's current incarnation; ignored for a peer that is not up.
-    pub fn handle_remote_region(&mut self, now: Nanos, peer: PeerId, region: RegionId, len: u64, key: RemoteKey) {
+    pub fn handle_remote_region(&mut self, now: At, peer: PeerId, region: RegionId, len: u64, key: RemoteKey) {
         let Some(plugin) = self.peers.get(&peer).map(PeerEntry::first_plugin) else { return };
         self.handle_remote_region_key(now, peer, region, len, plugin, key);
     }
 
     /// A peer's region imported into `plugin` (one of the peer's plugins): its key there replaces
     /// any earlier one, and its length is the latest announced. Ignored for a peer that is not up.
-    pub fn handle_remote_region_key(&mut self, _now: Nanos, peer: PeerId, region: RegionId, len: u64, plugin: PluginSlot, key: RemoteKey) {
+    pub fn handle_remote_region_key(&mut self, _now: At, peer: PeerId, region: RegionId, len: u64, plugin: PluginSlot, key: RemoteKey) {
         let Some(entry) = self.peers.get_mut(&peer) else { return };
         let remote = entry.remote_regions.entry(region).or_insert_with(|| RemoteRegion { len, keys: smallvec::SmallVec::new() });
         remote.len = len;
@@ -278,14 +274,14 @@ impl Core {
 
     /// The peer link is up with one plugin instance, serving every memory kind: the one-plugin form
     /// of `handle_peer_up_with`.
-    pub fn handle_peer_up(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugin: PluginSlot) {
+    pub fn handle_peer_up(&mut self, now: At, peer: PeerId, incarnation: u64, plugin: PluginSlot) {
         self.peer_up(now, peer, incarnation, &[PeerPlugin { slot: plugin, memory_kinds: u32::MAX }]);
     }
 
     /// The peer link is up; `plugins` are the plugin instances connected with this peer, in
     /// preference order (at least one). A new incarnation of a known peer is handled as lost
     /// (`restarted`) + up.
-    pub fn handle_peer_up_with(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugins: &[PeerPlugin]) {
+    pub fn handle_peer_up_with(&mut self, now: At, peer: PeerId, incarnation: u64, plugins: &[PeerPlugin]) {
         self.peer_up(now, peer, incarnation, plugins);
     }
 
@@ -293,33 +289,33 @@ impl Core {
     /// `plugins` (preference order) are offered for new rooms from now on; `retired` are still
     /// connected and accepted for the rooms that already use them, never chosen for a new one.
     /// Rooms keep the plugins they were given. Ignored for a peer that is not up.
-    pub fn handle_peer_plugins(&mut self, _now: Nanos, peer: PeerId, plugins: &[PeerPlugin], retired: &[PluginSlot]) {
+    pub fn handle_peer_plugins(&mut self, _now: At, peer: PeerId, plugins: &[PeerPlugin], retired: &[PluginSlot]) {
         let Some(entry) = self.peers.get_mut(&peer) else { return };
         entry.plugins = plugins.iter().copied().filter(|p| p.slot.0 < room::MAX_PLUGIN_SLOTS).collect();
         entry.retired = retired.iter().copied().filter(|s| s.0 < room::MAX_PLUGIN_SLOTS && !plugins.iter().any(|p| p.slot == *s)).collect();
     }
 
     /// The peer link is lost: every live room bound to `peer` fails at once (`peer_lost`).
-    pub fn handle_peer_lost(&mut self, now: Nanos, peer: PeerId, cause: PeerLoss) {
+    pub fn handle_peer_lost(&mut self, now: At, peer: PeerId, cause: PeerLoss) {
         self.peer_lost(now, peer, cause);
     }
 
     /// A message from a peer gateway's core, borrowed: the core copies what it keeps, so the driver
     /// may reuse the message's buffers (e.g. its decode buffers) afterwards.
-    pub fn handle_peer_message(&mut self, now: Nanos, peer: PeerId, message: &PeerMessage) {
+    pub fn handle_peer_message(&mut self, now: At, peer: PeerId, message: &PeerMessage) {
         self.peer_message(now, peer, message);
     }
 
     /// An event a plugin instance delivered to its sink. The driver also reports a synchronous
     /// `submit` error here, as `Event::failed_quiesced(xfer, code, message)`.
-    pub fn handle_plugin_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
+    pub fn handle_plugin_event(&mut self, now: At, plugin: PluginSlot, event: &Event) {
         self.plugin_event(now, plugin, event);
     }
 
     /// Fire every timer due at `now`. The driver drains plugin events and peer messages already
     /// received before calling it, so a completion already observable wins over a deadline.
     #[inline]
-    pub fn handle_timeout(&mut self, now: Nanos) {
+    pub fn handle_timeout(&mut self, now: At) {
         // Most calls find nothing due: three front checks, inlined into the driver.
         let tombstone_due = self.rooms.next_expiry().is_some_and(|expiry| Wheel::tick_of(expiry) <= now.0 / TICK_NS);
         if tombstone_due || self.deadlines.may_be_due(now) {
@@ -328,7 +324,7 @@ impl Core {
     }
 
     /// `handle_timeout` when something may be due.
-    fn fire_due(&mut self, now: Nanos) {
+    fn fire_due(&mut self, now: At) {
         let now_tick = now.0 / TICK_NS;
         // Rooms whose nursery span ended move to the wheel first (their deadlines may be due now).
         while let Some((slot, epoch)) = self.deadlines.pop_nursery(now) {
@@ -369,7 +365,7 @@ impl Core {
     /// When the core next needs `handle_timeout` (None: no timer armed). It may be a little early
     /// (a wheel level boundary, or the end of a 64 ms nursery span): calling `handle_timeout` then is
     /// cheap and correct.
-    pub fn poll_timeout(&self) -> Option<Nanos> {
+    pub fn poll_timeout(&self) -> Option<At> {
         let tombstone = self.rooms.next_expiry().map(Wheel::fire_time);
         match (self.deadlines.next_deadline(), tombstone) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -399,7 +395,7 @@ impl Core {
 
     // ----- the timer table's one match -----
 
-    fn on_timer(&mut self, now: Nanos, slot: u32, kind: TimerKind) {
+    fn on_timer(&mut self, now: At, slot: u32, kind: TimerKind) {
         self.room_mut(slot).touch(now, LastEvent::TimerFired);
         match kind {
             // CONFORMANCE: TIME-6
@@ -429,7 +425,7 @@ impl Core {
     /// first; the room, built by `build` (with its overall deadline), joins the store, is bound to
     /// `peer` when known, gets its bootstrap and room deadlines, and the engine hears its first
     /// state.
-    fn open_room(&mut self, now: Nanos, older: Lookup, peer: Option<PeerId>, build: impl FnOnce() -> Room) -> u32 {
+    fn open_room(&mut self, now: At, older: Lookup, peer: Option<PeerId>, build: impl FnOnce() -> Room) -> u32 {
         if let Lookup::Older(old) = older {
             self.supersede(now, old);
         }
@@ -438,19 +434,21 @@ impl Core {
             self.link_peer(slot, peer);
         }
         let room = self.room_at(slot);
-        let (key, role, state, deadline) = (room.key, room.role, room.state, room.deadline);
-        self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Nanos::from_ms(self.config.bootstrap_timeout_ms)));
+        let (key, role, state, deadline, plugin) = (room.key, room.role, room.state, room.deadline, room.plugin());
+        self.arm(now, slot, TimerKind::Bootstrap, now.saturating_add(Span::from_ms(self.config.bootstrap_timeout_ms)));
         self.arm(now, slot, TimerKind::Room, deadline);
-        self.push_engine(RoomEvent::StateChanged { room: key, role, state });
+        self.push_engine(RoomEvent::StateChanged { room: key, role, state, from: None, opened_at: now, plugin });
         slot
     }
 
     /// Apply one input through the transition table (the store keeps the gauges); the engine
     /// hears of every new live state.
-    fn apply(&mut self, now: Nanos, slot: u32, input: RoomInput) -> Result<(), IllegalTransition> {
+    fn apply(&mut self, now: At, slot: u32, input: RoomInput) -> Result<(), IllegalTransition> {
         if let Some(moved) = self.rooms.transition(now, slot, input, &mut self.metrics)? {
             if !moved.to.is_terminal() {
-                self.push_engine(RoomEvent::StateChanged { room: moved.key, role: moved.role, state: moved.to });
+                let room = self.room_at(slot);
+                let (opened_at, plugin) = (room.created, room.plugin());
+                self.push_engine(RoomEvent::StateChanged { room: moved.key, role: moved.role, state: moved.to, from: Some(moved.from), opened_at, plugin });
             }
         }
         Ok(())
@@ -459,7 +457,7 @@ impl Core {
     /// Apply one input through the transition table; an input the table refuses (a core bug) is
     /// counted and kept (`Metrics::illegal_transitions`), never dropped unseen. Returns whether it
     /// was applied.
-    fn step(&mut self, now: Nanos, slot: u32, input: RoomInput) -> bool {
+    fn step(&mut self, now: At, slot: u32, input: RoomInput) -> bool {
         match self.apply(now, slot, input) {
             Ok(_) => true,
             Err(illegal) => {
@@ -478,7 +476,7 @@ impl Core {
 
     /// Arm (or re-arm) the room's timer of `kind` (never `Tombstone`: see `settle`). The room's one
     /// wheel entry moves only when the new deadline comes before it.
-    fn arm(&mut self, now: Nanos, slot: u32, kind: TimerKind, deadline: Nanos) {
+    fn arm(&mut self, now: At, slot: u32, kind: TimerKind, deadline: At) {
         debug_assert!(kind != TimerKind::Tombstone);
         let (epoch, room) = self.rooms.get_with_epoch(slot);
         room.set_timer(kind, deadline);
@@ -486,7 +484,7 @@ impl Core {
     }
 
     /// Disarm `from` and arm `to` at `deadline`.
-    fn move_timer(&mut self, now: Nanos, slot: u32, from: TimerKind, to: TimerKind, deadline: Nanos) {
+    fn move_timer(&mut self, now: At, slot: u32, from: TimerKind, to: TimerKind, deadline: At) {
         self.disarm(slot, from);
         self.arm(now, slot, to, deadline);
     }
@@ -509,13 +507,13 @@ impl Core {
 
     /// After the room's wheel entry fired or its timers changed: the entry (if any) is at its
     /// earliest armed deadline, or released when none is armed.
-    fn sync_wheel_entry(&mut self, now: Nanos, slot: u32) {
+    fn sync_wheel_entry(&mut self, now: At, slot: u32) {
         let (epoch, room) = self.rooms.get_with_epoch(slot);
         room.wheel_entry = self.deadlines.sync(now, room.wheel_entry, slot, epoch, room.earliest_wheel_deadline());
     }
 
     #[inline]
-    fn timer_deadline(&self, slot: u32, kind: TimerKind) -> Option<Nanos> {
+    fn timer_deadline(&self, slot: u32, kind: TimerKind) -> Option<At> {
         self.room_at(slot).timer(kind)
     }
 
@@ -528,7 +526,7 @@ impl Core {
     /// The transfer deadline of a room starting to move its bytes now: `transfer_base_ms` plus its
     /// bytes and those of the rooms already moving with the same peer (they share the link) at
     /// `min_bandwidth_bytes_per_s`. Its bytes join the peer's until the room ends (`leave_link`).
-    fn link_transfer_deadline(&mut self, now: Nanos, slot: u32) -> Nanos {
+    fn link_transfer_deadline(&mut self, now: At, slot: u32) -> At {
         let room = self.room_at(slot);
         let (bytes, peer) = (room.bytes_total, room.peer());
         let ahead = match peer.and_then(|peer| self.peers.get_mut(&peer)) {
@@ -564,14 +562,14 @@ impl Core {
         self.peers.get(&peer).map_or(0, |entry| entry.bytes_moving)
     }
 
-    fn transfer_budget(&self, bytes: u64) -> Nanos {
+    fn transfer_budget(&self, bytes: u64) -> Span {
         let bandwidth = self.config.min_bandwidth_bytes_per_s;
         // The 64-bit division when the product fits (below ~18 GB), the 128-bit one otherwise.
         let per_byte_ns = match bytes.checked_mul(1_000_000_000) {
             Some(scaled) => scaled / bandwidth,
             None => ((bytes as u128 * 1_000_000_000u128) / bandwidth as u128).min(u64::MAX as u128) as u64,
         };
-        Nanos::from_ms(self.config.transfer_base_ms).saturating_add(Nanos(per_byte_ns))
+        Span::from_ms(self.config.transfer_base_ms).saturating_add(Span(per_byte_ns))
     }
 
     #[inline]

@@ -29,7 +29,7 @@ impl Core {
     // CONFORMANCE: ABORT-5, ABORT-6, OBS-3
     pub(super) fn fail_room(
         &mut self,
-        now: Nanos,
+        now: At,
         slot: u32,
         input: RoomInput,
         reason: FailReason,
@@ -37,6 +37,7 @@ impl Core {
         plugin_reason: Option<u32>,
     ) {
         let phase = self.room_at(slot).state.phase();
+        let transferring = self.time_transferring(now, slot);
         if self.room_at(slot).state.is_terminal() {
             return;
         }
@@ -47,7 +48,7 @@ impl Core {
         self.disarm_all(slot, &[TimerKind::Bootstrap, TimerKind::Transfer, TimerKind::Room]);
         let failure = Failure { reason, phase, peer_reason, plugin_reason };
         self.metrics.failures[reason.index()][phase.index()] += 1;
-        let grace = Nanos::from_ms(self.config.plugin_grace_ms);
+        let grace = Span::from_ms(self.config.plugin_grace_ms);
         let mut commands = Vec::new();
         let room = self.room_mut(slot);
         room.failure = Some(failure);
@@ -59,9 +60,11 @@ impl Core {
         let outstanding_xfers = role == Role::Sender && room.in_flight > 0;
         let quiet = Self::nothing_in_flight(room);
         let bytes_total = room.bytes_total;
-        let elapsed = now.saturating_sub(room.created);
+        let elapsed = now.saturating_since(room.created);
+        let (bytes, plugin) = (room.bytes_done, room.plugin());
         self.metrics.pending_sends -= dropped_held;
-        self.push_engine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Failed(failure), elapsed });
+        let outcome = Outcome::Failed(failure);
+        self.push_engine(RoomEvent::Terminal { room: key, role, outcome, elapsed, bytes, peer: peer.map(|p| p.0), plugin, transferring });
         self.commands.extend(commands);
         if outstanding_xfers {
             let current = self.timer_deadline(slot, TimerKind::PluginGrace);
@@ -80,7 +83,7 @@ impl Core {
             // CONFORMANCE: RES-4
             self.room_mut(slot).bytes_counted = BytesCounted::InQuarantine;
             self.metrics.quarantined_bytes += bytes_total;
-            self.arm(now, slot, TimerKind::Quarantine, now.saturating_add(Nanos::from_ms(self.config.quarantine_timeout_ms)));
+            self.arm(now, slot, TimerKind::Quarantine, now.saturating_add(Span::from_ms(self.config.quarantine_timeout_ms)));
         }
     }
 
@@ -135,8 +138,15 @@ impl Core {
         self.push_peer(peer, message);
     }
 
+    /// How long the room has been moving bytes (`None`: it is not in `Transferring`).
+    fn time_transferring(&self, now: At, slot: u32) -> Option<Span> {
+        let room = self.room_at(slot);
+        (room.state == RoomState::Transferring).then(|| now.saturating_since(room.state_entered))
+    }
+
     /// Every part succeeded.
-    pub(super) fn succeed_room(&mut self, now: Nanos, slot: u32) {
+    pub(super) fn succeed_room(&mut self, now: At, slot: u32) {
+        let transferring = self.time_transferring(now, slot);
         if !self.step(now, slot, RoomInput::AllPartsDone) {
             return;
         }
@@ -145,9 +155,11 @@ impl Core {
         self.metrics.rooms_succeeded += 1;
         let room = self.rooms.get_mut(slot);
         let (key, role, peer) = (room.key, room.role, room.peer());
-        let elapsed = now.saturating_sub(room.created);
-        self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome: Outcome::Succeeded, elapsed }));
-        self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight }));
+        let elapsed = now.saturating_since(room.created);
+        let (bytes, plugin) = (room.bytes_done, room.plugin());
+        let outcome = Outcome::Succeeded;
+        self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome, elapsed, bytes, peer: peer.map(|p| p.0), plugin, transferring }));
+        self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight, plugin }));
         if let RoleData::Receiver { ticket_base, parts, .. } = &mut room.data {
             for (index, part) in parts.iter_mut().enumerate() {
                 if part.ticket.is_open() {
@@ -166,14 +178,14 @@ impl Core {
     }
 
     /// A quarantined room's memory is released (quiesced, nothing in flight, or timeout).
-    pub(super) fn release_quarantine(&mut self, now: Nanos, slot: u32, input: RoomInput, cause: ReleaseCause) {
+    pub(super) fn release_quarantine(&mut self, now: At, slot: u32, input: RoomInput, cause: ReleaseCause) {
         if !self.step(now, slot, input) {
             return;
         }
         self.disarm_all(slot, &[TimerKind::Quarantine, TimerKind::PluginGrace]);
         let room = self.room_mut(slot);
         let held = if std::mem::replace(&mut room.bytes_counted, BytesCounted::Nowhere) == BytesCounted::InQuarantine { room.bytes_total } else { 0 };
-        let (key, role, peer) = (room.key, room.role, room.peer());
+        let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin());
         let failure = room.failure;
         if cause == ReleaseCause::Quiesced {
             room.touch(now, LastEvent::Quiesced);
@@ -182,7 +194,7 @@ impl Core {
         if cause == ReleaseCause::QuarantineTimeout {
             self.metrics.failures[FailReason::QuarantineTimeout.index()][Phase::Terminal.index()] += 1;
         }
-        self.push_engine(RoomEvent::Reusable { room: key, role, cause });
+        self.push_engine(RoomEvent::Reusable { room: key, role, cause, plugin });
         // A failed room's receiver waits for this word before reusing its memory. Also after the
         // peer's link was lost: the host delivers it once the same peer process is back on a new
         // link (or drops it if the peer restarted, which ended the receiver's rooms anyway).
@@ -197,7 +209,7 @@ impl Core {
 
     /// After a quiesce or a late terminal event: release the quarantine if nothing is left.
     /// A slot already freed (the room settled while the event was handled) has nothing left.
-    pub(super) fn check_release(&mut self, now: Nanos, slot: u32) {
+    pub(super) fn check_release(&mut self, now: At, slot: u32) {
         let Some(room) = self.rooms.try_get(slot) else { return };
         if room.state == RoomState::Quarantined && Self::nothing_in_flight(room) {
             self.release_quarantine(now, slot, RoomInput::Quiesced, ReleaseCause::Quiesced);
@@ -207,7 +219,7 @@ impl Core {
     /// The plugin-grace deadline passed: every transfer still without a terminal event is forced
     /// failed and counted as a contract violation.
     // CONFORMANCE: TIME-6
-    pub(super) fn plugin_grace_expired(&mut self, now: Nanos, slot: u32) {
+    pub(super) fn plugin_grace_expired(&mut self, now: At, slot: u32) {
         // Each transfer still in flight takes the transfer table's `GraceExpired` row.
         let forced_step = super::plugin::FORCED_SILENT;
         let room = self.room_mut(slot);
@@ -226,12 +238,13 @@ impl Core {
         }
         room.in_flight -= forced;
         room.unquiesced += forced * forced_step.next.is_unquiesced() as u32;
-        if let Some(xfer) = last_forced {
-            let (room, role, plugin) = (room.key, room.role, room.plugin());
-            self.latest_silent = Some(SilentTransfer { xfer: XferId(xfer), room, role, plugin });
-        }
-        if let Verdict::Violation(clause) = forced_step.verdict {
+        let site = last_forced.map(|xfer| (xfer, room.key, room.role, room.plugin()));
+        if let (Verdict::Violation(clause), Some((xfer, key, role, plugin))) = (forced_step.verdict, site) {
+            // Found on a timer, not in a plugin event: the report names the room and its latest
+            // forced transfer.
             self.metrics.violations[clause.index()] += forced as u64;
+            let violation = Violation { clause, plugin, event: None, xfer, room: Some((key, role)), count: forced };
+            self.commands.push_back(Command::Violation(violation));
         }
         if !self.room_at(slot).state.is_terminal() {
             self.fail_room(now, slot, RoomInput::PluginGraceTimer, FailReason::PluginSilent, None, None);
@@ -244,8 +257,8 @@ impl Core {
     /// time and count, and free its slot and part lists now. Its expiry is one constant ttl away
     /// (settle order is expiry order; a clock that steps back never puts an expiry before the one
     /// ahead of it).
-    pub(super) fn settle(&mut self, now: Nanos, slot: u32) {
-        let expiry = self.rooms.expiry_at(now, Nanos::from_ms(self.config.tombstone_ttl_ms));
+    pub(super) fn settle(&mut self, now: At, slot: u32) {
+        let expiry = self.rooms.expiry_at(now, Span::from_ms(self.config.tombstone_ttl_ms));
         let (epoch, room) = self.rooms.get_with_epoch(slot);
         // Nothing is armed once settled: the room's deadline entry (if any) is released.
         debug_assert_eq!(room.earliest_wheel_deadline(), None);
@@ -263,8 +276,8 @@ impl Core {
 
     /// Remember a room that never existed here (an abort or a failure before the counterpart), so
     /// its late counterpart is refused.
-    pub(super) fn create_tombstone(&mut self, now: Nanos, key: RoomKey, role: Role, reason: FailReason) {
-        let expiry = self.rooms.expiry_at(now, Nanos::from_ms(self.config.tombstone_ttl_ms));
+    pub(super) fn create_tombstone(&mut self, now: At, key: RoomKey, role: Role, reason: FailReason) {
+        let expiry = self.rooms.expiry_at(now, Span::from_ms(self.config.tombstone_ttl_ms));
         let failure = Failure { reason, phase: Phase::Bootstrap, peer_reason: None, plugin_reason: None };
         let last_event = if reason == FailReason::Aborted { LastEvent::Aborted } else { LastEvent::Failed };
         let record = Tombstone::remembered(key, role, failure, last_event, now, expiry);

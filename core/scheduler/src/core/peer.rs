@@ -14,7 +14,7 @@ use crate::timer::TimerKind;
 use kvgate_abi::{PeerId, Ticket};
 
 impl Core {
-    pub(super) fn peer_up(&mut self, now: Nanos, peer: PeerId, incarnation: u64, plugins: &[PeerPlugin]) {
+    pub(super) fn peer_up(&mut self, now: At, peer: PeerId, incarnation: u64, plugins: &[PeerPlugin]) {
         if let Some(entry) = self.peers.get(&peer) {
             if entry.incarnation == incarnation {
                 return;
@@ -28,7 +28,7 @@ impl Core {
     }
 
     // CONFORMANCE: TIME-7
-    pub(super) fn peer_lost(&mut self, now: Nanos, peer: PeerId, _cause: PeerLoss) {
+    pub(super) fn peer_lost(&mut self, now: At, peer: PeerId, _cause: PeerLoss) {
         self.fail_peer_rooms(now, peer, FailReason::PeerLost);
         self.extra_bound.remove(&peer);
         let Some(entry) = self.peers.remove(&peer) else { return };
@@ -45,7 +45,7 @@ impl Core {
     }
 
     /// Fail every live room bound to `peer` with `reason`, and every live room with a part from it.
-    pub(super) fn fail_peer_rooms(&mut self, now: Nanos, peer: PeerId, reason: FailReason) {
+    pub(super) fn fail_peer_rooms(&mut self, now: At, peer: PeerId, reason: FailReason) {
         let Some(entry) = self.peers.get(&peer) else { return };
         let mut live = Vec::new();
         let mut slot = entry.room_head;
@@ -138,10 +138,10 @@ impl Core {
         matches!(&self.room_at(slot).data, RoleData::Receiver { senders: Some(_), .. })
     }
 
-    pub(super) fn peer_message(&mut self, now: Nanos, peer: PeerId, message: &PeerMessage) {
+    pub(super) fn peer_message(&mut self, now: At, peer: PeerId, message: &PeerMessage) {
         match *message {
-            PeerMessage::ExpectNotice { room, ref parts, ref tickets, ref plugins, deadline_remaining } => {
-                self.on_expect_notice(now, peer, room, parts, tickets, plugins, deadline_remaining)
+            PeerMessage::ExpectNotice { room, ref parts, ref tickets, ref plugins, timeout } => {
+                self.on_expect_notice(now, peer, room, parts, tickets, plugins, timeout)
             }
             PeerMessage::Matched { room } => match self.peer_room(room, Role::Receiver, peer) {
                 Some(slot) if self.room_at(slot).state == RoomState::WaitingSender => {
@@ -181,14 +181,14 @@ impl Core {
         senders.peers.iter().all(|(_, quiesced)| *quiesced)
     }
 
-    fn receiver_matched(&mut self, now: Nanos, slot: u32) {
+    fn receiver_matched(&mut self, now: At, slot: u32) {
         self.step(now, slot, RoomInput::Matched);
         let deadline = self.link_transfer_deadline(now, slot);
         self.move_timer(now, slot, TimerKind::Bootstrap, TimerKind::Transfer, deadline);
         self.room_mut(slot).touch(now, LastEvent::Matched);
     }
 
-    fn on_part_done(&mut self, now: Nanos, peer: PeerId, key: RoomKey, part: u32, bytes: u64) {
+    fn on_part_done(&mut self, now: At, peer: PeerId, key: RoomKey, part: u32, bytes: u64) {
         let Some(slot) = self.peer_room(key, Role::Receiver, peer) else {
             return self.count_late(LateSource::Peer);
         };
@@ -225,7 +225,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn on_peer_failure(
         &mut self,
-        now: Nanos,
+        now: At,
         peer: PeerId,
         key: RoomKey,
         to: Role,
@@ -300,13 +300,13 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn on_expect_notice(
         &mut self,
-        now: Nanos,
+        now: At,
         peer: PeerId,
         key: RoomKey,
         parts: &[Vec<Slice>],
         tickets: &[Ticket],
         plugins: &[PluginSlot],
-        remaining: Nanos,
+        remaining: Span,
     ) {
         if !self.peers.contains_key(&peer) {
             return self.count_late(LateSource::Peer);
@@ -340,7 +340,7 @@ impl Core {
                     return self.push_peer(peer, message);
                 }
                 let parts = self.spare_send_parts();
-                let deadline = now.saturating_add(Nanos::from_ms(self.config.room_timeout_ms));
+                let deadline = now.saturating_add(Span::from_ms(self.config.room_timeout_ms));
                 self.open_room(now, lookup, Some(peer), || {
                     let data = RoleData::Sender { notice: false, parts };
                     let mut room = super::room::Room::new(key, Role::Sender, RoomState::WaitingSend, now, data);
@@ -363,13 +363,13 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn apply_notice(
         &mut self,
-        now: Nanos,
+        now: At,
         slot: u32,
         peer: PeerId,
         notice_parts: &[Vec<Slice>],
         tickets: &[Ticket],
         plugins: &[PluginSlot],
-        remaining: Nanos,
+        remaining: Span,
     ) -> Result<(), FailReason> {
         let assigned = self.check_notice(slot, peer, notice_parts, tickets, plugins)?;
         self.resolve_notice(now, slot, peer, notice_parts, tickets, &assigned, remaining);
@@ -438,15 +438,15 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn resolve_notice(
         &mut self,
-        now: Nanos,
+        now: At,
         slot: u32,
         peer: PeerId,
         notice_parts: &[Vec<Slice>],
         tickets: &[Ticket],
         assigned: &[PluginSlot],
-        remaining: Nanos,
+        remaining: Span,
     ) {
-        let room_cap = Nanos::from_ms(self.config.max_room_timeout_ms);
+        let room_cap = Span::from_ms(self.config.max_room_timeout_ms);
         let notice_deadline = now.saturating_add(if remaining < room_cap { remaining } else { room_cap });
         let remote = &self.peers[&peer].remote_regions;
         let room = self.rooms.get_mut(slot);
@@ -485,7 +485,7 @@ impl Core {
 
     /// The room matched: submit the chunks held before the notice, part by part in order. The
     /// first that does not fit its destination fails the room (the rest are dropped with it).
-    fn submit_held_chunks(&mut self, now: Nanos, slot: u32) -> Result<(), FailReason> {
+    fn submit_held_chunks(&mut self, now: At, slot: u32) -> Result<(), FailReason> {
         let part_count = self.room_at(slot).part_count();
         for part in 0..part_count {
             let held = {

@@ -12,7 +12,7 @@ use crate::lifecycle::{
     ticket_transition, transfer_transition, RefusedInput, TicketEffect, TicketInput, TicketState, TicketStep, TransferEffect,
     TransferInput, TransferState, TransferStep, Verdict,
 };
-use crate::metrics::{LateSource, ViolationClause};
+use crate::metrics::LateSource;
 use crate::table::RoomInput;
 use kvgate_abi::{event_flags, Event, EventKind};
 
@@ -56,31 +56,37 @@ fn ticket_input(event: &Event) -> TicketInput {
 }
 
 impl Core {
-    fn violation(&mut self, clause: ViolationClause) {
+    /// Count a violation by `plugin`'s `event` and report it (`Command::Violation`), naming the
+    /// room the event's transfer id or ticket belongs to.
+    fn violation(&mut self, clause: ViolationClause, plugin: PluginSlot, event: &Event) {
         self.metrics.violations[clause.index()] += 1;
+        let id = event.xfer.0;
+        let room = if event.is_incoming() { self.rooms.owner_of_ticket(id) } else { self.rooms.owner_of_transfer(id) };
+        let violation = Violation { clause, plugin: Some(plugin), event: Some(event.kind.as_str()), xfer: id, room, count: 1 };
+        self.commands.push_back(Command::Violation(violation));
     }
 
     /// Count what a table row says the input was.
-    fn count_verdict(&mut self, verdict: Verdict) {
+    fn count_verdict(&mut self, verdict: Verdict, plugin: PluginSlot, event: &Event) {
         match verdict {
             Verdict::Accepted => {}
             Verdict::Late => self.count_late(LateSource::Plugin),
-            Verdict::Violation(clause) => self.violation(clause),
+            Verdict::Violation(clause) => self.violation(clause, plugin, event),
         }
     }
 
     /// The plugin's reason code of a failure, if this side knows it (an unknown or missing one is a
     /// counted violation).
-    fn known_reason(&mut self, event: &Event) -> Option<u32> {
+    fn known_reason(&mut self, plugin: PluginSlot, event: &Event) -> Option<u32> {
         let known = event.reason.0 != 0 && event.reason.is_known();
         if !known {
-            self.violation(ViolationClause::UnknownReasonCode);
+            self.violation(ViolationClause::UnknownReasonCode, plugin, event);
         }
         known.then_some(event.reason.0)
     }
 
     // CONFORMANCE: ABORT-9, TIME-10
-    pub(super) fn plugin_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
+    pub(super) fn plugin_event(&mut self, now: At, plugin: PluginSlot, event: &Event) {
         if event.is_incoming() {
             return self.ticket_event(now, plugin, event);
         }
@@ -93,7 +99,7 @@ impl Core {
 
     /// Every room with a peer the plugin serves fails: a room whose parts use other plugins fails
     /// too (a bound, never a wait).
-    fn plugin_unhealthy(&mut self, now: Nanos, plugin: PluginSlot) {
+    fn plugin_unhealthy(&mut self, now: At, plugin: PluginSlot) {
         let peers: Vec<_> = self.peers.iter().filter(|(_, entry)| entry.has_plugin(plugin)).map(|(peer, _)| *peer).collect();
         for peer in peers {
             self.fail_peer_rooms(now, peer, FailReason::PluginFailed);
@@ -102,17 +108,18 @@ impl Core {
 
     /// The transfer an event names, if this core issued it to `plugin` and still knows it (an id
     /// issued and forgotten is late, one never issued or from another plugin a violation).
-    fn transfer_site(&mut self, plugin: PluginSlot, xfer: u64) -> Option<TransferSite> {
+    fn transfer_site(&mut self, plugin: PluginSlot, event: &Event) -> Option<TransferSite> {
+        let xfer = event.xfer.0;
         let Some(xref) = self.rooms.transfer(xfer) else {
             if self.rooms.transfer_issued(xfer) {
                 self.count_late(LateSource::Plugin);
             } else {
-                self.violation(ViolationClause::UnknownXfer);
+                self.violation(ViolationClause::UnknownXfer, plugin, event);
             }
             return None;
         };
         if xref.plugin != plugin {
-            self.violation(ViolationClause::WrongPlugin);
+            self.violation(ViolationClause::WrongPlugin, plugin, event);
             return None;
         }
         if xref.slot == TOMBSTONE_SLOT {
@@ -138,16 +145,16 @@ impl Core {
     }
 
     /// An event about an outgoing transfer: its row in the transfer table, carried out.
-    fn transfer_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
-        let Some(site) = self.transfer_site(plugin, event.xfer.0) else { return };
+    fn transfer_event(&mut self, now: At, plugin: PluginSlot, event: &Event) {
+        let Some(site) = self.transfer_site(plugin, event) else { return };
         let (state, bytes) = self.transfer_at(site);
         let input = transfer_input(event, bytes);
-        let reason = if event.kind == EventKind::FAILED { self.known_reason(event) } else { None };
+        let reason = if event.kind == EventKind::FAILED { self.known_reason(plugin, event) } else { None };
         let step = match transfer_transition(state, input) {
             Ok(step) => step,
             Err(illegal) => return self.count_refused_input(RefusedInput::Transfer(illegal)),
         };
-        self.count_verdict(step.verdict);
+        self.count_verdict(step.verdict, plugin, event);
         match site {
             TransferSite::Live { slot, part, chunk } => self.live_transfer_step(now, slot, part, chunk, bytes, state, step, reason),
             TransferSite::Settled { index, entry } => {
@@ -178,7 +185,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     fn live_transfer_step(
         &mut self,
-        now: Nanos,
+        now: At,
         slot: u32,
         part: u32,
         chunk: u32,
@@ -213,7 +220,7 @@ impl Core {
     }
 
     /// A chunk of a live sender room succeeded: complete its part, maybe the room.
-    fn chunk_succeeded(&mut self, now: Nanos, slot: u32, part: u32) {
+    fn chunk_succeeded(&mut self, now: At, slot: u32, part: u32) {
         let room = self.room_mut(slot);
         room.touch(now, LastEvent::ChunkSucceeded);
         let key = room.key;
@@ -242,12 +249,13 @@ impl Core {
     /// The ticket an incoming event names, if this core issued it and still knows it and it is open
     /// on `plugin` (a ticket issued and forgotten is late, one never issued or on another plugin a
     /// violation).
-    fn ticket_site(&mut self, plugin: PluginSlot, ticket: u64) -> Option<TicketSite> {
+    fn ticket_site(&mut self, plugin: PluginSlot, event: &Event) -> Option<TicketSite> {
+        let ticket = event.xfer.0;
         let Some(tref) = self.rooms.ticket(ticket) else {
             if self.rooms.ticket_issued(ticket) {
                 self.count_late(LateSource::Plugin);
             } else {
-                self.violation(ViolationClause::UnknownTicket);
+                self.violation(ViolationClause::UnknownTicket, plugin, event);
             }
             return None;
         };
@@ -260,15 +268,15 @@ impl Core {
             (TicketSite::Live { slot: tref.slot, part: tref.part }, parts[tref.part as usize].plugin)
         };
         if on != plugin {
-            self.violation(ViolationClause::WrongPlugin);
+            self.violation(ViolationClause::WrongPlugin, plugin, event);
             return None;
         }
         Some(site)
     }
 
     /// Receiver-side events about an incoming ticket: its row in the ticket table, carried out.
-    fn ticket_event(&mut self, now: Nanos, plugin: PluginSlot, event: &Event) {
-        let Some(site) = self.ticket_site(plugin, event.xfer.0) else { return };
+    fn ticket_event(&mut self, now: At, plugin: PluginSlot, event: &Event) {
+        let Some(site) = self.ticket_site(plugin, event) else { return };
         let state = match site {
             TicketSite::Live { slot, part } => {
                 let RoleData::Receiver { parts, .. } = &self.room_at(slot).data else { unreachable!() };
@@ -277,12 +285,12 @@ impl Core {
             TicketSite::Settled { index, entry } => self.rooms.record_at(index).ids[entry].ticket,
         };
         let input = ticket_input(event);
-        let reason = if input == TicketInput::IncomingFailed { self.known_reason(event) } else { None };
+        let reason = if input == TicketInput::IncomingFailed { self.known_reason(plugin, event) } else { None };
         let step = match ticket_transition(state, input) {
             Ok(step) => step,
             Err(illegal) => return self.count_refused_input(RefusedInput::Ticket(illegal)),
         };
-        self.count_verdict(step.verdict);
+        self.count_verdict(step.verdict, plugin, event);
         match site {
             TicketSite::Live { slot, part } => self.live_ticket_step(now, slot, part, step, reason),
             TicketSite::Settled { index, entry } => {
@@ -295,7 +303,7 @@ impl Core {
     }
 
     /// A ticket table row for a live (or quarantined) receiver room's part.
-    fn live_ticket_step(&mut self, now: Nanos, slot: u32, part: u32, step: TicketStep, reason: Option<u32>) {
+    fn live_ticket_step(&mut self, now: At, slot: u32, part: u32, step: TicketStep, reason: Option<u32>) {
         let room = self.room_mut(slot);
         let live = !room.state.is_terminal();
         let RoleData::Receiver { parts, .. } = &mut room.data else { unreachable!() };

@@ -132,7 +132,7 @@ mod tests {
             xfer: kvgate_abi::XferId(1),
             peer: PeerId(1),
             ticket: kvgate_abi::Ticket(1),
-            timeout: Nanos::ZERO,
+            timeout: Span::ZERO,
             segments: Vec::with_capacity(capacity),
         }
     }
@@ -156,7 +156,7 @@ mod tests {
             plugin: PluginSlot(0),
             peer: PeerId(1),
             ticket: kvgate_abi::Ticket(1),
-            timeout: Nanos::ZERO,
+            timeout: Span::ZERO,
             ranges: Vec::with_capacity(1),
         };
         core.recycle_command(ranges);
@@ -169,7 +169,7 @@ mod tests {
             parts,
             tickets: Vec::with_capacity(tickets),
             plugins: Vec::new(),
-            deadline_remaining: Nanos::ZERO,
+            timeout: Span::ZERO,
         };
         Command::ToPeer { peer: PeerId(1), message }
     }

@@ -137,14 +137,14 @@ pub(crate) struct Room {
     has_peer: bool,
     /// The bound peer's plugin instance, meaningful when `has_peer` (bound together).
     plugin_slot: PluginSlot,
-    pub created: Nanos,
-    pub state_entered: Nanos,
-    pub last_event_at: Nanos,
+    pub created: At,
+    pub state_entered: At,
+    pub last_event_at: At,
     /// The room's overall deadline.
-    pub deadline: Nanos,
+    pub deadline: At,
     /// Timer deadlines, meaningful when the kind's bit (`1 << kind`) is set in `armed`. Kinds that
     /// are never armed together share a cell (see `timer_cell`); `Room` is `deadline`.
-    timer_at: [Nanos; 3],
+    timer_at: [At; 3],
     pub armed: u8,
     /// The room's one wheel entry (NIL: none), due no later than its earliest armed timer other
     /// than `Tombstone` (tombstones expire from the core's tombstone FIFO).
@@ -167,7 +167,7 @@ pub(crate) struct Room {
 }
 
 impl Room {
-    pub fn new(key: RoomKey, role: Role, state: RoomState, now: Nanos, data: RoleData) -> Room {
+    pub fn new(key: RoomKey, role: Role, state: RoomState, now: At, data: RoleData) -> Room {
         Room {
             key,
             role,
@@ -180,7 +180,7 @@ impl Room {
             state_entered: now,
             last_event_at: now,
             deadline: now,
-            timer_at: [Nanos::ZERO; 3],
+            timer_at: [At::ZERO; 3],
             armed: 0,
             wheel_entry: NIL,
             peer_prev: NIL,
@@ -228,7 +228,7 @@ impl Room {
     }
 
     /// The raw deadline of `kind` (meaningful when armed).
-    fn timer_at(&self, kind: TimerKind) -> Nanos {
+    fn timer_at(&self, kind: TimerKind) -> At {
         match Room::timer_cell(kind) {
             Some(cell) => self.timer_at[cell],
             None => self.deadline,
@@ -236,7 +236,7 @@ impl Room {
     }
 
     /// Arm `kind` at `deadline` (the room's own bookkeeping only: the core moves the wheel entry).
-    pub fn set_timer(&mut self, kind: TimerKind, deadline: Nanos) {
+    pub fn set_timer(&mut self, kind: TimerKind, deadline: At) {
         match Room::timer_cell(kind) {
             Some(cell) => {
                 let sharing = match kind {
@@ -256,7 +256,7 @@ impl Room {
 
     /// The deadline of the room's timer of `kind`, if armed (rounded up to the wheel tick it
     /// fires at).
-    pub fn timer(&self, kind: TimerKind) -> Option<Nanos> {
+    pub fn timer(&self, kind: TimerKind) -> Option<At> {
         (self.armed & kind.bit() != 0).then(|| Wheel::fire_time(self.timer_at(kind)))
     }
 
@@ -277,7 +277,7 @@ impl Room {
     }
 
     /// The earliest armed deadline other than `Tombstone`.
-    pub fn earliest_wheel_deadline(&self) -> Option<Nanos> {
+    pub fn earliest_wheel_deadline(&self) -> Option<At> {
         TimerKind::WHEEL
             .into_iter()
             .filter(|kind| self.armed & kind.bit() != 0)
@@ -306,7 +306,7 @@ impl Room {
         self.peer() == Some(peer) || self.extra_senders().any(|p| p == peer)
     }
 
-    pub fn touch(&mut self, now: Nanos, event: LastEvent) {
+    pub fn touch(&mut self, now: At, event: LastEvent) {
         self.last_event = event;
         self.last_event_at = now;
     }

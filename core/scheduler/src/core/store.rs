@@ -84,6 +84,7 @@ pub(super) enum Held<'a> {
 pub(super) struct Moved {
     pub key: RoomKey,
     pub role: Role,
+    pub from: RoomState,
     pub to: RoomState,
 }
 
@@ -109,7 +110,7 @@ pub(super) struct RoomStore {
     front_seq: u64,
     /// Per aged state, the rooms in the order they entered it (slot, epoch, when): stale entries
     /// are dropped from the front, the front gives `Metrics::oldest_entered_by_state`.
-    state_fifos: [VecDeque<(u32, u32, Nanos)>; RoomState::COUNT],
+    state_fifos: [VecDeque<(u32, u32, At)>; RoomState::COUNT],
 }
 
 impl RoomStore {
@@ -275,7 +276,7 @@ impl RoomStore {
         }
     }
 
-    fn push_state_fifo(&mut self, slot: u32, state: RoomState, entered: Nanos, metrics: &mut Metrics) {
+    fn push_state_fifo(&mut self, slot: u32, state: RoomState, entered: At, metrics: &mut Metrics) {
         let epoch = self.epoch(slot);
         let fifo = &mut self.state_fifos[state.index()];
         if fifo.is_empty() {
@@ -301,7 +302,7 @@ impl RoomStore {
 
     /// Move the room through the transition table on `input`, keeping the per-state gauges and the
     /// live count. Returns the change, None when the state stays.
-    pub fn transition(&mut self, now: Nanos, slot: u32, input: RoomInput, metrics: &mut Metrics) -> Result<Option<Moved>, IllegalTransition> {
+    pub fn transition(&mut self, now: At, slot: u32, input: RoomInput, metrics: &mut Metrics) -> Result<Option<Moved>, IllegalTransition> {
         let entry = &mut self.slots[slot as usize];
         let epoch = entry.epoch;
         let room = entry.room.as_mut().expect("live slot");
@@ -334,7 +335,7 @@ impl RoomStore {
             }
             fifo.push_back((slot, epoch, now));
         }
-        Ok(Some(Moved { key, role, to }))
+        Ok(Some(Moved { key, role, from, to }))
     }
 
     // ----- transfer ids and tickets -----
@@ -396,6 +397,18 @@ impl RoomStore {
         Some((room.key, room.role))
     }
 
+    /// The room, and its role, that a ticket belongs to: live, quarantined, or settled while its
+    /// record is held.
+    pub fn owner_of_ticket(&self, ticket: u64) -> Option<(RoomKey, Role)> {
+        let tref = self.tickets.get(ticket)?;
+        if tref.slot == TOMBSTONE_SLOT {
+            let record = self.tombstones.get(self.record_index(tref.epoch))?;
+            return Some((record.key(), record.role));
+        }
+        let room = self.slots.get(tref.slot as usize)?.room.as_ref()?;
+        Some((room.key, room.role))
+    }
+
     // ----- settled rooms -----
 
     /// The record with sequence number `seq` (held: the key table and the id tables name only
@@ -441,13 +454,13 @@ impl RoomStore {
 
     /// When the oldest record expires.
     #[inline]
-    pub fn next_expiry(&self) -> Option<Nanos> {
+    pub fn next_expiry(&self) -> Option<At> {
         self.tombstones.front().map(|record| record.expiry)
     }
 
     /// The expiry of a record settled at `now`: one constant ttl away, never before the newest
     /// record's (settle order is expiry order, even if a clock steps back).
-    pub fn expiry_at(&self, now: Nanos, ttl: Nanos) -> Nanos {
+    pub fn expiry_at(&self, now: At, ttl: Span) -> At {
         let expiry = now.saturating_add(ttl);
         self.tombstones.back().map_or(expiry, |last| expiry.max(last.expiry))
     }

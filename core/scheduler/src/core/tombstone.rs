@@ -70,10 +70,10 @@ pub(crate) struct Tombstone {
     peer_id: u64,
     plugin_slot: PluginSlot,
     has_peer: bool,
-    pub created: Nanos,
-    pub last_event_at: Nanos,
+    pub created: At,
+    pub last_event_at: At,
     /// When the tombstone expires (`tombstone_ttl_ms` after it settled, never before the one ahead).
-    pub expiry: Nanos,
+    pub expiry: At,
     pub parts: u32,
     pub parts_done: u32,
     pub bytes_total: u64,
@@ -101,7 +101,7 @@ impl Tombstone {
 
 impl Tombstone {
     /// The record of a settling room (terminal, its memory reusable), expiring at `expiry`.
-    pub fn of_room(room: &Room, expiry: Nanos) -> Tombstone {
+    pub fn of_room(room: &Room, expiry: At) -> Tombstone {
         let mut ids = SmallVec::new();
         match &room.data {
             RoleData::Sender { parts, .. } => {
@@ -143,7 +143,7 @@ impl Tombstone {
 
     /// The record of a room that never existed here (an abort or a failure before the
     /// counterpart), remembered from `now` so its late counterpart is refused.
-    pub fn remembered(key: RoomKey, role: Role, failure: Failure, last_event: LastEvent, now: Nanos, expiry: Nanos) -> Tombstone {
+    pub fn remembered(key: RoomKey, role: Role, failure: Failure, last_event: LastEvent, now: At, expiry: At) -> Tombstone {
         Tombstone {
             room_id: key.room,
             generation: key.generation,
@@ -166,16 +166,16 @@ impl Tombstone {
     }
 
     /// The admin view of the record (its next deadline is its expiry).
-    pub fn view(&self, now: Nanos) -> RoomView {
+    pub fn view(&self, now: At) -> RoomView {
         RoomView {
             room: self.key(),
             role: self.role,
             state: self.state,
-            age: now.saturating_sub(self.created),
+            age: now.saturating_since(self.created),
             peer: self.peer().map(|peer| peer.0),
             plugin: self.plugin(),
             last_event: self.last_event,
-            last_event_age: now.saturating_sub(self.last_event_at),
+            last_event_age: now.saturating_since(self.last_event_at),
             next_deadline: Some(Wheel::fire_time(self.expiry)),
             parts: self.parts,
             parts_done: self.parts_done,
@@ -229,7 +229,7 @@ mod tests {
             let config = crate::CoreConfig { max_tombstones, ..crate::CoreConfig::default() };
             let mut core = super::super::Core::new(config).unwrap();
             for n in 0..3 * max_tombstones {
-                core.engine_abort(Nanos::from_ms(1), RoomKey::new(n, 0), Some(Role::Sender));
+                core.engine_abort(At::from_origin(Span::from_ms(1)), RoomKey::new(n, 0), Some(Role::Sender));
                 assert_eq!(core.rooms.records() as u64, (n + 1).min(max_tombstones));
                 assert!(core.rooms.record_capacity() as u64 <= max_tombstones, "capacity {}", core.rooms.record_capacity());
             }

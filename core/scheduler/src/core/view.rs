@@ -9,7 +9,7 @@ use crate::timer::TimerKind;
 use kvgate_abi::XferId;
 
 impl Core {
-    fn view_of(&self, now: Nanos, room: &Room) -> RoomView {
+    fn view_of(&self, now: At, room: &Room) -> RoomView {
         let next_deadline = TimerKind::ALL
             .iter()
             .filter_map(|&kind| room.timer(kind))
@@ -18,11 +18,11 @@ impl Core {
             room: room.key,
             role: room.role,
             state: room.state,
-            age: now.saturating_sub(room.created),
+            age: now.saturating_since(room.created),
             peer: room.peer().map(|peer| peer.0),
             plugin: room.plugin(),
             last_event: room.last_event,
-            last_event_age: now.saturating_sub(room.last_event_at),
+            last_event_age: now.saturating_since(room.last_event_at),
             next_deadline,
             parts: room.part_count(),
             parts_done: room.parts_done,
@@ -33,11 +33,11 @@ impl Core {
     }
 
     /// The admin view of one room (ages computed at `now`).
-    pub fn room(&self, now: Nanos, room: RoomKey, role: Role) -> Option<RoomView> {
+    pub fn room(&self, now: At, room: RoomKey, role: Role) -> Option<RoomView> {
         self.rooms.find(room, role).map(|held| self.view_of_held(now, held))
     }
 
-    fn view_of_held(&self, now: Nanos, held: Held<'_>) -> RoomView {
+    fn view_of_held(&self, now: At, held: Held<'_>) -> RoomView {
         match held {
             Held::Room(room) => self.view_of(now, room),
             Held::Record(record) => record.view(now),
@@ -51,15 +51,9 @@ impl Core {
         self.rooms.owner_of_transfer(xfer.0)
     }
 
-    /// The latest transfer the core forced failed because its plugin stayed silent past the plugin
-    /// grace (counted as a `plugin_silent` violation), with its room: `None` before the first.
-    pub fn latest_silent_transfer(&self) -> Option<SilentTransfer> {
-        self.latest_silent
-    }
-
     /// Every room the core holds: live and quarantined rooms in slab order, then tombstones
     /// oldest first.
-    pub fn rooms(&self, now: Nanos) -> impl Iterator<Item = RoomView> + '_ {
+    pub fn rooms(&self, now: At) -> impl Iterator<Item = RoomView> + '_ {
         self.rooms.iter().map(move |held| self.view_of_held(now, held))
     }
 }

@@ -28,7 +28,7 @@ pub fn slices(region: RegionId, list: &[(u64, u64)]) -> Vec<Slice> {
 pub struct Submitted {
     pub xfer: XferId,
     pub ticket: Ticket,
-    pub timeout: Nanos,
+    pub timeout: Span,
     pub segments: Vec<Segment>,
 }
 
@@ -42,6 +42,8 @@ pub struct Node {
     pub tickets_opened: Vec<Ticket>,
     pub tickets_cancelled: Vec<Ticket>,
     pub to_peer: Vec<PeerMessage>,
+    /// Plugin contract violations the core reported (`Command::Violation`).
+    pub violations: Vec<Violation>,
     pub memory: Vec<u8>,
 }
 
@@ -56,6 +58,7 @@ impl Node {
             tickets_opened: Vec::new(),
             tickets_cancelled: Vec::new(),
             to_peer: Vec::new(),
+            violations: Vec::new(),
             memory: vec![0; REGION_LEN as usize],
         }
     }
@@ -85,7 +88,7 @@ impl Node {
         })
     }
 
-    pub fn state(&self, now: Nanos, room: RoomKey, role: Role) -> Option<RoomState> {
+    pub fn state(&self, now: At, room: RoomKey, role: Role) -> Option<RoomState> {
         self.core.room(now, room, role).map(|v| v.state)
     }
 
@@ -97,7 +100,7 @@ impl Node {
 /// The pair. `auto_complete`: the fake plugin finishes every submit (copying bytes) on the next
 /// `drive`; otherwise the test completes or fails transfers itself.
 pub struct Pair {
-    pub now: Nanos,
+    pub now: At,
     pub decode: Node,
     pub prefill: Node,
     pub link_up: bool,
@@ -115,7 +118,7 @@ impl Pair {
 
     pub fn with_config(config: CoreConfig) -> Pair {
         let mut pair = Pair {
-            now: Nanos::from_ms(1_000),
+            now: At::ZERO.saturating_add(Span::from_ms(1_000)),
             decode: Node::new(config.clone(), DECODE_ID),
             prefill: Node::new(config, PREFILL_ID),
             link_up: true,
@@ -233,6 +236,7 @@ impl Pair {
     fn execute_decode(&mut self, command: Command) {
         match command {
             Command::ToEngine(event) => self.decode.events.push(event),
+            Command::Violation(violation) => self.decode.violations.push(violation),
             Command::ToPeer { peer, message } => {
                 self.decode.to_peer.push(message.clone());
                 if self.link_up && peer == PREFILL_ID {
@@ -254,6 +258,7 @@ impl Pair {
     fn execute_prefill(&mut self, command: Command) {
         match command {
             Command::ToEngine(event) => self.prefill.events.push(event),
+            Command::Violation(violation) => self.prefill.violations.push(violation),
             Command::ToPeer { peer, message } => {
                 assert_eq!(peer, DECODE_ID);
                 self.prefill.to_peer.push(message.clone());
@@ -277,7 +282,7 @@ impl Pair {
 
     /// Move the clock and fire due timers on both sides.
     pub fn advance_ms(&mut self, ms: u64) {
-        let target = self.now.saturating_add(Nanos::from_ms(ms));
+        let target = self.now.saturating_add(Span::from_ms(ms));
         // Step through every wake-up the cores ask for, the way a driver would.
         loop {
             let next = [self.decode.core.poll_timeout(), self.prefill.core.poll_timeout()]
