@@ -3,9 +3,9 @@
 //! engine would, every outcome recorded with when it arrived. It reports what the gateways said and
 //! whether the bytes landed; judging is the caller's.
 
-use crate::demo::engine::{expect_into, send_all, wait_reusable, wait_terminal, Engine, SideOutcome};
-use crate::demo::gateways::{DECODE_NAME, PREFILL_NAME};
-use crate::demo::pool::{checksum, KvPool, KvShape};
+use kvgate_demo::engine::{expect_into, send_all, wait_reusable, wait_terminal, Engine, SideOutcome};
+use kvgate_demo::gateways::{DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::pool::{checksum, KvPool, KvShape};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -126,7 +126,7 @@ impl Engines {
     pub async fn connect(dir: &Path, prefill_socket: &Path, decode_socket: &Path, w: &Workload) -> anyhow::Result<Engines> {
         let shape = w.shape();
         let slots = w.inflight.max(1);
-        let tag = crate::bench::datapath::fresh_room();
+        let tag = crate::datapath::fresh_room();
         let p_pool = KvPool::create(dir, &format!("bed-prefill-{tag}"), shape.request_bytes(), slots)?;
         let d_pool = KvPool::create(dir, &format!("bed-decode-{tag}"), shape.request_bytes(), slots)?;
         let prefill = Engine::connect(prefill_socket, p_pool, "bed-prefill").await?;
@@ -192,7 +192,7 @@ impl Engines {
         if verify {
             self.clear(slot).await?;
         }
-        let room = crate::bench::datapath::fresh_room();
+        let room = crate::datapath::fresh_room();
         let mut p_rx = self.prefill.events.listen(room);
         let mut d_rx = self.decode.events.listen(room);
         let begun = Instant::now();
@@ -226,7 +226,7 @@ impl Engines {
         if verify && record.succeeded() {
             record.verified = Some(self.destination_matches(slot).await?);
         }
-        let reuse = Duration::from_millis(crate::bench::datapath::BENCH_REUSABLE_WAIT_MS);
+        let reuse = Duration::from_millis(crate::datapath::BENCH_REUSABLE_WAIT_MS);
         let _ = tokio::join!(wait_reusable(&mut p_rx, reuse), wait_reusable(&mut d_rx, reuse));
         self.prefill.events.forget(room);
         self.decode.events.forget(room);

@@ -132,7 +132,7 @@ mod tests {
 
     #[test]
     fn shm_panels_draw_the_copy_limit_per_block_size() {
-        use crate::bench::results::{CellResult, CopyLimit, PluginResult};
+        use crate::results::{CellResult, CopyLimit, PluginResult};
         let cell = |block: u64, blocks: u64, limit: f64| CellResult {
             block_bytes: block,
             blocks,

@@ -237,7 +237,7 @@ mod tests {
     fn rounds_with_a_copy_limit_are_decided_on_the_ratio_to_it() {
         let with_limit = |ratio: f64, limit_ratio: f64| CellResult {
             limit_ratio,
-            copy_limit: Some(crate::bench::results::CopyLimit { gbps: 20.0, ..Default::default() }),
+            copy_limit: Some(crate::results::CopyLimit { gbps: 20.0, ..Default::default() }),
             ..round(ratio, 0, "")
         };
         // By the reference the median would be the 1.2 round; by the limit it is the 0.85 one.

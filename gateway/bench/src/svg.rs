@@ -59,7 +59,7 @@ pub fn render(panels: &[Panel]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::plot::Series;
+    use crate::plot::Series;
 
     #[test]
     fn every_series_becomes_a_polyline_and_the_reference_is_dashed() {

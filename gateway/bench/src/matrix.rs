@@ -4,7 +4,7 @@
 
 use super::reference::{ReferenceKind, UcxTransport};
 use super::system;
-use crate::demo::gateways::PairSettings;
+use kvgate_demo::gateways::PairSettings;
 use std::path::{Path, PathBuf};
 
 /// The cargo package and lib name of the loadable UCX plugin (`libkvgate_ucx.so`).
@@ -40,18 +40,8 @@ pub fn expand_names(requested: &[String]) -> Vec<String> {
     out
 }
 
-/// The QUIC plugin's settings for loopback (plugins/quic/README.md, "For loopback or jumbo-frame links"):
-/// the defaults are sized for real networks (1200-byte datagrams until MTU discovery proves more), while
-/// the bench and its TCP reference run on 127.0.0.1, where 64 KiB datagrams are the path's own limit.
-pub const QUIC_LOOPBACK_CONFIG: &str = "initial_mtu_bytes = 65507
-min_mtu_bytes = 16000
-mtu_discovery_upper_bound_bytes = 65507
-segmentation_offload = false
-initial_congestion_window_bytes = 1048576
-write_chunk_bytes = 1048576
-send_window_bytes = 4194304
-malloc_trim_threshold_bytes = 67108864
-";
+/// The QUIC plugin's loopback settings: the demo's gateway pairs use them too, so they live there.
+pub use kvgate_demo::gateways::QUIC_LOOPBACK_CONFIG;
 
 /// How many threads the shm plugin of `entry` copies with (its `workers`, from its plugin config or
 /// the plugin's default): the thread count of the machine's copy limit it is measured against.

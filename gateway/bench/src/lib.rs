@@ -477,7 +477,7 @@ async fn bench_control(binary: &Path, dir: &Path, plan: &Plan, bar: &ProgressBar
         Err(e) => out.errors.push(format!("control-path gateways did not start: {e:#}")),
     }
     bar.set_message(format!("frozen peer, {} rooms mid-transfer", plan.frozen_rooms));
-    let frozen_settings = crate::demo::gateways::PairSettings::default();
+    let frozen_settings = kvgate_demo::gateways::PairSettings::default();
     match Rig::start(binary, dir, &frozen_settings, control::CONTROL_POOL_BYTES, 1).await {
         Ok(mut rig) => {
             match control::frozen_peer(&rig, &frozen_settings, plan.frozen_rooms).await {

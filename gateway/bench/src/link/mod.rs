@@ -23,7 +23,7 @@ pub const BYTES_PER_ROW: u64 = 1 << 30;
 /// Seconds of each iperf3 run.
 pub const IPERF3_SECONDS: f64 = 4.0;
 /// The bench's transfer deadline floor (as the loopback bench's `BENCH_MIN_BANDWIDTH_BYTES_PER_S`).
-pub const BED_MIN_BANDWIDTH_BYTES_PER_S: u64 = crate::bench::matrix::BENCH_MIN_BANDWIDTH_BYTES_PER_S;
+pub const BED_MIN_BANDWIDTH_BYTES_PER_S: u64 = crate::matrix::BENCH_MIN_BANDWIDTH_BYTES_PER_S;
 
 /// One transport variant on the bed: the bench name and what it changes in the shipped config.
 #[derive(Clone, Debug)]

@@ -4,7 +4,7 @@
 
 use super::engine::{run_room, Engine};
 use super::gateways::{rewrite_plugins, GatewayPair, GatewayProcess, PairSettings};
-use super::http;
+use kvgate::admin_client as http;
 use super::pool::{KvPool, KvShape};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,9 +19,9 @@ const DRAIN_WAIT_MS: u64 = 30_000;
 async fn reload(gateway: &GatewayProcess, plugins: &str) -> anyhow::Result<String> {
     rewrite_plugins(&gateway.config_path, plugins)?;
     let (code, body) = http::post(&gateway.admin, "/plugins/reload", Duration::from_secs(40)).await?;
-    let outcome: crate::driver::reload::ReloadOutcome = serde_json::from_str(&body)?;
-    anyhow::ensure!(code == 200, "{}: {}", gateway.name, crate::plugin_reload::describe(&outcome));
-    Ok(crate::plugin_reload::describe(&outcome))
+    let outcome: kvgate::driver::reload::ReloadOutcome = serde_json::from_str(&body)?;
+    anyhow::ensure!(code == 200, "{}: {}", gateway.name, kvgate::plugin_reload::describe(&outcome));
+    Ok(kvgate::plugin_reload::describe(&outcome))
 }
 
 /// Whether `wire_name` is closed on `gateway` within the wait.
@@ -64,7 +64,7 @@ pub async fn run(binary: &Path, dir: &Path) -> anyhow::Result<bool> {
             })
         })
         .collect();
-    let quic = format!("preference = [\"quic\"]\n[plugins.config.quic]\n{}\n", crate::bench::matrix::QUIC_LOOPBACK_CONFIG);
+    let quic = format!("preference = [\"quic\"]\n[plugins.config.quic]\n{}\n", crate::gateways::QUIC_LOOPBACK_CONFIG);
     let steps = [(quic.as_str(), "shm"), ("preference = [\"shm\"]\n", "quic")];
     let mut closed_ok = true;
     for (plugins, retired) in steps {

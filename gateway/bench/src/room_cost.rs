@@ -167,7 +167,7 @@ pub async fn batched_rooms_per_second(rig: &Rig, rooms: u64) -> anyhow::Result<s
 /// the batch's latency once per successful room.
 async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64, Vec<Duration>)> {
     use super::control::MINIMAL_ROOM_BYTES;
-    use crate::demo::gateways::{DECODE_NAME, PREFILL_NAME};
+    use kvgate_demo::gateways::{DECODE_NAME, PREFILL_NAME};
     use kvgate_client::{proto, room_key};
     let rooms: Vec<u64> = (0..count).map(|_| fresh_room()).collect();
     let mut listeners: Vec<_> = rooms.iter().map(|r| (rig.prefill.events.listen(*r), rig.decode.events.listen(*r))).collect();
@@ -199,7 +199,7 @@ async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64
     let wait = Duration::from_millis(super::datapath::BENCH_ROOM_WAIT_MS);
     let mut failed = 0;
     for (p, d) in listeners.iter_mut() {
-        let (pt, dt) = tokio::join!(crate::demo::engine::wait_terminal(p, started, wait), crate::demo::engine::wait_terminal(d, started, wait));
+        let (pt, dt) = tokio::join!(kvgate_demo::engine::wait_terminal(p, started, wait), kvgate_demo::engine::wait_terminal(d, started, wait));
         if !matches!((pt, dt), (Ok(p), Ok(d)) if p.succeeded && d.succeeded) {
             failed += 1;
         }
@@ -207,7 +207,7 @@ async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64
     let latency = started.elapsed();
     let reuse = Duration::from_millis(super::datapath::BENCH_REUSABLE_WAIT_MS);
     for (p, d) in listeners.iter_mut() {
-        let _ = tokio::join!(crate::demo::engine::wait_reusable(p, reuse), crate::demo::engine::wait_reusable(d, reuse));
+        let _ = tokio::join!(kvgate_demo::engine::wait_reusable(p, reuse), kvgate_demo::engine::wait_reusable(d, reuse));
     }
     for r in &rooms {
         rig.prefill.events.forget(*r);

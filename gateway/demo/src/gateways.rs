@@ -2,11 +2,24 @@
 //! `kvgate serve` started with its log in a file, readiness awaited (engine socket answers, peer link
 //! up), SIGSTOP/SIGCONT/SIGKILL for fault injection, and a kill on drop so no gateway outlives its owner.
 
-use super::http;
+use kvgate::admin_client as http;
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// The QUIC plugin's settings for loopback (plugins/quic/README.md, "For loopback or jumbo-frame links"):
+/// the defaults are sized for real networks (1200-byte datagrams until MTU discovery proves more), while
+/// the demo, the bench and its TCP reference run on 127.0.0.1, where 64 KiB datagrams are the path's own limit.
+pub const QUIC_LOOPBACK_CONFIG: &str = "initial_mtu_bytes = 65507
+min_mtu_bytes = 16000
+mtu_discovery_upper_bound_bytes = 65507
+segmentation_offload = false
+initial_congestion_window_bytes = 1048576
+write_chunk_bytes = 1048576
+send_window_bytes = 4194304
+malloc_trim_threshold_bytes = 67108864
+";
 
 /// How long a started gateway may take to become ready.
 pub const GATEWAY_READY_TIMEOUT_MS: u64 = 20_000;
@@ -265,7 +278,7 @@ impl Cluster {
         // One pre-shared key for the cluster's peer links (kept if a previous cluster in `dir` made it).
         let psk_file = dir.join(format!("peer-{tag}.key"));
         if !psk_file.exists() {
-            crate::peer_link::psk::Psk::generate(&psk_file, false).context("make the cluster's peer-link key")?;
+            kvgate::peer_link::psk::Psk::generate(&psk_file, false).context("make the cluster's peer-link key")?;
         }
         let mut gateways = Vec::new();
         for (i, (name, extra, env)) in members.iter().enumerate() {
@@ -380,7 +393,7 @@ mod tests {
     fn generated(settings: &PairSettings) -> (tempfile::TempDir, String) {
         let dir = tempfile::tempdir().unwrap();
         let key = dir.path().join("peer.key");
-        crate::peer_link::psk::Psk::generate(&key, false).unwrap();
+        kvgate::peer_link::psk::Psk::generate(&key, false).unwrap();
         let peers = vec![("decode".to_string(), "127.0.0.1:7101".to_string())];
         let text = config_text("prefill", Path::new("/tmp/x.sock"), "127.0.0.1:7100", "127.0.0.1:9100", &peers, settings, "", &key);
         (dir, text)
@@ -395,7 +408,7 @@ mod tests {
             ..PairSettings::default()
         };
         let (_dir, text) = generated(&settings);
-        let config = crate::config::load_config_from_str(&text).expect("the generated config loads");
+        let config = kvgate::config::load_config_from_str(&text).expect("the generated config loads");
         assert_eq!(config.plugins.preference, vec!["ucx".to_string()]);
         assert_eq!(config.plugins.libraries, vec!["/opt/kv gate/libkvgate_ucx.so".to_string()]);
         let section = config.plugins.config.get("ucx").expect("[plugins.config.ucx]");
@@ -406,10 +419,10 @@ mod tests {
     #[test]
     fn default_settings_load_no_library_and_no_plugin_section() {
         let (_dir, text) = generated(&PairSettings::default());
-        let config = crate::config::load_config_from_str(&text).expect("the generated config loads");
+        let config = kvgate::config::load_config_from_str(&text).expect("the generated config loads");
         assert!(config.plugins.libraries.is_empty());
         // Peer links are authenticated with the cluster's key.
-        assert_eq!(config.peer_link.auth_mode(), crate::config::PeerAuthMode::Psk);
+        assert_eq!(config.peer_link.auth_mode(), kvgate::config::PeerAuthMode::Psk);
         assert!(config.peer_link.psk_file.ends_with("peer.key"));
         assert!(config.plugins.config.is_empty());
     }

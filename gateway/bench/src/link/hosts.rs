@@ -36,7 +36,7 @@ impl Deployment {
 }
 
 /// The names the gateways take on the bed (the demo engines address their peers by these).
-pub const NAMES: [&str; 2] = [crate::demo::gateways::PREFILL_NAME, crate::demo::gateways::DECODE_NAME];
+pub const NAMES: [&str; 2] = [kvgate_demo::gateways::PREFILL_NAME, kvgate_demo::gateways::DECODE_NAME];
 /// The peer-link port on each host.
 pub const PEER_PORT: u16 = 7100;
 /// The QUIC plugin's first UDP port on each host.
@@ -144,7 +144,7 @@ pub struct BedGateway {
     pub host: usize,
     pub socket: PathBuf,
     pub log_path: PathBuf,
-    pub config: crate::config::GatewayConfig,
+    pub config: kvgate::config::GatewayConfig,
     child: Option<Child>,
 }
 
@@ -229,7 +229,7 @@ impl BedPair {
         let mut gateways = Vec::new();
         for (i, text) in shipped.iter().enumerate() {
             let config_text = bed_config(deployment, text, i, link, dir, names, o)?;
-            let config = crate::config::load_config_from_str(&config_text).map_err(|e| anyhow::anyhow!("the bed's {} config: {e}", NAMES[i]))?;
+            let config = kvgate::config::load_config_from_str(&config_text).map_err(|e| anyhow::anyhow!("the bed's {} config: {e}", NAMES[i]))?;
             let config_path = dir.join(format!("{}-{}.toml", deployment.name(), NAMES[i]));
             std::fs::write(&config_path, &config_text)?;
             let log_path = dir.join(format!("{}-{}.log", deployment.name(), NAMES[i]));
@@ -256,7 +256,7 @@ impl BedPair {
     }
 
     async fn wait_ready(&mut self, link: &std::sync::Arc<Link>) -> anyhow::Result<()> {
-        let deadline = Instant::now() + Duration::from_millis(crate::demo::gateways::GATEWAY_READY_TIMEOUT_MS);
+        let deadline = Instant::now() + Duration::from_millis(kvgate_demo::gateways::GATEWAY_READY_TIMEOUT_MS);
         for (i, name) in NAMES.iter().enumerate() {
             loop {
                 if let Err(e) = self.gateways[i].alive() {
@@ -268,7 +268,7 @@ impl BedPair {
                     }
                 }
                 if Instant::now() > deadline {
-                    bail!("gateway {name} not ready within {} ms:\n{}", crate::demo::gateways::GATEWAY_READY_TIMEOUT_MS, self.gateways[i].log());
+                    bail!("gateway {name} not ready within {} ms:\n{}", kvgate_demo::gateways::GATEWAY_READY_TIMEOUT_MS, self.gateways[i].log());
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -284,7 +284,7 @@ impl BedPair {
     }
     /// CPU time (user + system) both gateway processes have used so far.
     pub fn cpu_used(&self) -> Duration {
-        self.gateways.iter().map(|g| g.pid().and_then(crate::bench::system::process_cpu).unwrap_or_default()).sum()
+        self.gateways.iter().map(|g| g.pid().and_then(crate::system::process_cpu).unwrap_or_default()).sum()
     }
     /// Both logs, for failure messages.
     pub fn logs(&self) -> String {

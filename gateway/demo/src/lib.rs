@@ -4,10 +4,10 @@
 //! short fault act (abort storm, frozen decode gateway) and a swap act (the transport changed under
 //! traffic by plugin reloads, no room lost). Never needs anything but this binary.
 
+pub mod cpu;
 pub mod engine;
 pub mod faults;
 pub mod gateways;
-pub mod http;
 pub mod pool;
 pub mod report;
 pub mod swap;
@@ -111,7 +111,7 @@ async fn run_plugin(binary: &Path, dir: &Path, plugin: &str, shape: &KvShape, ar
         engine_cpu: Duration::ZERO,
     };
     // Both gateways are on this machine: QUIC gets its loopback tuning (its defaults are for real networks).
-    let plugin_config = if plugin == "quic" { crate::bench::matrix::QUIC_LOOPBACK_CONFIG.to_string() } else { String::new() };
+    let plugin_config = if plugin == "quic" { gateways::QUIC_LOOPBACK_CONFIG.to_string() } else { String::new() };
     let settings = PairSettings { plugin: plugin.to_string(), plugin_config, ..PairSettings::default() };
     let mut pair = match GatewayPair::start(binary, dir, &settings).await {
         Ok(p) => p,
@@ -123,7 +123,7 @@ async fn run_plugin(binary: &Path, dir: &Path, plugin: &str, shape: &KvShape, ar
         }
     };
     let cpu = || {
-        let of = |pid: Option<i32>| pid.and_then(crate::bench::system::process_cpu).unwrap_or_default();
+        let of = |pid: Option<i32>| pid.and_then(cpu::process_cpu).unwrap_or_default();
         (of(pair.prefill.pid()) + of(pair.decode.pid()), of(Some(std::process::id() as i32)))
     };
     let cpu_before = cpu();

@@ -94,7 +94,7 @@ pub fn render(panels: &[Panel]) -> Result<Vec<u8>, png::EncodingError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::plot::Series;
+    use crate::plot::Series;
 
     #[test]
     fn the_png_has_the_signature_and_the_series_colour() {

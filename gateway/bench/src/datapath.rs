@@ -9,9 +9,9 @@ use super::reference::{memcpy_copies, perftest_messages, tcp_copies, ucx_perftes
 use super::copy_limit::{LimitBuffers, LimitSamples};
 use super::results::{CellResult, CopyLimit};
 use super::stats::{gbps, millis, percentile, ratio};
-use crate::demo::engine::{wait_reusable, wait_terminal, Engine};
-use crate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use crate::demo::pool::KvPool;
+use kvgate_demo::engine::{wait_reusable, wait_terminal, Engine};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::pool::KvPool;
 use anyhow::{bail, Context};
 use kvgate_client::{proto, room_key, slice, Slice};
 use std::path::Path;
@@ -541,11 +541,11 @@ mod tests {
         assert_eq!(full.failure_reasons.len(), MAX_FAILURE_REASONS_PER_CELL);
         assert!(full.failure_reasons[0].starts_with("bytes_mismatch"));
         // And the report says so: the table's verified column, the run's exit status.
-        let report = crate::bench::results::BenchReport {
-            data_path: vec![crate::bench::results::PluginResult { plugin: "shm".into(), status: "measured".into(), cells: vec![cell], ..Default::default() }],
+        let report = crate::results::BenchReport {
+            data_path: vec![crate::results::PluginResult { plugin: "shm".into(), status: "measured".into(), cells: vec![cell], ..Default::default() }],
             ..Default::default()
         };
-        let page = crate::bench::report::markdown(&report, None);
+        let page = crate::report::markdown(&report, None);
         assert!(page.contains("| NO |") && page.contains("bytes_mismatch"), "{page}");
     }
 

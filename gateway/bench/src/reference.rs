@@ -140,7 +140,7 @@ pub fn perftest_messages(block: u64, blocks: u64, min_copies: u64, plugin_bytes_
 pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64, outstanding: u64) -> Result<f64, String> {
     // The same picking as the gateways' ports: below the ephemeral range, out of the way of the
     // outgoing connections the running gateways make meanwhile.
-    let port = crate::demo::gateways::free_port();
+    let port = kvgate_demo::gateways::free_port();
     let owned = perftest_args(transport, block, messages, outstanding, port);
     let args: Vec<&str> = owned.iter().map(String::as_str).collect();
     let server = perftest_command(transport, None, &args)

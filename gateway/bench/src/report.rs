@@ -487,7 +487,7 @@ pub fn markdown(report: &BenchReport, plot_svg: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::results::{AbortLatency, ControlPath};
+    use crate::results::{AbortLatency, ControlPath};
 
     fn report_with(shm_ratio: f64, abort_p99_us: f64, rooms: u64) -> BenchReport {
         // One thread of memcpy at 0.5 GB/s, the copy limit at 1 GB/s: the target reads the latter.
@@ -591,7 +591,7 @@ mod tests {
     #[test]
     fn the_rooms_per_second_line_carries_the_cpu_per_room() {
         let mut r = report_with(0.5, 5.0, 100_000);
-        r.control_path.rooms_per_second = Some(crate::bench::results::RoomsPerSecond {
+        r.control_path.rooms_per_second = Some(crate::results::RoomsPerSecond {
             rooms: 1000,
             rooms_per_second: 6500.0,
             gateway_cpu_us_per_room: 148.4,

@@ -4,7 +4,7 @@
 
 use super::engine::{expect_into, send_all, wait_terminal, Engine, SideOutcome};
 use super::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use super::http;
+use kvgate::admin_client as http;
 use super::pool::{KvPool, KvShape};
 use kvgate_client::room_key;
 use std::path::Path;

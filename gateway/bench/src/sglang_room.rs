@@ -8,8 +8,8 @@
 use super::datapath::{fresh_room, Rig};
 use super::results::{SglangMode, SglangRoom};
 use super::stats::{millis, percentile};
-use crate::demo::engine::{wait_reusable, wait_terminal, Engine};
-use crate::demo::gateways::{DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::engine::{wait_reusable, wait_terminal, Engine};
+use kvgate_demo::gateways::{DECODE_NAME, PREFILL_NAME};
 use anyhow::bail;
 use kvgate_client::{proto, room_key, slice, Slice};
 use std::time::{Duration, Instant};
