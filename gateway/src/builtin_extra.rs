@@ -1,5 +1,7 @@
 //! Built-in plugins beyond shm that this build links: QUIC (pure Rust, works on any IP network).
-//! UCX and NVLink need system libraries or a GPU and are loaded from their `.so` instead.
+//! UCX and NVLink need system libraries or a GPU and are loaded from their `.so` instead: neither is
+//! in this crate's dependency graph (`cargo tree -p kvgate-gateway -e normal`; the `kvgate` binary
+//! links them only into `kvgate conformance`, through the harness's `ucx` and `nvlink` features).
 
 use kvgate_abi::PluginModRef;
 use kvgate_host::PluginHost;

@@ -1,67 +1,11 @@
-//! The command line (clap): `serve`, `demo`, `conformance`, `config check|default`,
-//! `plugins list|inspect`, `rooms`, `abort`. Each command is a thin call into its module; exit codes:
-//! 0 ok, 1 failure, 2 bad usage or bad configuration.
+//! The daemon's commands: the arguments of `serve`, `config check|default`, `plugins
+//! list|inspect|reload`, `rooms`, `abort` and what `serve` and `config` do. The `kvgate` binary
+//! (gateway/cli) parses the whole command line, the tools `demo`, `bench` and `conformance` included,
+//! and calls these; exit codes: 0 ok, 1 failure, 2 bad usage or bad configuration.
 
 use crate::config::{default_toml, load_config, single_underscore_env_warnings, GatewayConfig};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Subcommand};
 use std::path::PathBuf;
-
-#[derive(Parser, Debug)]
-#[command(name = "kvgate", version, about = "KV-cache transfer gateway for disaggregated LLM serving")]
-pub struct Cli {
-    #[command(subcommand)]
-    pub command: Command,
-}
-
-// Parsed once at start: the size of the largest variant (the conformance and bench arguments)
-// costs nothing, and boxing them would only obscure the clap derive.
-#[allow(clippy::large_enum_variant)]
-#[derive(Subcommand, Debug)]
-pub enum Command {
-    /// Run a gateway.
-    Serve {
-        /// TOML config; without it the built-in defaults (plus KVGATE__ overrides) are used.
-        #[arg(long, short)]
-        config: Option<PathBuf>,
-    },
-    /// Start a prefill and a decode gateway here and move synthetic KV caches between them.
-    Demo(crate::demo::DemoArgs),
-    /// Run the plugin conformance harness (CONFORMANCE.md) against a plugin.
-    Conformance(kvgate_conformance::cli::ConformanceArgs),
-    /// Measure the data path and the control path against their references; table, JSON, plots.
-    Bench(crate::bench::BenchArgs),
-    /// Make the key or certificates that authenticate peer links.
-    Keygen {
-        #[command(subcommand)]
-        command: crate::cli_keygen::KeygenCommand,
-    },
-    /// Configuration helpers.
-    Config {
-        #[command(subcommand)]
-        command: ConfigCommand,
-    },
-    /// Plugins.
-    Plugins {
-        #[command(subcommand)]
-        command: PluginsCommand,
-    },
-    /// List the rooms of a running gateway.
-    Rooms {
-        #[command(flatten)]
-        target: Target,
-        /// Include recently terminal rooms.
-        #[arg(long)]
-        all: bool,
-    },
-    /// Abort a room on a running gateway (and, through it, on its peer).
-    Abort {
-        room: u64,
-        #[arg(long, default_value_t = 0)]
-        generation: u32,
-        #[command(flatten)]
-        target: Target,
-    },
-}
 
 #[derive(Subcommand, Debug)]
 pub enum ConfigCommand {
@@ -121,34 +65,32 @@ fn serve_runtime(io_threads: u64) -> tokio::runtime::Runtime {
     builder.enable_all().build().expect("tokio runtime")
 }
 
-pub fn main() -> i32 {
-    let cli = Cli::parse();
-    match cli.command {
-        Command::Serve { config } => {
-            let config_path = config.clone();
-            let config = match load_or_exit(config.as_deref()) {
-                Ok(c) => c,
-                Err(code) => return code,
-            };
-            crate::logging::init(&config.log);
-            for warning in single_underscore_env_warnings() {
-                tracing::warn!("{warning}");
-            }
-            let path = config_path.as_ref().map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()));
-            match serve_runtime(config.driver.io_threads).block_on(crate::serve::serve_from(config, path)) {
-                Ok(()) => 0,
-                Err(e) => {
-                    tracing::error!("gateway failed: {e:#}");
-                    eprintln!("kvgate serve: {e:#}");
-                    1
-                }
-            }
+/// `kvgate serve [--config FILE]`: run a gateway until it is stopped.
+pub fn serve(config: Option<PathBuf>) -> i32 {
+    let config_path = config.clone();
+    let config = match load_or_exit(config.as_deref()) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    crate::logging::init(&config.log);
+    for warning in single_underscore_env_warnings() {
+        tracing::warn!("{warning}");
+    }
+    let path = config_path.as_ref().map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()));
+    match serve_runtime(config.driver.io_threads).block_on(crate::serve::serve_from(config, path)) {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!("gateway failed: {e:#}");
+            eprintln!("kvgate serve: {e:#}");
+            1
         }
-        Command::Demo(args) => crate::demo::run(args),
-        Command::Conformance(args) => kvgate_conformance::cli::run(args),
-        Command::Bench(args) => crate::bench::run(args),
-        Command::Keygen { command } => crate::cli_keygen::run(command),
-        Command::Config { command: ConfigCommand::Check { file } } => match load_or_exit(Some(&file)) {
+    }
+}
+
+/// `kvgate config check FILE` and `kvgate config default`.
+pub fn config(command: ConfigCommand) -> i32 {
+    match command {
+        ConfigCommand::Check { file } => match load_or_exit(Some(&file)) {
             Ok(c) => {
                 let auth = match c.peer_link.auth_mode() {
                     crate::config::PeerAuthMode::Psk => format!("peer links authenticated by pre-shared key {}", c.peer_link.psk_file),
@@ -170,12 +112,9 @@ pub fn main() -> i32 {
             }
             Err(code) => code,
         },
-        Command::Config { command: ConfigCommand::Default } => {
+        ConfigCommand::Default => {
             print!("{}", default_toml());
             0
         }
-        Command::Plugins { command } => crate::cli_plugins::run(command),
-        Command::Rooms { target, all } => crate::cli_remote::rooms(target, all),
-        Command::Abort { room, generation, target } => crate::cli_remote::abort(target, room, generation),
     }
 }

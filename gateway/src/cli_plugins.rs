@@ -66,7 +66,7 @@ fn reload(admin: Option<String>, config: Option<std::path::PathBuf>) -> i32 {
     };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime");
     let timeout = std::time::Duration::from_millis(crate::plugin_reload::RELOAD_TIMEOUT_MS + 5_000);
-    match runtime.block_on(crate::demo::http::post(&admin, "/plugins/reload", timeout)) {
+    match runtime.block_on(crate::admin_client::post(&admin, "/plugins/reload", timeout)) {
         Ok((code, body)) => match serde_json::from_str::<crate::channels::ReloadOutcome>(&body) {
             Ok(outcome) => {
                 println!("{}", crate::plugin_reload::describe(&outcome));

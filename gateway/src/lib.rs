@@ -1,18 +1,18 @@
-//! kvgate: the gateway daemon and its CLI. One module per concern: `config`, `channels` (what
-//! crosses the driver's queues), `engine_api`,
-//! `peer_link`, `discovery`, `driver`, `admin`, `metrics`, `demo`, `bench`, `serve`, `plugin_setup`,
-//! `logging`, `cli` (gateway/README.md has what each owns). The binary (`main.rs`) only calls [`cli::main`].
+//! kvgate: the gateway daemon (package kvgate-gateway, library `kvgate`). One module per concern:
+//! `config`, `channels` (what crosses the driver's queues), `engine_api`, `peer_link`, `discovery`,
+//! `driver`, `admin`, `admin_client`, `metrics`, `serve`, `plugin_setup`, `logging`, and the daemon's commands `cli`, `cli_keygen`, `cli_plugins`,
+//! `cli_remote` (gateway/README.md has what each owns). The `kvgate` binary is gateway/cli; the
+//! tools it also offers, `demo`, `bench` and `conformance`, are crates of their own.
 
 pub mod admin;
-pub mod bench;
+pub mod admin_client;
 mod builtin_extra;
 pub mod channels;
 pub mod cli;
-mod cli_keygen;
-mod cli_plugins;
-mod cli_remote;
+pub mod cli_keygen;
+pub mod cli_plugins;
+pub mod cli_remote;
 pub mod config;
-pub mod demo;
 pub mod discovery;
 pub mod driver;
 pub mod engine_api;

@@ -52,6 +52,11 @@ fn every_example_config_loads_and_names_its_peer_consistently() {
     }
 }
 
+/// The `kvgate` binary (package `kvgate`, gateway/cli), built or found up to date first.
+fn kvgate_binary() -> PathBuf {
+    kvgate_host::artifacts::built_or_build_binary("kvgate", "kvgate", Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// A peer-link key for the shipped configs (they name `peer.key` beside themselves, which a clone
 /// does not have): made once per test process, handed over as `KVGATE__PEER_LINK__PSK_FILE`.
 fn test_key() -> &'static Path {
@@ -61,14 +66,14 @@ fn test_key() -> &'static Path {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let key = dir.join("peer.key");
-        let out = Command::new(env!("CARGO_BIN_EXE_kvgate")).args(["keygen", "psk"]).arg(&key).output().unwrap();
+        let out = Command::new(kvgate_binary()).args(["keygen", "psk"]).arg(&key).output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         key
     })
 }
 
 fn kvgate() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_kvgate"));
+    let mut c = Command::new(kvgate_binary());
     c.env_remove("RUST_LOG");
     c.env("KVGATE__PEER_LINK__PSK_FILE", test_key());
     c

@@ -6,8 +6,8 @@ mod common;
 
 use common::pki::{leaf, leaf_named, pki, tls_toml};
 use common::*;
-use kvgate::demo::engine::{expect_into, run_room, send_all};
-use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::engine::{expect_into, run_room, send_all};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_client::{proto, reason_of, room_key, slice, Client};
 use std::process::Command;
 use std::time::Duration;
@@ -112,7 +112,7 @@ async fn tcp_engine_api_refuses_a_wrong_or_missing_bearer_token() {
     let dir = work_dir();
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, "right-token\n").unwrap();
-    let port = kvgate::demo::gateways::free_port();
+    let port = kvgate_demo::gateways::free_port();
     let settings = PairSettings {
         env_decode: vec![
             ("KVGATE__ENGINE_API__TCP_LISTEN".into(), format!("127.0.0.1:{port}")),
@@ -143,7 +143,7 @@ async fn start_pair_without_link(dir: &std::path::Path, settings: &PairSettings,
     let pair = GatewayPair::start(&binary(), dir, settings).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;
     for g in [&pair.prefill, &pair.decode] {
-        let (_, body) = kvgate::demo::http::get(&g.admin, "/plugins").await.unwrap();
+        let (_, body) = kvgate::admin_client::get(&g.admin, "/plugins").await.unwrap();
         assert!(body.contains("\"up\":false") && !body.contains("\"up\":true"), "{}: {body}", g.name);
     }
     let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();

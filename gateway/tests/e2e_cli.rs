@@ -5,8 +5,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::{expect_into, wait_terminal};
-use kvgate::demo::gateways::{GatewayPair, PairSettings, PREFILL_NAME};
+use kvgate_demo::engine::{expect_into, wait_terminal};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, PREFILL_NAME};
 use std::process::Command;
 use std::time::{Duration, Instant};
 

@@ -7,8 +7,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::gateways::{GatewayPair, PairSettings};
-use kvgate::demo::http;
+use kvgate_demo::gateways::{GatewayPair, PairSettings};
+use kvgate::admin_client as http;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 

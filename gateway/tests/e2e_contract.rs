@@ -5,8 +5,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::{prepare_slots, run_room, slot_checksum, wait_terminal};
-use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::engine::{prepare_slots, run_room, slot_checksum, wait_terminal};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_client::{proto, reason_of, room_key, slice};
 use std::time::{Duration, Instant};
 
@@ -249,7 +249,7 @@ async fn watchers_that_stall_or_vanish_and_a_busy_scraper_change_no_room_outcome
         tokio::spawn(async move {
             let mut scrapes = 0u64;
             while scraping.load(std::sync::atomic::Ordering::Relaxed) {
-                let _ = kvgate::demo::http::get(&admin, "/metrics").await;
+                let _ = kvgate::admin_client::get(&admin, "/metrics").await;
                 scrapes += 1;
             }
             scrapes

@@ -10,8 +10,8 @@ mod common;
 
 use common::etcd::{discovery_gateway, this_host, wait_registered, Etcd};
 use common::*;
-use kvgate::demo::engine::run_room;
-use kvgate::demo::gateways::{free_port, GatewayPair, PairSettings};
+use kvgate_demo::engine::run_room;
+use kvgate_demo::gateways::{free_port, GatewayPair, PairSettings};
 use std::time::Duration;
 use tokio::time::Instant;
 

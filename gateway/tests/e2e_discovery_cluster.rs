@@ -8,8 +8,8 @@ mod common;
 
 use common::etcd::{discovery_gateway, wait_registered, EtcdCluster};
 use common::*;
-use kvgate::demo::engine::run_room;
-use kvgate::demo::gateways::{Cluster, GatewayPair, PairSettings};
+use kvgate_demo::engine::run_room;
+use kvgate_demo::gateways::{Cluster, GatewayPair, PairSettings};
 use std::time::Duration;
 use tokio::time::Instant;
 

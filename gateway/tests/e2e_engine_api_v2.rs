@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate::demo::pool::KvPool;
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::pool::KvPool;
 use kvgate_client::outcomes::{Outcome, OutcomeWatch};
 use kvgate_client::{proto, reason_of, room_key, slice, Client, RoomKey};
 use std::collections::HashMap;

@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::{expect_into, prepare_slots, send_all, slot_checksum, wait_reusable, wait_terminal};
-use kvgate::demo::gateways::{Cluster, GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::engine::{expect_into, prepare_slots, send_all, slot_checksum, wait_reusable, wait_terminal};
+use kvgate_demo::gateways::{Cluster, GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_client::{reason_of, room_key};
 use std::time::{Duration, Instant};
 
@@ -217,7 +217,7 @@ async fn a_restarted_prefill_gateway_is_a_new_incarnation_old_rooms_fail_and_new
     let mut r = None;
     for attempt in 0..50u64 {
         // A fresh room per attempt: a half-accepted earlier attempt must not interfere.
-        match kvgate::demo::engine::run_room(&prefill, &decode, &shape, 1002 + attempt, 1, 1).await {
+        match kvgate_demo::engine::run_room(&prefill, &decode, &shape, 1002 + attempt, 1, 1).await {
             Ok(result) => {
                 r = Some(result);
                 break;

@@ -5,8 +5,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::{expect_into, prepare_slots, run_room, send_all, slot_checksum, wait_reusable, wait_terminal};
-use kvgate::demo::gateways::{Cluster, GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::engine::{expect_into, prepare_slots, run_room, send_all, slot_checksum, wait_reusable, wait_terminal};
+use kvgate_demo::gateways::{Cluster, GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use kvgate_client::{reason_of, room_key, slice};
 use std::process::Command;
@@ -69,7 +69,7 @@ async fn unregister_of_a_region_a_room_holds_is_refused_on_both_sides_until_the_
     assert_eq!(refused(decode.client.unregister_memory(decode.region).await).0, "unknown_region");
 
     // An engine that wants its memory back aborts the room first, then unregisters once reusable.
-    let pool_path = |e: &kvgate::demo::engine::Engine| e.pool.lock().unwrap().path.display().to_string();
+    let pool_path = |e: &kvgate_demo::engine::Engine| e.pool.lock().unwrap().path.display().to_string();
     let len = shape.request_bytes() * 2;
     let d_region = decode.client.register_shared_memory(&pool_path(&decode), 0, len, "again").await.unwrap();
     let mut rx = decode.events.listen(901);
@@ -113,7 +113,7 @@ async fn an_impostor_naming_a_configured_peer_is_refused_and_the_real_link_and_i
     let shape = small_shape();
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 4).await;
     let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 4).await;
-    let (_, body) = kvgate::demo::http::get(&pair.prefill.admin, "/plugins").await.unwrap();
+    let (_, body) = kvgate::admin_client::get(&pair.prefill.admin, "/plugins").await.unwrap();
     assert!(body.contains("\"peer_link_auth\":\"psk\""), "{body}");
 
     // Four rooms live across the real link, waiting for their senders.
@@ -206,7 +206,7 @@ async fn an_unauthenticated_link_only_when_written_logged_and_shown() {
     let settings = PairSettings::default();
     let members = [(PREFILL_NAME, "", env()), (DECODE_NAME, "", env())];
     let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &members).await.unwrap();
-    let (_, body) = kvgate::demo::http::get(&cluster.get(PREFILL_NAME).admin, "/plugins").await.unwrap();
+    let (_, body) = kvgate::admin_client::get(&cluster.get(PREFILL_NAME).admin, "/plugins").await.unwrap();
     assert!(body.contains("\"peer_link_auth\":\"none\""), "{body}");
     assert!(plain_log(&cluster.get(PREFILL_NAME).log()).contains("peer links are NOT authenticated"));
     let shape = small_shape();
@@ -312,7 +312,7 @@ async fn keygen_tls_makes_certificates_two_gateways_link_with() {
     };
     let settings = PairSettings { extra_prefill: tls(PREFILL_NAME), extra_decode: tls(DECODE_NAME), ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
-    let (_, body) = kvgate::demo::http::get(&pair.prefill.admin, "/plugins").await.unwrap();
+    let (_, body) = kvgate::admin_client::get(&pair.prefill.admin, "/plugins").await.unwrap();
     assert!(body.contains("\"peer_link_auth\":\"tls\""), "{body}");
     let shape = small_shape();
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 1).await;
@@ -328,7 +328,7 @@ async fn keygen_tls_makes_certificates_two_gateways_link_with() {
         let _ = tokio::time::timeout(Duration::from_secs(5), junk.read_to_end(&mut sink)).await;
     }
     eventually(WAIT, "the failed handshakes counted", || async {
-        let (_, text) = kvgate::demo::http::get(&pair.decode.admin, "/metrics").await.unwrap();
+        let (_, text) = kvgate::admin_client::get(&pair.decode.admin, "/metrics").await.unwrap();
         text.lines().any(|l| l.strip_prefix("kvgate_peer_tls_handshake_failures_total ").is_some_and(|v| v.trim().parse::<f64>().unwrap_or(0.0) >= 5.0))
     }, &|| pair.decode.log()).await;
     let lines = pair.decode.log().lines().filter(|l| l.contains("tls_handshake_failed")).count();
@@ -480,7 +480,7 @@ async fn healthz_says_when_no_configured_peer_is_up() {
     let _serial = serial().await;
     let dir = work_dir();
     let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
-    let healthz = |admin: String| async move { kvgate::demo::http::get(&admin, "/healthz").await.unwrap() };
+    let healthz = |admin: String| async move { kvgate::admin_client::get(&admin, "/healthz").await.unwrap() };
     let (code, body) = healthz(pair.decode.admin.clone()).await;
     assert!(code == 200 && !body.contains("no configured peer"), "{body}");
     pair.prefill.kill();

@@ -5,8 +5,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::{prepare_slots, send_all, wait_terminal};
-use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::engine::{prepare_slots, send_all, wait_terminal};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_client::room_key;
 use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, Instant};
@@ -63,7 +63,7 @@ async fn a_peers_pool_is_mapped_only_once_a_room_writes_into_it() {
         f.seek(SeekFrom::Start(at)).unwrap();
         let mut buf = vec![0u8; shape.request_bytes() as usize];
         f.read_exact(&mut buf).unwrap();
-        kvgate::demo::pool::checksum(&buf)
+        kvgate_demo::pool::checksum(&buf)
     };
     assert_eq!(written, expected, "the room's bytes are where its slices said");
     let resident_kib = std::fs::metadata(&pool).unwrap().blocks() * 512 / 1024;

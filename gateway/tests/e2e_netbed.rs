@@ -8,8 +8,8 @@
 
 mod common;
 
-use kvgate::bench::link::hosts::{BedPair, Deployment, Overrides};
-use kvgate::bench::link::workload::{Engines, Workload};
+use kvgate_bench::link::hosts::{BedPair, Deployment, Overrides};
+use kvgate_bench::link::workload::{Engines, Workload};
 use kvgate_netbed::{Link, Profile};
 use std::sync::Arc;
 use std::time::{Duration, Instant};

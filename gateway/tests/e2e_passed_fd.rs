@@ -7,8 +7,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate::demo::pool::{checksum, KvPool};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::pool::{checksum, KvPool};
 use kvgate_client::fd_pass::{fd_socket_path, pass_fd, PassError};
 use kvgate_client::{proto, reason_of, room_key, slice, Client};
 use std::io::{BufRead, BufReader, Write};

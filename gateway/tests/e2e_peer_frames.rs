@@ -6,8 +6,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::{prepare_slots, run_room, slot_checksum, wait_terminal};
-use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::engine::{prepare_slots, run_room, slot_checksum, wait_terminal};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_client::{proto, reason_of, room_key, slice, Slice};
 use prost::Message;
 use std::time::{Duration, Instant};

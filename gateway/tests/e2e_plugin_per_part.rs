@@ -8,8 +8,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate::demo::pool::{checksum, KvPool};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::pool::{checksum, KvPool};
 use kvgate_client::{proto, reason_of, room_key, slice, Client};
 use std::path::{Path, PathBuf};
 use std::time::Duration;

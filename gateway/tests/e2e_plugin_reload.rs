@@ -8,9 +8,9 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::{run_room, Engine};
-use kvgate::demo::gateways::{GatewayPair, GatewayProcess, PairSettings};
-use kvgate::demo::pool::KvShape;
+use kvgate_demo::engine::{run_room, Engine};
+use kvgate_demo::gateways::{GatewayPair, GatewayProcess, PairSettings};
+use kvgate_demo::pool::KvShape;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -28,16 +28,16 @@ fn shm_library() -> PathBuf {
 }
 
 fn rewrite_plugins(config: &Path, plugins: &str) {
-    kvgate::demo::gateways::rewrite_plugins(config, plugins).unwrap()
+    kvgate_demo::gateways::rewrite_plugins(config, plugins).unwrap()
 }
 
 async fn reload(gateway: &GatewayProcess) -> (u16, serde_json::Value) {
-    let (code, body) = kvgate::demo::http::post(&gateway.admin, "/plugins/reload", RELOAD_TIMEOUT).await.unwrap();
+    let (code, body) = kvgate::admin_client::post(&gateway.admin, "/plugins/reload", RELOAD_TIMEOUT).await.unwrap();
     (code, serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}")))
 }
 
 async fn plugins_view(gateway: &GatewayProcess) -> serde_json::Value {
-    let (code, body) = kvgate::demo::http::get(&gateway.admin, "/plugins").await.unwrap();
+    let (code, body) = kvgate::admin_client::get(&gateway.admin, "/plugins").await.unwrap();
     assert_eq!(code, 200, "{body}");
     serde_json::from_str(&body).unwrap()
 }

@@ -7,8 +7,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::gateways::{Cluster, PairSettings};
-use kvgate::demo::pool::{checksum, KvPool};
+use kvgate_demo::gateways::{Cluster, PairSettings};
+use kvgate_demo::pool::{checksum, KvPool};
 use kvgate_client::{proto, room_key, slice, Client};
 use std::time::{Duration, Instant};
 

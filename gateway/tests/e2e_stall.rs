@@ -5,8 +5,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::{expect_into, prepare_slots, send_all, slot_checksum, wait_reusable, wait_terminal};
-use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::engine::{expect_into, prepare_slots, send_all, slot_checksum, wait_reusable, wait_terminal};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use std::time::{Duration, Instant};
 
 const ROOMS: u64 = 6;

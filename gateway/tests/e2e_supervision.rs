@@ -6,9 +6,9 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::run_room;
-use kvgate::demo::gateways::{GatewayPair, PairSettings};
-use kvgate::demo::pool::KvShape;
+use kvgate_demo::engine::run_room;
+use kvgate_demo::gateways::{GatewayPair, PairSettings};
+use kvgate_demo::pool::KvShape;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -18,7 +18,7 @@ fn dying_library() -> PathBuf {
 }
 
 /// The room failed with a reason on both sides, or ended (failed) before its later chunks were sent.
-fn assert_failed(result: anyhow::Result<kvgate::demo::engine::RoomResult>) {
+fn assert_failed(result: anyhow::Result<kvgate_demo::engine::RoomResult>) {
     match result {
         Ok(r) => assert!(!r.prefill.succeeded && !r.prefill.reason.is_empty() && !r.decode.succeeded && !r.decode.reason.is_empty(), "{r:?}"),
         Err(e) => assert!(format!("{e:#}").contains("room_terminal"), "{e:#}"),
@@ -43,7 +43,7 @@ async fn a_dead_worker_fails_its_room_is_restarted_and_stays_down_past_the_limit
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 1).await;
     let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 1).await;
     let run = |room| run_room(&prefill, &decode, &shape, room, 0, 0);
-    let ok = |r: &kvgate::demo::engine::RoomResult| r.prefill.succeeded && r.decode.succeeded && r.verified;
+    let ok = |r: &kvgate_demo::engine::RoomResult| r.prefill.succeeded && r.decode.succeeded && r.verified;
     let r = run(1).await.unwrap();
     assert!(ok(&r), "{r:?}");
 
@@ -61,7 +61,7 @@ async fn a_dead_worker_fails_its_room_is_restarted_and_stays_down_past_the_limit
         &|| gateway.log(),
     )
     .await;
-    let (code, health) = kvgate::demo::http::get(&gateway.admin, "/healthz").await.unwrap();
+    let (code, health) = kvgate::admin_client::get(&gateway.admin, "/healthz").await.unwrap();
     assert_eq!(code, 200, "healthy again once restarted: {health}");
     let r = run(3).await.unwrap();
     assert!(ok(&r), "a new room runs on the restarted instance: {r:?}\n{}", gateway.log());
@@ -73,7 +73,7 @@ async fn a_dead_worker_fails_its_room_is_restarted_and_stays_down_past_the_limit
         Duration::from_secs(20),
         "/healthz names the restart limit",
         || async {
-            let (code, health) = kvgate::demo::http::get(&gateway.admin, "/healthz").await.unwrap();
+            let (code, health) = kvgate::admin_client::get(&gateway.admin, "/healthz").await.unwrap();
             code == 503 && health.contains("dying-shm@2 unhealthy") && health.contains("plugins.restart_max_attempts = 1")
         },
         &|| gateway.log(),

@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::run_room;
-use kvgate::demo::gateways::{GatewayPair, PairSettings};
+use kvgate_demo::engine::run_room;
+use kvgate_demo::gateways::{GatewayPair, PairSettings};
 use std::time::Duration;
 
 async fn move_and_verify(plugin: &str) {
@@ -28,11 +28,11 @@ async fn move_and_verify(plugin: &str) {
     assert!(moved >= 3.0 * shape.request_bytes() as f64, "bytes moved {moved}\n{text}");
     assert_eq!(sample(&text, "kvgate_rooms_succeeded_total"), Some(3.0), "{text}");
     assert!(text.contains("kvgate_peer_up{peer=\"decode\"} 1"), "{text}");
-    let (code, health) = kvgate::demo::http::get(&pair.decode.admin, "/healthz").await.unwrap();
+    let (code, health) = kvgate::admin_client::get(&pair.decode.admin, "/healthz").await.unwrap();
     assert_eq!(code, 200, "{health}");
-    let (_, plugins) = kvgate::demo::http::get(&pair.decode.admin, "/plugins").await.unwrap();
+    let (_, plugins) = kvgate::admin_client::get(&pair.decode.admin, "/plugins").await.unwrap();
     assert!(plugins.contains(&format!("\"name\":\"{plugin}\"")) && plugins.contains("\"status\":\"opened\""), "{plugins}");
-    let (code, discovery) = kvgate::demo::http::get(&pair.decode.admin, "/discovery").await.unwrap();
+    let (code, discovery) = kvgate::admin_client::get(&pair.decode.admin, "/discovery").await.unwrap();
     assert!(code == 200 && discovery.contains("\"enabled\":false") && discovery.contains("\"registered\":false"), "{discovery}");
     pair.stop();
 }

@@ -10,9 +10,9 @@
 mod common;
 
 use common::*;
-use kvgate::demo::engine::{expect_into, send_all, wait_terminal};
-use kvgate::demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate::demo::pool::KvShape;
+use kvgate_demo::engine::{expect_into, send_all, wait_terminal};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::pool::KvShape;
 use kvgate_client::proto;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -113,7 +113,7 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     // The quarantine has an age, and past admin.quarantine_unhealthy_ms the gateway says it is unhealthy.
     eventually(SLACK, "the quarantine's age", || async { metric(&admin_p, "kvgate_oldest_room_age_seconds{state=\"quarantined\"}").await > 0.0 }, &|| String::new()).await;
     eventually(Duration::from_millis(QUARANTINE_UNHEALTHY_MS) + SLACK, "/healthz 503 naming the quarantine", || async {
-        let (code, body) = kvgate::demo::http::get(&admin_p, "/healthz").await.unwrap();
+        let (code, body) = kvgate::admin_client::get(&admin_p, "/healthz").await.unwrap();
         code == 503 && body.contains("quarantined") && body.contains("admin.quarantine_unhealthy_ms")
     }, &|| String::new()).await;
 
@@ -165,7 +165,7 @@ async fn duplicate_events_are_counted_each_and_logged_in_bounded_lines() {
     let rooms = 30u64;
     let started = Instant::now();
     for room in 0..rooms {
-        let r = kvgate::demo::engine::run_room(&prefill, &decode, &shape, 1_000 + room, room % 2, room % 2).await.unwrap();
+        let r = kvgate_demo::engine::run_room(&prefill, &decode, &shape, 1_000 + room, room % 2, room % 2).await.unwrap();
         let distrusted = !r.prefill.succeeded && r.prefill.reason == "plugin_protocol_violation" && !r.decode.succeeded;
         assert!(r.verified || distrusted, "room {room}: {r:?}");
     }

@@ -1,5 +1,6 @@
-//! Finding plugin libraries that cargo built next to the running executable (tests, harness, benches),
-//! and building one there when it is missing (`cargo test` builds test harnesses, not cdylibs).
+//! Finding plugin libraries and binaries that cargo built next to the running executable (tests,
+//! harness, benches), and building one there when it is missing (`cargo test` builds test harnesses,
+//! not cdylibs, and only the binaries of the package under test).
 //! Looks only in the current profile's target directory (`target/<profile>/`, wherever
 //! `CARGO_TARGET_DIR` put it); never searches the loader path.
 
@@ -16,8 +17,17 @@ pub fn cdylib_file_name(lib_name: &str) -> String {
 /// executable. A test binary lives in `target/<profile>/deps/`, a binary in `target/<profile>/`; the
 /// cdylib is in `target/<profile>/`. The error says which command builds it.
 pub fn built_cdylib_path(package: &str, lib_name: &str) -> Result<PathBuf, String> {
+    built_file_path(package, &cdylib_file_name(lib_name))
+}
+
+/// Where the binary `bin_name` of the `package` crate was built for the profile of the running
+/// executable (`target/<profile>/<bin_name>`).
+pub fn built_binary_path(package: &str, bin_name: &str) -> Result<PathBuf, String> {
+    built_file_path(package, &format!("{bin_name}{}", std::env::consts::EXE_SUFFIX))
+}
+
+fn built_file_path(package: &str, file: &str) -> Result<PathBuf, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the running executable: {e}"))?;
-    let file = cdylib_file_name(lib_name);
     let mut searched = Vec::new();
     let exe_dir = exe.parent().ok_or("the running executable has no directory")?;
     // A test binary in `<profile>/deps/`: the uplifted copy in `<profile>/` first, then `deps/` itself.
@@ -26,7 +36,7 @@ pub fn built_cdylib_path(package: &str, lib_name: &str) -> Result<PathBuf, Strin
         _ => vec![exe_dir],
     };
     for dir in dirs {
-        let candidate = dir.join(&file);
+        let candidate = dir.join(file);
         if candidate.is_file() {
             return Ok(candidate);
         }
@@ -60,9 +70,20 @@ static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
 /// test harnesses, not cdylibs). A no-op build takes a fraction of a second. Uses `$CARGO` when cargo
 /// set it; when no cargo can be started, falls back to an already built library.
 pub fn built_or_build_cdylib(package: &str, lib_name: &str, workspace_dir: &Path) -> Result<PathBuf, String> {
+    built_or_build(package, &cdylib_file_name(lib_name), workspace_dir)
+}
+
+/// The binary `bin_name` of `package`, freshly built, as [`built_or_build_cdylib`] does for a
+/// library: the end-to-end tests of a library crate run the `kvgate` binary, which another package
+/// (gateway/cli) builds, so `CARGO_BIN_EXE_kvgate` does not reach them.
+pub fn built_or_build_binary(package: &str, bin_name: &str, workspace_dir: &Path) -> Result<PathBuf, String> {
+    built_or_build(package, &format!("{bin_name}{}", std::env::consts::EXE_SUFFIX), workspace_dir)
+}
+
+fn built_or_build(package: &str, file: &str, workspace_dir: &Path) -> Result<PathBuf, String> {
     let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
     if built.iter().any(|p| p == package) {
-        return built_cdylib_path(package, lib_name);
+        return built_file_path(package, file);
     }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find the running executable: {e}"))?;
     let profile_dir = profile_dir_of(&exe)?;
@@ -81,7 +102,7 @@ pub fn built_or_build_cdylib(package: &str, lib_name: &str, workspace_dir: &Path
     {
         Ok(output) => output,
         Err(e) => {
-            return built_cdylib_path(package, lib_name)
+            return built_file_path(package, file)
                 .map_err(|missing| format!("cannot run {cargo:?} to build {package} ({e}), and {missing}"))
         }
     };
@@ -95,5 +116,5 @@ pub fn built_or_build_cdylib(package: &str, lib_name: &str, workspace_dir: &Path
         ));
     }
     built.push(package.to_string());
-    built_cdylib_path(package, lib_name)
+    built_file_path(package, file)
 }

@@ -3,7 +3,8 @@
 //! (which caches the first module it ever loaded). Never unloads a library (abi_stable leaks them).
 
 use crate::error::LoadError;
-use kvgate_abi::abi_stable::library::{lib_header_from_path, LibraryError};
+use kvgate_abi::abi_stable::library::{lib_header_from_path, LibHeader, LibraryError};
+use kvgate_abi::module::first_release;
 use kvgate_abi::PluginModRef;
 use std::path::{Path, PathBuf};
 
@@ -20,7 +21,20 @@ pub fn canonical_plugin_path(path: &Path) -> Result<PathBuf, LoadError> {
 /// The ABI version is checked by the caller.
 pub fn load_root_module(path: &Path) -> Result<PluginModRef, LoadError> {
     let header = lib_header_from_path(path).map_err(|e| library_error(path, e))?;
-    header.init_root_module::<PluginModRef>().map_err(|e| library_error(path, e))
+    match header.init_root_module::<PluginModRef>() {
+        Ok(module) => Ok(module),
+        // abi_stable refuses a module with fewer fields than ours: a plugin built before a field was
+        // appended. One with exactly the first release's fields is read with the appended ones absent.
+        Err(e @ LibraryError::AbiInstability(_)) => first_release_module(header).ok_or_else(|| library_error(path, e)),
+        Err(e) => Err(library_error(path, e)),
+    }
+}
+
+/// The library's module read as ours when it has exactly the fields of ABI v1's first release, each
+/// checked against it (`kvgate_abi::module::first_release`); `None` otherwise (its version was
+/// already checked, and the full check's report is the reason to give).
+fn first_release_module(header: &LibHeader) -> Option<PluginModRef> {
+    header.check_layout::<first_release::PluginModRef>().ok()?.into_current()
 }
 
 /// Map an abi_stable error to a [`LoadError`], keeping messages to a few lines.
@@ -43,9 +57,15 @@ pub fn library_error(path: &Path, error: LibraryError) -> LoadError {
             path,
             summary: "Error: the library was built by a compiler with another C ABI".to_string(),
         },
-        e @ (LibraryError::ParseVersionError(_) | LibraryError::IncompatibleVersionNumber { .. }) => {
-            LoadError::LibraryVersionMismatch { path, message: first_line(&e.to_string()) }
-        }
+        // abi_stable's own text puts the two versions on lines of their own, which one line would drop.
+        LibraryError::IncompatibleVersionNumber { expected_version, actual_version, .. } => LoadError::LibraryVersionMismatch {
+            path,
+            message: format!(
+                "built against kvgate-abi {actual_version}, which this host (kvgate-abi {expected_version}) does not load: \
+                 only plugins of its own minor series do (core/abi/ABI.md)"
+            ),
+        },
+        e @ LibraryError::ParseVersionError(_) => LoadError::LibraryVersionMismatch { path, message: first_line(&e.to_string()) },
         LibraryError::RootModule { err, .. } => {
             LoadError::RootModuleFailed { path, message: first_line(&err.to_string()) }
         }

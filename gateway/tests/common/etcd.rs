@@ -2,7 +2,7 @@
 //! with its data in a temp folder, optionally serving TLS, alone or as a member of a cluster on
 //! loopback; killed when dropped.
 
-use kvgate::demo::gateways::{free_port, Cluster, GatewayProcess, PairSettings};
+use kvgate_demo::gateways::{free_port, Cluster, GatewayProcess, PairSettings};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

@@ -6,9 +6,9 @@
 pub mod etcd;
 pub mod pki;
 
-use kvgate::demo::engine::Engine;
-use kvgate::demo::http;
-use kvgate::demo::pool::{KvPool, KvShape};
+use kvgate_demo::engine::Engine;
+use kvgate::admin_client as http;
+use kvgate_demo::pool::{KvPool, KvShape};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::sync::{Mutex, MutexGuard};
@@ -21,8 +21,11 @@ pub async fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().await
 }
 
+/// The `kvgate` binary, built (or found up to date) first: it is the package `kvgate` (gateway/cli),
+/// not this one, so cargo does not build it for these tests.
 pub fn binary() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_kvgate"))
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"));
+    kvgate_host::artifacts::built_or_build_binary("kvgate", "kvgate", workspace).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A temp folder on tmpfs (the shm plugin maps only shared-memory files).

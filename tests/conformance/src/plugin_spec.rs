@@ -7,15 +7,20 @@ use kvgate_host::PluginHost;
 /// A built-in plugin's name and the function that returns its module.
 pub type BuiltinModule = (&'static str, fn() -> PluginModRef);
 
-/// Built-in plugins linked into this binary, by name, as `builtin:NAME` selects them.
+/// Built-in plugins linked into this binary, by name, as `builtin:NAME` selects them. UCX and NVLink
+/// only with the crate features `ucx` and `nvlink`.
 pub fn builtin_modules() -> Vec<BuiltinModule> {
-    vec![
-        ("shm", kvgate_plugin_shm::module),
-        ("quic", kvgate_plugin_quic::module),
-        ("ucx", kvgate_plugin_ucx::module),
-        ("nvlink", kvgate_plugin_nvlink::module),
-    ]
+    #[allow(unused_mut)]
+    let mut modules: Vec<BuiltinModule> = vec![("shm", kvgate_plugin_shm::module), ("quic", kvgate_plugin_quic::module)];
+    #[cfg(feature = "ucx")]
+    modules.push(("ucx", kvgate_plugin_ucx::module));
+    #[cfg(feature = "nvlink")]
+    modules.push(("nvlink", kvgate_plugin_nvlink::module));
+    modules
 }
+
+/// Built-in plugins the harness knows but this build left out: the crate feature that builds each in.
+const OPTIONAL_BUILTINS: [(&str, &str); 2] = [("ucx", "ucx"), ("nvlink", "nvlink")];
 
 /// Load the plugin `spec` into a fresh host; returns the host and the plugin's name.
 pub fn load(spec: &str) -> Result<(PluginHost, String), String> {
@@ -23,6 +28,13 @@ pub fn load(spec: &str) -> Result<(PluginHost, String), String> {
     if let Some(name) = spec.strip_prefix("builtin:") {
         let Some((_, module)) = builtin_modules().into_iter().find(|(n, _)| *n == name) else {
             let known: Vec<_> = builtin_modules().iter().map(|(n, _)| format!("builtin:{n}")).collect();
+            if let Some((_, feature)) = OPTIONAL_BUILTINS.iter().find(|(n, _)| *n == name) {
+                return Err(format!(
+                    "built-in plugin {name:?} is not in this binary (built without kvgate-conformance's `{feature}` feature); \
+                     load its .so instead; this binary has: {}",
+                    known.join(", ")
+                ));
+            }
             return Err(format!("unknown built-in plugin {name:?}; this binary has: {}", known.join(", ")));
         };
         host.register_builtin(name, module()).map_err(|e| format!("built-in {name} refused: {e}"))?;
