@@ -1,6 +1,16 @@
 //! The plugin SDK: write a plugin as plain safe Rust ([`Plugin`] + [`PluginFactory`]) and get an
 //! ABI v1 module whose every exported entry catches panics and turns them into failures
 //! (a panic that crossed the boundary would abort the host process).
+//!
+//! The plugin side of the transfer contract is here too, written once: [`TransferLedger`] (one
+//! terminal event per transfer, deadlines, cancels, quiesce tracking) and [`RegionView`] (bounds-checked
+//! copies of registered memory, the only place a host-memory plugin dereferences a foreign address).
+
+pub mod ledger;
+pub mod region;
+
+pub use ledger::{Admission, Failure, OrderedDelivery, TransferLedger};
+pub use region::RegionView;
 
 use crate::module::{PluginMod, PluginModRef};
 use crate::transport::{EventSinkBox, Transport, TransportBox, Transport_TO};
