@@ -5,6 +5,7 @@ use crate::config::QuicConfig;
 use crate::net;
 use crate::outgoing::{plan_lanes, run_transfer, PlannedSegment};
 use crate::peers::{self, PeerEntry};
+use crate::shared::Shared;
 use crate::regions::{in_bounds, Regions};
 use crate::staging::StagingPool;
 use crate::tickets::Tickets;
@@ -24,43 +25,6 @@ use std::time::Duration;
 
 /// How long `shutdown` waits for the runtime's threads to finish their current step.
 pub const SHUTDOWN_JOIN_TIMEOUT_MS: u64 = 2000;
-
-/// State shared by the host-facing calls and the runtime's tasks.
-pub struct Shared {
-    pub config: QuicConfig,
-    pub sink: Sink,
-    /// Random per open: remote keys and endpoints of an earlier incarnation are told apart.
-    pub instance: u64,
-    pub wire_version: u16,
-    pub identity: Identity,
-    pub known: Arc<KnownPeers>,
-    pub regions: Regions,
-    pub tickets: Tickets,
-    pub transfers: Arc<Transfers>,
-    pub transport: Arc<quinn::TransportConfig>,
-    /// Staging buffers of outgoing stream data (`write_chunk_bytes` each, `staging_pool_bytes` idle at most).
-    pub staging: Arc<StagingPool>,
-    /// Deadlines of the transfers dispatched at submit (see `deadlines`).
-    pub deadlines: Arc<crate::deadlines::Deadlines>,
-    pub endpoints: Vec<quinn::Endpoint>,
-    pub handle: tokio::runtime::Handle,
-    /// Lane streams this instance opened (diagnostics: lanes are long-lived, not one per transfer).
-    pub lane_streams_opened: std::sync::atomic::AtomicU64,
-    peers: Mutex<HashMap<PeerId, Arc<PeerEntry>>>,
-    endpoint_bytes: Vec<u8>,
-    shut_down: AtomicBool,
-    /// Submits hold it shared; shutdown takes it exclusively, so no transfer slips in behind it.
-    lifecycle: RwLock<()>,
-}
-
-impl Shared {
-    pub fn is_shut_down(&self) -> bool {
-        self.shut_down.load(Ordering::Acquire)
-    }
-    pub fn peer(&self, peer: PeerId) -> Option<Arc<PeerEntry>> {
-        self.peers.lock().expect("peers lock").get(&peer).cloned()
-    }
-}
 
 /// One open instance of the QUIC plugin.
 pub struct QuicPlugin {
