@@ -145,7 +145,7 @@ impl QuicPlugin {
         for endpoint in &shared.endpoints {
             runtime.spawn(crate::server::accept_loop(shared.clone(), endpoint.clone()));
         }
-        runtime.spawn(shared.deadlines.clone().run());
+        runtime.spawn(shared.deadlines.clone().run(shared.transfers.clone()));
         drop(_context);
         Ok(QuicPlugin { shared, runtime: Mutex::new(Some(runtime)) })
     }
@@ -320,6 +320,7 @@ impl Plugin for QuicPlugin {
         Ok(())
     }
 
+    // CONFORMANCE: ABORT-1, ABORT-2, ABORT-3 (no peer involved; unknown or finished ids ignored)
     fn cancel(&self, xfer: XferId) {
         if let Some(t) = self.shared.transfers.get(xfer) {
             t.fail(ReasonCode::CANCELLED, "cancelled by the host");
