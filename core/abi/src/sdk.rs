@@ -118,6 +118,7 @@ fn panic_text(payload: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Spawn a plugin worker thread whose panic is reported as `UNHEALTHY` instead of vanishing.
+// CONFORMANCE: TIME-10
 pub fn spawn_worker<F>(name: &str, sink: Sink, f: F) -> std::io::Result<std::thread::JoinHandle<()>>
 where
     F: FnOnce() + Send + 'static,
@@ -134,6 +135,7 @@ where
 }
 
 /// Wraps a [`Plugin`] so that no panic crosses the ABI.
+// CONFORMANCE: HYGIENE-1 (every entry of every plugin built on the SDK catches panics)
 struct Guarded<P: Plugin> {
     inner: P,
     sink: Sink,

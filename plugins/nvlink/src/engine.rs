@@ -99,7 +99,7 @@ impl<B: CopyBackend> Engine<B> {
     /// Stops a transfer: no further copy is issued; `FAILED` is reported at the next step (with
     /// the quiesced flag when no copy of it is on the device). Unknown, finished or already failed
     /// ids are ignored (first cause wins).
-    // CONFORMANCE: ABORT-1, ABORT-2, ABORT-3, RES-1 (ends a live transfer at once; other ids ignored)
+    // CONFORMANCE: ABORT-1, ABORT-2, ABORT-3, RES-1, OBS-1 (ends a live transfer at once, with a reason; other ids ignored)
     pub fn fail(&mut self, xfer: XferId, reason: ReasonCode, message: impl Into<String>) {
         let message = message.into();
         let (peer, copies_in_flight) = match self.transfers.entry(xfer) {
@@ -111,6 +111,7 @@ impl<B: CopyBackend> Engine<B> {
     }
 
     /// Fails every transfer to `peer` (or every transfer, for `None`).
+    // CONFORMANCE: TIME-3, ABORT-4 (a lost peer fails its transfers at once; a cancel is one map lookup)
     pub fn fail_all(&mut self, peer: Option<PeerId>, reason: ReasonCode, message: &str) {
         let ids: Vec<XferId> =
             self.transfers.iter().filter(|(_, e)| e.is_live() && peer.is_none_or(|p| e.peer() == p)).map(|(x, _)| x).collect();
@@ -139,7 +140,7 @@ impl<B: CopyBackend> Engine<B> {
     /// Advances every transfer once: applies deadlines, polls fences, issues copies into free
     /// window slots, and appends the events to report. Returns the ids that left the engine
     /// (terminal and quiesced) and whether anything changed.
-    // CONFORMANCE: TIME-1, TIME-4, DATA-1, RES-3 (own deadline; SUCCEEDED only once every copy finished)
+    // CONFORMANCE: TIME-1, TIME-2, TIME-4, DATA-1, RES-3 (own deadline; SUCCEEDED only once every copy finished)
     pub fn step(&mut self, now: Instant, events: &mut Vec<Event>) -> (Vec<XferId>, bool) {
         let mut changed = false;
         let timed_out = self.transfers.expire(now, |_, _| "nvlink: transfer timeout passed".into()).timed_out;

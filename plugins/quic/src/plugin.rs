@@ -50,6 +50,7 @@ pub fn capabilities(config: &QuicConfig) -> Capabilities {
     }
 }
 
+// CONFORMANCE: HYGIENE-4 (module and instance report the same name and ABI version)
 pub fn plugin_info(config: &QuicConfig) -> PluginInfo {
     PluginInfo {
         name: "quic".into(),
@@ -186,6 +187,7 @@ impl QuicPlugin {
     }
 
     /// Check every segment and resolve remote keys; nothing is started on error.
+    // CONFORMANCE: DATA-2, DATA-3 (every segment checked against both regions before anything is queued)
     fn resolve_segments(&self, request: &SubmitRequest<'_>, entry: &PeerEntry) -> Result<(Vec<PlannedSegment>, u64), PluginError> {
         let shared = &self.shared;
         let count = request.segments.len() as u64;
@@ -248,6 +250,7 @@ impl Plugin for QuicPlugin {
         self.shared.endpoint_bytes.clone()
     }
 
+    // CONFORMANCE: HANDSHAKE-2, HANDSHAKE-4 (malformed endpoints refused; a new endpoint is a new peer)
     fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
         self.refuse_if_shut_down()?;
         let info = EndpointInfo::decode(endpoint).map_err(|e| PluginError::new(ReasonCode::INVALID_ARGUMENT, e.0))?;
@@ -264,6 +267,7 @@ impl Plugin for QuicPlugin {
         Ok(())
     }
 
+    // CONFORMANCE: TIME-3, HANDSHAKE-2 (the peer's transfers fail at once)
     fn disconnect(&self, peer: PeerId) {
         let entry = self.shared.peers.lock().expect("peers lock").remove(&peer);
         self.shared.known.remove_peer(peer);
@@ -275,12 +279,14 @@ impl Plugin for QuicPlugin {
         }
     }
 
+    // CONFORMANCE: HANDSHAKE-3
     fn register(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
         self.refuse_if_shut_down()?;
         let (key, remote) = self.shared.regions.register(region)?;
         Ok(Registration { key, remote_key: remote.encode().into() })
     }
 
+    // CONFORMANCE: DATA-4 (a copy out of a deregistered region is refused, so its transfer fails)
     fn deregister(&self, key: LocalKey) -> Result<(), PluginError> {
         self.shared.regions.deregister(key)
     }
@@ -294,6 +300,7 @@ impl Plugin for QuicPlugin {
         self.shared.regions.release_remote(key)
     }
 
+    // CONFORMANCE: TIME-5 (submit hands work to the runtime and never waits on the network)
     fn submit(&self, request: &SubmitRequest<'_>) -> Result<(), PluginError> {
         let _alive = self.shared.lifecycle.read().expect("lifecycle lock");
         self.refuse_if_shut_down()?;
@@ -320,7 +327,7 @@ impl Plugin for QuicPlugin {
         Ok(())
     }
 
-    // CONFORMANCE: ABORT-1, ABORT-2, ABORT-3 (no peer involved; unknown or finished ids ignored)
+    // CONFORMANCE: ABORT-1, ABORT-2, ABORT-3, ABORT-4 (no peer involved, one ledger step; unknown or finished ids ignored)
     fn cancel(&self, xfer: XferId) {
         if let Some(t) = self.shared.transfers.get(xfer) {
             t.fail(ReasonCode::CANCELLED, "cancelled by the host");
@@ -358,6 +365,7 @@ impl Plugin for QuicPlugin {
         self.shared.sink.deliver(Event::incoming_quiesced(peer, ticket));
     }
 
+    // CONFORMANCE: RES-2, OBS-2 (live, unquiesced and ticket counts straight from the tables)
     fn stats(&self) -> Stats {
         let shared = &self.shared;
         let (live, unquiesced) = shared.transfers.counts();

@@ -52,6 +52,7 @@ impl Transfer {
     }
 
     /// Fail the transfer (first cause wins). Reported every time it happens.
+    // CONFORMANCE: OBS-1 (a reason code and a message, logged each time)
     // CONFORMANCE: ABORT-1, ABORT-2, RES-1, RES-3 (FAILED at once, lanes stop; QUIESCED once every lane settled)
     pub fn fail(&self, reason: ReasonCode, message: impl Into<String>) {
         let message = message.into();

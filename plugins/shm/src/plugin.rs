@@ -33,11 +33,13 @@ pub struct ShmPlugin {
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
+// CONFORMANCE: OBS-1 (every refusal carries a reason code and a message)
 fn err(code: ReasonCode, message: impl Into<String>) -> PluginError {
     PluginError::new(code, message)
 }
 
 /// Static info for a config (the capabilities carry its limits).
+// CONFORMANCE: HYGIENE-4 (module and instance report the same name and ABI version)
 pub fn plugin_info(config: &ShmConfig) -> PluginInfo {
     PluginInfo {
         name: PLUGIN_NAME.into(),

@@ -228,6 +228,7 @@ impl State {
 
     /// A worker finished copying `job` (or unwound out of it: either way it no longer touches it).
     // CONFORMANCE: DATA-1, RES-3 (SUCCEEDED only after the last chunk was copied)
+    // CONFORMANCE: RES-2 (a transfer leaves the ledger at its terminal event, or at its last chunk once failed)
     pub fn complete(&mut self, job: &Job) {
         let done = match self.transfers.get_mut(job.xfer) {
             Some(t) => {
@@ -249,6 +250,7 @@ impl State {
 
     /// Fail every transfer whose deadline is at or before `now`; returns the next deadline.
     // CONFORMANCE: TIME-1, TIME-4
+    // CONFORMANCE: TIME-2 (one-sided: a frozen receiver cannot hold a copy past its deadline)
     pub fn expire(&mut self, now: Instant) -> Option<Instant> {
         let still_queued = std::cell::RefCell::new(0usize);
         let expired = self.transfers.expire(now, |_, e| {

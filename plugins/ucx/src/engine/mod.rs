@@ -501,6 +501,7 @@ impl Engine {
 }
 
 /// The reason for a failed UCX operation: the connection's death is the peer's loss.
+// CONFORMANCE: OBS-1 (every UCX failure maps to a reason code ABI v1 defines)
 fn reason_for(status: ucs_status_t) -> ReasonCode {
     match status {
         ucs_status_t::UCS_ERR_CONNECTION_RESET

@@ -340,6 +340,7 @@ impl Engine {
 
     /// Release a terminal transfer's hold once nothing of it is in flight (the ledger then reports
     /// `QUIESCED` if owed and forgets it).
+    // CONFORMANCE: RES-2 (a terminal transfer is forgotten once nothing of it is in flight)
     pub(super) fn maybe_finish(&mut self, xfer: u64) {
         let mode = self.shared.mode;
         let Some(x) = self.xfers.get(XferId(xfer)) else { return };
@@ -371,6 +372,7 @@ impl Engine {
         self.maybe_finish(xfer);
     }
 
+    // CONFORMANCE: DATA-4 (a transfer reading a deregistered region fails)
     pub(super) fn fail_users_of(&mut self, key: LocalKey) {
         let users: Vec<u64> = self
             .xfers

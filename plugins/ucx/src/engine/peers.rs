@@ -71,6 +71,7 @@ impl Engine {
     /// `close_quiesces`, its transfers quiesce once the close completes; on an endpoint that stays
     /// open they end with a cancel message and quiesce on the receiver's answer, as any failure.
     /// `peer_gone`: the peer said goodbye or UCX declared it dead, so closing by force cannot upset it.
+    // CONFORMANCE: HANDSHAKE-2, TIME-3 (the peer's transfers fail, its keys and endpoint go)
     pub(super) fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool, peer_gone: bool, close_quiesces: bool, keep_endpoint: bool) {
         let instance = self.peers.get(&peer).copied();
         let shared_with_others = instance.and_then(|i| self.conns.get(&i)).is_some_and(|c| c.users.iter().any(|p| *p != peer));
