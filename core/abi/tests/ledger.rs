@@ -382,7 +382,7 @@ fn a_deadline_set_after_admission_replaces_the_first_and_says_when_it_is_the_ear
     ledger.admit(XferId(2), admission(None), ()).unwrap();
     assert!(!ledger.set_deadline(XferId(2), t0 + Duration::from_millis(20)), "not before the first");
     assert!(ledger.set_deadline(XferId(1), t0 + Duration::from_millis(5)), "the new earliest");
-    assert!(ledger.set_deadline(XferId(1), t0 + Duration::from_millis(30)) == false);
+    assert!(!ledger.set_deadline(XferId(1), t0 + Duration::from_millis(30)), "a later one is not the earliest");
     // Only the latest deadline of transfer 1 counts.
     assert!(ledger.expire(t0 + Duration::from_millis(10), no_message).timed_out.is_empty());
     assert_eq!(ledger.expire(t0 + Duration::from_millis(20), no_message).timed_out, vec![XferId(2)]);

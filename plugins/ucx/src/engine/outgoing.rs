@@ -326,15 +326,12 @@ impl Engine {
         x.failing = false;
         let quiesced = Self::settled(mode, x);
         tracing::warn!(reason = reason.as_str(), xfer, peer = peer.0, quiesced, "ucx transfer failed: {message}");
-        let mut spare_tokens = None;
         if quiesced {
-            // Nothing of it can land: its hold goes first, so the failure carries the quiesced flag.
-            spare_tokens = self.xfers.release(XferId(xfer)).map(|x| x.tokens);
+            // Nothing of it can land: its hold goes first, so the failure carries the quiesced flag
+            // (and the ledger forgets it at once).
+            self.xfers.release(XferId(xfer));
         }
         self.xfers.fail(XferId(xfer), reason, message);
-        if let Some(tokens) = spare_tokens {
-            self.token_lists.give(tokens);
-        }
         self.deliver_ledger_events();
     }
 
