@@ -1,6 +1,16 @@
 //! The plugin SDK: write a plugin as plain safe Rust ([`Plugin`] + [`PluginFactory`]) and get an
 //! ABI v1 module whose every exported entry catches panics and turns them into failures
 //! (a panic that crossed the boundary would abort the host process).
+//!
+//! The plugin side of the transfer contract is here too, written once: [`TransferLedger`] (one
+//! terminal event per transfer, deadlines, cancels, quiesce tracking) and [`RegionView`] (bounds-checked
+//! copies of registered memory, the only place a host-memory plugin dereferences a foreign address).
+
+pub mod ledger;
+pub mod region;
+
+pub use ledger::{Admission, Failure, OrderedDelivery, TransferLedger};
+pub use region::RegionView;
 
 use crate::module::{PluginMod, PluginModRef};
 use crate::transport::{EventSinkBox, Transport, TransportBox, Transport_TO};
@@ -108,6 +118,7 @@ fn panic_text(payload: &Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Spawn a plugin worker thread whose panic is reported as `UNHEALTHY` instead of vanishing.
+// CONFORMANCE: TIME-10
 pub fn spawn_worker<F>(name: &str, sink: Sink, f: F) -> std::io::Result<std::thread::JoinHandle<()>>
 where
     F: FnOnce() + Send + 'static,
@@ -124,6 +135,7 @@ where
 }
 
 /// Wraps a [`Plugin`] so that no panic crosses the ABI.
+// CONFORMANCE: HYGIENE-1 (every entry of every plugin built on the SDK catches panics)
 struct Guarded<P: Plugin> {
     inner: P,
     sink: Sink,

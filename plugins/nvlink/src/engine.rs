@@ -1,12 +1,14 @@
 //! The transfer state machine: issues each transfer's copies through a [`CopyBackend`] (a bounded
-//! window per transfer), polls their fences, and produces exactly one terminal event per transfer
-//! followed by QUIESCED once every issued copy finished. Owns transfer state; never sleeps, never
-//! reads a clock (the worker passes `now`), never calls CUDA itself.
+//! window per transfer) and polls their fences. Its transfers live in the SDK's ledger, which makes
+//! exactly one terminal event per transfer and QUIESCED once every issued copy finished (each copy
+//! on the device is a ledger hold). Never sleeps, never reads a clock (the worker passes `now`),
+//! never calls CUDA itself.
 
 use crate::chunk_plan::CopyOp;
-use kvgate_abi::{Event, PeerId, ReasonCode, XferId};
+use kvgate_abi::sdk::{Admission, TransferLedger};
+use kvgate_abi::{event_flags, Event, EventKind, PeerId, ReasonCode, XferId};
 use std::any::Any;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Instant;
 
 /// Which copy stream an op goes to: the engine spreads a transfer's chunks over the peer's lanes.
@@ -47,9 +49,8 @@ pub struct NewTransfer {
 struct Transfer<F> {
     new: NewTransfer,
     next_op: usize,
+    /// Copies on the device, each a ledger hold.
     inflight: VecDeque<F>,
-    failure: Option<(ReasonCode, String)>,
-    terminal_sent: bool,
     lane_cursor: u32,
 }
 
@@ -66,7 +67,7 @@ pub struct EngineCounts {
 
 pub struct Engine<B: CopyBackend> {
     backend: B,
-    transfers: HashMap<XferId, Transfer<B::Fence>>,
+    transfers: TransferLedger<Transfer<B::Fence>>,
     max_copies_in_flight_per_transfer: usize,
     streams_per_peer: u32,
 }
@@ -76,7 +77,7 @@ impl<B: CopyBackend> Engine<B> {
         assert!(max_copies_in_flight_per_transfer > 0 && streams_per_peer > 0, "validated at config load");
         Engine {
             backend,
-            transfers: HashMap::new(),
+            transfers: TransferLedger::new(),
             max_copies_in_flight_per_transfer: max_copies_in_flight_per_transfer as usize,
             streams_per_peer,
         }
@@ -89,85 +90,93 @@ impl<B: CopyBackend> Engine<B> {
     /// Takes a new transfer. The caller guarantees the id is not live (it checks at submit).
     pub fn admit(&mut self, new: NewTransfer) {
         let xfer = new.xfer;
-        let previous = self.transfers.insert(
-            xfer,
-            Transfer { new, next_op: 0, inflight: VecDeque::new(), failure: None, terminal_sent: false, lane_cursor: 0 },
-        );
-        assert!(previous.is_none(), "transfer {} admitted twice; submit checks live ids", xfer.0);
+        let admission = Admission { peer: new.peer, total_bytes: new.total_bytes, deadline: new.deadline };
+        let admitted =
+            self.transfers.admit(xfer, admission, Transfer { new, next_op: 0, inflight: VecDeque::new(), lane_cursor: 0 });
+        assert!(admitted.is_ok(), "transfer {} admitted twice; submit checks live ids", xfer.0);
     }
 
-    /// Stops a transfer: no further copy is issued; it fails with `reason` at the next step.
-    /// Unknown, finished or already failing ids are ignored (first cause wins).
+    /// Stops a transfer: no further copy is issued; `FAILED` is reported at the next step (with
+    /// the quiesced flag when no copy of it is on the device). Unknown, finished or already failed
+    /// ids are ignored (first cause wins).
+    // CONFORMANCE: ABORT-1, ABORT-2, ABORT-3, RES-1, OBS-1 (ends a live transfer at once, with a reason; other ids ignored)
     pub fn fail(&mut self, xfer: XferId, reason: ReasonCode, message: impl Into<String>) {
-        if let Some(t) = self.transfers.get_mut(&xfer) {
-            if t.failure.is_none() && !t.terminal_sent {
-                t.failure = Some((reason, message.into()));
-            }
-        }
+        let message = message.into();
+        let (peer, copies_in_flight) = match self.transfers.entry(xfer) {
+            Some(e) if e.is_live() => (e.peer(), e.holds()),
+            _ => return,
+        };
+        tracing::warn!(xfer = xfer.0, peer = peer.0, reason = %reason, copies_in_flight, "{message}");
+        self.transfers.fail(xfer, reason, message);
     }
 
     /// Fails every transfer to `peer` (or every transfer, for `None`).
+    // CONFORMANCE: TIME-3, ABORT-4 (a lost peer fails its transfers at once; a cancel is one map lookup)
     pub fn fail_all(&mut self, peer: Option<PeerId>, reason: ReasonCode, message: &str) {
         let ids: Vec<XferId> =
-            self.transfers.values().filter(|t| peer.is_none_or(|p| t.new.peer == p)).map(|t| t.new.xfer).collect();
+            self.transfers.iter().filter(|(_, e)| e.is_live() && peer.is_none_or(|p| e.peer() == p)).map(|(x, _)| x).collect();
         for id in ids {
             self.fail(id, reason, message);
         }
     }
 
     pub fn is_idle(&self) -> bool {
-        self.transfers.is_empty()
+        self.transfers.is_empty() && !self.transfers.has_events()
     }
 
     /// The earliest own deadline of a live transfer.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.transfers.values().filter(|t| t.failure.is_none() && !t.terminal_sent).filter_map(|t| t.new.deadline).min()
+        self.transfers.iter().filter(|(_, e)| e.is_live()).filter_map(|(_, e)| e.deadline()).min()
     }
 
     pub fn counts(&self) -> EngineCounts {
-        let mut c = EngineCounts::default();
-        for t in self.transfers.values() {
-            if t.terminal_sent {
-                c.unquiesced += 1;
-            } else {
-                c.live += 1;
-            }
-            c.copies_in_flight += t.inflight.len() as u64;
+        EngineCounts {
+            live: self.transfers.live_transfers(),
+            unquiesced: self.transfers.unquiesced_transfers(),
+            copies_in_flight: self.transfers.iter().map(|(_, e)| e.data.inflight.len() as u64).sum(),
         }
-        c
     }
 
-    /// Advances every transfer once: polls fences, applies deadlines, issues copies into free
+    /// Advances every transfer once: applies deadlines, polls fences, issues copies into free
     /// window slots, and appends the events to report. Returns the ids that left the engine
     /// (terminal and quiesced) and whether anything changed.
+    // CONFORMANCE: TIME-1, TIME-2, TIME-4, DATA-1, RES-3 (own deadline; SUCCEEDED only once every copy finished)
     pub fn step(&mut self, now: Instant, events: &mut Vec<Event>) -> (Vec<XferId>, bool) {
-        let mut finished = Vec::new();
         let mut changed = false;
-        let ids: Vec<XferId> = self.transfers.keys().copied().collect();
+        let timed_out = self.transfers.expire(now, |_, _| "nvlink: transfer timeout passed".into()).timed_out;
+        for xfer in timed_out {
+            tracing::warn!(xfer = xfer.0, reason = %ReasonCode::TIMEOUT, "nvlink: transfer timeout passed");
+        }
+        let ids: Vec<XferId> = self.transfers.iter().map(|(x, _)| x).collect();
         for id in ids {
-            let t = self.transfers.get_mut(&id).expect("id taken from the map");
-            changed |= Self::poll_fences(&mut self.backend, t);
-            if t.failure.is_none() && !t.terminal_sent && t.new.deadline.is_some_and(|d| now >= d) {
-                t.failure = Some((ReasonCode::TIMEOUT, "nvlink: transfer timeout passed".into()));
+            changed |= self.poll_fences(id);
+            if self.transfers.is_live(id) {
+                changed |= self.issue_window(id);
             }
-            if t.failure.is_none() {
-                changed |= Self::issue_window(&mut self.backend, t, self.max_copies_in_flight_per_transfer, self.streams_per_peer);
+            let done = self.transfers.get(id).is_some_and(|t| t.next_op == t.new.ops.len() && t.inflight.is_empty());
+            if done && self.transfers.is_live(id) {
+                self.transfers.succeed(id);
             }
-            if let Some(done) = Self::report(t, events) {
-                changed = true;
-                if done {
-                    self.transfers.remove(&id);
-                    finished.push(id);
-                }
+        }
+        let mut finished = Vec::new();
+        for event in self.transfers.take_events() {
+            changed = true;
+            let quiesced = event.flags & event_flags::QUIESCED != 0;
+            if event.kind == EventKind::SUCCEEDED || event.kind == EventKind::QUIESCED || quiesced {
+                finished.push(event.xfer);
             }
+            events.push(event);
         }
         (finished, changed)
     }
 
     /// Removes finished fences (in any order: chunks run on several streams). A device error
     /// fails the transfer; the errored copy counts as finished (the context is unusable after it).
-    fn poll_fences(backend: &mut B, t: &mut Transfer<B::Fence>) -> bool {
-        let mut changed = false;
+    fn poll_fences(&mut self, id: XferId) -> bool {
+        let Some(t) = self.transfers.get_mut(id) else { return false };
+        let backend = &mut self.backend;
+        let mut finished = 0;
+        let mut error = None;
         let mut i = 0;
         while i < t.inflight.len() {
             let outcome = backend.poll(&t.inflight[i]);
@@ -177,63 +186,52 @@ impl<B: CopyBackend> Engine<B> {
             }
             let fence = t.inflight.remove(i).expect("index checked");
             backend.recycle(fence);
-            changed = true;
+            finished += 1;
             if let Err(e) = outcome {
-                if t.failure.is_none() && !t.terminal_sent {
-                    t.failure = Some((ReasonCode::TRANSPORT_ERROR, format!("nvlink: copy failed on the device: {e}")));
-                }
+                error.get_or_insert(e);
             }
         }
-        changed
+        if let Some(e) = error {
+            self.fail(id, ReasonCode::TRANSPORT_ERROR, format!("nvlink: copy failed on the device: {e}"));
+        }
+        for _ in 0..finished {
+            self.transfers.release(id);
+        }
+        finished > 0
     }
 
-    fn issue_window(backend: &mut B, t: &mut Transfer<B::Fence>, window: usize, streams: u32) -> bool {
+    fn issue_window(&mut self, id: XferId) -> bool {
+        let (window, streams) = (self.max_copies_in_flight_per_transfer, self.streams_per_peer);
         let mut changed = false;
-        while t.inflight.len() < window && t.next_op < t.new.ops.len() {
-            let op = t.new.ops[t.next_op];
-            let lane = Lane { peer: t.new.peer, device_index: op.device_index, stream: t.lane_cursor % streams };
-            match backend.issue(&op, lane) {
-                Ok(fence) => {
-                    t.inflight.push_back(fence);
-                    t.next_op += 1;
-                    t.lane_cursor = t.lane_cursor.wrapping_add(1);
-                    changed = true;
-                }
-                Err(e) => {
-                    t.failure = Some((ReasonCode::TRANSPORT_ERROR, format!("nvlink: could not issue a copy: {e}")));
-                    return true;
+        let mut issue_error = None;
+        {
+            let Some(t) = self.transfers.get_mut(id) else { return false };
+            let mut issued = 0;
+            while t.inflight.len() < window && t.next_op < t.new.ops.len() {
+                let op = t.new.ops[t.next_op];
+                let lane = Lane { peer: t.new.peer, device_index: op.device_index, stream: t.lane_cursor % streams };
+                match self.backend.issue(&op, lane) {
+                    Ok(fence) => {
+                        t.inflight.push_back(fence);
+                        t.next_op += 1;
+                        t.lane_cursor = t.lane_cursor.wrapping_add(1);
+                        issued += 1;
+                        changed = true;
+                    }
+                    Err(e) => {
+                        issue_error = Some(e);
+                        changed = true;
+                        break;
+                    }
                 }
             }
+            for _ in 0..issued {
+                self.transfers.hold(id);
+            }
+        }
+        if let Some(e) = issue_error {
+            self.fail(id, ReasonCode::TRANSPORT_ERROR, format!("nvlink: could not issue a copy: {e}"));
         }
         changed
-    }
-
-    /// Emits what the transfer's state calls for. `Some(true)`: the transfer is done and leaves;
-    /// `Some(false)`: an event was emitted, the transfer stays; `None`: nothing to report.
-    fn report(t: &mut Transfer<B::Fence>, events: &mut Vec<Event>) -> Option<bool> {
-        let xfer = t.new.xfer;
-        if let Some((reason, message)) = &t.failure {
-            if !t.terminal_sent {
-                t.terminal_sent = true;
-                tracing::warn!(xfer = xfer.0, peer = t.new.peer.0, reason = %reason, copies_in_flight = t.inflight.len(), "{message}");
-                if t.inflight.is_empty() {
-                    events.push(Event::failed_quiesced(xfer, *reason, message.clone()));
-                    return Some(true);
-                }
-                events.push(Event::failed(xfer, *reason, message.clone()));
-                return Some(false);
-            }
-            if t.inflight.is_empty() {
-                events.push(Event::quiesced(xfer));
-                return Some(true);
-            }
-            return None;
-        }
-        if t.next_op == t.new.ops.len() && t.inflight.is_empty() {
-            t.terminal_sent = true;
-            events.push(Event::succeeded(xfer, t.new.total_bytes));
-            return Some(true);
-        }
-        None
     }
 }

@@ -35,6 +35,7 @@ pub fn capabilities(config: &NvlinkConfig) -> Capabilities {
     }
 }
 
+// CONFORMANCE: HYGIENE-4 (module and instance report the same name and ABI version)
 pub fn plugin_info(config: &NvlinkConfig) -> PluginInfo {
     PluginInfo {
         name: PLUGIN_NAME.into(),
@@ -71,6 +72,7 @@ pub struct NvlinkPlugin {
 /// Opens an instance: parse `config` (errors name the key), then check for the CUDA driver with
 /// `driver_present` before any other CUDA call (no driver: `UNAVAILABLE` with the reason), then
 /// open the devices and start the worker.
+// CONFORMANCE: HYGIENE-3, TIME-10 (no driver: UNAVAILABLE; a dead worker is reported through spawn_worker)
 pub fn open_with_probe(config: &str, sink: Sink, driver_present: impl FnOnce() -> bool) -> Result<NvlinkPlugin, PluginError> {
     let config = NvlinkConfig::parse(config).map_err(logged)?;
     if !driver_present() {
@@ -146,6 +148,7 @@ impl NvlinkPlugin {
             .map_err(|e| PluginError::new(ReasonCode::TRANSPORT_ERROR, format!("nvlink: {e}")))
     }
 
+    // CONFORMANCE: HANDSHAKE-3 (only CUDA device memory with a usable handle is taken)
     fn register_inner(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
         let mut st = self.shared.lock();
         Self::usable(&st)?;
@@ -255,6 +258,7 @@ impl NvlinkPlugin {
         Ok(id)
     }
 
+    // CONFORMANCE: DATA-3, TIME-5, TIME-11 (every check before anything is queued; never waits; bounded)
     fn submit_inner(&self, request: &SubmitRequest<'_>) -> Result<(), PluginError> {
         let submitted_at = Instant::now();
         let mut st = self.shared.lock();
@@ -319,6 +323,7 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
         self.endpoint.encode()
     }
 
+    // CONFORMANCE: HANDSHAKE-2, HANDSHAKE-4 (malformed endpoints refused; a new incarnation drops the old)
     fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
         let result = (|| {
             let mut st = self.shared.lock();
@@ -362,6 +367,7 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
         self.register_inner(region).map_err(logged)
     }
 
+    // CONFORMANCE: DATA-4 (transfers using the region fail)
     fn deregister(&self, key: LocalKey) -> Result<(), PluginError> {
         let mut st = self.shared.lock();
         let Some(region) = st.regions.remove(&key) else {
@@ -400,6 +406,7 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
         }
     }
 
+    // CONFORMANCE: OBS-2, RES-2 (counts published by the worker from the engine's ledger)
     fn stats(&self) -> Stats {
         let st = self.shared.lock();
         Stats {
@@ -415,6 +422,7 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
         }
     }
 
+    // CONFORMANCE: RES-5
     fn shutdown(&self) {
         {
             let mut st = self.shared.lock();

@@ -52,6 +52,7 @@ pub fn range_fits(offset: u64, len: u64, region_len: u64) -> bool {
 
 /// Validates every segment (count, keys, peer, ranges, total) and resolves addresses. Zero-length
 /// segments are valid and produce no copy.
+// CONFORMANCE: DATA-2 (every segment checked against both regions)
 pub fn resolve_segments(
     segments: &[Segment],
     peer: PeerId,

@@ -219,6 +219,7 @@ impl QuicConfig {
     }
 
     /// Parse and validate a TOML string; an empty string gives the defaults.
+    // CONFORMANCE: HYGIENE-3 (a malformed config fails INVALID_ARGUMENT)
     pub fn parse(text: &str) -> Result<QuicConfig, PluginError> {
         let config: QuicConfig = toml::from_str(text)
             .map_err(|e| PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: {}", one_line(&e.to_string()))))?;

@@ -5,7 +5,7 @@
 
 use crate::net::{app_code, classify_connection_error};
 use crate::outgoing::LanePlan;
-use crate::plugin::Shared;
+use crate::shared::Shared;
 use crate::reader::{FrameReader, ReadFail};
 use crate::staging::HEADER_ROOM_BYTES;
 use crate::transfers::Transfer;

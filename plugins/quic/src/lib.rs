@@ -19,6 +19,7 @@ pub mod reader;
 pub mod regions;
 pub mod replies;
 mod server;
+mod shared;
 pub mod staging;
 pub mod tickets;
 pub mod tls;

@@ -5,7 +5,7 @@
 
 use crate::lanes::Part;
 use crate::peers::{self, Links, PeerEntry};
-use crate::plugin::Shared;
+use crate::shared::Shared;
 use crate::transfers::Transfer;
 use kvgate_abi::ReasonCode;
 use std::sync::Arc;

@@ -8,6 +8,7 @@ use rustls::quic::{Algorithm, HeaderProtectionKey, PacketKey, Tag};
 use rustls::{CipherSuiteCommon, Error, SupportedCipherSuite, Tls13CipherSuite};
 use std::sync::OnceLock;
 
+// CONFORMANCE: DATA-7 (a packet whose payload fails its AEAD tag is dropped, never written)
 /// `quic::Algorithm` of one AES-GCM suite: packet keys from aws-lc-rs, header protection (one AES
 /// block per packet) from ring's implementation of the same suite.
 struct AwsLcPacketAlgorithm {

@@ -4,7 +4,7 @@
 
 use crate::lanes::Lane;
 use crate::net::{app_code, classify_connection_error, peer_refused_our_certificate};
-use crate::plugin::Shared;
+use crate::shared::Shared;
 use crate::reader::{FrameReader, ReadFail};
 use crate::tls;
 use crate::wire::{EndpointInfo, Frame, HELLO_MAGIC};

@@ -5,6 +5,7 @@ use crate::config::QuicConfig;
 use crate::net;
 use crate::outgoing::{plan_lanes, run_transfer, PlannedSegment};
 use crate::peers::{self, PeerEntry};
+use crate::shared::Shared;
 use crate::regions::{in_bounds, Regions};
 use crate::staging::StagingPool;
 use crate::tickets::Tickets;
@@ -24,43 +25,6 @@ use std::time::Duration;
 
 /// How long `shutdown` waits for the runtime's threads to finish their current step.
 pub const SHUTDOWN_JOIN_TIMEOUT_MS: u64 = 2000;
-
-/// State shared by the host-facing calls and the runtime's tasks.
-pub struct Shared {
-    pub config: QuicConfig,
-    pub sink: Sink,
-    /// Random per open: remote keys and endpoints of an earlier incarnation are told apart.
-    pub instance: u64,
-    pub wire_version: u16,
-    pub identity: Identity,
-    pub known: Arc<KnownPeers>,
-    pub regions: Regions,
-    pub tickets: Tickets,
-    pub transfers: Arc<Transfers>,
-    pub transport: Arc<quinn::TransportConfig>,
-    /// Staging buffers of outgoing stream data (`write_chunk_bytes` each, `staging_pool_bytes` idle at most).
-    pub staging: Arc<StagingPool>,
-    /// Deadlines of the transfers dispatched at submit (see `deadlines`).
-    pub deadlines: Arc<crate::deadlines::Deadlines>,
-    pub endpoints: Vec<quinn::Endpoint>,
-    pub handle: tokio::runtime::Handle,
-    /// Lane streams this instance opened (diagnostics: lanes are long-lived, not one per transfer).
-    pub lane_streams_opened: std::sync::atomic::AtomicU64,
-    peers: Mutex<HashMap<PeerId, Arc<PeerEntry>>>,
-    endpoint_bytes: Vec<u8>,
-    shut_down: AtomicBool,
-    /// Submits hold it shared; shutdown takes it exclusively, so no transfer slips in behind it.
-    lifecycle: RwLock<()>,
-}
-
-impl Shared {
-    pub fn is_shut_down(&self) -> bool {
-        self.shut_down.load(Ordering::Acquire)
-    }
-    pub fn peer(&self, peer: PeerId) -> Option<Arc<PeerEntry>> {
-        self.peers.lock().expect("peers lock").get(&peer).cloned()
-    }
-}
 
 /// One open instance of the QUIC plugin.
 pub struct QuicPlugin {
@@ -86,6 +50,7 @@ pub fn capabilities(config: &QuicConfig) -> Capabilities {
     }
 }
 
+// CONFORMANCE: HYGIENE-4 (module and instance report the same name and ABI version)
 pub fn plugin_info(config: &QuicConfig) -> PluginInfo {
     PluginInfo {
         name: "quic".into(),
@@ -181,7 +146,7 @@ impl QuicPlugin {
         for endpoint in &shared.endpoints {
             runtime.spawn(crate::server::accept_loop(shared.clone(), endpoint.clone()));
         }
-        runtime.spawn(shared.deadlines.clone().run());
+        runtime.spawn(shared.deadlines.clone().run(shared.transfers.clone()));
         drop(_context);
         Ok(QuicPlugin { shared, runtime: Mutex::new(Some(runtime)) })
     }
@@ -222,6 +187,7 @@ impl QuicPlugin {
     }
 
     /// Check every segment and resolve remote keys; nothing is started on error.
+    // CONFORMANCE: DATA-2, DATA-3 (every segment checked against both regions before anything is queued)
     fn resolve_segments(&self, request: &SubmitRequest<'_>, entry: &PeerEntry) -> Result<(Vec<PlannedSegment>, u64), PluginError> {
         let shared = &self.shared;
         let count = request.segments.len() as u64;
@@ -284,6 +250,7 @@ impl Plugin for QuicPlugin {
         self.shared.endpoint_bytes.clone()
     }
 
+    // CONFORMANCE: HANDSHAKE-2, HANDSHAKE-4 (malformed endpoints refused; a new endpoint is a new peer)
     fn connect(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
         self.refuse_if_shut_down()?;
         let info = EndpointInfo::decode(endpoint).map_err(|e| PluginError::new(ReasonCode::INVALID_ARGUMENT, e.0))?;
@@ -300,6 +267,7 @@ impl Plugin for QuicPlugin {
         Ok(())
     }
 
+    // CONFORMANCE: TIME-3, HANDSHAKE-2 (the peer's transfers fail at once)
     fn disconnect(&self, peer: PeerId) {
         let entry = self.shared.peers.lock().expect("peers lock").remove(&peer);
         self.shared.known.remove_peer(peer);
@@ -311,12 +279,14 @@ impl Plugin for QuicPlugin {
         }
     }
 
+    // CONFORMANCE: HANDSHAKE-3
     fn register(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
         self.refuse_if_shut_down()?;
         let (key, remote) = self.shared.regions.register(region)?;
         Ok(Registration { key, remote_key: remote.encode().into() })
     }
 
+    // CONFORMANCE: DATA-4 (a copy out of a deregistered region is refused, so its transfer fails)
     fn deregister(&self, key: LocalKey) -> Result<(), PluginError> {
         self.shared.regions.deregister(key)
     }
@@ -330,6 +300,7 @@ impl Plugin for QuicPlugin {
         self.shared.regions.release_remote(key)
     }
 
+    // CONFORMANCE: TIME-5 (submit hands work to the runtime and never waits on the network)
     fn submit(&self, request: &SubmitRequest<'_>) -> Result<(), PluginError> {
         let _alive = self.shared.lifecycle.read().expect("lifecycle lock");
         self.refuse_if_shut_down()?;
@@ -356,6 +327,7 @@ impl Plugin for QuicPlugin {
         Ok(())
     }
 
+    // CONFORMANCE: ABORT-1, ABORT-2, ABORT-3, ABORT-4 (no peer involved, one ledger step; unknown or finished ids ignored)
     fn cancel(&self, xfer: XferId) {
         if let Some(t) = self.shared.transfers.get(xfer) {
             t.fail(ReasonCode::CANCELLED, "cancelled by the host");
@@ -393,6 +365,7 @@ impl Plugin for QuicPlugin {
         self.shared.sink.deliver(Event::incoming_quiesced(peer, ticket));
     }
 
+    // CONFORMANCE: RES-2, OBS-2 (live, unquiesced and ticket counts straight from the tables)
     fn stats(&self) -> Stats {
         let shared = &self.shared;
         let (live, unquiesced) = shared.transfers.counts();

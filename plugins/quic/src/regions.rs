@@ -1,15 +1,17 @@
 //! Registered local regions (host memory of this process, addressed by `RegionDesc::addr`) and imported
-//! remote keys. Owns every raw-pointer access of the plugin: each copy is bounds-checked under the
-//! table's read lock, so `deregister` waits for copies in progress and no copy starts after it.
+//! remote keys. Every copy of the plugin goes through here, into or out of the SDK's region views
+//! (bounds-checked; the plugin dereferences no address itself), under the table's read lock, so
+//! `deregister` waits for copies in progress and no copy starts after it (the views' invariant).
 
 use crate::wire::RemoteKeyInfo;
+use kvgate_abi::sdk::RegionView;
 use kvgate_abi::{LocalKey, MemoryKind, PeerId, PluginError, ReasonCode, RegionDesc, RemoteKey};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 
 struct LocalRegion {
-    addr: usize,
+    view: RegionView,
     len: u64,
 }
 
@@ -55,8 +57,9 @@ impl Regions {
         if end.is_none() || usize::try_from(desc.addr).is_err() || usize::try_from(desc.len).is_err() || desc.len > isize::MAX as u64 {
             return Err(refuse(ReasonCode::INVALID_ARGUMENT, format!("region addr {:#x} len {} overflows the address space", desc.addr, desc.len)));
         }
+        let view = RegionView::registered(desc)?;
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
-        self.local.write().expect("regions lock").insert(key, LocalRegion { addr: desc.addr as usize, len: desc.len });
+        self.local.write().expect("regions lock").insert(key, LocalRegion { view, len: desc.len });
         Ok((LocalKey(key), RemoteKeyInfo { instance: self.instance, key, len: desc.len }))
     }
 
@@ -80,11 +83,8 @@ impl Regions {
         if !in_bounds(offset, len as u64, region.len) {
             return Err(refuse(ReasonCode::OUT_OF_RANGE, format!("source {offset}+{len} outside region {key} of {} bytes", region.len)));
         }
-        // SAFETY: the host keeps a registered region mapped until `deregister`, which takes the write
-        // lock we exclude by holding the read lock; the range was checked against the region just above.
-        let src = unsafe { std::slice::from_raw_parts((region.addr + offset as usize) as *const u8, len) };
-        out.extend_from_slice(src);
-        Ok(())
+        // The read lock keeps `deregister` (the write lock) out for the copy: the view stays valid.
+        region.view.copy_out(offset, len, out)
     }
 
     /// Copy `data` into local region `key` at `offset`.
@@ -99,10 +99,8 @@ impl Regions {
                 format!("destination {offset}+{} outside region {key} of {} bytes", data.len(), region.len),
             ));
         }
-        // SAFETY: as in `copy_out`; the destination range was checked just above.
-        let dst = unsafe { std::slice::from_raw_parts_mut((region.addr + offset as usize) as *mut u8, data.len()) };
-        dst.copy_from_slice(data);
-        Ok(())
+        // As in `copy_out`: the read lock keeps the view valid for the copy.
+        region.view.copy_in(offset, data)
     }
 
     /// Check a destination range against its region without writing.

@@ -4,7 +4,7 @@
 
 use crate::incoming::{serve_lane as serve_lane_frames, LaneContext, LaneEnd, PartId};
 use crate::net::app_code;
-use crate::plugin::Shared;
+use crate::shared::Shared;
 use crate::reader::FrameReader;
 use crate::replies::ReceivingLane;
 use crate::tickets::Refusal;

@@ -2,6 +2,7 @@
 //! imported remote key, unmapped when the last transfer using it lets go), and [`SharedRegion`]
 //! creates a memfd- or /dev/shm-backed buffer an engine, test or bench can register. Never copies.
 
+use kvgate_abi::sdk::RegionView;
 use kvgate_abi::{MemoryKind, PluginError, ReasonCode, RegionDesc};
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -189,6 +190,13 @@ impl PeerMapping {
 
     pub fn region_addr(&self) -> usize {
         self.region_addr
+    }
+    /// The mapped region as a view, to copy into through the SDK's bounds checks.
+    pub fn view(&self) -> RegionView {
+        // SAFETY: `region_addr..+region_len` lies in this mapping, which stays mapped until it is
+        // dropped; every transfer that copies through the view holds the mapping (`Transfer::mappings`)
+        // until it is quiesced.
+        unsafe { RegionView::from_raw_parts(self.region_addr, self.region_len) }
     }
     pub fn region_len(&self) -> u64 {
         self.region_len

@@ -1,15 +1,29 @@
 //! The copy plan of one transfer: resolved pieces (source address, destination address, length) and a
 //! cursor that hands out chunks of at most `chunk_bytes`, so several workers can share one transfer.
-//! Pure bookkeeping: never dereferences an address (only [`copy_chunk`] does, on the worker's behalf).
+//! Pure bookkeeping: never dereferences an address ([`copy_chunk`] copies through the SDK's region
+//! views, on the worker's behalf).
 
 use crate::stream_copy::{copy_streaming_unfenced, store_fence};
+use kvgate_abi::sdk::RegionView;
+use kvgate_abi::PluginError;
 
-/// One contiguous copy, with both addresses already checked against their regions.
+/// One contiguous copy: `len` bytes from the start of `src` to the start of `dst`, both views cut to
+/// the segment at submit (so their ranges were checked against their regions there).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Piece {
-    pub src: usize,
-    pub dst: usize,
+    pub src: RegionView,
+    pub dst: RegionView,
     pub len: u64,
+}
+
+impl Piece {
+    /// A piece of `len` bytes that must never be copied (bookkeeping tests).
+    #[cfg(test)]
+    pub fn unbacked(len: u64) -> Piece {
+        // SAFETY: empty views; any copy through them is refused by their bounds check.
+        let nowhere = unsafe { RegionView::from_raw_parts(0, 0) };
+        Piece { src: nowhere, dst: nowhere, len }
+    }
 }
 
 /// A run of bytes of a transfer handed to one worker: start at `piece`/`offset`, copy `bytes`.
@@ -61,27 +75,22 @@ impl Cursor {
 }
 
 /// Copy one chunk, with streaming stores when `streaming` (then fenced before returning, so a
-/// completion published afterwards is ordered after every byte).
-///
-/// # Safety
-/// Every piece's `src..src+len` must be readable and `dst..dst+len` writable for the whole call, and
-/// no destination range may overlap a source range.
-pub unsafe fn copy_chunk(pieces: &[Piece], chunk: Chunk, streaming: bool) {
+/// completion published afterwards is ordered after every byte). Each piece's views keep their
+/// regions mapped for the copy (the worker's ledger hold: the local region cannot be deregistered
+/// nor the peer mapping unmapped meanwhile); a range outside its view is refused, never copied.
+pub fn copy_chunk(pieces: &[Piece], chunk: Chunk, streaming: bool) -> Result<(), PluginError> {
     let mut piece = chunk.piece;
     let mut offset = chunk.offset;
     let mut left = chunk.bytes;
-    while left > 0 {
+    let mut result = Ok(());
+    while left > 0 && result.is_ok() {
         let p = pieces[piece];
         let take = (p.len - offset).min(left);
-        let (src, dst) = ((p.src + offset as usize) as *const u8, (p.dst + offset as usize) as *mut u8);
-        // SAFETY: guaranteed by the caller; `offset + take <= p.len`.
-        unsafe {
-            if streaming {
-                copy_streaming_unfenced(dst, src, take as usize);
-            } else {
-                std::ptr::copy_nonoverlapping(src, dst, take as usize);
-            }
-        }
+        result = if streaming {
+            p.src.copy_to_with(offset, &p.dst, offset, take, copy_streaming_unfenced)
+        } else {
+            p.src.copy_to(offset, &p.dst, offset, take)
+        };
         left -= take;
         offset += take;
         if offset == p.len {
@@ -92,6 +101,7 @@ pub unsafe fn copy_chunk(pieces: &[Piece], chunk: Chunk, streaming: bool) {
     if streaming {
         store_fence();
     }
+    result
 }
 
 #[cfg(test)]
@@ -99,7 +109,7 @@ mod tests {
     use super::*;
 
     fn pieces(lens: &[u64]) -> Vec<Piece> {
-        lens.iter().map(|&len| Piece { src: 0, dst: 0, len }).collect()
+        lens.iter().map(|&len| Piece::unbacked(len)).collect()
     }
 
     fn all_chunks(lens: &[u64], chunk_bytes: u64) -> Vec<Chunk> {
@@ -138,19 +148,23 @@ mod tests {
     }
 
     fn copy_chunk_copies_exactly_the_chunk_with(streaming: bool) {
-        let src: Vec<u8> = (0..40u8).collect();
+        let mut src: Vec<u8> = (0..40u8).collect();
         let mut dst = vec![0xEEu8; 40];
+        // SAFETY: both buffers outlive the views, used only in this test.
+        let (s, d) = unsafe {
+            (RegionView::from_raw_parts(src.as_mut_ptr() as usize, 40), RegionView::from_raw_parts(dst.as_mut_ptr() as usize, 40))
+        };
         let p = vec![
-            Piece { src: src.as_ptr() as usize, dst: dst.as_mut_ptr() as usize + 20, len: 15 },
-            Piece { src: src.as_ptr() as usize + 15, dst: dst.as_mut_ptr() as usize, len: 10 },
+            Piece { src: s.slice(0, 15).unwrap(), dst: d.slice(20, 15).unwrap(), len: 15 },
+            Piece { src: s.slice(15, 10).unwrap(), dst: d.slice(0, 10).unwrap(), len: 10 },
         ];
         let mut cursor = Cursor::default();
         let first = cursor.next_chunk(&p, 12).unwrap();
-        unsafe { copy_chunk(&p, first, streaming) };
+        copy_chunk(&p, first, streaming).unwrap();
         assert_eq!(&dst[20..32], &src[0..12]);
         assert_eq!(dst[32], 0xEE);
         let second = cursor.next_chunk(&p, 12).unwrap();
-        unsafe { copy_chunk(&p, second, streaming) };
+        copy_chunk(&p, second, streaming).unwrap();
         assert_eq!(&dst[20..35], &src[0..15]);
         assert_eq!(&dst[0..9], &src[15..24]);
         assert_eq!(dst[9], 0xEE);

@@ -8,7 +8,7 @@ use crate::plan::{Cursor, Piece};
 use crate::state::{ImportedKey, LocalRegion, Transfer};
 use crate::wire::{Endpoint, RemoteKeyBytes};
 use crate::workers::{timer_loop, worker_loop, Shared};
-use kvgate_abi::sdk::{spawn_worker, Plugin, Sink};
+use kvgate_abi::sdk::{spawn_worker, Plugin, RegionView, Sink};
 use kvgate_abi::{
     scope, Capabilities, LocalKey, MemoryKind, PeerId, PluginError, PluginInfo, ReasonCode, RegionDesc, Registration,
     RemoteKey, Stats, SubmitRequest, XferId, ABI_VERSION,
@@ -33,11 +33,13 @@ pub struct ShmPlugin {
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
+// CONFORMANCE: OBS-1 (every refusal carries a reason code and a message)
 fn err(code: ReasonCode, message: impl Into<String>) -> PluginError {
     PluginError::new(code, message)
 }
 
 /// Static info for a config (the capabilities carry its limits).
+// CONFORMANCE: HYGIENE-4 (module and instance report the same name and ABI version)
 pub fn plugin_info(config: &ShmConfig) -> PluginInfo {
     PluginInfo {
         name: PLUGIN_NAME.into(),
@@ -167,8 +169,8 @@ impl ShmPlugin {
                 mappings.push(Arc::clone(remote_mapping));
             }
             pieces.push(Piece {
-                src: local.addr + s.local_offset as usize,
-                dst: remote_mapping.region_addr() + s.remote_offset as usize,
+                src: local.view.slice(s.local_offset, s.len)?,
+                dst: remote_mapping.view().slice(s.remote_offset, s.len)?,
                 len: s.len,
             });
         }
@@ -180,8 +182,6 @@ impl ShmPlugin {
             total_bytes,
             streaming: config.streams(total_bytes),
             copied_bytes: 0,
-            active_chunks: 0,
-            failed: false,
             deadline,
             timeout_ns: request.timeout_ns,
             local_keys,
@@ -259,9 +259,8 @@ impl Plugin for ShmPlugin {
         if region.len == 0 || region.addr == 0 {
             return Err(err(ReasonCode::INVALID_ARGUMENT, "shm region needs a non-zero addr and len"));
         }
-        if region.addr.checked_add(region.len).is_none() {
-            return Err(err(ReasonCode::INVALID_ARGUMENT, "shm region wraps around the address space"));
-        }
+        let view = RegionView::registered(region)
+            .map_err(|_| err(ReasonCode::INVALID_ARGUMENT, "shm region wraps around the address space"))?;
         let path = region.backing_path.as_str();
         if path.is_empty() || !path.starts_with('/') {
             return Err(err(ReasonCode::INVALID_ARGUMENT, "shm region needs an absolute backing_path a peer can map"));
@@ -290,7 +289,7 @@ impl Plugin for ShmPlugin {
             dev: meta.dev(),
             ino: meta.ino(),
         };
-        state.regions.insert(key, LocalRegion { addr: region.addr as usize, len: region.len, backing: Arc::new(backing) });
+        state.regions.insert(key, LocalRegion { view, len: region.len, backing: Arc::new(backing) });
         state.registered_bytes += region.len;
         Ok(Registration { key, remote_key: remote_key.encode().into() })
     }
@@ -373,11 +372,11 @@ impl Plugin for ShmPlugin {
         if !state.peers.contains_key(&request.peer) {
             return Err(err(ReasonCode::PEER_UNREACHABLE, format!("peer {} is not connected", request.peer.0)));
         }
-        if state.transfers.contains_key(&request.xfer) {
+        if state.transfers.contains(request.xfer) {
             return Err(err(ReasonCode::DUPLICATE_ID, format!("transfer {} is already live", request.xfer.0)));
         }
         let limit = self.shared.config.max_inflight_transfers;
-        if state.live_transfers >= limit {
+        if state.live_transfers() >= limit {
             return Err(err(
                 ReasonCode::RESOURCE_EXHAUSTED,
                 format!("{limit} live transfers: max_inflight_transfers reached"),
@@ -386,7 +385,7 @@ impl Plugin for ShmPlugin {
         let transfer = self.plan(&state, request)?;
         let spans_chunks = transfer.total_bytes > self.shared.config.chunk_bytes;
         let wake_timer = transfer.deadline.is_some_and(|d| state.timer.must_wake_for(d));
-        state.insert(request.xfer, transfer);
+        state.insert(request.xfer, transfer)?;
         drop(state);
         if spans_chunks {
             self.shared.work_ready.notify_all();
@@ -401,7 +400,7 @@ impl Plugin for ShmPlugin {
 
     // CONFORMANCE: ABORT-1, ABORT-2, ABORT-3 (no peer involved; unknown or finished ids ignored)
     fn cancel(&self, xfer: XferId) {
-        self.shared.lock().fail(xfer, ReasonCode::CANCELLED, "cancelled by the host".to_string());
+        self.shared.lock().cancel(xfer);
         self.shared.flush();
     }
 
@@ -409,7 +408,7 @@ impl Plugin for ShmPlugin {
     fn stats(&self) -> Stats {
         let state = self.shared.lock();
         Stats {
-            live_transfers: state.live_transfers,
+            live_transfers: state.live_transfers(),
             unquiesced_transfers: state.unquiesced_transfers(),
             live_tickets: 0,
             registered_regions: state.regions.len() as u64,
@@ -437,9 +436,8 @@ impl Plugin for ShmPlugin {
         {
             let mut state = self.shared.lock();
             debug_assert!(state.transfers.is_empty(), "workers quiesced every transfer before exiting");
-            state.transfers.clear();
+            state.transfers.close_all(ReasonCode::SHUTDOWN, "shm plugin shutting down");
             state.queue.clear();
-            state.deadlines.clear();
             state.imported.clear();
             state.regions.clear();
             state.registered_bytes = 0;

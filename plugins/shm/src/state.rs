@@ -1,20 +1,22 @@
-//! The shm plugin's shared state under one lock: transfers and their work queue, deadlines, regions,
-//! imported keys, peers, and the ordered outbox of events. Every transition that ends a transfer lives
-//! here, so each transfer gets exactly one terminal event and `QUIESCED` only once no worker holds a
-//! chunk of it. Never copies bytes and never calls the sink (the outbox is flushed outside the lock).
+//! The shm plugin's shared state under one lock: the transfer ledger (the SDK's: terminal events,
+//! deadlines, quiesce holds and the ordered outbox) and the work queue over it, regions, imported
+//! keys and peers. A worker's chunk is a ledger hold, so `QUIESCED` comes only once no worker holds a
+//! chunk of a failed transfer. Never copies bytes and never calls the sink (the outbox is flushed
+//! outside the lock).
 
 use crate::mapping::PeerMapping;
 use crate::plan::{Chunk, Cursor, Piece};
 use crate::wire::Endpoint;
+use kvgate_abi::sdk::{Admission, RegionView, TransferLedger};
 use kvgate_abi::{Event, LocalKey, PeerId, ReasonCode, RemoteKey, XferId};
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
 /// A region registered with this instance (a source of outgoing copies).
 #[derive(Clone, Debug)]
 pub struct LocalRegion {
-    pub addr: usize,
+    pub view: RegionView,
     pub len: u64,
     /// The backing file, held open while registered: peers map it through this descriptor.
     pub backing: std::sync::Arc<std::fs::File>,
@@ -50,7 +52,8 @@ impl ImportedKey {
     }
 }
 
-/// One outgoing transfer from submit until it is terminal *and* quiesced.
+/// The shm side of one outgoing transfer, kept in the ledger from submit until it is terminal *and*
+/// quiesced (each chunk a worker is copying is a ledger hold).
 #[derive(Debug)]
 pub struct Transfer {
     pub peer: PeerId,
@@ -60,10 +63,6 @@ pub struct Transfer {
     /// Copied with streaming stores (`ShmConfig::streams`).
     pub streaming: bool,
     pub copied_bytes: u64,
-    /// Chunks a worker is copying right now; `QUIESCED` waits for 0.
-    pub active_chunks: u32,
-    /// A `FAILED` event was emitted; the transfer stays only until `active_chunks` is 0.
-    pub failed: bool,
     pub deadline: Option<Instant>,
     pub timeout_ns: u64,
     /// The local regions it reads (deregistering one fails it).
@@ -82,29 +81,25 @@ pub struct Job {
     pub streaming: bool,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct State {
-    pub transfers: HashMap<XferId, Transfer>,
+    /// Every transfer until it is terminal and quiesced, its deadline, and the events decided under
+    /// the lock, delivered in this order outside it. The ledger lowers `live_transfers` in the step
+    /// that queues the terminal event, which the deciding thread flushes as soon as it lets go of the
+    /// lock: `stats()` never counts a transfer whose terminal event was delivered.
+    // CONFORMANCE: OBS-2 (live_transfers lowered no later than the terminal event is delivered)
+    pub transfers: TransferLedger<Transfer>,
     /// Transfers with chunks not yet handed out, oldest first. A failed transfer's entry stays until
     /// it reaches the front or the queue is compacted (see `stale_in_queue`).
     pub queue: VecDeque<XferId>,
     /// Entries of `queue` whose transfer failed; compacted away once they are half the queue, so a
     /// cancel costs O(1) amortised (a 10 000-cancel storm stays linear).
     pub stale_in_queue: usize,
-    pub deadlines: BTreeSet<(Instant, XferId)>,
-    /// Transfers submitted and not yet terminal. Lowered under the lock in the same step that queues
-    /// the terminal event in `outbox`, which the deciding thread flushes as soon as it lets go of the
-    /// lock: `stats()` never counts a transfer whose terminal event was delivered, and leads the event
-    /// only by its delivery in flight.
-    // CONFORMANCE: OBS-2 (live_transfers lowered no later than the terminal event is delivered)
-    pub live_transfers: u64,
     pub regions: HashMap<LocalKey, LocalRegion>,
     pub registered_bytes: u64,
     pub imported: HashMap<RemoteKey, ImportedKey>,
     pub peers: HashMap<PeerId, Endpoint>,
     pub next_key: u64,
-    /// Events decided under the lock, delivered in this order outside it.
-    pub outbox: Vec<Event>,
     pub shutting_down: bool,
     /// False once a worker died or the instance shut down.
     pub healthy: bool,
@@ -147,36 +142,27 @@ impl State {
         key
     }
 
-    /// Add a validated transfer and queue its chunks.
-    pub fn insert(&mut self, xfer: XferId, transfer: Transfer) {
-        if let Some(deadline) = transfer.deadline {
-            self.deadlines.insert((deadline, xfer));
-        }
-        self.transfers.insert(xfer, transfer);
+    /// Add a validated transfer and queue its chunks (the caller checked the id is not live).
+    pub fn insert(&mut self, xfer: XferId, transfer: Transfer) -> Result<(), kvgate_abi::PluginError> {
+        let admission =
+            Admission { peer: transfer.peer, total_bytes: transfer.total_bytes, deadline: transfer.deadline };
+        self.transfers.admit(xfer, admission, transfer)?;
         self.queue.push_back(xfer);
-        self.live_transfers += 1;
+        Ok(())
     }
 
-    /// Fail a live transfer (no effect on unknown or already terminal ones). Emits `FAILED` with the
+    /// Fail a live transfer (no effect on unknown or already terminal ones): `FAILED` with the
     /// quiesced flag when no worker holds a chunk of it, else `FAILED` now and `QUIESCED` later.
     // CONFORMANCE: RES-1, RES-3 (one terminal event; QUIESCED only once no worker holds a chunk)
     pub fn fail(&mut self, xfer: XferId, reason: ReasonCode, message: String) {
-        let Some(t) = self.transfers.get_mut(&xfer) else { return };
-        if t.failed {
-            return;
+        let was_queued = self.transfers.get(xfer).is_some_and(|t| !t.cursor.is_done(&t.pieces));
+        if self.transfers.fail(xfer, reason, message).ended_it() {
+            self.note_failed(was_queued);
         }
-        t.failed = true;
-        let was_queued = !t.cursor.is_done(&t.pieces);
-        self.live_transfers -= 1;
-        if let Some(deadline) = t.deadline {
-            self.deadlines.remove(&(deadline, xfer));
-        }
-        if t.active_chunks == 0 {
-            self.outbox.push(Event { peer: t.peer, ..Event::failed_quiesced(xfer, reason, message) });
-            self.transfers.remove(&xfer);
-        } else {
-            self.outbox.push(Event { peer: t.peer, ..Event::failed(xfer, reason, message) });
-        }
+    }
+
+    /// A transfer still queued failed: its queue entry is stale now.
+    fn note_failed(&mut self, was_queued: bool) {
         if !was_queued {
             return;
         }
@@ -190,34 +176,51 @@ impl State {
     // CONFORMANCE: ABORT-4 (a cancel storm stays linear)
     fn compact_queue(&mut self) {
         let transfers = &self.transfers;
-        self.queue.retain(|x| transfers.get(x).is_some_and(|t| !t.failed && !t.cursor.is_done(&t.pieces)));
+        self.queue.retain(|&x| {
+            transfers.is_live(x) && transfers.get(x).is_some_and(|t| !t.cursor.is_done(&t.pieces))
+        });
         self.stale_in_queue = 0;
+    }
+
+    /// The host cancelled `xfer` (unknown or finished ids are ignored).
+    pub fn cancel(&mut self, xfer: XferId) {
+        let was_queued = self.transfers.get(xfer).is_some_and(|t| !t.cursor.is_done(&t.pieces));
+        if self.transfers.cancel(xfer, "cancelled by the host").ended_it() {
+            self.note_failed(was_queued);
+        }
     }
 
     /// Fail every live transfer that matches `which`.
     pub fn fail_where(&mut self, which: impl Fn(&Transfer) -> bool, reason: ReasonCode, message: &str) {
-        let doomed: Vec<XferId> =
-            self.transfers.iter().filter(|(_, t)| !t.failed && which(t)).map(|(&x, _)| x).collect();
+        let doomed: Vec<XferId> = self
+            .transfers
+            .iter()
+            .filter(|(_, e)| e.is_live() && which(&e.data))
+            .map(|(x, _)| x)
+            .collect();
         for xfer in doomed {
             self.fail(xfer, reason, message.to_string());
         }
     }
 
-    /// Hand the next chunk of the oldest queued transfer to a worker.
+    /// Hand the next chunk of the oldest queued transfer to a worker (a ledger hold until
+    /// [`State::complete`]).
     pub fn claim(&mut self, chunk_bytes: u64) -> Option<Job> {
         while let Some(&xfer) = self.queue.front() {
-            let Some(t) = self.transfers.get_mut(&xfer).filter(|t| !t.failed) else {
+            if !self.transfers.is_live(xfer) {
                 self.queue.pop_front();
                 self.stale_in_queue = self.stale_in_queue.saturating_sub(1);
                 continue;
-            };
+            }
+            let t = self.transfers.get_mut(xfer).expect("live transfers are in the ledger");
             let chunk = t.cursor.next_chunk(&t.pieces, chunk_bytes);
             if t.cursor.is_done(&t.pieces) {
                 self.queue.pop_front();
             }
             if let Some(chunk) = chunk {
-                t.active_chunks += 1;
-                return Some(Job { xfer, pieces: Arc::clone(&t.pieces), chunk, streaming: t.streaming });
+                let job = Job { xfer, pieces: Arc::clone(&t.pieces), chunk, streaming: t.streaming };
+                self.transfers.hold(xfer);
+                return Some(job);
             }
         }
         None
@@ -225,57 +228,63 @@ impl State {
 
     /// A worker finished copying `job` (or unwound out of it: either way it no longer touches it).
     // CONFORMANCE: DATA-1, RES-3 (SUCCEEDED only after the last chunk was copied)
+    // CONFORMANCE: RES-2 (a transfer leaves the ledger at its terminal event, or at its last chunk once failed)
     pub fn complete(&mut self, job: &Job) {
-        let Some(t) = self.transfers.get_mut(&job.xfer) else { return };
-        t.active_chunks -= 1;
-        if t.failed {
-            if t.active_chunks == 0 {
-                self.outbox.push(Event { peer: t.peer, ..Event::quiesced(job.xfer) });
-                self.transfers.remove(&job.xfer);
+        let done = match self.transfers.get_mut(job.xfer) {
+            Some(t) => {
+                t.copied_bytes += job.chunk.bytes;
+                t.cursor.is_done(&t.pieces)
             }
-            return;
-        }
-        t.copied_bytes += job.chunk.bytes;
-        if t.active_chunks == 0 && t.cursor.is_done(&t.pieces) {
-            debug_assert_eq!(t.copied_bytes, t.total_bytes, "every byte copied before success");
-            let (peer, bytes, deadline) = (t.peer, t.total_bytes, t.deadline);
-            self.transfers.remove(&job.xfer);
-            self.live_transfers -= 1;
-            if let Some(deadline) = deadline {
-                self.deadlines.remove(&(deadline, job.xfer));
-            }
-            self.outbox.push(Event { peer, ..Event::succeeded(job.xfer, bytes) });
+            None => return,
+        };
+        self.transfers.release(job.xfer);
+        let idle = self.transfers.entry(job.xfer).is_some_and(|e| e.is_live() && e.holds() == 0);
+        if done && idle {
+            debug_assert!(
+                self.transfers.get(job.xfer).is_some_and(|t| t.copied_bytes == t.total_bytes),
+                "every byte copied before success"
+            );
+            self.transfers.succeed(job.xfer);
         }
     }
 
     /// Fail every transfer whose deadline is at or before `now`; returns the next deadline.
     // CONFORMANCE: TIME-1, TIME-4
+    // CONFORMANCE: TIME-2 (one-sided: a frozen receiver cannot hold a copy past its deadline)
     pub fn expire(&mut self, now: Instant) -> Option<Instant> {
-        while let Some(&(deadline, xfer)) = self.deadlines.first() {
-            if deadline > now {
-                return Some(deadline);
-            }
-            self.deadlines.pop_first();
-            let message = match self.transfers.get(&xfer) {
-                Some(t) => format!(
-                    "shm transfer timed out after {} ns with {} of {} bytes copied",
-                    t.timeout_ns, t.copied_bytes, t.total_bytes
-                ),
-                None => continue,
-            };
-            self.fail(xfer, ReasonCode::TIMEOUT, message);
+        let still_queued = std::cell::RefCell::new(0usize);
+        let expired = self.transfers.expire(now, |_, e| {
+            let t = &e.data;
+            *still_queued.borrow_mut() += usize::from(!t.cursor.is_done(&t.pieces));
+            format!(
+                "shm transfer timed out after {} ns with {} of {} bytes copied",
+                t.timeout_ns, t.copied_bytes, t.total_bytes
+            )
+        });
+        for _ in 0..still_queued.into_inner() {
+            self.note_failed(true);
         }
-        None
+        expired.next
     }
 
     /// Whether a worker still holds a chunk of a transfer reading `key`.
     pub fn region_busy(&self, key: LocalKey) -> bool {
-        self.transfers.values().any(|t| t.active_chunks > 0 && t.local_keys.contains(&key))
+        self.transfers.any_held(|t| t.local_keys.contains(&key))
+    }
+
+    /// Transfers submitted and not yet terminal.
+    pub fn live_transfers(&self) -> u64 {
+        self.transfers.live_transfers()
     }
 
     /// Transfers terminal but not yet quiesced.
     pub fn unquiesced_transfers(&self) -> u64 {
-        self.transfers.len() as u64 - self.live_transfers
+        self.transfers.unquiesced_transfers()
+    }
+
+    /// The events decided so far, in order.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        self.transfers.take_events()
     }
 }
 
@@ -289,13 +298,11 @@ mod tests {
     fn transfer(chunks: u64, deadline: Option<Instant>) -> Transfer {
         Transfer {
             peer: PeerId(1),
-            pieces: Arc::new(vec![Piece { src: 0, dst: 0, len: 10 * chunks }]),
+            pieces: Arc::new(vec![Piece::unbacked(10 * chunks)]),
             cursor: Cursor::default(),
             total_bytes: 10 * chunks,
             streaming: false,
             copied_bytes: 0,
-            active_chunks: 0,
-            failed: false,
             deadline,
             timeout_ns: 1,
             local_keys: vec![LocalKey(1)],
@@ -315,21 +322,21 @@ mod tests {
     }
 
     fn kinds(state: &mut State) -> Vec<(EventKind, bool)> {
-        std::mem::take(&mut state.outbox).iter().map(|e| (e.kind, e.flags & event_flags::QUIESCED != 0)).collect()
+        state.take_events().iter().map(|e| (e.kind, e.flags & event_flags::QUIESCED != 0)).collect()
     }
 
     #[test]
     fn failure_while_a_worker_holds_a_chunk_quiesces_only_when_it_lets_go() {
         let mut state = State::new();
-        state.insert(XferId(1), transfer(3, None));
+        state.insert(XferId(1), transfer(3, None)).unwrap();
         let job = state.claim(10).unwrap();
         state.fail(XferId(1), ReasonCode::CANCELLED, "c".into());
         assert_eq!(kinds(&mut state), vec![(EventKind::FAILED, false)]);
-        assert_eq!((state.live_transfers, state.unquiesced_transfers()), (0, 1));
+        assert_eq!((state.live_transfers(), state.unquiesced_transfers()), (0, 1));
         assert!(state.region_busy(LocalKey(1)));
         assert!(state.claim(10).is_none(), "no chunk of a failed transfer is handed out");
         state.fail(XferId(1), ReasonCode::TIMEOUT, "t".into());
-        assert!(state.outbox.is_empty(), "one terminal event only");
+        assert!(!state.transfers.has_events(), "one terminal event only");
         state.complete(&job);
         assert_eq!(kinds(&mut state), vec![(EventKind::QUIESCED, false)]);
         assert_eq!((state.transfers.len(), state.unquiesced_transfers()), (0, 0));
@@ -339,7 +346,7 @@ mod tests {
     #[test]
     fn failure_with_no_chunk_in_flight_is_quiesced_at_once() {
         let mut state = State::new();
-        state.insert(XferId(1), transfer(3, None));
+        state.insert(XferId(1), transfer(3, None)).unwrap();
         state.fail(XferId(1), ReasonCode::CANCELLED, "c".into());
         assert_eq!(kinds(&mut state), vec![(EventKind::FAILED, true)]);
         assert!(state.transfers.is_empty());
@@ -352,7 +359,7 @@ mod tests {
     fn cancelling_queued_transfers_compacts_the_queue() {
         let mut state = State::new();
         for x in 0..1000 {
-            state.insert(XferId(x), transfer(1, None));
+            state.insert(XferId(x), transfer(1, None)).unwrap();
         }
         for x in 0..999 {
             state.fail(XferId(x), ReasonCode::CANCELLED, "c".into());
@@ -366,16 +373,16 @@ mod tests {
     #[test]
     fn success_waits_for_every_chunk_of_every_worker() {
         let mut state = State::new();
-        state.insert(XferId(1), transfer(3, Some(Instant::now() + std::time::Duration::from_secs(60))));
+        state.insert(XferId(1), transfer(3, Some(Instant::now() + std::time::Duration::from_secs(60)))).unwrap();
         let (a, b, c) = (state.claim(10).unwrap(), state.claim(10).unwrap(), state.claim(10).unwrap());
         assert!(state.claim(10).is_none());
         state.complete(&c);
         state.complete(&a);
-        assert!(state.outbox.is_empty(), "a chunk is still being copied");
+        assert!(!state.transfers.has_events(), "a chunk is still being copied");
         state.complete(&b);
-        let events = std::mem::take(&mut state.outbox);
+        let events = state.take_events();
         assert_eq!((events.len(), events[0].kind, events[0].bytes), (1, EventKind::SUCCEEDED, 30));
-        assert!(state.transfers.is_empty() && state.deadlines.is_empty() && state.live_transfers == 0);
+        assert!(state.transfers.is_empty() && state.live_transfers() == 0);
     }
 
     #[test]
@@ -383,11 +390,11 @@ mod tests {
         let now = Instant::now();
         let later = now + std::time::Duration::from_secs(5);
         let mut state = State::new();
-        state.insert(XferId(1), transfer(1, Some(now)));
-        state.insert(XferId(2), transfer(1, Some(later)));
+        state.insert(XferId(1), transfer(1, Some(now))).unwrap();
+        state.insert(XferId(2), transfer(1, Some(later))).unwrap();
         assert_eq!(state.expire(now), Some(later));
-        let events = std::mem::take(&mut state.outbox);
+        let events = state.take_events();
         assert_eq!((events.len(), events[0].xfer, events[0].reason), (1, XferId(1), ReasonCode::TIMEOUT));
-        assert_eq!(state.live_transfers, 1);
+        assert_eq!(state.live_transfers(), 1);
     }
 }

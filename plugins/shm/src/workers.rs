@@ -5,10 +5,11 @@
 use crate::config::ShmConfig;
 use crate::plan::copy_chunk;
 use crate::state::{Job, State, TimerSleep};
-use kvgate_abi::{sdk::Sink, Event, ReasonCode};
+use kvgate_abi::sdk::{OrderedDelivery, Sink};
+use kvgate_abi::{Event, ReasonCode};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, TryLockError};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 /// What every thread of one instance shares.
@@ -20,8 +21,8 @@ pub struct Shared {
     pub timer_wake: Condvar,
     /// `deregister` waits here for workers to let go of a region.
     pub chunk_done: Condvar,
-    /// Held while delivering, so events reach the sink in the order they were decided.
-    pub delivering: Mutex<()>,
+    /// Delivers the ledger's events in the order they were decided.
+    pub delivery: OrderedDelivery,
     pub sink: Sink,
     pub config: ShmConfig,
     pub threads_alive: AtomicU64,
@@ -43,7 +44,7 @@ impl Shared {
             work_ready: Condvar::new(),
             timer_wake: Condvar::new(),
             chunk_done: Condvar::new(),
-            delivering: Mutex::new(()),
+            delivery: OrderedDelivery::new(),
             sink,
             config,
             threads_alive: AtomicU64::new(0),
@@ -58,42 +59,21 @@ impl Shared {
 
     /// Deliver the outbox in order. Whoever holds the delivery lock drains everything queued,
     /// including events queued by a sink that calls back into the plugin; callers that find it
-    /// held return at once and leave their events to the holder.
+    /// held return at once and leave their events to the holder. The sink is called through the
+    /// ABI's `extern "C"` vtable: a host sink that panics aborts the process, so hosts must not
+    /// panic in `deliver`.
     pub fn flush(&self) {
-        loop {
-            let _delivering = match self.delivering.try_lock() {
-                Ok(guard) => guard,
-                Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-                Err(TryLockError::WouldBlock) => return,
-            };
-            self.drain_outbox();
-            drop(_delivering);
-            if self.lock().outbox.is_empty() {
-                return;
-            }
-        }
+        self.delivery.flush(|| self.lock().transfers.has_events(), || self.lock().take_events(), |e| self.deliver(e));
     }
 
     /// Deliver everything queued, waiting for a concurrent deliverer if there is one.
     pub fn flush_blocking(&self) {
-        let _delivering = self.delivering.lock().unwrap_or_else(|p| p.into_inner());
-        self.drain_outbox();
+        self.delivery.flush_blocking(|| self.lock().take_events(), |e| self.deliver(e));
     }
 
-    /// Hand every queued event to the sink (the caller holds the delivery lock). The sink is called
-    /// through the ABI's `extern "C"` vtable: a host sink that panics aborts the process, so hosts
-    /// must not panic in `deliver`.
-    fn drain_outbox(&self) {
-        loop {
-            let batch = std::mem::take(&mut self.lock().outbox);
-            if batch.is_empty() {
-                return;
-            }
-            for event in batch {
-                log_event(&event);
-                self.sink.deliver(event);
-            }
-        }
+    fn deliver(&self, event: Event) {
+        log_event(&event);
+        self.sink.deliver(event);
     }
 }
 
@@ -126,13 +106,14 @@ pub fn worker_loop(shared: &Shared) {
             continue;
         };
         drop(state);
-        let copied = catch_unwind(AssertUnwindSafe(|| {
-            // SAFETY: the pieces were checked against their regions at submit; the local region cannot
-            // be deregistered (deregister waits on `chunk_done`) nor the peer mapping unmapped (the
-            // transfer holds it) while this chunk is active.
-            unsafe { copy_chunk(&job.pieces, job.chunk, job.streaming) }
-        }));
+        // The chunk is a ledger hold: the local region cannot be deregistered (deregister waits on
+        // `chunk_done`) nor the peer mapping unmapped (the transfer holds it) while it is active.
+        let copied = catch_unwind(AssertUnwindSafe(|| copy_chunk(&job.pieces, job.chunk, job.streaming)));
         state = shared.lock();
+        if let Ok(Err(e)) = &copied {
+            // Cannot happen (every piece was cut to its views at submit); never reported as copied.
+            state.fail(job.xfer, e.code, format!("shm copy refused: {}", e.message));
+        }
         state.complete(&job);
         if copied.is_err() {
             worker_died(shared, state, &job);
@@ -151,7 +132,7 @@ fn worker_died(shared: &Shared, mut state: MutexGuard<'_, State>, job: &Job) {
     state.healthy = false;
     let message = format!("shm copy worker panicked while copying transfer {}", job.xfer.0);
     state.fail_where(|_| true, ReasonCode::INTERNAL, &message);
-    state.outbox.push(Event::unhealthy(ReasonCode::INTERNAL, message));
+    state.transfers.push_event(Event::unhealthy(ReasonCode::INTERNAL, message));
     shared.chunk_done.notify_all();
     drop(state);
     shared.flush();
@@ -166,7 +147,7 @@ pub fn timer_loop(shared: &Shared) {
             return;
         }
         let next = state.expire(Instant::now());
-        if !state.outbox.is_empty() {
+        if state.transfers.has_events() {
             drop(state);
             shared.flush();
             state = shared.lock();

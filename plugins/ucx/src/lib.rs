@@ -13,7 +13,6 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod config;
-pub mod deadline_heap;
 pub mod engine;
 pub mod fast_map;
 pub mod plugin;

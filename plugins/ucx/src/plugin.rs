@@ -66,6 +66,7 @@ fn random_instance_id() -> u64 {
 
 /// Parse the config and hand every UCX setting to UCX's own config parser (which opens no
 /// transport), so that `check_config` refuses what `open` would.
+// CONFORMANCE: HYGIENE-3 (a malformed config fails INVALID_ARGUMENT; no UCX, UNAVAILABLE)
 fn parse_with_ucx(config_text: &str) -> Result<(UcxConfig, ucp::Config), PluginError> {
     let config = UcxConfig::parse(config_text)?;
     let mut ucx_config = ucp::Config::read().map_err(|e| unavailable(format!("UCX configuration: {e}")))?;
@@ -148,6 +149,7 @@ unsafe impl Send for SendBox {}
 
 /// Marks the progress thread gone (and the instance unhealthy) however it ends.
 struct AliveGuard(Arc<Shared>);
+// CONFORMANCE: TIME-10 (a progress thread that died fails what it held and leaves the instance unhealthy)
 impl Drop for AliveGuard {
     fn drop(&mut self) {
         self.0.workers_alive.store(0, Ordering::Release);
@@ -204,6 +206,7 @@ impl UcxPlugin {
 impl UcxPlugin {
     // Trait-independent bodies; `impl Plugin` below logs every refusal.
 
+    // CONFORMANCE: HYGIENE-4 (module and instance report the same name and ABI version)
     pub fn info(&self) -> PluginInfo {
         static_info(capabilities(&self.shared.config, self.shared.mode))
     }
@@ -218,6 +221,7 @@ impl UcxPlugin {
         .encode()
     }
 
+    // CONFORMANCE: HANDSHAKE-4 (malformed endpoints refused)
     fn connect_checked(&self, peer: PeerId, endpoint: &[u8]) -> Result<(), PluginError> {
         let decoded = EndpointBytes::decode(endpoint)?;
         let mut registry = self.shared.lock();
@@ -250,6 +254,7 @@ impl UcxPlugin {
         self.shared.wake();
     }
 
+    // CONFORMANCE: HANDSHAKE-3 (unservable memory and malformed regions refused here)
     fn register_checked(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
         if region.kind != MemoryKind::HOST {
             return Err(PluginError::new(
@@ -292,6 +297,7 @@ impl UcxPlugin {
         Ok(())
     }
 
+    // CONFORMANCE: HANDSHAKE-4 (malformed or stale remote keys refused)
     fn import_remote_key_checked(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
         let decoded = RemoteKeyBytes::decode(bytes)?;
         let mut registry = self.shared.lock();
@@ -329,6 +335,7 @@ impl UcxPlugin {
         }
     }
 
+    // CONFORMANCE: DATA-3, TIME-5, TIME-11 (every check before anything is queued; never waits; bounded)
     fn submit_checked(&self, request: &SubmitRequest<'_>) -> Result<(), PluginError> {
         let config = &self.shared.config;
         let deadline = Instant::now() + Duration::from_nanos(request.timeout_ns);
@@ -376,6 +383,7 @@ impl UcxPlugin {
         Ok(())
     }
 
+    // CONFORMANCE: ABORT-3, ABORT-4 (unknown or finished ids ignored; a cancel is one queued command, never a wait)
     pub fn cancel(&self, xfer: XferId) {
         let registry = self.shared.lock();
         if registry.shut_down || !(registry.live_xfers.contains(&xfer.0) || registry.unquiesced_xfers.contains(&xfer.0)) {
@@ -454,6 +462,7 @@ impl UcxPlugin {
         }
     }
 
+    // CONFORMANCE: RES-5
     pub fn shutdown(&self) {
         let Some(thread) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() else { return };
         {

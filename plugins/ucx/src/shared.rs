@@ -282,6 +282,7 @@ pub type ResolvedSubmit = (Vec<ResolvedSegment>, Vec<Arc<LocalRegion>>, Vec<Arc<
 
 /// Resolve and bounds-check the segments of a submit against the registry, joining segments that
 /// continue each other up to `join_max_bytes` (`push_joined`).
+// CONFORMANCE: DATA-2, DATA-3 (every segment checked against both regions, overflow included)
 pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment], join_max_bytes: u64) -> Result<ResolvedSubmit, kvgate_abi::PluginError> {
     use kvgate_abi::{PluginError, ReasonCode};
     let mut resolved = Vec::with_capacity(segments.len());

@@ -13,6 +13,25 @@ pub struct Contract {
     pub harness_checked: BTreeSet<String>,
     /// Deliberate gaps: id → reason.
     pub exceptions: BTreeMap<String, String>,
+    /// Clauses whose "Enforced by" names `plugin` (every transport plugin must make them true).
+    pub plugin_enforced: BTreeSet<String>,
+}
+
+/// Whether an "Enforced by:" line names `plugin` among the enforcers (parenthesised remarks, such as
+/// "the core's `plugin_grace` timer", do not count).
+fn names_plugin(enforced_by: &str) -> bool {
+    let mut plain = String::new();
+    let mut depth = 0usize;
+    for ch in enforced_by.chars() {
+        match ch {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            _ if depth == 0 => plain.push(ch),
+            _ => {}
+        }
+    }
+    let first_sentence = plain.split('.').next().unwrap_or("");
+    first_sentence.split(',').any(|who| who.trim() == "plugin")
 }
 
 fn clause_id_at_start(line: &str) -> Option<String> {
@@ -50,6 +69,11 @@ pub fn parse_contract(text: &str) -> Contract {
         if let Some(id) = clause_id_at_start(line) {
             c.clauses.push(id.clone());
             current = Some(id);
+        }
+        if let (Some(id), Some((_, enforced_by))) = (&current, line.split_once("Enforced by:")) {
+            if names_plugin(enforced_by) {
+                c.plugin_enforced.insert(id.clone());
+            }
         }
         if line.contains("Checked by:") {
             in_checked_by = true;
@@ -168,6 +192,26 @@ pub fn problems(contract: &Contract, citations: &[Citation], harness_ids: &[&str
     out
 }
 
+/// What a plugin crate fails of the rule "a plugin crate cites, in its own sources, every clause
+/// enforced by plugins, except those `exempt` lists for it (with a reason)": each such clause it does
+/// not cite, and each exemption that is stale (the clause is cited after all, or is not a plugin's).
+pub fn plugin_citation_gaps(contract: &Contract, plugin: &str, cited: &BTreeSet<String>, exempt: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    for id in &contract.plugin_enforced {
+        if !cited.contains(id) && !exempt.contains(&id.as_str()) {
+            out.push(format!("plugin {plugin} does not cite {id} (add `// CONFORMANCE: {id}` where it implements it, or an exemption with a reason)"));
+        }
+    }
+    for id in exempt {
+        if cited.contains(*id) {
+            out.push(format!("plugin {plugin} is exempted from {id} but cites it: drop the exemption"));
+        } else if !contract.plugin_enforced.contains(*id) {
+            out.push(format!("plugin {plugin} is exempted from {id}, which CONFORMANCE.md does not enforce on plugins"));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,6 +241,26 @@ mod tests {
     fn a_clean_cross_reference_has_no_problems() {
         let c = parse_contract(DOC);
         assert_eq!(problems(&c, &[cite("A-1", true), cite("A-2", true)], &["A-1"]), Vec::<String>::new());
+    }
+
+    #[test]
+    fn plugin_enforced_clauses_are_read_and_remarks_do_not_count() {
+        let doc = "**A-1**. x\nEnforced by: plugin (the SDK's `spawn_worker`), core. Checked by: y.\n\n**A-2**. x\nEnforced by: core (and the gateway driver, which drains plugin events). Checked by: y.\n\n**A-3**. x\nEnforced by: core, plugin.\n";
+        let c = parse_contract(doc);
+        assert_eq!(c.plugin_enforced.iter().collect::<Vec<_>>(), vec!["A-1", "A-3"]);
+    }
+
+    #[test]
+    fn a_plugin_missing_a_citation_or_keeping_a_stale_exemption_is_reported() {
+        let doc = "**A-1**. x\nEnforced by: plugin.\n\n**A-2**. x\nEnforced by: plugin.\n\n**A-3**. x\nEnforced by: core.\n";
+        let c = parse_contract(doc);
+        let cited: BTreeSet<String> = ["A-1".to_string()].into();
+        assert!(plugin_citation_gaps(&c, "p", &cited, &["A-2"]).is_empty());
+        let p = plugin_citation_gaps(&c, "p", &cited, &[]);
+        assert!(p.len() == 1 && p[0].contains("does not cite A-2"), "{p:?}");
+        let p = plugin_citation_gaps(&c, "p", &cited, &["A-1", "A-2", "A-3"]);
+        assert!(p.iter().any(|l| l.contains("exempted from A-1 but cites it")), "{p:?}");
+        assert!(p.iter().any(|l| l.contains("exempted from A-3, which")), "{p:?}");
     }
 
     #[test]

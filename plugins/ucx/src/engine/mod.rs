@@ -13,14 +13,14 @@ mod replies;
 mod shutdown;
 
 use crate::config::ResolvedMode;
-use crate::deadline_heap::DeadlineHeap;
-use crate::fast_map::FastMap;
+use crate::fast_map::{FastHashBuilder, FastMap};
 use crate::receiver::{self, Receiver, SenderNotice, COMPLETIONS, EP_ERRORS, RECV_TOKEN_BIT, REPLY_EARLY_BIT};
 use crate::shared::{Command, OutgoingJob, Shared};
 use crate::ucp::{self, ucp_ep_h, ucp_rkey_h, ucs_status_t, Posted, Worker};
 use crate::vec_pool::VecPool;
 use crate::wire::{self, CommitHeader, DataHeader, Header, ReplyHeader};
-use kvgate_abi::{Event, LocalKey, PeerId, ReasonCode, XferId};
+use kvgate_abi::sdk::{Admission, TransferLedger};
+use kvgate_abi::{event_flags, Event, EventKind, LocalKey, PeerId, ReasonCode, XferId};
 use replies::replies_go_now;
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -88,8 +88,9 @@ struct Outgoing {
     awaiting_reply: bool,
     flush_done: bool,
     any_put_posted: bool,
-    terminal: bool,
-    unquiesced: bool,
+    /// `fail` is stopping it: what that does (a cancel message that cannot be sent, a flush that
+    /// completes at once) neither succeeds it nor replaces the first cause.
+    failing: bool,
     /// Its endpoint is being closed; it quiesces when the close completes.
     closing: bool,
     /// Listed in `Engine::stalled`: it has operations left to post and waits for room or an endpoint.
@@ -109,13 +110,15 @@ pub struct Engine {
     conns: FastMap<u64, PeerConn>,
     /// Endpoint tokens (the error callback's argument) and the instance each one reaches.
     ep_tokens: FastMap<u64, u64>,
-    xfers: FastMap<u64, Outgoing>,
+    /// Outgoing transfers until terminal and quiesced (the SDK's ledger: terminal events, deadlines,
+    /// quiesce bounds). Each holds one ledger hold while anything of it may still land
+    /// ([`Engine::maybe_finish`] releases it).
+    xfers: TransferLedger<Outgoing, FastHashBuilder>,
     requests: FastMap<u64, Req>,
     /// Bytes of the data messages and puts posted to UCX and not completed yet, over all transfers;
     /// at most `max_posted_bytes` (a message alone may exceed it).
     posted_bytes: u64,
     next_token: u64,
-    timers: DeadlineHeap,
     last_sweep: Instant,
     /// Replies to a sender whose `connect` the host made but whose endpoint this thread has not
     /// created yet (its `Connect` command is queued behind the progress round that took the
@@ -156,6 +159,8 @@ impl Engine {
         worker.set_am_handler(wire::AM_REPLY, Some(receiver::am_reply), arg)?;
         worker.set_am_handler(wire::AM_BYE, Some(receiver::am_bye), arg)?;
         let reply_batch = shared.config.reply_batch_transfers as usize;
+        let mut xfers = TransferLedger::with_hasher(FastHashBuilder::default());
+        xfers.set_quiesce_bound(Some(Duration::from_millis(shared.config.quiesce_timeout_ms)));
         Ok(Box::new(Engine {
             shared,
             worker,
@@ -164,11 +169,10 @@ impl Engine {
             peers: FastMap::default(),
             conns: FastMap::default(),
             ep_tokens: FastMap::default(),
-            xfers: FastMap::default(),
+            xfers,
             requests: FastMap::default(),
             posted_bytes: 0,
             next_token: 1,
-            timers: DeadlineHeap::default(),
             last_sweep: Instant::now(),
             replies_awaiting_endpoint: Vec::new(),
             command_buffer: VecDeque::new(),
@@ -277,7 +281,7 @@ impl Engine {
             }
         }
         let mut wait = Duration::from_millis(SWEEP_INTERVAL_MS);
-        if let Some((at, _)) = self.timers.peek() {
+        if let Some(at) = self.xfers.next_due() {
             wait = wait.min(at.saturating_duration_since(now));
         }
         let timeout_ms = wait.as_micros().div_ceil(1000) as i32;
@@ -325,7 +329,7 @@ impl Engine {
             }
             Posted::Pending(request) => {
                 if let ReqKind::Xfer { xfer } = kind {
-                    if let Some(x) = self.xfers.get_mut(&xfer) {
+                    if let Some(x) = self.xfers.get_mut(XferId(xfer)) {
                         x.tokens.push(token);
                     }
                 }
@@ -411,7 +415,7 @@ impl Engine {
         self.headers.give(req.header);
         match req.kind {
             ReqKind::Xfer { xfer } => {
-                let Some(x) = self.xfers.get_mut(&xfer) else { return };
+                let Some(x) = self.xfers.get_mut(XferId(xfer)) else { return };
                 x.posted = x.posted.saturating_sub(1);
                 let refused_by_receiver = status == ucs_status_t::UCS_ERR_REJECTED;
                 if !ucp::is_ok(status) && status != ucs_status_t::UCS_ERR_CANCELED && !refused_by_receiver {
@@ -420,7 +424,7 @@ impl Engine {
                 self.maybe_finish(xfer);
             }
             ReqKind::Flush { xfer } => {
-                if let Some(x) = self.xfers.get_mut(&xfer) {
+                if let Some(x) = self.xfers.get_mut(XferId(xfer)) {
                     x.posted = x.posted.saturating_sub(1);
                 }
                 self.flush_done(xfer, status);
@@ -430,30 +434,63 @@ impl Engine {
         }
     }
 
+    // CONFORMANCE: TIME-1, TIME-2, TIME-3, TIME-4, TIME-12 (each transfer's own deadline, from the ledger)
     fn fire_timers(&mut self, now: Instant) {
-        while let Some((at, xfer)) = self.timers.peek() {
-            if at > now {
-                return;
-            }
-            self.timers.pop();
-            let Some(x) = self.xfers.get(&xfer) else { continue };
-            if !x.terminal {
-                if at >= x.job.deadline {
-                    self.fail(xfer, ReasonCode::TIMEOUT, "transfer timeout_ns passed".into());
-                    self.maybe_finish(xfer);
+        if self.xfers.next_due().is_none_or(|at| at > now) {
+            return;
+        }
+        let due = self.xfers.take_due(now);
+        for xfer in due.timed_out {
+            self.fail(xfer.0, ReasonCode::TIMEOUT, "transfer timeout_ns passed".into());
+            self.maybe_finish(xfer.0);
+        }
+        for xfer in due.quiesce_overdue {
+            // Closing the endpoint would not make this true (bytes already in the peer's socket
+            // buffer still land when it resumes), so the transfer stays unquiesced until the peer
+            // answers or UCX declares it dead; the host's quarantine bound decides meanwhile.
+            let peer = self.xfers.get(xfer).map_or(0, |x| x.job.peer.0);
+            tracing::warn!(
+                reason = "quiesce_pending",
+                xfer = xfer.0,
+                peer,
+                "ucx peer has not confirmed within quiesce_timeout_ms = {} that cancelled transfer {} stopped",
+                self.shared.config.quiesce_timeout_ms,
+                xfer.0
+            );
+        }
+    }
+
+    /// Deliver what the ledger decided, after moving the registry's books the same way (a `stats()`
+    /// read after an event never counts its transfer as live).
+    // CONFORMANCE: OBS-2 (live_transfers lowered before the terminal event is delivered)
+    fn deliver_ledger_events(&mut self) {
+        if !self.xfers.has_events() {
+            return;
+        }
+        let events = self.xfers.take_events();
+        {
+            let mut registry = self.shared.lock();
+            for e in &events {
+                let xfer = e.xfer.0;
+                match e.kind {
+                    EventKind::SUCCEEDED => {
+                        registry.live_xfers.remove(&xfer);
+                    }
+                    EventKind::FAILED => {
+                        registry.live_xfers.remove(&xfer);
+                        if e.flags & event_flags::QUIESCED == 0 {
+                            registry.unquiesced_xfers.insert(xfer);
+                        }
+                    }
+                    EventKind::QUIESCED => {
+                        registry.unquiesced_xfers.remove(&xfer);
+                    }
+                    _ => {}
                 }
-            } else if x.unquiesced {
-                // Closing the endpoint would not make this true (bytes already in the peer's socket
-                // buffer still land when it resumes), so the transfer stays unquiesced until the peer
-                // answers or UCX declares it dead; the host's quarantine bound decides meanwhile.
-                tracing::warn!(
-                    reason = "quiesce_pending",
-                    xfer,
-                    peer = x.job.peer.0,
-                    "ucx peer has not confirmed within quiesce_timeout_ms = {} that cancelled transfer {xfer} stopped",
-                    self.shared.config.quiesce_timeout_ms
-                );
             }
+        }
+        for event in events {
+            self.shared.sink.deliver(event);
         }
     }
 
@@ -464,6 +501,7 @@ impl Engine {
 }
 
 /// The reason for a failed UCX operation: the connection's death is the peer's loss.
+// CONFORMANCE: OBS-1 (every UCX failure maps to a reason code ABI v1 defines)
 fn reason_for(status: ucs_status_t) -> ReasonCode {
     match status {
         ucs_status_t::UCS_ERR_CONNECTION_RESET

@@ -1,24 +1,29 @@
 //! Outgoing transfers: posting their messages or puts within `max_posted_ops_per_transfer`, the commit
 //! or flush that ends them, and their way to a terminal event (`SUCCEEDED` on the receiver's reply or
-//! the flush, `FAILED` once, `QUIESCED` once nothing of theirs can land any more).
+//! the flush, `FAILED` once, `QUIESCED` once nothing of theirs can land any more). The events
+//! themselves come from the SDK's ledger: a transfer holds one ledger hold while anything of it may
+//! land, released by `maybe_finish`.
 
 use super::*;
 
 impl Engine {
     pub(super) fn start(&mut self, job: Box<OutgoingJob>) {
         let xfer = job.xfer.0;
-        let deadline = job.deadline;
-        if !self.peers.contains_key(&job.peer) {
-            let peer = job.peer;
-            let tokens = self.token_lists.take();
-            self.xfers.insert(xfer, Outgoing::new(job, tokens));
+        let admission = Admission { peer: job.peer, total_bytes: job.total_bytes, deadline: Some(job.deadline) };
+        let peer = job.peer;
+        let connected = self.peers.contains_key(&job.peer);
+        let tokens = self.token_lists.take();
+        if let Err(e) = self.xfers.admit(job.xfer, admission, Outgoing::new(job, tokens)) {
+            // The registry refuses an id still live or unquiesced at submit, so this cannot happen.
+            tracing::error!(reason = "internal", xfer, "ucx transfer admitted twice: {}", e.message);
+            return;
+        }
+        self.xfers.hold(XferId(xfer));
+        if !connected {
             self.fail(xfer, ReasonCode::PEER_LOST, format!("no endpoint to peer {}", peer.0));
             self.maybe_finish(xfer);
             return;
         }
-        let tokens = self.token_lists.take();
-        self.xfers.insert(xfer, Outgoing::new(job, tokens));
-        self.timers.push(deadline, xfer);
         self.pump(xfer);
     }
 
@@ -30,7 +35,7 @@ impl Engine {
         let spare = std::mem::take(&mut self.pump_buffer);
         let mut ready = std::mem::replace(&mut self.stalled, spare);
         for xfer in ready.drain(..) {
-            if let Some(x) = self.xfers.get_mut(&xfer) {
+            if let Some(x) = self.xfers.get_mut(XferId(xfer)) {
                 x.stalled = false;
                 self.pump(xfer);
             }
@@ -40,7 +45,7 @@ impl Engine {
 
     /// List `xfer` as stalled (once).
     fn stall(&mut self, xfer: u64) {
-        if let Some(x) = self.xfers.get_mut(&xfer) {
+        if let Some(x) = self.xfers.get_mut(XferId(xfer)) {
             if !x.stalled {
                 x.stalled = true;
                 self.stalled.push(xfer);
@@ -54,10 +59,10 @@ impl Engine {
         let max_posted = self.shared.config.max_posted_ops_per_transfer;
         let mode = self.shared.mode;
         loop {
-            let Some(x) = self.xfers.get(&xfer) else { return };
-            if x.terminal {
+            if self.is_ending(xfer) {
                 return;
             }
+            let Some(x) = self.xfers.get(XferId(xfer)) else { return };
             let ep = match self.conn_of(x.job.peer) {
                 Some(conn) if x.posted < max_posted => conn.ep,
                 // At the posted-operations bound, or no endpoint yet: pumped again after activity.
@@ -85,7 +90,7 @@ impl Engine {
                 self.stall(xfer);
                 return;
             }
-            self.xfers.get_mut(&xfer).unwrap().next_segment += 1;
+            self.xfers.get_mut(XferId(xfer)).unwrap().next_segment += 1;
             if segment.len == 0 {
                 continue;
             }
@@ -124,7 +129,7 @@ impl Engine {
         segment: &crate::shared::ResolvedSegment,
         carries_commit: bool,
     ) -> Result<(), (ReasonCode, String)> {
-        let x = self.xfers.get(&xfer).unwrap();
+        let x = self.xfers.get(XferId(xfer)).unwrap();
         let mut header = self.headers.take();
         DataHeader {
             sender: self.shared.instance,
@@ -164,7 +169,7 @@ impl Engine {
         if pending {
             self.count_posted_bytes(token, segment.len);
         }
-        let x = self.xfers.get_mut(&xfer).unwrap();
+        let x = self.xfers.get_mut(XferId(xfer)).unwrap();
         x.posted += pending as u64;
         x.data_messages += 1;
         x.awaiting_reply = true;
@@ -173,7 +178,7 @@ impl Engine {
     }
 
     fn send_commit(&mut self, xfer: u64, ep: ucp_ep_h, id: u32) {
-        let x = self.xfers.get(&xfer).unwrap();
+        let x = self.xfers.get(XferId(xfer)).unwrap();
         let mut header = self.headers.take();
         CommitHeader {
             sender: self.shared.instance,
@@ -196,7 +201,7 @@ impl Engine {
             ucp::ucp_am_send_nbx(ep, id, header.as_ptr() as *const c_void, header.len(), std::ptr::null(), 0, &param)
         });
         let result = self.track(token, posted, ReqKind::Xfer { xfer }, header);
-        let x = self.xfers.get_mut(&xfer).unwrap();
+        let x = self.xfers.get_mut(XferId(xfer)).unwrap();
         x.final_sent = true;
         if id == wire::AM_CANCEL {
             x.cancel_sent = true;
@@ -216,7 +221,7 @@ impl Engine {
     }
 
     fn post_put(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), (ReasonCode, String)> {
-        let peer = self.xfers.get(&xfer).unwrap().job.peer;
+        let peer = self.xfers.get(XferId(xfer)).unwrap().job.peer;
         let rkey = self.rkey_for(peer, segment.remote_key, xfer).map_err(|m| (ReasonCode::TRANSPORT_ERROR, m))?;
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, segment.local_memh as ucp::ucp_mem_h);
@@ -232,7 +237,7 @@ impl Engine {
         if pending {
             self.count_posted_bytes(token, segment.len);
         }
-        let x = self.xfers.get_mut(&xfer).unwrap();
+        let x = self.xfers.get_mut(XferId(xfer)).unwrap();
         x.posted += pending as u64;
         x.any_put_posted = true;
         Ok(())
@@ -246,7 +251,7 @@ impl Engine {
         // caller memory.
         let posted = ucp::classify(unsafe { ucp::ucp_ep_flush_nbx(ep, &param) });
         let result = self.track(token, posted, ReqKind::Flush { xfer }, Vec::new());
-        let x = self.xfers.get_mut(&xfer).unwrap();
+        let x = self.xfers.get_mut(XferId(xfer)).unwrap();
         x.final_sent = true;
         match result {
             Ok(true) => x.posted += 1,
@@ -256,9 +261,9 @@ impl Engine {
     }
 
     pub(super) fn flush_done(&mut self, xfer: u64, status: ucs_status_t) {
-        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        let Some(x) = self.xfers.get_mut(XferId(xfer)) else { return };
         x.flush_done = true;
-        if !x.terminal {
+        if !self.is_ending(xfer) {
             if ucp::is_ok(status) {
                 self.succeed(xfer);
             } else {
@@ -268,25 +273,33 @@ impl Engine {
         self.maybe_finish(xfer);
     }
 
+    // CONFORMANCE: DATA-1, RES-1 (SUCCEEDED once, on the receiver's reply or the flush)
     fn succeed(&mut self, xfer: u64) {
-        let Some(x) = self.xfers.get_mut(&xfer) else { return };
-        if x.terminal {
-            return;
+        if self.xfers.succeed(XferId(xfer)) {
+            self.deliver_ledger_events();
         }
-        x.terminal = true;
-        let bytes = x.job.total_bytes;
-        self.shared.lock().live_xfers.remove(&xfer);
-        self.shared.sink.deliver(Event::succeeded(XferId(xfer), bytes));
+    }
+
+    /// Whether `xfer` is terminal, or being failed right now (nothing may succeed it then).
+    fn is_ending(&self, xfer: u64) -> bool {
+        !self.xfers.is_live(XferId(xfer)) || self.xfers.get(XferId(xfer)).is_some_and(|x| x.failing)
+    }
+
+    /// Whether nothing of `x` can land any more.
+    fn settled(mode: ResolvedMode, x: &Outgoing) -> bool {
+        let flushed = mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done;
+        x.posted == 0 && !x.awaiting_reply && flushed && !x.closing
     }
 
     /// Make `xfer` terminal with `reason` (once) and start quiescing it.
+    // CONFORMANCE: ABORT-1, ABORT-2, RES-3 (FAILED at once; QUIESCED only once nothing can land)
     pub(super) fn fail(&mut self, xfer: u64, reason: ReasonCode, message: String) {
         let mode = self.shared.mode;
-        let Some(x) = self.xfers.get_mut(&xfer) else { return };
-        if x.terminal {
+        if self.is_ending(xfer) {
             return;
         }
-        x.terminal = true;
+        let x = self.xfers.get_mut(XferId(xfer)).expect("live");
+        x.failing = true;
         x.next_segment = x.job.segments.len();
         let peer = x.job.peer;
         // Stop what has not started; what is on the wire completes (or fails) through its callback.
@@ -297,57 +310,48 @@ impl Engine {
             unsafe { ucp::request_cancel(&self.worker, request) };
         }
         let ep = self.conn_of(peer).map(|c| c.ep);
-        let x = self.xfers.get_mut(&xfer).unwrap();
+        let x = self.xfers.get_mut(XferId(xfer)).unwrap();
         let needs_cancel_message = mode == ResolvedMode::Am && x.awaiting_reply && !x.cancel_sent;
         let needs_flush = mode == ResolvedMode::Put && x.any_put_posted && !x.final_sent;
         match ep {
             Some(ep) if needs_cancel_message => self.send_commit(xfer, ep, wire::AM_CANCEL),
             Some(ep) if needs_flush => self.post_flush(xfer, ep),
             None => {
-                let x = self.xfers.get_mut(&xfer).unwrap();
+                let x = self.xfers.get_mut(XferId(xfer)).unwrap();
                 x.awaiting_reply = false;
             }
             _ => {}
         }
-        let x = self.xfers.get_mut(&xfer).unwrap();
-        let quiesced = x.posted == 0 && !x.awaiting_reply && !x.closing && (mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done);
+        let x = self.xfers.get_mut(XferId(xfer)).expect("still live: only this call fails it");
+        x.failing = false;
+        let quiesced = Self::settled(mode, x);
         tracing::warn!(reason = reason.as_str(), xfer, peer = peer.0, quiesced, "ucx transfer failed: {message}");
-        let mut registry = self.shared.lock();
-        registry.live_xfers.remove(&xfer);
         if quiesced {
-            drop(registry);
-            self.shared.sink.deliver(Event::failed_quiesced(XferId(xfer), reason, message));
-        } else {
-            registry.unquiesced_xfers.insert(xfer);
-            drop(registry);
-            x.unquiesced = true;
-            let deadline = Instant::now() + Duration::from_millis(self.shared.config.quiesce_timeout_ms);
-            self.timers.push(deadline, xfer);
-            self.shared.sink.deliver(Event::failed(XferId(xfer), reason, message));
+            // Nothing of it can land: its hold goes first, so the failure carries the quiesced flag
+            // (and the ledger forgets it at once).
+            self.xfers.release(XferId(xfer));
         }
+        self.xfers.fail(XferId(xfer), reason, message);
+        self.deliver_ledger_events();
     }
 
-    /// Forget a terminal transfer once nothing of it is in flight; report `QUIESCED` if owed.
+    /// Release a terminal transfer's hold once nothing of it is in flight (the ledger then reports
+    /// `QUIESCED` if owed and forgets it).
+    // CONFORMANCE: RES-2 (a terminal transfer is forgotten once nothing of it is in flight)
     pub(super) fn maybe_finish(&mut self, xfer: u64) {
         let mode = self.shared.mode;
-        let Some(x) = self.xfers.get(&xfer) else { return };
-        let flushed = mode == ResolvedMode::Am || !x.any_put_posted || x.flush_done;
-        if !x.terminal || x.posted > 0 || x.awaiting_reply || !flushed || x.closing {
+        let Some(x) = self.xfers.get(XferId(xfer)) else { return };
+        if self.xfers.is_live(XferId(xfer)) || !Self::settled(mode, x) {
             return;
         }
-        let x = self.xfers.remove(&xfer).unwrap();
-        let unquiesced = x.unquiesced;
-        self.token_lists.give(x.tokens);
-        let xfers = &self.xfers;
-        self.timers.drop_stale(xfers.len(), |id| xfers.contains_key(&id));
-        if unquiesced {
-            self.shared.lock().unquiesced_xfers.remove(&xfer);
-            self.shared.sink.deliver(Event::quiesced(XferId(xfer)));
+        if let Some(x) = self.xfers.release(XferId(xfer)) {
+            self.token_lists.give(x.tokens);
         }
+        self.deliver_ledger_events();
     }
 
     pub(super) fn on_reply(&mut self, xfer: u64, code: u32) {
-        let Some(x) = self.xfers.get_mut(&xfer) else { return };
+        let Some(x) = self.xfers.get_mut(XferId(xfer)) else { return };
         if code & REPLY_EARLY_BIT != 0 {
             let reason = ReasonCode(code & !REPLY_EARLY_BIT);
             self.fail(xfer, reason, format!("receiver refused a segment: {reason}"));
@@ -365,12 +369,13 @@ impl Engine {
         self.maybe_finish(xfer);
     }
 
+    // CONFORMANCE: DATA-4 (a transfer reading a deregistered region fails)
     pub(super) fn fail_users_of(&mut self, key: LocalKey) {
         let users: Vec<u64> = self
             .xfers
             .iter()
-            .filter(|(_, x)| !x.terminal && x.job.segments.iter().any(|s| s.local_key == key.0))
-            .map(|(id, _)| *id)
+            .filter(|(_, e)| e.is_live() && e.data.job.segments.iter().any(|s| s.local_key == key.0))
+            .map(|(id, _)| id.0)
             .collect();
         for xfer in users {
             self.fail(xfer, ReasonCode::UNKNOWN_KEY, format!("source region {} deregistered", key.0));
@@ -400,8 +405,7 @@ impl Outgoing {
             awaiting_reply: false,
             flush_done: false,
             any_put_posted: false,
-            terminal: false,
-            unquiesced: false,
+            failing: false,
             closing: false,
             stalled: false,
             tokens,

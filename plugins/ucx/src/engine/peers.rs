@@ -71,14 +71,15 @@ impl Engine {
     /// `close_quiesces`, its transfers quiesce once the close completes; on an endpoint that stays
     /// open they end with a cancel message and quiesce on the receiver's answer, as any failure.
     /// `peer_gone`: the peer said goodbye or UCX declared it dead, so closing by force cannot upset it.
+    // CONFORMANCE: HANDSHAKE-2, TIME-3 (the peer's transfers fail, its keys and endpoint go)
     pub(super) fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool, peer_gone: bool, close_quiesces: bool, keep_endpoint: bool) {
         let instance = self.peers.get(&peer).copied();
         let shared_with_others = instance.and_then(|i| self.conns.get(&i)).is_some_and(|c| c.users.iter().any(|p| *p != peer));
         let closes_endpoint = instance.is_some() && !shared_with_others && !keep_endpoint;
-        let victims: Vec<u64> = self.xfers.iter().filter(|(_, x)| x.job.peer == peer).map(|(id, _)| *id).collect();
+        let victims: Vec<u64> = self.xfers.iter().filter(|(_, e)| e.data.job.peer == peer).map(|(id, _)| id.0).collect();
         for xfer in &victims {
             if closes_endpoint {
-                if let Some(x) = self.xfers.get_mut(xfer) {
+                if let Some(x) = self.xfers.get_mut(XferId(*xfer)) {
                     x.next_segment = x.job.segments.len();
                     x.final_sent = true;
                     x.cancel_sent = true;
@@ -134,7 +135,7 @@ impl Engine {
     /// The endpoint of these transfers is closed: nothing of theirs can land any more.
     pub(super) fn closed(&mut self, xfers: &[u64]) {
         for xfer in xfers {
-            if let Some(x) = self.xfers.get_mut(xfer) {
+            if let Some(x) = self.xfers.get_mut(XferId(*xfer)) {
                 x.awaiting_reply = false;
                 x.flush_done = true;
                 x.closing = false;
@@ -152,7 +153,7 @@ impl Engine {
         if let Some(rkey) = conn.rkeys.get(&remote_key) {
             return Ok(*rkey);
         }
-        let x = self.xfers.get(&xfer).ok_or("no transfer")?;
+        let x = self.xfers.get(XferId(xfer)).ok_or("no transfer")?;
         let remote = x.job.remote_regions.iter().find(|r| r.id == remote_key).ok_or("remote key not held by the job")?;
         // SAFETY: `conn.ep` is live while it is in `conns`.
         let rkey = unsafe { ucp::rkey_unpack(conn.ep, &remote.packed_rkey) }.map_err(|e| e.to_string())?;
@@ -192,7 +193,7 @@ impl Engine {
     }
 
     pub(super) fn release_rkey(&mut self, id: u64) {
-        let in_use = self.xfers.values().any(|x| x.job.remote_regions.iter().any(|r| r.id == id));
+        let in_use = self.xfers.iter().any(|(_, e)| e.data.job.remote_regions.iter().any(|r| r.id == id));
         if in_use {
             return; // destroyed with the endpoint
         }

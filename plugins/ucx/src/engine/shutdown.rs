@@ -55,7 +55,7 @@ impl Engine {
     /// Every wait is bounded: `shutdown_grace_ms` + `GOODBYE_MS` + `ENDPOINT_CLOSE_WAIT_MS` in all.
     pub(super) fn shutdown(&mut self) {
         let grace_until = Instant::now() + Duration::from_millis(self.shared.config.shutdown_grace_ms);
-        let live: Vec<u64> = self.xfers.keys().copied().collect();
+        let live: Vec<u64> = self.xfers.iter().map(|(id, _)| id.0).collect();
         for xfer in &live {
             self.fail(*xfer, ReasonCode::SHUTDOWN, "plugin shutting down".into());
             self.maybe_finish(*xfer);
@@ -73,9 +73,10 @@ impl Engine {
             closes_done && e.receiver.borrow().pending_receives() == 0
         });
         // What no receiver confirmed stays unquiesced: the host's quarantine bound decides for it.
-        let unconfirmed: Vec<u64> = self.xfers.keys().copied().collect();
+        let unconfirmed: Vec<u64> = self.xfers.iter().map(|(id, _)| id.0).collect();
         for xfer in unconfirmed {
-            let x = self.xfers.remove(&xfer).expect("listed above");
+            // Every one failed above, so terminal: forgotten without an event.
+            let Some(x) = self.xfers.forget_terminal(XferId(xfer)) else { continue };
             tracing::warn!(
                 reason = "quiesce_unconfirmed",
                 xfer,
