@@ -155,6 +155,12 @@ impl Lane {
         Ok(())
     }
 
+    /// The lane is given up (its connection is replaced): every part on it fails with `why`, queued
+    /// ones as the writer drains them.
+    pub fn fail_all(&self, why: &PluginError) {
+        self.close(why)
+    }
+
     /// The lane is dead (its connection is closed): every unanswered part is settled as failed.
     fn close(&self, why: &PluginError) {
         let parts: Vec<Unanswered> = {
@@ -196,6 +202,8 @@ async fn run_writer(shared: Arc<Shared>, lane: Arc<Lane>, conn: quinn::Connectio
         }
     };
     lane.close(&end);
+    // The first reason the lane died for (a stuck connection's, say) is what its queued parts report.
+    let end = lane.waiting.lock().expect("lane lock").closed.clone().unwrap_or(end);
     rx.close();
     while let Ok(part) = rx.try_recv() {
         lane.unstaged_bytes.fetch_sub(part.plan.bytes, Ordering::Relaxed);

@@ -20,6 +20,7 @@ pub mod regions;
 pub mod replies;
 mod server;
 pub mod staging;
+mod stuck;
 pub mod tickets;
 pub mod tls;
 mod transfers;

@@ -46,6 +46,8 @@ pub struct Shared {
     pub handle: tokio::runtime::Handle,
     /// Lane streams this instance opened (diagnostics: lanes are long-lived, not one per transfer).
     pub lane_streams_opened: std::sync::atomic::AtomicU64,
+    /// Sets of connections replaced because one of them was stuck (`crate::stuck`).
+    pub stuck_connections_replaced: std::sync::atomic::AtomicU64,
     peers: Mutex<HashMap<PeerId, Arc<PeerEntry>>>,
     endpoint_bytes: Vec<u8>,
     shut_down: AtomicBool,
@@ -173,6 +175,7 @@ impl QuicPlugin {
             endpoints,
             handle: runtime.handle().clone(),
             lane_streams_opened: std::sync::atomic::AtomicU64::new(0),
+            stuck_connections_replaced: std::sync::atomic::AtomicU64::new(0),
             peers: Mutex::new(HashMap::new()),
             endpoint_bytes,
             shut_down: AtomicBool::new(false),
@@ -204,6 +207,12 @@ impl QuicPlugin {
     /// transfers run. For tests and diagnostics.
     pub fn lane_streams_opened(&self) -> u64 {
         self.shared.lane_streams_opened.load(Ordering::Relaxed)
+    }
+
+    /// Times a peer's connections were replaced because one of them was stuck (`stuck_after_ms`). For
+    /// tests and diagnostics.
+    pub fn stuck_connections_replaced(&self) -> u64 {
+        self.shared.stuck_connections_replaced.load(Ordering::Relaxed)
     }
 
     fn refuse_if_shut_down(&self) -> Result<(), PluginError> {
