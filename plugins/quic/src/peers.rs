@@ -61,9 +61,10 @@ impl Links {
         order.iter().cycle().take(n).map(|&i| self.lanes[i].clone()).collect()
     }
 
-    /// Whether any lane of connection `i` has parts outstanding (lane `j` is on connection `j % conns`).
+    /// Whether any lane of connection `i` is held back by it (`Lane::held_back`; lane `j` is on
+    /// connection `j % conns`).
     pub fn connection_busy(&self, i: usize) -> bool {
-        self.lanes.iter().skip(i).step_by(self.conns.len().max(1)).any(|l| l.outstanding_bytes() > 0)
+        self.lanes.iter().skip(i).step_by(self.conns.len().max(1)).any(|l| l.held_back())
     }
 }
 

@@ -1,5 +1,5 @@
-//! Stuck-connection watchdog. A peer's outgoing connection that has parts outstanding while its sending
-//! rate stays below a bar for `stuck_after_ms` is replaced: its lanes fail their parts with
+//! Stuck-connection watchdog. A peer's outgoing connection that holds back a lane (`Lane::held_back`:
+//! data waiting for quinn) while its sending rate stays below a bar for `stuck_after_ms` is replaced: its lanes fail their parts with
 //! `TRANSPORT_ERROR` (the message names the rates), it is closed, and the peer is connected afresh.
 //! The bar is the larger of `stuck_min_bytes_per_s` and `stuck_below_best_percent` of the best rate the
 //! connection reached over such a window. This is what keeps a congestion controller that fell into a
@@ -37,7 +37,7 @@ impl StuckRule {
     }
 }
 
-/// One reading of a connection: when, its sent UDP bytes so far, and whether it had parts outstanding.
+/// One reading of a connection: when, its sent UDP bytes so far, and whether it held a lane back.
 #[derive(Clone, Copy, Debug)]
 pub struct Sample {
     pub at_ms: u64,
