@@ -136,7 +136,7 @@ pub struct QuicConfig {
     /// 131072..=1073741824; refused when non-zero on a target without glibc.
     pub malloc_trim_threshold_bytes: u64,
     /// A peer's outgoing connection whose sending rate stays below the stuck bar for this long while it
-    /// has parts outstanding is replaced (`src/stuck.rs`): its parts fail `TRANSPORT_ERROR`, it is
+    /// holds data back (a lane's writer waits for quinn, or parts queue on a lane) is replaced (`src/stuck.rs`): its parts fail `TRANSPORT_ERROR`, it is
     /// closed, and the peer is connected afresh. 0 disables the watchdog. Default 3000, range 0 or
     /// 100..=600000.
     pub stuck_after_ms: u64,

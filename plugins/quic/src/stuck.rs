@@ -113,7 +113,7 @@ impl Stuck {
         PluginError::new(
             ReasonCode::TRANSPORT_ERROR,
             format!(
-                "connection {connection} to peer {peer} stuck: sent {} B/s over {} ms with parts outstanding, below {} B/s \
+                "connection {connection} to peer {peer} stuck: sent {} B/s over {} ms with data held back, below {} B/s \
                  (stuck_min_bytes_per_s, or stuck_below_best_percent of its best {} B/s); replaced by a new connection",
                 self.bytes_per_s, self.window_ms, self.bar_bytes_per_s, self.best_bytes_per_s
             ),
