@@ -135,6 +135,18 @@ pub struct QuicConfig {
     /// `GLIBC_TUNABLES=glibc.malloc.trim_threshold=N`. Default 0 (leave the allocator alone), range 0 or
     /// 131072..=1073741824; refused when non-zero on a target without glibc.
     pub malloc_trim_threshold_bytes: u64,
+    /// A peer's outgoing connection whose sending rate stays below the stuck bar for this long while it
+    /// holds data back (a lane's writer waits for quinn, or parts queue on a lane) is replaced (`src/stuck.rs`): its parts fail `TRANSPORT_ERROR`, it is
+    /// closed, and the peer is connected afresh. 0 disables the watchdog. Default 3000, range 0 or
+    /// 100..=600000.
+    pub stuck_after_ms: u64,
+    /// The stuck bar's floor: a busy connection sending fewer bytes per second than this over
+    /// `stuck_after_ms` is stuck. Default 0 (no floor), range 0..=1099511627776.
+    pub stuck_min_bytes_per_s: u64,
+    /// The stuck bar's share of the best rate the connection reached over a `stuck_after_ms` window, in
+    /// percent: a busy connection sending below it for `stuck_after_ms` is stuck. Default 10, range
+    /// 0..=100 (0: only the floor).
+    pub stuck_below_best_percent: u64,
     /// Most segments one submit may carry. Default 1048576, range 1..=16777216.
     pub max_segments_per_submit: u64,
     /// Most live outgoing transfers. Default 65536, range 1..=16777216.
@@ -183,6 +195,9 @@ impl Default for QuicConfig {
             staging_pool_bytes: 64 << 20,
             socket_buffer_bytes: 4 << 20,
             malloc_trim_threshold_bytes: 0,
+            stuck_after_ms: 3000,
+            stuck_min_bytes_per_s: 0,
+            stuck_below_best_percent: 10,
             max_segments_per_submit: 1 << 20,
             max_inflight_transfers: 65536,
             max_live_tickets: 65536,
@@ -296,6 +311,11 @@ impl QuicConfig {
                 return Err(invalid("malloc_trim_threshold_bytes", "is set, but this build does not use glibc's allocator"));
             }
         }
+        if self.stuck_after_ms != 0 {
+            check_range("stuck_after_ms", self.stuck_after_ms, 100, 600_000)?;
+        }
+        check_range("stuck_min_bytes_per_s", self.stuck_min_bytes_per_s, 0, 1 << 40)?;
+        check_range("stuck_below_best_percent", self.stuck_below_best_percent, 0, 100)?;
         check_range("max_segments_per_submit", self.max_segments_per_submit, 1, 1 << 24)?;
         check_range("max_inflight_transfers", self.max_inflight_transfers, 1, 1 << 24)?;
         check_range("max_live_tickets", self.max_live_tickets, 1, 1 << 24)?;

@@ -12,7 +12,7 @@ use crate::transfers::Transfer;
 use crate::wire::Frame;
 use kvgate_abi::{PluginError, ReasonCode};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 
@@ -56,6 +56,9 @@ pub struct Lane {
     outstanding_bytes: AtomicU64,
     /// Payload bytes queued and not yet staged (sizes the staging buffer, so queued parts share one).
     unstaged_bytes: AtomicU64,
+    /// The writer waits for quinn to take a staged buffer (the connection's `send_window_bytes` of
+    /// unacknowledged data is full): the lane has more to send than the connection lets out.
+    waiting_for_quinn: AtomicBool,
     waiting: Mutex<Waiting>,
 }
 
@@ -72,6 +75,7 @@ impl Lane {
             queue,
             outstanding_bytes: AtomicU64::new(0),
             unstaged_bytes: AtomicU64::new(0),
+            waiting_for_quinn: AtomicBool::new(false),
             waiting: Mutex::new(Waiting::default()),
         });
         shared.handle.spawn(run_writer(shared.clone(), lane.clone(), conn, rx));
@@ -80,6 +84,14 @@ impl Lane {
 
     pub fn outstanding_bytes(&self) -> u64 {
         self.outstanding_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Whether the lane is held back by its connection right now: its writer waits for quinn to take
+    /// a buffer, or parts wait behind the one being staged. A lane whose parts all went out and wait
+    /// only for their replies is not (a transfer at a time over a long round trip sends little, and
+    /// that is not a stuck connection).
+    pub fn held_back(&self) -> bool {
+        self.waiting_for_quinn.load(Ordering::Relaxed) || self.unstaged_bytes.load(Ordering::Relaxed) > 0
     }
 
     /// Hand a part (already counted by `Transfer::lane_opening`) to the lane; it is settled exactly once.
@@ -155,6 +167,12 @@ impl Lane {
         Ok(())
     }
 
+    /// The lane is given up (its connection is replaced): every part on it fails with `why`, queued
+    /// ones as the writer drains them.
+    pub fn fail_all(&self, why: &PluginError) {
+        self.close(why)
+    }
+
     /// The lane is dead (its connection is closed): every unanswered part is settled as failed.
     fn close(&self, why: &PluginError) {
         let parts: Vec<Unanswered> = {
@@ -196,6 +214,8 @@ async fn run_writer(shared: Arc<Shared>, lane: Arc<Lane>, conn: quinn::Connectio
         }
     };
     lane.close(&end);
+    // The first reason the lane died for (a stuck connection's, say) is what its queued parts report.
+    let end = lane.waiting.lock().expect("lane lock").closed.clone().unwrap_or(end);
     rx.close();
     while let Ok(part) = rx.try_recv() {
         lane.unstaged_bytes.fetch_sub(part.plan.bytes, Ordering::Relaxed);
@@ -243,7 +263,10 @@ impl LaneWriter<'_> {
             return Ok(());
         }
         let staged = self.shared.staging.freeze(std::mem::take(&mut self.buf));
-        match self.send.write_chunk(staged).await {
+        self.lane.waiting_for_quinn.store(true, Ordering::Relaxed);
+        let written = self.send.write_chunk(staged).await;
+        self.lane.waiting_for_quinn.store(false, Ordering::Relaxed);
+        match written {
             Ok(()) => Ok(()),
             Err(quinn::WriteError::ConnectionLost(e)) => Err(classify_connection_error(&e, true)),
             Err(quinn::WriteError::Stopped(code)) => {

@@ -21,6 +21,7 @@ pub mod replies;
 mod server;
 mod shared;
 pub mod staging;
+mod stuck;
 pub mod tickets;
 pub mod tls;
 mod transfers;

@@ -60,6 +60,12 @@ impl Links {
         order.sort_by_key(|&i| self.lanes[i].outstanding_bytes());
         order.iter().cycle().take(n).map(|&i| self.lanes[i].clone()).collect()
     }
+
+    /// Whether any lane of connection `i` is held back by it (`Lane::held_back`; lane `j` is on
+    /// connection `j % conns`).
+    pub fn connection_busy(&self, i: usize) -> bool {
+        self.lanes.iter().skip(i).step_by(self.conns.len().max(1)).any(|l| l.held_back())
+    }
 }
 
 pub struct PeerEntry {
@@ -245,6 +251,7 @@ async fn establish(shared: Arc<Shared>, entry: Arc<PeerEntry>) {
         return;
     }
     tracing::debug!(peer = entry.id.0, connections = links.conns.len(), lanes = links.lanes.len(), "quic: connected to peer");
+    shared.handle.spawn(crate::stuck::watch(shared.clone(), entry.clone(), links.clone()));
     for c in links.conns.iter() {
         let (shared, entry, links, c) = (shared.clone(), entry.clone(), links.clone(), c.clone());
         shared.handle.clone().spawn(async move {
@@ -252,6 +259,36 @@ async fn establish(shared: Arc<Shared>, entry: Arc<PeerEntry>) {
             on_connection_lost(&shared, &entry, &links, &error);
         });
     }
+}
+
+/// Whether `links` are the peer's current connections.
+pub fn is_current(entry: &PeerEntry, links: &Arc<Links>) -> bool {
+    matches!(&*entry.status.borrow(), PeerStatus::Ready(current) if Arc::ptr_eq(current, links))
+}
+
+/// A connection of `links` is stuck (`crate::stuck`): new transfers wait for fresh connections, the
+/// parts outstanding on every lane of `links` fail with `why`, the connections close with its reason
+/// code, and new connections are opened right away. No PEER_DOWN: the peer itself is still there.
+pub fn replace_stuck(shared: &Arc<Shared>, entry: &Arc<PeerEntry>, links: &Arc<Links>, why: PluginError) {
+    let replaced = entry.status.send_if_modified(|s| match s {
+        PeerStatus::Ready(current) if Arc::ptr_eq(current, links) && !entry.is_removed() => {
+            *s = PeerStatus::Idle;
+            true
+        }
+        _ => false,
+    });
+    if !replaced {
+        return;
+    }
+    tracing::warn!(peer = entry.id.0, reason = %why.code, message = %why.message, "quic: replacing a stuck connection");
+    shared.stuck_connections_replaced.fetch_add(1, Ordering::Relaxed);
+    for lane in links.lanes.iter() {
+        lane.fail_all(&why);
+    }
+    for c in links.conns.iter() {
+        c.close(app_code(why.code), why.message.as_bytes());
+    }
+    ensure_connecting(shared, entry);
 }
 
 /// One connection ended: the whole peer is down (every connection closed, every transfer failed).

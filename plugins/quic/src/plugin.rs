@@ -138,6 +138,7 @@ impl QuicPlugin {
             endpoints,
             handle: runtime.handle().clone(),
             lane_streams_opened: std::sync::atomic::AtomicU64::new(0),
+            stuck_connections_replaced: std::sync::atomic::AtomicU64::new(0),
             peers: Mutex::new(HashMap::new()),
             endpoint_bytes,
             shut_down: AtomicBool::new(false),
@@ -169,6 +170,12 @@ impl QuicPlugin {
     /// transfers run. For tests and diagnostics.
     pub fn lane_streams_opened(&self) -> u64 {
         self.shared.lane_streams_opened.load(Ordering::Relaxed)
+    }
+
+    /// Times a peer's connections were replaced because one of them was stuck (`stuck_after_ms`). For
+    /// tests and diagnostics.
+    pub fn stuck_connections_replaced(&self) -> u64 {
+        self.shared.stuck_connections_replaced.load(Ordering::Relaxed)
     }
 
     fn refuse_if_shut_down(&self) -> Result<(), PluginError> {

@@ -37,6 +37,8 @@ pub struct Shared {
     pub handle: tokio::runtime::Handle,
     /// Lane streams this instance opened (diagnostics: lanes are long-lived, not one per transfer).
     pub lane_streams_opened: std::sync::atomic::AtomicU64,
+    /// Sets of connections replaced because one of them was stuck (`crate::stuck`).
+    pub stuck_connections_replaced: std::sync::atomic::AtomicU64,
     pub(crate) peers: Mutex<HashMap<PeerId, Arc<PeerEntry>>>,
     pub(crate) endpoint_bytes: Vec<u8>,
     pub(crate) shut_down: AtomicBool,

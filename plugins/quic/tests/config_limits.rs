@@ -25,6 +25,8 @@ const LIMITS: &[(&str, Option<u64>, Option<u64>)] = &[
     ("write_chunk_bytes", Some(4096), Some(16 << 20)),
     ("staging_pool_bytes", None, Some(1 << 32)),
     ("socket_buffer_bytes", Some(65536), Some(1 << 30)),
+    ("stuck_min_bytes_per_s", None, Some(1 << 40)),
+    ("stuck_below_best_percent", None, Some(100)),
     ("max_segments_per_submit", Some(1), Some(1 << 24)),
     ("max_inflight_transfers", Some(1), Some(1 << 24)),
     ("max_live_tickets", Some(1), Some(1 << 24)),
@@ -137,6 +139,21 @@ fn the_malloc_trim_threshold_is_zero_or_within_its_range() {
         let err = parse(&format!("malloc_trim_threshold_bytes = {bad}")).expect_err("out of range");
         assert_eq!(err.code, ReasonCode::INVALID_ARGUMENT);
         assert!(err.message.contains("malloc_trim_threshold_bytes"), "{err}");
+    }
+}
+
+#[test]
+fn the_stuck_window_is_zero_or_within_its_range() {
+    let c = parse("").unwrap();
+    assert_eq!((c.stuck_after_ms, c.stuck_min_bytes_per_s, c.stuck_below_best_percent), (3000, 0, 10), "the watchdog is on by default");
+    parse("stuck_after_ms = 0").unwrap();
+    for ok in [100u64, 600_000] {
+        parse(&format!("stuck_after_ms = {ok}")).unwrap_or_else(|e| panic!("{ok} refused: {e}"));
+    }
+    for bad in [1u64, 99, 600_001] {
+        let err = parse(&format!("stuck_after_ms = {bad}")).expect_err("out of range");
+        assert_eq!(err.code, ReasonCode::INVALID_ARGUMENT);
+        assert!(err.message.contains("stuck_after_ms"), "{err}");
     }
 }
 
