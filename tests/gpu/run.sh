@@ -5,9 +5,11 @@
 # already in cargo's cache (it builds with --offline first; it only goes online if that fails, and
 # says so). Meant to finish in under 5 minutes on a fresh machine. Run from anywhere:
 #     tests/gpu/run.sh            # logs and reports under tests/gpu/out/ (or $OUT if set)
+#     tests/gpu/run.sh --prebuilt DIR   # a GPU node without a toolchain: the binaries that
+#                                       # tests/gpu/pack.sh DIR built elsewhere; steps 2-5 the same
 # What it runs, in order (each step bounded by `timeout`, each result in the summary):
-#   1. build   : cargo build --release -p kvgate-plugin-nvlink -p kvgate-plugin-nvlink-so -p kvgate-conformance
-#                --features kvgate-conformance/cuda (the harness's CUDA memory provider: the peers'
+#   1. build   : cargo build --release -p kvgate-plugin-nvlink -p kvgate-plugin-nvlink-so, then
+#                -p kvgate-conformance --features cuda (the harness's CUDA memory provider: the peers'
 #                regions in device memory, chosen because the plugin declares only cuda_device)
 #   2. unit    : cargo test --release -p kvgate-plugin-nvlink            (the CPU tests, for reference)
 #   3. gpu     : cargo test --release -p kvgate-plugin-nvlink --test gpu -- --ignored --test-threads=1
@@ -28,6 +30,10 @@ mkdir -p "$OUT_DIR"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 REL="$CARGO_TARGET_DIR/release"
 START=$(date +%s)
+PREBUILT=
+if [ "${1:-}" = --prebuilt ]; then
+    PREBUILT="$(cd "${2:?--prebuilt needs the folder tests/gpu/pack.sh wrote}" && pwd)"
+fi
 declare -a SUMMARY=()
 FAILED=0
 
@@ -58,17 +64,49 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
 fi
 
-OFFLINE=--offline
-PACKAGES=(-p kvgate-plugin-nvlink -p kvgate-plugin-nvlink-so -p kvgate-conformance --features kvgate-conformance/cuda)
-if ! step build 240 cargo build --release $OFFLINE "${PACKAGES[@]}"; then
-    log "offline build failed (cargo cache incomplete?): retrying online, which needs network"
-    unset 'SUMMARY[${#SUMMARY[@]}-1]'; FAILED=0; OFFLINE=
-    step build 240 cargo build --release "${PACKAGES[@]}" \
-        || { log "build failed: stopping"; printf '  %s\n' "${SUMMARY[@]}"; exit 1; }
+if [ -n "$PREBUILT" ]; then
+    log "prebuilt binaries from $PREBUILT (commit $(cat "$PREBUILT/commit" 2>/dev/null || echo unknown); this checkout $(git rev-parse HEAD 2>/dev/null || echo unknown))"
+    unit_tests() {
+        local t rc=0
+        for t in "$PREBUILT"/*; do
+            case "$(basename "$t")" in gpu|nvlink_bandwidth|kvgate-conformance|*.so|commit) continue ;; esac
+            "$t" || rc=1
+        done
+        return $rc
+    }
+    export -f unit_tests; export PREBUILT
+    step unit 120 bash -c unit_tests
+    gpu_tests() {  # one test at a time, each bounded and timed, so a hang names its test
+        local t rc=0 started
+        for t in $("$PREBUILT/gpu" --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
+            started=$(date +%s%N)
+            timeout --signal=KILL "${GPU_TEST_TIMEOUT_S:-60}" "$PREBUILT/gpu" --exact "$t" --ignored --test-threads=1 \
+                || { echo "gpu test $t: FAILED or killed after ${GPU_TEST_TIMEOUT_S:-60} s"; rc=1; }
+            echo "gpu test $t: $(( ($(date +%s%N) - started) / 1000000 )) ms"
+        done
+        return $rc
+    }
+    export -f gpu_tests
+    step gpu 300 bash -c gpu_tests
+    CONFORMANCE="$PREBUILT/kvgate-conformance"; PLUGIN="$PREBUILT/libkvgate_nvlink.so"
+else
+    OFFLINE=--offline
+    build() {  # the harness on its own: beside other packages its cuda feature is not applied
+        cargo build --release $OFFLINE -p kvgate-plugin-nvlink -p kvgate-plugin-nvlink-so \
+            && cargo build --release $OFFLINE -p kvgate-conformance --features cuda
+    }
+    export -f build; export OFFLINE
+    if ! step build 240 bash -c build; then
+        log "offline build failed (cargo cache incomplete?): retrying online, which needs network"
+        unset 'SUMMARY[${#SUMMARY[@]}-1]'; FAILED=0; OFFLINE=
+        step build 240 bash -c build \
+            || { log "build failed: stopping"; printf '  %s\n' "${SUMMARY[@]}"; exit 1; }
+    fi
+    step unit 120 cargo test --release $OFFLINE -p kvgate-plugin-nvlink
+    step gpu 180 cargo test --release $OFFLINE -p kvgate-plugin-nvlink --test gpu -- --ignored --test-threads=1
+    CONFORMANCE="$REL/kvgate-conformance"; PLUGIN="$REL/libkvgate_nvlink.so"
 fi
-step unit 120 cargo test --release $OFFLINE -p kvgate-plugin-nvlink
-step gpu 180 cargo test --release $OFFLINE -p kvgate-plugin-nvlink --test gpu -- --ignored --test-threads=1
-step conform 240 "$REL/kvgate-conformance" --plugin "$REL/libkvgate_nvlink.so" \
+step conform 240 "$CONFORMANCE" --plugin "$PLUGIN" \
     --config "$ROOT/tests/gpu/nvlink-conformance.toml" --quick --json "$OUT_DIR/conformance.json"
 # The harness exits 0 when nothing failed, also when clauses were unsupported: say so. Certified
 # means nothing failed or went unexercised; of the unsupported clauses only OBS-5 is expected (it
@@ -90,7 +128,11 @@ PY
 if [ -n "$UNCHECKED" ]; then
     SUMMARY+=("conform: NOT COMPLETE: $UNCHECKED (see $OUT_DIR/conformance.json)"); FAILED=1
 fi
-step bench 180 cargo bench $OFFLINE -p kvgate-plugin-nvlink --bench nvlink_bandwidth
+if [ -n "$PREBUILT" ]; then
+    step bench 180 "$PREBUILT/nvlink_bandwidth" --bench
+else
+    step bench 180 cargo bench $OFFLINE -p kvgate-plugin-nvlink --bench nvlink_bandwidth
+fi
 
 log "summary (logs in $OUT_DIR):"
 printf '  %s\n' "${SUMMARY[@]}" | tee "$OUT_DIR/summary.txt"

@@ -201,11 +201,21 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
         .spawn()
         .expect("spawn the child process");
     let mut to_child = child.stdin.take().unwrap();
-    let mut from_child = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut field = |name: &str| -> Vec<u8> {
+    // The child's lines through a channel, so that every wait for it is bounded and names its stage.
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    let from_child = BufReader::new(child.stdout.take().unwrap());
+    std::thread::spawn(move || from_child.lines().map_while(Result::ok).try_for_each(|l| lines_tx.send(l)));
+    let started = std::time::Instant::now();
+    let next_line = |stage: &str| -> String {
+        match lines.recv_timeout(std::time::Duration::from_secs(CHILD_STEP_TIMEOUT_S)) {
+            Ok(line) => line,
+            Err(e) => panic!("child: no line within {CHILD_STEP_TIMEOUT_S} s waiting for {stage} ({e}; {:?} in)", started.elapsed()),
+        }
+    };
+    let field = |name: &str| -> Vec<u8> {
         loop {
-            let line = from_child.next().expect("child closed its output").unwrap();
-            if let Some(v) = line.strip_prefix(&format!("NVLINK-CHILD {name} ")) {
+            if let Some(v) = next_line(name).strip_prefix(&format!("NVLINK-CHILD {name} ")) {
+                eprintln!("parent: child's {name} after {:?}", started.elapsed());
                 return unhex(v.trim());
             }
         }
@@ -227,9 +237,9 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
     let e = wait_terminal(&a_events, XferId(1), 30);
     assert_eq!(e.kind, EventKind::SUCCEEDED, "{e:?}");
     writeln!(to_child, "CHECK 21 5 {len}").unwrap();
+    eprintln!("parent: 48 MiB written into the child's region after {:?}", started.elapsed());
     let verdict = loop {
-        let line = from_child.next().expect("child closed its output").unwrap();
-        if let Some(v) = line.strip_prefix("NVLINK-CHILD VERDICT ") {
+        if let Some(v) = next_line("VERDICT").strip_prefix("NVLINK-CHILD VERDICT ") {
             break v.to_string();
         }
     };
@@ -258,19 +268,26 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
     a.release_remote_key(remote);
     a.deregister(from_engine.key).unwrap();
     writeln!(to_child, "EXIT").unwrap();
+    eprintln!("parent: engine bytes checked after {:?}; waiting for the child to exit", started.elapsed());
     assert!(child.wait().unwrap().success(), "the child process failed");
 }
+
+/// How long the parent waits for each line of the two-process test's child.
+const CHILD_STEP_TIMEOUT_S: u64 = 45;
 
 /// The child half: registers 64 MiB with its own instance, exports a second buffer as an engine
 /// would, prints endpoint, key and handle, then checks what the parent wrote.
 fn ipc_child() {
+    let started = std::time::Instant::now();
     let ctx = CudaContext::new(0).expect("child: CUDA device 0");
+    eprintln!("child: CUDA context after {:?}", started.elapsed());
     let (plugin, _events) = open_instance("");
     let region = DeviceBuffer::alloc(&ctx, 64 * MIB).unwrap();
     let reg = plugin.register(&cuda_region(0, region.ptr, 64 * MIB)).unwrap();
     let engine = DeviceBuffer::alloc(&ctx, 8 * MIB + 4096).unwrap();
     engine.write(0, &pattern(22, (8 * MIB + 4096) as usize)).unwrap();
     let handle = cuda::export_ipc_handle(&ctx, engine.ptr).unwrap();
+    eprintln!("child: registered and exported after {:?}", started.elapsed());
     println!("NVLINK-CHILD ENDPOINT {}", hex(&plugin.local_endpoint()));
     println!("NVLINK-CHILD KEY {}", hex(&reg.remote_key));
     println!("NVLINK-CHILD ENGINE-HANDLE {}", hex(&handle));
