@@ -150,7 +150,6 @@ impl Drop for GatewayProcess {
     }
 }
 
-/// A free TCP port on 127.0.0.1 (bound then released).
 /// Lowest port `free_port` picks from: below it are the well-known and registered services.
 pub const PICKED_PORT_MIN: u16 = 10_000;
 /// How many random ports `free_port` tries before it takes one from the kernel instead.
@@ -161,22 +160,31 @@ pub const PORT_PICK_ATTEMPTS: u32 = 64;
 /// also what it hands to outgoing connections: one of those (a peer link dialling, an admin request)
 /// could take it before the gateway binds it, and the gateway then fails with `Address already in
 /// use`. Falls back to the kernel's choice when no port below the range is free after
-/// `PORT_PICK_ATTEMPTS` tries, or when the range leaves no room below it.
+/// `PORT_PICK_ATTEMPTS` tries, or when the range leaves no room below it. A port is handed out once
+/// per process: the test binaries start many gateways at once, and a port picked for one and not yet
+/// bound is still free to the next pick (two gateways, or a gateway and its etcd, given the same port).
 pub fn free_port() -> u16 {
+    static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
     let ephemeral_start = ephemeral_port_range().map_or(32_768, |(low, _)| low);
-    pick_free_port(PICKED_PORT_MIN..ephemeral_start, PORT_PICK_ATTEMPTS)
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    pick_free_port(PICKED_PORT_MIN..ephemeral_start, PORT_PICK_ATTEMPTS, &mut handed_out)
 }
 
-fn pick_free_port(candidates: std::ops::Range<u16>, attempts: u32) -> u16 {
-    if !candidates.is_empty() {
-        for _ in 0..attempts {
-            let port = rand::random_range(candidates.clone());
-            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-                return port;
-            }
-        }
-    }
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+/// A free port of `candidates` not in `handed_out` (then added to it), or the kernel's choice.
+fn pick_free_port(candidates: std::ops::Range<u16>, attempts: u32, handed_out: &mut std::collections::BTreeSet<u16>) -> u16 {
+    let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+    let port = (0..if candidates.is_empty() { 0 } else { attempts })
+        .map(|_| rand::random_range(candidates.clone()))
+        .find(|port| !handed_out.contains(port) && free(*port))
+        .unwrap_or_else(|| {
+            // The kernel's choice: fresh ports first, so one handed out before is not given twice.
+            (0..attempts.max(1))
+                .map(|_| std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port"))
+                .find(|port| !handed_out.contains(port))
+                .unwrap_or_else(|| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port())
+        });
+    handed_out.insert(port);
+    port
 }
 
 /// The kernel's ephemeral port range, if it can be read.
@@ -444,17 +452,34 @@ mod tests {
         // The only candidate is taken: every attempt fails and the kernel's choice comes back.
         let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let port = taken.local_addr().unwrap().port();
-        assert_ne!(pick_free_port(port..port + 1, PORT_PICK_ATTEMPTS), port);
+        let fresh = || std::collections::BTreeSet::new();
+        assert_ne!(pick_free_port(port..port + 1, PORT_PICK_ATTEMPTS, &mut fresh()), port);
         // Zero attempts, or no candidates, go straight to the kernel.
-        assert_ne!(pick_free_port(port..port + 1, 0), port);
-        assert_ne!(pick_free_port(port..port, PORT_PICK_ATTEMPTS), port);
+        assert_ne!(pick_free_port(port..port + 1, 0, &mut fresh()), port);
+        assert_ne!(pick_free_port(port..port, PORT_PICK_ATTEMPTS, &mut fresh()), port);
         // One attempt at a free candidate finds it. The candidate is free when the kernel hands it
         // out, but another process may take it before the pick: a few tries tell that race from a
         // pick that never takes a free candidate.
         let found = (0..5).any(|_| {
             let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            pick_free_port(free..free + 1, 1) == free
+            pick_free_port(free..free + 1, 1, &mut fresh()) == free
         });
         assert!(found, "a free single candidate was never picked in 5 tries");
+    }
+
+    #[test]
+    fn a_port_is_handed_out_once_even_while_it_is_still_free() {
+        // One free candidate: the first pick takes it; it is still free (nobody bound it), and the
+        // second pick must not hand it out again.
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut handed_out = std::collections::BTreeSet::new();
+        let first = pick_free_port(free..free + 1, 1, &mut handed_out);
+        let second = pick_free_port(free..free + 1, PORT_PICK_ATTEMPTS, &mut handed_out);
+        assert_ne!(first, second);
+        assert!(handed_out.contains(&first) && handed_out.contains(&second));
+        // Through free_port: many picks, no repeats.
+        let picks: Vec<u16> = (0..200).map(|_| free_port()).collect();
+        let distinct: std::collections::BTreeSet<u16> = picks.iter().copied().collect();
+        assert_eq!(distinct.len(), picks.len(), "free_port handed a port out twice");
     }
 }
