@@ -214,9 +214,13 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
     };
     let field = |name: &str| -> Vec<u8> {
         loop {
-            if let Some(v) = next_line(name).strip_prefix(&format!("NVLINK-CHILD {name} ")) {
+            // Anywhere in the line: the child's test harness prints `test <name> ... ` without a
+            // line end before the test's own first line.
+            let line = next_line(name);
+            let tag = format!("NVLINK-CHILD {name} ");
+            if let Some(at) = line.find(&tag) {
                 eprintln!("parent: child's {name} after {:?}", started.elapsed());
-                return unhex(v.trim());
+                return unhex(line[at + tag.len()..].trim());
             }
         }
     };
@@ -239,8 +243,9 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
     writeln!(to_child, "CHECK 21 5 {len}").unwrap();
     eprintln!("parent: 48 MiB written into the child's region after {:?}", started.elapsed());
     let verdict = loop {
-        if let Some(v) = next_line("VERDICT").strip_prefix("NVLINK-CHILD VERDICT ") {
-            break v.to_string();
+        let line = next_line("VERDICT");
+        if let Some(at) = line.find("NVLINK-CHILD VERDICT ") {
+            break line[at + "NVLINK-CHILD VERDICT ".len()..].trim().to_string();
         }
     };
     assert_eq!(verdict, "OK", "the child saw other bytes than were sent");
