@@ -36,6 +36,7 @@ pub fn check_shared_memory_file(file: &File, path: &str, refusal: ReasonCode) ->
     }
     // SAFETY: fstatfs writes into the zeroed struct we own; the fd is open for the whole call.
     let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above: `fs` is ours and writable, the descriptor open.
     if unsafe { libc::fstatfs(file.as_raw_fd(), &mut fs) } != 0 {
         return Err(io_error(refusal, format!("fstatfs {path:?}"), std::io::Error::last_os_error()));
     }

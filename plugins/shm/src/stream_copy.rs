@@ -86,7 +86,7 @@ mod x86 {
                 const WIDTH: usize = std::mem::size_of::<$vec>();
                 const UNIT: usize = 4 * WIDTH;
                 let (head, body) = split(dst as usize, len, WIDTH, UNIT);
-                // SAFETY (whole body): every offset stays inside `0..len`, which the caller promised
+                // SAFETY: (whole body) every offset stays inside `0..len`, which the caller promised
                 // readable at `src` and writable at `dst`; `dst + head` is WIDTH-aligned, as the
                 // streaming store requires, and stays so in steps of UNIT.
                 unsafe {

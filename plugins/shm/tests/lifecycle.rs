@@ -27,6 +27,8 @@ fn big_pair(
 /// ended (a 1 ms timeout can fire before the first chunk on a loaded machine).
 fn wait_started(dst: &kvgate_plugin_shm::SharedRegion, events: &Recorder) {
     let deadline = std::time::Instant::now() + WAIT;
+    // SAFETY: the region's first byte is mapped for as long as `dst` lives; volatile, as the plugin's
+    // worker writes it.
     while unsafe { std::ptr::read_volatile(dst.as_slice().as_ptr()) } == 0 {
         if events.of(XferId(1)).iter().any(|e| e.is_terminal()) {
             return;

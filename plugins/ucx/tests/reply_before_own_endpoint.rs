@@ -15,6 +15,7 @@ const PIECE: usize = 4096;
 
 /// Whether `dst` holds `src`'s bytes (read volatile: the receiver's progress thread writes `dst`).
 fn landed(dst: &[u8], src: &[u8]) -> bool {
+    // SAFETY: `i < src.len() <= dst.len()` (checked by the caller's equal lengths), inside `dst`.
     (0..src.len()).all(|i| unsafe { std::ptr::read_volatile(dst.as_ptr().add(i)) } == src[i])
 }
 /// The receiver takes a sender's writes before it has made its own endpoint to that sender (its

@@ -386,6 +386,7 @@ mod tests {
             assert!(start.elapsed() < Duration::from_secs(5), "SIGSTOP'd child never seen stopped");
             std::thread::sleep(Duration::from_millis(1));
         }
+        // SAFETY: kill(2) on our own child's pid; no memory is involved.
         unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
         let start = Instant::now();
         while all_stopped(&thread_states(pid)) {

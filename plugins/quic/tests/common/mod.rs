@@ -131,10 +131,12 @@ impl Buffer {
     }
     pub fn write(&self, offset: usize, data: &[u8]) {
         assert!(offset + data.len() <= self.len);
+        // SAFETY: the range is inside the buffer (asserted above), which this value owns.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) }
     }
     pub fn snapshot(&self) -> Vec<u8> {
         let mut out = vec![0u8; self.len];
+        // SAFETY: `self.len` bytes are readable at `self.ptr` (owned) and writable in `out`.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr, out.as_mut_ptr(), self.len) }
         out
     }
@@ -142,6 +144,7 @@ impl Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
+        // SAFETY: `ptr` came from a leaked boxed slice of `len.max(1)` bytes, freed once, here.
         unsafe { drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len.max(1)))) }
     }
 }
