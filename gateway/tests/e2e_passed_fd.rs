@@ -93,3 +93,37 @@ async fn a_memfd_passed_by_descriptor_receives_a_room_and_is_closed_at_unregiste
     pair.stop();
     assert!(!fd_socket_path(&pair.decode.socket).exists(), "the fd socket is removed at stop");
 }
+
+/// CUDA VMM memory by descriptor on gateways whose plugin (shm) serves no CUDA memory: the
+/// registration is refused `unsupported_memory`, naming each plugin and why; the range is checked
+/// against the allocation first; a token is good once and an unknown one is `unknown_fd_token`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cuda_vmm_descriptor_is_refused_by_plugins_that_serve_no_cuda_memory_saying_why() {
+    let _serial = serial().await;
+    let dir = work_dir();
+    let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings::default()).await.unwrap();
+    let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
+    let size = 2 << 20;
+    // Any descriptor stands in for the CUDA one here: no plugin of these gateways gets that far.
+    let stand_in = memfd(c"kvgate-vmm-stand-in");
+    let token = pass_fd(&pair.decode.socket, stand_in.as_fd()).unwrap();
+    let e = decode.register_cuda_vmm_fd(token, 0, 0, size, size, "vmm").await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("unsupported_memory"), "{e:?}");
+    assert!(e.message().contains("shm: memory kind cuda_device not served"), "the shm plugin's refusal not named: {}", e.message());
+    let e = decode.register_cuda_vmm_fd(token, 0, 0, size, size, "again").await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("unknown_fd_token"), "a token is used once: {e:?}");
+    // The region must lie inside the allocation: at its end is checked by the plugins, one byte past
+    // it is refused by the gateway.
+    let token = pass_fd(&pair.decode.socket, stand_in.as_fd()).unwrap();
+    let e = decode.register_cuda_vmm_fd(token, 0, 1, size, size, "past").await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("slice_out_of_range"), "{e:?}");
+    let token = pass_fd(&pair.decode.socket, stand_in.as_fd()).unwrap();
+    let e = decode.register_cuda_vmm_fd(token, 0, 1, size - 1, size, "at the end").await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("unsupported_memory"), "{e:?}");
+    let token = pass_fd(&pair.decode.socket, stand_in.as_fd()).unwrap();
+    let e = decode.register_cuda_vmm_fd(token, -1, 0, size, size, "bad device").await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("invalid_device"), "{e:?}");
+    let e = decode.register_cuda_vmm_fd(424242, 0, 0, size, size, "never passed").await.unwrap_err();
+    assert_eq!(reason_of(&e).as_deref(), Some("unknown_fd_token"), "{e:?}");
+    pair.stop();
+}

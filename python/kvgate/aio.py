@@ -27,6 +27,7 @@ from .client import (
     RECONNECT_PAUSE_S,
     _expect_request,
     _register_cuda_request,
+    _register_cuda_vmm_request,
     _register_fd_request,
     _register_shared_request,
     _send_request,
@@ -206,6 +207,15 @@ class AsyncClient:
             raise errors.InvalidRequest("missing_field", "register_fd needs the gateway's Unix socket (a descriptor cannot cross TCP)")
         token = await asyncio.to_thread(pass_fd, self.target.unix_path, fd)
         reply = await self._call(self._register, _register_fd_request(token, offset, length, label))
+        return Region(reply.region, length, tuple(reply.plugins), label)
+
+    async def register_cuda_vmm_fd(self, fd: int, *, device: int, length: int, allocation_size: int, offset: int = 0, label: str = "") -> Region:
+        """See `kvgate.Client.register_cuda_vmm_fd` (the descriptor is passed in a worker thread)."""
+        await self._ready()
+        if self.target.unix_path is None:
+            raise errors.InvalidRequest("missing_field", "register_cuda_vmm_fd needs the gateway's Unix socket (a descriptor cannot cross TCP)")
+        token = await asyncio.to_thread(pass_fd, self.target.unix_path, fd)
+        reply = await self._call(self._register, _register_cuda_vmm_request(token, device, offset, length, allocation_size, label))
         return Region(reply.region, length, tuple(reply.plugins), label)
 
     async def register_cuda_ipc(self, device: int, ipc_handle: bytes, length: int, *, label: str = "", base: int = 0) -> Region:

@@ -97,6 +97,11 @@ def _register_fd_request(token: int, offset: int, length: int, label: str) -> pb
     return pb.RegisterMemoryRequest(passed_fd=pb.PassedFdMemory(token=token, offset=offset, len=length), label=label)
 
 
+def _register_cuda_vmm_request(token: int, device: int, offset: int, length: int, allocation_size: int, label: str) -> pb.RegisterMemoryRequest:
+    memory = pb.CudaVmmFdMemory(token=token, device=device, offset=offset, len=length, allocation_size=allocation_size)
+    return pb.RegisterMemoryRequest(cuda_vmm_fd=memory, label=label)
+
+
 def _register_cuda_request(device: int, handle: bytes, length: int, label: str) -> pb.RegisterMemoryRequest:
     return pb.RegisterMemoryRequest(cuda_ipc=pb.CudaIpcMemory(device=device, ipc_handle=handle, len=length), label=label)
 
@@ -298,6 +303,20 @@ class Client:
             raise errors.InvalidRequest("missing_field", "register_fd needs the gateway's Unix socket (a descriptor cannot cross TCP)")
         token = pass_fd(self.target.unix_path, fd)
         reply = self._call(self._register, _register_fd_request(token, offset, length, label))
+        return Region(reply.region, length, tuple(reply.plugins), label)
+
+    def register_cuda_vmm_fd(self, fd: int, *, device: int, length: int, allocation_size: int, offset: int = 0, label: str = "") -> Region:
+        """Register CUDA VMM memory (`cuMemCreate`, e.g. PyTorch's expandable segments) by the POSIX
+        descriptor of its allocation (`cuMemExportToShareableHandle` with
+        `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`): `length` bytes at `offset` inside the allocation of
+        `allocation_size` bytes on CUDA device `device`. The descriptor is passed on the gateway's fd
+        socket and the gateway keeps its own copy while the region is registered, so `fd` may be closed
+        afterwards. Needs a Unix-socket target (the gateway on this host)."""
+        self._ready()
+        if self.target.unix_path is None:
+            raise errors.InvalidRequest("missing_field", "register_cuda_vmm_fd needs the gateway's Unix socket (a descriptor cannot cross TCP)")
+        token = pass_fd(self.target.unix_path, fd)
+        reply = self._call(self._register, _register_cuda_vmm_request(token, device, offset, length, allocation_size, label))
         return Region(reply.region, length, tuple(reply.plugins), label)
 
     def register_cuda_ipc(self, device: int, ipc_handle: bytes, length: int, *, label: str = "", base: int = 0) -> Region:

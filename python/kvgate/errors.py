@@ -69,6 +69,7 @@ class RegionError(KvgateError):
         "unknown_memory_kind",
         "unknown_fd_token",
         "one_fd_per_message",
+        "invalid_device",
     )
 
 

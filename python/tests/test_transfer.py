@@ -86,6 +86,22 @@ def test_blocking_client_moves_scatter_gather_chunks(pair: Pair) -> None:
         decode.close()
 
 
+def test_a_cuda_vmm_descriptor_is_refused_by_a_gateway_without_a_cuda_plugin_saying_why(pair: Pair) -> None:
+    decode = kvgate.Client(pair.decode.socket)
+    fd = os.memfd_create("kvgate-py-vmm-stand-in")  # no plugin of this gateway gets as far as the driver
+    try:
+        with pytest.raises(kvgate.RegionError) as raised:
+            decode.register_cuda_vmm_fd(fd, device=0, offset=0, length=1 << 20, allocation_size=2 << 20, label="vmm")
+        assert raised.value.code == "unsupported_memory"
+        assert "shm: memory kind cuda_device not served" in str(raised.value), str(raised.value)
+        with pytest.raises(kvgate.RegionError) as raised:
+            decode.register_cuda_vmm_fd(fd, device=0, offset=1, length=2 << 20, allocation_size=2 << 20)
+        assert raised.value.code == "slice_out_of_range"
+    finally:
+        os.close(fd)
+        decode.close()
+
+
 def test_a_memfd_registered_by_descriptor_receives_kv_after_the_engine_closes_its_copy(pair: Pair) -> None:
     import mmap
 

@@ -302,3 +302,95 @@ def test_expect_request_names_each_parts_source_kind_and_leaves_the_rest_to_the_
     request = _expect_request(RoomKey(5, 0), "rank-0", parts, 0, (), ["rank-0", "rank-1", ""])
     assert list(request.part_peers) == ["rank-0", "rank-1", ""] and request.peer == "rank-0"
     assert "no_plugin_for_memory" in errors.RegionError.codes and "unknown_memory_kind" in errors.RegionError.codes
+
+
+def test_a_cuda_vmm_registration_request_carries_every_field() -> None:
+    from kvgate.client import _register_cuda_vmm_request
+
+    request = _register_cuda_vmm_request(11, 2, 4096, 1 << 20, 2 << 20, "kv")
+    assert request.WhichOneof("memory") == "cuda_vmm_fd"
+    v = request.cuda_vmm_fd
+    assert (v.token, v.device, v.offset, v.len, v.allocation_size, request.label) == (11, 2, 4096, 1 << 20, 2 << 20, "kv")
+
+
+class _FakeCuda:
+    """libcuda for `cuda_backing` without a GPU: an allocation at `base` of `size` bytes on device 1
+    that has no IPC handle; `vmm_rc` says how the VMM export goes (0: a memfd stands in for the
+    descriptor)."""
+
+    def __init__(self, base: int, size: int, retain_rc: int = 0, export_rc: int = 0) -> None:
+        self.base, self.size, self.retain_rc, self.export_rc = base, size, retain_rc, export_rc
+        self.released: list[int] = []
+        self.exported: list[int] = []
+
+    def cuPointerGetAttribute(self, out: Any, attribute: int, ptr: Any) -> int:
+        out._obj.value = 1
+        return 0
+
+    def cuMemGetAddressRange_v2(self, base: Any, size: Any, ptr: Any) -> int:
+        base._obj.value, size._obj.value = self.base, self.size
+        return 0
+
+    def cuIpcGetMemHandle(self, handle: Any, base: Any) -> int:
+        return 1  # CUDA_ERROR_INVALID_VALUE, as for a VMM allocation
+
+    def cuMemRetainAllocationHandle(self, handle: Any, addr: Any) -> int:
+        handle._obj.value = 77
+        return self.retain_rc
+
+    def cuMemExportToShareableHandle(self, fd: Any, handle: Any, kind: Any, flags: Any) -> int:
+        assert kind.value == 1, "POSIX_FILE_DESCRIPTOR"
+        if self.export_rc == 0:
+            fd._obj.value = os.memfd_create("kvgate-fake-vmm")
+            self.exported.append(fd._obj.value)
+        return self.export_rc
+
+    def cuMemRelease(self, handle: Any) -> int:
+        self.released.append(handle.value)
+        return 0
+
+
+class _RecordingClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int, int, int]] = []
+
+    def register_cuda_vmm_fd(self, fd: int, *, device: int, length: int, allocation_size: int, offset: int = 0, label: str = "") -> kvgate.Region:
+        os.fstat(fd)  # the descriptor is open while it is passed
+        self.calls.append((fd, device, offset, length, allocation_size))
+        return kvgate.Region(len(self.calls), length, ("nvlink",), label)
+
+
+def test_a_vmm_allocation_without_ipc_handle_is_registered_by_descriptor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgate.sglang import memory
+
+    fake = _FakeCuda(base=0x10_0000, size=2 << 20)
+    monkeypatch.setattr(memory, "_libcuda", lambda: fake)
+    client = _RecordingClient()
+    regions = memory.RegionMap(client)  # type: ignore[arg-type]
+    # 0x10_0000 is below every mapping of this process: not shared host memory, so CUDA is asked.
+    assert regions.locate(0x10_0000 + 4096, 8192, "kv") == (1, 4096)
+    assert regions.locate(0x10_0000 + 8192, 64, "kv") == (1, 8192), "registered once"
+    assert [c[1:] for c in client.calls] == [(1, 0, 2 << 20, 2 << 20)]
+    assert fake.released == [77, 77], "every retained handle is released"
+    for fd in fake.exported:
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed once the gateway has its copy
+    # A buffer running past the allocation cannot be one region: refused, its descriptor closed.
+    fresh = memory.RegionMap(client)  # type: ignore[arg-type]
+    with pytest.raises(memory.UnsupportedMemory, match="runs past the end of its CUDA VMM allocation"):
+        fresh.locate(0x10_0000 + (2 << 20) - 10, 11, "kv")
+    with pytest.raises(OSError):
+        os.fstat(fake.exported[-1])
+
+
+@pytest.mark.parametrize("retain_rc, export_rc, names", [(1, 0, "cuMemRetainAllocationHandle failed (1)"), (0, 101, "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR) failed (101)")])
+def test_an_allocation_exportable_neither_way_names_both_attempts(monkeypatch: pytest.MonkeyPatch, retain_rc: int, export_rc: int, names: str) -> None:
+    from kvgate.sglang import memory
+
+    fake = _FakeCuda(base=0x10_0000, size=2 << 20, retain_rc=retain_rc, export_rc=export_rc)
+    monkeypatch.setattr(memory, "_libcuda", lambda: fake)
+    with pytest.raises(memory.UnsupportedMemory) as raised:
+        memory.RegionMap(_RecordingClient()).locate(0x10_0000, 64, "kv")  # type: ignore[arg-type]
+    message = str(raised.value)
+    assert "cuIpcGetMemHandle failed (1)" in message and names in message, message
+    assert fake.released == ([] if retain_rc else [77]), "a retained handle is released on failure too, and only a retained one"

@@ -13,8 +13,9 @@
 #                regions in device memory, chosen because the plugin declares only cuda_device)
 #   2. unit    : cargo test --release -p kvgate-plugin-nvlink            (the CPU tests, for reference)
 #   3. gpu     : cargo test --release -p kvgate-plugin-nvlink --test gpu -- --ignored --test-threads=1
-#                (real device memory, cancel/timeout/shutdown, and two processes on one GPU through
-#                CUDA IPC handles: the test re-runs itself as the child process)
+#                (real device memory, cancel/timeout/shutdown, two processes on one GPU through
+#                CUDA IPC handles, CUDA VMM allocations by descriptor in one and in two processes: the
+#                two-process tests re-run themselves as the child process)
 #   4. conform : target/release/kvgate-conformance --plugin target/release/libkvgate_nvlink.so --quick
 #                --json out/conformance.json   (the harness of tests/conformance, same as
 #                `kvgate conformance`; plugin config from tests/gpu/nvlink-conformance.toml)

@@ -261,7 +261,9 @@ pub struct RegionDesc {
     pub addr: u64,
     pub len: u64,
     /// A file that backs the region and that a same-host peer can map (`/dev/shm/..`,
-    /// `/proc/<pid>/fd/<n>` for a memfd); empty if none.
+    /// `/proc/<pid>/fd/<n>` for a memfd); empty if none. For `CUDA_DEVICE` with `addr = 0` and no
+    /// `ipc_handle`: `cuda-vmm-fd:<fd>:<allocation_size>`, a CUDA VMM allocation's descriptor held
+    /// by the host (see [`crate::cuda_vmm`]).
     pub backing_path: RString,
     /// Offset of the region inside `backing_path`.
     pub backing_offset: u64,

@@ -181,6 +181,27 @@ impl Client {
         Ok(self.inner.clone().register_memory(request).await?.into_inner().region)
     }
 
+    /// Register CUDA VMM memory (`cuMemCreate`, e.g. PyTorch's expandable segments) by the POSIX
+    /// descriptor its owner exported (`cuMemExportToShareableHandle`), passed on the fd socket
+    /// (`fd_pass::pass_fd`): `len` bytes at `offset` inside the allocation of `allocation_size` bytes
+    /// on CUDA device `device`. Plugins that cannot import such memory say so in the reply's refusals.
+    pub async fn register_cuda_vmm_fd(
+        &self,
+        token: u64,
+        device: i32,
+        offset: u64,
+        len: u64,
+        allocation_size: u64,
+        label: &str,
+    ) -> Result<u64, Status> {
+        let memory = proto::CudaVmmFdMemory { token, device, offset, len, allocation_size };
+        let request = proto::RegisterMemoryRequest {
+            memory: Some(proto::register_memory_request::Memory::CudaVmmFd(memory)),
+            label: label.to_string(),
+        };
+        Ok(self.inner.clone().register_memory(request).await?.into_inner().region)
+    }
+
     pub async fn unregister_memory(&self, region: u64) -> Result<(), Status> {
         self.inner.clone().unregister_memory(proto::UnregisterMemoryRequest { region }).await?;
         Ok(())

@@ -48,6 +48,9 @@ pub enum MemorySpec {
     /// Host memory behind a descriptor the engine passed on the fd socket: the gateway keeps it open
     /// while the region is registered, and names it to plugins as `/proc/<gateway pid>/fd/<n>`.
     PassedFd { file: std::fs::File, offset: u64, len: u64 },
+    /// A CUDA VMM allocation's descriptor passed on the fd socket: the gateway keeps it open while the
+    /// region is registered and names it to plugins by the `kvgate_abi::cuda_vmm` convention.
+    CudaVmmFd { file: std::fs::File, device: i32, offset: u64, len: u64, allocation_size: u64 },
 }
 
 /// One expect, decoded.

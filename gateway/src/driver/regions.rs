@@ -136,6 +136,33 @@ impl Driver {
                 };
                 (desc, None)
             }
+            MemorySpec::CudaVmmFd { file, device, offset, len, allocation_size } => {
+                if len == 0 || allocation_size == 0 {
+                    return Err(ApiError::invalid("empty_region", "a CUDA VMM region needs len > 0 and allocation_size > 0"));
+                }
+                if device < 0 {
+                    return Err(ApiError::invalid("invalid_device", format!("CUDA device ordinal {device} is negative")));
+                }
+                if offset.checked_add(len).is_none_or(|end| end > allocation_size) {
+                    return Err(ApiError::invalid(
+                        "slice_out_of_range",
+                        format!("offset {offset} + len {len} lies past the end of the CUDA VMM allocation ({allocation_size} bytes)"),
+                    ));
+                }
+                use std::os::fd::AsRawFd;
+                let backing = kvgate_abi::cuda_vmm::CudaVmmBacking { fd: file.as_raw_fd(), allocation_size };
+                let desc = RegionDesc {
+                    kind: MemoryKind::CUDA_DEVICE,
+                    device,
+                    addr: 0,
+                    len,
+                    backing_path: RString::from(backing.to_backing_path()),
+                    backing_offset: offset,
+                    ipc_handle: RVec::new(),
+                };
+                passed = Some(file);
+                (desc, None)
+            }
         };
         let mut keys = Vec::new();
         let mut remote_keys = Vec::new();

@@ -47,6 +47,14 @@ impl EngineApiService {
         self.passed_fds.clone()
     }
 
+    /// The descriptor passed under `token`, once (`unknown_fd_token` otherwise).
+    fn take_passed_fd(&self, token: u64) -> Result<std::os::fd::OwnedFd, Status> {
+        self.passed_fds.take(token).ok_or_else(|| {
+            let message = format!("no descriptor waits under token {token} (never passed, already registered, or past engine_api.passed_fd_ttl_ms)");
+            ApiError::new(tonic::Code::NotFound, "unknown_fd_token", message).to_status()
+        })
+    }
+
     /// A batch longer than `engine_api.max_batch_calls` is refused whole (nothing of it is applied).
     fn check_batch(&self, calls: usize) -> Result<(), Status> {
         if calls > self.max_batch_calls {
@@ -205,13 +213,14 @@ impl EngineApi for EngineApiService {
             Some(Memory::SharedMemory(m)) => MemorySpec::SharedFile { path: m.path, offset: m.offset, len: m.len },
             Some(Memory::CudaIpc(c)) => MemorySpec::CudaIpc { device: c.device, handle: c.ipc_handle, offset: c.offset, len: c.len },
             Some(Memory::PassedFd(p)) => {
-                let Some(fd) = self.passed_fds.take(p.token) else {
-                    let message = format!("no descriptor waits under token {} (never passed, already registered, or past engine_api.passed_fd_ttl_ms)", p.token);
-                    return Err(ApiError::new(tonic::Code::NotFound, "unknown_fd_token", message).to_status());
-                };
+                let fd = self.take_passed_fd(p.token)?;
                 MemorySpec::PassedFd { file: std::fs::File::from(fd), offset: p.offset, len: p.len }
             }
-            None => return Err(ApiError::invalid("missing_field", "register_memory needs shared_memory, cuda_ipc or passed_fd").to_status()),
+            Some(Memory::CudaVmmFd(v)) => {
+                let fd = self.take_passed_fd(v.token)?;
+                MemorySpec::CudaVmmFd { file: std::fs::File::from(fd), device: v.device, offset: v.offset, len: v.len, allocation_size: v.allocation_size }
+            }
+            None => return Err(ApiError::invalid("missing_field", "register_memory needs shared_memory, cuda_ipc, passed_fd or cuda_vmm_fd").to_status()),
         };
         let registered = self.call(|reply| EngineCall::Register { memory, label: r.label, session, reply }).await?;
         Ok(Response::new(proto::RegisterMemoryReply { region: registered.region, plugins: registered.plugins, refused: registered.refused }))

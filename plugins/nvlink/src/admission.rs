@@ -2,7 +2,8 @@
 //! serve and how a peer's key reaches its memory. Owns refusals with reason codes; never calls
 //! CUDA (the plugin calls these first, then the driver), so they are unit-tested without a GPU.
 
-use crate::wire::{EndpointWire, RemoteKeyWire, IPC_HANDLE_BYTES};
+use crate::wire::{EndpointWire, RemoteKeyWire, VmmKeyWire, IPC_HANDLE_BYTES};
+use kvgate_abi::cuda_vmm::CudaVmmBacking;
 use kvgate_abi::{MemoryKind, PluginError, ReasonCode, RegionDesc};
 
 fn refuse(code: ReasonCode, what: &str, message: String) -> PluginError {
@@ -18,6 +19,10 @@ pub enum RegionSource {
     /// Memory of another process (an engine): open `RegionDesc::ipc_handle`; the region starts
     /// `RegionDesc::backing_offset` bytes into that allocation.
     EngineHandle,
+    /// A CUDA VMM allocation whose descriptor the host holds (`backing_path =
+    /// "cuda-vmm-fd:<fd>:<allocation_size>"`): import a duplicate of `fd`, map the allocation; the
+    /// region starts `RegionDesc::backing_offset` bytes into it.
+    VmmDescriptor { fd: i32, allocation_size: u64 },
 }
 
 /// What `register` decided before touching the driver.
@@ -63,9 +68,29 @@ pub fn check_region(
         ));
     }
     let source = match (region.addr, region.ipc_handle.is_empty()) {
-        (0, true) => {
-            return Err(refuse(ReasonCode::INVALID_ARGUMENT, what, "needs a device address or an IPC handle".into()))
-        }
+        (0, true) => match CudaVmmBacking::parse(region.backing_path.as_str()) {
+            Some(Ok(b)) => {
+                if region.backing_offset.checked_add(region.len).is_none_or(|end| end > b.allocation_size) {
+                    return Err(refuse(
+                        ReasonCode::OUT_OF_RANGE,
+                        what,
+                        format!(
+                            "backing_offset {} + {} bytes exceed the CUDA VMM allocation ({} bytes)",
+                            region.backing_offset, region.len, b.allocation_size
+                        ),
+                    ));
+                }
+                RegionSource::VmmDescriptor { fd: b.fd, allocation_size: b.allocation_size }
+            }
+            Some(Err(why)) => return Err(refuse(ReasonCode::INVALID_ARGUMENT, what, why)),
+            None => {
+                return Err(refuse(
+                    ReasonCode::INVALID_ARGUMENT,
+                    what,
+                    "needs a device address, an IPC handle or a CUDA VMM descriptor (backing_path cuda-vmm-fd:<fd>:<size>)".into(),
+                ))
+            }
+        },
         (0, false) => RegionSource::EngineHandle,
         (addr, _) => {
             if addr.checked_add(region.len).is_none() {
@@ -119,4 +144,20 @@ pub fn route_import(
     }
     let device_index = device_uuids.iter().position(|u| *u == key.device_uuid).unwrap_or(0);
     Ok(ImportRoute::OpenHandle { device_index })
+}
+
+/// Checks that a CUDA VMM `key` was made by the instance behind `peer`; the device whose context
+/// maps it (the key's device by UUID if this instance serves it, else the first one).
+pub fn route_vmm_import(key: &VmmKeyWire, peer: &EndpointWire, device_uuids: &[[u8; 16]]) -> Result<usize, PluginError> {
+    if key.instance_nonce != peer.instance_nonce {
+        return Err(refuse(
+            ReasonCode::INVALID_ARGUMENT,
+            "import_remote_key",
+            format!(
+                "key made by instance {:#x}, but the peer is instance {:#x} (foreign or stale key)",
+                key.instance_nonce, peer.instance_nonce
+            ),
+        ));
+    }
+    Ok(device_uuids.iter().position(|u| *u == key.device_uuid).unwrap_or(0))
 }

@@ -42,6 +42,10 @@ pub struct NvlinkConfig {
     /// How long `shutdown` waits for copies already on the GPU to finish before it gives up on
     /// them (their transfers are failed either way). Default 5000 ms, 1..=600_000.
     pub shutdown_drain_ms: u64,
+    /// CUDA VMM descriptors served to same-host peers: how long either side of one request on the
+    /// instance's descriptor socket may take (the server waits this long for a request, an importer
+    /// this long for the answer). Default 5000 ms, 1..=60_000.
+    pub vmm_fd_request_timeout_ms: u64,
 }
 
 impl Default for NvlinkConfig {
@@ -60,6 +64,7 @@ impl Default for NvlinkConfig {
             poll_spin_us: 20,
             poll_max_sleep_us: 200,
             shutdown_drain_ms: 5000,
+            vmm_fd_request_timeout_ms: 5000,
         }
     }
 }
@@ -78,6 +83,7 @@ pub const BOUNDS: &[(&str, u64, u64)] = &[
     ("poll_spin_us", 0, 1000),
     ("poll_max_sleep_us", 1, 100_000),
     ("shutdown_drain_ms", 1, 600_000),
+    ("vmm_fd_request_timeout_ms", 1, 60_000),
 ];
 
 /// Most device ordinals one instance may list.
@@ -105,6 +111,7 @@ impl NvlinkConfig {
             "poll_spin_us" => self.poll_spin_us,
             "poll_max_sleep_us" => self.poll_max_sleep_us,
             "shutdown_drain_ms" => self.shutdown_drain_ms,
+            "vmm_fd_request_timeout_ms" => self.vmm_fd_request_timeout_ms,
             other => unreachable!("BOUNDS names unknown key {other}"),
         }
     }

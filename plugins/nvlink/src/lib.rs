@@ -1,6 +1,6 @@
 //! kvgate-plugin-nvlink: KV-cache transfers between GPUs of one node (NVLink/NVSwitch, PCIe peer
-//! copies, or one GPU shared by several processes) through CUDA IPC handles and
-//! `cuMemcpyDtoDAsync`, on cudarc with the driver loaded at run time.
+//! copies, or one GPU shared by several processes) through CUDA IPC handles or CUDA VMM descriptors
+//! and `cuMemcpyDtoDAsync`, on cudarc with the driver loaded at run time.
 //!
 //! Without a CUDA driver `open` fails with `UNAVAILABLE` and the reason; nothing else touches CUDA
 //! before that check (cudarc panics when libcuda is missing). The GPU path is exercised by
@@ -12,9 +12,11 @@ pub mod config;
 pub mod cuda;
 pub mod device_buffer;
 pub mod engine;
+pub mod fd_socket;
 pub mod plugin;
 pub mod segments;
 mod state;
+pub mod vmm;
 pub mod wire;
 mod worker;
 

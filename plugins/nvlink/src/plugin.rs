@@ -2,19 +2,22 @@
 //! pure checks and the CUDA layer. Owns the API contract (refusals with reason codes, logged every
 //! time); never blocks on a copy and never delivers transfer events itself (the worker does).
 
-use crate::admission::{check_region, route_import, ImportRoute, RegionSource};
+use crate::admission::{check_region, route_import, route_vmm_import, ImportRoute, RegionSource};
 use crate::chunk_plan::plan_copies;
 use crate::config::NvlinkConfig;
 use crate::cuda::{self, CudaBackend, CudaDevice, IpcMapping};
 use crate::engine::{Engine, NewTransfer};
+use crate::fd_socket::{self, FdServer};
 use crate::segments::{range_fits, resolve_segments, LocalView, RemoteView, SubmitLimits};
 use crate::state::{Control, ImportedKey, LiveTransfer, LocalRegion, State};
-use crate::wire::{read_boot_id, EndpointWire, RemoteKeyWire};
+use crate::vmm::{VmmError, VmmMapping};
+use crate::wire::{read_boot_id, AnyRemoteKey, EndpointWire, RemoteKeyWire, VmmKeyWire};
 use crate::worker::{self, Shared};
 use kvgate_abi::sdk::{spawn_worker, Sink};
 use kvgate_abi::*;
 use std::any::Any;
 use std::collections::HashSet;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -67,6 +70,8 @@ pub struct NvlinkPlugin {
     devices: Vec<CudaDevice>,
     endpoint: EndpointWire,
     worker: Mutex<Option<JoinHandle<()>>>,
+    /// The descriptor socket of this instance's CUDA VMM regions, started by the first one.
+    fd_server: Mutex<Option<Arc<FdServer>>>,
 }
 
 /// Opens an instance: parse `config` (errors name the key), then check for the CUDA driver with
@@ -101,7 +106,7 @@ pub fn open_with_probe(config: &str, sink: Sink, driver_present: impl FnOnce() -
     let handle = spawn_worker("kvgate-nvlink", sink, move || run_worker(worker_shared, engine))
         .map_err(|e| logged(PluginError::new(ReasonCode::RESOURCE_EXHAUSTED, format!("nvlink: spawn worker: {e}"))))?;
     tracing::info!(devices = ?devices.iter().map(|d| d.ordinal).collect::<Vec<_>>(), "nvlink: opened");
-    Ok(NvlinkPlugin { shared, devices, endpoint, worker: Mutex::new(Some(handle)) })
+    Ok(NvlinkPlugin { shared, devices, endpoint, worker: Mutex::new(Some(handle)), fd_server: Mutex::new(None) })
 }
 
 /// The worker, with its death made visible: a panic fails every live transfer (not quiesced: copies
@@ -155,6 +160,9 @@ impl NvlinkPlugin {
         let plan = check_region(region, &self.device_ordinals(), st.regions.len() as u64, self.config().max_registered_regions)?;
         let device = &self.devices[plan.device_index];
         let err = |code: ReasonCode, m: String| PluginError::new(code, format!("nvlink register: {m}"));
+        if let RegionSource::VmmDescriptor { fd, allocation_size } = plan.source {
+            return self.register_vmm(st, region, plan.device_index, fd, allocation_size);
+        }
         let (addr, offset_in_allocation, handle, mapping) = match plan.source {
             RegionSource::LocalPointer => {
                 let info = cuda::inspect_device_pointer(&device.ctx, region.addr)
@@ -190,6 +198,7 @@ impl NvlinkPlugin {
                 }
                 (mapping.base + region.backing_offset, region.backing_offset, handle, Some(mapping))
             }
+            RegionSource::VmmDescriptor { .. } => unreachable!("handled above"),
         };
         let key = LocalKey(st.next_local_key);
         st.next_local_key += 1;
@@ -206,15 +215,15 @@ impl NvlinkPlugin {
         };
         st.regions.insert(
             key,
-            Arc::new(LocalRegion { device_index: plan.device_index, addr, len: region.len, _mapping: mapping }),
+            Arc::new(LocalRegion { device_index: plan.device_index, addr, len: region.len, _mapping: mapping, _vmm: None }),
         );
         st.registered_bytes += region.len;
         Ok(Registration { key, remote_key: wire.encode().into() })
     }
 
-    fn import_inner(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
-        let mut st = self.shared.lock();
-        Self::usable(&st)?;
+    /// The peer's endpoint, if the instance is usable, the peer connected and the import limit not reached.
+    fn import_admission(&self, st: &State, peer: PeerId) -> Result<EndpointWire, PluginError> {
+        Self::usable(st)?;
         let peer_endpoint = st.peers.get(&peer).cloned().ok_or_else(|| {
             PluginError::new(ReasonCode::PEER_UNREACHABLE, format!("nvlink import_remote_key: peer {} is not connected", peer.0))
         })?;
@@ -224,7 +233,19 @@ impl NvlinkPlugin {
                 format!("nvlink import_remote_key: max_imported_remote_keys {} reached", self.config().max_imported_remote_keys),
             ));
         }
-        let key = RemoteKeyWire::decode(bytes)?;
+        Ok(peer_endpoint)
+    }
+
+    fn import_inner(&self, peer: PeerId, bytes: &[u8]) -> Result<RemoteKey, PluginError> {
+        let mut st = self.shared.lock();
+        let peer_endpoint = self.import_admission(&st, peer)?;
+        let key = match AnyRemoteKey::decode(bytes)? {
+            AnyRemoteKey::Ipc(key) => key,
+            AnyRemoteKey::Vmm(key) => {
+                drop(st);
+                return self.import_vmm(peer, &peer_endpoint, &key);
+            }
+        };
         let uuids: Vec<[u8; 16]> = self.devices.iter().map(|d| d.uuid).collect();
         let imported = match route_import(&key, &peer_endpoint, &self.endpoint, &uuids)? {
             ImportRoute::SameProcess => {
@@ -236,7 +257,7 @@ impl NvlinkPlugin {
                 if !range_fits(offset, key.len, info.allocation_len) {
                     return Err(PluginError::new(ReasonCode::OUT_OF_RANGE, "nvlink import_remote_key: key exceeds its allocation"));
                 }
-                ImportedKey { peer, addr: key.holder_addr, len: key.len, _mapping: None }
+                ImportedKey { peer, addr: key.holder_addr, len: key.len, _mapping: None, _vmm: None }
             }
             ImportRoute::OpenHandle { device_index } => {
                 let mapping = self.mapping(&key.ipc_handle, device_index)?;
@@ -249,8 +270,111 @@ impl NvlinkPlugin {
                         ),
                     ));
                 }
-                ImportedKey { peer, addr: mapping.base + key.offset_in_allocation, len: key.len, _mapping: Some(mapping) }
+                ImportedKey { peer, addr: mapping.base + key.offset_in_allocation, len: key.len, _mapping: Some(mapping), _vmm: None }
             }
+        };
+        let id = RemoteKey(st.next_remote_key);
+        st.next_remote_key += 1;
+        st.imported.insert(id, Arc::new(imported));
+        Ok(id)
+    }
+
+    /// The instance's descriptor socket, started on first use.
+    fn fd_server(&self) -> Result<Arc<FdServer>, PluginError> {
+        let mut slot = self.fd_server.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(server) = slot.as_ref() {
+            return Ok(server.clone());
+        }
+        let timeout = Duration::from_millis(self.config().vmm_fd_request_timeout_ms);
+        let server = fd_socket::fresh_socket_name()
+            .and_then(|name| FdServer::start(name, timeout))
+            .map_err(|e| PluginError::new(ReasonCode::RESOURCE_EXHAUSTED, format!("nvlink register: start the descriptor socket: {e}")))?;
+        let server = Arc::new(server);
+        *slot = Some(server.clone());
+        Ok(server)
+    }
+
+    /// `register` of a CUDA VMM descriptor the host holds: import a duplicate and map it here, serve
+    /// another duplicate to peers on the descriptor socket, and hand out a VMM key.
+    fn register_vmm(
+        &self,
+        mut st: std::sync::MutexGuard<'_, State>,
+        region: &RegionDesc,
+        device_index: usize,
+        fd: i32,
+        allocation_size: u64,
+    ) -> Result<Registration, PluginError> {
+        let err = |code: ReasonCode, m: String| PluginError::new(code, format!("nvlink register: {m}"));
+        // SAFETY: `fd` >= 0 (checked when parsed); the host keeps it open while it registers the
+        // region and until it deregisters it (the `cuda_vmm` convention). Only borrowed to duplicate.
+        let host_fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        let served = host_fd
+            .try_clone_to_owned()
+            .map_err(|e| err(ReasonCode::INVALID_ARGUMENT, format!("descriptor {fd} of the CUDA VMM region: {e}")))?;
+        let device = &self.devices[device_index];
+        let mapping = VmmMapping::import(&device.ctx, served.as_fd(), allocation_size).map_err(|e| match e {
+            VmmError::Invalid(m) => err(ReasonCode::INVALID_ARGUMENT, m),
+            VmmError::Driver(m) => err(ReasonCode::UNSUPPORTED_MEMORY, m),
+        })?;
+        let server = self.fd_server()?;
+        let secret = fd_socket::random_bytes()
+            .map_err(|e| err(ReasonCode::INTERNAL, format!("no random secret for the region (/dev/urandom: {e})")))?;
+        let key = LocalKey(st.next_local_key);
+        st.next_local_key += 1;
+        let wire = VmmKeyWire {
+            instance_nonce: self.endpoint.instance_nonce,
+            region_id: key.0,
+            device: device.ordinal as i32,
+            device_uuid: device.uuid,
+            holder_pid: self.endpoint.pid,
+            socket_name: server.name().to_string(),
+            secret,
+            offset_in_allocation: region.backing_offset,
+            len: region.len,
+            allocation_size,
+        };
+        server.serve(key.0, secret, served);
+        let addr = mapping.base + region.backing_offset;
+        st.regions.insert(
+            key,
+            Arc::new(LocalRegion { device_index, addr, len: region.len, _mapping: None, _vmm: Some(Arc::new(mapping)) }),
+        );
+        st.registered_bytes += region.len;
+        Ok(Registration { key, remote_key: wire.encode().into() })
+    }
+
+    /// `import_remote_key` of a CUDA VMM key: fetch the descriptor from the holder's socket (without
+    /// the state lock: bounded by `vmm_fd_request_timeout_ms`), map it, then record the key if the
+    /// instance and the peer are still there.
+    fn import_vmm(&self, peer: PeerId, peer_endpoint: &EndpointWire, key: &VmmKeyWire) -> Result<RemoteKey, PluginError> {
+        let uuids: Vec<[u8; 16]> = self.devices.iter().map(|d| d.uuid).collect();
+        let device_index = route_vmm_import(key, peer_endpoint, &uuids)?;
+        let timeout = Duration::from_millis(self.config().vmm_fd_request_timeout_ms);
+        let fd = fd_socket::request_fd(&key.socket_name, key.region_id, &key.secret, timeout)
+            .map_err(|e| PluginError::new(e.code, format!("nvlink import_remote_key: {}", e.message)))?;
+        let mapping = VmmMapping::import(&self.devices[device_index].ctx, fd.as_fd(), key.allocation_size).map_err(|e| {
+            let code = match e {
+                VmmError::Invalid(_) => ReasonCode::INVALID_ARGUMENT,
+                VmmError::Driver(_) => ReasonCode::TRANSPORT_ERROR,
+            };
+            PluginError::new(code, format!("nvlink import_remote_key: region {} of peer {}: {e}", key.region_id, peer.0))
+        })?;
+        drop(fd);
+        let mut st = self.shared.lock();
+        // Checked again: the peer may have gone, or the limit been reached, while the lock was free.
+        self.import_admission(&st, peer)?;
+        if st.peers.get(&peer).is_none_or(|e| e.instance_nonce != key.instance_nonce) {
+            return Err(PluginError::new(
+                ReasonCode::PEER_LOST,
+                format!("nvlink import_remote_key: peer {} reconnected as another instance meanwhile", peer.0),
+            ));
+        }
+        let imported = ImportedKey {
+            peer,
+            addr: mapping.base + key.offset_in_allocation,
+            len: key.len,
+            _mapping: None,
+            _vmm: Some(Arc::new(mapping)),
         };
         let id = RemoteKey(st.next_remote_key);
         st.next_remote_key += 1;
@@ -379,6 +503,12 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
         st.registered_bytes -= region.len;
         st.fail_users(Some(key), None, ReasonCode::UNKNOWN_KEY, "nvlink: a source region was deregistered");
         drop(st);
+        if region._vmm.is_some() {
+            // No peer gets its descriptor from now on (peers that imported it keep their mappings).
+            if let Some(server) = self.fd_server.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                server.withdraw(key.0);
+            }
+        }
         self.shared.wake.notify_one();
         Ok(())
     }
@@ -440,6 +570,9 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
             } else {
                 let _ = handle.join(); // a worker panic was already reported as UNHEALTHY
             }
+        }
+        if let Some(server) = self.fd_server.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            server.stop();
         }
         let mut st = self.shared.lock();
         st.regions.clear();

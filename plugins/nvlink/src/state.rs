@@ -1,8 +1,9 @@
-//! The instance's shared tables (regions, imported keys, IPC mappings, peers, live transfers) and
+//! The instance's shared tables (regions, imported keys, IPC and VMM mappings, peers, live transfers) and
 //! the mailbox between API calls and the worker. Owns bookkeeping under one mutex; never calls
 //! CUDA while building a request and never delivers events (the worker does, outside the lock).
 
 use crate::cuda::IpcMapping;
+use crate::vmm::VmmMapping;
 use crate::engine::{EngineCounts, NewTransfer};
 use crate::wire::EndpointWire;
 use kvgate_abi::{LocalKey, PeerId, ReasonCode, RemoteKey, XferId};
@@ -17,6 +18,8 @@ pub struct LocalRegion {
     pub len: u64,
     /// Set when the region is an engine's memory this instance opened.
     pub _mapping: Option<Arc<IpcMapping>>,
+    /// Set when the region is a CUDA VMM allocation this instance imported and mapped.
+    pub _vmm: Option<Arc<VmmMapping>>,
 }
 
 /// An imported peer region.
@@ -28,6 +31,9 @@ pub struct ImportedKey {
     /// Set when the key was reached through `cuIpcOpenMemHandle`; shared by every key of the
     /// same allocation, closed when the last key and transfer let go.
     pub _mapping: Option<Arc<IpcMapping>>,
+    /// Set when the key names a CUDA VMM allocation, imported through the holder's descriptor
+    /// socket and mapped for this key alone; unmapped when the key and its transfers let go.
+    pub _vmm: Option<Arc<VmmMapping>>,
 }
 
 /// What the worker must apply to the engine.

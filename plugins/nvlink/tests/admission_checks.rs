@@ -3,7 +3,7 @@
 
 use kvgate_abi::{MemoryKind, ReasonCode, RegionDesc};
 use kvgate_plugin_nvlink::admission::*;
-use kvgate_plugin_nvlink::wire::{EndpointWire, RemoteKeyWire};
+use kvgate_plugin_nvlink::wire::{EndpointWire, RemoteKeyWire, VmmKeyWire};
 
 fn cuda_region() -> RegionDesc {
     RegionDesc { kind: MemoryKind::CUDA_DEVICE, device: 1, addr: 0x7000_0000, len: 4096, ..RegionDesc::default() }
@@ -31,6 +31,51 @@ fn a_device_pointer_region_is_planned_on_its_device() {
 fn an_engine_handle_region_is_opened() {
     let r = RegionDesc { addr: 0, ipc_handle: vec![1u8; 64].into(), backing_offset: 128, ..cuda_region() };
     assert_eq!(check(&r).unwrap(), RegionPlan { device_index: 1, source: RegionSource::EngineHandle });
+}
+
+#[test]
+fn a_cuda_vmm_descriptor_region_is_imported_and_checked_against_its_allocation() {
+    let vmm = |offset: u64, len: u64, path: &str| RegionDesc {
+        addr: 0,
+        len,
+        backing_path: path.into(),
+        backing_offset: offset,
+        ..cuda_region()
+    };
+    let plan = check(&vmm(4096, 4096, "cuda-vmm-fd:9:8192")).unwrap();
+    assert_eq!(plan, RegionPlan { device_index: 1, source: RegionSource::VmmDescriptor { fd: 9, allocation_size: 8192 } });
+    // Ends exactly at the allocation's end: accepted; one byte past it: refused.
+    let past = check(&vmm(4097, 4096, "cuda-vmm-fd:9:8192")).unwrap_err();
+    assert_eq!(past.code, ReasonCode::OUT_OF_RANGE, "{past}");
+    assert_eq!(check(&vmm(u64::MAX, 2, "cuda-vmm-fd:9:8192")).unwrap_err().code, ReasonCode::OUT_OF_RANGE);
+    for bad in ["cuda-vmm-fd:9", "cuda-vmm-fd:-1:8192", "cuda-vmm-fd:9:0"] {
+        assert_eq!(check(&vmm(0, 1, bad)).unwrap_err().code, ReasonCode::INVALID_ARGUMENT, "{bad}");
+    }
+    // Any other backing (a host file) is not a CUDA region's: refused, naming the three forms.
+    let e = check(&vmm(0, 1, "/dev/shm/pool")).unwrap_err();
+    assert_eq!(e.code, ReasonCode::INVALID_ARGUMENT);
+    assert!(e.message.contains("CUDA VMM descriptor"), "{e}");
+}
+
+#[test]
+fn a_vmm_key_is_only_taken_from_the_instance_that_made_it() {
+    let peer = EndpointWire { instance_nonce: 5, pid: 10, boot_id: [1; 16] };
+    let key = VmmKeyWire {
+        instance_nonce: 5,
+        region_id: 1,
+        device: 0,
+        device_uuid: [8; 16],
+        holder_pid: 10,
+        socket_name: "kvgate-nvlink-x".into(),
+        secret: [1; 16],
+        offset_in_allocation: 0,
+        len: 1,
+        allocation_size: 2 << 20,
+    };
+    assert_eq!(route_vmm_import(&key, &peer, &[[7; 16], [8; 16]]).unwrap(), 1, "device found by UUID");
+    assert_eq!(route_vmm_import(&key, &peer, &[[7; 16]]).unwrap(), 0, "unknown UUID: the first device");
+    let foreign = VmmKeyWire { instance_nonce: 6, ..key };
+    assert_eq!(route_vmm_import(&foreign, &peer, &[[8; 16]]).unwrap_err().code, ReasonCode::INVALID_ARGUMENT);
 }
 
 #[test]

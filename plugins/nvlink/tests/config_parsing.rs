@@ -15,6 +15,7 @@ fn empty_config_gives_the_documented_defaults() {
     let c = NvlinkConfig::parse("").unwrap();
     assert_eq!(c, NvlinkConfig::default());
     assert_eq!(c.chunk_bytes, 16 << 20);
+    assert_eq!(c.vmm_fd_request_timeout_ms, 5000);
     assert_eq!(c.streams_per_peer, 2);
     assert_eq!(c.max_copies_in_flight_per_transfer, 4);
     assert!(c.devices.is_empty());
@@ -26,7 +27,7 @@ fn every_key_parses() {
         "devices = [0, 2]\nstreams_per_peer = 3\nchunk_bytes = 1048576\nmax_copies_in_flight_per_transfer = 8\n\
          max_inflight_transfers = 10\nmax_segments_per_submit = 11\nmax_transfer_bytes = 12\n\
          max_registered_regions = 13\nmax_imported_remote_keys = 14\nmax_peers = 15\npoll_spin_us = 16\n\
-         poll_max_sleep_us = 17\nshutdown_drain_ms = 18\n",
+         poll_max_sleep_us = 17\nshutdown_drain_ms = 18\nvmm_fd_request_timeout_ms = 19\n",
     )
     .unwrap();
     assert_eq!(c.devices, vec![0, 2]);
@@ -36,7 +37,7 @@ fn every_key_parses() {
     );
     assert_eq!((c.max_segments_per_submit, c.max_transfer_bytes, c.max_registered_regions), (11, 12, 13));
     assert_eq!((c.max_imported_remote_keys, c.max_peers, c.poll_spin_us), (14, 15, 16));
-    assert_eq!((c.poll_max_sleep_us, c.shutdown_drain_ms), (17, 18));
+    assert_eq!((c.poll_max_sleep_us, c.shutdown_drain_ms, c.vmm_fd_request_timeout_ms), (17, 18, 19));
 }
 
 #[test]

@@ -130,3 +130,93 @@ fn fnv_is_the_published_fnv1a64() {
     assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
     assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
 }
+
+fn sample_vmm_key() -> VmmKeyWire {
+    VmmKeyWire {
+        instance_nonce: 0x1234_5678_9abc_def1,
+        region_id: 7,
+        device: 2,
+        device_uuid: [4; 16],
+        holder_pid: 5151,
+        socket_name: "kvgate-nvlink-0123456789abcdef".into(),
+        secret: [0xa5; VMM_SECRET_BYTES],
+        offset_in_allocation: 4099,
+        len: 1 << 20,
+        allocation_size: 4 << 20,
+    }
+}
+
+#[test]
+fn vmm_key_round_trips_and_both_forms_decode_as_any_key() {
+    let key = sample_vmm_key();
+    let bytes = key.encode();
+    assert_eq!(bytes.len(), VMM_KEY_BYTES);
+    assert_eq!(VmmKeyWire::decode(&bytes).unwrap(), key);
+    assert_eq!(AnyRemoteKey::decode(&bytes).unwrap(), AnyRemoteKey::Vmm(key));
+    // The old form (version 1, an IPC handle) still decodes, unchanged.
+    let old = sample_key();
+    assert_eq!(AnyRemoteKey::decode(&old.encode()).unwrap(), AnyRemoteKey::Ipc(old));
+}
+
+#[test]
+fn a_version_1_only_decoder_refuses_a_vmm_key_as_a_version_mismatch() {
+    let e = RemoteKeyWire::decode(&sample_vmm_key().encode()).unwrap_err();
+    assert_eq!(e.code, ReasonCode::VERSION_MISMATCH, "{e}");
+    let mut unknown = sample_vmm_key().encode();
+    unknown[8] = 3;
+    let e = AnyRemoteKey::decode(&unknown).unwrap_err();
+    assert_eq!(e.code, ReasonCode::VERSION_MISMATCH, "{e}");
+    assert!(e.message.contains("speaks 1") && e.message.contains("2 (VMM keys)"), "{e}");
+}
+
+#[test]
+fn every_single_byte_corruption_of_a_vmm_key_is_refused() {
+    let bytes = sample_vmm_key().encode();
+    for i in 0..bytes.len() {
+        let mut bad = bytes.clone();
+        bad[i] ^= 0x40;
+        let e = AnyRemoteKey::decode(&bad).expect_err(&format!("flipped byte {i} accepted"));
+        assert!(e.code == ReasonCode::INVALID_ARGUMENT || e.code == ReasonCode::VERSION_MISMATCH, "byte {i}: {e}");
+    }
+    for len in [10, VMM_KEY_BYTES - 1, VMM_KEY_BYTES + 1] {
+        let mut cut = bytes.clone();
+        cut.resize(len, 0);
+        assert_eq!(AnyRemoteKey::decode(&cut).unwrap_err().code, ReasonCode::INVALID_ARGUMENT, "{len} bytes");
+    }
+}
+
+#[test]
+fn impossible_vmm_keys_with_valid_checksums_are_refused() {
+    let cases = [
+        (VmmKeyWire { len: 0, ..sample_vmm_key() }, "zero-length"),
+        (VmmKeyWire { device: -1, ..sample_vmm_key() }, "negative"),
+        (VmmKeyWire { offset_in_allocation: 3 << 20, len: (1 << 20) + 1, ..sample_vmm_key() }, "exceeds the allocation"),
+        (VmmKeyWire { offset_in_allocation: u64::MAX, ..sample_vmm_key() }, "exceeds the allocation"),
+    ];
+    for (key, why) in cases {
+        let e = VmmKeyWire::decode(&key.encode()).unwrap_err();
+        assert!(e.message.contains(why), "{why}: {e}");
+    }
+    // The region may end exactly at the allocation's end.
+    let at_end = VmmKeyWire { offset_in_allocation: 3 << 20, len: 1 << 20, ..sample_vmm_key() };
+    assert!(VmmKeyWire::decode(&at_end.encode()).is_ok());
+}
+
+#[test]
+fn socket_names_are_bounded_at_their_limit() {
+    let at_limit = VmmKeyWire { socket_name: "n".repeat(MAX_SOCKET_NAME_BYTES), ..sample_vmm_key() };
+    assert_eq!(VmmKeyWire::decode(&at_limit.encode()).unwrap().socket_name.len(), MAX_SOCKET_NAME_BYTES);
+    assert!(valid_socket_name(&[b'n'; MAX_SOCKET_NAME_BYTES]));
+    assert!(!valid_socket_name(&[b'n'; MAX_SOCKET_NAME_BYTES + 1]), "one byte past the limit");
+    assert!(!valid_socket_name(b""));
+    assert!(!valid_socket_name(b"with space"));
+    assert!(!valid_socket_name(b"nul\0"));
+    // A name length past the limit in the bytes themselves (re-sealed) is refused.
+    let mut bytes = sample_vmm_key().encode();
+    let at = 8 + 2 + 2 + 4 + 8 + 8 + 16 + 4;
+    bytes[at..at + 2].copy_from_slice(&((MAX_SOCKET_NAME_BYTES + 1) as u16).to_le_bytes());
+    let body = bytes.len() - 8;
+    let sum = fnv1a64(&bytes[..body]);
+    bytes[body..].copy_from_slice(&sum.to_le_bytes());
+    assert!(VmmKeyWire::decode(&bytes).unwrap_err().message.contains("socket name of 65 bytes"));
+}

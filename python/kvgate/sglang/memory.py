@@ -9,7 +9,11 @@ with the gateway once, by reference:
   `/proc/<pid>/fd/<n>`). Ordinary (anonymous) host memory cannot be mapped by another process and
   is refused, saying which buffer.
 * **CUDA memory** is registered by the IPC handle of its allocation (`cuIpcGetMemHandle` on the
-  base `cuMemGetAddressRange` reports), with the pointer's offset in it.
+  base `cuMemGetAddressRange` reports), with the pointer's offset in it. A VMM allocation
+  (`cuMemCreate`, PyTorch's expandable segments), which has no IPC handle, is registered by the
+  POSIX descriptor of its allocation instead (`cuMemRetainAllocationHandle` +
+  `cuMemExportToShareableHandle`), passed to the gateway on its fd socket; the buffer must then lie
+  inside one allocation (one mapping of the segment).
 
 `shared_allocation()` is what puts SGLang's host buffers into shared memory without changing
 SGLang: while it is active, `torch.zeros`, `torch.empty`, `torch.ones` and `torch.full` on the CPU
@@ -55,6 +59,17 @@ class CudaBacking:
 
     device: int
     handle: bytes
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class CudaVmmBacking:
+    """A CUDA VMM allocation: device, a POSIX descriptor of it (owned by the caller, who closes it once
+    the gateway has its copy), base address and size."""
+
+    device: int
+    fd: int
     start: int
     length: int
 
@@ -208,10 +223,32 @@ def _libcuda() -> Any:
 
 
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 
 
-def cuda_backing(ptr: int) -> CudaBacking:
-    """The CUDA allocation holding device pointer `ptr` (raises `UnsupportedMemory` otherwise)."""
+def _vmm_descriptor(lib: Any, base: int) -> int:
+    """A POSIX descriptor of the VMM allocation mapped at `base` (raises `UnsupportedMemory` with the
+    failing call and its CUDA error code)."""
+    handle = ctypes.c_uint64(0)
+    rc = lib.cuMemRetainAllocationHandle(ctypes.byref(handle), ctypes.c_void_p(base))
+    if rc != 0:
+        raise UnsupportedMemory(f"cuMemRetainAllocationHandle failed ({rc}): not a VMM allocation")
+    try:
+        fd = ctypes.c_int(-1)
+        rc = lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, ctypes.c_int(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), ctypes.c_uint64(0))
+        if rc != 0 or fd.value < 0:
+            raise UnsupportedMemory(
+                f"cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR) failed ({rc}): the allocation was not created "
+                "with requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
+            )
+        return fd.value
+    finally:
+        lib.cuMemRelease(handle)
+
+
+def cuda_backing(ptr: int) -> CudaBacking | CudaVmmBacking:
+    """The CUDA allocation holding device pointer `ptr`: by IPC handle, or, for a VMM allocation, by a
+    POSIX descriptor the caller must close (raises `UnsupportedMemory` otherwise)."""
     lib = _libcuda()
     device = ctypes.c_int(-1)
     if lib.cuPointerGetAttribute(ctypes.byref(device), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_uint64(ptr)) != 0:
@@ -222,12 +259,17 @@ def cuda_backing(ptr: int) -> CudaBacking:
         raise UnsupportedMemory(f"cuMemGetAddressRange failed ({rc}) for 0x{ptr:x}")
     handle = (ctypes.c_char * 64)()
     rc = lib.cuIpcGetMemHandle(handle, base)
-    if rc != 0:
+    if rc == 0:
+        return CudaBacking(device.value, bytes(handle), base.value, size.value)
+    try:
+        fd = _vmm_descriptor(lib, base.value)
+    except UnsupportedMemory as vmm:
         raise UnsupportedMemory(
-            f"cuIpcGetMemHandle failed ({rc}) for the allocation at 0x{base.value:x}: VMM, stream-ordered and "
-            "expandable-segment allocations cannot be exported by legacy IPC handles"
-        )
-    return CudaBacking(device.value, bytes(handle), base.value, size.value)
+            f"the allocation at 0x{base.value:x} can be exported neither by a legacy IPC handle (cuIpcGetMemHandle "
+            f"failed ({rc}): VMM, stream-ordered and expandable-segment allocations have none) nor as a VMM "
+            f"descriptor ({vmm}); stream-ordered (cudaMallocAsync) pools are not served"
+        ) from None
+    return CudaVmmBacking(device.value, fd, base.value, size.value)
 
 
 # -- registering ---------------------------------------------------------------------------------
@@ -261,7 +303,22 @@ class RegionMap:
                 "buffers in shared memory), or allocate them from /dev/shm yourself"
             ) from None
         key = ("cuda", cuda.device, cuda.start)
-        if key not in self._regions:
+        if isinstance(cuda, CudaVmmBacking):
+            try:
+                if ptr + length > cuda.start + cuda.length:
+                    raise UnsupportedMemory(
+                        f"{what} at 0x{ptr:x} ({length} bytes) runs past the end of its CUDA VMM allocation "
+                        f"(0x{cuda.start:x}, {cuda.length} bytes): a buffer spread over several allocations (PyTorch "
+                        "maps an expandable segment in pieces) cannot be one region; allocate it in one piece"
+                    )
+                if key not in self._regions:
+                    region = self.client.register_cuda_vmm_fd(
+                        cuda.fd, device=cuda.device, length=cuda.length, allocation_size=cuda.length, label=f"{self.label} {what}"
+                    )
+                    self._regions[key] = (region, cuda.start)
+            finally:
+                os.close(cuda.fd)
+        elif key not in self._regions:
             region = self.client.register_cuda_ipc(cuda.device, cuda.handle, cuda.length, label=f"{self.label} {what}")
             self._regions[key] = (region, cuda.start)
         region, start = self._regions[key]
