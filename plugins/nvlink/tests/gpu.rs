@@ -13,7 +13,7 @@ use kvgate_abi::sdk::Plugin;
 use kvgate_abi::*;
 use kvgate_plugin_nvlink::device_buffer::{pattern, DeviceBuffer};
 use kvgate_plugin_nvlink::cuda;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -204,32 +204,11 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
         .spawn()
         .expect("spawn the child process");
     let mut to_child = child.stdin.take().unwrap();
-    // The child's lines through a channel, so that every wait for it is bounded and names its stage.
-    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
-    let from_child = BufReader::new(child.stdout.take().unwrap());
-    std::thread::spawn(move || from_child.lines().map_while(Result::ok).try_for_each(|l| lines_tx.send(l)));
+    let from_child = ChildLines::new(child.stdout.take().unwrap(), "NVLINK-CHILD");
     let started = std::time::Instant::now();
-    let next_line = |stage: &str| -> String {
-        match lines.recv_timeout(std::time::Duration::from_secs(CHILD_STEP_TIMEOUT_S)) {
-            Ok(line) => line,
-            Err(e) => panic!("child: no line within {CHILD_STEP_TIMEOUT_S} s waiting for {stage} ({e}; {:?} in)", started.elapsed()),
-        }
-    };
-    let field = |name: &str| -> Vec<u8> {
-        loop {
-            // Anywhere in the line: the child's test harness prints `test <name> ... ` without a
-            // line end before the test's own first line.
-            let line = next_line(name);
-            let tag = format!("NVLINK-CHILD {name} ");
-            if let Some(at) = line.find(&tag) {
-                eprintln!("parent: child's {name} after {:?}", started.elapsed());
-                return unhex(line[at + tag.len()..].trim());
-            }
-        }
-    };
-    let child_endpoint = field("ENDPOINT");
-    let child_key = field("KEY");
-    let engine_handle = field("ENGINE-HANDLE");
+    let child_endpoint = from_child.bytes("ENDPOINT");
+    let child_key = from_child.bytes("KEY");
+    let engine_handle = from_child.bytes("ENGINE-HANDLE");
 
     // 1. Write into the child's region through its remote key (cuIpcOpenMemHandle in this process).
     let (a, a_events) = open_instance("chunk_bytes = 4194304");
@@ -245,12 +224,7 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
     assert_eq!(e.kind, EventKind::SUCCEEDED, "{e:?}");
     writeln!(to_child, "CHECK 21 5 {len}").unwrap();
     eprintln!("parent: 48 MiB written into the child's region after {:?}", started.elapsed());
-    let verdict = loop {
-        let line = next_line("VERDICT");
-        if let Some(at) = line.find("NVLINK-CHILD VERDICT ") {
-            break line[at + "NVLINK-CHILD VERDICT ".len()..].trim().to_string();
-        }
-    };
+    let verdict = from_child.value("VERDICT");
     assert_eq!(verdict, "OK", "the child saw other bytes than were sent");
 
     // 2. The child as an engine: its memory, handed over as an IPC handle, is a local source here.
@@ -280,8 +254,6 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
     assert!(child.wait().unwrap().success(), "the child process failed");
 }
 
-/// How long the parent waits for each line of the two-process test's child.
-const CHILD_STEP_TIMEOUT_S: u64 = 45;
 
 /// The child half: registers 64 MiB with its own instance, exports a second buffer as an engine
 /// would, prints endpoint, key and handle, then checks what the parent wrote.
@@ -491,17 +463,9 @@ fn gpu_two_processes_through_a_vmm_descriptor_socket() {
         .spawn()
         .expect("spawn the child process");
     let mut to_child = child.stdin.take().unwrap();
-    let mut from_child = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut field = |name: &str| -> Vec<u8> {
-        loop {
-            let line = from_child.next().expect("child closed its output").unwrap();
-            if let Some(v) = line.strip_prefix(&format!("NVLINK-VMM-CHILD {name} ")) {
-                return unhex(v.trim());
-            }
-        }
-    };
-    let child_endpoint = field("ENDPOINT");
-    let child_key = field("KEY");
+    let from_child = ChildLines::new(child.stdout.take().unwrap(), "NVLINK-VMM-CHILD");
+    let child_endpoint = from_child.bytes("ENDPOINT");
+    let child_key = from_child.bytes("KEY");
 
     let (a, a_events) = open_instance("chunk_bytes = 4194304");
     a.connect(B_PEER, &child_endpoint).unwrap();
@@ -514,12 +478,7 @@ fn gpu_two_processes_through_a_vmm_descriptor_socket() {
     let e = wait_terminal(&a_events, XferId(1), 30);
     assert_eq!(e.kind, EventKind::SUCCEEDED, "{e:?}");
     writeln!(to_child, "CHECK 41 9 {len}").unwrap();
-    let verdict = loop {
-        let line = from_child.next().expect("child closed its output").unwrap();
-        if let Some(v) = line.strip_prefix("NVLINK-VMM-CHILD VERDICT ") {
-            break v.to_string();
-        }
-    };
+    let verdict = from_child.value("VERDICT");
     assert_eq!(verdict, "OK", "the child saw other bytes than were sent");
     a.release_remote_key(remote);
     writeln!(to_child, "EXIT").unwrap();

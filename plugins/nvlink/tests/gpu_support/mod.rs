@@ -76,3 +76,48 @@ pub fn hex(bytes: &[u8]) -> String {
 pub fn unhex(text: &str) -> Vec<u8> {
     (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex")).collect()
 }
+
+/// How long a two-process test waits for each tagged line of its child.
+pub const CHILD_STEP_TIMEOUT_S: u64 = 45;
+
+/// The tagged lines a two-process test's child prints on its stdout (`<TAG> <NAME> <value>`), read on
+/// a thread so that every wait is bounded and names what it waited for.
+pub struct ChildLines {
+    lines: Receiver<String>,
+    tag: &'static str,
+    started: std::time::Instant,
+}
+
+impl ChildLines {
+    pub fn new(stdout: std::process::ChildStdout, tag: &'static str) -> ChildLines {
+        use std::io::BufRead;
+        let (tx, lines) = std::sync::mpsc::channel::<String>();
+        let reader = std::io::BufReader::new(stdout);
+        std::thread::spawn(move || reader.lines().map_while(Result::ok).try_for_each(|l| tx.send(l)));
+        ChildLines { lines, tag, started: std::time::Instant::now() }
+    }
+
+    /// The value of the next `<tag> <name> ` line. Found anywhere in a line: the child's test harness
+    /// prints `test <name> ... ` without a line end before the test's own first line.
+    pub fn value(&self, name: &str) -> String {
+        let wanted = format!("{} {name} ", self.tag);
+        loop {
+            let line = match self.lines.recv_timeout(Duration::from_secs(CHILD_STEP_TIMEOUT_S)) {
+                Ok(line) => line,
+                Err(e) => panic!(
+                    "child: no line within {CHILD_STEP_TIMEOUT_S} s waiting for {name} ({e}; {:?} in)",
+                    self.started.elapsed()
+                ),
+            };
+            if let Some(at) = line.find(&wanted) {
+                eprintln!("parent: child's {name} after {:?}", self.started.elapsed());
+                return line[at + wanted.len()..].trim().to_string();
+            }
+        }
+    }
+
+    /// `value(name)` decoded from hex.
+    pub fn bytes(&self, name: &str) -> Vec<u8> {
+        unhex(&self.value(name))
+    }
+}
