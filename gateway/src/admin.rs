@@ -40,7 +40,11 @@ async fn snapshot(state: &AdminState) -> Result<AdminSnapshot, Response> {
 
 async fn metrics(State(state): State<AdminState>) -> Response {
     match snapshot(&state).await {
-        Ok(s) => ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], state.metrics.render(&s)).into_response(),
+        Ok(s) => (
+            [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+            state.metrics.render(&s),
+        )
+            .into_response(),
         Err(r) => r,
     }
 }
@@ -55,11 +59,14 @@ async fn rooms(State(state): State<AdminState>) -> Response {
 async fn healthz(State(state): State<AdminState>) -> Response {
     match snapshot(&state).await {
         Ok(s) if s.problems.is_empty() => {
-            (StatusCode::OK, Json(serde_json::json!({"healthy": true, "problems": [], "warnings": s.warnings}))).into_response()
+            (StatusCode::OK, Json(serde_json::json!({"healthy": true, "problems": [], "warnings": s.warnings})))
+                .into_response()
         }
-        Ok(s) => {
-            (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"healthy": false, "problems": s.problems, "warnings": s.warnings}))).into_response()
-        }
+        Ok(s) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"healthy": false, "problems": s.problems, "warnings": s.warnings})),
+        )
+            .into_response(),
         Err(r) => r,
     }
 }

@@ -28,7 +28,7 @@ async fn request(addr: &str, method: &str, path: &str, timeout: Duration) -> std
         let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
         Ok((code, body.to_string()))
     };
-    tokio::time::timeout(timeout, fut)
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{method} {path} on {addr} timed out")))?
+    tokio::time::timeout(timeout, fut).await.map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{method} {path} on {addr} timed out"))
+    })?
 }

@@ -93,9 +93,13 @@ pub fn config(command: ConfigCommand) -> i32 {
         ConfigCommand::Check { file } => match load_or_exit(Some(&file)) {
             Ok(c) => {
                 let auth = match c.peer_link.auth_mode() {
-                    crate::config::PeerAuthMode::Psk => format!("peer links authenticated by pre-shared key {}", c.peer_link.psk_file),
+                    crate::config::PeerAuthMode::Psk => {
+                        format!("peer links authenticated by pre-shared key {}", c.peer_link.psk_file)
+                    }
                     crate::config::PeerAuthMode::Tls => "peer links authenticated by mutual TLS".to_string(),
-                    crate::config::PeerAuthMode::None => "peer links NOT authenticated (peer_link.auth = \"none\")".to_string(),
+                    crate::config::PeerAuthMode::None => {
+                        "peer links NOT authenticated (peer_link.auth = \"none\")".to_string()
+                    }
                 };
                 let findings = crate::plugin_setup::check_config_file_plugins(&c);
                 for note in &findings.notes {
@@ -107,7 +111,13 @@ pub fn config(command: ConfigCommand) -> i32 {
                     }
                     return 2;
                 }
-                println!("{}: ok (gateway {:?}, {} peer(s), plugins {:?}; {auth})", file.display(), c.gateway.name, c.peers.len(), c.plugins.preference);
+                println!(
+                    "{}: ok (gateway {:?}, {} peer(s), plugins {:?}; {auth})",
+                    file.display(),
+                    c.gateway.name,
+                    c.peers.len(),
+                    c.plugins.preference
+                );
                 0
             }
             Err(code) => code,

@@ -38,7 +38,10 @@ pub fn run(command: KeygenCommand) -> i32 {
     let result = match command {
         KeygenCommand::Psk { file, force } => Psk::generate(&file, force).map(|()| {
             println!("wrote a pre-shared key to {} (mode 0600)", file.display());
-            println!("give every gateway of the deployment this file: [peer_link] psk_file = {:?}", file.display().to_string());
+            println!(
+                "give every gateway of the deployment this file: [peer_link] psk_file = {:?}",
+                file.display().to_string()
+            );
         }),
         KeygenCommand::Tls { dir, names, also, force } => make_tls(&dir, &names, &also, force),
     };
@@ -59,7 +62,9 @@ fn write_file(path: &Path, text: &str, mode: u32, force: bool) -> anyhow::Result
     } else {
         options.create_new(true);
     }
-    let mut file = options.open(path).with_context(|| format!("cannot create {} (it exists? pass --force to replace it)", path.display()))?;
+    let mut file = options
+        .open(path)
+        .with_context(|| format!("cannot create {} (it exists? pass --force to replace it)", path.display()))?;
     use std::io::Write;
     file.write_all(text.as_bytes())?;
     Ok(())
@@ -68,7 +73,10 @@ fn write_file(path: &Path, text: &str, mode: u32, force: bool) -> anyhow::Result
 fn make_tls(dir: &Path, names: &[String], also: &[String], force: bool) -> anyhow::Result<()> {
     let mut seen = std::collections::BTreeSet::new();
     for name in names {
-        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)) || !seen.insert(name) {
+        if name.is_empty()
+            || !name.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+            || !seen.insert(name)
+        {
             bail!("--name {name:?}: each gateway name once, of [A-Za-z0-9._-]");
         }
     }

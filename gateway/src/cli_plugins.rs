@@ -10,7 +10,15 @@ fn print(statuses: &[crate::channels::PluginStatus]) {
     for s in statuses {
         let abi = s.abi_version.map(|v| v.to_string()).unwrap_or_else(|| "-".into());
         let detail = if s.reason.is_empty() { s.origin.clone() } else { format!("{} ({})", s.origin, s.reason) };
-        println!("{:<10} {:<8} {:<12} {:<22} {:<22} {}", s.name, abi, s.status, s.memory_kinds.join(","), s.scope.join(","), detail);
+        println!(
+            "{:<10} {:<8} {:<12} {:<22} {:<22} {}",
+            s.name,
+            abi,
+            s.status,
+            s.memory_kinds.join(","),
+            s.scope.join(","),
+            detail
+        );
     }
 }
 

@@ -43,12 +43,23 @@ pub fn rooms(target: Target, all: bool) -> i32 {
     with_client(target, |client| async move {
         match client.list_rooms(all).await {
             Ok(rooms) => {
-                println!("{:<14} {:<4} {:<9} {:<16} {:<10} {:<8} {:>9} {:>14} reason", "room", "gen", "role", "state", "peer", "plugin", "age_ms", "bytes");
+                println!(
+                    "{:<14} {:<4} {:<9} {:<16} {:<10} {:<8} {:>9} {:>14} reason",
+                    "room", "gen", "role", "state", "peer", "plugin", "age_ms", "bytes"
+                );
                 for r in &rooms {
                     let key = r.key.unwrap_or_default();
                     println!(
                         "{:<14} {:<4} {:<9} {:<16} {:<10} {:<8} {:>9} {:>14} {}",
-                        key.room, key.generation, r.role, r.state, r.peer, r.plugin, r.age_ms, format!("{}/{}", r.bytes_done, r.bytes_total), r.reason
+                        key.room,
+                        key.generation,
+                        r.role,
+                        r.state,
+                        r.peer,
+                        r.plugin,
+                        r.age_ms,
+                        format!("{}/{}", r.bytes_done, r.bytes_total),
+                        r.reason
                     );
                 }
                 println!("{} room(s)", rooms.len());
@@ -66,7 +77,10 @@ pub fn abort(target: Target, room: u64, generation: u32) -> i32 {
     with_client(target, |client| async move {
         match client.abort(room_key(room, generation), "kvgate abort (operator)").await {
             Ok(was_live) => {
-                println!("room {room}#{generation} aborted ({})", if was_live { "it was live" } else { "it was not live; a tombstone refuses late counterparts" });
+                println!(
+                    "room {room}#{generation} aborted ({})",
+                    if was_live { "it was live" } else { "it was not live; a tombstone refuses late counterparts" }
+                );
                 0
             }
             Err(status) => {

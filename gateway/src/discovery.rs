@@ -7,10 +7,13 @@
 //! stop traffic between gateways that already know each other.
 
 use crate::config::{DiscoverySection, GatewayConfig, PeerEntry};
-use anyhow::Context;
 use crate::metrics::GatewayMetrics;
 use crate::peer_link::{LocalIdentity, PeerLinks, Upsert};
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions};
+use anyhow::Context;
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::future::Future;
@@ -41,11 +44,17 @@ impl Record {
         if self.name != key_name {
             return Err(format!("the record names {:?} but sits under the key of {key_name:?}", self.name));
         }
-        let valid_address = self.address.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        let valid_address =
+            self.address.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
         if !valid_address {
             return Err(format!("address {:?} is not host:port", self.address));
         }
-        Ok(PeerEntry { name: self.name.clone(), address: self.address.clone(), same_host: !self.host.is_empty() && self.host == local_host, tls_name: self.tls_name.clone() })
+        Ok(PeerEntry {
+            name: self.name.clone(),
+            address: self.address.clone(),
+            same_host: !self.host.is_empty() && self.host == local_host,
+            tls_name: self.tls_name.clone(),
+        })
     }
 }
 
@@ -122,16 +131,23 @@ pub fn connect_options(d: &DiscoverySection) -> anyhow::Result<ConnectOptions> {
     let limit = Duration::from_millis(d.request_timeout_ms);
     let mut options = ConnectOptions::new().with_connect_timeout(limit).with_timeout(limit);
     if !d.username.is_empty() {
-        let text = std::fs::read_to_string(&d.password_file).with_context(|| format!("discovery.password_file: cannot read {}", d.password_file))?;
+        let text = std::fs::read_to_string(&d.password_file)
+            .with_context(|| format!("discovery.password_file: cannot read {}", d.password_file))?;
         let password = text.strip_suffix('\n').unwrap_or(&text);
         anyhow::ensure!(!password.is_empty(), "discovery.password_file: {} is empty", d.password_file);
         options = options.with_user(d.username.clone(), password);
     }
     if let Some(tls) = &d.tls {
-        let read = |key: &str, path: &str| std::fs::read(path).with_context(|| format!("discovery.tls.{key}: cannot read {path}"));
-        let mut config = tonic::transport::ClientTlsConfig::new().ca_certificate(tonic::transport::Certificate::from_pem(read("ca_file", &tls.ca_file)?));
+        let read = |key: &str, path: &str| {
+            std::fs::read(path).with_context(|| format!("discovery.tls.{key}: cannot read {path}"))
+        };
+        let mut config = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(read("ca_file", &tls.ca_file)?));
         if !tls.cert_file.is_empty() {
-            config = config.identity(tonic::transport::Identity::from_pem(read("cert_file", &tls.cert_file)?, read("key_file", &tls.key_file)?));
+            config = config.identity(tonic::transport::Identity::from_pem(
+                read("cert_file", &tls.cert_file)?,
+                read("key_file", &tls.key_file)?,
+            ));
         }
         options = options.with_tls(config);
     }
@@ -140,11 +156,19 @@ pub fn connect_options(d: &DiscoverySection) -> anyhow::Result<ConnectOptions> {
 
 /// Runs `call` for at most `limit`; a failed call is a `reason` failure naming `what` (unless
 /// `classify` finds a more precise reason), a late one `etcd_unreachable`.
-async fn bounded<T>(limit: Duration, reason: &'static str, what: &str, call: impl Future<Output = Result<T, etcd_client::Error>>) -> Result<T, DiscoveryError> {
+async fn bounded<T>(
+    limit: Duration,
+    reason: &'static str,
+    what: &str,
+    call: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, DiscoveryError> {
     match tokio::time::timeout(limit, call).await {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(e)) => Err(failed(classify(&e, reason), format!("{what}: {e}"))),
-        Err(_) => Err(failed("etcd_unreachable", format!("{what}: no answer within discovery.request_timeout_ms ({} ms)", limit.as_millis()))),
+        Err(_) => Err(failed(
+            "etcd_unreachable",
+            format!("{what}: no answer within discovery.request_timeout_ms ({} ms)", limit.as_millis()),
+        )),
     }
 }
 
@@ -154,7 +178,10 @@ async fn bounded<T>(limit: Duration, reason: &'static str, what: &str, call: imp
 fn own_record_lost(kind: EventType, kv: &KeyValue, lease: i64, own_key: &str) -> Option<DiscoveryError> {
     match kind {
         EventType::Put if kv.lease() == lease => None,
-        EventType::Put => Some(failed("record_lost", format!("{own_key} was overwritten by another writer (lease {} instead of {lease})", kv.lease()))),
+        EventType::Put => Some(failed(
+            "record_lost",
+            format!("{own_key} was overwritten by another writer (lease {} instead of {lease})", kv.lease()),
+        )),
         EventType::Delete => Some(failed("record_lost", format!("{own_key} was deleted while its lease was live"))),
     }
 }
@@ -185,7 +212,9 @@ impl Discovery {
     fn set_registered(&self, lease: Option<i64>) {
         self.metrics.set_discovery_registered(lease.is_some());
         let since = lease.map_or(0, |_| unix_ms());
-        self.update(|v| (v.registered, v.lease_id, v.registered_at_unix_ms) = (lease.is_some(), lease.unwrap_or(0), since));
+        self.update(|v| {
+            (v.registered, v.lease_id, v.registered_at_unix_ms) = (lease.is_some(), lease.unwrap_or(0), since)
+        });
     }
 
     fn key_of(&self, name: &str) -> String {
@@ -194,8 +223,18 @@ impl Discovery {
 
     fn own_record(&self) -> Record {
         let d = &self.config.discovery;
-        let address = if d.advertise_address.is_empty() { self.config.peer_link.listen.clone() } else { d.advertise_address.clone() };
-        Record { name: self.identity.name.clone(), address, tls_name: d.tls_name.clone(), host: self.identity.host.clone(), incarnation: self.identity.incarnation }
+        let address = if d.advertise_address.is_empty() {
+            self.config.peer_link.listen.clone()
+        } else {
+            d.advertise_address.clone()
+        };
+        Record {
+            name: self.identity.name.clone(),
+            address,
+            tls_name: d.tls_name.clone(),
+            host: self.identity.host.clone(),
+            incarnation: self.identity.incarnation,
+        }
     }
 
     /// Runs until `stop` turns true: then revokes this gateway's lease, so that peers see it leave at once.
@@ -207,12 +246,19 @@ impl Discovery {
         let retry = Duration::from_millis(d.retry_interval_ms);
         for attempt in 0usize.. {
             let endpoint = &d.etcd_endpoints[attempt % d.etcd_endpoints.len()];
-            self.update(|v| (v.enabled, v.key, v.endpoint) = (true, self.key_of(&self.identity.name), endpoint.clone()));
+            self.update(|v| {
+                (v.enabled, v.key, v.endpoint) = (true, self.key_of(&self.identity.name), endpoint.clone())
+            });
             let outcome = self.session(endpoint, &mut stop).await;
             self.set_registered(None);
             let Err(e) = outcome else { return };
             self.metrics.count_discovery_error(e.reason);
-            let last = LastError { reason: e.reason, detail: e.detail.clone(), endpoint: endpoint.clone(), at_unix_ms: unix_ms() };
+            let last = LastError {
+                reason: e.reason,
+                detail: e.detail.clone(),
+                endpoint: endpoint.clone(),
+                at_unix_ms: unix_ms(),
+            };
             self.update(|v| v.last_error = Some(last));
             tracing::warn!(reason = e.reason, endpoint = %endpoint, "discovery: {}; again in {} ms, through the next endpoint", e.detail, retry.as_millis());
             tokio::select! {
@@ -227,18 +273,36 @@ impl Discovery {
         let d = &self.config.discovery;
         let limit = Duration::from_millis(d.request_timeout_ms);
         let ttl = Duration::from_secs(d.lease_ttl_s);
-        let mut client = bounded(limit, "etcd_unreachable", "connect", Client::connect([endpoint], Some(self.options.clone()))).await?;
-        let lease = bounded(limit, "etcd_request_failed", "lease grant", client.lease_grant(d.lease_ttl_s as i64, None)).await?.id();
+        let mut client =
+            bounded(limit, "etcd_unreachable", "connect", Client::connect([endpoint], Some(self.options.clone())))
+                .await?;
+        let lease =
+            bounded(limit, "etcd_request_failed", "lease grant", client.lease_grant(d.lease_ttl_s as i64, None))
+                .await?
+                .id();
         self.register(&mut client, lease, limit).await?;
         self.set_registered(Some(lease));
         let own_key = self.key_of(&self.identity.name);
         tracing::info!(key = %own_key, %endpoint, lease_ttl_s = d.lease_ttl_s, "discovery: registered");
-        let (mut keeper, mut acks) = bounded(limit, "etcd_request_failed", "lease keep-alive", client.lease_keep_alive(lease)).await?;
-        let snapshot = bounded(limit, "etcd_request_failed", "read peers", client.get(d.key_prefix.as_str(), Some(GetOptions::new().with_prefix()))).await?;
+        let (mut keeper, mut acks) =
+            bounded(limit, "etcd_request_failed", "lease keep-alive", client.lease_keep_alive(lease)).await?;
+        let snapshot = bounded(
+            limit,
+            "etcd_request_failed",
+            "read peers",
+            client.get(d.key_prefix.as_str(), Some(GetOptions::new().with_prefix())),
+        )
+        .await?;
         let revision = snapshot.header().map_or(0, |h| h.revision());
         self.apply_snapshot(snapshot.kvs());
         let watch_options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
-        let mut changes = bounded(limit, "etcd_request_failed", "watch peers", client.watch(d.key_prefix.as_str(), Some(watch_options))).await?;
+        let mut changes = bounded(
+            limit,
+            "etcd_request_failed",
+            "watch peers",
+            client.watch(d.key_prefix.as_str(), Some(watch_options)),
+        )
+        .await?;
         let mut renew = tokio::time::interval(ttl / 3);
         let mut last_ack = Instant::now();
         // When the oldest keep-alive still unanswered was sent: a member that stops answering (frozen,
@@ -294,7 +358,11 @@ impl Discovery {
         if outcome.is_ok() {
             match bounded(limit, "etcd_request_failed", "lease revoke", client.lease_revoke(lease)).await {
                 Ok(_) => tracing::info!(key = %own_key, "discovery: record withdrawn (lease revoked)"),
-                Err(e) => tracing::warn!(reason = e.reason, "discovery: {} (the record goes when its lease expires)", e.detail),
+                Err(e) => tracing::warn!(
+                    reason = e.reason,
+                    "discovery: {} (the record goes when its lease expires)",
+                    e.detail
+                ),
             }
         }
         outcome
@@ -306,13 +374,18 @@ impl Discovery {
         let key = self.key_of(&self.identity.name);
         let value = serde_json::to_vec(&self.own_record()).expect("a record serialises");
         let put = || TxnOp::put(key.as_str(), value.clone(), Some(PutOptions::new().with_lease(lease)));
-        let create = Txn::new().when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)]).and_then([put()]).or_else([TxnOp::get(key.as_str(), None)]);
+        let create = Txn::new()
+            .when([Compare::create_revision(key.as_str(), CompareOp::Equal, 0)])
+            .and_then([put()])
+            .or_else([TxnOp::get(key.as_str(), None)]);
         let answer = bounded(limit, "etcd_request_failed", "register", client.txn(create)).await?;
         if answer.succeeded() {
             return Ok(());
         }
         let held = answer.op_responses().into_iter().find_map(|r| match r {
-            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| (kv.mod_revision(), serde_json::from_slice::<Record>(kv.value()))),
+            TxnOpResponse::Get(g) => {
+                g.kvs().first().map(|kv| (kv.mod_revision(), serde_json::from_slice::<Record>(kv.value())))
+            }
             _ => None,
         });
         let Some((revision, record)) = held else {
@@ -362,7 +435,9 @@ impl Discovery {
 
     fn apply_put(&self, kv: &KeyValue) {
         let Some(name) = self.peer_name(kv.key()) else { return };
-        let entry = serde_json::from_slice::<Record>(kv.value()).map_err(|e| e.to_string()).and_then(|r| r.to_peer(name, &self.identity.host));
+        let entry = serde_json::from_slice::<Record>(kv.value())
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.to_peer(name, &self.identity.host));
         let entry = match entry {
             Ok(entry) => entry,
             Err(why) => {
@@ -378,7 +453,9 @@ impl Discovery {
                 self.links.spawn(name.to_string(), new);
             }
             Upsert::Updated => tracing::debug!(peer = %name, %address, "discovery: peer record updated"),
-            Upsert::StaticWins => tracing::info!(peer = %name, "discovery: record ignored, [[peers]] configures this peer"),
+            Upsert::StaticWins => {
+                tracing::info!(peer = %name, "discovery: record ignored, [[peers]] configures this peer")
+            }
             Upsert::LimitReached => {
                 self.metrics.count_discovery_error("peer_limit");
                 tracing::warn!(reason = "peer_limit", peer = %name, max_peers = self.config.discovery.max_peers,
@@ -405,7 +482,13 @@ mod tests {
     use super::*;
 
     fn record(name: &str, address: &str, host: &str) -> Record {
-        Record { name: name.into(), address: address.into(), tls_name: String::new(), host: host.into(), incarnation: 7 }
+        Record {
+            name: name.into(),
+            address: address.into(),
+            tls_name: String::new(),
+            host: host.into(),
+            incarnation: 7,
+        }
     }
 
     #[test]

@@ -78,7 +78,12 @@ impl Shared {
         *since += 1;
         let now = std::time::Instant::now();
         if last.is_none_or(|at| now.duration_since(at) >= Duration::from_millis(REFUSAL_LOG_INTERVAL_MS)) {
-            tracing::warn!(listener = self.name, reason, refused_since_last_line = *since, "connection refused or closed: {detail}");
+            tracing::warn!(
+                listener = self.name,
+                reason,
+                refused_since_last_line = *since,
+                "connection refused or closed: {detail}"
+            );
             *last = Some(now);
             *since = 0;
         }
@@ -112,15 +117,27 @@ impl<L: Acceptor> GuardedListener<L> {
                         Err(_) => {
                             drop(io);
                             let max = self.shared.limits.max_connections;
-                            self.shared.refused("connection_limit", &format_args!("{max} connections open (connections.max_connections)"));
+                            self.shared.refused(
+                                "connection_limit",
+                                &format_args!("{max} connections open (connections.max_connections)"),
+                            );
                         }
                     }
                 }
                 // The peer gave up before we accepted: nothing to do.
-                Err(e) if matches!(e.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset | io::ErrorKind::ConnectionRefused) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::ConnectionAborted
+                            | io::ErrorKind::ConnectionReset
+                            | io::ErrorKind::ConnectionRefused
+                    ) => {}
                 Err(e) => {
                     let wait = self.backoff;
-                    self.shared.refused("accept_error", &format_args!("accept failed ({e}); waiting {} ms before the next accept", wait.as_millis()));
+                    self.shared.refused(
+                        "accept_error",
+                        &format_args!("accept failed ({e}); waiting {} ms before the next accept", wait.as_millis()),
+                    );
                     tokio::time::sleep(wait).await;
                     self.backoff = (wait * 2).min(Duration::from_millis(ACCEPT_BACKOFF_MAX_MS));
                 }
@@ -203,9 +220,16 @@ impl<Io: AsyncRead + Unpin> AsyncRead for Guarded<Io> {
                 None => Poll::Pending,
                 Some(reason) => {
                     let limits = &self.shared.limits;
-                    let bound = if reason == "handshake_timeout" { limits.handshake_timeout_ms } else { limits.idle_timeout_ms };
+                    let bound = if reason == "handshake_timeout" {
+                        limits.handshake_timeout_ms
+                    } else {
+                        limits.idle_timeout_ms
+                    };
                     self.shared.refused(reason, &format_args!("silent for {bound} ms (connections.{reason}_ms)"));
-                    Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, format!("{reason}: silent for {bound} ms"))))
+                    Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("{reason}: silent for {bound} ms"),
+                    )))
                 }
             },
             other => other,
@@ -223,7 +247,11 @@ impl<Io: AsyncWrite + Unpin> AsyncWrite for Guarded<Io> {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
     fn is_write_vectored(&self) -> bool {
@@ -253,9 +281,14 @@ pub struct Numbered<Io> {
 
 impl<L: Acceptor> GuardedListener<L> {
     /// The accepted connections, each numbered, as a stream for tonic.
-    pub fn into_numbered_stream(self) -> impl tokio_stream::Stream<Item = io::Result<Numbered<L::Io>>> + Send + 'static {
+    pub fn into_numbered_stream(
+        self,
+    ) -> impl tokio_stream::Stream<Item = io::Result<Numbered<L::Io>>> + Send + 'static {
         tokio_stream::StreamExt::map(self.into_stream(), |io| {
-            io.map(|inner| Numbered { inner, id: ConnectionId(NEXT_CONNECTION_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) })
+            io.map(|inner| Numbered {
+                inner,
+                id: ConnectionId(NEXT_CONNECTION_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
+            })
         })
     }
 }
@@ -276,7 +309,11 @@ impl<Io: AsyncWrite + Unpin> AsyncWrite for Numbered<Io> {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
     fn is_write_vectored(&self) -> bool {
@@ -306,7 +343,9 @@ mod tests {
         ConnectionLimits { max_connections: max, handshake_timeout_ms: handshake_ms, idle_timeout_ms: idle_ms }
     }
 
-    async fn listener(limits: ConnectionLimits) -> (GuardedListener<tokio::net::TcpListener>, std::net::SocketAddr, Arc<GatewayMetrics>) {
+    async fn listener(
+        limits: ConnectionLimits,
+    ) -> (GuardedListener<tokio::net::TcpListener>, std::net::SocketAddr, Arc<GatewayMetrics>) {
         let inner = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = inner.local_addr().unwrap();
         let metrics = Arc::new(GatewayMetrics::default());
@@ -346,7 +385,8 @@ mod tests {
         assert!(metrics.listener_refusals("test", "connection_limit") >= 1);
         drop(held.pop());
         clients.push(tokio::net::TcpStream::connect(addr).await.unwrap());
-        let _again = tokio::time::timeout(Duration::from_secs(5), l.next()).await.expect("a freed place is taken again");
+        let _again =
+            tokio::time::timeout(Duration::from_secs(5), l.next()).await.expect("a freed place is taken again");
     }
 
     #[tokio::test]

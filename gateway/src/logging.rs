@@ -29,7 +29,8 @@ pub fn init(log: &LogSection) {
     // a service manager's journal) stays plain text that grep and log shippers read as written.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi);
-    let fmt = if log.format == "json" { fmt.json().with_filter(filter).boxed() } else { fmt.with_filter(filter).boxed() };
+    let fmt =
+        if log.format == "json" { fmt.json().with_filter(filter).boxed() } else { fmt.with_filter(filter).boxed() };
     let tls = TlsFailures::default().with_filter(Targets::new().with_target(TONIC_TLS_TARGET, tracing::Level::DEBUG));
     let _ = tracing_subscriber::registry().with(fmt).with(tls).try_init();
 }

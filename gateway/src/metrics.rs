@@ -160,25 +160,66 @@ impl GatewayMetrics {
     pub fn render(&self, snapshot: &AdminSnapshot) -> String {
         let mut registry = Registry::with_prefix("kvgate");
         registry.register("transfer_bytes", "Bytes per succeeded room, by plugin", self.transfer_bytes.clone());
-        registry.register("transfer_seconds", "Time from first transfer to success, by plugin", self.transfer_seconds.clone());
-        registry.register("bootstrap_seconds", "Time from room creation to bytes moving, by plugin", self.bootstrap_seconds.clone());
+        registry.register(
+            "transfer_seconds",
+            "Time from first transfer to success, by plugin",
+            self.transfer_seconds.clone(),
+        );
+        registry.register(
+            "bootstrap_seconds",
+            "Time from room creation to bytes moving, by plugin",
+            self.bootstrap_seconds.clone(),
+        );
         registry.register("room_failures", "Failed rooms by reason, phase and plugin", self.failures.clone());
-        registry.register("stuck_rooms", "Rooms found still live at each admin.stuck_room_warn_ms age, named in the log or not", self.stuck_rooms.clone());
+        registry.register(
+            "stuck_rooms",
+            "Rooms found still live at each admin.stuck_room_warn_ms age, named in the log or not",
+            self.stuck_rooms.clone(),
+        );
         registry.register("peer_up", "1 while the peer link is up", self.peer_up.clone());
-        registry.register("plugin_events_dropped", "Plugin events dropped because driver.plugin_event_queue_len was full", self.plugin_events_dropped.clone());
+        registry.register(
+            "plugin_events_dropped",
+            "Plugin events dropped because driver.plugin_event_queue_len was full",
+            self.plugin_events_dropped.clone(),
+        );
         registry.register("bad_peer_frames", "Peer frames that could not be decoded", self.bad_peer_frames.clone());
-        registry.register("peer_core_messages", "Core messages sent to peers, alone or in CoreBatch frames", self.peer_core_messages.clone());
-        registry.register("peer_core_batches", "CoreBatch frames sent to peers (each several core messages)", self.peer_core_batches.clone());
-        registry.register("discovery_registered", "1 while this gateway's discovery record is in etcd under a live lease", self.discovery_registered.clone());
-        let discovered = snapshot.peers.iter().filter(|p| p.source == crate::peer_link::PeerSource::Discovered.as_str()).count();
-        registry.register("discovery_peers", "Peers discovery added and still knows (withdrawn ones with a live link included)", gauge(discovered as i64));
-        registry.register("discovery_errors", "Discovery failures by reason (etcd calls, records refused)", self.discovery_errors.clone());
+        registry.register(
+            "peer_core_messages",
+            "Core messages sent to peers, alone or in CoreBatch frames",
+            self.peer_core_messages.clone(),
+        );
+        registry.register(
+            "peer_core_batches",
+            "CoreBatch frames sent to peers (each several core messages)",
+            self.peer_core_batches.clone(),
+        );
+        registry.register(
+            "discovery_registered",
+            "1 while this gateway's discovery record is in etcd under a live lease",
+            self.discovery_registered.clone(),
+        );
+        let discovered =
+            snapshot.peers.iter().filter(|p| p.source == crate::peer_link::PeerSource::Discovered.as_str()).count();
+        registry.register(
+            "discovery_peers",
+            "Peers discovery added and still knows (withdrawn ones with a live link included)",
+            gauge(discovered as i64),
+        );
+        registry.register(
+            "discovery_errors",
+            "Discovery failures by reason (etcd calls, records refused)",
+            self.discovery_errors.clone(),
+        );
         registry.register(
             "peer_tls_handshake_failures",
             "TLS handshakes that failed on the peer-link listener (wrong or no client certificate, not TLS at all)",
             counter(crate::logging::TLS_HANDSHAKE_FAILURES.load(std::sync::atomic::Ordering::Relaxed)),
         );
-        registry.register("listener_connections", "Connections open now, by listener (engine_api, peer_link, admin)", self.listener_connections.clone());
+        registry.register(
+            "listener_connections",
+            "Connections open now, by listener (engine_api, peer_link, admin)",
+            self.listener_connections.clone(),
+        );
         registry.register("listener_refused", "Connections refused or closed by a listener: reason connection_limit, accept_error (e.g. out of descriptors), handshake_timeout, idle_timeout", self.listener_refused.clone());
         register_core(&mut registry, snapshot);
         let mut text = String::new();
@@ -225,9 +266,15 @@ fn register_core(registry: &mut Registry, snapshot: &AdminSnapshot) {
     for p in snapshot.plugins.iter().filter(|p| p.generation > 0) {
         let generation = p.generation.to_string();
         let open = i64::from(p.state != "closed");
-        instances.get_or_create(&labels(&[("plugin", &p.name), ("generation", &generation), ("state", &p.state)])).set(open);
+        instances
+            .get_or_create(&labels(&[("plugin", &p.name), ("generation", &generation), ("state", &p.state)]))
+            .set(open);
     }
-    registry.register("plugin_instances", "Plugin instances by plugin, generation and state (active, draining, closed)", instances);
+    registry.register(
+        "plugin_instances",
+        "Plugin instances by plugin, generation and state (active, draining, closed)",
+        instances,
+    );
     let failures: Family<Labels, Counter> = Family::default();
     for reason in FailReason::ALL {
         for phase in Phase::ALL {
@@ -253,13 +300,21 @@ fn register_core(registry: &mut Registry, snapshot: &AdminSnapshot) {
     for clause in ViolationClause::ALL {
         violations.get_or_create(&labels(&[("clause", clause.as_str())])).inc_by(m.violation(clause));
     }
-    registry.register("plugin_contract_violations", "Plugin contract violations seen by the core (expected 0)", violations);
+    registry.register(
+        "plugin_contract_violations",
+        "Plugin contract violations seen by the core (expected 0)",
+        violations,
+    );
     let late: Family<Labels, Counter> = Family::default();
     for source in LateSource::ALL {
         late.get_or_create(&labels(&[("source", source.as_str())])).inc_by(m.late_messages[source.index()]);
     }
     registry.register("late_messages", "Late messages refused, by source", late);
-    registry.register("core_illegal_transitions", "Inputs a core transition table (room, transfer or ticket) refused (a core bug: expected 0)", counter(m.illegal_transitions));
+    registry.register(
+        "core_illegal_transitions",
+        "Inputs a core transition table (room, transfer or ticket) refused (a core bug: expected 0)",
+        counter(m.illegal_transitions),
+    );
     registry.register("quarantined_bytes", "Bytes of memory quarantined now", gauge(m.quarantined_bytes as i64));
     registry.register("bytes_moved", "Bytes confirmed moved", counter(m.bytes_moved));
     registry.register("rooms_created", "Rooms created", counter(m.rooms_created));
@@ -277,7 +332,8 @@ mod tests {
     fn snapshot() -> AdminSnapshot {
         let mut metrics = kvgate_core::Metrics::default();
         metrics.rooms_by_state[RoomState::Transferring.index()] = 3;
-        metrics.oldest_entered_by_state[RoomState::Transferring.index()] = Some(kvgate_core::At::from_origin(Span::from_ms(500)));
+        metrics.oldest_entered_by_state[RoomState::Transferring.index()] =
+            Some(kvgate_core::At::from_origin(Span::from_ms(500)));
         metrics.failures[FailReason::PeerLost.index()][Phase::Transfer as usize] = 2;
         metrics.quarantined_bytes = 4096;
         AdminSnapshot {
@@ -374,8 +430,10 @@ mod tests {
             names.push(if kind == "counter" { format!("{name}_total") } else { name.to_string() });
         }
         assert!(names.len() >= 24, "too few metrics read: {names:?}");
-        let missing: Vec<&String> =
-            names.iter().filter(|n| !listed.contains(&format!("`{n}`")) && !listed.contains(&format!("`{n}{{"))).collect();
+        let missing: Vec<&String> = names
+            .iter()
+            .filter(|n| !listed.contains(&format!("`{n}`")) && !listed.contains(&format!("`{n}{{")))
+            .collect();
         assert!(missing.is_empty(), "metrics missing from gateway/README.md's Metrics section: {missing:?}");
     }
 }

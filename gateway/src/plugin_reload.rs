@@ -3,8 +3,8 @@
 //! (naming the sections that need a restart), and hand the plugin part to the driver, which applies
 //! it or says why not (`driver::reload`). Never changes anything itself.
 
-use crate::config::{load_config, GatewayConfig};
 use crate::channels::{DriverInput, ReloadOutcome};
+use crate::config::{load_config, GatewayConfig};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,7 +53,11 @@ impl Reloader {
         let (outcome, from_driver) = self.reload_inner().await;
         if !outcome.applied && !from_driver {
             // The driver logs and keeps its own refusals; these it is told about for `/plugins`.
-            tracing::error!(reason = "plugin_reload_refused", "plugin reload refused, the running plugins stay in service: {}", outcome.error);
+            tracing::error!(
+                reason = "plugin_reload_refused",
+                "plugin reload refused, the running plugins stay in service: {}",
+                outcome.error
+            );
             let _ = self.driver.send(DriverInput::ReloadRefused(outcome.clone())).await;
         }
         outcome
@@ -84,7 +88,9 @@ impl Reloader {
         match tokio::time::timeout(Duration::from_millis(RELOAD_TIMEOUT_MS), rx).await {
             Ok(Ok(outcome)) => (outcome, true),
             Ok(Err(_)) => refused("the gateway is stopping".into()),
-            Err(_) => refused(format!("no answer from the driver within {RELOAD_TIMEOUT_MS} ms (the reload may still complete: see /plugins)")),
+            Err(_) => refused(format!(
+                "no answer from the driver within {RELOAD_TIMEOUT_MS} ms (the reload may still complete: see /plugins)"
+            )),
         }
     }
 }
@@ -112,9 +118,14 @@ mod tests {
     #[test]
     fn only_a_change_outside_plugins_needs_a_restart_and_each_section_is_named() {
         let running = load_config_from_str("[plugins]\npreference = [\"shm\"]\n").unwrap();
-        let plugins_only = load_config_from_str("[plugins]\npreference = [\"quic\", \"shm\"]\n[plugins.config.shm]\nworkers = 2\n").unwrap();
+        let plugins_only =
+            load_config_from_str("[plugins]\npreference = [\"quic\", \"shm\"]\n[plugins.config.shm]\nworkers = 2\n")
+                .unwrap();
         assert!(sections_needing_restart(&running, &plugins_only).is_empty());
-        let other = load_config_from_str("[plugins]\npreference = [\"shm\"]\n[peer_link]\nheartbeat_misses = 7\n[gateway]\nname = \"other\"\n").unwrap();
+        let other = load_config_from_str(
+            "[plugins]\npreference = [\"shm\"]\n[peer_link]\nheartbeat_misses = 7\n[gateway]\nname = \"other\"\n",
+        )
+        .unwrap();
         assert_eq!(sections_needing_restart(&running, &other), ["gateway", "peer_link"]);
     }
 }

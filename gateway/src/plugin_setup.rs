@@ -4,8 +4,8 @@
 //! that was not asked for. Every plugin's config section is checked before anything is opened:
 //! `config check` reports the findings, `serve` refuses to start on any invalid one.
 
-use crate::config::GatewayConfig;
 use crate::channels::{PluginEventMsg, PluginStatus};
+use crate::config::GatewayConfig;
 use crate::metrics::GatewayMetrics;
 use kvgate_abi::{scope, sdk::sink_from_fn, Capabilities, MemoryKind, PluginInfo};
 use kvgate_core::PluginSlot;
@@ -59,7 +59,11 @@ pub fn plugin_config_text_of(plugins: &crate::config::PluginsSection, name: &str
 
 /// A sink that tags each event with `slot` and queues it for the driver without ever blocking a
 /// plugin thread: a full queue drops the event, counted; the core's plugin grace then ends it.
-pub fn slot_sink(slot: PluginSlot, events: mpsc::Sender<PluginEventMsg>, metrics: Arc<GatewayMetrics>) -> kvgate_abi::EventSinkBox {
+pub fn slot_sink(
+    slot: PluginSlot,
+    events: mpsc::Sender<PluginEventMsg>,
+    metrics: Arc<GatewayMetrics>,
+) -> kvgate_abi::EventSinkBox {
     sink_from_fn(move |event| {
         if events.try_send((slot, event)).is_err() {
             metrics.plugin_events_dropped.inc();
@@ -156,15 +160,19 @@ pub fn check_plugin_configs(config: &GatewayConfig, host: &PluginHost) -> Plugin
         let preferred = config.plugins.preference.contains(name);
         match host.check_config(name, &plugin_config_text(config, name)) {
             ConfigCheck::Valid if preferred => {}
-            ConfigCheck::Valid => findings.notes.push(format!("[plugins.config.{name}] is valid but {name} is not in plugins.preference, so it is not opened")),
-            ConfigCheck::NotChecked { reason } => findings.notes.push(format!("plugin {name}: config not checked before start ({reason})")),
+            ConfigCheck::Valid => findings.notes.push(format!(
+                "[plugins.config.{name}] is valid but {name} is not in plugins.preference, so it is not opened"
+            )),
+            ConfigCheck::NotChecked { reason } => {
+                findings.notes.push(format!("plugin {name}: config not checked before start ({reason})"))
+            }
             ConfigCheck::Invalid(OpenError::UnknownPlugin { .. }) if preferred => findings.errors.push(format!(
                 "plugins.preference names {name:?}, which is neither built in nor in plugins.libraries (known: {})",
                 host.plugins().iter().map(|p| p.name.as_str()).collect::<Vec<_>>().join(", ")
             )),
-            ConfigCheck::Invalid(OpenError::UnknownPlugin { .. }) => {
-                findings.errors.push(format!("[plugins.config.{name}] names no plugin that is built in or in plugins.libraries"))
-            }
+            ConfigCheck::Invalid(OpenError::UnknownPlugin { .. }) => findings
+                .errors
+                .push(format!("[plugins.config.{name}] names no plugin that is built in or in plugins.libraries")),
             ConfigCheck::Invalid(e) => findings.errors.push(format!("[plugins.config.{name}]: {e}")),
         }
     }

@@ -3,8 +3,8 @@
 //! logic of its own beyond start-up order.
 
 use crate::admin::{serve_admin, AdminState};
-use crate::config::GatewayConfig;
 use crate::channels::{DriverInput, PluginEventMsg};
+use crate::config::GatewayConfig;
 use crate::driver::{Driver, DriverParts};
 use crate::engine_api::{bind_unix_socket, serve_engine_api, EngineApiService};
 use crate::listeners::{keepalive_interval, GuardedListener};
@@ -71,7 +71,10 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
     let (plugin_tx, plugin_rx) = mpsc::channel(config.driver.plugin_event_queue_len as usize);
     let (plugins, listing) = crate::plugin_setup::open_plugins(&config, plugin_tx.clone(), metrics.clone())?;
     if plugins.is_empty() {
-        anyhow::bail!("no plugin could be opened (plugins.preference = {:?}); see the lines above", config.plugins.preference);
+        anyhow::bail!(
+            "no plugin could be opened (plugins.preference = {:?}); see the lines above",
+            config.plugins.preference
+        );
     }
     let core = kvgate_core::Core::new(config.scheduler.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
     let identity = Arc::new(LocalIdentity {
@@ -81,28 +84,51 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
         plugins: AdvertisedPlugins::new(
             plugins
                 .iter()
-                .map(|p| proto::PluginEndpoint { plugin: p.name().to_string(), endpoint: p.transport().local_endpoint().to_vec(), retiring: false })
+                .map(|p| proto::PluginEndpoint {
+                    plugin: p.name().to_string(),
+                    endpoint: p.transport().local_endpoint().to_vec(),
+                    retiring: false,
+                })
                 .collect(),
         ),
-        features: if config.peer_link.core_batch { vec![crate::peer_link::FEATURE_CORE_BATCH.to_string()] } else { Vec::new() },
+        features: if config.peer_link.core_batch {
+            vec![crate::peer_link::FEATURE_CORE_BATCH.to_string()]
+        } else {
+            Vec::new()
+        },
     });
     let (input_tx, input_rx) = mpsc::channel(config.driver.event_queue_len as usize);
-    let watch_tx = crate::engine_api::WatchFeed::new(config.engine_api.watch_buffer_events as usize, config.engine_api.watch_replay_events as usize, identity.incarnation);
+    let watch_tx = crate::engine_api::WatchFeed::new(
+        config.engine_api.watch_buffer_events as usize,
+        config.engine_api.watch_replay_events as usize,
+        identity.incarnation,
+    );
     let (stop_tx, stop_rx) = watch::channel(false);
 
     // Bind every listener before anything is announced, so a bad address fails start-up.
-    let unix = if config.engine_api.unix_socket.is_empty() { None } else { Some(bind_unix_socket(&PathBuf::from(&config.engine_api.unix_socket))?) };
+    let unix = if config.engine_api.unix_socket.is_empty() {
+        None
+    } else {
+        Some(bind_unix_socket(&PathBuf::from(&config.engine_api.unix_socket))?)
+    };
     // Beside it, the fd socket (same folder checks and 0600 mode): engines pass memory descriptors.
-    let fd_socket_path = (!config.engine_api.unix_socket.is_empty()).then(|| crate::engine_api::fd_pass::fd_socket_path(Path::new(&config.engine_api.unix_socket)));
+    let fd_socket_path = (!config.engine_api.unix_socket.is_empty())
+        .then(|| crate::engine_api::fd_pass::fd_socket_path(Path::new(&config.engine_api.unix_socket)));
     let fd_listener = match &fd_socket_path {
         Some(path) => Some(bind_unix_socket(path)?.into_std()?),
         None => None,
     };
-    let peer_listener = tokio::net::TcpListener::bind(&config.peer_link.listen).await.with_context(|| format!("peer_link.listen: bind {}", config.peer_link.listen))?;
+    let peer_listener = tokio::net::TcpListener::bind(&config.peer_link.listen)
+        .await
+        .with_context(|| format!("peer_link.listen: bind {}", config.peer_link.listen))?;
     let admin_listener = if config.admin.listen.is_empty() {
         None
     } else {
-        Some(tokio::net::TcpListener::bind(&config.admin.listen).await.with_context(|| format!("admin.listen: bind {}", config.admin.listen))?)
+        Some(
+            tokio::net::TcpListener::bind(&config.admin.listen)
+                .await
+                .with_context(|| format!("admin.listen: bind {}", config.admin.listen))?,
+        )
     };
 
     let (directory, static_links) = PeerDirectory::with_static(&config.peers);
@@ -119,7 +145,8 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
     });
     let driver_done = spawn_driver_thread(driver, input_rx, plugin_rx)?;
 
-    let (links, peer_service) = PeerLinks::start(config.clone(), identity.clone(), input_tx.clone(), directory, static_links)?;
+    let (links, peer_service) =
+        PeerLinks::start(config.clone(), identity.clone(), input_tx.clone(), directory, static_links)?;
     // Accepted through `listeners`: a connection cap, timeouts, TCP_NODELAY (tonic ignores
     // `Server::tcp_nodelay` there) and accept back-off.
     let peer_limits = config.peer_link.connections;
@@ -133,7 +160,10 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
     let mut stop = stop_rx.clone();
     let peer_task = tokio::spawn(
         peer_server
-            .add_service(PeerLinkServer::new(peer_service).max_decoding_message_size(crate::peer_link::max_decoding_bytes(&config)))
+            .add_service(
+                PeerLinkServer::new(peer_service)
+                    .max_decoding_message_size(crate::peer_link::max_decoding_bytes(&config)),
+            )
             .serve_with_incoming_shutdown(peer_incoming, async move {
                 let _ = stop.wait_for(|s| *s).await;
             }),
@@ -149,7 +179,8 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
     let fd_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     if let Some(listener) = fd_listener {
         let timeout = std::time::Duration::from_millis(config.engine_api.connections.handshake_timeout_ms);
-        crate::engine_api::fd_pass::spawn_fd_socket(listener, api.passed_fds(), timeout, fd_stop.clone()).context("start the fd socket thread")?;
+        crate::engine_api::fd_pass::spawn_fd_socket(listener, api.passed_fds(), timeout, fd_stop.clone())
+            .context("start the fd socket thread")?;
     }
     let api_config = config.clone();
     let api_stop = stop_rx.clone();
@@ -158,14 +189,26 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
     let reloader = crate::plugin_reload::Reloader { config_path, running: config.clone(), driver: input_tx.clone() };
     if let Some(listener) = admin_listener {
         let reloader = Some(reloader.clone());
-        let state = AdminState { driver: input_tx.clone(), metrics: metrics.clone(), discovery: discovery_status.clone(), reloader };
+        let state = AdminState {
+            driver: input_tx.clone(),
+            metrics: metrics.clone(),
+            discovery: discovery_status.clone(),
+            reloader,
+        };
         let listener = GuardedListener::new(listener, "admin", config.admin.connections, metrics.clone());
         tokio::spawn(serve_admin(listener, state, stop_rx.clone()));
     }
     // Registered only now that every listener is bound: a peer that reads the record can dial at once.
     let discovery_task = discovery_options.map(|options| {
         let status = discovery_status.clone();
-        let discovery = crate::discovery::Discovery { config: config.clone(), options, identity: identity.clone(), links, metrics: metrics.clone(), status };
+        let discovery = crate::discovery::Discovery {
+            config: config.clone(),
+            options,
+            identity: identity.clone(),
+            links,
+            metrics: metrics.clone(),
+            status,
+        };
         tokio::spawn(discovery.run(stop_rx.clone()))
     });
     tracing::info!(

@@ -29,7 +29,11 @@ fn every_example_config_loads_and_names_its_peer_consistently() {
     for file in &files {
         let text = std::fs::read_to_string(file).unwrap();
         let config = kvgate::config::load_config_from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-        assert!(text.lines().filter(|l| l.trim_start().starts_with('#')).count() >= 3, "{} needs comments", file.display());
+        assert!(
+            text.lines().filter(|l| l.trim_start().starts_with('#')).count() >= 3,
+            "{} needs comments",
+            file.display()
+        );
         for (plugin, table) in &config.plugins.config {
             let table = toml::to_string(table).unwrap();
             let parsed = match plugin.as_str() {
@@ -45,8 +49,14 @@ fn every_example_config_loads_and_names_its_peer_consistently() {
     for (file, config) in &names {
         for peer in &config.peers {
             let sibling = names.iter().find(|(f, c)| f.parent() == file.parent() && c.gateway.name == peer.name);
-            let (_, other) = sibling.unwrap_or_else(|| panic!("{}: peer {} is no gateway of this deployment", file.display(), peer.name));
-            assert!(other.peers.iter().any(|p| p.name == config.gateway.name), "{}: not listed back by {}", file.display(), peer.name);
+            let (_, other) = sibling
+                .unwrap_or_else(|| panic!("{}: peer {} is no gateway of this deployment", file.display(), peer.name));
+            assert!(
+                other.peers.iter().any(|p| p.name == config.gateway.name),
+                "{}: not listed back by {}",
+                file.display(),
+                peer.name
+            );
             assert_eq!(peer.address, other.peer_link.listen, "{}: address of {}", file.display(), peer.name);
         }
     }
@@ -54,7 +64,8 @@ fn every_example_config_loads_and_names_its_peer_consistently() {
 
 /// The `kvgate` binary (package `kvgate`, gateway/cli), built or found up to date first.
 fn kvgate_binary() -> PathBuf {
-    kvgate_host::artifacts::built_or_build_binary("kvgate", "kvgate", Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap_or_else(|e| panic!("{e}"))
+    kvgate_host::artifacts::built_or_build_binary("kvgate", "kvgate", Path::new(env!("CARGO_MANIFEST_DIR")))
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A peer-link key for the shipped configs (they name `peer.key` beside themselves, which a clone
@@ -96,13 +107,28 @@ fn config_check_accepts_an_example_and_reports_a_typo_with_exit_code_2() {
 #[test]
 fn environment_overrides_the_file_and_is_validated() {
     let good = configs_dir().join("shm-one-host/prefill.toml");
-    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PEER_LINK__HEARTBEAT_INTERVAL_MS", "5").output().unwrap();
+    let out = kvgate()
+        .args(["config", "check"])
+        .arg(&good)
+        .env("KVGATE__PEER_LINK__HEARTBEAT_INTERVAL_MS", "5")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2), "the override must reach validation");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("peer_link.heartbeat_interval_ms = 5"), "{stderr}");
-    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PEER_LINK__HEARTBEAT_INTERVAL_MS", "10").output().unwrap();
+    let out = kvgate()
+        .args(["config", "check"])
+        .arg(&good)
+        .env("KVGATE__PEER_LINK__HEARTBEAT_INTERVAL_MS", "10")
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE_PEER_LINK_HEARTBEAT_INTERVAL_MS", "5").output().unwrap();
+    let out = kvgate()
+        .args(["config", "check"])
+        .arg(&good)
+        .env("KVGATE_PEER_LINK_HEARTBEAT_INTERVAL_MS", "5")
+        .output()
+        .unwrap();
     assert!(out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("KVGATE_PEER_LINK_HEARTBEAT_INTERVAL_MS is ignored"), "{stderr}");
@@ -111,17 +137,27 @@ fn environment_overrides_the_file_and_is_validated() {
 #[test]
 fn list_keys_are_overridden_by_comma_separated_environment_values() {
     let good = configs_dir().join("shm-one-host/prefill.toml");
-    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PLUGINS__PREFERENCE", "quic,shm").output().unwrap();
+    let out =
+        kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PLUGINS__PREFERENCE", "quic,shm").output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains(r#"plugins ["quic", "shm"]"#), "{stdout}");
     // One value is a list of one; each element is validated on its own, by its index.
-    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PLUGINS__PREFERENCE", "quic").output().unwrap();
+    let out =
+        kvgate().args(["config", "check"]).arg(&good).env("KVGATE__PLUGINS__PREFERENCE", "quic").output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains(r#"plugins ["quic"]"#));
-    let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__DISCOVERY__ETCD_ENDPOINTS", "http://10.0.0.5:2379,10.0.0.6:2379").output().unwrap();
+    let out = kvgate()
+        .args(["config", "check"])
+        .arg(&good)
+        .env("KVGATE__DISCOVERY__ETCD_ENDPOINTS", "http://10.0.0.5:2379,10.0.0.6:2379")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("discovery.etcd_endpoints[1]") && !stderr.contains("discovery.etcd_endpoints[0]"), "{stderr}");
+    assert!(
+        stderr.contains("discovery.etcd_endpoints[1]") && !stderr.contains("discovery.etcd_endpoints[0]"),
+        "{stderr}"
+    );
     // A key that is not a list keeps its commas.
     let out = kvgate().args(["config", "check"]).arg(&good).env("KVGATE__GATEWAY__NAME", "a,b").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -6,9 +6,9 @@ mod common;
 
 use common::pki::{leaf, leaf_named, pki, tls_toml};
 use common::*;
+use kvgate_client::{proto, reason_of, room_key, slice, Client};
 use kvgate_demo::engine::{expect_into, run_room, send_all};
 use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate_client::{proto, reason_of, room_key, slice, Client};
 use std::process::Command;
 use std::time::Duration;
 
@@ -48,18 +48,43 @@ async fn bad_engine_calls_are_refused_with_a_reason_and_change_nothing() {
     let pool_len = shape.request_bytes() * 2;
 
     // Registration by reference only: a missing file, a range past the end of the file.
-    assert_eq!(status_reason(decode.client.register_shared_memory("/dev/shm/kvgate-no-such-file", 0, 4096, "x").await), "memory_unavailable");
+    assert_eq!(
+        status_reason(decode.client.register_shared_memory("/dev/shm/kvgate-no-such-file", 0, 4096, "x").await),
+        "memory_unavailable"
+    );
     let pool_path = decode.pool.lock().unwrap().path.display().to_string();
-    assert_eq!(status_reason(decode.client.register_shared_memory(&pool_path, pool_len - 10, 4096, "x").await), "slice_out_of_range");
+    assert_eq!(
+        status_reason(decode.client.register_shared_memory(&pool_path, pool_len - 10, 4096, "x").await),
+        "slice_out_of_range"
+    );
 
     // Unknown region, slice out of its region.
     let room = room_key(600, 0);
-    assert_eq!(status_reason(decode.client.expect(room, PREFILL_NAME, vec![vec![slice(999, 0, 4096)]], 0).await), "unknown_region");
-    assert_eq!(status_reason(decode.client.expect(room, PREFILL_NAME, vec![vec![slice(decode.region, pool_len - 100, 4096)]], 0).await), "slice_out_of_range");
-    let bad_send = proto::SendRequest { offset: None, key: Some(room), part: 0, chunk: 0, slices: vec![slice(prefill.region, pool_len, 1)], last: true, peer: DECODE_NAME.into() };
+    assert_eq!(
+        status_reason(decode.client.expect(room, PREFILL_NAME, vec![vec![slice(999, 0, 4096)]], 0).await),
+        "unknown_region"
+    );
+    assert_eq!(
+        status_reason(
+            decode.client.expect(room, PREFILL_NAME, vec![vec![slice(decode.region, pool_len - 100, 4096)]], 0).await
+        ),
+        "slice_out_of_range"
+    );
+    let bad_send = proto::SendRequest {
+        offset: None,
+        key: Some(room),
+        part: 0,
+        chunk: 0,
+        slices: vec![slice(prefill.region, pool_len, 1)],
+        last: true,
+        peer: DECODE_NAME.into(),
+    };
     assert_eq!(status_reason(prefill.client.send(bad_send).await), "slice_out_of_range");
     // An unknown peer name, and a request without a room key.
-    assert_eq!(status_reason(decode.client.expect(room, "nobody", vec![vec![slice(decode.region, 0, 4096)]], 0).await), "unknown_peer");
+    assert_eq!(
+        status_reason(decode.client.expect(room, "nobody", vec![vec![slice(decode.region, 0, 4096)]], 0).await),
+        "unknown_peer"
+    );
     let no_key = proto::SendRequest { offset: None, key: None, ..Default::default() };
     assert_eq!(status_reason(prefill.client.send(no_key).await), "missing_field");
     // A timeout of 0 ms given explicitly (an absent one means the gateway's `room_timeout_ms`);
@@ -84,7 +109,15 @@ async fn bad_engine_calls_are_refused_with_a_reason_and_change_nothing() {
     for _ in 0..50 {
         // Wait until the expect notice reached the prefill gateway, so the send can be checked at once.
         if prefill.client.get_room(room_key(601, 0)).await.is_ok() {
-            let short = proto::SendRequest { offset: None, key: Some(room_key(601, 0)), part: 0, chunk: 0, slices: vec![slice(prefill.region, 0, 4096)], last: true, peer: DECODE_NAME.into() };
+            let short = proto::SendRequest {
+                offset: None,
+                key: Some(room_key(601, 0)),
+                part: 0,
+                chunk: 0,
+                slices: vec![slice(prefill.region, 0, 4096)],
+                last: true,
+                peer: DECODE_NAME.into(),
+            };
             refused = Some(status_reason(prefill.client.send(short).await));
             break;
         }

@@ -12,7 +12,11 @@ use std::time::{Duration, Instant};
 
 fn kvgate(args: &[&str]) -> (i32, String, String) {
     let out = Command::new(binary()).args(args).env_remove("RUST_LOG").output().unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -23,7 +27,12 @@ async fn rooms_and_abort_commands_act_on_a_running_gateway_and_every_failure_is_
     // send too: its bootstrap deadline is set well past the decode side's, so the room this test
     // watches ends with its own `bootstrap_timeout` rather than racing to a `sender_failed`.
     let prefill_bootstrap = vec![("KVGATE__SCHEDULER__BOOTSTRAP_TIMEOUT_MS".to_string(), "10000".to_string())];
-    let settings = PairSettings { bootstrap_timeout_ms: 1_500, stuck_room_warn_ms: vec![300, 700], env_prefill: prefill_bootstrap, ..PairSettings::default() };
+    let settings = PairSettings {
+        bootstrap_timeout_ms: 1_500,
+        stuck_room_warn_ms: vec![300, 700],
+        env_prefill: prefill_bootstrap,
+        ..PairSettings::default()
+    };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let shape = small_shape();
     let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
@@ -57,17 +66,27 @@ async fn rooms_and_abort_commands_act_on_a_running_gateway_and_every_failure_is_
     tokio::time::sleep(Duration::from_millis(200)).await;
     let log = pair.decode.log();
     for age in [300, 700] {
-        let stuck: Vec<&str> = log.lines().filter(|l| l.contains(&format!("room still live at {age} ms")) && l.contains("802#0")).collect();
+        let stuck: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains(&format!("room still live at {age} ms")) && l.contains("802#0"))
+            .collect();
         assert_eq!(stuck.len(), 1, "one warning at {age} ms for room 802:\n{log}");
     }
     for (room, reason) in [("801#0", "aborted"), ("802#0", "bootstrap_timeout")] {
-        let line = log.lines().find(|l| l.contains("room failed") && l.contains(room)).unwrap_or_else(|| panic!("no failure line for {room}:\n{log}"));
+        let line = log
+            .lines()
+            .find(|l| l.contains("room failed") && l.contains(room))
+            .unwrap_or_else(|| panic!("no failure line for {room}:\n{log}"));
         for field in [reason, "phase", "peer", "elapsed_ms", "plugin"] {
             assert!(line.contains(field), "{room}: {field} missing in {line}");
         }
     }
     let text = metrics(&pair.decode.admin).await;
-    assert!(sample(&text, "kvgate_room_failures_total{reason=\"bootstrap_timeout\",phase=\"bootstrap\",plugin=\"shm\"}").is_some_and(|v| v >= 1.0), "{text}");
+    assert!(
+        sample(&text, "kvgate_room_failures_total{reason=\"bootstrap_timeout\",phase=\"bootstrap\",plugin=\"shm\"}")
+            .is_some_and(|v| v >= 1.0),
+        "{text}"
+    );
     assert!(sample(&text, "kvgate_aborts_total").is_some_and(|v| v >= 1.0), "{text}");
     for age in [300, 700] {
         assert_eq!(sample(&text, &format!("kvgate_stuck_rooms_total{{age_ms=\"{age}\"}}")), Some(1.0), "{text}");
@@ -121,12 +140,20 @@ async fn stuck_rooms_past_the_line_ration_are_counted_in_a_summary_line_not_drop
     assert!(named(300) + named(700) >= 1, "the ration's one line is used:\n{log}");
     assert!(named(300) + named(700) <= 2, "at most one line a second, and the rooms ended within 1.5 s:\n{log}");
     for age in [300, 700] {
-        assert_eq!(named(age) + summarized_at(&log, age), ROOMS, "every stuck room at {age} ms named or counted:\n{log}");
+        assert_eq!(
+            named(age) + summarized_at(&log, age),
+            ROOMS,
+            "every stuck room at {age} ms named or counted:\n{log}"
+        );
     }
     assert!(summarized_at(&log, 300) >= ROOMS - 1, "{log}");
     let text = metrics(&pair.decode.admin).await;
     for age in [300, 700] {
-        assert_eq!(sample(&text, &format!("kvgate_stuck_rooms_total{{age_ms=\"{age}\"}}")), Some(ROOMS as f64), "{text}");
+        assert_eq!(
+            sample(&text, &format!("kvgate_stuck_rooms_total{{age_ms=\"{age}\"}}")),
+            Some(ROOMS as f64),
+            "{text}"
+        );
     }
     pair.stop();
 }

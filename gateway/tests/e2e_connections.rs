@@ -7,8 +7,8 @@
 mod common;
 
 use common::*;
-use kvgate_demo::gateways::{GatewayPair, PairSettings};
 use kvgate::admin_client as http;
+use kvgate_demo::gateways::{GatewayPair, PairSettings};
 use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 
@@ -43,7 +43,10 @@ async fn connections_past_a_cap_are_closed_and_silent_ones_end_after_the_handsha
         ("KVGATE__ENGINE_API__CONNECTIONS__MAX_CONNECTIONS".to_string(), "3".to_string()),
         ("KVGATE__ENGINE_API__CONNECTIONS__HANDSHAKE_TIMEOUT_MS".to_string(), "1500".to_string()),
     ];
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings { env_decode: env, ..PairSettings::default() }).await.unwrap();
+    let mut pair =
+        GatewayPair::start(&binary(), dir.path(), &PairSettings { env_decode: env, ..PairSettings::default() })
+            .await
+            .unwrap();
     let admin = pair.decode.admin.clone();
 
     // Admin: four silent connections are held (the cap), the fifth is closed at once.
@@ -55,11 +58,17 @@ async fn connections_past_a_cap_are_closed_and_silent_ones_end_after_the_handsha
     let mut fifth = tokio::net::TcpStream::connect(&admin).await.unwrap();
     assert!(closed_within(&mut fifth, Duration::from_secs(5)).await, "the connection past admin's cap was kept");
     for stream in held.iter_mut() {
-        assert!(!closed_within(stream, Duration::from_millis(100)).await, "a connection within the cap was closed early");
+        assert!(
+            !closed_within(stream, Duration::from_millis(100)).await,
+            "a connection within the cap was closed early"
+        );
     }
     // Silent past handshake_timeout_ms: closed by the gateway, and admin answers again.
     for stream in held.iter_mut() {
-        assert!(closed_within(stream, Duration::from_secs(10)).await, "a silent connection was kept past its handshake bound");
+        assert!(
+            closed_within(stream, Duration::from_secs(10)).await,
+            "a silent connection was kept past its handshake bound"
+        );
     }
     let (code, text) = http::get(&admin, "/metrics").await.unwrap();
     assert_eq!(code, 200);
@@ -76,7 +85,10 @@ async fn connections_past_a_cap_are_closed_and_silent_ones_end_after_the_handsha
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut past = tokio::net::UnixStream::connect(&pair.decode.socket).await.unwrap();
-    assert!(closed_within(&mut past, Duration::from_secs(5)).await, "the connection past the engine socket's cap was kept");
+    assert!(
+        closed_within(&mut past, Duration::from_secs(5)).await,
+        "the connection past the engine socket's cap was kept"
+    );
     decode.client.list_rooms(true).await.expect("the engine's own connection keeps working at the cap");
     for stream in raw.iter_mut() {
         assert!(closed_within(stream, Duration::from_secs(10)).await, "a silent engine-socket connection was kept");
@@ -109,10 +121,17 @@ async fn out_of_descriptors_the_gateway_backs_off_logs_and_serves_again() {
         ("KVGATE__ADMIN__CONNECTIONS__MAX_CONNECTIONS".to_string(), "1000".to_string()),
         ("KVGATE__ENGINE_API__CONNECTIONS__MAX_CONNECTIONS".to_string(), "1000".to_string()),
     ];
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings { env_decode: env, ..PairSettings::default() }).await.unwrap();
+    let mut pair =
+        GatewayPair::start(&binary(), dir.path(), &PairSettings { env_decode: env, ..PairSettings::default() })
+            .await
+            .unwrap();
     let pid = pair.decode.pid().unwrap();
     let limit = open_descriptors(pid) + 16;
-    let status = std::process::Command::new("prlimit").arg(format!("--pid={pid}")).arg(format!("--nofile={limit}:{limit}")).status().unwrap();
+    let status = std::process::Command::new("prlimit")
+        .arg(format!("--pid={pid}"))
+        .arg(format!("--nofile={limit}:{limit}"))
+        .status()
+        .unwrap();
     assert!(status.success(), "prlimit failed");
     let admin = pair.decode.admin.clone();
     // Both kinds of listener: admin (axum) over TCP and the engine API (tonic) on its socket.
@@ -127,10 +146,18 @@ async fn out_of_descriptors_the_gateway_backs_off_logs_and_serves_again() {
     let (ticks, started) = (cpu_ticks(pid), Instant::now());
     tokio::time::sleep(Duration::from_secs(2)).await;
     let spent = (cpu_ticks(pid) - ticks) as f64 / 100.0;
-    assert!(spent < 0.5 * started.elapsed().as_secs_f64(), "the gateway spent {spent:.2} s of CPU in {:?} out of descriptors", started.elapsed());
+    assert!(
+        spent < 0.5 * started.elapsed().as_secs_f64(),
+        "the gateway spent {spent:.2} s of CPU in {:?} out of descriptors",
+        started.elapsed()
+    );
     for listener in ["admin", "engine_api"] {
         let lines = pair.decode.log().lines().filter(|l| l.contains("accept failed") && l.contains(listener)).count();
-        assert!((1..=2).contains(&lines), "expected one rate-limited accept-failure line of {listener}, found {lines}:\n{}", pair.decode.log());
+        assert!(
+            (1..=2).contains(&lines),
+            "expected one rate-limited accept-failure line of {listener}, found {lines}:\n{}",
+            pair.decode.log()
+        );
     }
     drop(flood);
     drop(engine_flood);
@@ -155,7 +182,10 @@ async fn one_engine_connection_cannot_take_every_watch_place() {
         ("KVGATE__ENGINE_API__MAX_WATCHERS".to_string(), "4".to_string()),
         ("KVGATE__ENGINE_API__MAX_WATCHERS_PER_CONNECTION".to_string(), "2".to_string()),
     ];
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &PairSettings { env_decode: env, ..PairSettings::default() }).await.unwrap();
+    let mut pair =
+        GatewayPair::start(&binary(), dir.path(), &PairSettings { env_decode: env, ..PairSettings::default() })
+            .await
+            .unwrap();
     let greedy = kvgate_client::Client::connect_unix(&pair.decode.socket).await.unwrap();
     let other = kvgate_client::Client::connect_unix(&pair.decode.socket).await.unwrap();
     // At the per-connection limit: accepted; one past it: refused with its reason.

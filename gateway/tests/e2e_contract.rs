@@ -5,16 +5,20 @@
 mod common;
 
 use common::*;
+use kvgate_client::{proto, reason_of, room_key, slice};
 use kvgate_demo::engine::{prepare_slots, run_room, slot_checksum, wait_terminal};
 use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate_client::{proto, reason_of, room_key, slice};
 use std::time::{Duration, Instant};
 
 const WAIT: Duration = Duration::from_secs(10);
 
 /// The `room failed` lines of `log` for `room`.
 fn failure_lines(log: &str, room: u64) -> Vec<String> {
-    plain_log(log).lines().filter(|l| l.contains("room failed") && l.contains(&format!("room={room}#"))).map(str::to_string).collect()
+    plain_log(log)
+        .lines()
+        .filter(|l| l.contains("room failed") && l.contains(&format!("room={room}#")))
+        .map(str::to_string)
+        .collect()
 }
 
 // CONFORMANCE: HANDSHAKE-1
@@ -34,7 +38,15 @@ async fn a_layout_mismatch_fails_the_room_before_any_byte_moves_and_harms_nothin
     let (mut p_rx, mut d_rx) = (prefill.events.listen(800), decode.events.listen(800));
     let started = Instant::now();
     for p in 0..2u32 {
-        let send = proto::SendRequest { offset: None, key: Some(room_key(800, 0)), part: p, chunk: 0, slices: vec![slice(prefill.region, p as u64 * part, part)], last: true, peer: DECODE_NAME.into() };
+        let send = proto::SendRequest {
+            offset: None,
+            key: Some(room_key(800, 0)),
+            part: p,
+            chunk: 0,
+            slices: vec![slice(prefill.region, p as u64 * part, part)],
+            last: true,
+            peer: DECODE_NAME.into(),
+        };
         prefill.client.send(send).await.unwrap();
     }
     decode.client.expect(room_key(800, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, part)]], 0).await.unwrap();
@@ -48,9 +60,21 @@ async fn a_layout_mismatch_fails_the_room_before_any_byte_moves_and_harms_nothin
     // Lengths: the sender's only chunk is 4 KiB and last; the receiver expects a whole part.
     let (mut p_rx, mut d_rx) = (prefill.events.listen(801), decode.events.listen(801));
     let started = Instant::now();
-    let send = proto::SendRequest { offset: None, key: Some(room_key(801, 0)), part: 0, chunk: 0, slices: vec![slice(prefill.region, 0, 4096)], last: true, peer: DECODE_NAME.into() };
+    let send = proto::SendRequest {
+        offset: None,
+        key: Some(room_key(801, 0)),
+        part: 0,
+        chunk: 0,
+        slices: vec![slice(prefill.region, 0, 4096)],
+        last: true,
+        peer: DECODE_NAME.into(),
+    };
     prefill.client.send(send).await.unwrap();
-    decode.client.expect(room_key(801, 0), PREFILL_NAME, vec![vec![slice(decode.region, part, part)]], 0).await.unwrap();
+    decode
+        .client
+        .expect(room_key(801, 0), PREFILL_NAME, vec![vec![slice(decode.region, part, part)]], 0)
+        .await
+        .unwrap();
     let (p, d) = tokio::join!(wait_terminal(&mut p_rx, started, WAIT), wait_terminal(&mut d_rx, started, WAIT));
     let (p, d) = (p.unwrap(), d.unwrap());
     assert!(!p.succeeded && p.reason == "length_mismatch", "prefill: {p:?}");
@@ -66,7 +90,11 @@ async fn a_layout_mismatch_fails_the_room_before_any_byte_moves_and_harms_nothin
     assert!(r.verified, "{r:?}");
 
     // Versions: a peer speaking another peer-link protocol version is refused before its first frame.
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", pair.prefill.peer_listen)).unwrap().connect().await.unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", pair.prefill.peer_listen))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
     let mut client = proto::peer_link_client::PeerLinkClient::new(channel);
     let hello = proto::PeerFrame {
         frame: Some(proto::peer_frame::Frame::Hello(proto::Hello {
@@ -104,7 +132,11 @@ async fn gateway_shutdown_ends_every_live_room_shuts_plugins_down_and_releases_r
     let mut listeners = Vec::new();
     for (i, room) in rooms.iter().enumerate() {
         listeners.push((*room, decode.events.listen(*room), prefill.events.listen(*room)));
-        decode.client.expect(room_key(*room, 0), PREFILL_NAME, vec![vec![slice(decode.region, i as u64 * part, part)]], 0).await.unwrap();
+        decode
+            .client
+            .expect(room_key(*room, 0), PREFILL_NAME, vec![vec![slice(decode.region, i as u64 * part, part)]], 0)
+            .await
+            .unwrap();
     }
     // Wait until the prefill gateway knows them too (the expect notices crossed the link).
     let deadline = Instant::now() + WAIT;
@@ -122,8 +154,16 @@ async fn gateway_shutdown_ends_every_live_room_shuts_plugins_down_and_releases_r
     let log = plain_log(&decode_process.log());
     assert!(log.contains("shutdown: every live room aborted") && log.contains("rooms=3"), "{log}");
     assert!(log.contains("plugin shut down plugin=shm"), "{log}");
-    let last = log.lines().find(|l| l.contains("driver stopped, plugins shut down, registrations released")).unwrap_or_else(|| panic!("{log}"));
-    assert!(last.contains("rooms_aborted=3") && last.contains("rooms_still_quarantined=0") && last.contains("regions_released=1"), "{last}");
+    let last = log
+        .lines()
+        .find(|l| l.contains("driver stopped, plugins shut down, registrations released"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        last.contains("rooms_aborted=3")
+            && last.contains("rooms_still_quarantined=0")
+            && last.contains("regions_released=1"),
+        "{last}"
+    );
     assert!(stopped_in < Duration::from_secs(5), "stopped in {stopped_in:?}");
     for room in rooms {
         let lines = failure_lines(&log, room);
@@ -135,7 +175,10 @@ async fn gateway_shutdown_ends_every_live_room_shuts_plugins_down_and_releases_r
         let d = wait_terminal(&mut d_rx, started, WAIT).await.unwrap();
         assert!(!d.succeeded && d.reason == "aborted", "decode room {room}: {d:?}");
         let p = wait_terminal(&mut p_rx, started, WAIT).await.unwrap();
-        assert!(!p.succeeded && (p.reason == "aborted_by_peer" || p.reason == "peer_lost"), "prefill room {room}: {p:?}");
+        assert!(
+            !p.succeeded && (p.reason == "aborted_by_peer" || p.reason == "peer_lost"),
+            "prefill room {room}: {p:?}"
+        );
     }
     let left = wait_rooms_empty(&pair.prefill.admin, WAIT).await;
     assert!(left.as_array().unwrap().is_empty(), "{left}");
@@ -156,7 +199,11 @@ async fn every_failure_is_logged_every_time_with_reason_room_peer_phase_and_elap
     for room in [820u64, 821, 822] {
         rx.push(decode.events.listen(room));
         let timeout_ms = if room == 822 { 0 } else { 300 };
-        decode.client.expect(room_key(room, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, part)]], timeout_ms).await.unwrap();
+        decode
+            .client
+            .expect(room_key(room, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, part)]], timeout_ms)
+            .await
+            .unwrap();
     }
     decode.client.abort(room_key(822, 0), "the test aborts it").await.unwrap();
     let started = Instant::now();
@@ -169,10 +216,21 @@ async fn every_failure_is_logged_every_time_with_reason_room_peer_phase_and_elap
         let lines = failure_lines(&log, room);
         assert_eq!(lines.len(), 1, "room {room}: {lines:?}");
         let line = &lines[0];
-        for field in [format!("reason=\"{reason}\""), "role=\"receiver\"".into(), "phase=\"bootstrap\"".into(), format!("peer={PREFILL_NAME}"), "plugin=".into()] {
+        for field in [
+            format!("reason=\"{reason}\""),
+            "role=\"receiver\"".into(),
+            "phase=\"bootstrap\"".into(),
+            format!("peer={PREFILL_NAME}"),
+            "plugin=".into(),
+        ] {
             assert!(line.contains(&field), "room {room}: no {field} in {line}");
         }
-        let elapsed: u64 = line.split("elapsed_ms=").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"));
+        let elapsed: u64 = line
+            .split("elapsed_ms=")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
         if reason == "room_timeout" {
             assert!((300..5_000).contains(&elapsed), "room {room}: elapsed_ms={elapsed} for a 300 ms deadline");
         }
@@ -193,7 +251,13 @@ async fn metrics_export_states_ages_reasons_violations_late_messages_and_quarant
 
     let first = metrics(&admin).await;
     // (Counters are typed without their `_total` suffix; their samples carry it.)
-    for family in ["kvgate_rooms gauge", "kvgate_oldest_room_age_seconds gauge", "kvgate_plugin_contract_violations counter", "kvgate_late_messages counter", "kvgate_quarantined_bytes gauge"] {
+    for family in [
+        "kvgate_rooms gauge",
+        "kvgate_oldest_room_age_seconds gauge",
+        "kvgate_plugin_contract_violations counter",
+        "kvgate_late_messages counter",
+        "kvgate_quarantined_bytes gauge",
+    ] {
         assert!(first.contains(&format!("# TYPE {family}")), "no {family} family:\n{first}");
     }
     assert!(first.contains("kvgate_plugin_contract_violations_total{clause="), "violations by clause:\n{first}");
@@ -211,17 +275,29 @@ async fn metrics_export_states_ages_reasons_violations_late_messages_and_quarant
 
     // Its abort: the failure counter by reason moves, the gauges fall back.
     let failures = |text: &str| -> f64 {
-        text.lines().filter(|l| l.starts_with("kvgate_room_failures_total{") && l.contains("reason=\"aborted\"")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+        text.lines()
+            .filter(|l| l.starts_with("kvgate_room_failures_total{") && l.contains("reason=\"aborted\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
     };
     decode.client.abort(room_key(830, 0), "the test aborts it").await.unwrap();
     wait_terminal(&mut rx, Instant::now(), WAIT).await.unwrap();
     // A late call for the aborted room is refused and counted as late.
-    let late = decode.client.expect(room_key(830, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, part)]], 0).await.unwrap_err();
+    let late = decode
+        .client
+        .expect(room_key(830, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, part)]], 0)
+        .await
+        .unwrap_err();
     assert_eq!(reason_of(&late).as_deref(), Some("room_terminal"), "{late:?}");
     let after = metrics(&admin).await;
     assert_eq!(failures(&after) - failures(&live), 1.0, "{after}");
     assert_eq!(sample(&after, waiting).unwrap_or(0.0), 0.0, "{after}");
-    let late_total = |text: &str| -> f64 { text.lines().filter(|l| l.starts_with("kvgate_late_messages_total")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum() };
+    let late_total = |text: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with("kvgate_late_messages_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
     assert!(late_total(&after) > late_total(&live), "late messages did not move:\n{after}");
     pair.stop();
 }
@@ -231,7 +307,10 @@ async fn metrics_export_states_ages_reasons_violations_late_messages_and_quarant
 async fn watchers_that_stall_or_vanish_and_a_busy_scraper_change_no_room_outcome() {
     let _serial = serial().await;
     let dir = work_dir();
-    let settings = PairSettings { env_decode: vec![("KVGATE__ENGINE_API__WATCH_BUFFER_EVENTS".into(), "16".into())], ..PairSettings::default() };
+    let settings = PairSettings {
+        env_decode: vec![("KVGATE__ENGINE_API__WATCH_BUFFER_EVENTS".into(), "16".into())],
+        ..PairSettings::default()
+    };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let shape = small_shape();
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 2).await;
@@ -268,7 +347,11 @@ async fn watchers_that_stall_or_vanish_and_a_busy_scraper_change_no_room_outcome
     assert!(scraper.await.unwrap() > 0);
     let text = metrics(&pair.decode.admin).await;
     assert_eq!(sample(&text, "kvgate_rooms_succeeded_total"), Some(rooms as f64), "{text}");
-    let failed: f64 = text.lines().filter(|l| l.starts_with("kvgate_room_failures_total")).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum();
+    let failed: f64 = text
+        .lines()
+        .filter(|l| l.starts_with("kvgate_room_failures_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
     assert_eq!(failed, 0.0, "{text}");
     drop(stalled_watch);
     pair.stop();

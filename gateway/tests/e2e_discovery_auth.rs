@@ -17,7 +17,13 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// Polls `admin`'s `/metrics` until `series` reads `want`; fails with the log after `within`.
-async fn wait_metric(admin: &str, series: &str, want: impl Fn(f64) -> bool, within: Duration, log: &dyn Fn() -> String) {
+async fn wait_metric(
+    admin: &str,
+    series: &str,
+    want: impl Fn(f64) -> bool,
+    within: Duration,
+    log: &dyn Fn() -> String,
+) {
     eventually(within, &format!("{series} as wanted"), || async { want(metric(admin, series).await) }, log).await;
 }
 
@@ -55,7 +61,11 @@ async fn a_user_with_a_role_on_its_prefix_registers_and_a_wrong_password_or_pref
         )
     };
     let (good, bad_password, bad_prefix) = (table(&right, prefix), table(&wrong, prefix), table(&right, "/elsewhere/"));
-    let members = [("good", good.as_str(), vec![]), ("badpassword", bad_password.as_str(), vec![]), ("badprefix", bad_prefix.as_str(), vec![])];
+    let members = [
+        ("good", good.as_str(), vec![]),
+        ("badpassword", bad_password.as_str(), vec![]),
+        ("badprefix", bad_prefix.as_str(), vec![]),
+    ];
     let mut cluster = Cluster::start(&binary(), dir.path(), &discovery_only_settings(), &members).await.unwrap();
     let within = Duration::from_secs(15);
 
@@ -86,7 +96,8 @@ async fn over_tls_with_client_certificates_a_gateway_of_the_cluster_registers_an
     let client_tls = etcd_client::TlsOptions::new()
         .ca_certificate(etcd_client::Certificate::from_pem(&cluster_ca_pem))
         .identity(etcd_client::Identity::from_pem(&client.cert_pem, &client.key_pem));
-    let server_tls = EtcdServerTls { cert_file: server_cert.into(), key_file: server_key.into(), client_ca_file: server_ca.into() };
+    let server_tls =
+        EtcdServerTls { cert_file: server_cert.into(), key_file: server_key.into(), client_ca_file: server_ca.into() };
     let mut etcd = Etcd::with_tls(dir.path(), server_tls, client_tls);
     etcd.start().await;
 
@@ -126,7 +137,11 @@ fn an_unreadable_password_file_stops_start_up_naming_the_key() {
         missing.display()
     );
     let path = write(dir.path(), "early.toml", &config);
-    let out = std::process::Command::new(binary()).args(["serve", "--config", &path]).env_remove("RUST_LOG").output().unwrap();
+    let out = std::process::Command::new(binary())
+        .args(["serve", "--config", &path])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("discovery.password_file: cannot read") && stderr.contains("no-such-password"), "{stderr}");
@@ -147,8 +162,10 @@ async fn discovered_peers_link_over_mutual_tls_checked_against_the_name_their_re
     // `run` keeps each run's key prefix and certificate files apart.
     let settings = |run: &str, decode_cert: &Pki| PairSettings {
         static_peers: false,
-        extra_prefill: tls_toml(dir.path(), &format!("prefill-{run}"), &prefill_cert, &ca_pem) + &discovery(&format!("/kvgate-test/{run}/"), "prefill.kv.internal"),
-        extra_decode: tls_toml(dir.path(), &format!("decode-{run}"), decode_cert, &ca_pem) + &discovery(&format!("/kvgate-test/{run}/"), "decode.kv.internal"),
+        extra_prefill: tls_toml(dir.path(), &format!("prefill-{run}"), &prefill_cert, &ca_pem)
+            + &discovery(&format!("/kvgate-test/{run}/"), "prefill.kv.internal"),
+        extra_decode: tls_toml(dir.path(), &format!("decode-{run}"), decode_cert, &ca_pem)
+            + &discovery(&format!("/kvgate-test/{run}/"), "decode.kv.internal"),
         wait_for_peers: false,
         ..PairSettings::default()
     };
@@ -174,7 +191,11 @@ async fn discovered_peers_link_over_mutual_tls_checked_against_the_name_their_re
         assert!(Instant::now() < deadline, "no peer_identity_mismatch:\n{}", pair.prefill.log());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(pair.prefill.log().contains("decode.kv.internal"), "the refusal names the record's name: {}", pair.prefill.log());
+    assert!(
+        pair.prefill.log().contains("decode.kv.internal"),
+        "the refusal names the record's name: {}",
+        pair.prefill.log()
+    );
     assert_ne!(sample(&metrics(&pair.prefill.admin).await, up), Some(1.0));
     pair.stop();
 }

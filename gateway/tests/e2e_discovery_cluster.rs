@@ -41,15 +41,28 @@ async fn with_a_member_down_and_listed_first_gateways_register_find_each_other_a
     let prefix = "/kvgate-test/member-down/";
     // Time enough for a live member to answer on a loaded machine: only the dead one may fail.
     let table = cluster_toml(&etcd, 0, prefix, "lease_ttl_s = 15\nrequest_timeout_ms = 5000\n");
-    let settings = PairSettings { static_peers: false, extra_prefill: table.clone(), extra_decode: table, ..PairSettings::default() };
-    let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap_or_else(|e| panic!("{e:#}\n{}", etcd.logs()));
+    let settings = PairSettings {
+        static_peers: false,
+        extra_prefill: table.clone(),
+        extra_decode: table,
+        ..PairSettings::default()
+    };
+    let mut pair =
+        GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap_or_else(|e| panic!("{e:#}\n{}", etcd.logs()));
     let logs = || format!("{}\n{}", pair.prefill.log(), pair.decode.log());
     for admin in [&pair.prefill.admin, &pair.decode.admin] {
-        eventually(Duration::from_secs(10), "registered", || async { metric(admin, REGISTERED).await == 1.0 }, &logs).await;
-        eventually(Duration::from_secs(10), "the other gateway found through etcd and linked", || async {
-            let p = peers(admin).await;
-            p.len() == 1 && p[0]["up"] == true && p[0]["source"] == "etcd"
-        }, &logs).await;
+        eventually(Duration::from_secs(10), "registered", || async { metric(admin, REGISTERED).await == 1.0 }, &logs)
+            .await;
+        eventually(
+            Duration::from_secs(10),
+            "the other gateway found through etcd and linked",
+            || async {
+                let p = peers(admin).await;
+                p.len() == 1 && p[0]["up"] == true && p[0]["source"] == "etcd"
+            },
+            &logs,
+        )
+        .await;
     }
     assert_eq!(etcd.members[1].keys(prefix).await, [format!("{prefix}decode"), format!("{prefix}prefill")]);
 
@@ -70,7 +83,10 @@ async fn with_a_member_down_and_listed_first_gateways_register_find_each_other_a
         let view = discovery_view(admin).await;
         assert!(view["enabled"] == true && view["registered"] == true && view["lease_id"].as_i64() > Some(0), "{view}");
         assert_eq!(view["endpoint"], urls[1].as_str(), "{view}");
-        assert!(view["last_error"]["reason"] == "etcd_unreachable" && view["last_error"]["endpoint"] == urls[0].as_str(), "{view}");
+        assert!(
+            view["last_error"]["reason"] == "etcd_unreachable" && view["last_error"]["endpoint"] == urls[0].as_str(),
+            "{view}"
+        );
     }
     assert!(discovery_view(&pair.decode.admin).await["key"] == format!("{prefix}decode").as_str());
     pair.stop();
@@ -96,15 +112,32 @@ async fn when_its_member_dies_a_gateway_moves_to_another_keeps_its_record_and_ke
         let name = format!("late-{down}");
         let mut late = discovery_gateway(dir.path(), &name, &table).await;
         let up = || async { peers(&admin).await.iter().any(|p| p["name"] == name.as_str() && p["up"] == true) };
-        eventually(Duration::from_secs(15), &format!("{name} found and linked with member {down} down"), up, &log).await;
+        eventually(Duration::from_secs(15), &format!("{name} found and linked with member {down} down"), up, &log)
+            .await;
         // ...and forgotten when it stops.
         late.stop();
-        eventually(Duration::from_secs(15), &format!("{name} forgotten"), || async { peers(&admin).await.is_empty() }, &log).await;
+        eventually(
+            Duration::from_secs(15),
+            &format!("{name} forgotten"),
+            || async { peers(&admin).await.is_empty() },
+            &log,
+        )
+        .await;
         // Past two lease periods the record is still there, kept alive through another member.
         tokio::time::sleep(Duration::from_secs(2 * ttl_s)).await;
-        eventually(Duration::from_secs(10), "registered through a live member", || async { metric(&admin, REGISTERED).await == 1.0 }, &log).await;
+        eventually(
+            Duration::from_secs(10),
+            "registered through a live member",
+            || async { metric(&admin, REGISTERED).await == 1.0 },
+            &log,
+        )
+        .await;
         let record = alive.value(&steady_key).await;
-        assert!(record.as_deref().is_some_and(|v| v.contains(&steady.get("steady").peer_listen)), "member {down} down: record {record:?}\n{}", log());
+        assert!(
+            record.as_deref().is_some_and(|v| v.contains(&steady.get("steady").peer_listen)),
+            "member {down} down: record {record:?}\n{}",
+            log()
+        );
         etcd.members[down].start().await;
     }
     assert_eq!(metric(&admin, NAME_TAKEN).await, 0.0, "{}", log());
@@ -122,11 +155,16 @@ async fn when_its_member_freezes_a_gateway_moves_on_before_its_lease_can_expire_
     let frozen = (leader + 1) % etcd.members.len();
     let prefix = "/kvgate-test/member-frozen/";
     let ttl = Duration::from_secs(6);
-    let table = cluster_toml(&etcd, frozen, prefix, &format!("lease_ttl_s = {}\nrequest_timeout_ms = 1000\n", ttl.as_secs()));
+    let table =
+        cluster_toml(&etcd, frozen, prefix, &format!("lease_ttl_s = {}\nrequest_timeout_ms = 1000\n", ttl.as_secs()));
     let mut steady = registered_gateway(dir.path(), &table).await;
     let (admin, log) = (steady.get("steady").admin.clone(), || steady.get("steady").log());
     let key = format!("{prefix}steady");
-    assert!(log().contains(&format!("endpoint={}", etcd.urls()[frozen])), "not registered through member {frozen}:\n{}", log());
+    assert!(
+        log().contains(&format!("endpoint={}", etcd.urls()[frozen])),
+        "not registered through member {frozen}:\n{}",
+        log()
+    );
 
     etcd.members[frozen].freeze();
     // For two lease periods the record is read every 50 ms on the leader: it must never be missing.
@@ -141,8 +179,14 @@ async fn when_its_member_freezes_a_gateway_moves_on_before_its_lease_can_expire_
     assert!(unreachable >= 1.0, "the frozen member was not noticed\n{}", log());
     let view = discovery_view(&admin).await;
     let frozen_url = etcd.urls()[frozen].clone();
-    assert!(view["registered"] == true && view["endpoint"] != frozen_url.as_str(), "still on the frozen member: {view}");
-    assert!(view["last_error"]["reason"] == "etcd_unreachable" && view["last_error"]["endpoint"] == frozen_url.as_str(), "{view}");
+    assert!(
+        view["registered"] == true && view["endpoint"] != frozen_url.as_str(),
+        "still on the frozen member: {view}"
+    );
+    assert!(
+        view["last_error"]["reason"] == "etcd_unreachable" && view["last_error"]["endpoint"] == frozen_url.as_str(),
+        "{view}"
+    );
     assert!(view["last_error"]["detail"].as_str().is_some_and(|d| d.contains("keep-alive")), "{view}");
     // A gateway that joins now is found (it dials the frozen member first, too).
     let mut late = discovery_gateway(dir.path(), "late", &table).await;

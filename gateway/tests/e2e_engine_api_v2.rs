@@ -6,10 +6,10 @@
 mod common;
 
 use common::*;
-use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate_demo::pool::KvPool;
 use kvgate_client::outcomes::{Outcome, OutcomeWatch};
 use kvgate_client::{proto, reason_of, room_key, slice, Client, RoomKey};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::pool::KvPool;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -23,7 +23,11 @@ fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 async fn terminal_of(stream: &mut tonic::Streaming<proto::RoomEvent>, room: u64, within: Duration) -> proto::Terminal {
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        let event = tokio::time::timeout_at(deadline, stream.message()).await.expect("no terminal event in time").unwrap().expect("stream open");
+        let event = tokio::time::timeout_at(deadline, stream.message())
+            .await
+            .expect("no terminal event in time")
+            .unwrap()
+            .expect("stream open");
         if event.key.map(|k| k.room) == Some(room) {
             if let Some(proto::room_event::Event::Terminal(t)) = event.event {
                 return t;
@@ -42,7 +46,8 @@ async fn an_engine_gone_past_its_grace_loses_its_rooms_on_both_sides_and_its_mem
     let _serial = serial().await;
     let dir = work_dir();
     let grace_ms = 500u64;
-    let settings = PairSettings { env_decode: env(&[("KVGATE__ENGINE_API__SESSION_GRACE_MS", "500")]), ..PairSettings::default() };
+    let settings =
+        PairSettings { env_decode: env(&[("KVGATE__ENGINE_API__SESSION_GRACE_MS", "500")]), ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let observer = Client::connect_unix(&pair.decode.socket).await.unwrap();
     let mut decode_events = observer.watch_outcomes(None).await.unwrap();
@@ -61,7 +66,10 @@ async fn an_engine_gone_past_its_grace_loses_its_rooms_on_both_sides_and_its_mem
     let region = session.register_shared_memory(&pool_path, 0, pool.len(), "session pool").await.unwrap();
     let watch = session.watch_outcomes(None).await.unwrap();
     for room in [1000u64, 1001] {
-        session.expect(room_key(room, 0), PREFILL_NAME, vec![vec![slice(region, (room - 1000) * SLOT, SLOT)]], 0).await.unwrap();
+        session
+            .expect(room_key(room, 0), PREFILL_NAME, vec![vec![slice(region, (room - 1000) * SLOT, SLOT)]], 0)
+            .await
+            .unwrap();
     }
     let gateway = pair.decode.pid().unwrap();
     assert!(maps_file(gateway, &pool_name));
@@ -76,7 +84,10 @@ async fn an_engine_gone_past_its_grace_loses_its_rooms_on_both_sides_and_its_mem
         let d = terminal_of(&mut decode_events, room, WAIT).await;
         assert!(!d.succeeded && d.reason == "engine_lost", "decode side of {room}: {d:?}");
         let p = terminal_of(&mut prefill_events, room, WAIT).await;
-        assert!(!p.succeeded && p.reason == "aborted_by_peer" && p.peer_reason == "engine_lost", "prefill side of {room}: {p:?}");
+        assert!(
+            !p.succeeded && p.reason == "aborted_by_peer" && p.peer_reason == "engine_lost",
+            "prefill side of {room}: {p:?}"
+        );
     }
     let bound = Duration::from_millis(grace_ms + kvgate::driver::HOUSEKEEPING_INTERVAL_MS + 1_000);
     assert!(died.elapsed() <= bound, "rooms ended {:?} after the engine died (bound {bound:?})", died.elapsed());
@@ -99,7 +110,10 @@ async fn an_engine_gone_past_its_grace_loses_its_rooms_on_both_sides_and_its_mem
 async fn an_engine_back_within_its_grace_resumes_its_session_and_a_closed_one_ends_at_once() {
     let _serial = serial().await;
     let dir = work_dir();
-    let settings = PairSettings { env_decode: env(&[("KVGATE__ENGINE_API__SESSION_GRACE_MS", "3000")]), ..PairSettings::default() };
+    let settings = PairSettings {
+        env_decode: env(&[("KVGATE__ENGINE_API__SESSION_GRACE_MS", "3000")]),
+        ..PairSettings::default()
+    };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let pool = KvPool::create(dir.path(), "resume-pool", SLOT, 2).unwrap();
     let first = Client::connect_unix(&pair.decode.socket).await.unwrap();
@@ -140,13 +154,35 @@ async fn an_engine_back_within_its_grace_resumes_its_session_and_a_closed_one_en
 async fn move_rooms(prefill: &Client, decode: &Client, src: u64, dst: u64, rooms: std::ops::Range<u64>) {
     let expects: Vec<proto::ExpectRequest> = rooms
         .clone()
-        .map(|room| proto::ExpectRequest { key: Some(room_key(room, 0)), peer: PREFILL_NAME.into(), parts: vec![proto::PartSlices { slices: vec![slice(dst, (room % 256) * SLOT, SLOT)], source_kind: String::new() }], timeout_ms: None, part_peers: Vec::new() })
+        .map(|room| proto::ExpectRequest {
+            key: Some(room_key(room, 0)),
+            peer: PREFILL_NAME.into(),
+            parts: vec![proto::PartSlices {
+                slices: vec![slice(dst, (room % 256) * SLOT, SLOT)],
+                source_kind: String::new(),
+            }],
+            timeout_ms: None,
+            part_peers: Vec::new(),
+        })
         .collect();
     let reply = decode.expect_batch(expects).await.unwrap();
-    assert_eq!(reply.accepted as usize, rooms.clone().count(), "{:?}", reply.results.iter().find(|r| !r.reason.is_empty()));
+    assert_eq!(
+        reply.accepted as usize,
+        rooms.clone().count(),
+        "{:?}",
+        reply.results.iter().find(|r| !r.reason.is_empty())
+    );
     let sends: Vec<proto::SendRequest> = rooms
         .clone()
-        .map(|room| proto::SendRequest { offset: None, key: Some(room_key(room, 0)), part: 0, chunk: 0, slices: vec![slice(src, (room % 256) * SLOT, SLOT)], last: true, peer: DECODE_NAME.into() })
+        .map(|room| proto::SendRequest {
+            offset: None,
+            key: Some(room_key(room, 0)),
+            part: 0,
+            chunk: 0,
+            slices: vec![slice(src, (room % 256) * SLOT, SLOT)],
+            last: true,
+            peer: DECODE_NAME.into(),
+        })
         .collect();
     let reply = prefill.send_batch(sends).await.unwrap();
     assert_eq!(reply.accepted as usize, rooms.count());
@@ -187,15 +223,20 @@ async fn a_watch_cut_at_random_points_under_load_loses_and_repeats_no_outcome() 
     let _serial = serial().await;
     let dir = work_dir();
     // A small replay log on the decode side, so that some cuts outlast it and force a reconcile.
-    let settings = PairSettings { env_decode: env(&[("KVGATE__ENGINE_API__WATCH_REPLAY_EVENTS", "64")]), ..PairSettings::default() };
+    let settings = PairSettings {
+        env_decode: env(&[("KVGATE__ENGINE_API__WATCH_REPLAY_EVENTS", "64")]),
+        ..PairSettings::default()
+    };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let prefill = Client::connect_unix(&pair.prefill.socket).await.unwrap();
     let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
     assert_eq!(decode.info().await.unwrap().api_version, 2);
     let src_pool = KvPool::create(dir.path(), "src", SLOT, 256).unwrap();
     let dst_pool = KvPool::create(dir.path(), "dst", SLOT, 256).unwrap();
-    let src = prefill.register_shared_memory(&src_pool.path.display().to_string(), 0, src_pool.len(), "src").await.unwrap();
-    let dst = decode.register_shared_memory(&dst_pool.path.display().to_string(), 0, dst_pool.len(), "dst").await.unwrap();
+    let src =
+        prefill.register_shared_memory(&src_pool.path.display().to_string(), 0, src_pool.len(), "src").await.unwrap();
+    let dst =
+        decode.register_shared_memory(&dst_pool.path.display().to_string(), 0, dst_pool.len(), "dst").await.unwrap();
 
     // Round 1: 256 rooms in batches of 8, the stream cut at random points, each cut shorter than the
     // log: resumed from the log every time, never reconciled.
@@ -219,9 +260,13 @@ async fn a_watch_cut_at_random_points_under_load_loses_and_repeats_no_outcome() 
     }
     watch.cut();
     move_rooms(&prefill, &decode, src, dst, 256..512).await;
-    eventually(WAIT, "every room of round 2 reusable", || async {
-        decode.list_rooms(false).await.unwrap().is_empty()
-    }, &|| String::new()).await;
+    eventually(
+        WAIT,
+        "every room of round 2 reusable",
+        || async { decode.list_rooms(false).await.unwrap().is_empty() },
+        &|| String::new(),
+    )
+    .await;
     let seen = read_all(&mut watch, &rooms, 5).await;
     assert!(seen.values().all(|&(t, r, ok)| t == 1 && r == 1 && ok), "{seen:?}");
     assert!(watch.counts().reconciled >= 1, "{:?}", watch.counts());
@@ -235,7 +280,8 @@ async fn a_watch_cut_at_random_points_under_load_loses_and_repeats_no_outcome() 
 async fn each_call_of_a_batch_stands_alone_and_a_batch_past_its_limit_is_refused_whole() {
     let _serial = serial().await;
     let dir = work_dir();
-    let settings = PairSettings { env_decode: env(&[("KVGATE__ENGINE_API__MAX_BATCH_CALLS", "8")]), ..PairSettings::default() };
+    let settings =
+        PairSettings { env_decode: env(&[("KVGATE__ENGINE_API__MAX_BATCH_CALLS", "8")]), ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
     let pool = KvPool::create(dir.path(), "dst", SLOT, 8).unwrap();
@@ -243,7 +289,10 @@ async fn each_call_of_a_batch_stands_alone_and_a_batch_past_its_limit_is_refused
     let expect = |room: u64, region: u64| proto::ExpectRequest {
         key: Some(RoomKey { room, generation: 0 }),
         peer: PREFILL_NAME.into(),
-        parts: vec![proto::PartSlices { slices: vec![slice(region, (room % 8) * SLOT, SLOT)], source_kind: String::new() }],
+        parts: vec![proto::PartSlices {
+            slices: vec![slice(region, (room % 8) * SLOT, SLOT)],
+            source_kind: String::new(),
+        }],
         timeout_ms: None,
         part_peers: Vec::new(),
     };
@@ -275,13 +324,16 @@ async fn chunks_in_random_order_after_a_prefix_skip_land_byte_exact_and_overlaps
     for page in 0..32 {
         src_pool.fill(page, 100 + page);
     }
-    let src = prefill.register_shared_memory(&src_pool.path.display().to_string(), 0, src_pool.len(), "src").await.unwrap();
-    let dst = decode.register_shared_memory(&dst_pool.path.display().to_string(), 0, dst_pool.len(), "dst").await.unwrap();
+    let src =
+        prefill.register_shared_memory(&src_pool.path.display().to_string(), 0, src_pool.len(), "src").await.unwrap();
+    let dst =
+        decode.register_shared_memory(&dst_pool.path.display().to_string(), 0, dst_pool.len(), "dst").await.unwrap();
     // Two parts (a layer's K and V), 8 pages each on the prefill side; the decode side has the first
     // 2 pages of each cached and expects only pages 2..8, at scattered destination pages.
     let src_page = |part: u64, page: u64| part * 8 + page;
     let dst_page = |part: u64, page: u64| 31 - (part * 8 + page); // reversed: nothing adjacent in order
-    let parts: Vec<Vec<kvgate_client::Slice>> = (0..2).map(|part| (2..8).map(|page| slice(dst, dst_page(part, page) * PAGE, PAGE)).collect()).collect();
+    let parts: Vec<Vec<kvgate_client::Slice>> =
+        (0..2).map(|part| (2..8).map(|page| slice(dst, dst_page(part, page) * PAGE, PAGE)).collect()).collect();
     let room = room_key(1400, 0);
     let mut events = decode.watch_outcomes(None).await.unwrap();
     decode.expect(room, PREFILL_NAME, parts, 0).await.unwrap();
@@ -290,7 +342,8 @@ async fn chunks_in_random_order_after_a_prefix_skip_land_byte_exact_and_overlaps
     let mut sends = Vec::new();
     for part in 0..2u64 {
         for chunk in 0..3u64 {
-            let pages = (2 + 2 * chunk..4 + 2 * chunk).map(|page| slice(src, src_page(part, page) * PAGE, PAGE)).collect();
+            let pages =
+                (2 + 2 * chunk..4 + 2 * chunk).map(|page| slice(src, src_page(part, page) * PAGE, PAGE)).collect();
             sends.push(proto::SendRequest {
                 key: Some(room),
                 part: part as u32,
@@ -321,7 +374,11 @@ async fn chunks_in_random_order_after_a_prefix_skip_land_byte_exact_and_overlaps
     assert!(t.succeeded, "{t:?}");
     for part in 0..2 {
         for page in 2..8 {
-            assert_eq!(dst_pool.slot(dst_page(part, page)), src_pool.slot(src_page(part, page)), "part {part} page {page}");
+            assert_eq!(
+                dst_pool.slot(dst_page(part, page)),
+                src_pool.slot(src_page(part, page)),
+                "part {part} page {page}"
+            );
         }
     }
     pair.stop();

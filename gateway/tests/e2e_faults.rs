@@ -6,9 +6,9 @@
 mod common;
 
 use common::*;
+use kvgate_client::{reason_of, room_key};
 use kvgate_demo::engine::{expect_into, prepare_slots, send_all, slot_checksum, wait_reusable, wait_terminal};
 use kvgate_demo::gateways::{Cluster, GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate_client::{reason_of, room_key};
 use std::time::{Duration, Instant};
 
 /// Scheduling slack on top of the heartbeat bound (a loaded 2-core machine, debug builds).
@@ -51,11 +51,18 @@ async fn sigkill_of_a_prefill_gateway_fails_only_its_rooms_with_peer_lost_within
     for (i, rx) in doomed_rx.iter_mut().enumerate() {
         let o = wait_terminal(rx, killed_at, bound(&settings) + Duration::from_secs(5)).await.unwrap();
         assert!(!o.succeeded && o.reason == "peer_lost", "room {}: {o:?}", 200 + i);
-        assert!(o.seen_after <= bound(&settings), "room {} ended after {:?}, bound {:?}", 200 + i, o.seen_after, bound(&settings));
+        assert!(
+            o.seen_after <= bound(&settings),
+            "room {} ended after {:?}, bound {:?}",
+            200 + i,
+            o.seen_after,
+            bound(&settings)
+        );
     }
     // Each failure line names the peer that was lost (its session was already gone when they were written).
     let log = plain_log(&cluster.get(DECODE_NAME).log());
-    let lost: Vec<&str> = log.lines().filter(|l| l.contains("room failed") && l.contains("reason=\"peer_lost\"")).collect();
+    let lost: Vec<&str> =
+        log.lines().filter(|l| l.contains("room failed") && l.contains("reason=\"peer_lost\"")).collect();
     assert_eq!(lost.len(), 3, "{log}");
     assert!(lost.iter().all(|l| l.contains(&format!("peer={PREFILL_NAME} "))), "{lost:?}");
     // The unrelated peer's rooms were untouched: they finish and verify.
@@ -158,7 +165,11 @@ async fn abort_from_either_engine_at_every_phase_ends_the_room_on_both_gateways(
             }
             let client = if aborter == "prefill" { &prefill.client } else { &decode.client };
             assert!(client.abort(room_key(room, 0), "test").await.unwrap(), "room {room} was live");
-            let own = if aborter == "prefill" { wait_terminal(&mut p_rx, started, timeout).await } else { wait_terminal(&mut d_rx, started, timeout).await };
+            let own = if aborter == "prefill" {
+                wait_terminal(&mut p_rx, started, timeout).await
+            } else {
+                wait_terminal(&mut d_rx, started, timeout).await
+            };
             let own = own.unwrap();
             assert_eq!((own.succeeded, own.reason.as_str()), (false, "aborted"), "{aborter} {phase}");
             if (aborter, phase) == ("prefill", "bootstrap") {
@@ -172,11 +183,18 @@ async fn abort_from_either_engine_at_every_phase_ends_the_room_on_both_gateways(
                 let late = send_all(&prefill, &shape, room, slot, DECODE_NAME, Some(1)).await.unwrap_err();
                 assert_eq!(reason_of(&late).as_deref(), Some("room_terminal"), "{late:?}");
             } else {
-                let other = if aborter == "prefill" { wait_terminal(&mut d_rx, started, timeout).await } else { wait_terminal(&mut p_rx, started, timeout).await };
+                let other = if aborter == "prefill" {
+                    wait_terminal(&mut d_rx, started, timeout).await
+                } else {
+                    wait_terminal(&mut p_rx, started, timeout).await
+                };
                 let other = other.unwrap();
                 assert_eq!((other.succeeded, other.reason.as_str()), (false, "aborted_by_peer"), "{aborter} {phase}");
             }
-            assert!(wait_reusable(if aborter == "prefill" { &mut p_rx } else { &mut d_rx }, timeout).await, "{aborter} {phase}: never reusable");
+            assert!(
+                wait_reusable(if aborter == "prefill" { &mut p_rx } else { &mut d_rx }, timeout).await,
+                "{aborter} {phase}: never reusable"
+            );
         }
     }
     // A second abort, and an abort of an unknown room, are harmless.
@@ -223,7 +241,9 @@ async fn a_restarted_prefill_gateway_is_a_new_incarnation_old_rooms_fail_and_new
                 break;
             }
             // The link to the new incarnation may not be up yet: `peer_not_connected`.
-            Err(e) if format!("{e:#}").contains("peer_not_connected") => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) if format!("{e:#}").contains("peer_not_connected") => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
             Err(e) => panic!("{e:#}"),
         }
     }

@@ -5,10 +5,12 @@
 mod common;
 
 use common::*;
-use kvgate_demo::engine::{expect_into, prepare_slots, run_room, send_all, slot_checksum, wait_reusable, wait_terminal};
-use kvgate_demo::gateways::{Cluster, GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use kvgate_client::{reason_of, room_key, slice};
+use kvgate_demo::engine::{
+    expect_into, prepare_slots, run_room, send_all, slot_checksum, wait_reusable, wait_terminal,
+};
+use kvgate_demo::gateways::{Cluster, GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -36,7 +38,10 @@ async fn unregister_of_a_region_a_room_holds_is_refused_on_both_sides_until_the_
     expect_into(&decode, &shape, room, 0, PREFILL_NAME, 0).await.unwrap();
     let (reason, message) = refused(decode.client.unregister_memory(decode.region).await);
     assert_eq!(reason, "region_in_use", "{message}");
-    assert!(message.contains("900#0") && message.contains("receiver") && message.contains("1 room"), "names the room: {message}");
+    assert!(
+        message.contains("900#0") && message.contains("receiver") && message.contains("1 room"),
+        "names the room: {message}"
+    );
 
     // Source side: the first chunk holds the prefill pool (the room waits for its other chunks).
     send_all(&prefill, &shape, room, 0, DECODE_NAME, Some(1)).await.unwrap();
@@ -53,7 +58,15 @@ async fn unregister_of_a_region_a_room_holds_is_refused_on_both_sides_until_the_
         assert_eq!(refused(prefill.client.unregister_memory(prefill.region).await).0, "region_in_use");
         for part in 0..shape.parts {
             let slices = shape.chunk_slices(prefill.region, 0, part, chunk);
-            let request = proto::SendRequest { offset: None, key: Some(room_key(room, 0)), part: part as u32, chunk: chunk as u32, slices, last: chunk + 1 == shape.chunks, peer: DECODE_NAME.into() };
+            let request = proto::SendRequest {
+                offset: None,
+                key: Some(room_key(room, 0)),
+                part: part as u32,
+                chunk: chunk as u32,
+                slices,
+                last: chunk + 1 == shape.chunks,
+                peer: DECODE_NAME.into(),
+            };
             prefill_client.send(request).await.unwrap();
         }
     }
@@ -73,7 +86,16 @@ async fn unregister_of_a_region_a_room_holds_is_refused_on_both_sides_until_the_
     let len = shape.request_bytes() * 2;
     let d_region = decode.client.register_shared_memory(&pool_path(&decode), 0, len, "again").await.unwrap();
     let mut rx = decode.events.listen(901);
-    decode.client.expect(room_key(901, 0), PREFILL_NAME, vec![shape.part_slices(d_region, 0, 0), shape.part_slices(d_region, 0, 1)], 0).await.unwrap();
+    decode
+        .client
+        .expect(
+            room_key(901, 0),
+            PREFILL_NAME,
+            vec![shape.part_slices(d_region, 0, 0), shape.part_slices(d_region, 0, 1)],
+            0,
+        )
+        .await
+        .unwrap();
     assert_eq!(refused(decode.client.unregister_memory(d_region).await).0, "region_in_use");
     decode.client.abort(room_key(901, 0), "engine wants its memory back").await.unwrap();
     let o = wait_terminal(&mut rx, Instant::now(), WAIT).await.unwrap();
@@ -85,7 +107,8 @@ async fn unregister_of_a_region_a_room_holds_is_refused_on_both_sides_until_the_
 
 /// A PeerLink client to `address` (plain HTTP/2, as an impostor on the host would connect).
 async fn peer_link_client(address: &str) -> proto::peer_link_client::PeerLinkClient<tonic::transport::Channel> {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}")).unwrap().connect().await.unwrap();
+    let channel =
+        tonic::transport::Endpoint::from_shared(format!("http://{address}")).unwrap().connect().await.unwrap();
     proto::peer_link_client::PeerLinkClient::new(channel)
 }
 
@@ -143,7 +166,10 @@ async fn an_impostor_naming_a_configured_peer_is_refused_and_the_real_link_and_i
     };
     assert_eq!(hello.nonce.len(), 32);
     assert_eq!(hello.proof.len(), 32);
-    let guess = proto::PeerFrame { frame: Some(Frame::AuthProof(proto::AuthProof { proof: vec![0u8; 32] })), mac: vec![1u8; 32] };
+    let guess = proto::PeerFrame {
+        frame: Some(Frame::AuthProof(proto::AuthProof { proof: vec![0u8; 32] })),
+        mac: vec![1u8; 32],
+    };
     tx.send(guess).await.unwrap();
     // The refused link ends (the server drops its side); nothing else arrives on it.
     let ended = tokio::time::timeout(Duration::from_secs(5), async {
@@ -156,7 +182,13 @@ async fn an_impostor_naming_a_configured_peer_is_refused_and_the_real_link_and_i
     drop(tx);
 
     // Every refusal is logged with its reason; the real peer never looked restarted or lost.
-    eventually(WAIT, "the refusals logged", || async { pair.prefill.log().matches("peer_auth_failed").count() >= 2 }, &|| pair.prefill.log()).await;
+    eventually(
+        WAIT,
+        "the refusals logged",
+        || async { pair.prefill.log().matches("peer_auth_failed").count() >= 2 },
+        &|| pair.prefill.log(),
+    )
+    .await;
     let log = plain_log(&pair.prefill.log());
     assert!(!log.contains("peer_restarted") && !log.contains("peer link lost"), "{log}");
 
@@ -164,7 +196,10 @@ async fn an_impostor_naming_a_configured_peer_is_refused_and_the_real_link_and_i
     for (room, slot, expected, mut d_rx, mut p_rx) in listeners {
         let started = Instant::now();
         send_all(&prefill, &shape, room, slot, DECODE_NAME, None).await.unwrap();
-        let (d, p) = (wait_terminal(&mut d_rx, started, WAIT).await.unwrap(), wait_terminal(&mut p_rx, started, WAIT).await.unwrap());
+        let (d, p) = (
+            wait_terminal(&mut d_rx, started, WAIT).await.unwrap(),
+            wait_terminal(&mut p_rx, started, WAIT).await.unwrap(),
+        );
         assert!(d.succeeded && p.succeeded, "room {room}: {d:?} {p:?}");
         assert_eq!(slot_checksum(&decode, slot).await.unwrap(), expected, "room {room}");
     }
@@ -186,14 +221,32 @@ async fn gateways_holding_different_keys_never_link() {
     };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     // The dialler (decode) finds the server's proof wrong and says so, every attempt.
-    eventually(WAIT, "the dialler reports the key mismatch", || async { pair.decode.log().contains("did not prove the pre-shared key") }, &|| pair.decode.log()).await;
+    eventually(
+        WAIT,
+        "the dialler reports the key mismatch",
+        || async { pair.decode.log().contains("did not prove the pre-shared key") },
+        &|| pair.decode.log(),
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     for g in [&pair.prefill, &pair.decode] {
         let up = peers(&g.admin).await;
         assert!(up.iter().all(|p| p["up"] == false), "{}: {up:?}", g.name);
     }
     let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &small_shape(), 1).await;
-    let status = prefill.client.send(proto::SendRequest { offset: None, key: Some(room_key(920, 0)), part: 0, chunk: 0, slices: vec![slice(prefill.region, 0, 4096)], last: true, peer: DECODE_NAME.into() }).await.unwrap_err();
+    let status = prefill
+        .client
+        .send(proto::SendRequest {
+            offset: None,
+            key: Some(room_key(920, 0)),
+            part: 0,
+            chunk: 0,
+            slices: vec![slice(prefill.region, 0, 4096)],
+            last: true,
+            peer: DECODE_NAME.into(),
+        })
+        .await
+        .unwrap_err();
     assert_eq!(reason_of(&status).as_deref(), Some("peer_not_connected"), "{status:?}");
     pair.stop();
 }
@@ -202,7 +255,12 @@ async fn gateways_holding_different_keys_never_link() {
 async fn an_unauthenticated_link_only_when_written_logged_and_shown() {
     let _serial = serial().await;
     let dir = work_dir();
-    let env = || vec![("KVGATE__PEER_LINK__AUTH".to_string(), "none".to_string()), ("KVGATE__PEER_LINK__PSK_FILE".to_string(), String::new())];
+    let env = || {
+        vec![
+            ("KVGATE__PEER_LINK__AUTH".to_string(), "none".to_string()),
+            ("KVGATE__PEER_LINK__PSK_FILE".to_string(), String::new()),
+        ]
+    };
     let settings = PairSettings::default();
     let members = [(PREFILL_NAME, "", env()), (DECODE_NAME, "", env())];
     let mut cluster = Cluster::start(&binary(), dir.path(), &settings, &members).await.unwrap();
@@ -217,8 +275,17 @@ async fn an_unauthenticated_link_only_when_written_logged_and_shown() {
 }
 
 fn config_check(path: &std::path::Path, env: &[(&str, &str)]) -> (i32, String) {
-    let out = Command::new(binary()).args(["config", "check"]).arg(path).envs(env.iter().copied()).env_remove("RUST_LOG").output().unwrap();
-    (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    let out = Command::new(binary())
+        .args(["config", "check"])
+        .arg(path)
+        .envs(env.iter().copied())
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+    )
 }
 
 #[test]
@@ -239,7 +306,10 @@ fn config_check_refuses_a_link_without_authentication_unless_written_and_never_o
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("NOT authenticated"), "{out}");
     // ...but never on an address other hosts reach.
-    let (code, out) = config_check(&write("c.toml", format!("[peer_link]\nauth = \"none\"\nlisten = \"0.0.0.0:7100\"\n{peers}")), &[]);
+    let (code, out) = config_check(
+        &write("c.toml", format!("[peer_link]\nauth = \"none\"\nlisten = \"0.0.0.0:7100\"\n{peers}")),
+        &[],
+    );
     assert_eq!(code, 2, "{out}");
     assert!(out.contains("a loopback address while peer_link.auth = \"none\""), "{out}");
     // A key file: made by `kvgate keygen psk`, found relative to the config's folder.
@@ -308,9 +378,15 @@ async fn keygen_tls_makes_certificates_two_gateways_link_with() {
     assert_eq!(std::fs::metadata(pki_dir.join("decode.key")).unwrap().permissions().mode() & 0o777, 0o600);
     let tls = |name: &str| {
         let p = |f: String| pki_dir.join(f).display().to_string();
-        format!("[peer_link.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n", p(format!("{name}.pem")), p(format!("{name}.key")), p("ca.pem".into()))
+        format!(
+            "[peer_link.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n",
+            p(format!("{name}.pem")),
+            p(format!("{name}.key")),
+            p("ca.pem".into())
+        )
     };
-    let settings = PairSettings { extra_prefill: tls(PREFILL_NAME), extra_decode: tls(DECODE_NAME), ..PairSettings::default() };
+    let settings =
+        PairSettings { extra_prefill: tls(PREFILL_NAME), extra_decode: tls(DECODE_NAME), ..PairSettings::default() };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let (_, body) = kvgate::admin_client::get(&pair.prefill.admin, "/plugins").await.unwrap();
     assert!(body.contains("\"peer_link_auth\":\"tls\""), "{body}");
@@ -327,10 +403,19 @@ async fn keygen_tls_makes_certificates_two_gateways_link_with() {
         let mut sink = Vec::new();
         let _ = tokio::time::timeout(Duration::from_secs(5), junk.read_to_end(&mut sink)).await;
     }
-    eventually(WAIT, "the failed handshakes counted", || async {
-        let (_, text) = kvgate::admin_client::get(&pair.decode.admin, "/metrics").await.unwrap();
-        text.lines().any(|l| l.strip_prefix("kvgate_peer_tls_handshake_failures_total ").is_some_and(|v| v.trim().parse::<f64>().unwrap_or(0.0) >= 5.0))
-    }, &|| pair.decode.log()).await;
+    eventually(
+        WAIT,
+        "the failed handshakes counted",
+        || async {
+            let (_, text) = kvgate::admin_client::get(&pair.decode.admin, "/metrics").await.unwrap();
+            text.lines().any(|l| {
+                l.strip_prefix("kvgate_peer_tls_handshake_failures_total ")
+                    .is_some_and(|v| v.trim().parse::<f64>().unwrap_or(0.0) >= 5.0)
+            })
+        },
+        &|| pair.decode.log(),
+    )
+    .await;
     let lines = pair.decode.log().lines().filter(|l| l.contains("tls_handshake_failed")).count();
     assert_eq!(lines, 1, "one rate-limited line for five failures:\n{}", pair.decode.log());
     assert!(run_room(&prefill, &decode, &shape, 941, 0, 0).await.unwrap().verified, "the real link is untouched");
@@ -350,9 +435,14 @@ async fn calls_an_engine_gave_up_on_during_a_stall_do_not_close_its_connection_o
     // SIGSTOP lands asynchronously: go on only once every thread of the gateway reads as stopped.
     let pid = pair.decode.pid().unwrap();
     let stopped = || {
-        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).map(|d| d.flatten().map(|t| t.path()).collect::<Vec<_>>()).unwrap_or_default();
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|d| d.flatten().map(|t| t.path()).collect::<Vec<_>>())
+            .unwrap_or_default();
         !tasks.is_empty()
-            && tasks.iter().all(|t| std::fs::read_to_string(t.join("stat")).is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))))
+            && tasks.iter().all(|t| {
+                std::fs::read_to_string(t.join("stat"))
+                    .is_ok_and(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T')))
+            })
     };
     let deadline = Instant::now() + Duration::from_secs(1);
     while !stopped() {
@@ -362,7 +452,9 @@ async fn calls_an_engine_gave_up_on_during_a_stall_do_not_close_its_connection_o
     let mut calls = Vec::new();
     for i in 0..50u64 {
         let client = decode.client.clone();
-        calls.push(tokio::spawn(async move { tokio::time::timeout(Duration::from_millis(200), client.get_room(room_key(5000 + i, 0))).await }));
+        calls.push(tokio::spawn(async move {
+            tokio::time::timeout(Duration::from_millis(200), client.get_room(room_key(5000 + i, 0))).await
+        }));
     }
     for call in calls {
         assert!(call.await.unwrap().is_err(), "a call answered by a frozen gateway");
@@ -371,9 +463,15 @@ async fn calls_an_engine_gave_up_on_during_a_stall_do_not_close_its_connection_o
     pair.decode.thaw().unwrap();
     // The same connection and the same Watch stream still carry calls and outcomes.
     let mut rx = decode.events.listen(950);
-    decode.client.expect(room_key(950, 0), PREFILL_NAME, vec![shape.part_slices(decode.region, 0, 0)], 0).await.unwrap();
+    decode
+        .client
+        .expect(room_key(950, 0), PREFILL_NAME, vec![shape.part_slices(decode.region, 0, 0)], 0)
+        .await
+        .unwrap();
     decode.client.abort(room_key(950, 0), "check the watch").await.unwrap();
-    let o = wait_terminal(&mut rx, Instant::now(), Duration::from_secs(10)).await.expect("the watch stream survived the resets");
+    let o = wait_terminal(&mut rx, Instant::now(), Duration::from_secs(10))
+        .await
+        .expect("the watch stream survived the resets");
     assert_eq!(o.reason, "aborted");
     assert!(!plain_log(&pair.decode.log()).contains("too_many_resets"));
     pair.stop();
@@ -385,7 +483,11 @@ fn an_engine_socket_path_naming_a_regular_file_leaves_it_alone() {
     let precious = dir.path().join("precious.txt");
     std::fs::write(&precious, "do not delete").unwrap();
     let config = dir.path().join("g.toml");
-    std::fs::write(&config, format!("[engine_api]\nunix_socket = {:?}\n[admin]\nlisten = \"\"\n", precious.display().to_string())).unwrap();
+    std::fs::write(
+        &config,
+        format!("[engine_api]\nunix_socket = {:?}\n[admin]\nlisten = \"\"\n", precious.display().to_string()),
+    )
+    .unwrap();
     let out = Command::new(binary()).args(["serve", "--config"]).arg(&config).env_remove("RUST_LOG").output().unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -402,7 +504,8 @@ fn a_log_level_typo_is_refused_by_config_check_and_serve() {
         let (code, out) = config_check(&config, &[]);
         assert_eq!(code, 2, "{level:?}: {out}");
         assert!(out.contains("log.level"), "{out}");
-        let serve = Command::new(binary()).args(["serve", "--config"]).arg(&config).env_remove("RUST_LOG").output().unwrap();
+        let serve =
+            Command::new(binary()).args(["serve", "--config"]).arg(&config).env_remove("RUST_LOG").output().unwrap();
         assert_eq!(serve.status.code(), Some(2), "{level:?}");
     }
 }
@@ -411,7 +514,10 @@ fn a_log_level_typo_is_refused_by_config_check_and_serve() {
 async fn free_text_is_bounded_and_overlapping_destinations_are_refused() {
     let _serial = serial().await;
     let dir = work_dir();
-    let settings = PairSettings { env_decode: vec![("KVGATE__ENGINE_API__MAX_TEXT_BYTES".into(), "64".into())], ..PairSettings::default() };
+    let settings = PairSettings {
+        env_decode: vec![("KVGATE__ENGINE_API__MAX_TEXT_BYTES".into(), "64".into())],
+        ..PairSettings::default()
+    };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let shape = small_shape();
     let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 2).await;
@@ -421,16 +527,32 @@ async fn free_text_is_bounded_and_overlapping_destinations_are_refused() {
     let e = decode.client.register_shared_memory(&path, 0, 4096, &"l".repeat(65)).await.unwrap_err();
     assert_eq!(reason_of(&e).as_deref(), Some("text_too_long"), "{e:?}");
     // A 100 KiB path: refused with its reason, the message short enough that the reason arrives.
-    let e = decode.client.register_shared_memory(&format!("/dev/shm/{}", "p".repeat(100 << 10)), 0, 4096, "x").await.unwrap_err();
+    let e = decode
+        .client
+        .register_shared_memory(&format!("/dev/shm/{}", "p".repeat(100 << 10)), 0, 4096, "x")
+        .await
+        .unwrap_err();
     assert_eq!(reason_of(&e).as_deref(), Some("text_too_long"), "{e:?}");
     assert!(e.message().len() < 1024, "{}", e.message().len());
     // A 100 KB abort reason is logged cut to the limit.
     decode.client.abort(room_key(960, 0), &"w".repeat(100_000)).await.unwrap();
-    eventually(WAIT, "the abort logged", || async { pair.decode.log().contains("engine abort") }, &|| pair.decode.log()).await;
+    eventually(WAIT, "the abort logged", || async { pair.decode.log().contains("engine abort") }, &|| {
+        pair.decode.log()
+    })
+    .await;
     let line = pair.decode.log().lines().find(|l| l.contains("engine abort")).unwrap().to_string();
     assert!(line.len() < 1024 && line.contains("bytes more"), "{}", line.len());
     // Two parts over the same bytes: refused.
-    let e = decode.client.expect(room_key(961, 0), PREFILL_NAME, vec![vec![slice(decode.region, 0, 8192)], vec![slice(decode.region, 4096, 8192)]], 0).await.unwrap_err();
+    let e = decode
+        .client
+        .expect(
+            room_key(961, 0),
+            PREFILL_NAME,
+            vec![vec![slice(decode.region, 0, 8192)], vec![slice(decode.region, 4096, 8192)]],
+            0,
+        )
+        .await
+        .unwrap_err();
     assert_eq!(reason_of(&e).as_deref(), Some("overlapping_slices"), "{e:?}");
     pair.stop();
 }
@@ -442,8 +564,13 @@ fn an_engine_socket_folder_another_user_owns_or_may_write_is_refused() {
     let serve = |socket_dir: &std::path::Path| {
         let config = dir.path().join("g.toml");
         let socket = socket_dir.join("engine.sock");
-        std::fs::write(&config, format!("[engine_api]\nunix_socket = {:?}\n[admin]\nlisten = \"\"\n", socket.display().to_string())).unwrap();
-        let out = Command::new(binary()).args(["serve", "--config"]).arg(&config).env_remove("RUST_LOG").output().unwrap();
+        std::fs::write(
+            &config,
+            format!("[engine_api]\nunix_socket = {:?}\n[admin]\nlisten = \"\"\n", socket.display().to_string()),
+        )
+        .unwrap();
+        let out =
+            Command::new(binary()).args(["serve", "--config"]).arg(&config).env_remove("RUST_LOG").output().unwrap();
         (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string(), socket)
     };
     // Writable by everyone, not sticky.
@@ -464,8 +591,21 @@ fn an_engine_socket_folder_another_user_owns_or_may_write_is_refused() {
     // A folder that does not exist yet is made for this user only.
     let fresh = dir.path().join("fresh/sub");
     let config = dir.path().join("g.toml");
-    std::fs::write(&config, format!("[engine_api]\nunix_socket = {:?}\n[admin]\nlisten = \"\"\n[peer_link]\nlisten = \"127.0.0.1:0\"\n", fresh.join("e.sock").display().to_string())).unwrap();
-    let mut child = Command::new(binary()).args(["serve", "--config"]).arg(&config).env_remove("RUST_LOG").stderr(std::process::Stdio::null()).spawn().unwrap();
+    std::fs::write(
+        &config,
+        format!(
+            "[engine_api]\nunix_socket = {:?}\n[admin]\nlisten = \"\"\n[peer_link]\nlisten = \"127.0.0.1:0\"\n",
+            fresh.join("e.sock").display().to_string()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(binary())
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
     let deadline = Instant::now() + WAIT;
     while !fresh.join("e.sock").exists() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
@@ -484,10 +624,16 @@ async fn healthz_says_when_no_configured_peer_is_up() {
     let (code, body) = healthz(pair.decode.admin.clone()).await;
     assert!(code == 200 && !body.contains("no configured peer"), "{body}");
     pair.prefill.kill();
-    eventually(WAIT, "healthz warns that no peer is up", || async {
-        let (code, body) = healthz(pair.decode.admin.clone()).await;
-        code == 200 && body.contains("no configured peer is up (prefill)")
-    }, &|| pair.decode.log()).await;
+    eventually(
+        WAIT,
+        "healthz warns that no peer is up",
+        || async {
+            let (code, body) = healthz(pair.decode.admin.clone()).await;
+            code == 200 && body.contains("no configured peer is up (prefill)")
+        },
+        &|| pair.decode.log(),
+    )
+    .await;
     pair.stop();
 }
 
@@ -503,7 +649,9 @@ fn without_a_configured_socket_the_engine_api_listens_in_the_users_runtime_folde
     // What `config default` says is where `serve` listens.
     let shown = Command::new(binary()).args(["config", "default"]).env("XDG_RUNTIME_DIR", &runtime).output().unwrap();
     let expected = runtime.join("kvgate").join("engine.sock");
-    assert!(String::from_utf8_lossy(&shown.stdout).contains(&format!("unix_socket = {:?}", expected.display().to_string())));
+    assert!(
+        String::from_utf8_lossy(&shown.stdout).contains(&format!("unix_socket = {:?}", expected.display().to_string()))
+    );
     let mut child = Command::new(binary())
         .args(["serve", "--config"])
         .arg(&config)
@@ -523,5 +671,7 @@ fn without_a_configured_socket_the_engine_api_listens_in_the_users_runtime_folde
     // Without a runtime folder: a folder of this user's own under /tmp, named by uid.
     let shown = Command::new(binary()).args(["config", "default"]).env_remove("XDG_RUNTIME_DIR").output().unwrap();
     let uid = nix::unistd::getuid();
-    assert!(String::from_utf8_lossy(&shown.stdout).contains(&format!("unix_socket = \"/tmp/kvgate-{uid}/engine.sock\"")));
+    assert!(
+        String::from_utf8_lossy(&shown.stdout).contains(&format!("unix_socket = \"/tmp/kvgate-{uid}/engine.sock\""))
+    );
 }

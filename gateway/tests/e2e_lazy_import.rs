@@ -5,16 +5,19 @@
 mod common;
 
 use common::*;
+use kvgate_client::room_key;
 use kvgate_demo::engine::{prepare_slots, send_all, wait_terminal};
 use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate_client::room_key;
 use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, Instant};
 
 const POOL_BYTES: u64 = 4 << 30;
 
 fn holds_open(pid: i32, path: &std::path::Path) -> bool {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten().any(|fd| std::fs::read_link(fd.path()).is_ok_and(|target| target == path))
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|target| target == path))
 }
 
 fn mappings_of(pid: i32, ino: u64) -> usize {
@@ -54,7 +57,10 @@ async fn a_peers_pool_is_mapped_only_once_a_room_writes_into_it() {
     let parts = (0..shape.parts).map(|p| shape.part_slices(region, at, p)).collect();
     decode.client.expect(room_key(room, 0), PREFILL_NAME, parts, 0).await.unwrap();
     send_all(&prefill, &shape, room, 0, DECODE_NAME, None).await.unwrap();
-    let (p, d) = tokio::join!(wait_terminal(&mut p_rx, started, Duration::from_secs(20)), wait_terminal(&mut d_rx, started, Duration::from_secs(20)));
+    let (p, d) = tokio::join!(
+        wait_terminal(&mut p_rx, started, Duration::from_secs(20)),
+        wait_terminal(&mut d_rx, started, Duration::from_secs(20))
+    );
     assert!(p.unwrap().succeeded && d.unwrap().succeeded);
     assert_eq!(mappings_of(prefill_pid, ino), 1, "the first room into the pool maps it once");
     let written = {

@@ -30,7 +30,10 @@ fn overrides(deployment: Deployment) -> Overrides {
         Deployment::Quic => None,
         Deployment::UcxTcp => {
             let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace").to_path_buf();
-            Some(kvgate_host::artifacts::built_or_build_cdylib("kvgate-plugin-ucx-so", "kvgate_ucx", &workspace).expect("the UCX plugin library builds"))
+            Some(
+                kvgate_host::artifacts::built_or_build_cdylib("kvgate-plugin-ucx-so", "kvgate_ucx", &workspace)
+                    .expect("the UCX plugin library builds"),
+            )
         }
     };
     Overrides { ucx_library, ..Overrides::default() }
@@ -40,15 +43,32 @@ fn overrides(deployment: Deployment) -> Overrides {
 async fn rooms_succeed_at_a_and_b(deployment: Deployment) {
     let dir = common::work_dir();
     let link = Arc::new(Link::start(&Profile::a()).expect("start the link"));
-    let mut pair = BedPair::start(&common::binary(), &link, dir.path(), deployment, &overrides(deployment)).await.expect("gateways up on both hosts");
+    let mut pair = BedPair::start(&common::binary(), &link, dir.path(), deployment, &overrides(deployment))
+        .await
+        .expect("gateways up on both hosts");
     let w = Workload { room_bytes: 4 << 20, rooms: 8, inflight: 2, verify_each_room: true };
     let engines = Engines::connect(dir.path(), &pair.prefill().socket, &pair.decode().socket, &w).await.unwrap();
     for profile in [Profile::a(), Profile::b()] {
         link.set_profile(&profile);
         let r = engines.run(&w).await.unwrap();
-        assert!(r.all_good(), "{} at {}: {}/{} rooms succeeded\n{}\n{}", deployment.name(), profile.describe(), r.succeeded(), r.rooms.len(), r.describe_failures(), pair.logs());
+        assert!(
+            r.all_good(),
+            "{} at {}: {}/{} rooms succeeded\n{}\n{}",
+            deployment.name(),
+            profile.describe(),
+            r.succeeded(),
+            r.rooms.len(),
+            r.describe_failures(),
+            pair.logs()
+        );
         assert!(r.rooms.iter().all(|x| x.verified == Some(true)), "every room's bytes were checked");
-        eprintln!("{} at {}: {} rooms, {:.3} GB/s", deployment.name(), profile.name, r.rooms.len(), r.bytes_per_s() / 1e9);
+        eprintln!(
+            "{} at {}: {} rooms, {:.3} GB/s",
+            deployment.name(),
+            profile.name,
+            r.rooms.len(),
+            r.bytes_per_s() / 1e9
+        );
     }
     // Large rooms too (the QUIC flow-control and congestion windows open up), at b.
     let big = Workload { room_bytes: 32 << 20, rooms: 2, inflight: 1, verify_each_room: true };
@@ -80,7 +100,8 @@ async fn ucx_tcp_rooms_succeed_across_the_shaped_link_at_profiles_a_and_b() {
 /// The shipped config's bounds: (transfer bound of a room of `bytes`, peer-loss bound).
 fn bounds(pair: &BedPair, bytes: u64) -> (Duration, Duration) {
     let c = &pair.prefill().config;
-    let transfer = Duration::from_millis(c.scheduler.transfer_base_ms) + Duration::from_secs_f64(bytes as f64 / c.scheduler.min_bandwidth_bytes_per_s as f64);
+    let transfer = Duration::from_millis(c.scheduler.transfer_base_ms)
+        + Duration::from_secs_f64(bytes as f64 / c.scheduler.min_bandwidth_bytes_per_s as f64);
     let peer_loss = Duration::from_millis(c.peer_link.heartbeat_interval_ms * c.peer_link.heartbeat_misses);
     (transfer, peer_loss)
 }
@@ -93,7 +114,9 @@ async fn black_hole_ends_every_room_in_bounds(deployment: Deployment, then_new_r
     const SLACK: Duration = Duration::from_secs(1);
     let dir = common::work_dir();
     let link = Arc::new(Link::start(&Profile::a()).expect("start the link"));
-    let mut pair = BedPair::start(&common::binary(), &link, dir.path(), deployment, &overrides(deployment)).await.expect("gateways up on both hosts");
+    let mut pair = BedPair::start(&common::binary(), &link, dir.path(), deployment, &overrides(deployment))
+        .await
+        .expect("gateways up on both hosts");
     let room_bytes = 64 << 20;
     let w = Workload { room_bytes, rooms: 4, inflight: 4, verify_each_room: false };
     let engines = Engines::connect(dir.path(), &pair.prefill().socket, &pair.decode().socket, &w).await.unwrap();
@@ -138,7 +161,11 @@ async fn black_hole_ends_every_room_in_bounds(deployment: Deployment, then_new_r
                 );
             }
             if !o.succeeded && at >= restored_at {
-                problems += &format!("room {} {side}: ended only after the link came back ({:.2}s)\n", room.room, at.as_secs_f64());
+                problems += &format!(
+                    "room {} {side}: ended only after the link came back ({:.2}s)\n",
+                    room.room,
+                    at.as_secs_f64()
+                );
             }
         }
     }
@@ -167,7 +194,12 @@ async fn black_hole_ends_every_room_in_bounds(deployment: Deployment, then_new_r
         if r.all_good() {
             break;
         }
-        assert!(Instant::now() < deadline, "no room succeeded within 30 s of the link coming back:\n{}\n{}", r.describe_failures(), pair.logs());
+        assert!(
+            Instant::now() < deadline,
+            "no room succeeded within 30 s of the link coming back:\n{}\n{}",
+            r.describe_failures(),
+            pair.logs()
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     for g in &mut pair.gateways {

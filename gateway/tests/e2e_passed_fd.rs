@@ -7,10 +7,10 @@
 mod common;
 
 use common::*;
-use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate_demo::pool::{checksum, KvPool};
 use kvgate_client::fd_pass::{fd_socket_path, pass_fd, PassError};
 use kvgate_client::{proto, reason_of, room_key, slice, Client};
+use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
+use kvgate_demo::pool::{checksum, KvPool};
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::time::Duration;
@@ -28,7 +28,9 @@ fn memfd(name: &std::ffi::CStr) -> std::fs::File {
 /// Whether process `pid` holds a descriptor of a memfd named `name`.
 fn holds_memfd(pid: i32, name: &str) -> bool {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|dir| dir.flatten().any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains(name))))
+        .map(|dir| {
+            dir.flatten().any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().contains(name)))
+        })
         .unwrap_or(false)
 }
 
@@ -56,12 +58,21 @@ async fn a_memfd_passed_by_descriptor_receives_a_room_and_is_closed_at_unregiste
 
     // A room lands in it.
     let mut src = KvPool::create(dir.path(), "src", LEN, 1).unwrap();
-    let src_region = prefill.register_shared_memory(&src.path.display().to_string(), 0, src.len(), "src").await.unwrap();
+    let src_region =
+        prefill.register_shared_memory(&src.path.display().to_string(), 0, src.len(), "src").await.unwrap();
     let sum = src.fill(0, 5);
     let room = 8_000;
     let mut d_events = decode.watch(Some(room_key(room, 0))).await.unwrap();
     decode.expect(room_key(room, 0), PREFILL_NAME, vec![vec![slice(region, 0, LEN)]], 0).await.unwrap();
-    let send = proto::SendRequest { key: Some(room_key(room, 0)), part: 0, chunk: 0, slices: vec![slice(src_region, 0, LEN)], last: true, peer: DECODE_NAME.into(), offset: None };
+    let send = proto::SendRequest {
+        key: Some(room_key(room, 0)),
+        part: 0,
+        chunk: 0,
+        slices: vec![slice(src_region, 0, LEN)],
+        last: true,
+        peer: DECODE_NAME.into(),
+        offset: None,
+    };
     prefill.send(send).await.unwrap();
     let d = terminal_event(&mut d_events, room, WAIT).await;
     assert!(d.succeeded, "{d:?}\n{}", pair.decode.log());
@@ -69,7 +80,10 @@ async fn a_memfd_passed_by_descriptor_receives_a_room_and_is_closed_at_unregiste
 
     // Unregistered: the gateway closes its descriptor.
     decode.unregister_memory(region).await.unwrap();
-    eventually(WAIT, "the descriptor closed", || async { !holds_memfd(gateway_pid, "kvgate-passed-pool") }, &|| pair.decode.log()).await;
+    eventually(WAIT, "the descriptor closed", || async { !holds_memfd(gateway_pid, "kvgate-passed-pool") }, &|| {
+        pair.decode.log()
+    })
+    .await;
 
     // The table's bound: at the limit, then one past it.
     let (a, b, c) = (memfd(c"kvgate-a"), memfd(c"kvgate-b"), memfd(c"kvgate-c"));
@@ -109,7 +123,11 @@ async fn a_cuda_vmm_descriptor_is_refused_by_plugins_that_serve_no_cuda_memory_s
     let token = pass_fd(&pair.decode.socket, stand_in.as_fd()).unwrap();
     let e = decode.register_cuda_vmm_fd(token, 0, 0, size, size, "vmm").await.unwrap_err();
     assert_eq!(reason_of(&e).as_deref(), Some("unsupported_memory"), "{e:?}");
-    assert!(e.message().contains("shm: memory kind cuda_device not served"), "the shm plugin's refusal not named: {}", e.message());
+    assert!(
+        e.message().contains("shm: memory kind cuda_device not served"),
+        "the shm plugin's refusal not named: {}",
+        e.message()
+    );
     let e = decode.register_cuda_vmm_fd(token, 0, 0, size, size, "again").await.unwrap_err();
     assert_eq!(reason_of(&e).as_deref(), Some("unknown_fd_token"), "a token is used once: {e:?}");
     // The region must lie inside the allocation: at its end is checked by the plugins, one byte past

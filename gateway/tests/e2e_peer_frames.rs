@@ -6,9 +6,9 @@
 mod common;
 
 use common::*;
+use kvgate_client::{proto, reason_of, room_key, slice, Slice};
 use kvgate_demo::engine::{prepare_slots, run_room, slot_checksum, wait_terminal};
 use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate_client::{proto, reason_of, room_key, slice, Slice};
 use prost::Message;
 use std::time::{Duration, Instant};
 
@@ -108,7 +108,11 @@ async fn an_expect_whose_notice_would_pass_the_frame_limit_is_refused_and_the_li
     assert_eq!(reason_of(&e).as_deref(), Some("frame_too_large"), "{e:?}");
     assert!(e.message().contains("peer_link.max_frame_bytes"), "{}", e.message());
     // Well under the limit: accepted (and aborted, as it has no sender).
-    decode.client.expect(room_key(room + 1, 0), PREFILL_NAME, vec![many_slices(decode.region, 0, 1024, 16)], 0).await.unwrap();
+    decode
+        .client
+        .expect(room_key(room + 1, 0), PREFILL_NAME, vec![many_slices(decode.region, 0, 1024, 16)], 0)
+        .await
+        .unwrap();
     decode.client.abort(room_key(room + 1, 0), "test done").await.unwrap();
     assert!(run_room(&prefill, &decode, &shape, room + 2, 0, 4).await.unwrap().verified);
     pair.stop();
@@ -156,7 +160,12 @@ fn a_request_limit_above_the_frame_limit_is_refused_by_config_check() {
     let config = dir.path().join("g.toml");
     let check = |text: &str| {
         std::fs::write(&config, text).unwrap();
-        let out = std::process::Command::new(binary()).args(["config", "check"]).arg(&config).env_remove("RUST_LOG").output().unwrap();
+        let out = std::process::Command::new(binary())
+            .args(["config", "check"])
+            .arg(&config)
+            .env_remove("RUST_LOG")
+            .output()
+            .unwrap();
         (out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
     };
     let auth = "[peer_link]\nauth = \"none\"\n";
@@ -165,8 +174,14 @@ fn a_request_limit_above_the_frame_limit_is_refused_by_config_check() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("engine_api.max_request_bytes") && err.contains("peer_link.max_frame_bytes"), "{err}");
     // Equal: accepted; one byte more: refused.
-    assert_eq!(check(&format!("{auth}max_frame_bytes = 2097152\n[engine_api]\nmax_request_bytes = 2097152\n")).0, Some(0));
-    assert_eq!(check(&format!("{auth}max_frame_bytes = 2097152\n[engine_api]\nmax_request_bytes = 2097153\n")).0, Some(2));
+    assert_eq!(
+        check(&format!("{auth}max_frame_bytes = 2097152\n[engine_api]\nmax_request_bytes = 2097152\n")).0,
+        Some(0)
+    );
+    assert_eq!(
+        check(&format!("{auth}max_frame_bytes = 2097152\n[engine_api]\nmax_request_bytes = 2097153\n")).0,
+        Some(2)
+    );
     // Each limit at and just past its bounds.
     assert_eq!(check(&format!("{auth}max_frame_bytes = 1048576\n[engine_api]\nmax_request_bytes = 4096\n")).0, Some(0));
     assert_eq!(check(&format!("{auth}max_frame_bytes = 1048575\n[engine_api]\nmax_request_bytes = 4096\n")).0, Some(2));

@@ -28,7 +28,10 @@ fn run(args: &[&str], config: &Path) -> (i32, String) {
         std::thread::sleep(Duration::from_millis(20));
     }
     let out = child.wait_with_output().unwrap();
-    (out.status.code().unwrap_or(-1), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    (
+        out.status.code().unwrap_or(-1),
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+    )
 }
 
 /// A gateway config that is valid apart from `plugins` (no peers, loopback, its own socket folder).
@@ -47,12 +50,28 @@ fn config(dir: &Path, name: &str, plugins: &str) -> PathBuf {
 fn config_check_refuses_what_a_plugin_would_refuse() {
     let dir = work_dir();
     let cases = [
-        ("zero-workers", "[plugins]\npreference = [\"shm\"]\n[plugins.config.shm]\nworkers = 0\n", "workers = 0 is outside 1..=64"),
+        (
+            "zero-workers",
+            "[plugins]\npreference = [\"shm\"]\n[plugins.config.shm]\nworkers = 0\n",
+            "workers = 0 is outside 1..=64",
+        ),
         ("misspelt-key", "[plugins]\npreference = [\"shm\"]\n[plugins.config.shm]\nworkerz = 2\n", "workerz"),
-        ("no-such-plugin", "[plugins]\npreference = [\"nosuch\"]\n", "\"nosuch\", which is neither built in nor in plugins.libraries"),
-        ("orphan-section", "[plugins]\npreference = [\"shm\"]\n[plugins.config.shmm]\nworkers = 2\n", "[plugins.config.shmm] names no plugin"),
+        (
+            "no-such-plugin",
+            "[plugins]\npreference = [\"nosuch\"]\n",
+            "\"nosuch\", which is neither built in nor in plugins.libraries",
+        ),
+        (
+            "orphan-section",
+            "[plugins]\npreference = [\"shm\"]\n[plugins.config.shmm]\nworkers = 2\n",
+            "[plugins.config.shmm] names no plugin",
+        ),
         // A plugin that is not preferred still has its section checked.
-        ("unused-but-bad", "[plugins]\npreference = [\"shm\"]\n[plugins.config.quic]\nno_such_key = 1\n", "[plugins.config.quic]"),
+        (
+            "unused-but-bad",
+            "[plugins]\npreference = [\"shm\"]\n[plugins.config.quic]\nno_such_key = 1\n",
+            "[plugins.config.quic]",
+        ),
     ];
     for (name, plugins, expected) in cases {
         let (code, out) = run(&["config", "check"], &config(dir.path(), name, plugins));
@@ -67,7 +86,8 @@ fn config_check_refuses_what_a_plugin_would_refuse() {
     assert!(out.contains("not in plugins.preference"), "{out}");
     let (code, out) = run(&["config", "check"], &config(dir.path(), "max", "[plugins.config.shm]\nworkers = 64\n"));
     assert_eq!(code, 0, "{out}");
-    let (code, out) = run(&["config", "check"], &config(dir.path(), "past-max", "[plugins.config.shm]\nworkers = 65\n"));
+    let (code, out) =
+        run(&["config", "check"], &config(dir.path(), "past-max", "[plugins.config.shm]\nworkers = 65\n"));
     assert_eq!(code, 2, "{out}");
 }
 
@@ -79,7 +99,10 @@ fn serve_refuses_to_start_when_one_of_several_plugins_has_a_bad_config() {
     let (code, out) = run(&["serve", "--config"], &path);
     assert_ne!(code, 0, "serve started with a plugin whose config is invalid: {out}");
     assert!(out.contains("invalid plugin configuration") && out.contains("[plugins.config.quic]"), "{out}");
-    assert!(!dir.path().join("bad-quic-sock").join("engine.sock").exists(), "the engine socket was bound before the refusal");
+    assert!(
+        !dir.path().join("bad-quic-sock").join("engine.sock").exists(),
+        "the engine socket was bound before the refusal"
+    );
 }
 
 #[test]

@@ -8,9 +8,9 @@
 mod common;
 
 use common::*;
+use kvgate_client::{proto, reason_of, room_key, slice, Client};
 use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_demo::pool::{checksum, KvPool};
-use kvgate_client::{proto, reason_of, room_key, slice, Client};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -20,8 +20,12 @@ const WAIT: Duration = Duration::from_secs(20);
 
 fn fake_device_library() -> PathBuf {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    kvgate_host::artifacts::built_or_build_cdylib("kvgate-gateway-fixture-fake-device-plugin", "kvgate_fixture_fake_device_plugin", &workspace)
-        .unwrap_or_else(|e| panic!("{e}"))
+    kvgate_host::artifacts::built_or_build_cdylib(
+        "kvgate-gateway-fixture-fake-device-plugin",
+        "kvgate_fixture_fake_device_plugin",
+        &workspace,
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// One engine's memory: a host pool (shm) and a "device" pool (fake-device, by IPC handle).
@@ -35,7 +39,8 @@ struct Memory {
 async fn memory(client: &Client, dir: &Path, side: &str) -> Memory {
     let host = KvPool::create(dir, &format!("{side}-host"), SLOT, 2).unwrap();
     let device = KvPool::create(dir, &format!("{side}-device"), SLOT, 2).unwrap();
-    let host_region = client.register_shared_memory(&host.path.display().to_string(), 0, host.len(), "host pool").await.unwrap();
+    let host_region =
+        client.register_shared_memory(&host.path.display().to_string(), 0, host.len(), "host pool").await.unwrap();
     let handle = device.path.display().to_string().into_bytes();
     let device_region = client.register_cuda_ipc(0, handle, 0, device.len(), "device pool").await.unwrap();
     Memory { host, device, host_region, device_region }
@@ -62,7 +67,11 @@ fn reversed_chunks(room: u64, part: u32, region: u64, slot: u64) -> Vec<proto::S
 async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
     let _serial = serial().await;
     let dir = work_dir();
-    let settings = PairSettings { plugin: "fake-device, shm".into(), plugin_libraries: vec![fake_device_library()], ..PairSettings::default() };
+    let settings = PairSettings {
+        plugin: "fake-device, shm".into(),
+        plugin_libraries: vec![fake_device_library()],
+        ..PairSettings::default()
+    };
     let mut pair = GatewayPair::start(&binary(), dir.path(), &settings).await.unwrap();
     let prefill = Client::connect_unix(&pair.prefill.socket).await.unwrap();
     let decode = Client::connect_unix(&pair.decode.socket).await.unwrap();
@@ -72,8 +81,14 @@ async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
     for log in [pair.prefill.log(), pair.decode.log()] {
         let log = plain_log(&log);
         let registered: Vec<&str> = log.lines().filter(|l| l.contains("region registered")).collect();
-        assert!(registered.iter().any(|l| l.contains("label=host pool") && l.contains("plugins=[\"shm\"]")), "{registered:?}");
-        assert!(registered.iter().any(|l| l.contains("label=device pool") && l.contains("plugins=[\"fake-device\"]")), "{registered:?}");
+        assert!(
+            registered.iter().any(|l| l.contains("label=host pool") && l.contains("plugins=[\"shm\"]")),
+            "{registered:?}"
+        );
+        assert!(
+            registered.iter().any(|l| l.contains("label=device pool") && l.contains("plugins=[\"fake-device\"]")),
+            "{registered:?}"
+        );
     }
     let host_sum = src.host.fill(0, 11);
     let device_sum = src.device.fill(0, 22);
@@ -98,7 +113,10 @@ async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
         .expect_batch(vec![proto::ExpectRequest {
             key: Some(room_key(4_001, 0)),
             peer: PREFILL_NAME.into(),
-            parts: vec![proto::PartSlices { slices: vec![slice(dst.device_region, SLOT, SLOT)], source_kind: "host".into() }],
+            parts: vec![proto::PartSlices {
+                slices: vec![slice(dst.device_region, SLOT, SLOT)],
+                source_kind: "host".into(),
+            }],
             timeout_ms: None,
             part_peers: Vec::new(),
         }])
@@ -109,7 +127,10 @@ async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
         .expect_batch(vec![proto::ExpectRequest {
             key: Some(room_key(4_001, 0)),
             peer: PREFILL_NAME.into(),
-            parts: vec![proto::PartSlices { slices: vec![slice(dst.device_region, SLOT, SLOT)], source_kind: "tpu".into() }],
+            parts: vec![proto::PartSlices {
+                slices: vec![slice(dst.device_region, SLOT, SLOT)],
+                source_kind: "tpu".into(),
+            }],
             timeout_ms: None,
             part_peers: Vec::new(),
         }])
@@ -125,9 +146,13 @@ async fn each_part_moves_through_the_plugin_that_serves_its_memory() {
     let mut wrong = reversed_chunks(4_002, 0, src.host_region, 1);
     wrong.truncate(1);
     // The sender learns the part's plugin from the expect notice: wait until the room is bound.
-    eventually(WAIT, "the expect notice at the prefill gateway", || async {
-        prefill.get_room(key).await.is_ok_and(|r| r.state == "waiting_send")
-    }, &|| pair.prefill.log()).await;
+    eventually(
+        WAIT,
+        "the expect notice at the prefill gateway",
+        || async { prefill.get_room(key).await.is_ok_and(|r| r.state == "waiting_send") },
+        &|| pair.prefill.log(),
+    )
+    .await;
     let reply = prefill.send_batch(wrong).await.unwrap();
     assert_eq!(reply.results[0].reason, "no_plugin_for_memory", "{reply:?}");
     prefill.abort(key, "test over").await.unwrap();

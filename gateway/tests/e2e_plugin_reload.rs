@@ -24,7 +24,8 @@ const RELOAD_TIMEOUT: Duration = Duration::from_secs(40);
 
 fn shm_library() -> PathBuf {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    kvgate_host::artifacts::built_or_build_cdylib("kvgate-plugin-shm-so", "kvgate_shm", &workspace).unwrap_or_else(|e| panic!("{e}"))
+    kvgate_host::artifacts::built_or_build_cdylib("kvgate-plugin-shm-so", "kvgate_shm", &workspace)
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn rewrite_plugins(config: &Path, plugins: &str) {
@@ -78,7 +79,11 @@ struct Traffic {
 
 impl Traffic {
     fn start(prefill: Arc<Engine>, decode: Arc<Engine>, shape: KvShape) -> Traffic {
-        let (stop, rooms, failures) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)), Arc::new(std::sync::Mutex::new(Vec::new())));
+        let (stop, rooms, failures) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(std::sync::Mutex::new(Vec::new())),
+        );
         let tasks = (0..WORKERS)
             .map(|slot| {
                 let (prefill, decode, shape) = (prefill.clone(), decode.clone(), shape);
@@ -108,7 +113,10 @@ impl Traffic {
     /// Let at least `more` further rooms finish.
     async fn run_for(&self, more: u64) {
         let target = self.rooms() + more;
-        eventually(Duration::from_secs(120), "traffic keeps moving", || async { self.rooms() >= target }, &|| format!("{:?}", self.failures.lock().unwrap())).await;
+        eventually(Duration::from_secs(120), "traffic keeps moving", || async { self.rooms() >= target }, &|| {
+            format!("{:?}", self.failures.lock().unwrap())
+        })
+        .await;
     }
 
     async fn stop(self) -> (u64, Vec<String>) {
@@ -130,7 +138,13 @@ fn reload_lines(gateway: &GatewayProcess) -> String {
         .filter(|l| {
             let failure = l.contains("room failed");
             failed += usize::from(failure);
-            (failure && failed <= 40) || (!failure && (l.contains("WARN") || l.contains("ERROR") || l.contains("reload") || l.contains("plugin instance") || l.contains("paired")))
+            (failure && failed <= 40)
+                || (!failure
+                    && (l.contains("WARN")
+                        || l.contains("ERROR")
+                        || l.contains("reload")
+                        || l.contains("plugin instance")
+                        || l.contains("paired")))
         })
         .collect();
     lines.join("\n")
@@ -148,7 +162,12 @@ fn mapped_pool_bytes(gateway: &GatewayProcess, dir: &Path) -> u64 {
     let dir = dir.display().to_string();
     maps.lines()
         .filter(|l| l.split_whitespace().nth(5).is_some_and(|path| path.starts_with(&dir) && !path.ends_with(".so")))
-        .filter_map(|l| l.split_whitespace().next()?.split_once('-').and_then(|(a, b)| Some(u64::from_str_radix(b, 16).ok()? - u64::from_str_radix(a, 16).ok()?)))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .next()?
+                .split_once('-')
+                .and_then(|(a, b)| Some(u64::from_str_radix(b, 16).ok()? - u64::from_str_radix(a, 16).ok()?))
+        })
         .sum()
 }
 
@@ -183,11 +202,20 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
     reload_both(&pair, &format!("preference = [\"shm\"]\nlibraries = [{library}]\n"), "shm@3", "quic").await;
     traffic.run_for(WORKERS).await;
     // 4. A changed setting reopens the plugin with it.
-    reload_both(&pair, &format!("preference = [\"shm\"]\nlibraries = [{library}]\n[plugins.config.shm]\nworkers = 2\n"), "shm@4", "shm@3").await;
+    reload_both(
+        &pair,
+        &format!("preference = [\"shm\"]\nlibraries = [{library}]\n[plugins.config.shm]\nworkers = 2\n"),
+        "shm@4",
+        "shm@3",
+    )
+    .await;
     traffic.run_for(WORKERS).await;
 
     // 5. A library that does not load: refused with the reason, the running plugins keep serving.
-    let bad = format!("preference = [\"shm\"]\nlibraries = [{library}, {}]\n[plugins.config.shm]\nworkers = 2\n", toml::Value::String(garbage.display().to_string()));
+    let bad = format!(
+        "preference = [\"shm\"]\nlibraries = [{library}, {}]\n[plugins.config.shm]\nworkers = 2\n",
+        toml::Value::String(garbage.display().to_string())
+    );
     rewrite_plugins(&pair.prefill.config_path, &bad);
     let (code, outcome) = reload(&pair.prefill).await;
     assert_eq!(code, 409, "{outcome}");
@@ -198,7 +226,12 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
     assert_eq!(view["last_reload"]["error"].as_str(), Some(error), "{view}");
     assert!(plain_log(&pair.prefill.log()).contains("plugin reload refused"), "the log says why");
     traffic.run_for(WORKERS).await;
-    let active: Vec<String> = plugin_instances(&pair.prefill.admin).await.into_iter().filter(|(_, s, _)| s == "active").map(|(w, _, _)| w).collect();
+    let active: Vec<String> = plugin_instances(&pair.prefill.admin)
+        .await
+        .into_iter()
+        .filter(|(_, s, _)| s == "active")
+        .map(|(w, _, _)| w)
+        .collect();
     assert_eq!(active, ["shm@4"]);
 
     let (rooms, failures) = traffic.stop().await;
@@ -216,10 +249,15 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
         let text = metrics(&gateway.admin).await;
         assert!(!text.contains("kvgate_room_failures_total{"), "{}: no failure counted\n{text}", gateway.name);
         for (plugin, generation) in [("shm", 1), ("shm", 2), ("quic", 1), ("shm", 3)] {
-            let series = format!("kvgate_plugin_instances{{plugin=\"{plugin}\",generation=\"{generation}\",state=\"closed\"}}");
+            let series =
+                format!("kvgate_plugin_instances{{plugin=\"{plugin}\",generation=\"{generation}\",state=\"closed\"}}");
             assert_eq!(sample(&text, &series), Some(0.0), "{}: {series}\n{text}", gateway.name);
         }
-        assert_eq!(sample(&text, "kvgate_plugin_instances{plugin=\"shm\",generation=\"4\",state=\"active\"}"), Some(1.0), "{text}");
+        assert_eq!(
+            sample(&text, "kvgate_plugin_instances{plugin=\"shm\",generation=\"4\",state=\"active\"}"),
+            Some(1.0),
+            "{text}"
+        );
     }
     // Every generation moved rooms (the sender counts a room's bytes under the instance's name).
     let text = metrics(&pair.prefill.admin).await;
@@ -231,11 +269,17 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
     // little slack for a connection of the admin listener still closing).
     let descriptors_after = (open_descriptors(&pair.prefill), open_descriptors(&pair.decode));
     eprintln!("descriptors (prefill, decode): {descriptors_before:?} -> {descriptors_after:?}");
-    assert!(descriptors_after.0 <= descriptors_before.0 + 2 && descriptors_after.1 <= descriptors_before.1 + 2, "{descriptors_before:?} -> {descriptors_after:?}");
+    assert!(
+        descriptors_after.0 <= descriptors_before.0 + 2 && descriptors_after.1 <= descriptors_before.1 + 2,
+        "{descriptors_before:?} -> {descriptors_after:?}"
+    );
     // And their mappings of the pools: the one active generation maps what the first one did.
     let mapped_after = (mapped_pool_bytes(&pair.prefill, dir.path()), mapped_pool_bytes(&pair.decode, dir.path()));
     eprintln!("pool bytes mapped (prefill, decode): {mapped_before:?} -> {mapped_after:?}");
-    assert!(mapped_after.0 <= mapped_before.0 && mapped_after.1 <= mapped_before.1, "{mapped_before:?} -> {mapped_after:?}");
+    assert!(
+        mapped_after.0 <= mapped_before.0 && mapped_after.1 <= mapped_before.1,
+        "{mapped_before:?} -> {mapped_after:?}"
+    );
     pair.stop();
 }
 
@@ -243,7 +287,8 @@ async fn plugins_are_swapped_and_reconfigured_under_traffic_without_failing_a_ro
 /// is the plugin that reports unavailable everywhere.
 fn mutant_library() -> PathBuf {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    kvgate_host::artifacts::built_or_build_cdylib("kvgate-mutants", "kvgate_mutants", &workspace).unwrap_or_else(|e| panic!("{e}"))
+    kvgate_host::artifacts::built_or_build_cdylib("kvgate-mutants", "kvgate_mutants", &workspace)
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn with_mutant(defect: &str) -> PairSettings {
@@ -287,13 +332,31 @@ async fn a_reload_that_cannot_be_applied_changes_nothing_and_says_why() {
     // A change outside [plugins] names what needs a restart and applies nothing (not even the
     // plugin part beside it).
     std::fs::write(&gateway.config_path, config.replace("heartbeat_misses = 5", "heartbeat_misses = 6")).unwrap();
-    let error = refused(gateway, "preference = [\"shm\"]\n[plugins.config.shm]\nworkers = 2\n", &["[peer_link]", "restart"], "shm").await;
+    let error = refused(
+        gateway,
+        "preference = [\"shm\"]\n[plugins.config.shm]\nworkers = 2\n",
+        &["[peer_link]", "restart"],
+        "shm",
+    )
+    .await;
     assert!(!error.contains("scheduler"), "{error}");
     std::fs::write(&gateway.config_path, &config).unwrap();
     // An invalid setting, named.
-    refused(gateway, "preference = [\"shm\"]\n[plugins.config.shm]\nworkers = \"many\"\n", &["plugins.config.shm", "invalid_config"], "shm").await;
+    refused(
+        gateway,
+        "preference = [\"shm\"]\n[plugins.config.shm]\nworkers = \"many\"\n",
+        &["plugins.config.shm", "invalid_config"],
+        "shm",
+    )
+    .await;
     // A plugin that reports unavailable on this machine.
-    refused(gateway, &format!("preference = [\"mutant-unavailable\", \"shm\"]\nlibraries = [{unavailable}]\n"), &["mutant-unavailable", "unavailable"], "shm").await;
+    refused(
+        gateway,
+        &format!("preference = [\"mutant-unavailable\", \"shm\"]\nlibraries = [{unavailable}]\n"),
+        &["mutant-unavailable", "unavailable"],
+        "shm",
+    )
+    .await;
     // plugins.max_mapped_libraries, just past it (the mutant's library is mapped already) ...
     let at_most_one = format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 1\n");
     refused(gateway, &at_most_one, &["plugins.max_mapped_libraries = 1", "never unloaded"], "shm").await;
@@ -301,7 +364,10 @@ async fn a_reload_that_cannot_be_applied_changes_nothing_and_says_why() {
     let r = run(1).await.unwrap();
     assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "{r:?}");
     // ... and at it.
-    rewrite_plugins(&gateway.config_path, &format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 2\n"));
+    rewrite_plugins(
+        &gateway.config_path,
+        &format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 2\n"),
+    );
     let (code, outcome) = reload(gateway).await;
     assert_eq!((code, &outcome["opened"]), (200, &serde_json::json!(["shm@2"])), "{outcome}");
     let r = run(2).await.unwrap();
@@ -313,7 +379,11 @@ async fn a_reload_that_cannot_be_applied_changes_nothing_and_says_why() {
     let out = cli(&["plugins", "reload", "--admin", &gateway.admin]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{stdout}");
-    assert!(stdout.contains("plugin reload refused (the running plugins stay in service)") && stdout.contains("invalid_config"), "{stdout}");
+    assert!(
+        stdout.contains("plugin reload refused (the running plugins stay in service)")
+            && stdout.contains("invalid_config"),
+        "{stdout}"
+    );
     rewrite_plugins(&gateway.config_path, &format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 2\n[plugins.config.shm]\nworkers = 2\n"));
     let out = cli(&["plugins", "reload", "--config", &gateway.config_path.display().to_string()]);
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -322,8 +392,15 @@ async fn a_reload_that_cannot_be_applied_changes_nothing_and_says_why() {
 
     // SIGHUP reloads too.
     rewrite_plugins(&gateway.config_path, &format!("preference = [\"shm\"]\nlibraries = [{copy}]\nmax_mapped_libraries = 2\n[plugins.config.shm]\nworkers = 3\n"));
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(gateway.pid().unwrap()), nix::sys::signal::Signal::SIGHUP).unwrap();
-    eventually(Duration::from_secs(20), "SIGHUP opens shm@4", || async { plugin_instances(&gateway.admin).await.iter().any(|(w, s, _)| w == "shm@4" && s == "active") }, &|| gateway.log()).await;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(gateway.pid().unwrap()), nix::sys::signal::Signal::SIGHUP)
+        .unwrap();
+    eventually(
+        Duration::from_secs(20),
+        "SIGHUP opens shm@4",
+        || async { plugin_instances(&gateway.admin).await.iter().any(|(w, s, _)| w == "shm@4" && s == "active") },
+        &|| gateway.log(),
+    )
+    .await;
     let r = run(3).await.unwrap();
     assert!(r.prefill.succeeded && r.decode.succeeded && r.verified, "{r:?}");
     pair.stop();

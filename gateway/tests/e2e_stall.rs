@@ -56,15 +56,25 @@ async fn a_stopped_decode_gateway_finishes_the_rooms_its_peer_finished_while_it_
     let thawed_at = Instant::now();
     for (room, slot, expected, (_, d_rx)) in rooms.iter_mut() {
         let o = wait_terminal(d_rx, thawed_at, Duration::from_secs(10)).await.unwrap();
-        assert!(o.succeeded, "room {room} succeeded on the prefill side but not on the stopped decode: {o:?}\n{}", pair.decode.log());
+        assert!(
+            o.succeeded,
+            "room {room} succeeded on the prefill side but not on the stopped decode: {o:?}\n{}",
+            pair.decode.log()
+        );
         assert_eq!(slot_checksum(&decode, *slot).await.unwrap(), *expected, "room {room}: bytes");
-        assert!(wait_reusable(d_rx, Duration::from_secs(5)).await, "room {room}: memory not reusable within 5 s (quarantine bound 30 s)");
+        assert!(
+            wait_reusable(d_rx, Duration::from_secs(5)).await,
+            "room {room}: memory not reusable within 5 s (quarantine bound 30 s)"
+        );
     }
     // Noticed by the driver (a deadline woke late) or by the link (its silence bound woke late):
     // when the peer's messages for every room arrive in one batch, the driver may finish them all
     // before any deadline of theirs is due, and then only the link saw the stall.
     let log = pair.decode.log();
-    assert!(log.contains("the gateway was stalled") || log.contains("stalled past this link's silence bound"), "the stall was not noticed:\n{log}");
+    assert!(
+        log.contains("the gateway was stalled") || log.contains("stalled past this link's silence bound"),
+        "the stall was not noticed:\n{log}"
+    );
     pair.stop();
 }
 

@@ -14,13 +14,21 @@ use std::time::Duration;
 
 fn dying_library() -> PathBuf {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    kvgate_host::artifacts::built_or_build_cdylib("kvgate-gateway-fixture-dying-plugin", "kvgate_fixture_dying_plugin", &workspace).unwrap_or_else(|e| panic!("{e}"))
+    kvgate_host::artifacts::built_or_build_cdylib(
+        "kvgate-gateway-fixture-dying-plugin",
+        "kvgate_fixture_dying_plugin",
+        &workspace,
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The room failed with a reason on both sides, or ended (failed) before its later chunks were sent.
 fn assert_failed(result: anyhow::Result<kvgate_demo::engine::RoomResult>) {
     match result {
-        Ok(r) => assert!(!r.prefill.succeeded && !r.prefill.reason.is_empty() && !r.decode.succeeded && !r.decode.reason.is_empty(), "{r:?}"),
+        Ok(r) => assert!(
+            !r.prefill.succeeded && !r.prefill.reason.is_empty() && !r.decode.succeeded && !r.decode.reason.is_empty(),
+            "{r:?}"
+        ),
         Err(e) => assert!(format!("{e:#}").contains("room_terminal"), "{e:#}"),
     }
 }
@@ -30,7 +38,10 @@ async fn a_dead_worker_fails_its_room_is_restarted_and_stays_down_past_the_limit
     let _serial = serial().await;
     let dir = work_dir();
     let die_file = dir.path().join("die-now");
-    let limits = vec![("KVGATE__PLUGINS__RESTART_MAX_ATTEMPTS".to_string(), "1".to_string()), ("KVGATE__PLUGINS__RESTART_BACKOFF_MS".to_string(), "10".to_string())];
+    let limits = vec![
+        ("KVGATE__PLUGINS__RESTART_MAX_ATTEMPTS".to_string(), "1".to_string()),
+        ("KVGATE__PLUGINS__RESTART_BACKOFF_MS".to_string(), "10".to_string()),
+    ];
     let settings = PairSettings {
         plugin: "dying-shm".into(),
         plugin_libraries: vec![dying_library()],
@@ -56,7 +67,8 @@ async fn a_dead_worker_fails_its_room_is_restarted_and_stays_down_past_the_limit
         "dying-shm restarted as dying-shm@2",
         || async {
             let all = plugin_instances(&gateway.admin).await;
-            all.iter().any(|(w, s, _)| w == "dying-shm@2" && s == "active") && all.iter().any(|(w, s, r)| w == "dying-shm" && s == "closed" && r == "restarted")
+            all.iter().any(|(w, s, _)| w == "dying-shm@2" && s == "active")
+                && all.iter().any(|(w, s, r)| w == "dying-shm" && s == "closed" && r == "restarted")
         },
         &|| gateway.log(),
     )
@@ -74,12 +86,17 @@ async fn a_dead_worker_fails_its_room_is_restarted_and_stays_down_past_the_limit
         "/healthz names the restart limit",
         || async {
             let (code, health) = kvgate::admin_client::get(&gateway.admin, "/healthz").await.unwrap();
-            code == 503 && health.contains("dying-shm@2 unhealthy") && health.contains("plugins.restart_max_attempts = 1")
+            code == 503
+                && health.contains("dying-shm@2 unhealthy")
+                && health.contains("plugins.restart_max_attempts = 1")
         },
         &|| gateway.log(),
     )
     .await;
     assert!(plain_log(&gateway.log()).contains("plugin_restart_limit"), "logged with its reason");
-    assert!(!plugin_instances(&gateway.admin).await.iter().any(|(w, _, _)| w == "dying-shm@3"), "not restarted past the limit");
+    assert!(
+        !plugin_instances(&gateway.admin).await.iter().any(|(w, _, _)| w == "dying-shm@3"),
+        "not restarted past the limit"
+    );
     pair.stop();
 }

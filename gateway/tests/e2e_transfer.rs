@@ -18,7 +18,12 @@ async fn move_and_verify(plugin: &str) {
     for (i, room) in [101u64, 102, 103].iter().enumerate() {
         let slot = i as u64 % 2;
         let r = run_room(&prefill, &decode, &shape, *room, slot, slot).await.unwrap();
-        assert!(r.prefill.succeeded && r.decode.succeeded, "room {room}: {r:?}\n{}\n{}", pair.prefill.log(), pair.decode.log());
+        assert!(
+            r.prefill.succeeded && r.decode.succeeded,
+            "room {room}: {r:?}\n{}\n{}",
+            pair.prefill.log(),
+            pair.decode.log()
+        );
         assert!(r.verified, "room {room}: checksum mismatch");
     }
     assert!(wait_rooms_empty(&pair.prefill.admin, Duration::from_secs(5)).await.as_array().unwrap().is_empty());
@@ -31,9 +36,15 @@ async fn move_and_verify(plugin: &str) {
     let (code, health) = kvgate::admin_client::get(&pair.decode.admin, "/healthz").await.unwrap();
     assert_eq!(code, 200, "{health}");
     let (_, plugins) = kvgate::admin_client::get(&pair.decode.admin, "/plugins").await.unwrap();
-    assert!(plugins.contains(&format!("\"name\":\"{plugin}\"")) && plugins.contains("\"status\":\"opened\""), "{plugins}");
+    assert!(
+        plugins.contains(&format!("\"name\":\"{plugin}\"")) && plugins.contains("\"status\":\"opened\""),
+        "{plugins}"
+    );
     let (code, discovery) = kvgate::admin_client::get(&pair.decode.admin, "/discovery").await.unwrap();
-    assert!(code == 200 && discovery.contains("\"enabled\":false") && discovery.contains("\"registered\":false"), "{discovery}");
+    assert!(
+        code == 200 && discovery.contains("\"enabled\":false") && discovery.contains("\"registered\":false"),
+        "{discovery}"
+    );
     pair.stop();
 }
 

@@ -10,10 +10,10 @@
 mod common;
 
 use common::*;
+use kvgate_client::proto;
 use kvgate_demo::engine::{expect_into, send_all, wait_terminal};
 use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_demo::pool::KvShape;
-use kvgate_client::proto;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -98,10 +98,22 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     assert!(metric(&admin_p, "kvgate_quarantined_bytes").await > 0.0, "{}", metrics(&admin_p).await);
     // One violation per transfer the plugin left without a terminal event: every chunk of every part.
     let transfers = (shape.parts * shape.chunks) as f64;
-    eventually(Duration::from_millis(PLUGIN_GRACE_MS) + SLACK, "the silence counted as plugin_silent violations", || async { metric(&admin_p, violations).await == transfers }, &|| pair.prefill.log()).await;
+    eventually(
+        Duration::from_millis(PLUGIN_GRACE_MS) + SLACK,
+        "the silence counted as plugin_silent violations",
+        || async { metric(&admin_p, violations).await == transfers },
+        &|| pair.prefill.log(),
+    )
+    .await;
     let needles = ["plugin contract violation", "clause=\"plugin_silent\"", &format!("new={transfers} ")];
     let housekeeping = Duration::from_millis(2 * kvgate::driver::HOUSEKEEPING_INTERVAL_MS);
-    eventually(housekeeping + SLACK, "the violations logged", || async { !lines_with(&pair.prefill.log(), &needles).is_empty() }, &|| pair.prefill.log()).await;
+    eventually(
+        housekeeping + SLACK,
+        "the violations logged",
+        || async { !lines_with(&pair.prefill.log(), &needles).is_empty() },
+        &|| pair.prefill.log(),
+    )
+    .await;
     let logged = lines_with(&pair.prefill.log(), &["plugin contract violation"]);
     assert_eq!(logged.len(), 1, "one warning naming the clause and the count: {logged:?}");
     // Found on a timer, not in an event: the line still names the plugin, a transfer and the room.
@@ -111,19 +123,41 @@ async fn a_plugin_that_never_ends_a_transfer_cannot_keep_a_room_alive() {
     let text = metrics(&admin_p).await;
     assert_eq!(sample(&text, "kvgate_rooms{state=\"quarantined\"}"), Some(1.0), "the room is still held:\n{text}");
     // The quarantine has an age, and past admin.quarantine_unhealthy_ms the gateway says it is unhealthy.
-    eventually(SLACK, "the quarantine's age", || async { metric(&admin_p, "kvgate_oldest_room_age_seconds{state=\"quarantined\"}").await > 0.0 }, &|| String::new()).await;
-    eventually(Duration::from_millis(QUARANTINE_UNHEALTHY_MS) + SLACK, "/healthz 503 naming the quarantine", || async {
-        let (code, body) = kvgate::admin_client::get(&admin_p, "/healthz").await.unwrap();
-        code == 503 && body.contains("quarantined") && body.contains("admin.quarantine_unhealthy_ms")
-    }, &|| String::new()).await;
+    eventually(
+        SLACK,
+        "the quarantine's age",
+        || async { metric(&admin_p, "kvgate_oldest_room_age_seconds{state=\"quarantined\"}").await > 0.0 },
+        &|| String::new(),
+    )
+    .await;
+    eventually(
+        Duration::from_millis(QUARANTINE_UNHEALTHY_MS) + SLACK,
+        "/healthz 503 naming the quarantine",
+        || async {
+            let (code, body) = kvgate::admin_client::get(&admin_p, "/healthz").await.unwrap();
+            code == 503 && body.contains("quarantined") && body.contains("admin.quarantine_unhealthy_ms")
+        },
+        &|| String::new(),
+    )
+    .await;
 
     // ...until quarantine_timeout_ms: then released, the engines told why, and the log says so.
     let within = Duration::from_millis(QUARANTINE_TIMEOUT_MS) + SLACK;
     assert_eq!(reusable_reason(&mut p_rx, within).await.as_deref(), Some("quarantine_timeout"), "prefill");
-    assert!(failed_at.elapsed() >= Duration::from_millis(QUARANTINE_TIMEOUT_MS) - Duration::from_millis(200), "not released early: {:?}", failed_at.elapsed());
+    assert!(
+        failed_at.elapsed() >= Duration::from_millis(QUARANTINE_TIMEOUT_MS) - Duration::from_millis(200),
+        "not released early: {:?}",
+        failed_at.elapsed()
+    );
     assert_eq!(reusable_reason(&mut d_rx, within).await.as_deref(), Some("quarantine_timeout"), "decode");
     for (name, admin, log) in [("prefill", &admin_p, pair.prefill.log()), ("decode", &admin_d, pair.decode.log())] {
-        eventually(SLACK, &format!("{name}: nothing quarantined"), || async { metric(admin, "kvgate_quarantined_bytes").await == 0.0 }, &|| String::new()).await;
+        eventually(
+            SLACK,
+            &format!("{name}: nothing quarantined"),
+            || async { metric(admin, "kvgate_quarantined_bytes").await == 0.0 },
+            &|| String::new(),
+        )
+        .await;
         let left = wait_rooms_empty(admin, SLACK).await;
         assert!(left.as_array().unwrap().is_empty(), "{name} /rooms: {left}");
         let timed_out = lines_with(&log, &["quarantine timed out", &format!("room={room}#")]);
@@ -165,24 +199,40 @@ async fn duplicate_events_are_counted_each_and_logged_in_bounded_lines() {
     let rooms = 30u64;
     let started = Instant::now();
     for room in 0..rooms {
-        let r = kvgate_demo::engine::run_room(&prefill, &decode, &shape, 1_000 + room, room % 2, room % 2).await.unwrap();
+        let r =
+            kvgate_demo::engine::run_room(&prefill, &decode, &shape, 1_000 + room, room % 2, room % 2).await.unwrap();
         let distrusted = !r.prefill.succeeded && r.prefill.reason == "plugin_protocol_violation" && !r.decode.succeeded;
         assert!(r.verified || distrusted, "room {room}: {r:?}");
     }
     let duplicates = rooms as f64;
     let series = "kvgate_plugin_contract_violations_total{clause=\"duplicate_event\"}";
-    eventually(SLACK, "every duplicate counted", || async { metric(&admin, series).await == duplicates }, &|| pair.prefill.log()).await;
+    eventually(SLACK, "every duplicate counted", || async { metric(&admin, series).await == duplicates }, &|| {
+        pair.prefill.log()
+    })
+    .await;
     // Every count is logged once the next housekeeping round has run.
     tokio::time::sleep(Duration::from_millis(2 * kvgate::driver::HOUSEKEEPING_INTERVAL_MS)).await;
     let elapsed = started.elapsed();
     let lines = lines_with(&pair.prefill.log(), &["plugin contract violation", "clause=\"duplicate_event\""]);
-    let logged: u64 = lines.iter().map(|l| l.split("new=").nth(1).and_then(|v| v.split(' ').next()).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)).sum();
+    let logged: u64 = lines
+        .iter()
+        .map(|l| {
+            l.split("new=").nth(1).and_then(|v| v.split(' ').next()).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+        })
+        .sum();
     assert_eq!(logged as f64, duplicates, "the lines add up to the count: {lines:#?}");
     for line in &lines {
         let named = ["plugin=mutant-double-success", "event=\"succeeded\"", "room=10", "role=\"sender\"", "xfer="];
-        assert!(named.iter().all(|n| line.contains(n)), "names the latest duplicate's plugin, event, transfer and room: {line}");
+        assert!(
+            named.iter().all(|n| line.contains(n)),
+            "names the latest duplicate's plugin, event, transfer and room: {line}"
+        );
     }
     let rounds = elapsed.as_millis() as u64 / kvgate::driver::HOUSEKEEPING_INTERVAL_MS + 1;
-    assert!(lines.len() as u64 <= rounds && (lines.len() as f64) < duplicates, "{} lines for {duplicates} duplicates in {elapsed:?}", lines.len());
+    assert!(
+        lines.len() as u64 <= rounds && (lines.len() as f64) < duplicates,
+        "{} lines for {duplicates} duplicates in {elapsed:?}",
+        lines.len()
+    );
     pair.stop();
 }

@@ -70,7 +70,15 @@ mod tests {
         assert_eq!(CudaVmmBacking::parse(&b.to_backing_path()), Some(Ok(b)));
         assert_eq!(CudaVmmBacking::parse("/dev/shm/pool"), None);
         assert_eq!(CudaVmmBacking::parse(""), None);
-        for bad in ["cuda-vmm-fd:", "cuda-vmm-fd:17", "cuda-vmm-fd:-1:4096", "cuda-vmm-fd:17:0", "cuda-vmm-fd:x:1", "cuda-vmm-fd:99999999999:1", "cuda-vmm-fd:1:+5"] {
+        for bad in [
+            "cuda-vmm-fd:",
+            "cuda-vmm-fd:17",
+            "cuda-vmm-fd:-1:4096",
+            "cuda-vmm-fd:17:0",
+            "cuda-vmm-fd:x:1",
+            "cuda-vmm-fd:99999999999:1",
+            "cuda-vmm-fd:1:+5",
+        ] {
             assert!(matches!(CudaVmmBacking::parse(bad), Some(Err(_))), "{bad} accepted");
         }
         let max = format!("cuda-vmm-fd:{}:{}", i32::MAX, u64::MAX);

@@ -354,15 +354,7 @@ pub struct Event {
 
 impl Event {
     fn base(kind: EventKind, xfer: XferId) -> Event {
-        Event {
-            kind,
-            xfer,
-            peer: PeerId(0),
-            reason: ReasonCode(0),
-            bytes: 0,
-            flags: 0,
-            message: RString::new(),
-        }
+        Event { kind, xfer, peer: PeerId(0), reason: ReasonCode(0), bytes: 0, flags: 0, message: RString::new() }
     }
     pub fn succeeded(xfer: XferId, bytes: u64) -> Event {
         Event { bytes, ..Event::base(EventKind::SUCCEEDED, xfer) }

@@ -58,7 +58,11 @@ fn a_held_transfer_refuses_every_second_terminal() {
     assert!(!ledger.hold(XferId(1)), "nothing new starts after the terminal event");
     assert_eq!(ledger.refused_terminals(), 2);
     ledger.release(XferId(1));
-    assert_eq!(events(&mut ledger), vec![(1, EventKind::SUCCEEDED, false, ReasonCode(0))], "no QUIESCED after SUCCEEDED");
+    assert_eq!(
+        events(&mut ledger),
+        vec![(1, EventKind::SUCCEEDED, false, ReasonCode(0))],
+        "no QUIESCED after SUCCEEDED"
+    );
     assert!(ledger.is_empty());
 }
 
@@ -111,7 +115,11 @@ fn an_id_still_in_the_ledger_is_refused_until_it_quiesced() {
     assert_eq!(ledger.admit(XferId(1), admission(None), 2).unwrap_err().code, ReasonCode::DUPLICATE_ID);
     assert!(ledger.hold(XferId(1)));
     ledger.fail(XferId(1), ReasonCode::CANCELLED, "c");
-    assert_eq!(ledger.admit(XferId(1), admission(None), 3).unwrap_err().code, ReasonCode::DUPLICATE_ID, "failed, unquiesced");
+    assert_eq!(
+        ledger.admit(XferId(1), admission(None), 3).unwrap_err().code,
+        ReasonCode::DUPLICATE_ID,
+        "failed, unquiesced"
+    );
     ledger.release(XferId(1));
     ledger.admit(XferId(1), admission(None), 4).unwrap();
     assert_eq!(ledger.get(XferId(1)), Some(&4));
@@ -301,7 +309,10 @@ fn region_views_check_every_range_and_copy_exactly() {
     let mut dst = vec![0xEEu8; 64];
     // SAFETY: both buffers outlive the views, which are used only in this test.
     let (s, d) = unsafe {
-        (RegionView::from_raw_parts(src.as_mut_ptr() as usize, 64), RegionView::from_raw_parts(dst.as_mut_ptr() as usize, 64))
+        (
+            RegionView::from_raw_parts(src.as_mut_ptr() as usize, 64),
+            RegionView::from_raw_parts(dst.as_mut_ptr() as usize, 64),
+        )
     };
     s.copy_to(3, &d, 10, 20).unwrap();
     assert_eq!(&dst[10..30], &src[3..23]);

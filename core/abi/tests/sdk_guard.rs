@@ -135,7 +135,9 @@ fn code_sets_round_trip_and_unknown_values_are_named_unknown() {
     assert_eq!(ReasonCode(9999).as_str(), "unknown");
     assert!(!EventKind(77).is_known());
     assert!(Capabilities { memory_kinds: MemoryKind::HOST.bit(), ..Default::default() }.serves(MemoryKind::HOST));
-    assert!(!Capabilities { memory_kinds: MemoryKind::HOST.bit(), ..Default::default() }.serves(MemoryKind::CUDA_DEVICE));
+    assert!(
+        !Capabilities { memory_kinds: MemoryKind::HOST.bit(), ..Default::default() }.serves(MemoryKind::CUDA_DEVICE)
+    );
 }
 
 #[test]

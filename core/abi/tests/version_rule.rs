@@ -10,5 +10,8 @@ fn the_abi_crate_sets_its_own_version_and_abi_md_states_its_series() {
     assert!(manifest.lines().any(|l| l.trim() == own), "Cargo.toml sets {own}");
     let series = format!("{}.{}", env!("CARGO_PKG_VERSION_MAJOR"), env!("CARGO_PKG_VERSION_MINOR"));
     let rule = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/ABI.md")).unwrap();
-    assert!(rule.contains(&format!("`kvgate-abi` {series}.y loads every plugin built against {series}.x")), "ABI.md states the rule for {series}");
+    assert!(
+        rule.contains(&format!("`kvgate-abi` {series}.y loads every plugin built against {series}.x")),
+        "ABI.md states the rule for {series}"
+    );
 }

@@ -165,7 +165,9 @@ impl PluginHost {
     pub fn check_config(&self, name: &str, config_toml: &str) -> ConfigCheck {
         let Some(plugin) = self.find(name) else {
             return match self.why_not_opened(name) {
-                SkipReason::LoadFailed(why) => ConfigCheck::NotChecked { reason: format!("its library did not load: {why}") },
+                SkipReason::LoadFailed(why) => {
+                    ConfigCheck::NotChecked { reason: format!("its library did not load: {why}") }
+                }
                 _ => ConfigCheck::Invalid(OpenError::UnknownPlugin { plugin: name.to_string() }),
             };
         };

@@ -7,8 +7,8 @@ use kvgate_abi::abi_stable::{
     std_types::{RErr, RResult, RSlice, RVec},
 };
 use kvgate_abi::{
-    Capabilities, IncomingRequest, LocalKey, PeerId, PluginError, PluginInfo, ReasonCode, RegionDesc, Registration, RemoteKey, Stats,
-    SubmitRequest, Ticket, Transport, TransportBox, Transport_TO, XferId,
+    Capabilities, IncomingRequest, LocalKey, PeerId, PluginError, PluginInfo, ReasonCode, RegionDesc, Registration,
+    RemoteKey, Stats, SubmitRequest, Ticket, Transport, TransportBox, Transport_TO, XferId,
 };
 use std::fmt;
 use std::sync::Arc;

@@ -35,13 +35,20 @@ fn previous_minor_library() -> PathBuf {
 }
 
 fn host_region(buffer: &mut [u8]) -> RegionDesc {
-    RegionDesc { kind: MemoryKind::HOST, device: -1, addr: buffer.as_mut_ptr() as u64, len: buffer.len() as u64, ..RegionDesc::default() }
+    RegionDesc {
+        kind: MemoryKind::HOST,
+        device: -1,
+        addr: buffer.as_mut_ptr() as u64,
+        len: buffer.len() as u64,
+        ..RegionDesc::default()
+    }
 }
 
 #[test]
 fn a_plugin_built_against_the_previous_compatible_abi_loads_and_moves_bytes() {
     let mut host = PluginHost::new();
-    let name = host.load_library(previous_library()).unwrap_or_else(|e| panic!("the previous-ABI plugin is refused: {e}"));
+    let name =
+        host.load_library(previous_library()).unwrap_or_else(|e| panic!("the previous-ABI plugin is refused: {e}"));
     assert_eq!(name, "previous");
     let listing = host.plugins();
     assert_eq!(listing.len(), 1, "{listing:?}");
@@ -49,7 +56,9 @@ fn a_plugin_built_against_the_previous_compatible_abi_loads_and_moves_bytes() {
 
     // `check_config` did not exist then: the host reads the field as absent and says so.
     match host.check_config("previous", "") {
-        ConfigCheck::NotChecked { reason } => assert!(reason.contains("built before config checks existed"), "{reason}"),
+        ConfigCheck::NotChecked { reason } => {
+            assert!(reason.contains("built before config checks existed"), "{reason}")
+        }
         other => panic!("a plugin without check_config must be reported not checked, got {other:?}"),
     }
     // Its own config errors still cross the boundary with their code.
@@ -71,12 +80,21 @@ fn a_plugin_built_against_the_previous_compatible_abi_loads_and_moves_bytes() {
     let mut destination = vec![0u8; 4096];
     let src = transport.register(&host_region(&mut source)).into_result().expect("registers the source");
     let dst = transport.register(&host_region(&mut destination)).into_result().expect("registers the destination");
-    let remote = transport.import_remote_key(PeerId(1), dst.remote_key.as_slice().into()).into_result().expect("imports the destination's key");
+    let remote = transport
+        .import_remote_key(PeerId(1), dst.remote_key.as_slice().into())
+        .into_result()
+        .expect("imports the destination's key");
     let segments = [
         Segment { local: src.key, local_offset: 0, remote, remote_offset: 1024, len: 3072 },
         Segment { local: src.key, local_offset: 3072, remote, remote_offset: 0, len: 1024 },
     ];
-    let request = SubmitRequest { xfer: XferId(7), peer: PeerId(1), ticket: Ticket(1), timeout_ns: 1_000_000_000, segments: segments.as_slice().into() };
+    let request = SubmitRequest {
+        xfer: XferId(7),
+        peer: PeerId(1),
+        ticket: Ticket(1),
+        timeout_ns: 1_000_000_000,
+        segments: segments.as_slice().into(),
+    };
     transport.submit(request).into_result().expect("submits");
 
     let event = rx.recv_timeout(Duration::from_millis(EVENT_WAIT_MS)).expect("an event for the transfer");
@@ -87,7 +105,13 @@ fn a_plugin_built_against_the_previous_compatible_abi_loads_and_moves_bytes() {
 
     // A segment past its region is refused with the plugin's own code, through the old layout.
     let past = [Segment { local: src.key, local_offset: 4000, remote, remote_offset: 0, len: 200 }];
-    let request = SubmitRequest { xfer: XferId(8), peer: PeerId(1), ticket: Ticket(1), timeout_ns: 1_000_000_000, segments: past.as_slice().into() };
+    let request = SubmitRequest {
+        xfer: XferId(8),
+        peer: PeerId(1),
+        ticket: Ticket(1),
+        timeout_ns: 1_000_000_000,
+        segments: past.as_slice().into(),
+    };
     let refused = transport.submit(request).into_result().expect_err("a segment past its region is refused");
     assert_eq!(refused.code, kvgate_abi::ReasonCode::OUT_OF_RANGE, "{refused}");
     assert!(transport.deregister(LocalKey(src.key.0)).is_ok());
@@ -102,7 +126,10 @@ fn a_plugin_built_against_the_previous_minor_series_is_refused_by_version() {
     assert_eq!(error.code(), "library_version_mismatch", "{error}");
     let LoadError::LibraryVersionMismatch { message, .. } = &error else { panic!("{error:?}") };
     let host_version = kvgate_abi_version();
-    assert!(message.contains("kvgate-abi 0.0.1") && message.contains(&format!("kvgate-abi {host_version}")), "the reason names both versions: {message}");
+    assert!(
+        message.contains("kvgate-abi 0.0.1") && message.contains(&format!("kvgate-abi {host_version}")),
+        "the reason names both versions: {message}"
+    );
     assert_eq!(error.to_string().lines().count(), 1, "a one-line reason, not a layout dump: {error}");
     assert!(host.module("previous").is_none(), "nothing was admitted");
     assert!(host.plugins().iter().all(|p| p.status.is_err()), "listed only as a failed load");
@@ -112,6 +139,7 @@ fn a_plugin_built_against_the_previous_minor_series_is_refused_by_version() {
 /// crate): read from its manifest.
 fn kvgate_abi_version() -> String {
     let manifest = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../abi/Cargo.toml")).unwrap();
-    let line = manifest.lines().find(|l| l.trim_start().starts_with("version = \"")).expect("kvgate-abi sets its version");
+    let line =
+        manifest.lines().find(|l| l.trim_start().starts_with("version = \"")).expect("kvgate-abi sets its version");
     line.split('"').nth(1).unwrap().to_string()
 }

@@ -26,7 +26,12 @@ use one_side::OneSide;
 const ONE_SIDE_WARMUP: u64 = 110_000;
 
 fn bench_config() -> CoreConfig {
-    CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones: 100_000, max_pending_sends: 1_000_000, ..CoreConfig::default() }
+    CoreConfig {
+        max_inflight_rooms: 4_000_000,
+        max_tombstones: 100_000,
+        max_pending_sends: 1_000_000,
+        ..CoreConfig::default()
+    }
 }
 
 fn lifecycles(c: &mut Criterion) {
@@ -71,7 +76,13 @@ fn big_submit(c: &mut Criterion) {
                 let room = RoomKey::new(bench.next_room, 0);
                 bench.next_room += 1;
                 let dest: Vec<Slice> = (0..SEGMENTS).map(|i| Slice::new(REGION, i * 8192, 4096)).collect();
-                bench.receiver.handle_engine(bench.now, EngineRequest::Expect { room, peer: B, parts: vec![dest], timeout_ms: None }).unwrap();
+                bench
+                    .receiver
+                    .handle_engine(
+                        bench.now,
+                        EngineRequest::Expect { room, peer: B, parts: vec![dest], timeout_ms: None },
+                    )
+                    .unwrap();
                 while let Some(command) = bench.receiver.poll_command() {
                     if let Command::ToPeer { message, .. } = command {
                         bench.sender.handle_peer_message(bench.now, A, &message);
@@ -101,7 +112,13 @@ fn big_submit(c: &mut Criterion) {
     group.bench_function("reference_plain_segment_loop", |b| {
         b.iter(|| {
             let segments: Vec<Segment> = (0..SEGMENTS)
-                .map(|i| Segment { local: LocalKey(1), local_offset: i * 4096, remote: RemoteKey(2), remote_offset: i * 8192, len: 4096 })
+                .map(|i| Segment {
+                    local: LocalKey(1),
+                    local_offset: i * 4096,
+                    remote: RemoteKey(2),
+                    remote_offset: i * 8192,
+                    len: 4096,
+                })
                 .collect();
             segments
         })
@@ -119,7 +136,14 @@ fn memory_per_room(_c: &mut Criterion) {
     let before = LIVE_BYTES.load(Ordering::Relaxed);
     for n in 0..ROOMS {
         let room = RoomKey::new(n, 0);
-        let send = EngineRequest::Send { room, peer: Some(A), part: 0, chunk: 0, slices: vec![Slice::new(REGION, 0, 64)], last: true };
+        let send = EngineRequest::Send {
+            room,
+            peer: Some(A),
+            part: 0,
+            chunk: 0,
+            slices: vec![Slice::new(REGION, 0, 64)],
+            last: true,
+        };
         bench.sender.handle_engine(bench.now, send).unwrap();
         while bench.sender.poll_command().is_some() {}
     }
@@ -132,7 +156,10 @@ fn memory_per_room(_c: &mut Criterion) {
 }
 
 fn short() -> Criterion {
-    Criterion::default().warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2)).sample_size(20)
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(20)
 }
 
 criterion_group! { name = benches; config = short(); targets = memory_per_room, lifecycles, idle_rooms, big_submit }

@@ -25,8 +25,14 @@ fn main() {
     let warmup = args.next().unwrap_or(110_000);
     let max_tombstones =
         std::env::var("KVGATE_LOOP_MAX_TOMBSTONES").ok().map(|v| v.parse::<u64>().expect("a count")).unwrap_or(100_000);
-    let config = CoreConfig { max_inflight_rooms: 4_000_000, max_tombstones, max_pending_sends: 1_000_000, ..CoreConfig::default() };
-    let idle_rooms = std::env::var("KVGATE_LOOP_IDLE_ROOMS").ok().map(|v| v.parse::<u64>().expect("a count")).unwrap_or(0);
+    let config = CoreConfig {
+        max_inflight_rooms: 4_000_000,
+        max_tombstones,
+        max_pending_sends: 1_000_000,
+        ..CoreConfig::default()
+    };
+    let idle_rooms =
+        std::env::var("KVGATE_LOOP_IDLE_ROOMS").ok().map(|v| v.parse::<u64>().expect("a count")).unwrap_or(0);
     let side = match std::env::var("KVGATE_LOOP_SIDE").as_deref() {
         Err(_) | Ok("") | Ok("both") => None,
         Ok("receiver") => Some(Side::Receiver),
@@ -63,7 +69,10 @@ fn one_side(config: CoreConfig, side: Side, count: u64, warmup: u64) {
     one.in_batches(warmup, OneSide::replay);
     let elapsed = one.in_batches(count, measured_replay);
     one.check_in_step();
-    println!("{side:?} side alone, {count} lifecycles replayed in {elapsed:?}: {:.0} ns each", elapsed.as_nanos() as f64 / count as f64);
+    println!(
+        "{side:?} side alone, {count} lifecycles replayed in {elapsed:?}: {:.0} ns each",
+        elapsed.as_nanos() as f64 / count as f64
+    );
 }
 
 /// The measured replay, kept out of line so callgrind can count it alone.

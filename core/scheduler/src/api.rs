@@ -373,7 +373,13 @@ pub enum PeerMessage {
     /// `plugins`: the plugin each part's ticket is open on (as the core that holds the message
     /// numbers its plugin instances; the driver translates by name on the wire), one entry per
     /// part, or one entry for every part.
-    ExpectNotice { room: RoomKey, parts: Vec<Vec<Slice>>, tickets: Vec<Ticket>, plugins: Vec<PluginSlot>, timeout: Span },
+    ExpectNotice {
+        room: RoomKey,
+        parts: Vec<Vec<Slice>>,
+        tickets: Vec<Ticket>,
+        plugins: Vec<PluginSlot>,
+        timeout: Span,
+    },
     /// Sender → receiver: the expect met the first send; bytes may now move (the receiver leaves
     /// its bootstrap phase).
     Matched { room: RoomKey },
@@ -402,9 +408,7 @@ impl PeerMessage {
     pub fn target_role(&self) -> Role {
         match self {
             PeerMessage::ExpectNotice { .. } => Role::Sender,
-            PeerMessage::Matched { .. } | PeerMessage::PartDone { .. } | PeerMessage::Quiesced { .. } => {
-                Role::Receiver
-            }
+            PeerMessage::Matched { .. } | PeerMessage::PartDone { .. } | PeerMessage::Quiesced { .. } => Role::Receiver,
             PeerMessage::Abort { to, .. } | PeerMessage::RoomFailed { to, .. } => *to,
         }
     }
@@ -780,7 +784,14 @@ impl ReleaseCause {
 pub enum RoomEvent {
     /// The room entered a non-terminal state: from `from`, or, `None`, as the room opened here at
     /// `opened_at`. `plugin`: the instance carrying the room, once bound to a peer.
-    StateChanged { room: RoomKey, role: Role, state: RoomState, from: Option<RoomState>, opened_at: At, plugin: Option<PluginSlot> },
+    StateChanged {
+        room: RoomKey,
+        role: Role,
+        state: RoomState,
+        from: Option<RoomState>,
+        opened_at: At,
+        plugin: Option<PluginSlot>,
+    },
     /// One part succeeded (receiver: the sender's `PartDone`; sender: its last chunk succeeded).
     PartSucceeded { room: RoomKey, role: Role, part: u32, bytes: u64 },
     /// The room's outcome, `elapsed` since the room was created here; what the log and the

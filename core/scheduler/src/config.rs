@@ -78,11 +78,7 @@ pub struct ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "scheduler.{} = {} is out of range: allowed {}..={}",
-            self.key, self.value, self.min, self.max
-        )
+        write!(f, "scheduler.{} = {} is out of range: allowed {}..={}", self.key, self.value, self.min, self.max)
     }
 }
 impl std::error::Error for ConfigError {}

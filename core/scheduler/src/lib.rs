@@ -63,10 +63,11 @@ pub(crate) fn test_random(state: &mut u64) -> u64 {
 
 pub use crate::api::*;
 pub use crate::config::{ConfigError, CoreConfig};
-pub use crate::lifecycle::{
-    render_ticket_table, render_transfer_table, ticket_transition, transfer_transition, RefusedInput, TicketState, TransferState,
-};
 pub use crate::core::Core;
+pub use crate::lifecycle::{
+    render_ticket_table, render_transfer_table, ticket_transition, transfer_transition, RefusedInput, TicketState,
+    TransferState,
+};
 pub use crate::metrics::{HarmlessAbort, LateSource, Metrics};
 pub use crate::table::{render_table, transition, IllegalTransition, RoomInput};
 pub use crate::timer::TimerKind;

@@ -214,8 +214,12 @@ impl fmt::Display for RefusedInput {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             RefusedInput::Room(illegal) => write!(f, "{illegal}"),
-            RefusedInput::Transfer(t) => write!(f, "illegal transfer transition: {:?} in state {}", t.input, t.state.as_str()),
-            RefusedInput::Ticket(t) => write!(f, "illegal ticket transition: {:?} in state {}", t.input, t.state.as_str()),
+            RefusedInput::Transfer(t) => {
+                write!(f, "illegal transfer transition: {:?} in state {}", t.input, t.state.as_str())
+            }
+            RefusedInput::Ticket(t) => {
+                write!(f, "illegal ticket transition: {:?} in state {}", t.input, t.state.as_str())
+            }
         }
     }
 }
@@ -235,7 +239,10 @@ const fn step<S, E>(next: S, verdict: Verdict, effect: E) -> Step<S, E> {
 /// failed (`ForcedSilent`), where the plugin's belated word is late and says whether bytes can
 /// still land.
 // CONFORMANCE: ABORT-9, TIME-10
-pub const fn transfer_transition(state: TransferState, input: TransferInput) -> Result<TransferStep, IllegalTransferTransition> {
+pub const fn transfer_transition(
+    state: TransferState,
+    input: TransferInput,
+) -> Result<TransferStep, IllegalTransferTransition> {
     use TransferEffect as E;
     use TransferInput as I;
     use TransferState as S;
@@ -243,10 +250,14 @@ pub const fn transfer_transition(state: TransferState, input: TransferInput) -> 
     use ViolationClause as V;
     let row = match (state, input) {
         (S::InFlight, I::Succeeded) => step(S::Succeeded, Accepted, E::Landed),
-        (S::InFlight, I::SucceededBytesMismatch) => step(S::FailedQuiesced, Violation(V::SucceededBytesMismatch), E::ProtocolViolation),
+        (S::InFlight, I::SucceededBytesMismatch) => {
+            step(S::FailedQuiesced, Violation(V::SucceededBytesMismatch), E::ProtocolViolation)
+        }
         (S::InFlight, I::FailedQuiesced) => step(S::FailedQuiesced, Accepted, E::Failed),
         (S::InFlight, I::FailedUnquiesced) => step(S::FailedUnquiesced, Accepted, E::Failed),
-        (S::InFlight, I::Quiesced) => step(S::FailedQuiesced, Violation(V::QuiescedBeforeTerminal), E::ProtocolViolation),
+        (S::InFlight, I::Quiesced) => {
+            step(S::FailedQuiesced, Violation(V::QuiescedBeforeTerminal), E::ProtocolViolation)
+        }
         (S::InFlight, I::Progress) => step(S::InFlight, Accepted, E::Nothing),
         (S::InFlight, I::GraceExpired) => step(S::ForcedSilent, Violation(V::PluginSilent), E::Nothing),
         // Forced failed: the plugin's terminal word comes late; only a quiesce ends it.
@@ -316,7 +327,9 @@ pub fn render_transfer_table() -> String {
     let mut out = String::new();
     for state in TransferState::ALL {
         for input in TransferInput::ALL {
-            let row = transfer_transition(state, input).ok().map(|step| (step.next.as_str(), step.verdict, format!("{:?}", step.effect)));
+            let row = transfer_transition(state, input)
+                .ok()
+                .map(|step| (step.next.as_str(), step.verdict, format!("{:?}", step.effect)));
             render_row(&mut out, state.as_str(), format!("{input:?}"), row);
         }
     }
@@ -328,7 +341,9 @@ pub fn render_ticket_table() -> String {
     let mut out = String::new();
     for state in TicketState::ALL {
         for input in TicketInput::ALL {
-            let row = ticket_transition(state, input).ok().map(|step| (step.next.as_str(), step.verdict, format!("{:?}", step.effect)));
+            let row = ticket_transition(state, input)
+                .ok()
+                .map(|step| (step.next.as_str(), step.verdict, format!("{:?}", step.effect)));
             render_row(&mut out, state.as_str(), format!("{input:?}"), row);
         }
     }

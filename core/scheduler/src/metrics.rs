@@ -2,7 +2,7 @@
 //! The core updates them in O(1) per event; this module never formats or exports them (the gateway
 //! does) and never reads a clock (ages take `now`).
 
-use crate::api::{At, FailReason, Span, Phase, RefusalReason, RoomState, ViolationClause};
+use crate::api::{At, FailReason, Phase, RefusalReason, RoomState, Span, ViolationClause};
 use serde::{Deserialize, Serialize};
 
 /// Where a late message (for a terminal, tombstoned or older-generation room) came from.
@@ -42,7 +42,8 @@ pub enum HarmlessAbort {
 }
 
 impl HarmlessAbort {
-    pub const ALL: [HarmlessAbort; 3] = [HarmlessAbort::Duplicate, HarmlessAbort::AfterTerminal, HarmlessAbort::Unknown];
+    pub const ALL: [HarmlessAbort; 3] =
+        [HarmlessAbort::Duplicate, HarmlessAbort::AfterTerminal, HarmlessAbort::Unknown];
     pub const COUNT: usize = 3;
     pub fn index(self) -> usize {
         self as usize

@@ -29,7 +29,12 @@ impl Pair {
         receiver.handle_peer_up(now, B, 1, SLOT);
         sender.handle_peer_up(now, A, 1, SLOT);
         for core in [&mut receiver, &mut sender] {
-            let info = RegionInfo { id: REGION, len: 1 << 20, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(SLOT, LocalKey(1))] };
+            let info = RegionInfo {
+                id: REGION,
+                len: 1 << 20,
+                memory_kind: kvgate_abi::MemoryKind::HOST,
+                keys: vec![(SLOT, LocalKey(1))],
+            };
             core.handle_region_registered(now, info);
         }
         sender.handle_remote_region(now, A, REGION, 1 << 20, RemoteKey(2));
@@ -122,7 +127,11 @@ fn run(borrowed: bool) -> (Vec<Result<(), Refusal>>, Vec<Command>, Metrics) {
         pair.expect(RoomKey::new(7, 0), vec![vec![slice(0, 8)]], Some(0)),
         // A third room with three parts of different sizes, after the buffers of two notices were
         // handed back (borrowed run): the reused buffers must carry exactly this room's slices.
-        pair.expect(RoomKey::new(8, 0), vec![vec![slice(0, 8), slice(16, 8), slice(32, 8)], vec![slice(64, 8)], vec![slice(128, 8)]], None),
+        pair.expect(
+            RoomKey::new(8, 0),
+            vec![vec![slice(0, 8), slice(16, 8), slice(32, 8)], vec![slice(64, 8)], vec![slice(128, 8)]],
+            None,
+        ),
     ]);
     results.extend([
         // After the notice: placed and submitted at once.

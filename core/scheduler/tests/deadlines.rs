@@ -59,7 +59,12 @@ fn room_timeout_from_the_engine_deadline() {
     let room = key(4);
     let result = pair.decode.core.handle_engine(
         pair.now,
-        EngineRequest::Expect { room, peer: PREFILL_ID, parts: vec![slices(DST_REGION, &[(0, 8)])], timeout_ms: Some(500) },
+        EngineRequest::Expect {
+            room,
+            peer: PREFILL_ID,
+            parts: vec![slices(DST_REGION, &[(0, 8)])],
+            timeout_ms: Some(500),
+        },
     );
     result.unwrap();
     pair.drive();
@@ -113,7 +118,10 @@ fn silent_plugin_is_forced_failed_after_grace_and_counted() {
     assert_eq!(pair.prefill.core.metrics().violation(ViolationClause::PluginSilent), 1);
     // Found on a timer, not in a plugin event: the report names the transfer and the room.
     let [silent] = pair.prefill.violations[..] else { panic!("one report: {:?}", pair.prefill.violations) };
-    assert_eq!((silent.clause, silent.room, silent.event, silent.count), (ViolationClause::PluginSilent, Some((room, Role::Sender)), None, 1));
+    assert_eq!(
+        (silent.clause, silent.room, silent.event, silent.count),
+        (ViolationClause::PluginSilent, Some((room, Role::Sender)), None, 1)
+    );
     assert_eq!(pair.prefill.core.room_of_xfer(XferId(silent.xfer)), Some((room, Role::Sender)));
     assert!(silent.plugin.is_some(), "the room had bound its peer's plugin: {silent:?}");
     // Still quarantined: a silent plugin never proved no byte can land.
@@ -142,7 +150,10 @@ fn quarantine_is_bounded_by_its_timeout() {
     pair.advance_ms(29_999);
     assert_eq!(pair.prefill.reusable(room), None);
     assert_eq!(pair.decode.reusable(room), None);
-    assert_eq!(pair.prefill.core.metrics().oldest_entered_by_state[RoomState::Quarantined.index()], Some(quarantined_at));
+    assert_eq!(
+        pair.prefill.core.metrics().oldest_entered_by_state[RoomState::Quarantined.index()],
+        Some(quarantined_at)
+    );
     pair.advance_ms(1);
     assert_eq!(pair.prefill.reusable(room), Some(ReleaseCause::QuarantineTimeout));
     assert_eq!(pair.decode.reusable(room), Some(ReleaseCause::QuarantineTimeout));

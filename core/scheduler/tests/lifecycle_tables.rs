@@ -108,7 +108,11 @@ fn a_transfer_never_returns_in_flight_and_a_second_terminal_event_is_never_accep
     for state in [TransferState::Succeeded, TransferState::FailedQuiesced] {
         for input in TransferInput::ALL {
             if let Ok(step) = transfer_transition(state, input) {
-                assert!(!step.next.is_in_flight() && !step.next.is_unquiesced(), "{state:?} + {input:?} -> {:?}", step.next);
+                assert!(
+                    !step.next.is_in_flight() && !step.next.is_unquiesced(),
+                    "{state:?} + {input:?} -> {:?}",
+                    step.next
+                );
             }
         }
     }

@@ -110,7 +110,10 @@ fn max_slices_per_request_at_and_past() {
     pair.expect(key(1), &[&[(0, 8), (8, 8)]]).unwrap();
     let refused = pair.expect(key(2), &[&[(0, 8), (8, 8), (16, 8)]]).unwrap_err();
     assert_eq!(refused.reason, RefusalReason::TooManySlices);
-    assert_eq!(pair.send(key(3), 0, 0, &[(0, 1), (1, 1), (2, 1)], true).unwrap_err().reason, RefusalReason::TooManySlices);
+    assert_eq!(
+        pair.send(key(3), 0, 0, &[(0, 1), (1, 1), (2, 1)], true).unwrap_err().reason,
+        RefusalReason::TooManySlices
+    );
 }
 
 #[test]
@@ -163,7 +166,12 @@ fn bad_requests_are_refused_before_any_byte_moves() {
     let room = key(1);
     let unknown = pair.decode.core.handle_engine(
         pair.now,
-        EngineRequest::Expect { room, peer: PREFILL_ID, parts: vec![slices(RegionId(99), &[(0, 8)])], timeout_ms: None },
+        EngineRequest::Expect {
+            room,
+            peer: PREFILL_ID,
+            parts: vec![slices(RegionId(99), &[(0, 8)])],
+            timeout_ms: None,
+        },
     );
     assert_eq!(unknown.unwrap_err().reason, RefusalReason::UnknownRegion);
     assert_eq!(pair.expect(room, &[&[(REGION_LEN - 4, 8)]]).unwrap_err().reason, RefusalReason::SliceOutOfRange);
@@ -172,7 +180,12 @@ fn bad_requests_are_refused_before_any_byte_moves() {
     assert_eq!(pair.expect(room, &[]).unwrap_err().reason, RefusalReason::EmptyRequest);
     let zero_timeout = pair.decode.core.handle_engine(
         pair.now,
-        EngineRequest::Expect { room, peer: PREFILL_ID, parts: vec![slices(DST_REGION, &[(0, 8)])], timeout_ms: Some(0) },
+        EngineRequest::Expect {
+            room,
+            peer: PREFILL_ID,
+            parts: vec![slices(DST_REGION, &[(0, 8)])],
+            timeout_ms: Some(0),
+        },
     );
     assert_eq!(zero_timeout.unwrap_err().reason, RefusalReason::InvalidTimeout);
     let no_peer = pair.decode.core.handle_engine(
@@ -190,12 +203,26 @@ fn bad_requests_are_refused_before_any_byte_moves() {
     assert_eq!(pair.send(room, 1, 0, &[(0, 8)], true).unwrap_err().reason, RefusalReason::UnknownPart);
     let bad_source = pair.prefill.core.handle_engine(
         pair.now,
-        EngineRequest::Send { room, peer: None, part: 0, chunk: 0, slices: slices(RegionId(98), &[(0, 8)]), last: false },
+        EngineRequest::Send {
+            room,
+            peer: None,
+            part: 0,
+            chunk: 0,
+            slices: slices(RegionId(98), &[(0, 8)]),
+            last: false,
+        },
     );
     assert_eq!(bad_source.unwrap_err().reason, RefusalReason::UnknownRegion);
     let wrong_peer = pair.prefill.core.handle_engine(
         pair.now,
-        EngineRequest::Send { room, peer: Some(PeerId(42)), part: 0, chunk: 0, slices: slices(SRC_REGION, &[(0, 8)]), last: false },
+        EngineRequest::Send {
+            room,
+            peer: Some(PeerId(42)),
+            part: 0,
+            chunk: 0,
+            slices: slices(SRC_REGION, &[(0, 8)]),
+            last: false,
+        },
     );
     assert_eq!(wrong_peer.unwrap_err().reason, RefusalReason::PeerNotConnected);
     assert!(pair.prefill.submits.is_empty(), "no byte moved");

@@ -13,14 +13,24 @@ const ROOM_BYTES: u64 = 64 << 20;
 
 fn config() -> CoreConfig {
     // 1 s base, 64 MiB/s floor: a lone 64 MiB room gets 2 s, the fourth sharing the link 5 s.
-    CoreConfig { transfer_base_ms: 1_000, min_bandwidth_bytes_per_s: ROOM_BYTES, room_timeout_ms: 60_000, ..CoreConfig::default() }
+    CoreConfig {
+        transfer_base_ms: 1_000,
+        min_bandwidth_bytes_per_s: ROOM_BYTES,
+        room_timeout_ms: 60_000,
+        ..CoreConfig::default()
+    }
 }
 
 fn decode() -> Core {
     let mut core = Core::new(config()).unwrap();
     core.handle_peer_up(At::ZERO, A, 1, PLUGIN);
     core.handle_peer_up(At::ZERO, B, 1, PLUGIN);
-    let info = RegionInfo { id: RegionId(1), len: 16 * ROOM_BYTES, memory_kind: MemoryKind::HOST, keys: vec![(PLUGIN, LocalKey(1))] };
+    let info = RegionInfo {
+        id: RegionId(1),
+        len: 16 * ROOM_BYTES,
+        memory_kind: MemoryKind::HOST,
+        keys: vec![(PLUGIN, LocalKey(1))],
+    };
     core.handle_region_registered(At::ZERO, info);
     core
 }

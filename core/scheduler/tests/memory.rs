@@ -23,7 +23,12 @@ fn receiver_room_costs_at_most_512_bytes() {
     let config = CoreConfig { max_inflight_rooms: 1_000_000, ..CoreConfig::default() };
     let mut core = Core::new(config).unwrap();
     core.handle_peer_up(now, PeerId(2), 1, PluginSlot(0));
-    let info = RegionInfo { id: RegionId(1), len: 1 << 40, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(PluginSlot(0), LocalKey(1))] };
+    let info = RegionInfo {
+        id: RegionId(1),
+        len: 1 << 40,
+        memory_kind: kvgate_abi::MemoryKind::HOST,
+        keys: vec![(PluginSlot(0), LocalKey(1))],
+    };
     core.handle_region_registered(now, info);
     let before = LIVE_BYTES.load(Ordering::Relaxed);
     for n in 0..ROOMS {
@@ -45,12 +50,24 @@ fn sender_room_holding_one_chunk_costs_at_most_512_bytes() {
     let config = CoreConfig { max_inflight_rooms: 1_000_000, max_pending_sends: 1_000_000, ..CoreConfig::default() };
     let mut core = Core::new(config).unwrap();
     core.handle_peer_up(now, PeerId(1), 1, PluginSlot(0));
-    let info = RegionInfo { id: RegionId(1), len: 1 << 40, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(PluginSlot(0), LocalKey(1))] };
+    let info = RegionInfo {
+        id: RegionId(1),
+        len: 1 << 40,
+        memory_kind: kvgate_abi::MemoryKind::HOST,
+        keys: vec![(PluginSlot(0), LocalKey(1))],
+    };
     core.handle_region_registered(now, info);
     let before = LIVE_BYTES.load(Ordering::Relaxed);
     for n in 0..ROOMS {
         let slices = vec![Slice::new(RegionId(1), 0, 64)];
-        let send = EngineRequest::Send { room: RoomKey::new(n, 0), peer: Some(PeerId(1)), part: 0, chunk: 0, slices, last: true };
+        let send = EngineRequest::Send {
+            room: RoomKey::new(n, 0),
+            peer: Some(PeerId(1)),
+            part: 0,
+            chunk: 0,
+            slices,
+            last: true,
+        };
         core.handle_engine(now, send).unwrap();
         while core.poll_command().is_some() {}
     }
@@ -81,5 +98,8 @@ fn tombstone_costs_at_most_192_bytes() {
     println!("memory per tombstone: {per_tombstone} B");
     assert_eq!(core.metrics().tombstones, tombstones);
     assert_eq!(core.live_rooms(), 0);
-    assert!(per_tombstone <= BYTES_PER_TOMBSTONE_LIMIT, "{per_tombstone} B per tombstone > {BYTES_PER_TOMBSTONE_LIMIT} B");
+    assert!(
+        per_tombstone <= BYTES_PER_TOMBSTONE_LIMIT,
+        "{per_tombstone} B per tombstone > {BYTES_PER_TOMBSTONE_LIMIT} B"
+    );
 }

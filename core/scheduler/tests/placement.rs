@@ -29,7 +29,10 @@ fn chunks_in_any_order_fill_a_scattered_destination_exactly() {
     assert_eq!(pair.decode.terminal(room), Some(Outcome::Succeeded));
     assert_eq!(pair.prefill.terminal(room), Some(Outcome::Succeeded));
     // Stream byte b lands at the destination slice holding it.
-    let stream: Vec<u8> = [(40_000u64, 60u64), (30_000, 60), (20_000, 180)].iter().flat_map(|&(o, l)| pair.prefill_bytes(o, l).to_vec()).collect();
+    let stream: Vec<u8> = [(40_000u64, 60u64), (30_000, 60), (20_000, 180)]
+        .iter()
+        .flat_map(|&(o, l)| pair.prefill_bytes(o, l).to_vec())
+        .collect();
     let landed: Vec<u8> = DEST.iter().flat_map(|&(o, l)| pair.decode_bytes(o, l).to_vec()).collect();
     assert_eq!(landed, stream);
 }
@@ -82,7 +85,8 @@ fn chunks_sent_before_the_expect_are_placed_at_their_offsets_when_it_comes() {
     assert!(pair.prefill.terminal(room).is_none());
     pair.expect(room, &[DEST]).unwrap();
     assert_eq!(pair.decode.terminal(room), Some(Outcome::Succeeded));
-    let stream: Vec<u8> = [(70_000u64, 150u64), (60_000, 150)].iter().flat_map(|&(o, l)| pair.prefill_bytes(o, l).to_vec()).collect();
+    let stream: Vec<u8> =
+        [(70_000u64, 150u64), (60_000, 150)].iter().flat_map(|&(o, l)| pair.prefill_bytes(o, l).to_vec()).collect();
     let landed: Vec<u8> = DEST.iter().flat_map(|&(o, l)| pair.decode_bytes(o, l).to_vec()).collect();
     assert_eq!(landed, stream);
 }

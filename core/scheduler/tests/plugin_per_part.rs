@@ -59,7 +59,14 @@ fn prefill() -> Core {
     register(&mut core, 13, MemoryKind::HOST, &[HOST_PLUGIN, DEVICE_PLUGIN]);
     for (region, slots) in [(1u64, &[HOST_PLUGIN][..]), (2, &[DEVICE_PLUGIN]), (3, &[HOST_PLUGIN, DEVICE_PLUGIN])] {
         for &slot in slots {
-            core.handle_remote_region_key(now(), PEER, RegionId(region), LEN, slot, RemoteKey(region * 100 + slot.0 as u64));
+            core.handle_remote_region_key(
+                now(),
+                PEER,
+                RegionId(region),
+                LEN,
+                slot,
+                RemoteKey(region * 100 + slot.0 as u64),
+            );
         }
     }
     core
@@ -89,7 +96,9 @@ fn submits(commands: &[Command]) -> Vec<(PluginSlot, XferId, u64, Vec<kvgate_abi
     commands
         .iter()
         .filter_map(|c| match c {
-            Command::Submit { plugin, xfer, ticket, segments, .. } => Some((*plugin, *xfer, ticket.0, segments.clone())),
+            Command::Submit { plugin, xfer, ticket, segments, .. } => {
+                Some((*plugin, *xfer, ticket.0, segments.clone()))
+            }
             _ => None,
         })
         .collect()
@@ -102,7 +111,11 @@ fn each_part_of_a_room_goes_through_the_plugin_that_serves_its_memory() {
     decode.handle_expect(now(), room, PEER, &[part(1, 4096), part(2, 8192)], None).unwrap();
     let commands = drain(&mut decode);
     let tickets = opened_tickets(&commands);
-    assert_eq!(tickets.iter().map(|t| t.0).collect::<Vec<_>>(), [HOST_PLUGIN, DEVICE_PLUGIN], "one ticket per part, on its plugin");
+    assert_eq!(
+        tickets.iter().map(|t| t.0).collect::<Vec<_>>(),
+        [HOST_PLUGIN, DEVICE_PLUGIN],
+        "one ticket per part, on its plugin"
+    );
     let notice = notice(commands);
     let PeerMessage::ExpectNotice { plugins: named, .. } = &notice else { unreachable!() };
     assert_eq!(named, &[HOST_PLUGIN, DEVICE_PLUGIN], "the notice names each part's plugin");
@@ -118,8 +131,16 @@ fn each_part_of_a_room_goes_through_the_plugin_that_serves_its_memory() {
     prefill.handle_send(now(), room, Some(PEER), 1, 0, &part(12, 8192), true).unwrap();
     let sent = submits(&drain(&mut prefill));
     assert_eq!(sent.len(), 2);
-    assert_eq!((sent[0].0, sent[0].2), (HOST_PLUGIN, tickets[0].1 .0), "part 0 through the host plugin under its ticket");
-    assert_eq!((sent[1].0, sent[1].2), (DEVICE_PLUGIN, tickets[1].1 .0), "part 1 through the device plugin under its ticket");
+    assert_eq!(
+        (sent[0].0, sent[0].2),
+        (HOST_PLUGIN, tickets[0].1 .0),
+        "part 0 through the host plugin under its ticket"
+    );
+    assert_eq!(
+        (sent[1].0, sent[1].2),
+        (DEVICE_PLUGIN, tickets[1].1 .0),
+        "part 1 through the device plugin under its ticket"
+    );
     assert_eq!(sent[0].3[0].remote, RemoteKey(100), "the destination key is the region's key in the part's plugin");
     assert_eq!(sent[1].3[0].remote, RemoteKey(201));
     assert_eq!(sent[0].3[0].local, LocalKey(110));
@@ -160,13 +181,31 @@ fn the_source_kind_picks_among_plugins_that_hold_the_destination() {
     // the device plugin.
     decode.handle_expect(now(), RoomKey::new(1, 0), PEER, &[part(3, 64)], None).unwrap();
     assert_eq!(opened_tickets(&drain(&mut decode))[0].0, HOST_PLUGIN);
-    decode.handle_expect_from(now(), RoomKey::new(2, 0), PEER, &[part(3, 64)], ExpectShape { source_kinds: &[Some(MemoryKind::CUDA_DEVICE)], ..Default::default() }, None).unwrap();
+    decode
+        .handle_expect_from(
+            now(),
+            RoomKey::new(2, 0),
+            PEER,
+            &[part(3, 64)],
+            ExpectShape { source_kinds: &[Some(MemoryKind::CUDA_DEVICE)], ..Default::default() },
+            None,
+        )
+        .unwrap();
     let commands = drain(&mut decode);
     assert_eq!(opened_tickets(&commands)[0].0, DEVICE_PLUGIN);
     let PeerMessage::ExpectNotice { plugins, .. } = notice(commands) else { unreachable!() };
     assert_eq!(plugins, [DEVICE_PLUGIN], "one entry when every part uses the same plugin");
     // Device memory as destination with a host source: the device plugin serves host too.
-    decode.handle_expect_from(now(), RoomKey::new(3, 0), PEER, &[part(2, 64)], ExpectShape { source_kinds: &[Some(MemoryKind::HOST)], ..Default::default() }, None).unwrap();
+    decode
+        .handle_expect_from(
+            now(),
+            RoomKey::new(3, 0),
+            PEER,
+            &[part(2, 64)],
+            ExpectShape { source_kinds: &[Some(MemoryKind::HOST)], ..Default::default() },
+            None,
+        )
+        .unwrap();
     assert_eq!(opened_tickets(&drain(&mut decode))[0].0, DEVICE_PLUGIN);
 }
 
@@ -180,7 +219,16 @@ fn memory_no_connected_plugin_serves_is_refused_with_its_reason() {
     let room = RoomKey::new(1, 0);
     let refused = decode.handle_expect(now(), room, PEER, &[part(1, 64), part(2, 64)], None).unwrap_err();
     assert_eq!(refused.reason, RefusalReason::NoPluginForMemory);
-    let refused = decode.handle_expect_from(now(), room, PEER, &[part(1, 64)], ExpectShape { source_kinds: &[Some(MemoryKind::CUDA_DEVICE)], ..Default::default() }, None).unwrap_err();
+    let refused = decode
+        .handle_expect_from(
+            now(),
+            room,
+            PEER,
+            &[part(1, 64)],
+            ExpectShape { source_kinds: &[Some(MemoryKind::CUDA_DEVICE)], ..Default::default() },
+            None,
+        )
+        .unwrap_err();
     assert_eq!(refused.reason, RefusalReason::NoPluginForMemory, "the host plugin cannot read a device source");
     assert!(drain(&mut decode).is_empty(), "refusals change nothing");
     assert_eq!(decode.live_rooms(), 0);
@@ -204,7 +252,10 @@ fn a_notice_naming_a_plugin_the_sender_lacks_fails_the_room_with_its_reason() {
     prefill.handle_peer_message(now(), PEER, &notice);
     let commands = drain(&mut prefill);
     assert!(
-        commands.iter().any(|c| matches!(c, Command::ToPeer { message: PeerMessage::RoomFailed { reason: FailReason::NoPluginForMemory, .. }, .. })),
+        commands.iter().any(|c| matches!(
+            c,
+            Command::ToPeer { message: PeerMessage::RoomFailed { reason: FailReason::NoPluginForMemory, .. }, .. }
+        )),
         "the receiver is told why: {commands:?}"
     );
     // A notice whose part names a region only imported into the other plugin: unknown there.
@@ -217,5 +268,11 @@ fn a_notice_naming_a_plugin_the_sender_lacks_fails_the_room_with_its_reason() {
     };
     prefill.handle_peer_message(now(), PEER, &notice);
     let commands = drain(&mut prefill);
-    assert!(commands.iter().any(|c| matches!(c, Command::ToPeer { message: PeerMessage::RoomFailed { reason: FailReason::UnknownRemoteRegion, .. }, .. })), "{commands:?}");
+    assert!(
+        commands.iter().any(|c| matches!(
+            c,
+            Command::ToPeer { message: PeerMessage::RoomFailed { reason: FailReason::UnknownRemoteRegion, .. }, .. }
+        )),
+        "{commands:?}"
+    );
 }

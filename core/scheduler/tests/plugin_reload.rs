@@ -27,7 +27,10 @@ fn part(region: u64, len: u64) -> Vec<Slice> {
 }
 
 fn tickets(commands: &[Command]) -> Vec<PluginSlot> {
-    commands.iter().filter_map(|c| if let Command::ExpectIncoming { plugin, .. } = c { Some(*plugin) } else { None }).collect()
+    commands
+        .iter()
+        .filter_map(|c| if let Command::ExpectIncoming { plugin, .. } = c { Some(*plugin) } else { None })
+        .collect()
 }
 
 /// A receiver whose region 1 is registered with both instances.
@@ -48,12 +51,18 @@ fn new_rooms_take_the_new_instance_and_a_started_room_keeps_the_retired_one() {
     core.handle_peer_plugins(now(), PEER, &[host(NEW)], &[OLD]);
     core.handle_expect(now(), RoomKey::new(2, 0), PEER, &[part(1, 64)], None).unwrap();
     assert_eq!(tickets(&drain(&mut core)), [NEW], "a new room is given the new instance");
-    assert_eq!(core.room(now(), RoomKey::new(1, 0), Role::Receiver).unwrap().plugin, Some(OLD), "the started room keeps its instance");
+    assert_eq!(
+        core.room(now(), RoomKey::new(1, 0), Role::Receiver).unwrap().plugin,
+        Some(OLD),
+        "the started room keeps its instance"
+    );
 
     // The started room ends: its ticket is revoked on the instance it was opened on.
     core.handle_peer_message(now(), PEER, &PeerMessage::PartDone { room: RoomKey::new(1, 0), part: 0, bytes: 64 });
-    let revoked: Vec<PluginSlot> =
-        drain(&mut core).iter().filter_map(|c| if let Command::CancelIncoming { plugin, .. } = c { Some(*plugin) } else { None }).collect();
+    let revoked: Vec<PluginSlot> = drain(&mut core)
+        .iter()
+        .filter_map(|c| if let Command::CancelIncoming { plugin, .. } = c { Some(*plugin) } else { None })
+        .collect();
     assert_eq!(revoked, [OLD]);
     assert_eq!(core.room(now(), RoomKey::new(1, 0), Role::Receiver).unwrap().state, RoomState::Succeeded);
 }
@@ -62,7 +71,15 @@ fn new_rooms_take_the_new_instance_and_a_started_room_keeps_the_retired_one() {
 fn a_notice_may_name_a_retired_instance_but_not_one_the_peer_was_never_given() {
     let mut sender = Core::new(CoreConfig::default()).unwrap();
     sender.handle_peer_up_with(now(), PEER, 1, &[host(OLD)]);
-    sender.handle_region_registered(now(), RegionInfo { id: RegionId(5), len: LEN, memory_kind: MemoryKind::HOST, keys: vec![(OLD, LocalKey(50)), (NEW, LocalKey(51))] });
+    sender.handle_region_registered(
+        now(),
+        RegionInfo {
+            id: RegionId(5),
+            len: LEN,
+            memory_kind: MemoryKind::HOST,
+            keys: vec![(OLD, LocalKey(50)), (NEW, LocalKey(51))],
+        },
+    );
     for slot in [OLD, NEW] {
         sender.handle_remote_region_key(now(), PEER, RegionId(1), LEN, slot, RemoteKey(100 + slot.0 as u64));
     }
@@ -78,7 +95,13 @@ fn a_notice_may_name_a_retired_instance_but_not_one_the_peer_was_never_given() {
     sender.handle_send(now(), RoomKey::new(1, 0), Some(PEER), 0, 0, &part(5, 64), true).unwrap();
     let submitted: Vec<(PluginSlot, RemoteKey)> = drain(&mut sender)
         .iter()
-        .filter_map(|c| if let Command::Submit { plugin, segments, .. } = c { Some((*plugin, segments[0].remote)) } else { None })
+        .filter_map(|c| {
+            if let Command::Submit { plugin, segments, .. } = c {
+                Some((*plugin, segments[0].remote))
+            } else {
+                None
+            }
+        })
         .collect();
     assert_eq!(submitted, [(OLD, RemoteKey(100))], "the retired instance finishes the room it was named for");
 
@@ -87,7 +110,10 @@ fn a_notice_may_name_a_retired_instance_but_not_one_the_peer_was_never_given() {
     sender.handle_peer_message(now(), PEER, &notice(2, OLD));
     let commands = drain(&mut sender);
     assert!(
-        commands.iter().any(|c| matches!(c, Command::ToPeer { message: PeerMessage::RoomFailed { reason: FailReason::NoPluginForMemory, .. }, .. })),
+        commands.iter().any(|c| matches!(
+            c,
+            Command::ToPeer { message: PeerMessage::RoomFailed { reason: FailReason::NoPluginForMemory, .. }, .. }
+        )),
         "{commands:?}"
     );
 }

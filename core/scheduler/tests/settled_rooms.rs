@@ -173,7 +173,11 @@ fn evicted_tombstones_leave_only_late_ids_and_a_free_key() {
     pair.plugin_event(Event::succeeded(XferId(xfers[1]), 64));
     assert_eq!(violations(&pair.prefill.core, ViolationClause::DuplicateEvent), 1, "a held tombstone's is a duplicate");
     let tickets = pair.decode.tickets_opened.clone();
-    pair.decode.core.handle_plugin_event(pair.now, SLOT, &Event::incoming_failed(PREFILL_ID, tickets[0], ReasonCode::CANCELLED, "x"));
+    pair.decode.core.handle_plugin_event(
+        pair.now,
+        SLOT,
+        &Event::incoming_failed(PREFILL_ID, tickets[0], ReasonCode::CANCELLED, "x"),
+    );
     assert_eq!(late(&pair.decode.core, LateSource::Plugin), 1);
     assert_eq!(pair.decode.core.held_rooms(), 1);
     // The evicted key is free: the same room and generation is a new room again.
@@ -214,12 +218,21 @@ fn settled_rooms_refuse_late_requests_and_messages_like_any_terminal_room() {
     pair.abort_prefill(key(3));
     assert_eq!(pair.prefill.core.metrics().aborts_harmless[HarmlessAbort::Unknown.index()], 1);
     pair.link_up = false;
-    let notice = PeerMessage::ExpectNotice { room: key(3), parts: vec![slices(DST_REGION, &[(0, 8)])], tickets: vec![Ticket(99)], plugins: vec![], timeout: Span::from_ms(1_000) };
+    let notice = PeerMessage::ExpectNotice {
+        room: key(3),
+        parts: vec![slices(DST_REGION, &[(0, 8)])],
+        tickets: vec![Ticket(99)],
+        plugins: vec![],
+        timeout: Span::from_ms(1_000),
+    };
     let sent_before = pair.prefill.to_peer.len();
     pair.prefill.core.handle_peer_message(pair.now, DECODE_ID, &notice);
     pair.drive();
     assert_eq!(late(&pair.prefill.core, LateSource::Peer), 3);
-    assert_eq!(pair.prefill.to_peer[sent_before..], [PeerMessage::Abort { room: key(3), reason: FailReason::Aborted, to: Role::Receiver }]);
+    assert_eq!(
+        pair.prefill.to_peer[sent_before..],
+        [PeerMessage::Abort { room: key(3), reason: FailReason::Aborted, to: Role::Receiver }]
+    );
     pair.abort_prefill(key(3));
     assert_eq!(pair.prefill.core.metrics().aborts_harmless[HarmlessAbort::Duplicate.index()], 1);
     // A newer generation takes the key over; the old tombstone's expiry leaves it alone.
@@ -262,7 +275,8 @@ fn keys_of_evicted_tombstones_are_free_and_held_ones_answer_through_every_sweep(
             Some((held_generation, _)) => held_generation < generation,
             None => true,
         };
-        core.handle_engine(now, EngineRequest::Abort { room: RoomKey::new(id, generation), role: Some(Role::Sender) }).unwrap();
+        core.handle_engine(now, EngineRequest::Abort { room: RoomKey::new(id, generation), role: Some(Role::Sender) })
+            .unwrap();
         while core.poll_command().is_some() {}
         if creates {
             fifo.push_back((id, generation, next_seq));

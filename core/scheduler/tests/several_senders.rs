@@ -19,7 +19,8 @@ fn now() -> At {
 }
 
 fn region(core: &mut Core, id: u64) {
-    let info = RegionInfo { id: RegionId(id), len: LEN, memory_kind: MemoryKind::HOST, keys: vec![(PLUGIN, LocalKey(id))] };
+    let info =
+        RegionInfo { id: RegionId(id), len: LEN, memory_kind: MemoryKind::HOST, keys: vec![(PLUGIN, LocalKey(id))] };
     core.handle_region_registered(now(), info);
 }
 
@@ -40,14 +41,19 @@ fn cluster() -> (Core, Core, Core) {
         region(&mut core, 10);
         core
     });
-    let [a, b] = std::mem::replace(&mut prefills, [Core::new(CoreConfig::default()).unwrap(), Core::new(CoreConfig::default()).unwrap()]);
+    let [a, b] = std::mem::replace(
+        &mut prefills,
+        [Core::new(CoreConfig::default()).unwrap(), Core::new(CoreConfig::default()).unwrap()],
+    );
     (decode, a, b)
 }
 
 /// A two-part room: part 0 from A, part 1 from B. Returns each sender's notice.
 fn expect(decode: &mut Core, room: RoomKey) -> (PeerMessage, PeerMessage) {
     let parts = [vec![Slice::new(RegionId(1), 0, PART)], vec![Slice::new(RegionId(1), PART, PART)]];
-    decode.handle_expect_from(now(), room, A, &parts, ExpectShape { part_peers: &[A, B], ..Default::default() }, None).unwrap();
+    decode
+        .handle_expect_from(now(), room, A, &parts, ExpectShape { part_peers: &[A, B], ..Default::default() }, None)
+        .unwrap();
     let commands = drain(decode);
     let incoming: Vec<PeerId> = commands
         .iter()
@@ -93,13 +99,21 @@ fn each_sender_moves_its_own_parts_and_the_room_succeeds_when_all_are_done() {
     let (mut decode, mut a, mut b) = cluster();
     let room = RoomKey::new(1, 0);
     let (notice_a, notice_b) = expect(&mut decode, room);
-    assert_eq!((own_parts(&notice_a), own_parts(&notice_b)), (vec![0], vec![1]), "each notice names only its sender's parts");
+    assert_eq!(
+        (own_parts(&notice_a), own_parts(&notice_b)),
+        (vec![0], vec![1]),
+        "each notice names only its sender's parts"
+    );
     a.handle_peer_message(now(), DECODE, &notice_a);
     b.handle_peer_message(now(), DECODE, &notice_b);
     drain(&mut a);
     drain(&mut b);
     let src = [Slice::new(RegionId(10), 0, PART)];
-    assert_eq!(a.handle_send(now(), room, Some(DECODE), 1, 0, &src, true).unwrap_err().reason, RefusalReason::UnknownPart, "B's part");
+    assert_eq!(
+        a.handle_send(now(), room, Some(DECODE), 1, 0, &src, true).unwrap_err().reason,
+        RefusalReason::UnknownPart,
+        "B's part"
+    );
     a.handle_send(now(), room, Some(DECODE), 0, 0, &src, true).unwrap();
     b.handle_send(now(), room, Some(DECODE), 1, 0, &src, true).unwrap();
     for sender in [&mut a, &mut b] {
@@ -142,10 +156,15 @@ fn losing_one_sender_fails_the_room_and_the_other_sender_is_told() {
         Some(Outcome::Failed(failure)) => assert_eq!(failure.reason, FailReason::PeerLost),
         other => panic!("{other:?}"),
     }
-    let told: Vec<_> = commands.iter().filter_map(|c| match c {
-        Command::ToPeer { peer, message: PeerMessage::RoomFailed { reason, to, .. } } => Some((*peer, *reason, *to)),
-        _ => None,
-    }).collect();
+    let told: Vec<_> = commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::ToPeer { peer, message: PeerMessage::RoomFailed { reason, to, .. } } => {
+                Some((*peer, *reason, *to))
+            }
+            _ => None,
+        })
+        .collect();
     assert_eq!(told, [(A, FailReason::PeerLost, Role::Sender)], "the sender still there is told why");
     for command in commands {
         if let Command::ToPeer { peer: A, message } = command {
@@ -153,7 +172,9 @@ fn losing_one_sender_fails_the_room_and_the_other_sender_is_told() {
         }
     }
     match terminal(&drain(&mut a)) {
-        Some(Outcome::Failed(failure)) => assert_eq!((failure.reason, failure.peer_reason), (FailReason::ReceiverFailed, Some(FailReason::PeerLost))),
+        Some(Outcome::Failed(failure)) => {
+            assert_eq!((failure.reason, failure.peer_reason), (FailReason::ReceiverFailed, Some(FailReason::PeerLost)))
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -163,19 +184,31 @@ fn a_failure_from_one_sender_reaches_the_other_and_memory_waits_for_both_quiesce
     let (mut decode, _, _) = cluster();
     let room = RoomKey::new(3, 0);
     expect(&mut decode, room);
-    decode.handle_peer_message(now(), A, &PeerMessage::RoomFailed { room, reason: FailReason::TransferTimeout, to: Role::Receiver });
+    decode.handle_peer_message(
+        now(),
+        A,
+        &PeerMessage::RoomFailed { room, reason: FailReason::TransferTimeout, to: Role::Receiver },
+    );
     let commands = drain(&mut decode);
     assert!(matches!(terminal(&commands), Some(Outcome::Failed(f)) if f.reason == FailReason::SenderFailed));
     assert!(
-        commands.iter().any(|c| matches!(c, Command::ToPeer { peer: B, message: PeerMessage::RoomFailed { reason: FailReason::SenderFailed, .. } })),
+        commands.iter().any(|c| matches!(
+            c,
+            Command::ToPeer { peer: B, message: PeerMessage::RoomFailed { reason: FailReason::SenderFailed, .. } }
+        )),
         "B is told: {commands:?}"
     );
-    assert!(!commands.iter().any(|c| matches!(c, Command::ToPeer { peer: A, .. })), "A, which failed it, is not told again");
+    assert!(
+        !commands.iter().any(|c| matches!(c, Command::ToPeer { peer: A, .. })),
+        "A, which failed it, is not told again"
+    );
     assert_eq!(decode.room(now(), room, Role::Receiver).unwrap().state, RoomState::Quarantined);
     decode.handle_peer_message(now(), A, &PeerMessage::Quiesced { room });
     assert_eq!(decode.room(now(), room, Role::Receiver).unwrap().state, RoomState::Quarantined, "B may still write");
     decode.handle_peer_message(now(), B, &PeerMessage::Quiesced { room });
-    let released = drain(&mut decode).iter().any(|c| matches!(c, Command::ToEngine(RoomEvent::Reusable { cause: ReleaseCause::Quiesced, .. })));
+    let released = drain(&mut decode)
+        .iter()
+        .any(|c| matches!(c, Command::ToEngine(RoomEvent::Reusable { cause: ReleaseCause::Quiesced, .. })));
     assert!(released, "reusable once both senders quiesced");
 }
 
@@ -204,5 +237,11 @@ fn an_engine_abort_reaches_every_sender_and_a_notice_without_own_parts_is_refuse
     };
     a.handle_peer_message(now(), DECODE, &notice);
     let commands = drain(&mut a);
-    assert!(commands.iter().any(|c| matches!(c, Command::ToPeer { message: PeerMessage::RoomFailed { reason: FailReason::LayoutMismatch, .. }, .. })), "{commands:?}");
+    assert!(
+        commands.iter().any(|c| matches!(
+            c,
+            Command::ToPeer { message: PeerMessage::RoomFailed { reason: FailReason::LayoutMismatch, .. }, .. }
+        )),
+        "{commands:?}"
+    );
 }

@@ -215,7 +215,13 @@ impl Sim {
         let incarnation = self.nodes[other].peer_incarnation;
         let now = At(self.now);
         self.nodes[node].core.handle_peer_up(now, peer_of(other), incarnation, SLOT);
-        self.nodes[node].core.handle_remote_region(now, peer_of(other), REGION, REGION_LEN, RemoteKey(other as u64 + 200));
+        self.nodes[node].core.handle_remote_region(
+            now,
+            peer_of(other),
+            REGION,
+            REGION_LEN,
+            RemoteKey(other as u64 + 200),
+        );
     }
 
     fn schedule(&mut self, delay: u64, action: Action) {
@@ -298,7 +304,8 @@ impl Sim {
                         delay += self.rng.below(300 * TICK);
                     }
                     let frozen = self.nodes[node].frozen_until.saturating_sub(self.now);
-                    let action = Action::Message { to: 1 - node, link_epoch: self.link_epoch, message: message.clone() };
+                    let action =
+                        Action::Message { to: 1 - node, link_epoch: self.link_epoch, message: message.clone() };
                     self.schedule(delay + frozen, action);
                 }
             }
@@ -364,7 +371,8 @@ impl Sim {
         let seed_note = "replay with KVGATE_SIM_SEED";
         match event {
             RoomEvent::StateChanged { .. } => {
-                let obs = self.observations.entry(key).or_insert_with(|| Observation { created: now, ..Default::default() });
+                let obs =
+                    self.observations.entry(key).or_insert_with(|| Observation { created: now, ..Default::default() });
                 if obs.created == now && obs.terminals == 0 && obs.reusables == 0 {
                     self.live_fifo.push_back((now, key.0, key.1, key.2));
                 }
@@ -436,8 +444,7 @@ impl Sim {
         }
         if self.rng.chance(self.faults.abort_storm) {
             let node = self.rng.below(2) as usize;
-            let live: Vec<(RoomKey, Role)> = self
-                .nodes[node]
+            let live: Vec<(RoomKey, Role)> = self.nodes[node]
                 .core
                 .rooms(At(self.now))
                 .filter(|view| !view.state.is_terminal())
@@ -507,7 +514,9 @@ impl Sim {
 }
 
 fn run_simulation(seed: u64, rooms: u64) {
-    println!("kvgate-core simulation: seed {seed}, {rooms} rooms (replay: KVGATE_SIM_SEED={seed} KVGATE_SIM_ROOMS={rooms})");
+    println!(
+        "kvgate-core simulation: seed {seed}, {rooms} rooms (replay: KVGATE_SIM_SEED={seed} KVGATE_SIM_ROOMS={rooms})"
+    );
     let mut sim = Sim::new(seed);
     // Safety phase: rooms arrive every 0-100 µs with every fault on.
     let mut next_room = 0u64;

@@ -51,7 +51,14 @@ fn event_for_a_transfer_never_submitted_is_counted_and_changes_nothing() {
     assert_eq!(violations(&pair, ViolationClause::UnknownXfer), 1);
     assert_eq!(pair.prefill.terminal(room), None);
     // Reported as found: the plugin and its event, and no room (the id names none).
-    let reported = Violation { clause: ViolationClause::UnknownXfer, plugin: Some(SLOT), event: Some("succeeded"), xfer: 987_654, room: None, count: 1 };
+    let reported = Violation {
+        clause: ViolationClause::UnknownXfer,
+        plugin: Some(SLOT),
+        event: Some("succeeded"),
+        xfer: 987_654,
+        room: None,
+        count: 1,
+    };
     assert_eq!(pair.prefill.violations, [reported]);
 }
 
@@ -69,7 +76,14 @@ fn second_terminal_event_is_a_violation() {
     assert_eq!(violations(&pair, ViolationClause::DuplicateEvent), 1);
     assert_eq!(pair.prefill.failure(room), Some(FailReason::PluginProtocolViolation));
     // Reported with the room the transfer belongs to.
-    let reported = Violation { clause: ViolationClause::DuplicateEvent, plugin: Some(SLOT), event: Some("succeeded"), xfer: first, room: Some((room, Role::Sender)), count: 1 };
+    let reported = Violation {
+        clause: ViolationClause::DuplicateEvent,
+        plugin: Some(SLOT),
+        event: Some("succeeded"),
+        xfer: first,
+        room: Some((room, Role::Sender)),
+        count: 1,
+    };
     assert_eq!(pair.prefill.violations, [reported]);
 }
 
@@ -180,7 +194,15 @@ fn peer_lost_fails_every_room_of_that_peer_at_once() {
     pair.decode.core.handle_peer_up(pair.now, PeerId(77), 1, SLOT);
     pair.decode
         .core
-        .handle_engine(pair.now, EngineRequest::Expect { room: key(200), peer: PeerId(77), parts: vec![slices(DST_REGION, &[(0, 8)])], timeout_ms: None })
+        .handle_engine(
+            pair.now,
+            EngineRequest::Expect {
+                room: key(200),
+                peer: PeerId(77),
+                parts: vec![slices(DST_REGION, &[(0, 8)])],
+                timeout_ms: None,
+            },
+        )
         .unwrap();
     pair.link_up = false;
     pair.drive();
@@ -224,9 +246,17 @@ fn late_peer_messages_are_counted_and_never_touch_another_room() {
     // CONFORMANCE: ABORT-8
     let mut pair = Pair::new();
     pair.expect(key(1), &[&[(0, 8)]]).unwrap();
-    pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::PartDone { room: key(2), part: 0, bytes: 8 });
+    pair.decode.core.handle_peer_message(
+        pair.now,
+        PREFILL_ID,
+        &PeerMessage::PartDone { room: key(2), part: 0, bytes: 8 },
+    );
     pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::Matched { room: RoomKey::new(1, 5) });
-    pair.decode.core.handle_peer_message(pair.now, PeerId(55), &PeerMessage::PartDone { room: key(1), part: 0, bytes: 8 });
+    pair.decode.core.handle_peer_message(
+        pair.now,
+        PeerId(55),
+        &PeerMessage::PartDone { room: key(1), part: 0, bytes: 8 },
+    );
     pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::Quiesced { room: key(1) });
     pair.drive();
     assert_eq!(pair.decode.core.metrics().late_messages[LateSource::Peer.index()], 4);
@@ -243,12 +273,20 @@ fn a_part_done_with_another_byte_count_is_counted_and_changes_nothing() {
     let mut pair = Pair::new();
     pair.expect(key(1), &[&[(0, 8)]]).unwrap();
     for bytes in [0, 7, 9, u64::MAX] {
-        pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::PartDone { room: key(1), part: 0, bytes });
+        pair.decode.core.handle_peer_message(
+            pair.now,
+            PREFILL_ID,
+            &PeerMessage::PartDone { room: key(1), part: 0, bytes },
+        );
     }
     pair.drive();
     assert_eq!(pair.decode.core.metrics().late_messages[LateSource::Peer.index()], 4);
     assert_eq!(pair.decode.state(pair.now, key(1), Role::Receiver), Some(RoomState::WaitingSender));
-    pair.decode.core.handle_peer_message(pair.now, PREFILL_ID, &PeerMessage::PartDone { room: key(1), part: 0, bytes: 8 });
+    pair.decode.core.handle_peer_message(
+        pair.now,
+        PREFILL_ID,
+        &PeerMessage::PartDone { room: key(1), part: 0, bytes: 8 },
+    );
     pair.drive();
     assert_eq!(pair.decode.core.metrics().late_messages[LateSource::Peer.index()], 4);
     assert_eq!(pair.decode.state(pair.now, key(1), Role::Receiver), Some(RoomState::Succeeded));

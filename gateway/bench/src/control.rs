@@ -6,11 +6,11 @@ use super::datapath::{fresh_room, move_room, Rig};
 use super::results::{AbortLatency, FrozenPeer, RoomsPerSecond};
 use super::rounds::median_abort_round;
 use super::stats::{millis, percentile};
-use kvgate_demo::engine::wait_terminal;
-use kvgate_demo::gateways::{PairSettings, DECODE_NAME, PREFILL_NAME};
 use anyhow::{bail, Context};
 use futures_util::{stream, StreamExt};
 use kvgate_client::{proto, room_key, slice};
+use kvgate_demo::engine::wait_terminal;
+use kvgate_demo::gateways::{PairSettings, DECODE_NAME, PREFILL_NAME};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -32,7 +32,13 @@ pub fn control_settings() -> PairSettings {
         ("KVGATE__ENGINE_API__WATCH_BUFFER_EVENTS".to_string(), (1u64 << 20).to_string()),
         ("KVGATE__SCHEDULER__ROOM_TIMEOUT_MS".to_string(), "600000".to_string()),
     ];
-    PairSettings { plugin: "shm".into(), bootstrap_timeout_ms: 600_000, env_prefill: env.clone(), env_decode: env, ..PairSettings::default() }
+    PairSettings {
+        plugin: "shm".into(),
+        bootstrap_timeout_ms: 600_000,
+        env_prefill: env.clone(),
+        env_decode: env,
+        ..PairSettings::default()
+    }
 }
 
 pub async fn start_control_rig(binary: &Path, dir: &Path, settings: &PairSettings) -> anyhow::Result<Rig> {
@@ -62,8 +68,10 @@ pub async fn rooms_per_second(rig: &Rig, rooms: u64, concurrency: u64) -> anyhow
         .await;
     let wall = started.elapsed();
     let cpu_after = rig.cpu_used();
-    let per_room_us = |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
-    let latencies: Vec<Duration> = runs.iter().filter_map(|r| r.as_ref().ok().filter(|r| r.succeeded).map(|r| r.latency)).collect();
+    let per_room_us =
+        |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
+    let latencies: Vec<Duration> =
+        runs.iter().filter_map(|r| r.as_ref().ok().filter(|r| r.succeeded).map(|r| r.latency)).collect();
     let failures = rooms - latencies.len() as u64;
     Ok(RoomsPerSecond {
         rooms,
@@ -83,7 +91,12 @@ pub async fn rooms_per_second(rig: &Rig, rooms: u64, concurrency: u64) -> anyhow
 /// takes a room of its own), timing abort call to the `Terminal` event on the watch stream. The
 /// figure is the round with the median p99 (`rounds::median_abort_round`): a burst of other work on
 /// the machine moves one round, not the figure; the pooled tail of every round is reported beside it.
-pub async fn abort_to_terminal_api(rig: &Rig, in_flight: u64, aborts: u64, rounds: u64) -> anyhow::Result<AbortLatency> {
+pub async fn abort_to_terminal_api(
+    rig: &Rig,
+    in_flight: u64,
+    aborts: u64,
+    rounds: u64,
+) -> anyhow::Result<AbortLatency> {
     let decode = rig.decode.clone();
     let rooms: Vec<u64> = (0..in_flight).map(|_| fresh_room()).collect();
     let refused: Vec<String> = stream::iter(rooms.iter().copied().enumerate())
@@ -91,7 +104,11 @@ pub async fn abort_to_terminal_api(rig: &Rig, in_flight: u64, aborts: u64, round
             let d = decode.clone();
             async move {
                 let dst = vec![slice(d.region, minimal_offset(i as u64), MINIMAL_ROOM_BYTES)];
-                d.client.expect(room_key(room, 0), PREFILL_NAME, vec![dst], 0).await.err().map(|s| kvgate_client::reason_of(&s).unwrap_or_else(|| s.message().to_string()))
+                d.client
+                    .expect(room_key(room, 0), PREFILL_NAME, vec![dst], 0)
+                    .await
+                    .err()
+                    .map(|s| kvgate_client::reason_of(&s).unwrap_or_else(|| s.message().to_string()))
             }
         })
         .buffer_unordered(SETUP_CALLS_IN_FLIGHT)
@@ -112,7 +129,11 @@ pub async fn abort_to_terminal_api(rig: &Rig, in_flight: u64, aborts: u64, round
             let room = rooms[((r * aborts + k) * step) as usize];
             let mut rx = decode.events.listen(room);
             let t0 = Instant::now();
-            decode.client.abort(room_key(room, 0), "bench: abort-to-terminal").await.map_err(|s| anyhow::anyhow!("abort refused: {}", s.message()))?;
+            decode
+                .client
+                .abort(room_key(room, 0), "bench: abort-to-terminal")
+                .await
+                .map_err(|s| anyhow::anyhow!("abort refused: {}", s.message()))?;
             match wait_terminal(&mut rx, t0, Duration::from_millis(ABORT_TERMINAL_WAIT_MS)).await {
                 Ok(o) => round.push(o.seen_after),
                 Err(_) => missing += 1,
@@ -121,7 +142,12 @@ pub async fn abort_to_terminal_api(rig: &Rig, in_flight: u64, aborts: u64, round
         }
         samples.push(round);
     }
-    Ok(median_abort_round("engine API, two gateways (abort RPC to Terminal on the watch stream)", in_flight, &samples, missing))
+    Ok(median_abort_round(
+        "engine API, two gateways (abort RPC to Terminal on the watch stream)",
+        in_flight,
+        &samples,
+        missing,
+    ))
 }
 
 /// `rooms` rooms mid-transfer (expect posted, first of two chunks sent), then SIGSTOP of the decode
@@ -134,7 +160,11 @@ pub async fn frozen_peer(rig: &Rig, settings: &PairSettings, rooms: u64) -> anyh
         let offset = (i * 2 * MINIMAL_ROOM_BYTES) % CONTROL_POOL_BYTES;
         let rx = prefill.events.listen(room);
         let dst = vec![slice(decode.region, offset, 2 * MINIMAL_ROOM_BYTES)];
-        decode.client.expect(room_key(room, 0), PREFILL_NAME, vec![dst], 0).await.map_err(|s| anyhow::anyhow!("expect refused: {}", s.message()))?;
+        decode
+            .client
+            .expect(room_key(room, 0), PREFILL_NAME, vec![dst], 0)
+            .await
+            .map_err(|s| anyhow::anyhow!("expect refused: {}", s.message()))?;
         let first_chunk = proto::SendRequest {
             offset: None,
             key: Some(room_key(room, 0)),
@@ -153,7 +183,8 @@ pub async fn frozen_peer(rig: &Rig, settings: &PairSettings, rooms: u64) -> anyh
     let frozen_at = Instant::now();
     let bound_ms = settings.heartbeat_interval_ms * settings.heartbeat_misses;
     let wait = Duration::from_millis(bound_ms + FROZEN_PEER_EXTRA_WAIT_MS);
-    let outcomes = futures_util::future::join_all(listeners.iter_mut().map(|(_, rx)| wait_terminal(rx, frozen_at, wait))).await;
+    let outcomes =
+        futures_util::future::join_all(listeners.iter_mut().map(|(_, rx)| wait_terminal(rx, frozen_at, wait))).await;
     rig.pair.decode.thaw().context("SIGCONT the decode gateway")?;
     for (room, _) in &listeners {
         prefill.events.forget(*room);

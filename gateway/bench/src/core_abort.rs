@@ -5,7 +5,9 @@
 
 use super::results::AbortLatency;
 use super::stats::{micros, percentile};
-use kvgate_core::{At, Command, Core, CoreConfig, EngineRequest, PeerId, PluginSlot, RegionId, RegionInfo, RoomEvent, RoomKey, Slice};
+use kvgate_core::{
+    At, Command, Core, CoreConfig, EngineRequest, PeerId, PluginSlot, RegionId, RegionInfo, RoomEvent, RoomKey, Slice,
+};
 use std::time::{Duration, Instant};
 
 const PEER: PeerId = PeerId(1);
@@ -67,7 +69,12 @@ pub fn abort_to_terminal_in_core(rooms_in_flight: u64, aborts: u64) -> Result<Ab
     bench.core.handle_peer_up(now, PEER, 1, SLOT);
     bench.core.handle_region_registered(
         now,
-        RegionInfo { id: REGION, len: REGION_BYTES, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(SLOT, kvgate_abi::LocalKey(1))] },
+        RegionInfo {
+            id: REGION,
+            len: REGION_BYTES,
+            memory_kind: kvgate_abi::MemoryKind::HOST,
+            keys: vec![(SLOT, kvgate_abi::LocalKey(1))],
+        },
     );
     let mut live: Vec<RoomKey> = Vec::with_capacity(rooms_in_flight as usize);
     for _ in 0..rooms_in_flight {
@@ -83,7 +90,10 @@ pub fn abort_to_terminal_in_core(rooms_in_flight: u64, aborts: u64) -> Result<Ab
         let index = (k * step + k / live.len().max(1)) % live.len();
         let key = live[index];
         let t0 = Instant::now();
-        bench.core.handle_engine(At(bench.origin.elapsed().as_nanos() as u64), EngineRequest::Abort { room: key, role: None }).map_err(|r| r.to_string())?;
+        bench
+            .core
+            .handle_engine(At(bench.origin.elapsed().as_nanos() as u64), EngineRequest::Abort { room: key, role: None })
+            .map_err(|r| r.to_string())?;
         let mut terminal = false;
         while let Some(command) = bench.core.poll_command() {
             if matches!(command, Command::ToEngine(RoomEvent::Terminal { room, .. }) if room == key) {

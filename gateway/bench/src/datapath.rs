@@ -5,15 +5,15 @@
 //! (moving the same bytes over the same slots in the same order where it copies memory). Never
 //! decides an outcome itself.
 
-use super::reference::{memcpy_copies, perftest_messages, tcp_copies, ucx_perftest_gbps, CopyBudget, ReferenceKind};
 use super::copy_limit::{LimitBuffers, LimitSamples};
+use super::reference::{memcpy_copies, perftest_messages, tcp_copies, ucx_perftest_gbps, CopyBudget, ReferenceKind};
 use super::results::{CellResult, CopyLimit};
 use super::stats::{gbps, millis, percentile, ratio};
+use anyhow::{bail, Context};
+use kvgate_client::{proto, room_key, slice, Slice};
 use kvgate_demo::engine::{wait_reusable, wait_terminal, Engine};
 use kvgate_demo::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
 use kvgate_demo::pool::KvPool;
-use anyhow::{bail, Context};
-use kvgate_client::{proto, room_key, slice, Slice};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,7 +46,11 @@ pub struct Rig {
 }
 
 fn map_file(path: &Path, len: u64) -> anyhow::Result<memmap2::MmapMut> {
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(path).with_context(|| format!("open {}", path.display()))?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("open {}", path.display()))?;
     // SAFETY: the pool file belongs to this process; the gateways only write into it inside rooms the
     // bench started and waited for, and the reference copies run between rooms.
     Ok(unsafe { memmap2::MmapOptions::new().len(len as usize).map_mut(&file)? })
@@ -54,7 +58,13 @@ fn map_file(path: &Path, len: u64) -> anyhow::Result<memmap2::MmapMut> {
 
 impl Rig {
     /// Start a pair for `settings.plugin`, create pools of `slots` x `slot_bytes` and register them.
-    pub async fn start(binary: &Path, dir: &Path, settings: &PairSettings, slot_bytes: u64, slots: u64) -> anyhow::Result<Rig> {
+    pub async fn start(
+        binary: &Path,
+        dir: &Path,
+        settings: &PairSettings,
+        slot_bytes: u64,
+        slots: u64,
+    ) -> anyhow::Result<Rig> {
         let pair = GatewayPair::start(binary, dir, settings).await?;
         let tag = format!("{}-{}", settings.plugin, fresh_room());
         let src = KvPool::create(dir, &format!("bench-src-{tag}"), slot_bytes, slots)?;
@@ -106,15 +116,34 @@ pub struct RoomRun {
 
 /// One room through both gateways: expect (decode) and one last chunk (prefill) in parallel, then
 /// both terminal events, then (bounded) both `Reusable` so the slot may be used again.
-pub async fn move_room(prefill: &Engine, decode: &Engine, room: u64, src: Vec<Slice>, dst: Vec<Slice>) -> anyhow::Result<RoomRun> {
+pub async fn move_room(
+    prefill: &Engine,
+    decode: &Engine,
+    room: u64,
+    src: Vec<Slice>,
+    dst: Vec<Slice>,
+) -> anyhow::Result<RoomRun> {
     let mut p_rx = prefill.events.listen(room);
     let mut d_rx = decode.events.listen(room);
     let started = Instant::now();
-    let request = proto::SendRequest { offset: None, key: Some(room_key(room, 0)), part: 0, chunk: 0, slices: src, last: true, peer: DECODE_NAME.to_string() };
-    let (expect, send) = tokio::join!(decode.client.expect(room_key(room, 0), PREFILL_NAME, vec![dst], 0), prefill.client.send(request));
+    let request = proto::SendRequest {
+        offset: None,
+        key: Some(room_key(room, 0)),
+        part: 0,
+        chunk: 0,
+        slices: src,
+        last: true,
+        peer: DECODE_NAME.to_string(),
+    };
+    let (expect, send) =
+        tokio::join!(decode.client.expect(room_key(room, 0), PREFILL_NAME, vec![dst], 0), prefill.client.send(request));
     let refused = match (expect, send) {
-        (Err(s), _) => Some(format!("expect refused: {}", kvgate_client::reason_of(&s).unwrap_or_else(|| s.message().to_string()))),
-        (_, Err(s)) => Some(format!("send refused: {}", kvgate_client::reason_of(&s).unwrap_or_else(|| s.message().to_string()))),
+        (Err(s), _) => {
+            Some(format!("expect refused: {}", kvgate_client::reason_of(&s).unwrap_or_else(|| s.message().to_string())))
+        }
+        (_, Err(s)) => {
+            Some(format!("send refused: {}", kvgate_client::reason_of(&s).unwrap_or_else(|| s.message().to_string())))
+        }
         _ => None,
     };
     if let Some(why) = refused {
@@ -190,7 +219,14 @@ struct PerftestRun {
 /// the copy limit, where the rig measures it). Before the timed rooms every slot they may write is
 /// overwritten with the complement of its source; after them (outside the timed window) every slot
 /// they wrote is compared with its source, and a slot that differs fails the cell.
-pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, blocks: u64, inflight_rooms: u64, budget: CopyBudget) -> anyhow::Result<CellResult> {
+pub async fn run_cell(
+    rig: &Rig,
+    reference: Option<ReferenceKind>,
+    block: u64,
+    blocks: u64,
+    inflight_rooms: u64,
+    budget: CopyBudget,
+) -> anyhow::Result<CellResult> {
     let (verified, verified_latency) = verified_room(rig, block, blocks).await?;
     let bytes = block * blocks;
     let (stride, depth) = cell_slots(rig.slot_bytes * rig.slots, bytes, inflight_rooms);
@@ -205,7 +241,9 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
         None => None,
     };
     let copies_before = match reference {
-        Some(kind) if kind.copies_memory() => Some(memory_reference_copies(rig, kind, block, blocks, (stride, depth), half).await),
+        Some(kind) if kind.copies_memory() => {
+            Some(memory_reference_copies(rig, kind, block, blocks, (stride, depth), half).await)
+        }
         _ => None,
     };
     // `ucx_perftest` is sized by bytes, not time: its first half by the verified room's rate (one
@@ -213,7 +251,8 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
     // half by what the rooms moved. Its figure is the bytes of both over their time.
     let perftest_before = match reference {
         Some(kind @ ReferenceKind::UcxPerftest(_)) => {
-            let guess_bytes = (bytes as f64 / verified_latency.as_secs_f64().max(1e-6) * half.budget.as_secs_f64()) as u64;
+            let guess_bytes =
+                (bytes as f64 / verified_latency.as_secs_f64().max(1e-6) * half.budget.as_secs_f64()) as u64;
             Some(perftest_run(kind, block, blocks, depth, half, guess_bytes).await)
         }
         _ => None,
@@ -230,7 +269,8 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
     let mut last_on_slot: std::collections::BTreeMap<u64, bool> = std::collections::BTreeMap::new();
     let mut started_rooms = 0u64;
     let mut tasks = tokio::task::JoinSet::new();
-    let more = |n: u64| n < super::plan::MAX_ROOMS_PER_CELL && (n < budget.min_copies || started.elapsed() < budget.budget);
+    let more =
+        |n: u64| n < super::plan::MAX_ROOMS_PER_CELL && (n < budget.min_copies || started.elapsed() < budget.budget);
     for slot in 0..depth {
         if !more(started_rooms) {
             break;
@@ -290,13 +330,15 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
     record_mismatches(&mut cell, &mismatches);
     if let Some(kind) = reference {
         let figure = match copies_before {
-            Some(before) => match (before, memory_reference_copies(rig, kind, block, blocks, (stride, depth), half).await) {
-                (Ok(mut copies), Ok(after)) => {
-                    copies.extend(after);
-                    Ok(figure_of_copies(bytes, &copies))
+            Some(before) => {
+                match (before, memory_reference_copies(rig, kind, block, blocks, (stride, depth), half).await) {
+                    (Ok(mut copies), Ok(after)) => {
+                        copies.extend(after);
+                        Ok(figure_of_copies(bytes, &copies))
+                    }
+                    (Err(e), _) | (_, Err(e)) => Err(e),
                 }
-                (Err(e), _) | (_, Err(e)) => Err(e),
-            },
+            }
             None => {
                 let plugin_bytes_in_half = (cell.throughput_gbps * 1e9 * half.budget.as_secs_f64()) as u64;
                 let after = perftest_run(kind, block, blocks, depth, half, plugin_bytes_in_half).await;
@@ -326,7 +368,13 @@ pub async fn run_cell(rig: &Rig, reference: Option<ReferenceKind>, block: u64, b
             let b = buffers.lock().unwrap_or_else(|e| e.into_inner());
             (b.threads() as u64, b.working_set_bytes())
         };
-        let limit = CopyLimit { threads, working_set_bytes, memcpy_gbps: samples.memcpy_gbps(), streaming_gbps: samples.streaming_gbps(), gbps: samples.best_gbps() };
+        let limit = CopyLimit {
+            threads,
+            working_set_bytes,
+            memcpy_gbps: samples.memcpy_gbps(),
+            streaming_gbps: samples.streaming_gbps(),
+            gbps: samples.best_gbps(),
+        };
         cell.limit_ratio = ratio(cell.throughput_gbps, limit.gbps);
         cell.copy_limit = Some(limit);
     }
@@ -369,7 +417,11 @@ pub fn mismatched_slots(src: &[u8], dst: &[u8], offsets: &[u64], len: usize) -> 
             continue;
         }
         let differing: Vec<usize> = s.iter().zip(d).enumerate().filter(|(_, (a, b))| a != b).map(|(i, _)| i).collect();
-        out.push(SlotMismatch { offset, differing_bytes: differing.len() as u64, first_difference: differing.first().copied().unwrap_or(0) as u64 });
+        out.push(SlotMismatch {
+            offset,
+            differing_bytes: differing.len() as u64,
+            first_difference: differing.first().copied().unwrap_or(0) as u64,
+        });
     }
     out
 }
@@ -440,7 +492,13 @@ async fn warm_slots(rig: &Rig, stride: u64, depth: u64, block: u64, blocks: u64)
     (ran, reasons)
 }
 
-async fn slot_room(prefill: Arc<Engine>, decode: Arc<Engine>, offset: u64, block: u64, blocks: u64) -> (u64, anyhow::Result<RoomRun>) {
+async fn slot_room(
+    prefill: Arc<Engine>,
+    decode: Arc<Engine>,
+    offset: u64,
+    block: u64,
+    blocks: u64,
+) -> (u64, anyhow::Result<RoomRun>) {
     let src = block_slices(prefill.region, offset, block, blocks);
     let dst = block_slices(decode.region, offset, block, blocks);
     (offset, move_room(&prefill, &decode, fresh_room(), src, dst).await)
@@ -448,14 +506,23 @@ async fn slot_room(prefill: Arc<Engine>, decode: Arc<Engine>, offset: u64, block
 
 /// memcpy or TCP, between this process's mappings of the same pool files, slot after slot over the
 /// cell's `(stride, depth)` slots, one transfer at a time; one latency per transfer.
-async fn memory_reference_copies(rig: &Rig, kind: ReferenceKind, block: u64, blocks: u64, slots: (u64, u64), budget: CopyBudget) -> anyhow::Result<Vec<Duration>> {
+async fn memory_reference_copies(
+    rig: &Rig,
+    kind: ReferenceKind,
+    block: u64,
+    blocks: u64,
+    slots: (u64, u64),
+    budget: CopyBudget,
+) -> anyhow::Result<Vec<Duration>> {
     let (s, d) = (rig.src_map.clone(), rig.dst_map.clone());
     tokio::task::spawn_blocking(move || {
         let s = s.lock().unwrap_or_else(|e| e.into_inner());
         let mut d = d.lock().unwrap_or_else(|e| e.into_inner());
         match kind {
             ReferenceKind::Memcpy => Ok(memcpy_copies(&s, &mut d, block as usize, blocks as usize, slots, budget)),
-            ReferenceKind::TcpLoopback => tcp_copies(&s, &mut d, block as usize, blocks as usize, slots, budget).context("TCP loopback reference"),
+            ReferenceKind::TcpLoopback => {
+                tcp_copies(&s, &mut d, block as usize, blocks as usize, slots, budget).context("TCP loopback reference")
+            }
             ReferenceKind::UcxPerftest(_) => anyhow::bail!("ucx_perftest copies no pool memory"),
         }
     })
@@ -464,16 +531,29 @@ async fn memory_reference_copies(rig: &Rig, kind: ReferenceKind, block: u64, blo
 
 fn figure_of_copies(bytes: u64, copies: &[Duration]) -> ReferenceFigure {
     let total: Duration = copies.iter().sum();
-    ReferenceFigure { gbps: gbps(bytes * copies.len() as u64, total), p50: percentile(copies, 50.0), p99: percentile(copies, 99.0) }
+    ReferenceFigure {
+        gbps: gbps(bytes * copies.len() as u64, total),
+        p50: percentile(copies, 50.0),
+        p99: percentile(copies, 99.0),
+    }
 }
 
 /// `ucx_perftest` streaming `block`-byte messages between its own buffers, about `wanted_bytes`
 /// (within `perftest_messages`' bounds), with as many messages outstanding as the cell has rooms in
 /// flight (`in_flight`).
-async fn perftest_run(kind: ReferenceKind, block: u64, blocks: u64, in_flight: u64, budget: CopyBudget, wanted_bytes: u64) -> anyhow::Result<PerftestRun> {
+async fn perftest_run(
+    kind: ReferenceKind,
+    block: u64,
+    blocks: u64,
+    in_flight: u64,
+    budget: CopyBudget,
+    wanted_bytes: u64,
+) -> anyhow::Result<PerftestRun> {
     let ReferenceKind::UcxPerftest(transport) = kind else { anyhow::bail!("{kind:?} is not a ucx_perftest reference") };
     let messages = perftest_messages(block, blocks, budget.min_copies, wanted_bytes);
-    let gbps = tokio::task::spawn_blocking(move || ucx_perftest_gbps(transport, block, messages, in_flight)).await?.map_err(anyhow::Error::msg)?;
+    let gbps = tokio::task::spawn_blocking(move || ucx_perftest_gbps(transport, block, messages, in_flight))
+        .await?
+        .map_err(anyhow::Error::msg)?;
     Ok(PerftestRun { bytes: messages * block, gbps })
 }
 
@@ -485,7 +565,8 @@ fn perftest_figure(transfer_bytes: u64, runs: &[PerftestRun]) -> ReferenceFigure
     let bytes: u64 = timed().map(|r| r.bytes).sum();
     let seconds: f64 = timed().map(|r| r.bytes as f64 / (r.gbps * 1e9)).sum();
     let gbps = if seconds > 0.0 { bytes as f64 / seconds / 1e9 } else { 0.0 };
-    let per_transfer = if gbps > 0.0 { Duration::from_secs_f64(transfer_bytes as f64 / (gbps * 1e9)) } else { Duration::ZERO };
+    let per_transfer =
+        if gbps > 0.0 { Duration::from_secs_f64(transfer_bytes as f64 / (gbps * 1e9)) } else { Duration::ZERO };
     ReferenceFigure { gbps, p50: per_transfer, p99: per_transfer }
 }
 
@@ -496,12 +577,22 @@ mod tests {
     #[test]
     fn perftest_halves_combine_by_bytes_over_time() {
         // 1 GB at 1 GB/s and 3 GB at 3 GB/s: 4 GB in 2 s.
-        let f = perftest_figure(1 << 20, &[PerftestRun { bytes: 1_000_000_000, gbps: 1.0 }, PerftestRun { bytes: 3_000_000_000, gbps: 3.0 }]);
+        let f = perftest_figure(
+            1 << 20,
+            &[PerftestRun { bytes: 1_000_000_000, gbps: 1.0 }, PerftestRun { bytes: 3_000_000_000, gbps: 3.0 }],
+        );
         assert!((f.gbps - 2.0).abs() < 1e-9, "{}", f.gbps);
         assert_eq!(f.p50, Duration::from_secs_f64((1u64 << 20) as f64 / 2e9));
         assert_eq!(perftest_figure(1, &[PerftestRun { bytes: 1, gbps: 0.0 }]).gbps, 0.0, "no rate, no figure");
-        let one_unrated = perftest_figure(1, &[PerftestRun { bytes: 1_000_000_000, gbps: 0.0 }, PerftestRun { bytes: 2_000_000_000, gbps: 2.0 }]);
-        assert!((one_unrated.gbps - 2.0).abs() < 1e-9, "an unrated run's bytes do not inflate the rate: {}", one_unrated.gbps);
+        let one_unrated = perftest_figure(
+            1,
+            &[PerftestRun { bytes: 1_000_000_000, gbps: 0.0 }, PerftestRun { bytes: 2_000_000_000, gbps: 2.0 }],
+        );
+        assert!(
+            (one_unrated.gbps - 2.0).abs() < 1e-9,
+            "an unrated run's bytes do not inflate the rate: {}",
+            one_unrated.gbps
+        );
     }
 
     #[test]
@@ -534,15 +625,28 @@ mod tests {
         assert!(cell.failed() && !cell.verified);
         assert_eq!(cell.failures, 1);
         assert!(cell.failure_reasons[0].starts_with("bytes_mismatch: 1 of 3 slots"), "{:?}", cell.failure_reasons);
-        assert!(cell.failure_reasons[0].contains("slot at pool byte 4096: 1 bytes differ, the first at +1234"), "{:?}", cell.failure_reasons);
+        assert!(
+            cell.failure_reasons[0].contains("slot at pool byte 4096: 1 bytes differ, the first at +1234"),
+            "{:?}",
+            cell.failure_reasons
+        );
         // The mismatch is named even when the reasons were full.
-        let mut full = CellResult { failure_reasons: (0..MAX_FAILURE_REASONS_PER_CELL).map(|i| format!("r{i}")).collect(), verified: true, ..CellResult::default() };
+        let mut full = CellResult {
+            failure_reasons: (0..MAX_FAILURE_REASONS_PER_CELL).map(|i| format!("r{i}")).collect(),
+            verified: true,
+            ..CellResult::default()
+        };
         record_mismatches(&mut full, &bad);
         assert_eq!(full.failure_reasons.len(), MAX_FAILURE_REASONS_PER_CELL);
         assert!(full.failure_reasons[0].starts_with("bytes_mismatch"));
         // And the report says so: the table's verified column, the run's exit status.
         let report = crate::results::BenchReport {
-            data_path: vec![crate::results::PluginResult { plugin: "shm".into(), status: "measured".into(), cells: vec![cell], ..Default::default() }],
+            data_path: vec![crate::results::PluginResult {
+                plugin: "shm".into(),
+                status: "measured".into(),
+                cells: vec![cell],
+                ..Default::default()
+            }],
             ..Default::default()
         };
         let page = crate::report::markdown(&report, None);

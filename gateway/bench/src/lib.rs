@@ -215,7 +215,8 @@ async fn run_room_cost_only(args: &BenchArgs, plan: &Plan) -> i32 {
     };
     match measured.await {
         Ok((cost, batched)) => {
-            let control = ControlPath { room_cost: Some(cost.clone()), batched_rooms: Some(batched), ..ControlPath::default() };
+            let control =
+                ControlPath { room_cost: Some(cost.clone()), batched_rooms: Some(batched), ..ControlPath::default() };
             print!("{}", report::control_lines_of(&control));
             if let Some(path) = &args.json {
                 if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&cost).unwrap_or_default() + "\n") {
@@ -249,9 +250,11 @@ async fn run_peers(args: &BenchArgs, plan: &Plan, wanted: &[String]) -> i32 {
             print!("{}", peers::table(&rows));
             if let Some(path) = &args.markdown {
                 let m = system::machine();
-                let machine = format!("{} CPUs ({}), {:.0} GiB memory, kernel {}", m.cpus, m.cpu_model, m.memory_gib, m.kernel);
+                let machine =
+                    format!("{} CPUs ({}), {:.0} GiB memory, kernel {}", m.cpus, m.cpu_model, m.memory_gib, m.kernel);
                 let load = system::load_average();
-                let section = peers::markdown_section(&rows, &system::command_line(), &machine, &system::utc_now(), &load);
+                let section =
+                    peers::markdown_section(&rows, &system::command_line(), &machine, &system::utc_now(), &load);
                 let page = std::fs::read_to_string(path).unwrap_or_default();
                 if let Err(e) = std::fs::write(path, peers::splice_section(&page, &section)) {
                     eprintln!("kvgate bench: write {}: {e}", path.display());
@@ -280,9 +283,23 @@ fn run_link(args: &BenchArgs, profile: &kvgate_netbed::Profile) -> i32 {
     let result = runtime.block_on(async {
         let binary = std::env::current_exe().context("locate the kvgate binary")?;
         let (dir, _guard) = work_dir(args)?;
-        let plugins = if args.plugins == BenchArgs::default_plugins() { vec!["quic".to_string(), "ucx-tcp".to_string()] } else { args.plugins.clone() };
+        let plugins = if args.plugins == BenchArgs::default_plugins() {
+            vec!["quic".to_string(), "ucx-tcp".to_string()]
+        } else {
+            args.plugins.clone()
+        };
         let inflight = args.inflight.unwrap_or(4);
-        link::run(&binary, &dir, profile, &plugins, &matrix::ucx_library(args.ucx_library.as_deref()), inflight, args.quick, args.json.as_deref()).await
+        link::run(
+            &binary,
+            &dir,
+            profile,
+            &plugins,
+            &matrix::ucx_library(args.ucx_library.as_deref()),
+            inflight,
+            args.quick,
+            args.json.as_deref(),
+        )
+        .await
     });
     result.unwrap_or_else(|e| {
         eprintln!("kvgate bench --link-profile failed: {e:#}");
@@ -314,10 +331,13 @@ async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport>
     let cells = plan.cells();
     let ucx_library = matrix::ucx_library(args.ucx_library.as_deref());
     let names = matrix::expand_names(&args.plugins);
-    let entries: Vec<(String, Result<matrix::MatrixEntry, String>)> = names.iter().map(|n| (n.clone(), matrix::entry(n, &ucx_library))).collect();
+    let entries: Vec<(String, Result<matrix::MatrixEntry, String>)> =
+        names.iter().map(|n| (n.clone(), matrix::entry(n, &ucx_library))).collect();
     let runnable = entries.iter().filter(|(_, e)| e.is_ok()).count() as u64;
     let bar = ProgressBar::new(runnable * cells.len() as u64 + 4);
-    bar.set_style(ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}").expect("template"));
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} {msg}").expect("template"),
+    );
     bar.enable_steady_tick(Duration::from_millis(200));
     println!(
         "kvgate bench{}: {} cells per plugin (transfers up to {}), up to {} rooms in flight per cell, >= {} ms per cell ({} target-cell rounds of >= {} ms); work dir {}",
@@ -338,7 +358,13 @@ async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport>
     for (name, entry) in &entries {
         data_path.push(match entry {
             Ok(entry) => bench_plugin(&binary, &dir, entry, plan, &bar).await,
-            Err(why) => PluginResult { plugin: name.clone(), reference: "none".into(), status: "skipped".into(), skip_reason: why.clone(), cells: vec![] },
+            Err(why) => PluginResult {
+                plugin: name.clone(),
+                reference: "none".into(),
+                status: "skipped".into(),
+                skip_reason: why.clone(),
+                cells: vec![],
+            },
         });
     }
     let control_path = bench_control(&binary, &dir, plan, &bar).await;
@@ -356,11 +382,20 @@ async fn run_async(args: &BenchArgs, plan: &Plan) -> anyhow::Result<BenchReport>
     report.targets = report::targets(&report);
     println!();
     print!("{}", report::table(&report));
-    println!("wall time {:.1} s; load average at the start {}, at the end {}", report.wall_seconds, report.machine.load_average_start, report.machine.load_average_end);
+    println!(
+        "wall time {:.1} s; load average at the start {}, at the end {}",
+        report.wall_seconds, report.machine.load_average_start, report.machine.load_average_end
+    );
     Ok(report)
 }
 
-async fn bench_plugin(binary: &Path, dir: &Path, entry: &matrix::MatrixEntry, plan: &Plan, bar: &ProgressBar) -> PluginResult {
+async fn bench_plugin(
+    binary: &Path,
+    dir: &Path,
+    entry: &matrix::MatrixEntry,
+    plan: &Plan,
+    bar: &ProgressBar,
+) -> PluginResult {
     let plugin = entry.name.as_str();
     let mut result = PluginResult {
         plugin: plugin.to_string(),
@@ -375,12 +410,17 @@ async fn bench_plugin(binary: &Path, dir: &Path, entry: &matrix::MatrixEntry, pl
         result.skip_reason = format!("cannot create {}: {e}", dir.display());
         return result;
     }
-    let mut rig = match Rig::start(binary, &dir, &entry.settings, plan.slot_bytes(), plan::POOL_LARGEST_TRANSFERS).await {
+    let mut rig = match Rig::start(binary, &dir, &entry.settings, plan.slot_bytes(), plan::POOL_LARGEST_TRANSFERS).await
+    {
         Ok(rig) => rig,
         Err(e) => {
             let text = format!("{e:#}");
             let first_line = text.lines().next().unwrap_or_default();
-            let cause = text.lines().find(|l| l.contains("unavailable") || l.contains("not opened")).unwrap_or(first_line).trim();
+            let cause = text
+                .lines()
+                .find(|l| l.contains("unavailable") || l.contains("not opened"))
+                .unwrap_or(first_line)
+                .trim();
             result.skip_reason = format!("the gateways did not start: {cause}");
             bar.println(format!("{plugin}: skipped, the gateways did not start:\n{text}"));
             return result;
@@ -389,7 +429,9 @@ async fn bench_plugin(binary: &Path, dir: &Path, entry: &matrix::MatrixEntry, pl
     let reference = entry.reference.as_ref().ok().copied();
     if reference == Some(reference::ReferenceKind::Memcpy) {
         bar.set_message(format!("{plugin}: allocating the copy-limit buffers"));
-        if let Err(e) = rig.measure_copy_limit(matrix::copy_threads(entry), system::machine().last_level_cache_kib).await {
+        if let Err(e) =
+            rig.measure_copy_limit(matrix::copy_threads(entry), system::machine().last_level_cache_kib).await
+        {
             bar.println(format!("{plugin}: the copy limit cannot be measured: {e:#}"));
         }
     }
@@ -407,7 +449,11 @@ async fn bench_plugin(binary: &Path, dir: &Path, entry: &matrix::MatrixEntry, pl
         let mut done = Vec::new();
         let mut error = None;
         for round in 0..round_count {
-            bar.set_message(if round_count > 1 { format!("{label} (target cell, round {} of {round_count})", round + 1) } else { label.clone() });
+            bar.set_message(if round_count > 1 {
+                format!("{label} (target cell, round {} of {round_count})", round + 1)
+            } else {
+                label.clone()
+            });
             match run_cell(&rig, reference, block, blocks, plan.inflight_rooms, budget).await {
                 Ok(cell) => done.push(cell),
                 Err(e) => {
@@ -417,7 +463,12 @@ async fn bench_plugin(binary: &Path, dir: &Path, entry: &matrix::MatrixEntry, pl
                 }
             }
         }
-        let mut cell = rounds::median_round(done).unwrap_or_else(|| results::CellResult { block_bytes: block, blocks, transfer_bytes: block * blocks, ..Default::default() });
+        let mut cell = rounds::median_round(done).unwrap_or_else(|| results::CellResult {
+            block_bytes: block,
+            blocks,
+            transfer_bytes: block * blocks,
+            ..Default::default()
+        });
         if let Some(e) = error {
             // A round that could not run is a failure of the cell, beside whatever rounds did run.
             cell.failures += 1;
@@ -466,8 +517,13 @@ async fn bench_control(binary: &Path, dir: &Path, plan: &Plan, bar: &ProgressBar
                 Ok(r) => out.sglang_room = Some(r),
                 Err(e) => out.errors.push(format!("SGLang-shaped rooms: {e:#}")),
             }
-            bar.set_message(format!("abort-to-terminal through the engine API, {} rooms in flight", plan.api_rooms_in_flight));
-            match control::abort_to_terminal_api(&rig, plan.api_rooms_in_flight, plan.api_aborts, plan.target_rounds).await {
+            bar.set_message(format!(
+                "abort-to-terminal through the engine API, {} rooms in flight",
+                plan.api_rooms_in_flight
+            ));
+            match control::abort_to_terminal_api(&rig, plan.api_rooms_in_flight, plan.api_aborts, plan.target_rounds)
+                .await
+            {
                 Ok(r) => out.abort_to_terminal_engine_api = Some(r),
                 Err(e) => out.errors.push(format!("abort-to-terminal through the engine API: {e:#}")),
             }
@@ -494,7 +550,8 @@ async fn bench_control(binary: &Path, dir: &Path, plan: &Plan, bar: &ProgressBar
 
 fn write_outputs(args: &BenchArgs, report: &BenchReport) -> anyhow::Result<()> {
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(report)? + "\n").with_context(|| format!("write {}", path.display()))?;
+        std::fs::write(path, serde_json::to_string_pretty(report)? + "\n")
+            .with_context(|| format!("write {}", path.display()))?;
         println!("wrote {}", path.display());
     }
     let panels = plot::panels(report);

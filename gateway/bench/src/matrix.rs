@@ -30,7 +30,11 @@ pub struct MatrixEntry {
 pub fn expand_names(requested: &[String]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for name in requested {
-        let names: Vec<String> = if name == "ucx" { UcxTransport::ALL.iter().map(|t| t.bench_name().to_string()).collect() } else { vec![name.clone()] };
+        let names: Vec<String> = if name == "ucx" {
+            UcxTransport::ALL.iter().map(|t| t.bench_name().to_string()).collect()
+        } else {
+            vec![name.clone()]
+        };
         for n in names {
             if !out.contains(&n) {
                 out.push(n);
@@ -46,7 +50,9 @@ pub use kvgate_demo::gateways::QUIC_LOOPBACK_CONFIG;
 /// How many threads the shm plugin of `entry` copies with (its `workers`, from its plugin config or
 /// the plugin's default): the thread count of the machine's copy limit it is measured against.
 pub fn copy_threads(entry: &MatrixEntry) -> usize {
-    kvgate_plugin_shm::ShmConfig::parse(&entry.settings.plugin_config).map(|c| c.workers).unwrap_or(kvgate_plugin_shm::config::DEFAULT_WORKERS) as usize
+    kvgate_plugin_shm::ShmConfig::parse(&entry.settings.plugin_config)
+        .map(|c| c.workers)
+        .unwrap_or(kvgate_plugin_shm::config::DEFAULT_WORKERS) as usize
 }
 
 /// Where the UCX plugin library is: `--ucx-library`, else next to the running `kvgate` (where cargo
@@ -61,8 +67,14 @@ pub fn ucx_library(explicit: Option<&Path>) -> Result<PathBuf, String> {
 
 /// The entry for `name`, or why it cannot run on this machine (a skip, never a pass).
 pub fn entry(name: &str, ucx_library: &Result<PathBuf, String>) -> Result<MatrixEntry, String> {
-    let env = vec![("KVGATE__SCHEDULER__MIN_BANDWIDTH_BYTES_PER_S".to_string(), BENCH_MIN_BANDWIDTH_BYTES_PER_S.to_string())];
-    let base = |plugin: &str| PairSettings { plugin: plugin.to_string(), env_prefill: env.clone(), env_decode: env.clone(), ..PairSettings::default() };
+    let env =
+        vec![("KVGATE__SCHEDULER__MIN_BANDWIDTH_BYTES_PER_S".to_string(), BENCH_MIN_BANDWIDTH_BYTES_PER_S.to_string())];
+    let base = |plugin: &str| PairSettings {
+        plugin: plugin.to_string(),
+        env_prefill: env.clone(),
+        env_decode: env.clone(),
+        ..PairSettings::default()
+    };
     match name {
         "shm" => Ok(MatrixEntry { name: name.into(), settings: base("shm"), reference: Ok(ReferenceKind::Memcpy) }),
         "quic" => Ok(MatrixEntry {
@@ -72,8 +84,13 @@ pub fn entry(name: &str, ucx_library: &Result<PathBuf, String>) -> Result<Matrix
         }),
         "ucx-sm" | "ucx-tcp" => {
             let transport = if name == "ucx-sm" { UcxTransport::SharedMemory } else { UcxTransport::Tcp };
-            let library = ucx_library.clone().map_err(|why| format!("the UCX plugin library is not available: {why}"))?;
-            let settings = PairSettings { plugin_libraries: vec![library], plugin_config: transport.plugin_config().to_string(), ..base("ucx") };
+            let library =
+                ucx_library.clone().map_err(|why| format!("the UCX plugin library is not available: {why}"))?;
+            let settings = PairSettings {
+                plugin_libraries: vec![library],
+                plugin_config: transport.plugin_config().to_string(),
+                ..base("ucx")
+            };
             let reference = match system::which("ucx_perftest") {
                 Some(_) => Ok(ReferenceKind::UcxPerftest(transport)),
                 None => Err("ucx_perftest (Debian ucx-utils) is not installed: no reference, so no ratio".to_string()),
@@ -108,7 +125,8 @@ mod tests {
         assert!(sm.settings.plugin_config.contains("posix,sysv,cma"));
         let tcp = entry("ucx-tcp", &lib).expect("ucx-tcp");
         assert!(tcp.settings.plugin_config.contains("devices = \"lo\""));
-        let bandwidth = ("KVGATE__SCHEDULER__MIN_BANDWIDTH_BYTES_PER_S".to_string(), BENCH_MIN_BANDWIDTH_BYTES_PER_S.to_string());
+        let bandwidth =
+            ("KVGATE__SCHEDULER__MIN_BANDWIDTH_BYTES_PER_S".to_string(), BENCH_MIN_BANDWIDTH_BYTES_PER_S.to_string());
         assert!(tcp.settings.env_prefill.contains(&bandwidth) && tcp.settings.env_decode.contains(&bandwidth));
         if let Ok(r) = tcp.reference {
             assert_eq!(r, ReferenceKind::UcxPerftest(UcxTransport::Tcp));
@@ -119,7 +137,8 @@ mod tests {
     fn quic_runs_with_the_loopback_tuning_and_the_plugin_accepts_it() {
         let quic = entry("quic", &Ok(PathBuf::new())).expect("quic");
         assert_eq!(quic.settings.plugin_config, QUIC_LOOPBACK_CONFIG);
-        let parsed = kvgate_plugin_quic::QuicConfig::parse(QUIC_LOOPBACK_CONFIG).expect("the QUIC plugin accepts the bench's config");
+        let parsed = kvgate_plugin_quic::QuicConfig::parse(QUIC_LOOPBACK_CONFIG)
+            .expect("the QUIC plugin accepts the bench's config");
         assert_eq!(parsed.initial_mtu_bytes, 65507);
         assert_eq!(parsed.malloc_trim_threshold_bytes, 64 << 20, "the README's loopback block, whole");
     }

@@ -72,8 +72,15 @@ pub fn peers_dir() -> anyhow::Result<PathBuf> {
 pub fn prepare_venv(peers: &Path) -> anyhow::Result<PathBuf> {
     let root = peers.parent().and_then(Path::parent).context("bench/peers has no repository root")?;
     let venv = root.join("target").join("peers-venv");
-    println!("peers: preparing the virtual environment {} (first time: downloads NIXL and Mooncake from PyPI)", venv.display());
-    let status = std::process::Command::new("bash").arg(peers.join("setup.sh")).arg(&venv).status().context("run bench/peers/setup.sh")?;
+    println!(
+        "peers: preparing the virtual environment {} (first time: downloads NIXL and Mooncake from PyPI)",
+        venv.display()
+    );
+    let status = std::process::Command::new("bash")
+        .arg(peers.join("setup.sh"))
+        .arg(&venv)
+        .status()
+        .context("run bench/peers/setup.sh")?;
     if !status.success() {
         bail!("bench/peers/setup.sh {} failed ({status}); see its output above", venv.display());
     }
@@ -81,7 +88,14 @@ pub fn prepare_venv(peers: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// `cells` through one peer and transport: its runner's JSON lines.
-pub fn run_peer(peers: &Path, venv: &Path, peer: &str, transport: &str, cells: &[(u64, u64)], cell_ms: u64) -> Vec<PeerCell> {
+pub fn run_peer(
+    peers: &Path,
+    venv: &Path,
+    peer: &str,
+    transport: &str,
+    cells: &[(u64, u64)],
+    cell_ms: u64,
+) -> Vec<PeerCell> {
     let spec: Vec<String> = cells.iter().map(|(b, n)| format!("{}:{n}", cell_size(*b))).collect();
     let output = std::process::Command::new("bash")
         .arg(peers.join("run.sh"))
@@ -90,12 +104,28 @@ pub fn run_peer(peers: &Path, venv: &Path, peer: &str, transport: &str, cells: &
         .args(["--cells", &spec.join(","), "--cell-ms", &cell_ms.to_string(), "--transport", transport])
         .stderr(std::process::Stdio::inherit())
         .output();
-    let failed = |why: String| cells.iter().map(|(b, n)| PeerCell { peer: peer.into(), transport: transport.into(), block_bytes: *b, blocks: *n, error: Some(why.clone()), ..Default::default() }).collect();
+    let failed = |why: String| {
+        cells
+            .iter()
+            .map(|(b, n)| PeerCell {
+                peer: peer.into(),
+                transport: transport.into(),
+                block_bytes: *b,
+                blocks: *n,
+                error: Some(why.clone()),
+                ..Default::default()
+            })
+            .collect()
+    };
     let output = match output {
         Ok(o) => o,
         Err(e) => return failed(format!("run.sh did not start: {e}")),
     };
-    let parsed: Vec<PeerCell> = String::from_utf8_lossy(&output.stdout).lines().filter(|l| l.trim_start().starts_with('{')).filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let parsed: Vec<PeerCell> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|l| l.trim_start().starts_with('{'))
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
     if parsed.is_empty() {
         return failed(format!("run.sh {peer} --transport {transport} printed no cell ({})", output.status));
     }
@@ -112,7 +142,13 @@ fn cell_size(bytes: u64) -> String {
 }
 
 /// kvgate's side of a round: each plugin's cells, one room in flight.
-async fn kvgate_round(binary: &Path, dir: &Path, cells: &[(u64, u64)], plan: &Plan, ucx: &Result<PathBuf, String>) -> Vec<PeerCell> {
+async fn kvgate_round(
+    binary: &Path,
+    dir: &Path,
+    cells: &[(u64, u64)],
+    plan: &Plan,
+    ucx: &Result<PathBuf, String>,
+) -> Vec<PeerCell> {
     let mut out = Vec::new();
     for name in KVGATE_PLUGINS {
         let entry: Result<MatrixEntry, String> = matrix::entry(name, ucx);
@@ -124,13 +160,27 @@ async fn kvgate_round(binary: &Path, dir: &Path, cells: &[(u64, u64)], plan: &Pl
         let mut rig = match rig {
             Ok(r) => r,
             Err(why) => {
-                out.extend(cells.iter().map(|(b, n)| PeerCell { peer: "kvgate".into(), transport: name.into(), block_bytes: *b, blocks: *n, error: Some(why.clone()), ..Default::default() }));
+                out.extend(cells.iter().map(|(b, n)| PeerCell {
+                    peer: "kvgate".into(),
+                    transport: name.into(),
+                    block_bytes: *b,
+                    blocks: *n,
+                    error: Some(why.clone()),
+                    ..Default::default()
+                }));
                 continue;
             }
         };
-        let budget = CopyBudget { min_copies: plan.min_rooms_per_cell, budget: Duration::from_millis(plan.cell_budget_ms) };
+        let budget =
+            CopyBudget { min_copies: plan.min_rooms_per_cell, budget: Duration::from_millis(plan.cell_budget_ms) };
         for &(block, blocks) in cells {
-            let cell = PeerCell { peer: "kvgate".into(), transport: name.into(), block_bytes: block, blocks, ..Default::default() };
+            let cell = PeerCell {
+                peer: "kvgate".into(),
+                transport: name.into(),
+                block_bytes: block,
+                blocks,
+                ..Default::default()
+            };
             // No reference run here: the peers are the comparison.
             out.push(match run_cell(&rig, None, block, blocks, 1, budget).await {
                 Ok(c) => PeerCell {
@@ -151,7 +201,14 @@ async fn kvgate_round(binary: &Path, dir: &Path, cells: &[(u64, u64)], plan: &Pl
 }
 
 /// The whole side-by-side run: rounds alternating kvgate and the peers, gathered per system and cell.
-pub async fn run(binary: &Path, dir: &Path, peers_wanted: &[String], plan: &Plan, cells: &[(u64, u64)], ucx: &Result<PathBuf, String>) -> anyhow::Result<Vec<SideBySide>> {
+pub async fn run(
+    binary: &Path,
+    dir: &Path,
+    peers_wanted: &[String],
+    plan: &Plan,
+    cells: &[(u64, u64)],
+    ucx: &Result<PathBuf, String>,
+) -> anyhow::Result<Vec<SideBySide>> {
     for p in peers_wanted {
         if !matches!(p.as_str(), "nixl" | "mooncake") {
             bail!("--peers: unknown peer {p:?} (nixl, mooncake)");
@@ -188,7 +245,13 @@ pub fn gather(all: &[PeerCell]) -> Vec<SideBySide> {
         let entry = match at {
             Some(i) => &mut out[i],
             None => {
-                out.push(SideBySide { system, block_bytes: c.block_bytes, blocks: c.blocks, verified: true, ..Default::default() });
+                out.push(SideBySide {
+                    system,
+                    block_bytes: c.block_bytes,
+                    blocks: c.blocks,
+                    verified: true,
+                    ..Default::default()
+                });
                 out.last_mut().expect("just pushed")
             }
         };
@@ -224,7 +287,8 @@ pub fn table(rows: &[SideBySide]) -> String {
     cells.sort();
     cells.dedup();
     for (block, blocks) in cells {
-        let of = |system: &str| rows.iter().find(|r| r.system == system && r.block_bytes == block && r.blocks == blocks);
+        let of =
+            |system: &str| rows.iter().find(|r| r.system == system && r.block_bytes == block && r.blocks == blocks);
         for row in rows.iter().filter(|r| r.block_bytes == block && r.blocks == blocks) {
             let against = if row.system.starts_with("kvgate") {
                 None
@@ -234,10 +298,16 @@ pub fn table(rows: &[SideBySide]) -> String {
                 of("kvgate ucx-tcp")
             };
             let ratio = match against {
-                Some(k) if !k.gbps.is_empty() && median(&row.gbps) > 0.0 => format!("{:.2} ({})", median(&k.gbps) / median(&row.gbps), k.system),
+                Some(k) if !k.gbps.is_empty() && median(&row.gbps) > 0.0 => {
+                    format!("{:.2} ({})", median(&k.gbps) / median(&row.gbps), k.system)
+                }
                 _ => "-".into(),
             };
-            let gbps = if row.gbps.is_empty() { format!("not run: {}", row.errors.first().map(String::as_str).unwrap_or("?")) } else { format!("{:.3}", median(&row.gbps)) };
+            let gbps = if row.gbps.is_empty() {
+                format!("not run: {}", row.errors.first().map(String::as_str).unwrap_or("?"))
+            } else {
+                format!("{:.3}", median(&row.gbps))
+            };
             let _ = writeln!(
                 out,
                 "| {} x {blocks} | {} | {gbps} | {:.3} | {} | {} | {ratio} |",
@@ -273,7 +343,9 @@ pub fn markdown_section(rows: &[SideBySide], command: &str, machine: &str, finis
 /// `page` with its side-by-side section replaced by `section` (or `section` appended when it has none).
 pub fn splice_section(page: &str, section: &str) -> String {
     match (page.find(SECTION_START), page.find(SECTION_END)) {
-        (Some(start), Some(end)) if end > start => format!("{}{}{}", &page[..start], section.trim_end_matches('\n'), &page[end + SECTION_END.len()..]),
+        (Some(start), Some(end)) if end > start => {
+            format!("{}{}{}", &page[..start], section.trim_end_matches('\n'), &page[end + SECTION_END.len()..])
+        }
         _ => format!("{}\n{section}", page.trim_end_matches('\n').to_string() + "\n"),
     }
 }
@@ -291,11 +363,23 @@ mod tests {
 
     #[test]
     fn the_section_is_replaced_in_place_or_appended_and_survives_a_regenerated_page() {
-        let section = markdown_section(&gather(&[cell("nixl", "ucx", 2.0)]), "kvgate bench --peers nixl", "a host", "now", "1 1 1");
+        let section = markdown_section(
+            &gather(&[cell("nixl", "ucx", 2.0)]),
+            "kvgate bench --peers nixl",
+            "a host",
+            "now",
+            "1 1 1",
+        );
         let page = "# Benchmarks\n\nfigures\n";
         let once = splice_section(page, &section);
         assert!(once.starts_with(page) && once.contains("| nixl ucx |"), "{once}");
-        let newer = markdown_section(&gather(&[cell("nixl", "ucx", 5.0)]), "kvgate bench --peers nixl", "a host", "later", "1 1 1");
+        let newer = markdown_section(
+            &gather(&[cell("nixl", "ucx", 5.0)]),
+            "kvgate bench --peers nixl",
+            "a host",
+            "later",
+            "1 1 1",
+        );
         let twice = splice_section(&once, &newer);
         assert_eq!(twice.matches(SECTION_START).count(), 1, "{twice}");
         assert!(twice.contains("5.000") && !twice.contains("| 2.000 |"), "{twice}");
@@ -304,7 +388,18 @@ mod tests {
     }
 
     fn cell(peer: &str, transport: &str, gbps: f64) -> PeerCell {
-        PeerCell { peer: peer.into(), transport: transport.into(), block_bytes: 65536, blocks: 100, transfers: 5, gbps, p50_ms: 1.0, p99_ms: 1.0, verified: true, error: None }
+        PeerCell {
+            peer: peer.into(),
+            transport: transport.into(),
+            block_bytes: 65536,
+            blocks: 100,
+            transfers: 5,
+            gbps,
+            p50_ms: 1.0,
+            p99_ms: 1.0,
+            verified: true,
+            error: None,
+        }
     }
 
     #[test]
@@ -316,7 +411,14 @@ mod tests {
 
     #[test]
     fn rounds_are_gathered_per_system_and_the_ratio_is_kvgate_over_the_peer() {
-        let all = vec![cell("kvgate", "shm", 8.0), cell("nixl", "ucx", 2.0), cell("nixl", "ucx", 4.0), cell("kvgate", "shm", 12.0), cell("kvgate", "ucx-tcp", 1.0), cell("mooncake", "tcp", 0.5)];
+        let all = vec![
+            cell("kvgate", "shm", 8.0),
+            cell("nixl", "ucx", 2.0),
+            cell("nixl", "ucx", 4.0),
+            cell("kvgate", "shm", 12.0),
+            cell("kvgate", "ucx-tcp", 1.0),
+            cell("mooncake", "tcp", 0.5),
+        ];
         let rows = gather(&all);
         let nixl = rows.iter().find(|r| r.system == "nixl ucx").unwrap();
         assert_eq!(nixl.gbps, vec![2.0, 4.0]);

@@ -206,7 +206,10 @@ mod tests {
         for plan in [Plan::quick(), Plan::full()] {
             assert_eq!(plan.validate(), Vec::<String>::new());
             assert!(plan.cells().iter().all(|(b, n)| b * n <= plan.max_transfer_bytes));
-            assert_eq!(plan.cells().len() + plan.left_out().len(), plan.block_sizes_bytes.len() * plan.blocks_per_transfer.len());
+            assert_eq!(
+                plan.cells().len() + plan.left_out().len(),
+                plan.block_sizes_bytes.len() * plan.blocks_per_transfer.len()
+            );
             assert!(plan.cells().contains(&(4 * MIB, 1)), "the shm target cell (4 MiB x 1) must run");
         }
         for plan in [Plan::quick(), Plan::full()] {

@@ -13,7 +13,8 @@ pub const MARGIN_TOP: f64 = 40.0;
 pub const MARGIN_BOTTOM: f64 = 50.0;
 
 /// Colours per blocks-per-transfer series, in order.
-pub const PALETTE: [(u8, u8, u8); 6] = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)];
+pub const PALETTE: [(u8, u8, u8); 6] =
+    [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)];
 
 /// The machine's copy limit's line (shm's panel).
 pub const LIMIT_COLOR: (u8, u8, u8) = (110, 110, 110);
@@ -49,7 +50,10 @@ pub fn panels(report: &BenchReport) -> Vec<Panel> {
         for (i, &blocks) in counts.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
             let cells: Vec<_> = p.cells.iter().filter(|c| c.blocks == blocks).collect();
-            let point_labels = cells.iter().map(|c| if c.reference_gbps > 0.0 { format!("x{:.2}", c.ratio) } else { String::new() }).collect();
+            let point_labels = cells
+                .iter()
+                .map(|c| if c.reference_gbps > 0.0 { format!("x{:.2}", c.ratio) } else { String::new() })
+                .collect();
             series.push(Series {
                 label: format!("kvgate, {blocks} block(s)"),
                 color,
@@ -57,27 +61,53 @@ pub fn panels(report: &BenchReport) -> Vec<Panel> {
                 points: cells.iter().map(|c| (c.block_bytes, c.throughput_gbps)).collect(),
                 point_labels,
             });
-            let reference: Vec<_> = cells.iter().filter(|c| c.reference_gbps > 0.0).map(|c| (c.block_bytes, c.reference_gbps)).collect();
+            let reference: Vec<_> =
+                cells.iter().filter(|c| c.reference_gbps > 0.0).map(|c| (c.block_bytes, c.reference_gbps)).collect();
             if !reference.is_empty() {
-                series.push(Series { label: format!("reference, {blocks} block(s)"), color, dashed: true, points: reference, point_labels: vec![] });
+                series.push(Series {
+                    label: format!("reference, {blocks} block(s)"),
+                    color,
+                    dashed: true,
+                    points: reference,
+                    point_labels: vec![],
+                });
             }
         }
         // The machine's copy limit (shm), grey: per block size, the median of the cells' limits.
         let mut limit_points = Vec::new();
         for block in p.cells.iter().map(|c| c.block_bytes).collect::<std::collections::BTreeSet<u64>>() {
-            let mut limits: Vec<f64> = p.cells.iter().filter(|c| c.block_bytes == block).filter_map(|c| c.copy_limit.as_ref()).map(|l| l.gbps).filter(|g| *g > 0.0).collect();
+            let mut limits: Vec<f64> = p
+                .cells
+                .iter()
+                .filter(|c| c.block_bytes == block)
+                .filter_map(|c| c.copy_limit.as_ref())
+                .map(|l| l.gbps)
+                .filter(|g| *g > 0.0)
+                .collect();
             limits.sort_by(f64::total_cmp);
             if let Some(median) = limits.get(limits.len().saturating_sub(1) / 2) {
                 limit_points.push((block, *median));
             }
         }
         if !limit_points.is_empty() {
-            series.push(Series { label: "copy limit".into(), color: LIMIT_COLOR, dashed: true, points: limit_points, point_labels: vec![] });
+            series.push(Series {
+                label: "copy limit".into(),
+                color: LIMIT_COLOR,
+                dashed: true,
+                points: limit_points,
+                point_labels: vec![],
+            });
         }
         let x_min = p.cells.iter().map(|c| c.block_bytes).min().unwrap_or(4096);
         let x_max = p.cells.iter().map(|c| c.block_bytes).max().unwrap_or(4096).max(x_min * 2);
         let y_peak = series.iter().flat_map(|s| s.points.iter().map(|p| p.1)).fold(0.0, f64::max);
-        out.push(Panel { title: format!("{}: throughput vs block size (reference: {})", p.plugin, p.reference), series, x_min, x_max, y_max: nice_ceiling(y_peak) });
+        out.push(Panel {
+            title: format!("{}: throughput vs block size (reference: {})", p.plugin, p.reference),
+            series,
+            x_min,
+            x_max,
+            y_max: nice_ceiling(y_peak),
+        });
     }
     out
 }
@@ -144,14 +174,24 @@ mod tests {
             data_path: vec![PluginResult {
                 plugin: "shm".into(),
                 status: "measured".into(),
-                cells: vec![cell(4096, 1, 9.0), cell(4096, 100, 11.0), cell(4096, 1000, 10.0), cell(1 << 20, 1, 8.0), cell(1 << 22, 1, 0.0)],
+                cells: vec![
+                    cell(4096, 1, 9.0),
+                    cell(4096, 100, 11.0),
+                    cell(4096, 1000, 10.0),
+                    cell(1 << 20, 1, 8.0),
+                    cell(1 << 22, 1, 0.0),
+                ],
                 ..Default::default()
             }],
             ..Default::default()
         };
         let panel = &panels(&report)[0];
         let limit = panel.series.iter().find(|s| s.label == "copy limit").expect("a limit line");
-        assert_eq!(limit.points, vec![(4096, 10.0), (1 << 20, 8.0)], "the median per block size; none where unmeasured");
+        assert_eq!(
+            limit.points,
+            vec![(4096, 10.0), (1 << 20, 8.0)],
+            "the median per block size; none where unmeasured"
+        );
         assert!(limit.dashed && limit.color == LIMIT_COLOR);
         assert_eq!(panel.y_max, 10.0, "the limit counts for the scale");
     }

@@ -62,7 +62,12 @@ pub fn render(panels: &[Panel]) -> Result<Vec<u8>, png::EncodingError> {
             let (_, y) = to_pixel(panel, i, panel.x_min, panel.y_max * k as f64 / 4.0);
             canvas.line((left, y), (right, y), 1.0, GRID, None);
         }
-        for (a, b) in [((left, top), (right, top)), ((right, top), (right, bottom)), ((right, bottom), (left, bottom)), ((left, bottom), (left, top))] {
+        for (a, b) in [
+            ((left, top), (right, top)),
+            ((right, top), (right, bottom)),
+            ((right, bottom), (left, bottom)),
+            ((left, bottom), (left, top)),
+        ] {
             canvas.line(a, b, 1.0, BLACK, None);
         }
         for (s_index, series) in panel.series.iter().enumerate() {
@@ -100,7 +105,13 @@ mod tests {
     fn the_png_has_the_signature_and_the_series_colour() {
         let panel = Panel {
             title: String::new(),
-            series: vec![Series { label: String::new(), color: (10, 200, 30), dashed: false, points: vec![(4096, 1.0), (1 << 20, 2.0)], point_labels: vec![] }],
+            series: vec![Series {
+                label: String::new(),
+                color: (10, 200, 30),
+                dashed: false,
+                points: vec![(4096, 1.0), (1 << 20, 2.0)],
+                point_labels: vec![],
+            }],
             x_min: 4096,
             x_max: 1 << 20,
             y_max: 5.0,

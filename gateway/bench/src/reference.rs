@@ -127,7 +127,8 @@ pub const MIN_PERFTEST_BYTES: u64 = 64 << 20;
 /// at least [`MIN_PERFTEST_BYTES`], and about what the plugin moved in the cell's budget.
 pub fn perftest_messages(block: u64, blocks: u64, min_copies: u64, plugin_bytes_in_budget: u64) -> u64 {
     let block = block.max(1);
-    let wanted = (blocks.saturating_mul(min_copies)).max(MIN_PERFTEST_BYTES / block).max(plugin_bytes_in_budget / block);
+    let wanted =
+        (blocks.saturating_mul(min_copies)).max(MIN_PERFTEST_BYTES / block).max(plugin_bytes_in_budget / block);
     wanted.clamp(16, MAX_PERFTEST_MESSAGES)
 }
 
@@ -157,7 +158,9 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64, out
             return Err(format!("ucx_perftest server exited before listening ({status})"));
         }
         if Instant::now() > deadline {
-            return Err(format!("ucx_perftest server did not listen on port {port} within {PERFTEST_SERVER_READY_MS} ms"));
+            return Err(format!(
+                "ucx_perftest server did not listen on port {port} within {PERFTEST_SERVER_READY_MS} ms"
+            ));
         }
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -166,9 +169,13 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64, out
         .map_err(|e| format!("ucx_perftest client: {e}"))?;
     drop(server);
     let text = String::from_utf8_lossy(&client.stdout);
-    parse_perftest_overall_mib_s(&text)
-        .map(|mib_s| mib_s * 1_048_576.0 / 1e9)
-        .ok_or_else(|| format!("no result line in ucx_perftest output ({}):\n{text}\n{}", client.status, String::from_utf8_lossy(&client.stderr)))
+    parse_perftest_overall_mib_s(&text).map(|mib_s| mib_s * 1_048_576.0 / 1e9).ok_or_else(|| {
+        format!(
+            "no result line in ucx_perftest output ({}):\n{text}\n{}",
+            client.status,
+            String::from_utf8_lossy(&client.stderr)
+        )
+    })
 }
 
 /// The arguments both `ucx_perftest` processes get: test, message size and count, warm-up (a tenth,
@@ -177,7 +184,21 @@ pub fn ucx_perftest_gbps(transport: UcxTransport, block: u64, messages: u64, out
 fn perftest_args(transport: UcxTransport, block: u64, messages: u64, outstanding: u64, port: u16) -> Vec<String> {
     let (size, count, warmup) = (block.to_string(), messages.to_string(), (messages / 10).max(10).to_string());
     let (outstanding, port) = (outstanding.clamp(1, messages.max(1)).to_string(), port.to_string());
-    let fixed = ["-t", transport.perftest_test(), "-s", &size, "-n", &count, "-w", &warmup, "-O", &outstanding, "-p", &port, "-f"];
+    let fixed = [
+        "-t",
+        transport.perftest_test(),
+        "-s",
+        &size,
+        "-n",
+        &count,
+        "-w",
+        &warmup,
+        "-O",
+        &outstanding,
+        "-p",
+        &port,
+        "-f",
+    ];
     let mut args: Vec<String> = fixed.iter().map(|a| a.to_string()).collect();
     args.extend(transport.perftest_extra_args().iter().map(|a| a.to_string()));
     args
@@ -255,7 +276,14 @@ fn assert_slots_fit(src: &[u8], dst: &[u8], transfer: usize, slots: (u64, u64)) 
 
 /// Copy `blocks` blocks of `block` bytes from `src` to `dst` (same offsets), one transfer after the
 /// other over the slots `(stride, depth)`, on this one thread; one latency per whole transfer.
-pub fn memcpy_copies(src: &[u8], dst: &mut [u8], block: usize, blocks: usize, slots: (u64, u64), budget: CopyBudget) -> Vec<Duration> {
+pub fn memcpy_copies(
+    src: &[u8],
+    dst: &mut [u8],
+    block: usize,
+    blocks: usize,
+    slots: (u64, u64),
+    budget: CopyBudget,
+) -> Vec<Duration> {
     assert_slots_fit(src, dst, block * blocks, slots);
     let mut out = Vec::new();
     let started = Instant::now();
@@ -275,7 +303,14 @@ pub fn memcpy_copies(src: &[u8], dst: &mut [u8], block: usize, blocks: usize, sl
 /// Send `blocks` blocks of `block` bytes from `src` over one loopback TCP connection into `dst`,
 /// one transfer after the other over the slots `(stride, depth)`; a transfer ends when the receiver
 /// acknowledged its last byte.
-pub fn tcp_copies(src: &[u8], dst: &mut [u8], block: usize, blocks: usize, slots: (u64, u64), budget: CopyBudget) -> std::io::Result<Vec<Duration>> {
+pub fn tcp_copies(
+    src: &[u8],
+    dst: &mut [u8],
+    block: usize,
+    blocks: usize,
+    slots: (u64, u64),
+    budget: CopyBudget,
+) -> std::io::Result<Vec<Duration>> {
     assert_slots_fit(src, dst, block * blocks, slots);
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let address = listener.local_addr()?;
@@ -376,7 +411,10 @@ mod tests {
         assert_eq!(outstanding(1, 200), 1);
         assert_eq!(outstanding(200, 200), 200, "at most the messages");
         assert_eq!(outstanding(201, 200), 200);
-        assert!(perftest_args(UcxTransport::Tcp, 4096, 200, 8, 1).contains(&"-e".to_string()), "TCP keeps its endpoint mode");
+        assert!(
+            perftest_args(UcxTransport::Tcp, 4096, 200, 8, 1).contains(&"-e".to_string()),
+            "TCP keeps its endpoint mode"
+        );
     }
 
     #[test]
@@ -408,7 +446,8 @@ mod tests {
             return;
         }
         for outstanding in [1, 8] {
-            let gbps = ucx_perftest_gbps(UcxTransport::Tcp, 64 << 10, 200, outstanding).expect("ucx_perftest over TCP loopback");
+            let gbps = ucx_perftest_gbps(UcxTransport::Tcp, 64 << 10, 200, outstanding)
+                .expect("ucx_perftest over TCP loopback");
             assert!(gbps > 0.0, "-O {outstanding}");
         }
     }

@@ -87,7 +87,12 @@ fn cell(plugin: &PluginResult, block: u64, blocks: u64) -> Option<&CellResult> {
 /// The bulk cell of a plugin: the largest single-block transfer that ran (with its reference).
 fn bulk_cell(plugin: &PluginResult) -> Option<&CellResult> {
     let single: Vec<&CellResult> = plugin.cells.iter().filter(|c| c.blocks == 1).collect();
-    single.iter().copied().filter(|c| c.reference_gbps > 0.0).max_by_key(|c| c.block_bytes).or_else(|| single.into_iter().max_by_key(|c| c.block_bytes))
+    single
+        .iter()
+        .copied()
+        .filter(|c| c.reference_gbps > 0.0)
+        .max_by_key(|c| c.block_bytes)
+        .or_else(|| single.into_iter().max_by_key(|c| c.block_bytes))
 }
 
 fn check(name: &str, figure: String, measured: Option<f64>, min: f64, why_not: String) -> TargetCheck {
@@ -99,7 +104,13 @@ fn check(name: &str, figure: String, measured: Option<f64>, min: f64, why_not: S
     TargetCheck { name: name.into(), figure, measured, target: format!(">= {min:.2}"), verdict }
 }
 
-fn ratio_target(report: &BenchReport, plugin: &str, name: &str, min: f64, pick: impl Fn(&PluginResult) -> Option<&CellResult>) -> TargetCheck {
+fn ratio_target(
+    report: &BenchReport,
+    plugin: &str,
+    name: &str,
+    min: f64,
+    pick: impl Fn(&PluginResult) -> Option<&CellResult>,
+) -> TargetCheck {
     let Some(p) = report.data_path.iter().find(|p| p.plugin == plugin) else {
         return check(name, "ratio".into(), None, min, format!("{plugin} was not requested (--plugins)"));
     };
@@ -108,7 +119,13 @@ fn ratio_target(report: &BenchReport, plugin: &str, name: &str, min: f64, pick: 
     }
     match pick(p) {
         Some(c) if c.reference_gbps > 0.0 => {
-            let mut figure = format!("ratio at {} x {} ({:.2} / {:.2} GB/s)", size_label(c.block_bytes), c.blocks, c.throughput_gbps, c.reference_gbps);
+            let mut figure = format!(
+                "ratio at {} x {} ({:.2} / {:.2} GB/s)",
+                size_label(c.block_bytes),
+                c.blocks,
+                c.throughput_gbps,
+                c.reference_gbps
+            );
             let rounds = super::rounds::rounds_note(c);
             if !rounds.is_empty() {
                 figure = format!("{figure}; {rounds}");
@@ -164,9 +181,17 @@ fn limit_target(report: &BenchReport) -> TargetCheck {
                 }
                 check(name, figure, Some(c.limit_ratio), SHM_LIMIT_TARGET, String::new())
             }
-            _ => check(name, "ratio".into(), None, SHM_LIMIT_TARGET, "the copy limit was not measured around the target cell".into()),
+            _ => check(
+                name,
+                "ratio".into(),
+                None,
+                SHM_LIMIT_TARGET,
+                "the copy limit was not measured around the target cell".into(),
+            ),
         },
-        None => check(name, "ratio".into(), None, SHM_LIMIT_TARGET, "the target cell was not in this run's matrix".into()),
+        None => {
+            check(name, "ratio".into(), None, SHM_LIMIT_TARGET, "the target cell was not in this run's matrix".into())
+        }
     }
 }
 
@@ -178,7 +203,9 @@ pub const ABORT_TARGET_P99_US: f64 = 1_000.0;
 /// The abort-to-terminal target for one measurement (`path`: where it was measured; `flag`: the
 /// option that sets its rooms in flight).
 fn abort_target(abort: Option<&AbortLatency>, path: &str, absent: &str, flag: &str) -> TargetCheck {
-    let measured = abort.filter(|a| a.rooms_in_flight >= ABORT_TARGET_ROOMS_IN_FLIGHT && a.missing_terminal == 0).map(|a| a.p99_us);
+    let measured = abort
+        .filter(|a| a.rooms_in_flight >= ABORT_TARGET_ROOMS_IN_FLIGHT && a.missing_terminal == 0)
+        .map(|a| a.p99_us);
     let figure = abort
         .map(|a| {
             let note = super::rounds::abort_rounds_note(a);
@@ -196,7 +223,13 @@ fn abort_target(abort: Option<&AbortLatency>, path: &str, absent: &str, flag: &s
         Some(_) => "missed".to_string(),
         None => format!("not measured: {why}"),
     };
-    TargetCheck { name: format!("abort-to-terminal p99 <= 1 ms, 100 000 rooms in flight, {path}"), figure, measured, target: "<= 1000 us".into(), verdict }
+    TargetCheck {
+        name: format!("abort-to-terminal p99 <= 1 ms, 100 000 rooms in flight, {path}"),
+        figure,
+        measured,
+        target: "<= 1000 us".into(),
+        verdict,
+    }
 }
 
 /// The targets of the plugin issues, read from this run (UCX once per transport; abort last: in the
@@ -209,8 +242,18 @@ pub fn targets(report: &BenchReport) -> Vec<TargetCheck> {
         ratio_target(report, "ucx-tcp", "UCX (TCP) >= 95 % of ucx_perftest (bulk)", 0.95, bulk_cell),
     ];
     let c = &report.control_path;
-    out.push(abort_target(c.abort_to_terminal_core.as_ref(), "in kvgate-core", "the in-process core measurement did not run", "--core-rooms"));
-    out.push(abort_target(c.abort_to_terminal_engine_api.as_ref(), "through the engine API and two gateways", "the engine-API measurement did not run", "--api-rooms"));
+    out.push(abort_target(
+        c.abort_to_terminal_core.as_ref(),
+        "in kvgate-core",
+        "the in-process core measurement did not run",
+        "--core-rooms",
+    ));
+    out.push(abort_target(
+        c.abort_to_terminal_engine_api.as_ref(),
+        "through the engine API and two gateways",
+        "the engine-API measurement did not run",
+        "--api-rooms",
+    ));
     out
 }
 
@@ -365,7 +408,13 @@ fn cache_text(kib: u64) -> String {
 /// The machine's copy limit over the run (shm's cells), named for the page's header; `None` when no
 /// cell measured it.
 pub fn copy_limit_line(report: &BenchReport) -> Option<String> {
-    let limits: Vec<&CopyLimit> = report.data_path.iter().flat_map(|p| &p.cells).filter_map(|c| c.copy_limit.as_ref()).filter(|l| l.gbps > 0.0).collect();
+    let limits: Vec<&CopyLimit> = report
+        .data_path
+        .iter()
+        .flat_map(|p| &p.cells)
+        .filter_map(|c| c.copy_limit.as_ref())
+        .filter(|l| l.gbps > 0.0)
+        .collect();
     let first = limits.first()?;
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -386,7 +435,8 @@ pub fn markdown(report: &BenchReport, plot_svg: Option<&str>) -> String {
     let mut out = String::new();
     let m = &report.machine;
     let _ = writeln!(out, "# kvgate benchmarks\n");
-    let _ = writeln!(out, "<!-- generated by `kvgate bench --markdown`; do not edit by hand, run the command again -->\n");
+    let _ =
+        writeln!(out, "<!-- generated by `kvgate bench --markdown`; do not edit by hand, run the command again -->\n");
     let _ = writeln!(
         out,
         "Latest figures from this machine: {} CPUs{}, {}{:.0} GiB memory, GPU: {}, kernel {}. Finished {} UTC, {:.0} s of wall time, kvgate {}. \
@@ -411,7 +461,15 @@ pub fn markdown(report: &BenchReport, plot_svg: Option<&str>) -> String {
     let _ = writeln!(out, "## Targets\n\n| target | measured | wanted | verdict | figure |\n|---|---|---|---|---|");
     for t in &report.targets {
         let measured = t.measured.map(|v| format!("{v:.3}")).unwrap_or_else(|| "-".into());
-        let _ = writeln!(out, "| {} | {} | {} | {} | {} |", t.name, measured, t.target.replace('<', "&lt;").replace('>', "&gt;"), t.verdict, t.figure);
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} |",
+            t.name,
+            measured,
+            t.target.replace('<', "&lt;").replace('>', "&gt;"),
+            t.verdict,
+            t.figure
+        );
     }
     let _ = writeln!(out, "\n## Control path\n\n```\n{}```\n", control_lines(report));
     let _ = writeln!(out, "## Data path\n");
@@ -442,7 +500,8 @@ pub fn markdown(report: &BenchReport, plot_svg: Option<&str>) -> String {
             );
         }
         let with_limit = !limits.is_empty();
-        let (limit_head, limit_rule) = if with_limit { (" limit GB/s | limit ratio |", "---:|---:|") } else { ("", "") };
+        let (limit_head, limit_rule) =
+            if with_limit { (" limit GB/s | limit ratio |", "---:|---:|") } else { ("", "") };
         let _ = writeln!(out, "| block | blocks | transfer | in flight | GB/s | p50 ms | p99 ms | reference GB/s | ref p50 ms | ratio |{limit_head} rooms | CPU gw / eng | verified |");
         let _ = writeln!(out, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|{limit_rule}---:|---:|---|");
         for c in &p.cells {
@@ -470,10 +529,23 @@ pub fn markdown(report: &BenchReport, plot_svg: Option<&str>) -> String {
             );
         }
         for c in p.cells.iter().filter(|c| c.failures > 0) {
-            let _ = writeln!(out, "\n{} x {}: {} rooms failed: {}", size_label(c.block_bytes), c.blocks, c.failures, c.failure_reasons.join(", "));
+            let _ = writeln!(
+                out,
+                "\n{} x {}: {} rooms failed: {}",
+                size_label(c.block_bytes),
+                c.blocks,
+                c.failures,
+                c.failure_reasons.join(", ")
+            );
         }
         for c in p.cells.iter().filter(|c| c.round_ratios.len() > 1) {
-            let _ = writeln!(out, "\n{} x {} (a target cell): {}.", size_label(c.block_bytes), c.blocks, super::rounds::rounds_note(c));
+            let _ = writeln!(
+                out,
+                "\n{} x {} (a target cell): {}.",
+                size_label(c.block_bytes),
+                c.blocks,
+                super::rounds::rounds_note(c)
+            );
         }
         for c in p.cells.iter().filter(|c| !c.reference_error.is_empty()) {
             let first = c.reference_error.lines().next().unwrap_or_default();
@@ -491,7 +563,8 @@ mod tests {
 
     fn report_with(shm_ratio: f64, abort_p99_us: f64, rooms: u64) -> BenchReport {
         // One thread of memcpy at 0.5 GB/s, the copy limit at 1 GB/s: the target reads the latter.
-        let limit = CopyLimit { threads: 2, working_set_bytes: 1 << 30, memcpy_gbps: 0.8, streaming_gbps: 1.0, gbps: 1.0 };
+        let limit =
+            CopyLimit { threads: 2, working_set_bytes: 1 << 30, memcpy_gbps: 0.8, streaming_gbps: 1.0, gbps: 1.0 };
         let c = CellResult {
             block_bytes: 4 << 20,
             blocks: 1,
@@ -505,10 +578,25 @@ mod tests {
             ..CellResult::default()
         };
         BenchReport {
-            data_path: vec![PluginResult { plugin: "shm".into(), status: "measured".into(), cells: vec![c], ..PluginResult::default() }],
+            data_path: vec![PluginResult {
+                plugin: "shm".into(),
+                status: "measured".into(),
+                cells: vec![c],
+                ..PluginResult::default()
+            }],
             control_path: ControlPath {
-                abort_to_terminal_core: Some(AbortLatency { rooms_in_flight: rooms, aborts: 10, p99_us: abort_p99_us, ..AbortLatency::default() }),
-                abort_to_terminal_engine_api: Some(AbortLatency { rooms_in_flight: rooms, aborts: 10, p99_us: abort_p99_us, ..AbortLatency::default() }),
+                abort_to_terminal_core: Some(AbortLatency {
+                    rooms_in_flight: rooms,
+                    aborts: 10,
+                    p99_us: abort_p99_us,
+                    ..AbortLatency::default()
+                }),
+                abort_to_terminal_engine_api: Some(AbortLatency {
+                    rooms_in_flight: rooms,
+                    aborts: 10,
+                    p99_us: abort_p99_us,
+                    ..AbortLatency::default()
+                }),
                 ..ControlPath::default()
             },
             ..BenchReport::default()
@@ -559,11 +647,19 @@ mod tests {
     #[test]
     fn a_measured_plugin_without_its_reference_says_why_its_target_is_not_measured() {
         let mut r = report_with(0.95, 10.0, 100_000);
-        let c = CellResult { block_bytes: 64 << 20, blocks: 1, transfer_bytes: 64 << 20, throughput_gbps: 1.0, verified: true, ..CellResult::default() };
+        let c = CellResult {
+            block_bytes: 64 << 20,
+            blocks: 1,
+            transfer_bytes: 64 << 20,
+            throughput_gbps: 1.0,
+            verified: true,
+            ..CellResult::default()
+        };
         r.data_path.push(PluginResult {
             plugin: "ucx-tcp".into(),
             status: "measured".into(),
-            skip_reason: "reference not measured, ratios are 0: ucx_perftest (Debian ucx-utils) is not installed".into(),
+            skip_reason: "reference not measured, ratios are 0: ucx_perftest (Debian ucx-utils) is not installed"
+                .into(),
             cells: vec![c],
             ..PluginResult::default()
         });
@@ -576,7 +672,11 @@ mod tests {
     fn the_shm_target_reads_the_copy_limit_and_names_it_beside_one_thread_of_memcpy() {
         let r = report_with(0.8, 5.0, 100_000);
         let t = &targets(&r)[0];
-        assert_eq!((t.measured, t.verdict.as_str()), (Some(0.8), "missed"), "1.6 against one thread of memcpy does not meet it");
+        assert_eq!(
+            (t.measured, t.verdict.as_str()),
+            (Some(0.8), "missed"),
+            "1.6 against one thread of memcpy does not meet it"
+        );
         assert!(t.figure.contains("0.80 / 1.00 GB/s: the best of memcpy (0.80) and streaming stores (1.00 GB/s), 2 threads, 1 GiB working set"), "{}", t.figure);
         assert!(t.figure.contains("against one thread of memcpy 1.600 (0.50 GB/s)"), "{}", t.figure);
         let page = markdown(&r, None);
@@ -584,7 +684,11 @@ mod tests {
         assert!(page.contains("| limit GB/s | limit ratio |") && page.contains("| 1.000 | 0.800 |"), "{page}");
         let mut no_limit = report_with(0.95, 5.0, 100_000);
         no_limit.data_path[0].cells[0].copy_limit = None;
-        assert!(targets(&no_limit)[0].verdict.starts_with("not measured: the copy limit was not measured"), "{:?}", targets(&no_limit)[0]);
+        assert!(
+            targets(&no_limit)[0].verdict.starts_with("not measured: the copy limit was not measured"),
+            "{:?}",
+            targets(&no_limit)[0]
+        );
         assert!(!markdown(&no_limit, None).contains("| limit GB/s |"), "no limit columns without a limit");
     }
 

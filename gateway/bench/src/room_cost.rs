@@ -24,7 +24,11 @@ pub async fn measure(binary: &std::path::Path, dir: &std::path::Path, rooms: u64
 }
 
 /// The batched figure on its own fresh control rig.
-pub async fn measure_batched(binary: &std::path::Path, dir: &std::path::Path, rooms: u64) -> anyhow::Result<super::results::BatchedRooms> {
+pub async fn measure_batched(
+    binary: &std::path::Path,
+    dir: &std::path::Path,
+    rooms: u64,
+) -> anyhow::Result<super::results::BatchedRooms> {
     let mut rig = start_control_rig(binary, dir, &super::control::control_settings()).await?;
     let result = batched_rooms_per_second(&rig, rooms).await;
     rig.stop();
@@ -56,7 +60,8 @@ async fn measure_on(rig: &Rig, rooms: u64) -> anyhow::Result<RoomCost> {
     let wall = started.elapsed();
     let cpu_after = rig.cpu_used();
     calls.merge(round_trips(rig, rooms - half).await?);
-    let per_room = |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
+    let per_room =
+        |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
     Ok(RoomCost {
         rooms,
         bytes_per_room: ROOM_COST_BYTES,
@@ -149,7 +154,8 @@ pub async fn batched_rooms_per_second(rig: &Rig, rooms: u64) -> anyhow::Result<s
             }
         }
     }
-    let per_room = |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
+    let per_room =
+        |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
     Ok(super::results::BatchedRooms {
         rooms,
         batch_rooms: BATCH_ROOMS,
@@ -167,10 +173,11 @@ pub async fn batched_rooms_per_second(rig: &Rig, rooms: u64) -> anyhow::Result<s
 /// the batch's latency once per successful room.
 async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64, Vec<Duration>)> {
     use super::control::MINIMAL_ROOM_BYTES;
-    use kvgate_demo::gateways::{DECODE_NAME, PREFILL_NAME};
     use kvgate_client::{proto, room_key};
+    use kvgate_demo::gateways::{DECODE_NAME, PREFILL_NAME};
     let rooms: Vec<u64> = (0..count).map(|_| fresh_room()).collect();
-    let mut listeners: Vec<_> = rooms.iter().map(|r| (rig.prefill.events.listen(*r), rig.decode.events.listen(*r))).collect();
+    let mut listeners: Vec<_> =
+        rooms.iter().map(|r| (rig.prefill.events.listen(*r), rig.decode.events.listen(*r))).collect();
     let offset = |i: u64| ((slot_base + i) * MINIMAL_ROOM_BYTES) % super::control::CONTROL_POOL_BYTES;
     let expects = rooms
         .iter()
@@ -178,7 +185,10 @@ async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64
         .map(|(i, r)| proto::ExpectRequest {
             key: Some(room_key(*r, 0)),
             peer: PREFILL_NAME.to_string(),
-            parts: vec![proto::PartSlices { slices: vec![slice(rig.decode.region, offset(i as u64), MINIMAL_ROOM_BYTES)], ..Default::default() }],
+            parts: vec![proto::PartSlices {
+                slices: vec![slice(rig.decode.region, offset(i as u64), MINIMAL_ROOM_BYTES)],
+                ..Default::default()
+            }],
             ..Default::default()
         })
         .collect();
@@ -199,7 +209,10 @@ async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64
     let wait = Duration::from_millis(super::datapath::BENCH_ROOM_WAIT_MS);
     let mut failed = 0;
     for (p, d) in listeners.iter_mut() {
-        let (pt, dt) = tokio::join!(kvgate_demo::engine::wait_terminal(p, started, wait), kvgate_demo::engine::wait_terminal(d, started, wait));
+        let (pt, dt) = tokio::join!(
+            kvgate_demo::engine::wait_terminal(p, started, wait),
+            kvgate_demo::engine::wait_terminal(d, started, wait)
+        );
         if !matches!((pt, dt), (Ok(p), Ok(d)) if p.succeeded && d.succeeded) {
             failed += 1;
         }
@@ -207,7 +220,8 @@ async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64
     let latency = started.elapsed();
     let reuse = Duration::from_millis(super::datapath::BENCH_REUSABLE_WAIT_MS);
     for (p, d) in listeners.iter_mut() {
-        let _ = tokio::join!(kvgate_demo::engine::wait_reusable(p, reuse), kvgate_demo::engine::wait_reusable(d, reuse));
+        let _ =
+            tokio::join!(kvgate_demo::engine::wait_reusable(p, reuse), kvgate_demo::engine::wait_reusable(d, reuse));
     }
     for r in &rooms {
         rig.prefill.events.forget(*r);

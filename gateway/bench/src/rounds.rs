@@ -40,7 +40,11 @@ pub fn median_round(mut rounds: Vec<CellResult>) -> Option<CellResult> {
     // A cell measured against the machine's copy limit (shm) is decided on that ratio.
     let by_limit = rounds.iter().all(|r| r.limit_ratio > 0.0);
     let limit_ratios: Vec<f64> = if by_limit { rounds.iter().map(|r| r.limit_ratio).collect() } else { Vec::new() };
-    let limits: Vec<f64> = if by_limit { rounds.iter().map(|r| r.copy_limit.as_ref().map(|l| l.gbps).unwrap_or(0.0)).collect() } else { Vec::new() };
+    let limits: Vec<f64> = if by_limit {
+        rounds.iter().map(|r| r.copy_limit.as_ref().map(|l| l.gbps).unwrap_or(0.0)).collect()
+    } else {
+        Vec::new()
+    };
     let key = |r: &CellResult| if by_limit { r.limit_ratio } else { r.ratio };
     let mut order: Vec<usize> = (0..rounds.len()).collect();
     order.sort_by(|&a, &b| key(&rounds[a]).total_cmp(&key(&rounds[b])));
@@ -81,7 +85,9 @@ pub fn rounds_note(cell: &CellResult) -> String {
     } else {
         format!("median of {} rounds, ratios {lo:.3}-{hi:.3}", cell.round_ratios.len())
     };
-    if cell.round_reference_gbps.len() == cell.round_ratios.len() && cell.round_throughput_gbps.len() == cell.round_ratios.len() {
+    if cell.round_reference_gbps.len() == cell.round_ratios.len()
+        && cell.round_throughput_gbps.len() == cell.round_ratios.len()
+    {
         let (k_lo, k_hi) = min_max(&cell.round_throughput_gbps);
         let (r_lo, r_hi) = min_max(&cell.round_reference_gbps);
         note.push_str(&format!("; kvgate {k_lo:.2}-{k_hi:.2} GB/s, reference {r_lo:.2}-{r_hi:.2} GB/s"));
@@ -119,7 +125,8 @@ pub fn median_abort_round(path: &str, rooms_in_flight: u64, rounds: &[Vec<Durati
     let p99s: Vec<f64> = rounds.iter().map(|r| micros(percentile(r, 99.0))).collect();
     let mut order: Vec<usize> = (0..rounds.len()).collect();
     order.sort_by(|&a, &b| p99s[a].total_cmp(&p99s[b]));
-    let median: &[Duration] = order.get(order.len().saturating_sub(1) / 2).map(|&i| rounds[i].as_slice()).unwrap_or(&[]);
+    let median: &[Duration] =
+        order.get(order.len().saturating_sub(1) / 2).map(|&i| rounds[i].as_slice()).unwrap_or(&[]);
     AbortLatency {
         path: path.to_string(),
         rooms_in_flight,
@@ -169,7 +176,10 @@ mod tests {
         assert_eq!(a.pooled_max_us, 9_000.0, "the worst sample of any round is kept");
         assert_eq!(a.aborts, 12);
         assert_eq!(a.missing_terminal, 2);
-        assert_eq!(abort_rounds_note(&a), "median of 3 rounds by p99, round p99s 300-9000 us; all 12 aborts pooled: p99 9000 us, max 9000 us");
+        assert_eq!(
+            abort_rounds_note(&a),
+            "median of 3 rounds by p99, round p99s 300-9000 us; all 12 aborts pooled: p99 9000 us, max 9000 us"
+        );
     }
 
     #[test]
@@ -211,7 +221,8 @@ mod tests {
 
     #[test]
     fn a_reference_spread_past_the_bound_is_called_unsteady_and_at_it_is_not() {
-        let with_reference = |ratio: f64, reference: f64| CellResult { reference_gbps: reference, ..round(ratio, 0, "") };
+        let with_reference =
+            |ratio: f64, reference: f64| CellResult { reference_gbps: reference, ..round(ratio, 0, "") };
         let at = median_round(vec![with_reference(1.0, 2.0), with_reference(1.0, 3.0)]).unwrap();
         assert!(!rounds_note(&at).contains("not a steady reading"), "{}", rounds_note(&at));
         let past = median_round(vec![with_reference(1.0, 2.0), with_reference(1.0, 3.01)]).unwrap();

@@ -8,10 +8,10 @@
 use super::datapath::{fresh_room, Rig};
 use super::results::{SglangMode, SglangRoom};
 use super::stats::{millis, percentile};
-use kvgate_demo::engine::{wait_reusable, wait_terminal, Engine};
-use kvgate_demo::gateways::{DECODE_NAME, PREFILL_NAME};
 use anyhow::bail;
 use kvgate_client::{proto, room_key, slice, Slice};
+use kvgate_demo::engine::{wait_reusable, wait_terminal, Engine};
+use kvgate_demo::gateways::{DECODE_NAME, PREFILL_NAME};
 use std::time::{Duration, Instant};
 
 /// Layers of the model (DeepSeek-V3-sized).
@@ -66,12 +66,20 @@ async fn one_room(prefill: &Engine, decode: &Engine, batched: bool) -> anyhow::R
     let mut d_rx = decode.events.listen(room);
     let started = Instant::now();
     let parts: Vec<Vec<Slice>> = (0..SGLANG_PARTS).map(|part| pages(decode.region, part, 0..PAGES_PER_PART)).collect();
-    decode.client.expect(room_key(room, 0), PREFILL_NAME, parts, 0).await.map_err(|s| anyhow::anyhow!("expect refused: {}", s.message()))?;
+    decode
+        .client
+        .expect(room_key(room, 0), PREFILL_NAME, parts, 0)
+        .await
+        .map_err(|s| anyhow::anyhow!("expect refused: {}", s.message()))?;
     let mut calls = 1;
     for chunk in 0..SGLANG_CHUNKS {
         let sends = chunk_sends(prefill, room, chunk);
         if batched {
-            let reply = prefill.client.send_batch(sends).await.map_err(|s| anyhow::anyhow!("send batch refused: {}", s.message()))?;
+            let reply = prefill
+                .client
+                .send_batch(sends)
+                .await
+                .map_err(|s| anyhow::anyhow!("send batch refused: {}", s.message()))?;
             if let Some(r) = reply.results.iter().find(|r| !r.reason.is_empty()) {
                 bail!("a send of the batch was refused: {}: {}", r.reason, r.message);
             }
@@ -114,7 +122,8 @@ async fn mode(rig: &Rig, rooms: u64, batched: bool) -> SglangMode {
         }
     }
     let cpu_after = rig.cpu_used();
-    let per_room_us = |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
+    let per_room_us =
+        |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
     SglangMode {
         calls_per_room: calls,
         rooms: latencies.len() as u64,
@@ -130,7 +139,11 @@ async fn mode(rig: &Rig, rooms: u64, batched: bool) -> SglangMode {
 /// `rooms` SGLang-shaped rooms one after the other, each way (per-part calls first, then batched).
 pub async fn sglang_shaped_rooms(rig: &Rig, rooms: u64) -> anyhow::Result<SglangRoom> {
     if sglang_room_bytes() > rig.slot_bytes * rig.slots {
-        bail!("the rig's pools ({} B) are smaller than one SGLang-shaped room ({} B)", rig.slot_bytes * rig.slots, sglang_room_bytes());
+        bail!(
+            "the rig's pools ({} B) are smaller than one SGLang-shaped room ({} B)",
+            rig.slot_bytes * rig.slots,
+            sglang_room_bytes()
+        );
     }
     let per_part = mode(rig, rooms, false).await;
     let batched = mode(rig, rooms, true).await;
@@ -151,7 +164,8 @@ mod tests {
 
     #[test]
     fn pages_of_a_part_never_touch_and_the_room_fits_its_bytes() {
-        let mut all: Vec<u64> = (0..SGLANG_PARTS).flat_map(|p| (0..PAGES_PER_PART).map(move |g| page_offset(p, g))).collect();
+        let mut all: Vec<u64> =
+            (0..SGLANG_PARTS).flat_map(|p| (0..PAGES_PER_PART).map(move |g| page_offset(p, g))).collect();
         all.sort();
         assert!(all.windows(2).all(|w| w[1] - w[0] == SGLANG_PAGE_BYTES), "every page once, none overlapping");
         assert_eq!(all.last().unwrap() + SGLANG_PAGE_BYTES, sglang_room_bytes());

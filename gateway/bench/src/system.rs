@@ -15,13 +15,20 @@ pub fn which(name: &str) -> Option<PathBuf> {
 
 /// The 1, 5 and 15 minute load averages (`0.52 0.70 1.10`), or empty when unreadable.
 pub fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg").map(|t| t.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|t| t.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 pub fn machine() -> Machine {
     let memory_kib = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|t| t.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse::<f64>().ok()))
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<f64>().ok())
+        })
         .unwrap_or(0.0);
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").ok();
     Machine {
@@ -39,7 +46,11 @@ pub fn machine() -> Machine {
 
 /// The first `model name` of a `/proc/cpuinfo` text.
 pub fn cpu_model_of(cpuinfo: &str) -> Option<String> {
-    cpuinfo.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_string())
+    cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_string())
 }
 
 /// The instruction-set extensions the figures depend on, by their `/proc/cpuinfo` flag and the name
@@ -64,7 +75,8 @@ pub fn cpu_features_of(cpuinfo: &str) -> String {
     }
     if let Some(flags) = field("flags") {
         let flags: Vec<&str> = flags.split_whitespace().collect();
-        let mut present: Vec<&str> = FEATURES.iter().filter(|(flag, _)| flags.contains(flag)).map(|(_, name)| *name).collect();
+        let mut present: Vec<&str> =
+            FEATURES.iter().filter(|(flag, _)| flags.contains(flag)).map(|(_, name)| *name).collect();
         if !flags.contains(&"avx512f") {
             present.push("no AVX-512");
         }
@@ -148,7 +160,9 @@ mod tests {
     fn the_last_level_cache_is_the_highest_level_listed() {
         let dir = std::env::temp_dir().join(format!("kvgate-cache-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        for (index, level, size) in [("index0", "1", "32K"), ("index2", "2", "512K"), ("index3", "3", "32768K"), ("index1", "1", "32K")] {
+        for (index, level, size) in
+            [("index0", "1", "32K"), ("index2", "2", "512K"), ("index3", "3", "32768K"), ("index1", "1", "32K")]
+        {
             std::fs::create_dir_all(dir.join(index)).unwrap();
             std::fs::write(dir.join(index).join("level"), format!("{level}\n")).unwrap();
             std::fs::write(dir.join(index).join("size"), format!("{size}\n")).unwrap();

@@ -16,14 +16,38 @@ fn positive_finite(v: &Value, what: &str) -> f64 {
 fn tiny_bench_writes_a_complete_report() {
     let dir = tempfile::tempdir().expect("temp dir");
     let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf();
-    let ucx_library = kvgate_host::artifacts::built_or_build_cdylib("kvgate-plugin-ucx-so", "kvgate_ucx", &workspace).expect("the UCX plugin library builds");
+    let ucx_library = kvgate_host::artifacts::built_or_build_cdylib("kvgate-plugin-ucx-so", "kvgate_ucx", &workspace)
+        .expect("the UCX plugin library builds");
     let perftest_installed = Command::new("ucx_perftest").arg("-h").output().is_ok();
-    let (json, svg, png, md) = (dir.path().join("bench.json"), dir.path().join("bench.svg"), dir.path().join("bench.png"), dir.path().join("BENCHMARKS.md"));
+    let (json, svg, png, md) = (
+        dir.path().join("bench.json"),
+        dir.path().join("bench.svg"),
+        dir.path().join("bench.png"),
+        dir.path().join("BENCHMARKS.md"),
+    );
     // `kvgate bench` is this crate's, run through the `kvgate` binary (gateway/cli), built first.
-    let kvgate = kvgate_host::artifacts::built_or_build_binary("kvgate", "kvgate", &workspace).expect("the kvgate binary builds");
+    let kvgate = kvgate_host::artifacts::built_or_build_binary("kvgate", "kvgate", &workspace)
+        .expect("the kvgate binary builds");
     let output = Command::new(kvgate)
         .args(["bench", "--quick", "--plugins", "shm,quic,ucx,nvlink", "--block-sizes", "4K,64K", "--blocks", "1,8"])
-        .args(["--cell-ms", "20", "--control-rooms", "40", "--core-rooms", "2000", "--core-aborts", "100", "--api-rooms", "50", "--api-aborts", "10", "--frozen-rooms", "4", "--sglang-rooms", "3"])
+        .args([
+            "--cell-ms",
+            "20",
+            "--control-rooms",
+            "40",
+            "--core-rooms",
+            "2000",
+            "--core-aborts",
+            "100",
+            "--api-rooms",
+            "50",
+            "--api-aborts",
+            "10",
+            "--frozen-rooms",
+            "4",
+            "--sglang-rooms",
+            "3",
+        ])
         .arg("--ucx-library")
         .arg(&ucx_library)
         .arg("--json")
@@ -38,10 +62,14 @@ fn tiny_bench_writes_a_complete_report() {
         .expect("run kvgate bench");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "kvgate bench failed:\n{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
-    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("json written")).expect("valid JSON");
+    let report: Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("json written")).expect("valid JSON");
 
     let plugins = report["data_path"].as_array().expect("data_path array");
-    assert_eq!(plugins.iter().map(|p| p["plugin"].as_str().unwrap()).collect::<Vec<_>>(), ["shm", "quic", "ucx-sm", "ucx-tcp", "nvlink"]);
+    assert_eq!(
+        plugins.iter().map(|p| p["plugin"].as_str().unwrap()).collect::<Vec<_>>(),
+        ["shm", "quic", "ucx-sm", "ucx-tcp", "nvlink"]
+    );
     for p in plugins {
         let name = p["plugin"].as_str().unwrap();
         match name {
@@ -64,32 +92,51 @@ fn tiny_bench_writes_a_complete_report() {
                     let throughput = positive_finite(&c["throughput_gbps"], &format!("{at} throughput_gbps"));
                     let reference = positive_finite(&c["reference_gbps"], &format!("{at} reference_gbps"));
                     let ratio = positive_finite(&c["ratio"], &format!("{at} ratio"));
-                    assert!((ratio - throughput / reference).abs() <= 1e-9 * ratio.max(1.0), "{at}: ratio is throughput / reference");
-                    for key in ["latency_p50_ms", "latency_p99_ms", "reference_latency_p50_ms", "reference_latency_p99_ms"] {
+                    assert!(
+                        (ratio - throughput / reference).abs() <= 1e-9 * ratio.max(1.0),
+                        "{at}: ratio is throughput / reference"
+                    );
+                    for key in
+                        ["latency_p50_ms", "latency_p99_ms", "reference_latency_p50_ms", "reference_latency_p99_ms"]
+                    {
                         positive_finite(&c[key], &format!("{at} {key}"));
                     }
                     assert!(c["latency_p99_ms"].as_f64() >= c["latency_p50_ms"].as_f64(), "{at}: p99 >= p50");
-                    assert_eq!(c["transfer_bytes"].as_u64(), Some(c["block_bytes"].as_u64().unwrap() * c["blocks"].as_u64().unwrap()));
+                    assert_eq!(
+                        c["transfer_bytes"].as_u64(),
+                        Some(c["block_bytes"].as_u64().unwrap() * c["blocks"].as_u64().unwrap())
+                    );
                     assert_eq!(c["verified"], true, "{at}: the destination bytes match the source");
                     assert_eq!(c["failures"], 0, "{at}");
                     assert!(c["transfers"].as_u64().unwrap() >= 3, "{at}: at least min_rooms_per_cell timed rooms");
                     let in_flight = c["rooms_in_flight"].as_u64().unwrap();
                     assert!((1..=8).contains(&in_flight), "{at}: rooms_in_flight {in_flight} within 1..=--inflight");
-                    assert_eq!(c["warm_up_rooms"].as_u64(), Some(in_flight), "{at}: every slot the cell uses moved once before the timed rooms");
+                    assert_eq!(
+                        c["warm_up_rooms"].as_u64(),
+                        Some(in_flight),
+                        "{at}: every slot the cell uses moved once before the timed rooms"
+                    );
                     let verified_slots = c["verified_slots"].as_u64().unwrap();
-                    assert!((1..=in_flight).contains(&verified_slots), "{at}: every slot the timed rooms wrote was compared ({verified_slots} of {in_flight})");
+                    assert!(
+                        (1..=in_flight).contains(&verified_slots),
+                        "{at}: every slot the timed rooms wrote was compared ({verified_slots} of {in_flight})"
+                    );
                     if name == "shm" {
                         // Measured against the machine's copy limit too: two threads (the plugin's workers),
                         // over a working set past the last-level cache (at least 2 x 256 MiB).
                         let limit = &c["copy_limit"];
                         let best = positive_finite(&limit["gbps"], &format!("{at} copy_limit.gbps"));
                         let memcpy = positive_finite(&limit["memcpy_gbps"], &format!("{at} copy_limit.memcpy_gbps"));
-                        let streaming = positive_finite(&limit["streaming_gbps"], &format!("{at} copy_limit.streaming_gbps"));
+                        let streaming =
+                            positive_finite(&limit["streaming_gbps"], &format!("{at} copy_limit.streaming_gbps"));
                         assert_eq!(best, memcpy.max(streaming), "{at}: the limit is the better method");
                         assert_eq!(limit["threads"], 2, "{at}");
                         assert!(limit["working_set_bytes"].as_u64().unwrap() >= 512 << 20, "{at}: {limit}");
                         let limit_ratio = positive_finite(&c["limit_ratio"], &format!("{at} limit_ratio"));
-                        assert!((limit_ratio - throughput / best).abs() <= 1e-9 * limit_ratio.max(1.0), "{at}: limit_ratio is throughput / limit");
+                        assert!(
+                            (limit_ratio - throughput / best).abs() <= 1e-9 * limit_ratio.max(1.0),
+                            "{at}: limit_ratio is throughput / limit"
+                        );
                     } else {
                         assert!(c["copy_limit"].is_null(), "{at}: only shm is measured against the copy limit");
                     }
@@ -147,10 +194,16 @@ fn tiny_bench_writes_a_complete_report() {
     }
 
     let svg_text = std::fs::read_to_string(&svg).expect("svg written");
-    assert!(svg_text.starts_with("<svg") && svg_text.matches("<polyline").count() >= 8, "shm and quic: 2 block counts x (kvgate + reference)");
+    assert!(
+        svg_text.starts_with("<svg") && svg_text.matches("<polyline").count() >= 8,
+        "shm and quic: 2 block counts x (kvgate + reference)"
+    );
     assert!(svg_text.contains("ucx-sm") && svg_text.contains("ucx-tcp"), "the plot has a panel per UCX transport");
     assert_eq!(&std::fs::read(&png).expect("png written")[..8], b"\x89PNG\r\n\x1a\n");
     let page = std::fs::read_to_string(&md).expect("markdown written");
     assert!(page.contains("kvgate bench --quick --plugins shm,quic,ucx,nvlink") && page.contains("bench.svg"));
-    assert!(page.contains("this machine's copy limit") && page.contains("| limit GB/s | limit ratio |"), "the page names the limit shm is measured against");
+    assert!(
+        page.contains("this machine's copy limit") && page.contains("| limit GB/s | limit ratio |"),
+        "the page names the limit shm is measured against"
+    );
 }

@@ -39,12 +39,15 @@ pub fn pass_fd(engine_socket: &Path, fd: BorrowedFd<'_>) -> Result<u64, PassErro
     let stream = UnixStream::connect(fd_socket_path(engine_socket)).map_err(PassError::Io)?;
     let fds = [fd.as_raw_fd()];
     let cmsg = [ControlMessage::ScmRights(&fds)];
-    sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(b"F")], &cmsg, MsgFlags::empty(), None).map_err(|e| PassError::Io(e.into()))?;
+    sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(b"F")], &cmsg, MsgFlags::empty(), None)
+        .map_err(|e| PassError::Io(e.into()))?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(PassError::Io)?;
     let line = line.trim_end();
     if let Some(token) = line.strip_prefix("ok ") {
-        return token.parse().map_err(|_| PassError::Refused { reason: "bad_answer".into(), message: line.to_string() });
+        return token
+            .parse()
+            .map_err(|_| PassError::Refused { reason: "bad_answer".into(), message: line.to_string() });
     }
     let rest = line.strip_prefix("err ").unwrap_or(line);
     let (reason, message) = rest.split_once(' ').unwrap_or((rest, ""));

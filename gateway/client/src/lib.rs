@@ -104,7 +104,9 @@ impl Client {
     pub async fn connect_tcp(url: &str, token: Option<&str>) -> Result<Client, ConnectError> {
         let header = match token {
             Some(t) => Some(
-                format!("Bearer {t}").parse::<MetadataValue<tonic::metadata::Ascii>>().map_err(|_| ConnectError::Invalid("the bearer token must be ASCII".into()))?,
+                format!("Bearer {t}")
+                    .parse::<MetadataValue<tonic::metadata::Ascii>>()
+                    .map_err(|_| ConnectError::Invalid("the bearer token must be ASCII".into()))?,
             ),
             None => None,
         };
@@ -121,7 +123,11 @@ impl Client {
         Client::with_metadata(channel, token, None)
     }
 
-    fn with_metadata(channel: Channel, token: Option<MetadataValue<tonic::metadata::Ascii>>, session: Option<u64>) -> Client {
+    fn with_metadata(
+        channel: Channel,
+        token: Option<MetadataValue<tonic::metadata::Ascii>>,
+        session: Option<u64>,
+    ) -> Client {
         let session_value = session.map(|id| id.to_string().parse().expect("a decimal number is ASCII"));
         let interceptor = BearerToken { token: token.clone(), session: session_value };
         let inner = EngineApiClient::with_interceptor(channel.clone(), interceptor).max_decoding_message_size(64 << 20);
@@ -163,9 +169,21 @@ impl Client {
     }
 
     /// Register CUDA device memory by its IPC handle: `len` bytes at `offset` inside the allocation.
-    pub async fn register_cuda_ipc(&self, device: i32, ipc_handle: Vec<u8>, offset: u64, len: u64, label: &str) -> Result<u64, Status> {
+    pub async fn register_cuda_ipc(
+        &self,
+        device: i32,
+        ipc_handle: Vec<u8>,
+        offset: u64,
+        len: u64,
+        label: &str,
+    ) -> Result<u64, Status> {
         let request = proto::RegisterMemoryRequest {
-            memory: Some(proto::register_memory_request::Memory::CudaIpc(proto::CudaIpcMemory { device, ipc_handle, len, offset })),
+            memory: Some(proto::register_memory_request::Memory::CudaIpc(proto::CudaIpcMemory {
+                device,
+                ipc_handle,
+                len,
+                offset,
+            })),
             label: label.to_string(),
         };
         Ok(self.inner.clone().register_memory(request).await?.into_inner().region)
@@ -175,7 +193,11 @@ impl Client {
     /// bytes at `offset` of it.
     pub async fn register_passed_fd(&self, token: u64, offset: u64, len: u64, label: &str) -> Result<u64, Status> {
         let request = proto::RegisterMemoryRequest {
-            memory: Some(proto::register_memory_request::Memory::PassedFd(proto::PassedFdMemory { token, offset, len })),
+            memory: Some(proto::register_memory_request::Memory::PassedFd(proto::PassedFdMemory {
+                token,
+                offset,
+                len,
+            })),
             label: label.to_string(),
         };
         Ok(self.inner.clone().register_memory(request).await?.into_inner().region)
@@ -209,7 +231,13 @@ impl Client {
 
     /// Decode side: the room's destination, one list of slices per part. `timeout_ms`: how long the
     /// room may live from now; 0 leaves it unset (the gateway's `room_timeout_ms`).
-    pub async fn expect(&self, key: RoomKey, peer: &str, parts: Vec<Vec<Slice>>, timeout_ms: u64) -> Result<(), Status> {
+    pub async fn expect(
+        &self,
+        key: RoomKey,
+        peer: &str,
+        parts: Vec<Vec<Slice>>,
+        timeout_ms: u64,
+    ) -> Result<(), Status> {
         let request = proto::ExpectRequest {
             key: Some(key),
             peer: peer.to_string(),
@@ -251,7 +279,13 @@ impl Client {
 
     /// End a room now. Returns whether it was live.
     pub async fn abort(&self, key: RoomKey, why: &str) -> Result<bool, Status> {
-        Ok(self.inner.clone().abort(proto::AbortRequest { key: Some(key), why: why.to_string() }).await?.into_inner().was_live)
+        Ok(self
+            .inner
+            .clone()
+            .abort(proto::AbortRequest { key: Some(key), why: why.to_string() })
+            .await?
+            .into_inner()
+            .was_live)
     }
 
     pub async fn get_room(&self, key: RoomKey) -> Result<RoomInfo, Status> {
@@ -273,20 +307,36 @@ impl Client {
     /// Room events after `cursor`: replayed from the gateway's log, then live. Refused with
     /// `watch_cursor_expired` when the log no longer reaches back that far, or the cursor belongs to
     /// another incarnation of the gateway (it restarted).
-    pub async fn watch_after(&self, key: Option<RoomKey>, outcomes_only: bool, cursor: Cursor) -> Result<tonic::Streaming<RoomEvent>, Status> {
-        let request = proto::WatchRequest { key, outcomes_only, after_seq: Some(cursor.seq), incarnation: cursor.incarnation };
+    pub async fn watch_after(
+        &self,
+        key: Option<RoomKey>,
+        outcomes_only: bool,
+        cursor: Cursor,
+    ) -> Result<tonic::Streaming<RoomEvent>, Status> {
+        let request =
+            proto::WatchRequest { key, outcomes_only, after_seq: Some(cursor.seq), incarnation: cursor.incarnation };
         Ok(self.inner.clone().watch(request).await?.into_inner())
     }
 
     /// Room events (every room when `key` is `None`).
     pub async fn watch(&self, key: Option<RoomKey>) -> Result<tonic::Streaming<RoomEvent>, Status> {
-        Ok(self.inner.clone().watch(proto::WatchRequest { key, outcomes_only: false, after_seq: None, incarnation: 0 }).await?.into_inner())
+        Ok(self
+            .inner
+            .clone()
+            .watch(proto::WatchRequest { key, outcomes_only: false, after_seq: None, incarnation: 0 })
+            .await?
+            .into_inner())
     }
 
     /// Only the outcomes (`Terminal`, `Reusable`) of every room, or of `key`: what an engine needs to
     /// finish requests and reuse memory, at a fraction of the gateway's cost per room.
     pub async fn watch_outcomes(&self, key: Option<RoomKey>) -> Result<tonic::Streaming<RoomEvent>, Status> {
-        Ok(self.inner.clone().watch(proto::WatchRequest { key, outcomes_only: true, after_seq: None, incarnation: 0 }).await?.into_inner())
+        Ok(self
+            .inner
+            .clone()
+            .watch(proto::WatchRequest { key, outcomes_only: true, after_seq: None, incarnation: 0 })
+            .await?
+            .into_inner())
     }
 }
 

@@ -73,7 +73,14 @@ impl OutcomeWatch {
     /// making the calls that create them).
     pub async fn start(client: Client) -> Result<OutcomeWatch, Status> {
         let (_, cursor) = client.list_rooms_at(false).await?;
-        let mut watch = OutcomeWatch { client, stream: None, cursor, tracked: HashMap::new(), ready: VecDeque::new(), counts: ResumeCounts::default() };
+        let mut watch = OutcomeWatch {
+            client,
+            stream: None,
+            cursor,
+            tracked: HashMap::new(),
+            ready: VecDeque::new(),
+            counts: ResumeCounts::default(),
+        };
         watch.reopen().await?;
         Ok(watch)
     }
@@ -193,7 +200,11 @@ impl OutcomeWatch {
                 }
                 // Forgotten: it ended (and was released) longer ago than the gateway remembers.
                 None => (
-                    Some(proto::Terminal { succeeded: false, reason: UNKNOWN_AFTER_RECONNECT.into(), ..Default::default() }),
+                    Some(proto::Terminal {
+                        succeeded: false,
+                        reason: UNKNOWN_AFTER_RECONNECT.into(),
+                        ..Default::default()
+                    }),
                     Some(UNKNOWN_AFTER_RECONNECT.to_string()),
                 ),
             };

@@ -62,14 +62,19 @@ pub struct Engine {
 /// A session name unique in this process, from an engine's label.
 fn session_name(label: &str) -> String {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    let base: String = label.chars().map(|c| if c.is_ascii_alphanumeric() || "._:-".contains(c) { c } else { '-' }).take(64).collect();
+    let base: String =
+        label.chars().map(|c| if c.is_ascii_alphanumeric() || "._:-".contains(c) { c } else { '-' }).take(64).collect();
     format!("{base}-{}-{}", std::process::id(), NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
 impl Engine {
     pub async fn connect(socket: &Path, pool: KvPool, label: &str) -> anyhow::Result<Engine> {
         let client = Client::connect_unix(socket).await.with_context(|| format!("connect {}", socket.display()))?;
-        let session = client.open_session(&session_name(label)).await.map_err(|s| anyhow::anyhow!("open a session for {label}: {}", s.message()))?.session;
+        let session = client
+            .open_session(&session_name(label))
+            .await
+            .map_err(|s| anyhow::anyhow!("open a session for {label}: {}", s.message()))?
+            .session;
         let client = client.in_session(session);
         let region = client
             .register_shared_memory(&pool.path.display().to_string(), 0, pool.len(), label)
@@ -112,12 +117,25 @@ pub struct RoomResult {
 }
 
 /// Wait for the `Terminal` event of `room` on one side, then (best effort, bounded) for `Reusable`.
-pub async fn wait_terminal(rx: &mut mpsc::UnboundedReceiver<RoomEvent>, started: Instant, timeout: Duration) -> anyhow::Result<SideOutcome> {
+pub async fn wait_terminal(
+    rx: &mut mpsc::UnboundedReceiver<RoomEvent>,
+    started: Instant,
+    timeout: Duration,
+) -> anyhow::Result<SideOutcome> {
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let event = tokio::time::timeout_at(deadline, rx.recv()).await.context("no terminal event in time")?.context("event stream closed")?;
+        let event = tokio::time::timeout_at(deadline, rx.recv())
+            .await
+            .context("no terminal event in time")?
+            .context("event stream closed")?;
         if let Some(proto::room_event::Event::Terminal(t)) = event.event {
-            return Ok(SideOutcome { succeeded: t.succeeded, reason: t.reason, phase: t.phase, elapsed_ms: t.elapsed_ms, seen_after: started.elapsed() });
+            return Ok(SideOutcome {
+                succeeded: t.succeeded,
+                reason: t.reason,
+                phase: t.phase,
+                elapsed_ms: t.elapsed_ms,
+                seen_after: started.elapsed(),
+            });
         }
     }
 }
@@ -136,7 +154,14 @@ pub async fn wait_reusable(rx: &mut mpsc::UnboundedReceiver<RoomEvent>, timeout:
 /// Prefill side: send every chunk of every part of `room` from `slot`, one `SendBatch` per chunk
 /// (every part's slices of that chunk), stopping at the first chunk with a refusal (returned with its
 /// reason code, as a single `Send`'s would be).
-pub async fn send_all(prefill: &Engine, shape: &KvShape, room: u64, slot: u64, peer: &str, chunk_limit: Option<u64>) -> Result<(), tonic::Status> {
+pub async fn send_all(
+    prefill: &Engine,
+    shape: &KvShape,
+    room: u64,
+    slot: u64,
+    peer: &str,
+    chunk_limit: Option<u64>,
+) -> Result<(), tonic::Status> {
     let slot_offset = prefill.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(slot);
     for chunk in 0..chunk_limit.unwrap_or(shape.chunks).min(shape.chunks) {
         let sends = (0..shape.parts)
@@ -174,7 +199,13 @@ pub fn shuffled_chunks(room: u64, chunks: u64) -> Vec<u64> {
 /// (`SendRequest.offset`, so the receiver needs no agreement on how chunks are cut or numbered), one
 /// `SendBatch` per chunk (every part's slices of that chunk), `last` on the final batch (it
 /// completes every part). Stops at the first chunk with a refusal, as [`send_all`] does.
-pub async fn send_all_placed(prefill: &Engine, shape: &KvShape, room: u64, slot: u64, peer: &str) -> Result<(), tonic::Status> {
+pub async fn send_all_placed(
+    prefill: &Engine,
+    shape: &KvShape,
+    room: u64,
+    slot: u64,
+    peer: &str,
+) -> Result<(), tonic::Status> {
     let slot_offset = prefill.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(slot);
     let order = shuffled_chunks(room, shape.chunks);
     for (i, &chunk) in order.iter().enumerate() {
@@ -208,7 +239,14 @@ pub fn refusal_status(refused: &proto::CallResult) -> tonic::Status {
 }
 
 /// Decode side: expect `room` into `slot`.
-pub async fn expect_into(decode: &Engine, shape: &KvShape, room: u64, slot: u64, peer: &str, deadline_ms: u64) -> Result<(), tonic::Status> {
+pub async fn expect_into(
+    decode: &Engine,
+    shape: &KvShape,
+    room: u64,
+    slot: u64,
+    peer: &str,
+    deadline_ms: u64,
+) -> Result<(), tonic::Status> {
     let slot_offset = decode.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(slot);
     let parts = (0..shape.parts).map(|p| shape.part_slices(decode.region, slot_offset, p)).collect();
     decode.client.expect(room_key(room, 0), peer, parts, deadline_ms).await
@@ -231,7 +269,14 @@ pub async fn slot_checksum(engine: &Engine, slot: u64) -> anyhow::Result<u64> {
 
 /// Move one request's KV cache from `src` (prefill pool) to `dst` (decode pool) and verify it. The
 /// chunks go in a shuffled order, each placed by its offset ([`send_all_placed`]).
-pub async fn run_room(prefill: &Engine, decode: &Engine, shape: &KvShape, room: u64, src: u64, dst: u64) -> anyhow::Result<RoomResult> {
+pub async fn run_room(
+    prefill: &Engine,
+    decode: &Engine,
+    shape: &KvShape,
+    room: u64,
+    src: u64,
+    dst: u64,
+) -> anyhow::Result<RoomResult> {
     let engine_started = Instant::now();
     let expected = prepare_slots(prefill, decode, room, src, dst).await?;
     let prepare = engine_started.elapsed();
@@ -253,14 +298,24 @@ pub async fn run_room(prefill: &Engine, decode: &Engine, shape: &KvShape, room: 
     let (prefill_outcome, decode_outcome) = (p?, d?);
     let latency = started.elapsed();
     let check_started = Instant::now();
-    let verified = prefill_outcome.succeeded && decode_outcome.succeeded && slot_checksum(decode, dst).await? == expected;
+    let verified =
+        prefill_outcome.succeeded && decode_outcome.succeeded && slot_checksum(decode, dst).await? == expected;
     let engine_work = prepare + check_started.elapsed();
     // Slots are reused: wait until neither side can still touch them.
     let reuse = Duration::from_millis(ROOM_WAIT_TIMEOUT_MS);
     let _ = tokio::join!(wait_reusable(&mut p_rx, reuse), wait_reusable(&mut d_rx, reuse));
     prefill.events.forget(room);
     decode.events.forget(room);
-    Ok(RoomResult { room, bytes: shape.request_bytes(), started, latency, engine_work, prefill: prefill_outcome, decode: decode_outcome, verified })
+    Ok(RoomResult {
+        room,
+        bytes: shape.request_bytes(),
+        started,
+        latency,
+        engine_work,
+        prefill: prefill_outcome,
+        decode: decode_outcome,
+        verified,
+    })
 }
 
 #[cfg(test)]

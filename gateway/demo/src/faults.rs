@@ -4,8 +4,8 @@
 
 use super::engine::{expect_into, send_all, wait_terminal, Engine, SideOutcome};
 use super::gateways::{GatewayPair, PairSettings, DECODE_NAME, PREFILL_NAME};
-use kvgate::admin_client as http;
 use super::pool::{KvPool, KvShape};
+use kvgate::admin_client as http;
 use kvgate_client::room_key;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -25,18 +25,36 @@ fn show(side: &str, o: &Result<SideOutcome, anyhow::Error>) -> String {
 
 /// Returns whether every check of the act held.
 pub async fn run(binary: &Path, dir: &Path, shape: &KvShape) -> anyhow::Result<bool> {
-    println!("\nfault act (shm, heartbeat {} ms x {} misses)", PairSettings::default().heartbeat_interval_ms, PairSettings::default().heartbeat_misses);
+    println!(
+        "\nfault act (shm, heartbeat {} ms x {} misses)",
+        PairSettings::default().heartbeat_interval_ms,
+        PairSettings::default().heartbeat_misses
+    );
     let settings = PairSettings::default();
     let mut pair = GatewayPair::start(binary, dir, &settings).await?;
     let slots = 16;
-    let prefill = Engine::connect(&pair.prefill.socket, KvPool::create(dir, "fault-prefill-pool", shape.request_bytes(), slots)?, "prefill").await?;
-    let decode = Engine::connect(&pair.decode.socket, KvPool::create(dir, "fault-decode-pool", shape.request_bytes(), slots)?, "decode").await?;
+    let prefill = Engine::connect(
+        &pair.prefill.socket,
+        KvPool::create(dir, "fault-prefill-pool", shape.request_bytes(), slots)?,
+        "prefill",
+    )
+    .await?;
+    let decode = Engine::connect(
+        &pair.decode.socket,
+        KvPool::create(dir, "fault-decode-pool", shape.request_bytes(), slots)?,
+        "decode",
+    )
+    .await?;
     let storm_ok = abort_storm(&prefill, &decode, shape).await?;
     let frozen_ok = frozen_decode(&pair, &prefill, &decode, shape, &settings).await?;
     pair.stop();
     println!(
         "fault act: {}",
-        if storm_ok && frozen_ok { "every room terminal with its reason" } else { "SOME CHECKS FAILED (see the lines above)" }
+        if storm_ok && frozen_ok {
+            "every room terminal with its reason"
+        } else {
+            "SOME CHECKS FAILED (see the lines above)"
+        }
     );
     Ok(storm_ok && frozen_ok)
 }
@@ -45,9 +63,14 @@ async fn abort_storm(prefill: &Engine, decode: &Engine, shape: &KvShape) -> anyh
     println!("  abort storm:");
     let mut ok = true;
     let timeout = Duration::from_secs(10);
-    for (i, case) in ["decode aborts before any send", "prefill aborts before the expect", "decode aborts mid-transfer", "prefill aborts mid-transfer"]
-        .iter()
-        .enumerate()
+    for (i, case) in [
+        "decode aborts before any send",
+        "prefill aborts before the expect",
+        "decode aborts mid-transfer",
+        "prefill aborts mid-transfer",
+    ]
+    .iter()
+    .enumerate()
     {
         for j in 0..3u64 {
             let room = 900_000 + i as u64 * 10 + j;
@@ -99,7 +122,12 @@ async fn abort_storm(prefill: &Engine, decode: &Engine, shape: &KvShape) -> anyh
             };
             ok &= refused_late && both_failed;
             if j == 0 {
-                println!("    {case:<34} room {room}: {} | {} {}", show("prefill", &p), show("decode", &d), if late.is_empty() { String::new() } else { format!("| {late}") });
+                println!(
+                    "    {case:<34} room {room}: {} | {} {}",
+                    show("prefill", &p),
+                    show("decode", &d),
+                    if late.is_empty() { String::new() } else { format!("| {late}") }
+                );
             }
             prefill.events.forget(room);
             decode.events.forget(room);
@@ -109,9 +137,18 @@ async fn abort_storm(prefill: &Engine, decode: &Engine, shape: &KvShape) -> anyh
     Ok(ok)
 }
 
-async fn frozen_decode(pair: &GatewayPair, prefill: &Engine, decode: &Engine, shape: &KvShape, settings: &PairSettings) -> anyhow::Result<bool> {
+async fn frozen_decode(
+    pair: &GatewayPair,
+    prefill: &Engine,
+    decode: &Engine,
+    shape: &KvShape,
+    settings: &PairSettings,
+) -> anyhow::Result<bool> {
     let bound = Duration::from_millis(settings.heartbeat_interval_ms * settings.heartbeat_misses + PEER_LOSS_GRACE_MS);
-    println!("  frozen decode gateway (SIGSTOP), bound = {} ms x {} + {} ms grace:", settings.heartbeat_interval_ms, settings.heartbeat_misses, PEER_LOSS_GRACE_MS);
+    println!(
+        "  frozen decode gateway (SIGSTOP), bound = {} ms x {} + {} ms grace:",
+        settings.heartbeat_interval_ms, settings.heartbeat_misses, PEER_LOSS_GRACE_MS
+    );
     let rooms: Vec<u64> = (0..6).map(|i| 950_000 + i).collect();
     let mut listeners = Vec::new();
     for (i, room) in rooms.iter().enumerate() {
@@ -135,7 +172,12 @@ async fn frozen_decode(pair: &GatewayPair, prefill: &Engine, decode: &Engine, sh
             worst = worst.max(o.seen_after);
         }
         ok &= within;
-        println!("    room {room} on prefill: {} after {} ms{}", show("", &outcome).trim_start_matches(": "), outcome.as_ref().map(|o| o.seen_after.as_millis()).unwrap_or(0), if within { "" } else { "  <-- outside the bound" });
+        println!(
+            "    room {room} on prefill: {} after {} ms{}",
+            show("", &outcome).trim_start_matches(": "),
+            outcome.as_ref().map(|o| o.seen_after.as_millis()).unwrap_or(0),
+            if within { "" } else { "  <-- outside the bound" }
+        );
     }
     println!("    slowest: {} ms (bound {} ms)", worst.as_millis(), bound.as_millis());
     pair.decode.thaw()?;

@@ -93,7 +93,8 @@ async fn run_async(args: DemoArgs) -> anyhow::Result<bool> {
     print!("{}", report::table(&runs));
     println!();
     print!("{}", report::legend(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), args.inflight));
-    let transfers_ok = runs.iter().all(|r| r.unavailable.is_some() || (r.errors.is_empty() && r.verified() == r.results.len()));
+    let transfers_ok =
+        runs.iter().all(|r| r.unavailable.is_some() || (r.errors.is_empty() && r.verified() == r.results.len()));
     let faults_ok = if args.no_faults { true } else { faults::run(&binary, &dir, &shape).await? };
     let swap_ok = if args.no_swap { true } else { swap::run(&binary, &dir).await? };
     Ok(transfers_ok && faults_ok && swap_ok)
@@ -117,7 +118,13 @@ async fn run_plugin(binary: &Path, dir: &Path, plugin: &str, shape: &KvShape, ar
         Ok(p) => p,
         Err(e) => {
             let text = format!("{e:#}");
-            run.unavailable = Some(text.lines().find(|l| l.contains("unavailable") || l.contains("not opened")).unwrap_or("gateways did not start").trim().to_string());
+            run.unavailable = Some(
+                text.lines()
+                    .find(|l| l.contains("unavailable") || l.contains("not opened"))
+                    .unwrap_or("gateways did not start")
+                    .trim()
+                    .to_string(),
+            );
             eprintln!("{plugin}: {text}");
             return run;
         }
@@ -146,7 +153,13 @@ async fn run_plugin(binary: &Path, dir: &Path, plugin: &str, shape: &KvShape, ar
     run
 }
 
-async fn move_rooms(pair: &GatewayPair, dir: &Path, plugin: &str, shape: &KvShape, args: &DemoArgs) -> anyhow::Result<(Vec<engine::RoomResult>, Vec<String>, Duration)> {
+async fn move_rooms(
+    pair: &GatewayPair,
+    dir: &Path,
+    plugin: &str,
+    shape: &KvShape,
+    args: &DemoArgs,
+) -> anyhow::Result<(Vec<engine::RoomResult>, Vec<String>, Duration)> {
     let slots = args.inflight.max(1);
     let src_pool = KvPool::create(dir, &format!("prefill-pool-{plugin}"), shape.request_bytes(), slots)?;
     let dst_pool = KvPool::create(dir, &format!("decode-pool-{plugin}"), shape.request_bytes(), slots)?;
@@ -156,11 +169,13 @@ async fn move_rooms(pair: &GatewayPair, dir: &Path, plugin: &str, shape: &KvShap
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
-    let progress = tokio::spawn(progress_line(plugin.to_string(), done.clone(), args.rooms, shape.request_bytes(), terminal));
+    let progress =
+        tokio::spawn(progress_line(plugin.to_string(), done.clone(), args.rooms, shape.request_bytes(), terminal));
     let mut tasks = Vec::new();
     for i in 0..args.rooms {
         let slot = slot_rx.lock().await.recv().await.context("slot queue")?;
-        let (prefill, decode, shape, slot_tx, done) = (prefill.clone(), decode.clone(), *shape, slot_tx.clone(), done.clone());
+        let (prefill, decode, shape, slot_tx, done) =
+            (prefill.clone(), decode.clone(), *shape, slot_tx.clone(), done.clone());
         let room = room_id(plugin, i);
         tasks.push(tokio::spawn(async move {
             let result = run_room(&prefill, &decode, &shape, room, slot, slot).await;
@@ -179,7 +194,8 @@ async fn move_rooms(pair: &GatewayPair, dir: &Path, plugin: &str, shape: &KvShap
     }
     let wall = started.elapsed();
     progress.abort();
-    let finished = format!("{plugin}: {}/{} rooms done in {:.2} s", results.len() + errors.len(), args.rooms, wall.as_secs_f64());
+    let finished =
+        format!("{plugin}: {}/{} rooms done in {:.2} s", results.len() + errors.len(), args.rooms, wall.as_secs_f64());
     if terminal {
         println!("\r{finished:60}");
     } else {

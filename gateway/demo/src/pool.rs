@@ -82,7 +82,13 @@ impl KvPool {
     /// Create `dir/name` with `slots` slots of `slot_bytes` each.
     pub fn create(dir: &Path, name: &str, slot_bytes: u64, slots: u64) -> anyhow::Result<KvPool> {
         let path = dir.join(name);
-        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).with_context(|| format!("create {}", path.display()))?;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .with_context(|| format!("create {}", path.display()))?;
         file.set_len(slot_bytes * slots)?;
         // SAFETY: the file was just created by this process; the gateway maps it too, and writes only
         // into slots this engine lent it through expect.

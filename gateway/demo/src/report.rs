@@ -113,11 +113,24 @@ pub fn table(runs: &[PluginRun]) -> String {
     let mut out = String::new();
     out.push_str(&format!(
         "{:<8} {:>6} {:>9} {:>9} {:>13} {:>13} {:>13} {:>13} {:>9} {:>13}  {}\n",
-        "plugin", "rooms", "verified", "GB moved", "transfer p50", "transfer p99", "gateways GB/s", "engines p50", "wall GB/s", "CPU gw / eng", "failures by reason"
+        "plugin",
+        "rooms",
+        "verified",
+        "GB moved",
+        "transfer p50",
+        "transfer p99",
+        "gateways GB/s",
+        "engines p50",
+        "wall GB/s",
+        "CPU gw / eng",
+        "failures by reason"
     ));
     for run in runs {
         if let Some(why) = &run.unavailable {
-            out.push_str(&format!("{:<8} {:>6} {:>9} {:>9} {:>13} {:>13} {:>13} {:>13} {:>9} {:>13}  unavailable: {why}\n", run.plugin, "-", "-", "-", "-", "-", "-", "-", "-", "-"));
+            out.push_str(&format!(
+                "{:<8} {:>6} {:>9} {:>9} {:>13} {:>13} {:>13} {:>13} {:>9} {:>13}  unavailable: {why}\n",
+                run.plugin, "-", "-", "-", "-", "-", "-", "-", "-", "-"
+            ));
             continue;
         }
         let mut latencies: Vec<Duration> = run.results.iter().filter(|r| r.verified).map(|r| r.latency).collect();

@@ -4,8 +4,8 @@
 
 use super::engine::{run_room, Engine};
 use super::gateways::{rewrite_plugins, GatewayPair, GatewayProcess, PairSettings};
-use kvgate::admin_client as http;
 use super::pool::{KvPool, KvShape};
+use kvgate::admin_client as http;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -46,9 +46,24 @@ pub async fn run(binary: &Path, dir: &Path) -> anyhow::Result<bool> {
     let shape = &KvShape::llama_8b_like(16, 2);
     println!("\nswap act (shm -> quic -> shm under traffic, {SWAP_WORKERS} rooms in flight)");
     let mut pair = GatewayPair::start(binary, dir, &PairSettings::default()).await?;
-    let prefill = Arc::new(Engine::connect(&pair.prefill.socket, KvPool::create(dir, "swap-prefill-pool", shape.request_bytes(), SWAP_WORKERS)?, "prefill").await?);
-    let decode = Arc::new(Engine::connect(&pair.decode.socket, KvPool::create(dir, "swap-decode-pool", shape.request_bytes(), SWAP_WORKERS)?, "decode").await?);
-    let (stop, rooms, lost) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let prefill = Arc::new(
+        Engine::connect(
+            &pair.prefill.socket,
+            KvPool::create(dir, "swap-prefill-pool", shape.request_bytes(), SWAP_WORKERS)?,
+            "prefill",
+        )
+        .await?,
+    );
+    let decode = Arc::new(
+        Engine::connect(
+            &pair.decode.socket,
+            KvPool::create(dir, "swap-decode-pool", shape.request_bytes(), SWAP_WORKERS)?,
+            "decode",
+        )
+        .await?,
+    );
+    let (stop, rooms, lost) =
+        (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let tasks: Vec<_> = (0..SWAP_WORKERS)
         .map(|slot| {
             let (prefill, decode, shape, stop, rooms, lost) = (prefill.clone(), decode.clone(), *shape, stop.clone(), rooms.clone(), lost.clone());

@@ -43,14 +43,33 @@ pub struct Registered {
 /// Memory an engine registers, by reference.
 #[derive(Debug)]
 pub enum MemorySpec {
-    SharedFile { path: String, offset: u64, len: u64 },
-    CudaIpc { device: i32, handle: Vec<u8>, offset: u64, len: u64 },
+    SharedFile {
+        path: String,
+        offset: u64,
+        len: u64,
+    },
+    CudaIpc {
+        device: i32,
+        handle: Vec<u8>,
+        offset: u64,
+        len: u64,
+    },
     /// Host memory behind a descriptor the engine passed on the fd socket: the gateway keeps it open
     /// while the region is registered, and names it to plugins as `/proc/<gateway pid>/fd/<n>`.
-    PassedFd { file: std::fs::File, offset: u64, len: u64 },
+    PassedFd {
+        file: std::fs::File,
+        offset: u64,
+        len: u64,
+    },
     /// A CUDA VMM allocation's descriptor passed on the fd socket: the gateway keeps it open while the
     /// region is registered and names it to plugins by the `kvgate_abi::cuda_vmm` convention.
-    CudaVmmFd { file: std::fs::File, device: i32, offset: u64, len: u64, allocation_size: u64 },
+    CudaVmmFd {
+        file: std::fs::File,
+        device: i32,
+        offset: u64,
+        len: u64,
+        allocation_size: u64,
+    },
 }
 
 /// One expect, decoded.
@@ -85,21 +104,62 @@ pub struct SendCall {
 }
 
 pub enum EngineCall {
-    Register { memory: MemorySpec, label: String, session: Option<u64>, reply: Reply<Registered> },
-    OpenSession { name: String, reply: Reply<(u64, bool)> },
-    CloseSession { session: u64, reply: Reply<SessionEnd> },
+    Register {
+        memory: MemorySpec,
+        label: String,
+        session: Option<u64>,
+        reply: Reply<Registered>,
+    },
+    OpenSession {
+        name: String,
+        reply: Reply<(u64, bool)>,
+    },
+    CloseSession {
+        session: u64,
+        reply: Reply<SessionEnd>,
+    },
     /// A `Watch` stream of the session opened; `DetachSession` when it closes.
-    AttachSession { session: u64, reply: Reply<()> },
-    DetachSession { session: u64 },
-    Unregister { region: u64, reply: Reply<()> },
-    Expect { call: ExpectCall, reply: Reply<()> },
-    Send { call: SendCall, reply: Reply<()> },
+    AttachSession {
+        session: u64,
+        reply: Reply<()>,
+    },
+    DetachSession {
+        session: u64,
+    },
+    Unregister {
+        region: u64,
+        reply: Reply<()>,
+    },
+    Expect {
+        call: ExpectCall,
+        reply: Reply<()>,
+    },
+    Send {
+        call: SendCall,
+        reply: Reply<()>,
+    },
     /// Each call decoded on its own (one that could not be is refused in its place).
-    ExpectBatch { calls: Vec<Result<ExpectCall, ApiError>>, reply: Reply<Vec<Result<(), ApiError>>> },
-    SendBatch { calls: Vec<Result<SendCall, ApiError>>, reply: Reply<Vec<Result<(), ApiError>>> },
-    Abort { room: RoomKey, why: String, reply: Reply<bool> },
-    GetRoom { room: RoomKey, reply: Reply<proto::RoomInfo> },
-    ListRooms { include_terminal: bool, reply: Reply<(Vec<proto::RoomInfo>, u64)> },
+    ExpectBatch {
+        calls: Vec<Result<ExpectCall, ApiError>>,
+        reply: Reply<Vec<Result<(), ApiError>>>,
+    },
+    SendBatch {
+        calls: Vec<Result<SendCall, ApiError>>,
+        reply: Reply<Vec<Result<(), ApiError>>>,
+    },
+    Abort {
+        room: RoomKey,
+        why: String,
+        reply: Reply<bool>,
+    },
+    GetRoom {
+        room: RoomKey,
+        reply: Reply<proto::RoomInfo>,
+    },
+    ListRooms {
+        include_terminal: bool,
+        reply: Reply<(Vec<proto::RoomInfo>, u64)>,
+    },
 }
 
 /// What ending a session did.
@@ -112,6 +172,10 @@ pub struct SessionEnd {
 
 impl From<SessionEnd> for proto::CloseSessionReply {
     fn from(end: SessionEnd) -> Self {
-        proto::CloseSessionReply { rooms_ended: end.rooms_ended, regions_released: end.regions_released, regions_pending: end.regions_pending }
+        proto::CloseSessionReply {
+            rooms_ended: end.rooms_ended,
+            regions_released: end.regions_released,
+            regions_pending: end.regions_pending,
+        }
     }
 }

@@ -24,7 +24,12 @@ impl fmt::Display for ConfigError {
             ConfigError::Read { path, error } => write!(f, "cannot read config file {path}: {error}"),
             ConfigError::Parse(message) => write!(f, "invalid configuration: {message}"),
             ConfigError::Invalid(errors) => {
-                writeln!(f, "invalid configuration ({} problem{}):", errors.len(), if errors.len() == 1 { "" } else { "s" })?;
+                writeln!(
+                    f,
+                    "invalid configuration ({} problem{}):",
+                    errors.len(),
+                    if errors.len() == 1 { "" } else { "s" }
+                )?;
                 for e in errors {
                     writeln!(f, "  {e}")?;
                 }
@@ -44,7 +49,9 @@ pub const ENV_SEPARATOR: &str = "__";
 /// Load `path` (or only defaults when `None`) with environment overrides, then validate.
 pub fn load_config(path: Option<&Path>) -> Result<GatewayConfig, ConfigError> {
     let text = match path {
-        Some(p) => std::fs::read_to_string(p).map_err(|error| ConfigError::Read { path: p.display().to_string(), error })?,
+        Some(p) => {
+            std::fs::read_to_string(p).map_err(|error| ConfigError::Read { path: p.display().to_string(), error })?
+        }
         None => String::new(),
     };
     let origin = path.map(|p| p.display().to_string()).unwrap_or_else(|| "built-in defaults".to_string());
@@ -88,7 +95,9 @@ fn build(text: &str, origin: &str, with_env: bool) -> Result<GatewayConfig, Conf
         let mut builder = Config::builder().add_source(File::from_str(text, FileFormat::Toml));
         builder = builder.add_source(environment());
         let layered = builder.build().map_err(|e| ConfigError::Parse(format!("environment override: {e}")))?;
-        config = layered.try_deserialize().map_err(|e| ConfigError::Parse(format!("{origin} with KVGATE__ overrides: {e}")))?;
+        config = layered
+            .try_deserialize()
+            .map_err(|e| ConfigError::Parse(format!("{origin} with KVGATE__ overrides: {e}")))?;
     }
     let errors = validate(&config);
     if errors.is_empty() {
@@ -112,7 +121,9 @@ pub fn check_env_overrides(vars: impl Iterator<Item = (String, String)>) -> Vec<
         let key = path.join(".");
         let rule = |allowed: String| LimitError { key: var.clone(), value: format!("{value:?}"), allowed };
         if path.first().map(String::as_str) == Some("peers") {
-            errors.push(rule("no such variable: [[peers]] entries are written in the config file, not the environment".into()));
+            errors.push(rule(
+                "no such variable: [[peers]] entries are written in the config file, not the environment".into(),
+            ));
             continue;
         }
         if ENV_LIST_KEYS.contains(&key.as_str()) {
@@ -137,7 +148,11 @@ pub fn check_env_overrides(vars: impl Iterator<Item = (String, String)>) -> Vec<
 pub const ENV_LIST_KEYS: &[&str] = &["plugins.preference", "plugins.libraries", "discovery.etcd_endpoints"];
 
 fn environment() -> Environment {
-    let env = Environment::with_prefix(ENV_PREFIX).prefix_separator(ENV_SEPARATOR).separator(ENV_SEPARATOR).try_parsing(true).list_separator(",");
+    let env = Environment::with_prefix(ENV_PREFIX)
+        .prefix_separator(ENV_SEPARATOR)
+        .separator(ENV_SEPARATOR)
+        .try_parsing(true)
+        .list_separator(",");
     ENV_LIST_KEYS.iter().fold(env, |env, key| env.with_list_parse_key(key))
 }
 
@@ -149,13 +164,18 @@ pub fn single_underscore_env_warnings() -> Vec<String> {
 
 fn env_warnings(names: impl Iterator<Item = String>) -> Vec<String> {
     names
-        .filter(|k| k.starts_with("KVGATE_") && !k.starts_with("KVGATE__") && !IGNORED_KVGATE_VARS.contains(&k.as_str()))
-        .map(|k| format!("environment variable {k} is ignored: overrides are spelled KVGATE__SECTION__KEY (two underscores)"))
+        .filter(|k| {
+            k.starts_with("KVGATE_") && !k.starts_with("KVGATE__") && !IGNORED_KVGATE_VARS.contains(&k.as_str())
+        })
+        .map(|k| {
+            format!("environment variable {k} is ignored: overrides are spelled KVGATE__SECTION__KEY (two underscores)")
+        })
         .collect()
 }
 
 /// Variables with a single underscore that kvgate reads on purpose (not config overrides).
-const IGNORED_KVGATE_VARS: &[&str] = &["KVGATE_LOG", "KVGATE_BIN", "KVGATE_ENGINE_API", "KVGATE_SGLANG_VENV", "KVGATE_SGLANG_PYTHON"];
+const IGNORED_KVGATE_VARS: &[&str] =
+    &["KVGATE_LOG", "KVGATE_BIN", "KVGATE_ENGINE_API", "KVGATE_SGLANG_VENV", "KVGATE_SGLANG_PYTHON"];
 
 /// The built-in defaults as a commented-free TOML document (`kvgate config default`).
 pub fn default_toml() -> String {
@@ -167,20 +187,42 @@ mod tests {
     use super::*;
 
     fn env_errors(vars: &[(&str, &str)]) -> Vec<String> {
-        check_env_overrides(vars.iter().map(|(k, v)| (k.to_string(), v.to_string()))).iter().map(|e| e.to_string()).collect()
+        check_env_overrides(vars.iter().map(|(k, v)| (k.to_string(), v.to_string())))
+            .iter()
+            .map(|e| e.to_string())
+            .collect()
     }
 
     #[test]
     fn an_override_that_is_not_a_whole_number_too_large_or_an_empty_list_item_is_refused_naming_the_variable() {
-        assert!(env_errors(&[("KVGATE__PEER_LINK__HEARTBEAT_MISSES", "3"), ("KVGATE__PLUGINS__PREFERENCE", "shm,quic"), ("KVGATE__GATEWAY__NAME", "1.9")]).is_empty());
+        assert!(env_errors(&[
+            ("KVGATE__PEER_LINK__HEARTBEAT_MISSES", "3"),
+            ("KVGATE__PLUGINS__PREFERENCE", "shm,quic"),
+            ("KVGATE__GATEWAY__NAME", "1.9")
+        ])
+        .is_empty());
         let e = env_errors(&[("KVGATE__PEER_LINK__HEARTBEAT_MISSES", "1.9")]);
-        assert!(e.len() == 1 && e[0].contains("KVGATE__PEER_LINK__HEARTBEAT_MISSES") && e[0].contains("whole number"), "{e:?}");
+        assert!(
+            e.len() == 1 && e[0].contains("KVGATE__PEER_LINK__HEARTBEAT_MISSES") && e[0].contains("whole number"),
+            "{e:?}"
+        );
         let e = env_errors(&[("KVGATE__SCHEDULER__ROOM_TIMEOUT_MS", "18446744073709551615")]);
-        assert!(e.len() == 1 && e[0].contains("KVGATE__SCHEDULER__ROOM_TIMEOUT_MS") && e[0].contains("up to 9223372036854775807"), "{e:?}");
-        assert!(env_errors(&[("KVGATE__SCHEDULER__ROOM_TIMEOUT_MS", "9223372036854775807")]).is_empty(), "at the limit");
+        assert!(
+            e.len() == 1
+                && e[0].contains("KVGATE__SCHEDULER__ROOM_TIMEOUT_MS")
+                && e[0].contains("up to 9223372036854775807"),
+            "{e:?}"
+        );
+        assert!(
+            env_errors(&[("KVGATE__SCHEDULER__ROOM_TIMEOUT_MS", "9223372036854775807")]).is_empty(),
+            "at the limit"
+        );
         for list in ["", "shm,", ",shm", "shm,,quic"] {
             let e = env_errors(&[("KVGATE__PLUGINS__PREFERENCE", list)]);
-            assert!(e.len() == 1 && e[0].contains("KVGATE__PLUGINS__PREFERENCE") && e[0].contains("non-empty items"), "{list:?}: {e:?}");
+            assert!(
+                e.len() == 1 && e[0].contains("KVGATE__PLUGINS__PREFERENCE") && e[0].contains("non-empty items"),
+                "{list:?}: {e:?}"
+            );
         }
         let e = env_errors(&[("KVGATE__PEERS__0__NAME", "decode")]);
         assert!(e.len() == 1 && e[0].contains("KVGATE__PEERS__0__NAME") && e[0].contains("[[peers]]"), "{e:?}");

@@ -3,9 +3,9 @@
 //! Never starts anything and never reads a setting outside this tree.
 
 mod load;
-mod validate;
 #[cfg(test)]
 mod tests;
+mod validate;
 
 pub use load::{default_toml, load_config, load_config_from_str, single_underscore_env_warnings, ConfigError};
 pub use validate::{check_range, LimitError};
@@ -377,7 +377,14 @@ pub const MAX_IO_THREADS: u64 = 256;
 
 impl Default for DriverSection {
     fn default() -> Self {
-        DriverSection { event_queue_len: 4096, plugin_event_queue_len: 65536, shutdown_grace_ms: 2000, io_threads: 0, stall_catch_up_ms: 500, inputs_per_step: 64 }
+        DriverSection {
+            event_queue_len: 4096,
+            plugin_event_queue_len: 65536,
+            shutdown_grace_ms: 2000,
+            io_threads: 0,
+            stall_catch_up_ms: 500,
+            inputs_per_step: 64,
+        }
     }
 }
 

@@ -128,20 +128,33 @@ fn plugin_config_tables_are_passed_through_as_toml() {
 #[test]
 fn plugin_reload_limits_are_checked_at_and_just_past_their_bounds() {
     for ok in [1, 1024] {
-        assert_eq!(load_config_from_str(&format!("[plugins]\nmax_mapped_libraries = {ok}\n")).unwrap().plugins.max_mapped_libraries, ok);
+        assert_eq!(
+            load_config_from_str(&format!("[plugins]\nmax_mapped_libraries = {ok}\n"))
+                .unwrap()
+                .plugins
+                .max_mapped_libraries,
+            ok
+        );
     }
     for bad in [0, 1025] {
         let e = errors_of(&format!("[plugins]\nmax_mapped_libraries = {bad}\n"));
         assert!(e.contains(&format!("plugins.max_mapped_libraries = {bad}")) && e.contains("1..=1024"), "{e}");
     }
     for ok in [100, 86_400_000] {
-        assert_eq!(load_config_from_str(&format!("[plugins]\ndrain_timeout_ms = {ok}\n")).unwrap().plugins.drain_timeout_ms, ok);
+        assert_eq!(
+            load_config_from_str(&format!("[plugins]\ndrain_timeout_ms = {ok}\n")).unwrap().plugins.drain_timeout_ms,
+            ok
+        );
     }
     for bad in [99, 86_400_001] {
         let e = errors_of(&format!("[plugins]\ndrain_timeout_ms = {bad}\n"));
         assert!(e.contains(&format!("plugins.drain_timeout_ms = {bad}")) && e.contains("100..=86400000"), "{e}");
     }
-    for (key, min, max) in [("restart_max_attempts", 0u64, 100u64), ("restart_window_ms", 1_000, 86_400_000), ("restart_backoff_ms", 10, 600_000)] {
+    for (key, min, max) in [
+        ("restart_max_attempts", 0u64, 100u64),
+        ("restart_window_ms", 1_000, 86_400_000),
+        ("restart_backoff_ms", 10, 600_000),
+    ] {
         for ok in [min, max] {
             load_config_from_str(&format!("[plugins]\n{key} = {ok}\n")).unwrap();
         }
@@ -156,7 +169,10 @@ fn plugin_reload_limits_are_checked_at_and_just_past_their_bounds() {
 #[test]
 fn shutdown_grace_is_checked_at_and_just_past_its_bounds() {
     for ok in [0, 60_000] {
-        assert_eq!(load_config_from_str(&format!("[driver]\nshutdown_grace_ms = {ok}\n")).unwrap().driver.shutdown_grace_ms, ok);
+        assert_eq!(
+            load_config_from_str(&format!("[driver]\nshutdown_grace_ms = {ok}\n")).unwrap().driver.shutdown_grace_ms,
+            ok
+        );
     }
     let e = errors_of("[driver]\nshutdown_grace_ms = 60001\n");
     assert!(e.contains("driver.shutdown_grace_ms = 60001") && e.contains("0..=60000"), "{e}");
@@ -170,14 +186,22 @@ fn shutdown_grace_is_checked_at_and_just_past_its_bounds() {
 #[test]
 fn stuck_room_warning_rate_is_checked_at_and_just_past_its_bounds() {
     for ok in [0, 1, super::MAX_STUCK_ROOM_WARN_LINES_PER_S] {
-        assert_eq!(load_config_from_str(&format!("[admin]\nstuck_room_warn_lines_per_s = {ok}\n")).unwrap().admin.stuck_room_warn_lines_per_s, ok);
+        assert_eq!(
+            load_config_from_str(&format!("[admin]\nstuck_room_warn_lines_per_s = {ok}\n"))
+                .unwrap()
+                .admin
+                .stuck_room_warn_lines_per_s,
+            ok
+        );
     }
-    let e = errors_of(&format!("[admin]\nstuck_room_warn_lines_per_s = {}\n", super::MAX_STUCK_ROOM_WARN_LINES_PER_S + 1));
+    let e =
+        errors_of(&format!("[admin]\nstuck_room_warn_lines_per_s = {}\n", super::MAX_STUCK_ROOM_WARN_LINES_PER_S + 1));
     assert!(e.contains("admin.stuck_room_warn_lines_per_s = 100001") && e.contains("0..=100000"), "{e}");
 }
 
 /// Discovery on (peer links then need their authentication: a key file, which validation does not read).
-const ETCD: &str = "[peer_link]\npsk_file = \"/etc/kvgate/peer.key\"\n[discovery]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n";
+const ETCD: &str =
+    "[peer_link]\npsk_file = \"/etc/kvgate/peer.key\"\n[discovery]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n";
 const ETCD_ONLY: &str = "[discovery]\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n";
 
 #[test]
@@ -212,7 +236,10 @@ fn discovery_limits_are_checked_at_and_just_past_each_bound_only_when_it_is_on()
 fn the_request_timeout_is_at_most_a_third_of_the_lease_at_and_just_past_the_limit() {
     load_config_from_str(&format!("{ETCD}lease_ttl_s = 3\nrequest_timeout_ms = 1000\n")).unwrap();
     let e = errors_of(&format!("{ETCD}lease_ttl_s = 3\nrequest_timeout_ms = 1001\n"));
-    assert!(e.contains("discovery.request_timeout_ms = 1001") && e.contains("a third of discovery.lease_ttl_s (1000 ms)"), "{e}");
+    assert!(
+        e.contains("discovery.request_timeout_ms = 1001") && e.contains("a third of discovery.lease_ttl_s (1000 ms)"),
+        "{e}"
+    );
     // The defaults (10 s, 3000 ms) are inside it.
     load_config_from_str(ETCD).unwrap();
 }
@@ -220,7 +247,12 @@ fn the_request_timeout_is_at_most_a_third_of_the_lease_at_and_just_past_the_limi
 #[test]
 fn discovery_addresses_and_prefix_are_checked() {
     let e = errors_of("[discovery]\netcd_endpoints = [\"127.0.0.1:2379\", \"http://etcd\"]\n");
-    assert!(e.contains("discovery.etcd_endpoints[0]") && e.contains("discovery.etcd_endpoints[1]") && e.contains("http://host:port"), "{e}");
+    assert!(
+        e.contains("discovery.etcd_endpoints[0]")
+            && e.contains("discovery.etcd_endpoints[1]")
+            && e.contains("http://host:port"),
+        "{e}"
+    );
     let e = errors_of(&format!("{ETCD}key_prefix = \"/kvgate/peers\"\n"));
     assert!(e.contains("discovery.key_prefix") && e.contains("ending in /"), "{e}");
     let e = errors_of(&format!("{ETCD}advertise_address = \"10.0.0.1\"\n"));
@@ -238,18 +270,23 @@ fn discovery_credentials_and_tls_come_whole() {
     assert!(e.contains("discovery.password_file") && e.contains("or neither"), "{e}");
     let e = errors_of(&format!("{ETCD}password_file = \"/etc/kvgate/etcd-password\"\n"));
     assert!(e.contains("discovery.username") && e.contains("or neither"), "{e}");
-    load_config_from_str(&format!("{ETCD}username = \"kvgate\"\npassword_file = \"/etc/kvgate/etcd-password\"\n")).unwrap();
+    load_config_from_str(&format!("{ETCD}username = \"kvgate\"\npassword_file = \"/etc/kvgate/etcd-password\"\n"))
+        .unwrap();
 
     // TLS: https:// endpoints only, a CA always, a client certificate with its key.
     let e = errors_of(&format!("{ETCD}[discovery.tls]\nca_file = \"/etc/ca.pem\"\n"));
     assert!(e.contains("discovery.etcd_endpoints[0]") && e.contains("https://host:port"), "{e}");
-    let https = "[peer_link]\npsk_file = \"/etc/kvgate/peer.key\"\n[discovery]\netcd_endpoints = [\"https://etcd-1:2379\"]\n";
+    let https =
+        "[peer_link]\npsk_file = \"/etc/kvgate/peer.key\"\n[discovery]\netcd_endpoints = [\"https://etcd-1:2379\"]\n";
     let e = errors_of(https);
     assert!(e.contains("discovery.etcd_endpoints[0]") && e.contains("needs discovery.tls"), "{e}");
     let e = errors_of(&format!("{https}[discovery.tls]\ncert_file = \"/etc/c.pem\"\n"));
     assert!(e.contains("discovery.tls.ca_file") && e.contains("discovery.tls.cert_file"), "{e}");
     load_config_from_str(&format!("{https}[discovery.tls]\nca_file = \"/etc/ca.pem\"\n")).unwrap();
-    load_config_from_str(&format!("{https}[discovery.tls]\nca_file = \"/etc/ca.pem\"\ncert_file = \"/etc/c.pem\"\nkey_file = \"/etc/c.key\"\n")).unwrap();
+    load_config_from_str(&format!(
+        "{https}[discovery.tls]\nca_file = \"/etc/ca.pem\"\ncert_file = \"/etc/c.pem\"\nkey_file = \"/etc/c.key\"\n"
+    ))
+    .unwrap();
 }
 
 #[test]
@@ -277,15 +314,20 @@ fn peer_links_need_authentication_unless_none_is_written_and_then_only_on_loopba
     assert!(errors_of(&format!("[peer_link]\nauth = \"tls\"\n{peer}")).contains("only with [peer_link.tls]"));
     let tls = "[peer_link.tls]\ncert_file = \"/c\"\nkey_file = \"/k\"\nca_file = \"/ca\"\n";
     assert_eq!(load_config_from_str(&format!("{peer}{tls}")).unwrap().peer_link.auth_mode(), PeerAuthMode::Tls);
-    assert!(errors_of(&format!("[peer_link]\nauth = \"psk\"\npsk_file = \"/k\"\n{peer}{tls}")).contains("one authentication per link"));
+    assert!(errors_of(&format!("[peer_link]\nauth = \"psk\"\npsk_file = \"/k\"\n{peer}{tls}"))
+        .contains("one authentication per link"));
     // `none`: only written, only on loopback, with no key file beside it.
-    assert_eq!(load_config_from_str(&format!("[peer_link]\nauth = \"none\"\n{peer}")).unwrap().peer_link.auth_mode(), PeerAuthMode::None);
+    assert_eq!(
+        load_config_from_str(&format!("[peer_link]\nauth = \"none\"\n{peer}")).unwrap().peer_link.auth_mode(),
+        PeerAuthMode::None
+    );
     for listen in ["0.0.0.0:7100", "10.0.0.1:7100", "[::]:7100"] {
         let e = errors_of(&format!("[peer_link]\nauth = \"none\"\nlisten = {listen:?}\n{peer}"));
         assert!(e.contains("peer_link.listen") && e.contains("loopback"), "{listen}: {e}");
     }
     load_config_from_str(&format!("[peer_link]\nauth = \"none\"\nlisten = \"[::1]:7100\"\n{peer}")).unwrap();
-    assert!(errors_of(&format!("[peer_link]\nauth = \"none\"\npsk_file = \"/k\"\n{peer}")).contains("empty unless peer_link.auth"));
+    assert!(errors_of(&format!("[peer_link]\nauth = \"none\"\npsk_file = \"/k\"\n{peer}"))
+        .contains("empty unless peer_link.auth"));
     // A misspelt mode is a parse error naming the key.
     assert!(errors_of("[peer_link]\nauth = \"pks\"\n").contains("auth"));
 }
@@ -293,7 +335,11 @@ fn peer_links_need_authentication_unless_none_is_written_and_then_only_on_loopba
 #[test]
 fn every_listeners_connection_limits_are_checked_at_and_just_past_each_bound() {
     for section in ["engine_api", "peer_link", "admin"] {
-        for (key, min, max) in [("max_connections", 1u64, 65_536u64), ("handshake_timeout_ms", 100, 600_000), ("idle_timeout_ms", 1_000, 86_400_000)] {
+        for (key, min, max) in [
+            ("max_connections", 1u64, 65_536u64),
+            ("handshake_timeout_ms", 100, 600_000),
+            ("idle_timeout_ms", 1_000, 86_400_000),
+        ] {
             for ok in [min, max] {
                 load_config_from_str(&format!("[{section}.connections]\n{key} = {ok}\n")).unwrap();
             }
@@ -305,7 +351,10 @@ fn every_listeners_connection_limits_are_checked_at_and_just_past_each_bound() {
     }
     assert!(errors_of("[engine_api.connections]\nmax_conections = 5\n").contains("max_conections"));
     // A peer link's silence bound leaves room for heartbeats: at 2 x the interval, and just under.
-    load_config_from_str("[peer_link]\nheartbeat_interval_ms = 1000\n[peer_link.connections]\nidle_timeout_ms = 2000\n").unwrap();
+    load_config_from_str(
+        "[peer_link]\nheartbeat_interval_ms = 1000\n[peer_link.connections]\nidle_timeout_ms = 2000\n",
+    )
+    .unwrap();
     let e = errors_of("[peer_link]\nheartbeat_interval_ms = 1000\n[peer_link.connections]\nidle_timeout_ms = 1999\n");
     assert!(e.contains("peer_link.connections.idle_timeout_ms = 1999") && e.contains("heartbeat_interval_ms"), "{e}");
 }
@@ -314,8 +363,10 @@ fn every_listeners_connection_limits_are_checked_at_and_just_past_each_bound() {
 fn watchers_per_connection_are_checked_at_and_just_past_their_bounds() {
     load_config_from_str("[engine_api]\nmax_watchers_per_connection = 1\n").unwrap();
     load_config_from_str("[engine_api]\nmax_watchers_per_connection = 65536\n").unwrap();
-    assert!(errors_of("[engine_api]\nmax_watchers_per_connection = 65537\n").contains("engine_api.max_watchers_per_connection = 65537"));
-    assert!(errors_of("[engine_api]\nmax_watchers_per_connection = 0\n").contains("engine_api.max_watchers_per_connection = 0"));
+    assert!(errors_of("[engine_api]\nmax_watchers_per_connection = 65537\n")
+        .contains("engine_api.max_watchers_per_connection = 65537"));
+    assert!(errors_of("[engine_api]\nmax_watchers_per_connection = 0\n")
+        .contains("engine_api.max_watchers_per_connection = 0"));
 }
 
 #[test]

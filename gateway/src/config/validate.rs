@@ -24,7 +24,11 @@ impl fmt::Display for LimitError {
 
 /// `Some(error)` unless `min <= value <= max`.
 pub fn check_range(key: &str, value: u64, min: u64, max: u64) -> Option<LimitError> {
-    (value < min || value > max).then(|| LimitError { key: key.to_string(), value: value.to_string(), allowed: format!("{min}..={max}") })
+    (value < min || value > max).then(|| LimitError {
+        key: key.to_string(),
+        value: value.to_string(),
+        allowed: format!("{min}..={max}"),
+    })
 }
 
 fn rule(key: &str, value: impl fmt::Display, allowed: &str) -> LimitError {
@@ -68,7 +72,11 @@ fn check_gateway_and_engine_api(config: &GatewayConfig, errors: &mut Vec<LimitEr
             errors.push(rule("engine_api.tcp_listen", format!("{:?}", api.tcp_listen), "an ip:port address"));
         }
         if api.bearer_token_file.is_empty() {
-            errors.push(rule("engine_api.bearer_token_file", "\"\"", "a token file whenever engine_api.tcp_listen is set"));
+            errors.push(rule(
+                "engine_api.bearer_token_file",
+                "\"\"",
+                "a token file whenever engine_api.tcp_listen is set",
+            ));
         }
     }
     errors.extend(check_range("engine_api.max_regions", api.max_regions, 1, 1 << 20));
@@ -83,7 +91,12 @@ fn check_gateway_and_engine_api(config: &GatewayConfig, errors: &mut Vec<LimitEr
     errors.extend(check_range("engine_api.max_text_bytes", api.max_text_bytes, 16, 65_536));
     errors.extend(check_range("engine_api.max_passed_fds", api.max_passed_fds, 1, 4096));
     errors.extend(check_range("engine_api.passed_fd_ttl_ms", api.passed_fd_ttl_ms, 100, 3_600_000));
-    errors.extend(check_range("engine_api.http2_max_pending_reset_streams", api.http2_max_pending_reset_streams, 20, 1 << 20));
+    errors.extend(check_range(
+        "engine_api.http2_max_pending_reset_streams",
+        api.http2_max_pending_reset_streams,
+        20,
+        1 << 20,
+    ));
     check_connections("engine_api", &api.connections, errors);
 }
 
@@ -104,13 +117,20 @@ fn check_peer_link(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
         errors.push(rule(
             "engine_api.max_request_bytes",
             config.engine_api.max_request_bytes.to_string(),
-            &format!("at most peer_link.max_frame_bytes = {} (an engine call may become one peer-link frame)", link.max_frame_bytes),
+            &format!(
+                "at most peer_link.max_frame_bytes = {} (an engine call may become one peer-link frame)",
+                link.max_frame_bytes
+            ),
         ));
     }
     if let Some(tls) = &link.tls {
         for (key, value) in [("cert_file", &tls.cert_file), ("key_file", &tls.key_file), ("ca_file", &tls.ca_file)] {
             if value.is_empty() {
-                errors.push(rule(&format!("peer_link.tls.{key}"), "\"\"", "a PEM file path (all three are needed for mutual TLS)"));
+                errors.push(rule(
+                    &format!("peer_link.tls.{key}"),
+                    "\"\"",
+                    "a PEM file path (all three are needed for mutual TLS)",
+                ));
             }
         }
     }
@@ -129,8 +149,18 @@ fn check_peer_link(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
 /// The bounds of one listener's connections.
 fn check_connections(section: &str, limits: &crate::config::ConnectionLimits, errors: &mut Vec<LimitError>) {
     errors.extend(check_range(&format!("{section}.connections.max_connections"), limits.max_connections, 1, 65_536));
-    errors.extend(check_range(&format!("{section}.connections.handshake_timeout_ms"), limits.handshake_timeout_ms, 100, 600_000));
-    errors.extend(check_range(&format!("{section}.connections.idle_timeout_ms"), limits.idle_timeout_ms, 1_000, 86_400_000));
+    errors.extend(check_range(
+        &format!("{section}.connections.handshake_timeout_ms"),
+        limits.handshake_timeout_ms,
+        100,
+        600_000,
+    ));
+    errors.extend(check_range(
+        &format!("{section}.connections.idle_timeout_ms"),
+        limits.idle_timeout_ms,
+        1_000,
+        86_400_000,
+    ));
 }
 
 /// The files a config names that must be usable before anything starts (`config check` and
@@ -140,7 +170,10 @@ pub fn check_files(config: &GatewayConfig) -> Vec<LimitError> {
     let link = &config.peer_link;
     if link.auth_mode() == PeerAuthMode::Psk && !link.psk_file.is_empty() {
         if let Err(e) = crate::peer_link::psk::Psk::load(std::path::Path::new(&link.psk_file)) {
-            let allowed = format!("a key file of mode 0600 owned by this user ({e:#}); make one with `kvgate keygen psk {}`", link.psk_file);
+            let allowed = format!(
+                "a key file of mode 0600 owned by this user ({e:#}); make one with `kvgate keygen psk {}`",
+                link.psk_file
+            );
             errors.push(rule("peer_link.psk_file", format!("{:?}", link.psk_file), &allowed));
         }
     }
@@ -155,7 +188,11 @@ fn check_peer_auth(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
     match link.auth_mode() {
         PeerAuthMode::Psk => {
             if link.tls.is_some() {
-                errors.push(rule("peer_link.auth", "\"psk\"", "\"tls\" when [peer_link.tls] is given (one authentication per link)"));
+                errors.push(rule(
+                    "peer_link.auth",
+                    "\"psk\"",
+                    "\"tls\" when [peer_link.tls] is given (one authentication per link)",
+                ));
             }
             if link.psk_file.is_empty() && has_peers {
                 errors.push(rule(
@@ -169,7 +206,11 @@ fn check_peer_auth(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
         }
         PeerAuthMode::Tls => {
             if link.tls.is_none() {
-                errors.push(rule("peer_link.auth", "\"tls\"", "\"tls\" only with [peer_link.tls] (cert_file, key_file, ca_file)"));
+                errors.push(rule(
+                    "peer_link.auth",
+                    "\"tls\"",
+                    "\"tls\" only with [peer_link.tls] (cert_file, key_file, ca_file)",
+                ));
             }
         }
         PeerAuthMode::None => {
@@ -184,7 +225,11 @@ fn check_peer_auth(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
         }
     }
     if link.auth_mode() != PeerAuthMode::Psk && !link.psk_file.is_empty() {
-        errors.push(rule("peer_link.psk_file", format!("{:?}", link.psk_file), &format!("empty unless peer_link.auth = \"psk\" (it is {:?})", link.auth_mode().as_str())));
+        errors.push(rule(
+            "peer_link.psk_file",
+            format!("{:?}", link.psk_file),
+            &format!("empty unless peer_link.auth = \"psk\" (it is {:?})", link.auth_mode().as_str()),
+        ));
     }
 }
 
@@ -193,12 +238,17 @@ fn check_peers(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
     for (i, peer) in config.peers.iter().enumerate() {
         let at = format!("peers[{i}]");
         if peer.name.is_empty() || peer.name == config.gateway.name {
-            errors.push(rule(&format!("{at}.name"), format!("{:?}", peer.name), "a non-empty name other than gateway.name"));
+            errors.push(rule(
+                &format!("{at}.name"),
+                format!("{:?}", peer.name),
+                "a non-empty name other than gateway.name",
+            ));
         }
         if config.peers[..i].iter().any(|p| p.name == peer.name) {
             errors.push(rule(&format!("{at}.name"), format!("{:?}", peer.name), "a name not used by another peer"));
         }
-        let valid_address = peer.address.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+        let valid_address =
+            peer.address.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
         if !valid_address {
             errors.push(rule(&format!("{at}.address"), format!("{:?}", peer.address), "host:port"));
         }
@@ -213,14 +263,24 @@ fn check_discovery(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
     errors.extend(check_range("discovery.etcd_endpoints (count)", d.etcd_endpoints.len() as u64, 1, 16));
     let scheme = if d.tls.is_some() { "https://" } else { "http://" };
     for (i, endpoint) in d.etcd_endpoints.iter().enumerate() {
-        let valid = endpoint.strip_prefix(scheme).is_some_and(|rest| rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()));
+        let valid = endpoint
+            .strip_prefix(scheme)
+            .is_some_and(|rest| rest.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok()));
         if !valid {
-            let allowed = if d.tls.is_some() { "https://host:port (discovery.tls is set)" } else { "http://host:port (https:// needs discovery.tls)" };
+            let allowed = if d.tls.is_some() {
+                "https://host:port (discovery.tls is set)"
+            } else {
+                "http://host:port (https:// needs discovery.tls)"
+            };
             errors.push(rule(&format!("discovery.etcd_endpoints[{i}]"), format!("{endpoint:?}"), allowed));
         }
     }
     if d.username.is_empty() != d.password_file.is_empty() {
-        let (key, value) = if d.username.is_empty() { ("discovery.username", &d.username) } else { ("discovery.password_file", &d.password_file) };
+        let (key, value) = if d.username.is_empty() {
+            ("discovery.username", &d.username)
+        } else {
+            ("discovery.password_file", &d.password_file)
+        };
         errors.push(rule(key, format!("{value:?}"), "both discovery.username and discovery.password_file, or neither"));
     }
     if let Some(tls) = &d.tls {
@@ -228,7 +288,11 @@ fn check_discovery(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
             errors.push(rule("discovery.tls.ca_file", "\"\"", "the PEM file of the CA that signed etcd's certificate"));
         }
         if tls.cert_file.is_empty() != tls.key_file.is_empty() {
-            errors.push(rule("discovery.tls.cert_file", format!("{:?}", tls.cert_file), "with discovery.tls.key_file, or neither (no client certificate)"));
+            errors.push(rule(
+                "discovery.tls.cert_file",
+                format!("{:?}", tls.cert_file),
+                "with discovery.tls.key_file, or neither (no client certificate)",
+            ));
         }
     }
     if d.key_prefix.is_empty() || !d.key_prefix.ends_with('/') {
@@ -256,7 +320,8 @@ fn check_discovery(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
             }
         }
         false => {
-            let valid = d.advertise_address.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+            let valid =
+                d.advertise_address.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
             if !valid {
                 errors.push(rule("discovery.advertise_address", format!("{:?}", d.advertise_address), "host:port"));
             }
@@ -280,14 +345,23 @@ fn check_plugins_driver_admin_log(config: &GatewayConfig, errors: &mut Vec<Limit
     errors.extend(check_range("driver.stall_catch_up_ms", config.driver.stall_catch_up_ms, 0, 10_000));
     errors.extend(check_range("driver.inputs_per_step", config.driver.inputs_per_step, 1, super::MAX_INPUTS_PER_STEP));
     if !config.admin.listen.is_empty() && config.admin.listen.parse::<SocketAddr>().is_err() {
-        errors.push(rule("admin.listen", format!("{:?}", config.admin.listen), "an ip:port address, or empty to disable"));
+        errors.push(rule(
+            "admin.listen",
+            format!("{:?}", config.admin.listen),
+            "an ip:port address, or empty to disable",
+        ));
     }
     errors.extend(check_range("admin.stuck_room_warn_ms (count)", config.admin.stuck_room_warn_ms.len() as u64, 0, 16));
     for (i, age) in config.admin.stuck_room_warn_ms.iter().enumerate() {
         errors.extend(check_range(&format!("admin.stuck_room_warn_ms[{i}]"), *age, 100, 86_400_000));
     }
     errors.extend(check_range("admin.quarantine_unhealthy_ms", config.admin.quarantine_unhealthy_ms, 100, 86_400_000));
-    errors.extend(check_range("admin.stuck_room_warn_lines_per_s", config.admin.stuck_room_warn_lines_per_s, 0, super::MAX_STUCK_ROOM_WARN_LINES_PER_S));
+    errors.extend(check_range(
+        "admin.stuck_room_warn_lines_per_s",
+        config.admin.stuck_room_warn_lines_per_s,
+        0,
+        super::MAX_STUCK_ROOM_WARN_LINES_PER_S,
+    ));
     check_connections("admin", &config.admin.connections, errors);
     if !["text", "json"].contains(&config.log.format.as_str()) {
         errors.push(rule("log.format", format!("{:?}", config.log.format), "\"text\" or \"json\""));

@@ -5,7 +5,10 @@
 
 use super::Driver;
 use crate::peer_link::codec;
-use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, Event, IncomingRequest, SubmitRequest};
+use kvgate_abi::{
+    abi_stable::std_types::{RResult, RSlice},
+    Event, IncomingRequest, SubmitRequest,
+};
 use kvgate_client::proto;
 use kvgate_core::{Command, Outcome, PluginSlot, ReleaseCause, Role, RoomEvent, RoomKey, RoomState, Span};
 
@@ -20,14 +23,23 @@ impl Driver {
             Command::Submit { plugin, xfer, peer, ticket, timeout, segments } => {
                 // To the peer instance the destination key was imported from (see `pairing`).
                 let route = match self.peers.session(peer.0) {
-                    Some(state) if state.virtual_ids => segments.first().and_then(|s| state.key_routes.get(&(*plugin, s.remote)).copied()),
+                    Some(state) if state.virtual_ids => {
+                        segments.first().and_then(|s| state.key_routes.get(&(*plugin, s.remote)).copied())
+                    }
                     _ => None,
                 };
-                let request = SubmitRequest { xfer: *xfer, peer: route.unwrap_or(*peer), ticket: *ticket, timeout_ns: timeout.0, segments: RSlice::from_slice(segments) };
+                let request = SubmitRequest {
+                    xfer: *xfer,
+                    peer: route.unwrap_or(*peer),
+                    ticket: *ticket,
+                    timeout_ns: timeout.0,
+                    segments: RSlice::from_slice(segments),
+                };
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
                     if let RResult::RErr(e) = opened.transport().submit(request) {
                         tracing::debug!(plugin = opened.name(), xfer = xfer.0, "submit refused: {e}");
-                        self.feedback.push_back((*plugin, Event::failed_quiesced(*xfer, e.code, e.message.to_string())));
+                        self.feedback
+                            .push_back((*plugin, Event::failed_quiesced(*xfer, e.code, e.message.to_string())));
                     }
                 }
             }
@@ -39,17 +51,29 @@ impl Driver {
             Command::ExpectIncoming { plugin, peer, ticket, timeout, ranges } => {
                 // For the peer instance this one is paired with (the notice names it).
                 let route = match self.peers.session(peer.0) {
-                    Some(s) if s.virtual_ids => s.remote_ids.get(s.partner.get(plugin).map_or("", String::as_str)).copied().filter(|id| id != peer),
+                    Some(s) if s.virtual_ids => s
+                        .remote_ids
+                        .get(s.partner.get(plugin).map_or("", String::as_str))
+                        .copied()
+                        .filter(|id| id != peer),
                     _ => None,
                 };
                 if let Some(id) = route {
                     self.ticket_routes.insert((*plugin, *ticket), id);
                 }
-                let request = IncomingRequest { ticket: *ticket, peer: route.unwrap_or(*peer), timeout_ns: timeout.0, ranges: RSlice::from_slice(ranges) };
+                let request = IncomingRequest {
+                    ticket: *ticket,
+                    peer: route.unwrap_or(*peer),
+                    timeout_ns: timeout.0,
+                    ranges: RSlice::from_slice(ranges),
+                };
                 if let Some(opened) = self.plugins.get(plugin.0 as usize) {
                     if let RResult::RErr(e) = opened.transport().expect_incoming(request) {
                         self.ticket_routes.remove(&(*plugin, *ticket));
-                        self.feedback.push_back((*plugin, Event::incoming_failed(*peer, *ticket, e.code, e.message.to_string())));
+                        self.feedback.push_back((
+                            *plugin,
+                            Event::incoming_failed(*peer, *ticket, e.code, e.message.to_string()),
+                        ));
                     }
                 }
             }
@@ -113,10 +137,20 @@ impl Driver {
                 if !self.watch.wants_progress() {
                     return;
                 }
-                proto::room_event::Event::StateChanged(proto::StateChanged { state: format!("part_{part}_succeeded_{bytes}_bytes") })
+                proto::room_event::Event::StateChanged(proto::StateChanged {
+                    state: format!("part_{part}_succeeded_{bytes}_bytes"),
+                })
             }
             RoomEvent::Terminal { room, role, outcome, elapsed, bytes, peer, plugin, transferring } => {
-                let ended = Ended { room: *room, role: *role, elapsed: *elapsed, bytes: *bytes, peer: *peer, plugin: *plugin, transferring: *transferring };
+                let ended = Ended {
+                    room: *room,
+                    role: *role,
+                    elapsed: *elapsed,
+                    bytes: *bytes,
+                    peer: *peer,
+                    plugin: *plugin,
+                    transferring: *transferring,
+                };
                 self.terminal_event(outcome, ended)
             }
             RoomEvent::Reusable { room, role, cause, plugin } => {
@@ -153,7 +187,12 @@ impl Driver {
                     self.metrics.observe_transfer(plugin_name, bytes, transferring.unwrap_or(elapsed));
                 }
                 tracing::debug!(room = %room, role = role.as_str(), elapsed_ms = elapsed.as_ms(), bytes, "room succeeded");
-                proto::room_event::Event::Terminal(proto::Terminal { succeeded: true, elapsed_ms: elapsed.as_ms(), bytes, ..Default::default() })
+                proto::room_event::Event::Terminal(proto::Terminal {
+                    succeeded: true,
+                    elapsed_ms: elapsed.as_ms(),
+                    bytes,
+                    ..Default::default()
+                })
             }
             Outcome::Failed(failure) => {
                 let peer_name = peer.and_then(|p| self.peers.name_of(p)).unwrap_or("-");

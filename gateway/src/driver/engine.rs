@@ -26,9 +26,10 @@ fn refusal_code(reason: RefusalReason) -> tonic::Code {
     use tonic::Code;
     match reason {
         RefusalReason::DuplicateExpect => Code::AlreadyExists,
-        RefusalReason::RoomTerminal | RefusalReason::StaleGeneration | RefusalReason::PeerNotConnected | RefusalReason::PeerMismatch => {
-            Code::FailedPrecondition
-        }
+        RefusalReason::RoomTerminal
+        | RefusalReason::StaleGeneration
+        | RefusalReason::PeerNotConnected
+        | RefusalReason::PeerMismatch => Code::FailedPrecondition,
         RefusalReason::TooManyRooms | RefusalReason::TooManyPendingSends => Code::ResourceExhausted,
         _ => Code::InvalidArgument,
     }
@@ -73,7 +74,9 @@ impl Driver {
             }
             EngineCall::Abort { room, why, reply } => {
                 let now = self.now();
-                let was_live = Role::ALL.iter().any(|role| self.core.room(now, room, *role).is_some_and(|v| !v.state.is_terminal()));
+                let was_live = Role::ALL
+                    .iter()
+                    .any(|role| self.core.room(now, room, *role).is_some_and(|v| !v.state.is_terminal()));
                 let why = clip(&why, self.config.engine_api.max_text_bytes as usize);
                 tracing::info!(room = %room, was_live, "engine abort: {why}");
                 let result = self.submit_engine(EngineRequest::Abort { room, role: None }).map(|()| was_live);
@@ -84,7 +87,11 @@ impl Driver {
                 let view = [Role::Receiver, Role::Sender].iter().find_map(|role| self.core.room(now, room, *role));
                 let result = match view {
                     Some(v) => Ok(views::room_info(&v, &self.peers, &self.plugins)),
-                    None => Err(ApiError::new(tonic::Code::NotFound, "unknown_room", format!("room {room} is not known here"))),
+                    None => Err(ApiError::new(
+                        tonic::Code::NotFound,
+                        "unknown_room",
+                        format!("room {room} is not known here"),
+                    )),
                 };
                 let _ = reply.send(result);
             }
@@ -108,9 +115,16 @@ impl Driver {
             return Ok(peer);
         }
         if self.directory.entry(name).is_none() {
-            return Err(ApiError::invalid("unknown_peer", format!("{name:?} is not a configured peer (see [[peers]]) nor one discovery found")));
+            return Err(ApiError::invalid(
+                "unknown_peer",
+                format!("{name:?} is not a configured peer (see [[peers]]) nor one discovery found"),
+            ));
         }
-        Err(ApiError::new(tonic::Code::Unavailable, "peer_not_connected", format!("peer {name:?} is known but its link is down")))
+        Err(ApiError::new(
+            tonic::Code::Unavailable,
+            "peer_not_connected",
+            format!("peer {name:?} is known but its link is down"),
+        ))
     }
 
     fn expect_call(&mut self, call: ExpectCall) -> Result<(), ApiError> {
@@ -170,7 +184,16 @@ impl Driver {
 
     /// A send: once the core accepts it, the room holds its source regions.
     #[allow(clippy::too_many_arguments)]
-    fn send(&mut self, room: RoomKey, peer: Option<PeerId>, part: u32, chunk: u32, at: Option<u64>, slices: Vec<Slice>, last: bool) -> Result<(), ApiError> {
+    fn send(
+        &mut self,
+        room: RoomKey,
+        peer: Option<PeerId>,
+        part: u32,
+        chunk: u32,
+        at: Option<u64>,
+        slices: Vec<Slice>,
+        last: bool,
+    ) -> Result<(), ApiError> {
         let now = self.now();
         let result = match at {
             Some(at) => self.core.handle_send_at(now, room, peer, part, chunk, at, &slices, last),

@@ -11,7 +11,10 @@ use std::time::Instant;
 pub enum InstanceState {
     Active,
     /// Retired at `since` by the plugin change numbered `change` (see `PluginsChanged.seq`).
-    Draining { since: Instant, change: u64 },
+    Draining {
+        since: Instant,
+        change: u64,
+    },
     Closed,
 }
 
@@ -41,7 +44,14 @@ pub struct Instance {
 
 impl Instance {
     pub fn new(name: &str, generation: u32, config_text: String, origin: String) -> Instance {
-        Instance { generation, wire_name: wire_name(name, generation), state: InstanceState::Active, config_text, origin, closed_reason: String::new() }
+        Instance {
+            generation,
+            wire_name: wire_name(name, generation),
+            state: InstanceState::Active,
+            config_text,
+            origin,
+            closed_reason: String::new(),
+        }
     }
     pub fn is_active(&self) -> bool {
         self.state == InstanceState::Active

@@ -14,13 +14,12 @@ mod region_use;
 mod regions;
 pub mod reload;
 mod session_calls;
-pub mod supervision;
 pub mod sessions;
 mod shutdown;
 mod stuck;
+pub mod supervision;
 mod views;
 mod violations;
-
 
 use crate::channels::{DriverInput, PluginEventMsg, PluginStatus};
 use crate::config::GatewayConfig;
@@ -110,7 +109,18 @@ pub struct Driver {
 impl Driver {
     pub fn new(parts: DriverParts) -> Driver {
         let slots = parts.plugins.len();
-        let instances = parts.plugins.iter().map(|p| instances::Instance::new(p.name(), 1, plugin_setup::plugin_config_text_of(&parts.config.plugins, p.name()), p.origin().to_string())).collect();
+        let instances = parts
+            .plugins
+            .iter()
+            .map(|p| {
+                instances::Instance::new(
+                    p.name(),
+                    1,
+                    plugin_setup::plugin_config_text_of(&parts.config.plugins, p.name()),
+                    p.origin().to_string(),
+                )
+            })
+            .collect();
         let admin = &parts.config.admin;
         let stuck = stuck::StuckQueues::new(&admin.stuck_room_warn_ms, admin.stuck_room_warn_lines_per_s, At::ZERO);
         Driver {
@@ -125,10 +135,14 @@ impl Driver {
             config: parts.config,
             plugin_names: parts.plugins.iter().map(|p| p.name().to_string()).collect(),
             instances,
-            mapped_libraries: parts.plugins.iter().filter_map(|p| match p.origin() {
-                kvgate_host::PluginOrigin::Library(path) => Some((path.clone(), reload::file_identity(path))),
-                _ => None,
-            }).collect(),
+            mapped_libraries: parts
+                .plugins
+                .iter()
+                .filter_map(|p| match p.origin() {
+                    kvgate_host::PluginOrigin::Library(path) => Some((path.clone(), reload::file_identity(path))),
+                    _ => None,
+                })
+                .collect(),
             plugins: parts.plugins,
             plugin_listing: parts.plugin_listing,
             plugin_events: parts.plugin_events,
@@ -160,12 +174,17 @@ impl Driver {
     }
 
     /// Runs until `Shutdown` or every input sender is gone.
-    pub async fn run(mut self, mut inputs: mpsc::Receiver<DriverInput>, mut plugin_events: mpsc::Receiver<PluginEventMsg>) {
+    pub async fn run(
+        mut self,
+        mut inputs: mpsc::Receiver<DriverInput>,
+        mut plugin_events: mpsc::Receiver<PluginEventMsg>,
+    ) {
         let mut housekeeping = tokio::time::interval(Duration::from_millis(HOUSEKEEPING_INTERVAL_MS));
         housekeeping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let per_step = self.config.driver.inputs_per_step.max(1);
         loop {
-            let wake = self.core.poll_timeout().map(|t| self.instant_of(t).max(self.catch_up_until.unwrap_or(Instant::now())));
+            let wake =
+                self.core.poll_timeout().map(|t| self.instant_of(t).max(self.catch_up_until.unwrap_or(Instant::now())));
             tokio::select! {
                 biased;
                 Some((slot, event)) = plugin_events.recv() => self.on_plugin_event(slot, event),
@@ -254,7 +273,12 @@ impl Driver {
         // A plugin names a peer's instance by its plugin peer id; the core knows the session.
         if event.peer.0 != 0 {
             if event.kind == EventKind::PEER_DOWN && self.plugin_peer_is_leaving(event.peer) {
-                tracing::info!(plugin = self.plugin_name(slot), peer = event.peer.0, "a retiring peer instance went away: {}", event.message);
+                tracing::info!(
+                    plugin = self.plugin_name(slot),
+                    peer = event.peer.0,
+                    "a retiring peer instance went away: {}",
+                    event.message
+                );
                 return;
             }
             event.peer = self.session_of_plugin_peer(event.peer);
@@ -263,7 +287,11 @@ impl Driver {
             self.ticket_routes.remove(&(slot, kvgate_abi::Ticket(event.xfer.0)));
         }
         if event.kind == EventKind::UNHEALTHY && !self.instances.get(slot.0 as usize).is_some_and(|i| i.is_open()) {
-            tracing::info!(plugin = self.plugin_name(slot), "a closed plugin instance reported unhealthy: {}", event.message);
+            tracing::info!(
+                plugin = self.plugin_name(slot),
+                "a closed plugin instance reported unhealthy: {}",
+                event.message
+            );
             return;
         }
         if event.kind == EventKind::UNHEALTHY {

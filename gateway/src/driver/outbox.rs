@@ -42,7 +42,8 @@ impl Outbox {
         // A field of a `CoreBatch`: its tag, its length prefix and the message.
         let len = message.encoded_len();
         let field = 1 + prost::encoding::encoded_len_varint(len as u64) + len;
-        let batches = if !self.messages.is_empty() && self.encoded + field > self.batch_bytes { self.flush(sender) } else { 0 };
+        let batches =
+            if !self.messages.is_empty() && self.encoded + field > self.batch_bytes { self.flush(sender) } else { 0 };
         self.messages.push(message);
         self.encoded += field;
         batches
@@ -75,7 +76,10 @@ mod tests {
     use crate::peer_link::lanes;
 
     fn message(room: u64) -> proto::CoreMessage {
-        proto::CoreMessage { key: Some(proto::RoomKey { room, generation: 0 }), message: Some(proto::core_message::Message::Matched(proto::Matched {})) }
+        proto::CoreMessage {
+            key: Some(proto::RoomKey { room, generation: 0 }),
+            message: Some(proto::core_message::Message::Matched(proto::Matched {})),
+        }
     }
 
     fn sent(rx: &mut lanes::OutboundReceivers) -> Vec<Frame> {
@@ -134,7 +138,10 @@ mod tests {
             assert_eq!(rooms, vec![1, 2, 3, 4], "order kept across batches");
             for frame in &got {
                 let encoded = proto::PeerFrame { frame: Some(frame.clone()), mac: Vec::new() }.encoded_len();
-                assert!(encoded <= bound + 8, "a batch of {encoded} bytes past its bound {bound} (+ the frame's own tag and length)");
+                assert!(
+                    encoded <= bound + 8,
+                    "a batch of {encoded} bytes past its bound {bound} (+ the frame's own tag and length)"
+                );
             }
         }
     }

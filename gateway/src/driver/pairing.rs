@@ -14,7 +14,10 @@ use super::instances::plugin_of;
 use super::Driver;
 use crate::channels::SessionId;
 use crate::peer_link::dials;
-use kvgate_abi::{abi_stable::std_types::{RResult, RSlice}, scope, PeerId};
+use kvgate_abi::{
+    abi_stable::std_types::{RResult, RSlice},
+    scope, PeerId,
+};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use kvgate_core::{PeerPlugin, PluginSlot};
 
@@ -37,10 +40,18 @@ impl Driver {
             let plugin = &self.plugins[slot];
             let caps = plugin.capabilities();
             let needed = if same_host { scope::SAME_HOST } else { scope::CROSS_HOST };
-            plugin.name() == name && self.instances[slot].is_open() && caps.scope & needed != 0 && plugin.transport().stats().healthy != 0
+            plugin.name() == name
+                && self.instances[slot].is_open()
+                && caps.scope & needed != 0
+                && plugin.transport().stats().healthy != 0
         };
         let slots = 0..self.plugins.len();
-        slots.clone().rev().find(|&s| usable(s) && self.instances[s].is_active()).or_else(|| slots.rev().find(|&s| usable(s))).map(|s| PluginSlot(s as u32))
+        slots
+            .clone()
+            .rev()
+            .find(|&s| usable(s) && self.instances[s].is_active())
+            .or_else(|| slots.rev().find(|&s| usable(s)))
+            .map(|s| PluginSlot(s as u32))
     }
 
     /// The order plugins are tried in with this peer: the dialler's preference, then the plugins
@@ -98,10 +109,14 @@ impl Driver {
                 }
             }
             state.partner.insert(pair.slot, pair.remote);
-            offered.push(PeerPlugin { slot: pair.slot, memory_kinds: self.plugins[pair.slot.0 as usize].capabilities().memory_kinds });
+            offered.push(PeerPlugin {
+                slot: pair.slot,
+                memory_kinds: self.plugins[pair.slot.0 as usize].capabilities().memory_kinds,
+            });
         }
         let Some(state) = self.peers.by_session.get_mut(&session) else { return (offered, Vec::new()) };
-        let mut retired: Vec<PluginSlot> = state.links.iter().map(|(slot, _)| *slot).filter(|s| !offered.iter().any(|p| p.slot == *s)).collect();
+        let mut retired: Vec<PluginSlot> =
+            state.links.iter().map(|(slot, _)| *slot).filter(|s| !offered.iter().any(|p| p.slot == *s)).collect();
         retired.sort();
         retired.dedup();
         state.plugins = offered.iter().map(|p| p.slot).collect();
@@ -139,12 +154,17 @@ impl Driver {
     /// Whether a plugin peer id names a peer instance that is retiring or gone (its link going
     /// down is expected once the peer closes it and fails no room).
     pub(super) fn plugin_peer_is_leaving(&self, id: PeerId) -> bool {
-        let Some(session) = self.plugin_peer_sessions.get(&id.0).copied().or((id.0 < VIRTUAL_PEER_BASE).then_some(id.0)) else { return false };
+        let Some(session) =
+            self.plugin_peer_sessions.get(&id.0).copied().or((id.0 < VIRTUAL_PEER_BASE).then_some(id.0))
+        else {
+            return false;
+        };
         let Some(state) = self.peers.by_session.get(&session) else { return false };
         // A session id names the first instance of each plugin: leaving only if every instance it
         // can name is.
         let named: Vec<&String> = state.remote_ids.iter().filter(|(_, v)| **v == id).map(|(k, _)| k).collect();
-        !named.is_empty() && named.iter().all(|wire| state.remote.iter().find(|e| &e.plugin == *wire).is_none_or(|e| e.retiring))
+        !named.is_empty()
+            && named.iter().all(|wire| state.remote.iter().find(|e| &e.plugin == *wire).is_none_or(|e| e.retiring))
     }
 
     /// Import the keys of the peer's regions, as announced last, into `slots` (each from its
@@ -158,7 +178,12 @@ impl Driver {
     /// Import one announced region into `slots`, each from the key of the peer instance it is
     /// paired with. A key already imported from the same instance is kept; another replaces it for
     /// new rooms, the old one staying imported (rooms may still use it) until the session ends.
-    pub(super) fn import_region(&mut self, session: SessionId, announce: &proto::RegionAnnounce, slots: &[PluginSlot]) -> usize {
+    pub(super) fn import_region(
+        &mut self,
+        session: SessionId,
+        announce: &proto::RegionAnnounce,
+        slots: &[PluginSlot],
+    ) -> usize {
         let now = self.now();
         let peer = PeerId(session);
         let mut imported = 0;
@@ -170,7 +195,9 @@ impl Driver {
             // The same key from the same instance again (every plugin change re-announces every
             // region): keep the imported one, which rooms may be using.
             let source = (partner.clone(), key.key.clone());
-            if state.key_source.get(&(announce.region, slot)) == Some(&source) && state.remote_keys.contains_key(&(announce.region, slot)) {
+            if state.key_source.get(&(announce.region, slot)) == Some(&source)
+                && state.remote_keys.contains_key(&(announce.region, slot))
+            {
                 continue;
             }
             let plugin = &self.plugins[slot.0 as usize];
@@ -182,10 +209,19 @@ impl Driver {
                         state.superseded_keys.push((slot, old));
                     }
                     state.key_routes.insert((slot, remote), id);
-                    self.core.handle_remote_region_key(now, peer, kvgate_core::RegionId(announce.region), announce.len, slot, remote);
+                    self.core.handle_remote_region_key(
+                        now,
+                        peer,
+                        kvgate_core::RegionId(announce.region),
+                        announce.len,
+                        slot,
+                        remote,
+                    );
                     imported += 1;
                 }
-                RResult::RErr(e) => tracing::error!(peer = %state.name, region = announce.region, plugin = %self.instances[slot.0 as usize].wire_name, "import of a peer region failed: {e}"),
+                RResult::RErr(e) => {
+                    tracing::error!(peer = %state.name, region = announce.region, plugin = %self.instances[slot.0 as usize].wire_name, "import of a peer region failed: {e}")
+                }
             }
         }
         imported
@@ -201,9 +237,17 @@ impl Driver {
         };
         let mut list = Vec::new();
         for name in &self.config.plugins.preference {
-            list.extend((0..self.plugins.len()).filter(|&s| self.instances[s].is_active() && self.plugins[s].name() == name).map(|s| endpoint(s, false)));
+            list.extend(
+                (0..self.plugins.len())
+                    .filter(|&s| self.instances[s].is_active() && self.plugins[s].name() == name)
+                    .map(|s| endpoint(s, false)),
+            );
         }
-        list.extend((0..self.plugins.len()).filter(|&s| matches!(self.instances[s].state, super::instances::InstanceState::Draining { .. })).map(|s| endpoint(s, true)));
+        list.extend(
+            (0..self.plugins.len())
+                .filter(|&s| matches!(self.instances[s].state, super::instances::InstanceState::Draining { .. }))
+                .map(|s| endpoint(s, true)),
+        );
         list
     }
 
@@ -226,7 +270,8 @@ impl Driver {
         state.peer_change_seq = state.peer_change_seq.max(update.seq);
         state.acked_change_seq = state.acked_change_seq.max(update.ack);
         state.remote = update.plugins;
-        let gone: Vec<(PluginSlot, String)> = state.links.iter().filter(|(_, wire)| !state.remote.iter().any(|e| &e.plugin == wire)).cloned().collect();
+        let gone: Vec<(PluginSlot, String)> =
+            state.links.iter().filter(|(_, wire)| !state.remote.iter().any(|e| &e.plugin == wire)).cloned().collect();
         for (slot, wire) in &gone {
             state.links.remove(&(*slot, wire.clone()));
             if state.partner.get(slot) == Some(wire) {

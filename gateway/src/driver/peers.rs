@@ -6,10 +6,10 @@
 
 use super::Driver;
 use crate::channels::{LinkEnd, PeerEvent, PeerSender, SessionId};
+use crate::metrics::GatewayMetrics;
 use crate::peer_link::codec;
 use kvgate_abi::{PeerId, RemoteKey};
 use kvgate_client::proto::{self, peer_frame::Frame};
-use crate::metrics::GatewayMetrics;
 use kvgate_core::{PeerLoss, PeerMessage, PluginSlot, Role};
 use std::collections::{HashMap, HashSet};
 
@@ -52,7 +52,13 @@ pub struct PeerSessionState {
 }
 
 impl PeerSessionState {
-    fn new(name: String, incarnation: u64, sender: PeerSender, remote: Vec<proto::PluginEndpoint>, outbox: super::outbox::Outbox) -> PeerSessionState {
+    fn new(
+        name: String,
+        incarnation: u64,
+        sender: PeerSender,
+        remote: Vec<proto::PluginEndpoint>,
+        outbox: super::outbox::Outbox,
+    ) -> PeerSessionState {
         PeerSessionState {
             name,
             incarnation,
@@ -83,7 +89,8 @@ impl PeerSessionState {
 
     /// Rebuild `partner_by_slot` after `partner` changed.
     pub fn refresh_partner_names(&mut self, slots: usize) {
-        self.partner_by_slot = (0..slots).map(|s| self.partner.get(&PluginSlot(s as u32)).cloned().unwrap_or_default()).collect();
+        self.partner_by_slot =
+            (0..slots).map(|s| self.partner.get(&PluginSlot(s as u32)).cloned().unwrap_or_default()).collect();
     }
 }
 
@@ -123,7 +130,11 @@ impl Peers {
 
     /// The name and incarnation of a session that ended (among the latest `DEPARTED_NAMES_KEPT`).
     fn departed(&self, session: SessionId) -> Option<(&str, u64)> {
-        self.departed.iter().rev().find(|(id, _, _)| *id == session).map(|(_, name, incarnation)| (name.as_str(), *incarnation))
+        self.departed
+            .iter()
+            .rev()
+            .find(|(id, _, _)| *id == session)
+            .map(|(_, name, incarnation)| (name.as_str(), *incarnation))
     }
 
     fn remember_departed(&mut self, session: SessionId, name: String, incarnation: u64) {
@@ -217,9 +228,12 @@ impl Driver {
         }
         let ours = self.advertised_plugins();
         let theirs: Vec<String> = hello.plugins.iter().map(|p| p.plugin.clone()).collect();
-        let batching = self.config.peer_link.core_batch && hello.features.iter().any(|f| f == crate::peer_link::FEATURE_CORE_BATCH);
+        let batching = self.config.peer_link.core_batch
+            && hello.features.iter().any(|f| f == crate::peer_link::FEATURE_CORE_BATCH);
         let outbox = super::outbox::Outbox::new(batching, self.config.peer_link.frame_fragment_bytes);
-        self.peers.by_session.insert(session, PeerSessionState::new(name.clone(), hello.incarnation, sender, hello.plugins, outbox));
+        self.peers
+            .by_session
+            .insert(session, PeerSessionState::new(name.clone(), hello.incarnation, sender, hello.plugins, outbox));
         // Every shared plugin that reaches this peer (scope) and is healthy, connected in order.
         let (connected, _) = self.pair_session(session);
         let same_host = self.directory.entry(&name).is_some_and(|p| p.same_host);
@@ -236,7 +250,8 @@ impl Driver {
         if !connected.is_empty() {
             self.peers.current.insert(name.clone(), session);
             self.core.handle_peer_up_with(now, peer, hello.incarnation, &connected);
-            let names: Vec<&str> = connected.iter().map(|p| self.instances[p.slot.0 as usize].wire_name.as_str()).collect();
+            let names: Vec<&str> =
+                connected.iter().map(|p| self.instances[p.slot.0 as usize].wire_name.as_str()).collect();
             tracing::info!(peer = %name, session, plugins = ?names, "peer ready");
         }
         self.deliver_parked(&name, session, hello.incarnation);
@@ -261,7 +276,8 @@ impl Driver {
             }
             Frame::RegionWithdraw(w) => {
                 state.announces.remove(&w.region);
-                let held: Vec<(u64, PluginSlot)> = state.remote_keys.keys().filter(|(region, _)| *region == w.region).copied().collect();
+                let held: Vec<(u64, PluginSlot)> =
+                    state.remote_keys.keys().filter(|(region, _)| *region == w.region).copied().collect();
                 for entry in held {
                     state.key_source.remove(&entry);
                     if let Some(key) = state.remote_keys.remove(&entry) {
@@ -287,7 +303,10 @@ impl Driver {
     /// and dropped: the room it was for ends on its own deadline).
     fn peer_core_message(&mut self, now: kvgate_core::At, session: SessionId, message: proto::CoreMessage) {
         let Some(state) = self.peers.by_session.get(&session) else { return };
-        let decoded = codec::decode_in(message, codec::InstanceNames { own: &self.plugin_names, partner: &state.partner_by_slot });
+        let decoded = codec::decode_in(
+            message,
+            codec::InstanceNames { own: &self.plugin_names, partner: &state.partner_by_slot },
+        );
         match decoded {
             Ok(message) => {
                 let peer = self.outcome_addressee(now, session, &message).unwrap_or(PeerId(session));

@@ -4,7 +4,10 @@
 
 use super::Driver;
 use crate::channels::{ApiError, MemorySpec, Registered};
-use kvgate_abi::{abi_stable::std_types::{RResult, RString, RVec}, LocalKey, MemoryKind, RegionDesc};
+use kvgate_abi::{
+    abi_stable::std_types::{RResult, RString, RVec},
+    LocalKey, MemoryKind, RegionDesc,
+};
 use kvgate_client::proto::{self, peer_frame::Frame};
 use kvgate_core::{PluginSlot, RegionId, RegionInfo};
 use std::collections::BTreeMap;
@@ -86,12 +89,18 @@ impl Driver {
     pub(super) fn register_region(&mut self, memory: MemorySpec, label: String) -> Result<Registered, ApiError> {
         let max_text = self.config.engine_api.max_text_bytes as usize;
         if label.len() > max_text {
-            return Err(ApiError::invalid("text_too_long", format!("a label of {} bytes; engine_api.max_text_bytes = {max_text}", label.len())));
+            return Err(ApiError::invalid(
+                "text_too_long",
+                format!("a label of {} bytes; engine_api.max_text_bytes = {max_text}", label.len()),
+            ));
         }
         if let MemorySpec::SharedFile { path, .. } = &memory {
             if path.len() > super::engine::MAX_PATH_BYTES {
                 let shown = super::engine::clip(path, 64);
-                return Err(ApiError::invalid("text_too_long", format!("a path of {} bytes ({shown}); at most {}", path.len(), super::engine::MAX_PATH_BYTES)));
+                return Err(ApiError::invalid(
+                    "text_too_long",
+                    format!("a path of {} bytes ({shown}); at most {}", path.len(), super::engine::MAX_PATH_BYTES),
+                ));
             }
         }
         if self.regions.len() as u64 >= self.regions.max_regions {
@@ -138,10 +147,16 @@ impl Driver {
             }
             MemorySpec::CudaVmmFd { file, device, offset, len, allocation_size } => {
                 if len == 0 || allocation_size == 0 {
-                    return Err(ApiError::invalid("empty_region", "a CUDA VMM region needs len > 0 and allocation_size > 0"));
+                    return Err(ApiError::invalid(
+                        "empty_region",
+                        "a CUDA VMM region needs len > 0 and allocation_size > 0",
+                    ));
                 }
                 if device < 0 {
-                    return Err(ApiError::invalid("invalid_device", format!("CUDA device ordinal {device} is negative")));
+                    return Err(ApiError::invalid(
+                        "invalid_device",
+                        format!("CUDA device ordinal {device} is negative"),
+                    ));
                 }
                 if offset.checked_add(len).is_none_or(|end| end > allocation_size) {
                     return Err(ApiError::invalid(
@@ -179,20 +194,29 @@ impl Driver {
             match plugin.transport().register(&desc) {
                 RResult::ROk(registration) => {
                     keys.push((PluginSlot(slot as u32), registration.key));
-                    remote_keys.push(proto::RemoteKey { plugin: self.instances[slot].wire_name.clone(), key: registration.remote_key.to_vec() });
+                    remote_keys.push(proto::RemoteKey {
+                        plugin: self.instances[slot].wire_name.clone(),
+                        key: registration.remote_key.to_vec(),
+                    });
                     accepted.push(plugin.name().to_string());
                 }
                 RResult::RErr(e) => refusals.push(format!("{}: {e}", plugin.name())),
             }
         }
         if keys.is_empty() {
-            return Err(ApiError::invalid("unsupported_memory", format!("no opened plugin accepted the region: {}", refusals.join("; "))));
+            return Err(ApiError::invalid(
+                "unsupported_memory",
+                format!("no opened plugin accepted the region: {}", refusals.join("; ")),
+            ));
         }
         let id = self.regions.next_id;
         self.regions.next_id += 1;
         let announce = proto::RegionAnnounce { region: id, len: desc.len, keys: remote_keys };
         let now = self.now();
-        self.core.handle_region_registered(now, RegionInfo { id: RegionId(id), len: desc.len, memory_kind: desc.kind, keys: keys.clone() });
+        self.core.handle_region_registered(
+            now,
+            RegionInfo { id: RegionId(id), len: desc.len, memory_kind: desc.kind, keys: keys.clone() },
+        );
         self.peers.broadcast(Frame::RegionAnnounce(announce.clone()), &self.metrics);
         tracing::info!(region = id, len = desc.len, label = %label, plugins = ?accepted, refused = ?refusals, "region registered");
         self.regions.by_id.insert(id, LocalRegion { label, keys, announce, desc, _mapping: mapping, _file: passed });
@@ -257,13 +281,23 @@ impl Driver {
                 match plugin.transport().register(&region.desc) {
                     RResult::ROk(registration) => {
                         region.keys.push((PluginSlot(slot as u32), registration.key));
-                        let key = proto::RemoteKey { plugin: self.instances[slot].wire_name.clone(), key: registration.remote_key.to_vec() };
+                        let key = proto::RemoteKey {
+                            plugin: self.instances[slot].wire_name.clone(),
+                            key: registration.remote_key.to_vec(),
+                        };
                         region.announce.keys.push(key);
                     }
-                    RResult::RErr(e) => tracing::warn!(region = id, plugin = %self.instances[slot].wire_name, "a reloaded plugin refused a registered region: {e}"),
+                    RResult::RErr(e) => {
+                        tracing::warn!(region = id, plugin = %self.instances[slot].wire_name, "a reloaded plugin refused a registered region: {e}")
+                    }
                 }
             }
-            let info = RegionInfo { id: RegionId(*id), len: region.desc.len, memory_kind: region.desc.kind, keys: region.keys.clone() };
+            let info = RegionInfo {
+                id: RegionId(*id),
+                len: region.desc.len,
+                memory_kind: region.desc.kind,
+                keys: region.keys.clone(),
+            };
             self.core.handle_region_registered(now, info);
         }
     }
@@ -280,7 +314,12 @@ impl Driver {
                 tracing::warn!(region = id, plugin = %wire, "deregister failed: {e}");
             }
             region.announce.keys.retain(|k| k.plugin != wire);
-            let info = RegionInfo { id: RegionId(*id), len: region.desc.len, memory_kind: region.desc.kind, keys: region.keys.clone() };
+            let info = RegionInfo {
+                id: RegionId(*id),
+                len: region.desc.len,
+                memory_kind: region.desc.kind,
+                keys: region.keys.clone(),
+            };
             self.core.handle_region_registered(now, info);
         }
     }

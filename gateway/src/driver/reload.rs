@@ -45,7 +45,10 @@ impl Driver {
                 outcome
             }
             Err(error) => {
-                tracing::error!(reason = "plugin_reload_refused", "plugin reload refused, the running plugins stay in service: {error}");
+                tracing::error!(
+                    reason = "plugin_reload_refused",
+                    "plugin reload refused, the running plugins stay in service: {error}"
+                );
                 ReloadOutcome::refused(error)
             }
         };
@@ -62,7 +65,8 @@ impl Driver {
     fn libraries_to_map(&self, plugins: &PluginsSection) -> Result<Vec<(std::path::PathBuf, FileIdentity)>, String> {
         let mut new_maps = Vec::new();
         for library in &plugins.libraries {
-            let canonical = std::fs::canonicalize(library).map_err(|e| format!("plugins.libraries: {library}: not_found: {e}"))?;
+            let canonical =
+                std::fs::canonicalize(library).map_err(|e| format!("plugins.libraries: {library}: not_found: {e}"))?;
             let identity = file_identity(&canonical);
             match self.mapped_libraries.get(&canonical) {
                 Some(known) if *known != identity => {
@@ -109,13 +113,22 @@ impl Driver {
         let mut to_open = Vec::new();
         for name in &plugins.preference {
             let config_text = plugin_setup::plugin_config_text_of(&plugins, name);
-            let origin = listing.iter().find(|l| &l.name == name && l.status.is_ok()).map(|l| l.origin.to_string()).unwrap_or_default();
+            let origin = listing
+                .iter()
+                .find(|l| &l.name == name && l.status.is_ok())
+                .map(|l| l.origin.to_string())
+                .unwrap_or_default();
             match self.active_slot(name) {
-                Some(slot) if self.instances[slot].config_text == config_text && self.instances[slot].origin == origin => kept.push(slot),
+                Some(slot)
+                    if self.instances[slot].config_text == config_text && self.instances[slot].origin == origin =>
+                {
+                    kept.push(slot)
+                }
                 _ => to_open.push(ToOpen { name: name.clone(), config_text, origin }),
             }
         }
-        let retire: Vec<usize> = (0..self.plugins.len()).filter(|s| self.instances[*s].is_active() && !kept.contains(s)).collect();
+        let retire: Vec<usize> =
+            (0..self.plugins.len()).filter(|s| self.instances[*s].is_active() && !kept.contains(s)).collect();
         if self.plugins.len() + to_open.len() > MAX_PLUGIN_INSTANCES {
             return Err(format!(
                 "this process has opened {} plugin instances and may open {MAX_PLUGIN_INSTANCES} in its life; restart the gateway to reload again",
@@ -128,7 +141,11 @@ impl Driver {
 
     /// Open every instance of `to_open`, each with the next slot. On any failure, close those
     /// opened (their slots stay used, closed: a late event of theirs can never reach another).
-    fn open_new_instances(&mut self, host: &kvgate_host::PluginHost, to_open: &[ToOpen]) -> Result<Vec<OpenedPlugin>, String> {
+    fn open_new_instances(
+        &mut self,
+        host: &kvgate_host::PluginHost,
+        to_open: &[ToOpen],
+    ) -> Result<Vec<OpenedPlugin>, String> {
         let base = self.plugins.len();
         let mut opened: Vec<OpenedPlugin> = Vec::new();
         let mut failure = None;
@@ -161,7 +178,14 @@ impl Driver {
     }
 
     fn next_generation(&self, name: &str) -> u32 {
-        self.plugins.iter().zip(&self.instances).filter(|(p, _)| p.name() == name).map(|(_, i)| i.generation).max().unwrap_or(0) + 1
+        self.plugins
+            .iter()
+            .zip(&self.instances)
+            .filter(|(p, _)| p.name() == name)
+            .map(|(_, i)| i.generation)
+            .max()
+            .unwrap_or(0)
+            + 1
     }
 
     fn push_instance(&mut self, plugin: OpenedPlugin, instance: Instance) {
@@ -193,9 +217,16 @@ impl Driver {
             let generation = self.next_generation(&want.name);
             new_slots.push(self.plugins.len());
             tracing::info!(plugin = %want.name, generation, slot = self.plugins.len(), origin = %want.origin, "plugin instance opened by a reload");
-            self.push_instance(plugin, Instance::new(&want.name, generation, want.config_text.clone(), want.origin.clone()));
+            self.push_instance(
+                plugin,
+                Instance::new(&want.name, generation, want.config_text.clone(), want.origin.clone()),
+            );
         }
-        let opened_names: Vec<(String, Result<(), String>)> = to_open.iter().map(|w| (w.name.clone(), Ok(()))).chain(kept.iter().map(|&s| (self.plugins[s].name().to_string(), Ok(())))).collect();
+        let opened_names: Vec<(String, Result<(), String>)> = to_open
+            .iter()
+            .map(|w| (w.name.clone(), Ok(())))
+            .chain(kept.iter().map(|&s| (self.plugins[s].name().to_string(), Ok(()))))
+            .collect();
         self.plugin_listing = plugin_setup::describe(&host.plugins(), &opened_names);
         self.config = Arc::new(candidate);
         self.register_regions_with(&new_slots);
@@ -234,7 +265,12 @@ impl Driver {
         let before: Vec<(PluginSlot, String)> = state.partner.iter().map(|(s, w)| (*s, w.clone())).collect();
         let (offered, retired) = self.pair_session(session);
         let Some(state) = self.peers.by_session.get(&session) else { return };
-        let changed: Vec<PluginSlot> = state.partner.iter().filter(|(s, w)| !before.iter().any(|(bs, bw)| bs == *s && bw == *w)).map(|(s, _)| *s).collect();
+        let changed: Vec<PluginSlot> = state
+            .partner
+            .iter()
+            .filter(|(s, w)| !before.iter().any(|(bs, bw)| bs == *s && bw == *w))
+            .map(|(s, _)| *s)
+            .collect();
         let (name, incarnation) = (state.name.clone(), state.incarnation);
         self.import_announced(session, &changed);
         if self.peers.current(&name) == Some(PeerId(session)) {
@@ -245,7 +281,8 @@ impl Driver {
             self.core.handle_peer_up_with(now, PeerId(session), incarnation, &offered);
             self.import_announced(session, &offered.iter().map(|p| p.slot).collect::<Vec<_>>());
         }
-        let offered_names: Vec<&str> = offered.iter().map(|p: &PeerPlugin| self.instances[p.slot.0 as usize].wire_name.as_str()).collect();
+        let offered_names: Vec<&str> =
+            offered.iter().map(|p: &PeerPlugin| self.instances[p.slot.0 as usize].wire_name.as_str()).collect();
         tracing::info!(peer = %name, offered = ?offered_names, retired = retired.len(), "peer plugins paired again");
         if offered.is_empty() {
             tracing::error!(peer = %name, "no plugin usable with this peer after the plugin change: new rooms with it will be refused (peer_not_connected)");
@@ -280,7 +317,12 @@ impl Driver {
         for (slot, since, change) in draining {
             let stats = self.plugins[slot].transport().stats();
             let live = stats.live_transfers + stats.unquiesced_transfers + stats.live_tickets;
-            let unacked = self.peers.by_session.values().filter(|s| s.acked_change_seq < change && s.links.iter().any(|(l, _)| l.0 as usize == slot)).count();
+            let unacked = self
+                .peers
+                .by_session
+                .values()
+                .filter(|s| s.acked_change_seq < change && s.links.iter().any(|(l, _)| l.0 as usize == slot))
+                .count();
             if rooms_on[slot] == 0 && live == 0 && unacked == 0 {
                 self.close_instance(slot, "drained");
             } else if since.elapsed() >= timeout {
@@ -300,7 +342,8 @@ impl Driver {
         let plugin_slot = PluginSlot(slot as u32);
         let transport = self.plugins[slot].transport_arc();
         for state in self.peers.by_session.values_mut() {
-            let links: Vec<(PluginSlot, String)> = state.links.iter().filter(|(s, _)| *s == plugin_slot).cloned().collect();
+            let links: Vec<(PluginSlot, String)> =
+                state.links.iter().filter(|(s, _)| *s == plugin_slot).cloned().collect();
             for link in links {
                 if let Some(id) = state.remote_ids.get(&link.1) {
                     transport.disconnect(*id);
@@ -308,16 +351,19 @@ impl Driver {
                 state.links.remove(&link);
             }
             state.partner.remove(&plugin_slot);
-            let keys: Vec<(u64, PluginSlot)> = state.remote_keys.keys().filter(|(_, s)| *s == plugin_slot).copied().collect();
+            let keys: Vec<(u64, PluginSlot)> =
+                state.remote_keys.keys().filter(|(_, s)| *s == plugin_slot).copied().collect();
             for entry in keys {
                 state.key_source.remove(&entry);
                 if let Some(key) = state.remote_keys.remove(&entry) {
                     transport.release_remote_key(key);
                 }
             }
-            state.superseded_keys.retain(|(s, key)| *s != plugin_slot || {
-                transport.release_remote_key(*key);
-                false
+            state.superseded_keys.retain(|(s, key)| {
+                *s != plugin_slot || {
+                    transport.release_remote_key(*key);
+                    false
+                }
             });
             state.key_routes.retain(|(s, _), _| *s != plugin_slot);
         }
@@ -339,7 +385,10 @@ impl Driver {
     /// An instance reported a dead worker: stop offering it, and restart it after the back-off or,
     /// past the restart limit, leave it down (see `supervision`).
     pub(super) fn supervise(&mut self, slot: usize) {
-        if !self.instances.get(slot).is_some_and(|i| i.is_active()) || self.pending_restarts.iter().any(|(_, s)| *s == slot) || self.restart_given_up.contains_key(&slot) {
+        if !self.instances.get(slot).is_some_and(|i| i.is_active())
+            || self.pending_restarts.iter().any(|(_, s)| *s == slot)
+            || self.restart_given_up.contains_key(&slot)
+        {
             return;
         }
         for session in self.peers.sessions() {
@@ -378,14 +427,21 @@ impl Driver {
         if !self.instances[slot].is_active() {
             return;
         }
-        let want = ToOpen { name: self.plugins[slot].name().to_string(), config_text: self.instances[slot].config_text.clone(), origin: self.instances[slot].origin.clone() };
+        let want = ToOpen {
+            name: self.plugins[slot].name().to_string(),
+            config_text: self.instances[slot].config_text.clone(),
+            origin: self.instances[slot].origin.clone(),
+        };
         let (host, _) = plugin_setup::host_for_reload(&self.config.plugins.libraries);
         match self.open_new_instances(&host, std::slice::from_ref(&want)) {
             Ok(opened) => {
                 let new_slot = self.plugins.len();
                 let generation = self.next_generation(&want.name);
                 for plugin in opened {
-                    self.push_instance(plugin, Instance::new(&want.name, generation, want.config_text.clone(), want.origin.clone()));
+                    self.push_instance(
+                        plugin,
+                        Instance::new(&want.name, generation, want.config_text.clone(), want.origin.clone()),
+                    );
                 }
                 tracing::info!(plugin = %want.name, generation, replaces = %self.instances[slot].wire_name, "plugin instance restarted");
                 self.register_regions_with(&[new_slot]);

@@ -25,7 +25,10 @@ impl Driver {
             && name.len() <= MAX_SESSION_NAME_BYTES
             && name.chars().all(|c| c.is_ascii_alphanumeric() || "._:-".contains(c));
         if !valid {
-            return Err(ApiError::invalid("invalid_session_name", format!("a session name is 1..={MAX_SESSION_NAME_BYTES} characters of [A-Za-z0-9._:-]")));
+            return Err(ApiError::invalid(
+                "invalid_session_name",
+                format!("a session name is 1..={MAX_SESSION_NAME_BYTES} characters of [A-Za-z0-9._:-]"),
+            ));
         }
         let now = self.now();
         let (id, resumed) = self.sessions.open(name, now, self.config.engine_api.max_sessions).map_err(refused)?;
@@ -100,7 +103,8 @@ impl Driver {
         if self.orphan_regions.is_empty() {
             return;
         }
-        let free: Vec<u64> = self.orphan_regions.iter().copied().filter(|r| self.region_use.users(*r).is_none()).collect();
+        let free: Vec<u64> =
+            self.orphan_regions.iter().copied().filter(|r| self.region_use.users(*r).is_none()).collect();
         for region in free {
             self.orphan_regions.remove(&region);
             if self.release_region(region).is_ok() {

@@ -39,13 +39,19 @@ impl Sessions {
         if let Some(&id) = self.by_name.get(name) {
             let session = self.by_id.get_mut(&id).expect("by_name names held sessions");
             if session.attached > 0 {
-                return Err(("session_in_use", format!("session {name:?} has a Watch stream open: one engine per session name")));
+                return Err((
+                    "session_in_use",
+                    format!("session {name:?} has a Watch stream open: one engine per session name"),
+                ));
             }
             session.detached_at = Some(now);
             return Ok((id, true));
         }
         if self.by_id.len() as u64 >= max_sessions {
-            return Err(("too_many_sessions", format!("engine_api.max_sessions = {max_sessions} sessions are open already")));
+            return Err((
+                "too_many_sessions",
+                format!("engine_api.max_sessions = {max_sessions} sessions are open already"),
+            ));
         }
         // Random, never reused: an id kept from a previous gateway process (or a closed session)
         // cannot name someone else's session.
@@ -55,7 +61,13 @@ impl Sessions {
                 break id;
             }
         };
-        let session = Session { name: name.to_string(), rooms: HashSet::default(), regions: BTreeSet::new(), attached: 0, detached_at: Some(now) };
+        let session = Session {
+            name: name.to_string(),
+            rooms: HashSet::default(),
+            regions: BTreeSet::new(),
+            attached: 0,
+            detached_at: Some(now),
+        };
         self.by_id.insert(id, session);
         self.by_name.insert(name.to_string(), id);
         Ok((id, false))
@@ -65,7 +77,10 @@ impl Sessions {
     pub fn check(&self, id: u64) -> Result<(), SessionRefusal> {
         match self.by_id.contains_key(&id) {
             true => Ok(()),
-            false => Err(("unknown_session", format!("session {id} is not open (closed, or ended after its grace): open it again"))),
+            false => Err((
+                "unknown_session",
+                format!("session {id} is not open (closed, or ended after its grace): open it again"),
+            )),
         }
     }
 
@@ -122,8 +137,12 @@ impl Sessions {
 
     /// Sessions detached for longer than `grace`.
     pub fn expired(&self, now: At, grace: Span) -> Vec<u64> {
-        let mut ids: Vec<u64> =
-            self.by_id.iter().filter(|(_, s)| s.detached_at.is_some_and(|at| now.saturating_since(at) > grace)).map(|(id, _)| *id).collect();
+        let mut ids: Vec<u64> = self
+            .by_id
+            .iter()
+            .filter(|(_, s)| s.detached_at.is_some_and(|at| now.saturating_since(at) > grace))
+            .map(|(id, _)| *id)
+            .collect();
         ids.sort();
         ids
     }

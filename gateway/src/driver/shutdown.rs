@@ -26,14 +26,20 @@ impl Driver {
         self.core.rooms(now).filter(|v| v.state == RoomState::Quarantined).count()
     }
 
-    pub(super) async fn shut_down(&mut self, inputs: &mut mpsc::Receiver<DriverInput>, plugin_events: &mut mpsc::Receiver<PluginEventMsg>) -> ShutdownReport {
+    pub(super) async fn shut_down(
+        &mut self,
+        inputs: &mut mpsc::Receiver<DriverInput>,
+        plugin_events: &mut mpsc::Receiver<PluginEventMsg>,
+    ) -> ShutdownReport {
         let mut report = ShutdownReport::default();
         let now = self.now();
         let live: BTreeSet<RoomKey> = self.core.rooms(now).filter(|v| !v.state.is_terminal()).map(|v| v.room).collect();
         for room in &live {
             match self.core.handle_engine(now, EngineRequest::Abort { room: *room, role: None }) {
                 Ok(()) => report.rooms_aborted += 1,
-                Err(refusal) => tracing::warn!(room = %room, reason = refusal.reason.as_str(), "shutdown: abort refused"),
+                Err(refusal) => {
+                    tracing::warn!(room = %room, reason = refusal.reason.as_str(), "shutdown: abort refused")
+                }
             }
         }
         self.drain();

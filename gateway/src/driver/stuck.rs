@@ -91,7 +91,10 @@ impl Driver {
             while let Some((first_seen, room, role)) = self.stuck.pop_due(level, now) {
                 // The room opened at `first_seen`, not a later one under the same key.
                 let same_room = |age: Span| now.saturating_sub(age) == first_seen;
-                let Some(view) = self.core.room(now, room, role).filter(|v| same_room(v.age) && !v.state.is_terminal()) else { continue };
+                let Some(view) = self.core.room(now, room, role).filter(|v| same_room(v.age) && !v.state.is_terminal())
+                else {
+                    continue;
+                };
                 found += 1;
                 if self.stuck.lines.take() {
                     let peer = view.peer.and_then(|p| self.peers.name_of(p)).unwrap_or("-");

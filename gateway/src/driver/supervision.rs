@@ -18,7 +18,11 @@ pub struct RestartLimits {
 
 impl RestartLimits {
     pub fn of(plugins: &crate::config::PluginsSection) -> RestartLimits {
-        RestartLimits { max_attempts: plugins.restart_max_attempts, window_ms: plugins.restart_window_ms, backoff_ms: plugins.restart_backoff_ms }
+        RestartLimits {
+            max_attempts: plugins.restart_max_attempts,
+            window_ms: plugins.restart_window_ms,
+            backoff_ms: plugins.restart_backoff_ms,
+        }
     }
 }
 
@@ -66,11 +70,19 @@ mod tests {
     fn restarts_back_off_doubling_up_to_the_limit_then_stay_down() {
         let (mut history, start) = (RestartHistory::default(), Instant::now());
         for (attempt, backoff) in [(1, 100), (2, 200), (3, 400)] {
-            assert_eq!(history.decide(start, LIMITS), Decision::RestartAfter { backoff: Duration::from_millis(backoff), attempt });
+            assert_eq!(
+                history.decide(start, LIMITS),
+                Decision::RestartAfter { backoff: Duration::from_millis(backoff), attempt }
+            );
         }
         // At the limit (3 within the window), one more is refused with the limits named.
-        let Decision::GiveUp(why) = history.decide(start + Duration::from_millis(9_999), LIMITS) else { panic!("past the limit") };
-        assert!(why.contains("plugins.restart_max_attempts = 3") && why.contains("plugins.restart_window_ms = 10000"), "{why}");
+        let Decision::GiveUp(why) = history.decide(start + Duration::from_millis(9_999), LIMITS) else {
+            panic!("past the limit")
+        };
+        assert!(
+            why.contains("plugins.restart_max_attempts = 3") && why.contains("plugins.restart_window_ms = 10000"),
+            "{why}"
+        );
     }
 
     #[test]
@@ -81,7 +93,10 @@ mod tests {
         }
         // Exactly one window later the three have aged out: back to the first back-off.
         let later = start + Duration::from_millis(LIMITS.window_ms);
-        assert_eq!(history.decide(later, LIMITS), Decision::RestartAfter { backoff: Duration::from_millis(100), attempt: 1 });
+        assert_eq!(
+            history.decide(later, LIMITS),
+            Decision::RestartAfter { backoff: Duration::from_millis(100), attempt: 1 }
+        );
     }
 
     #[test]

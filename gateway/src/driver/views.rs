@@ -47,7 +47,12 @@ impl Driver {
                 // A room past its own next deadline by more than the plugin grace is overdue.
                 let grace = Span::from_ms(self.config.scheduler.plugin_grace_ms + super::HOUSEKEEPING_INTERVAL_MS);
                 if now > deadline.saturating_add(grace) {
-                    problems.push(format!("room {} ({}) outlived its deadline by {} ms", view.room, view.role.as_str(), now.saturating_since(deadline).as_ms()));
+                    problems.push(format!(
+                        "room {} ({}) outlived its deadline by {} ms",
+                        view.room,
+                        view.role.as_str(),
+                        now.saturating_since(deadline).as_ms()
+                    ));
                 }
             }
             rooms.push(RoomJson {
@@ -58,7 +63,10 @@ impl Driver {
                 age_ms: view.age.as_ms(),
                 peer: peer_name(&self.peers, &view),
                 plugin: view.plugin.map(|slot| self.plugin_name(slot).to_string()).unwrap_or_default(),
-                plugin_generation: view.plugin.and_then(|slot| self.instances.get(slot.0 as usize)).map_or(0, |i| i.generation),
+                plugin_generation: view
+                    .plugin
+                    .and_then(|slot| self.instances.get(slot.0 as usize))
+                    .map_or(0, |i| i.generation),
                 last_event: format!("{:?}", view.last_event),
                 last_event_age_ms: view.last_event_age.as_ms(),
                 parts: view.parts,
@@ -75,7 +83,9 @@ impl Driver {
                 }
                 let supervision = match self.restart_given_up.get(&slot) {
                     Some(why) => format!("; {why}"),
-                    None if self.pending_restarts.iter().any(|(_, s)| *s == slot) => "; restarting after its back-off".to_string(),
+                    None if self.pending_restarts.iter().any(|(_, s)| *s == slot) => {
+                        "; restarting after its back-off".to_string()
+                    }
                     None => String::new(),
                 };
                 problems.push(format!("plugin {} unhealthy: {reason}{supervision}", instance.wire_name));
@@ -125,14 +135,25 @@ impl Driver {
             .iter()
             .zip(&self.instances)
             .map(|(plugin, instance)| {
-                let mut line = crate::plugin_setup::status_of(plugin.info(), plugin.name(), instance.origin.clone(), "opened", instance.closed_reason.clone());
+                let mut line = crate::plugin_setup::status_of(
+                    plugin.info(),
+                    plugin.name(),
+                    instance.origin.clone(),
+                    "opened",
+                    instance.closed_reason.clone(),
+                );
                 line.generation = instance.generation;
                 line.wire_name = instance.wire_name.clone();
                 line.state = instance.state.as_str().to_string();
                 line
             })
             .collect();
-        lines.extend(self.plugin_listing.iter().filter(|l| l.status != "opened" && !self.plugins.iter().any(|p| p.name() == l.name)).cloned());
+        lines.extend(
+            self.plugin_listing
+                .iter()
+                .filter(|l| l.status != "opened" && !self.plugins.iter().any(|p| p.name() == l.name))
+                .cloned(),
+        );
         lines
     }
 }

@@ -45,7 +45,9 @@ impl Driver {
                 Some((key, role)) => (key.to_string(), role.as_str()),
                 None => ("-".to_string(), "-"),
             };
-            let plugin = site.plugin.map_or("?", |slot| self.instances.get(slot.0 as usize).map_or("?", |p| p.wire_name.as_str()));
+            let plugin = site
+                .plugin
+                .map_or("?", |slot| self.instances.get(slot.0 as usize).map_or("?", |p| p.wire_name.as_str()));
             tracing::warn!(
                 clause = clause.as_str(), new, total, plugin = %plugin, event = site.event.unwrap_or("none"),
                 xfer = site.xfer, room = %room, role, "plugin contract violation (the latest named)"

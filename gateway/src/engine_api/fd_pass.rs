@@ -42,7 +42,10 @@ impl PassedFds {
         let ttl = self.ttl;
         held.retain(|_, (_, at)| at.elapsed() < ttl);
         if held.len() >= self.max {
-            return Err(("too_many_passed_fds", format!("engine_api.max_passed_fds = {} descriptors wait for their RegisterMemory already", self.max)));
+            return Err((
+                "too_many_passed_fds",
+                format!("engine_api.max_passed_fds = {} descriptors wait for their RegisterMemory already", self.max),
+            ));
         }
         let mut token = rand::random::<u64>();
         while token == 0 || held.contains_key(&token) {
@@ -71,7 +74,12 @@ impl PassedFds {
 /// connection at a time, each read bounded by `read_timeout` (a silent client holds it at most that
 /// long). Accept errors (out of descriptors) back off as the other listeners do, 10 ms doubling to
 /// 1 s, with one log line per `REFUSAL_LOG_INTERVAL_MS`.
-pub fn spawn_fd_socket(listener: UnixListener, table: Arc<PassedFds>, read_timeout: Duration, stop: Arc<AtomicBool>) -> std::io::Result<std::thread::JoinHandle<()>> {
+pub fn spawn_fd_socket(
+    listener: UnixListener,
+    table: Arc<PassedFds>,
+    read_timeout: Duration,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
     use crate::listeners::{ACCEPT_BACKOFF_MAX_MS, ACCEPT_BACKOFF_MIN_MS, REFUSAL_LOG_INTERVAL_MS};
     listener.set_nonblocking(false)?;
     std::thread::Builder::new().name("kvgate-fd-socket".into()).spawn(move || {
@@ -86,7 +94,11 @@ pub fn spawn_fd_socket(listener: UnixListener, table: Arc<PassedFds>, read_timeo
                 Err(e) => {
                     errors_since += 1;
                     if last_line.is_none_or(|at| at.elapsed() >= Duration::from_millis(REFUSAL_LOG_INTERVAL_MS)) {
-                        tracing::warn!(listener = "fd_socket", errors = errors_since, "fd socket cannot accept ({e}); waiting {backoff:?} before the next try");
+                        tracing::warn!(
+                            listener = "fd_socket",
+                            errors = errors_since,
+                            "fd socket cannot accept ({e}); waiting {backoff:?} before the next try"
+                        );
                         (last_line, errors_since) = (Some(Instant::now()), 0);
                     }
                     std::thread::sleep(backoff);
@@ -143,7 +155,10 @@ fn receive_fd(stream: &UnixStream) -> Result<Option<OwnedFd>, Refused> {
         return Ok(None);
     }
     if message.flags.contains(MsgFlags::MSG_CTRUNC) || fds.len() != 1 {
-        return Err(Refused("one_fd_per_message", format!("a message must carry exactly one descriptor, not {}", fds.len())));
+        return Err(Refused(
+            "one_fd_per_message",
+            format!("a message must carry exactly one descriptor, not {}", fds.len()),
+        ));
     }
     Ok(fds.pop())
 }

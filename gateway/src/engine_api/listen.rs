@@ -3,12 +3,12 @@
 
 use super::{BearerCheck, EngineApiService};
 use crate::config::GatewayConfig;
+use crate::listeners::GuardedListener;
 use anyhow::Context;
 use kvgate_client::proto::engine_api_server::EngineApiServer;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::Path;
 use tokio::net::UnixListener;
-use crate::listeners::GuardedListener;
 use tonic::transport::Server;
 
 /// Whether the socket's folder is safe: owned by this user (or root) and not writable by anyone else
@@ -53,7 +53,10 @@ pub fn bind_unix_socket(path: &Path) -> anyhow::Result<UnixListener> {
         // Only ever replace a socket: a regular file (or anything else) named by mistake is left alone.
         use std::os::unix::fs::FileTypeExt;
         if !meta.file_type().is_socket() {
-            anyhow::bail!("engine_api.unix_socket: {} exists and is not a socket; refusing to replace it", path.display());
+            anyhow::bail!(
+                "engine_api.unix_socket: {} exists and is not a socket; refusing to replace it",
+                path.display()
+            );
         }
         // A socket left by a previous run: refuse to steal one that answers.
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -99,8 +102,9 @@ pub async fn serve_engine_api(
         }));
     }
     if !config.engine_api.tcp_listen.is_empty() {
-        let token = std::fs::read_to_string(&config.engine_api.bearer_token_file)
-            .with_context(|| format!("engine_api.bearer_token_file: cannot read {}", config.engine_api.bearer_token_file))?;
+        let token = std::fs::read_to_string(&config.engine_api.bearer_token_file).with_context(|| {
+            format!("engine_api.bearer_token_file: cannot read {}", config.engine_api.bearer_token_file)
+        })?;
         if token.trim().is_empty() {
             anyhow::bail!("engine_api.bearer_token_file: {} is empty", config.engine_api.bearer_token_file);
         }

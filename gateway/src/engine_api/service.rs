@@ -2,15 +2,15 @@
 //! `EngineCall` for the driver, and map the reply (or refusal, with its reason code) to gRPC.
 //! Never decides anything the core decides.
 
-use crate::driver::sessions::SESSION_METADATA_KEY;
+use super::watch_feed::{WatchFeed, Watcher};
 use crate::channels::{ApiError, DriverInput, EngineCall, ExpectCall, MemorySpec, SendCall};
+use crate::driver::sessions::SESSION_METADATA_KEY;
+use crate::listeners::ConnectionId;
 use kvgate_client::proto::{self, engine_api_server::EngineApi, register_memory_request::Memory};
 use kvgate_core::{RegionId, RoomKey, Slice};
-use std::pin::Pin;
-use crate::listeners::ConnectionId;
 use std::collections::HashMap;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use super::watch_feed::{WatchFeed, Watcher};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -29,12 +29,20 @@ pub struct EngineApiService {
 }
 
 impl EngineApiService {
-    pub fn new(driver: mpsc::Sender<DriverInput>, watch: WatchFeed, config: &crate::config::EngineApiSection, info: proto::InfoReply) -> Self {
+    pub fn new(
+        driver: mpsc::Sender<DriverInput>,
+        watch: WatchFeed,
+        config: &crate::config::EngineApiSection,
+        info: proto::InfoReply,
+    ) -> Self {
         EngineApiService {
             driver,
             watch,
             watchers: Arc::new(Semaphore::new(config.max_watchers as usize)),
-            per_connection: Arc::new(ConnectionWatches { open: Mutex::new(HashMap::new()), max: config.max_watchers_per_connection }),
+            per_connection: Arc::new(ConnectionWatches {
+                open: Mutex::new(HashMap::new()),
+                max: config.max_watchers_per_connection,
+            }),
             max_batch_calls: config.max_batch_calls as usize,
             session_grace_ms: config.session_grace_ms,
             info: Arc::new(info),
@@ -64,9 +72,15 @@ impl EngineApiService {
         Ok(())
     }
 
-    async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> EngineCall) -> Result<T, Status> {
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> EngineCall,
+    ) -> Result<T, Status> {
         let (tx, rx) = oneshot::channel();
-        self.driver.send(DriverInput::Engine(make(tx))).await.map_err(|_| Status::unavailable("shutdown: the gateway is stopping"))?;
+        self.driver
+            .send(DriverInput::Engine(make(tx)))
+            .await
+            .map_err(|_| Status::unavailable("shutdown: the gateway is stopping"))?;
         let reply = rx.await.map_err(|_| Status::unavailable("shutdown: the gateway is stopping"))?;
         reply.map_err(|e| e.to_status())
     }
@@ -87,14 +101,27 @@ fn session_of<T>(request: &Request<T>) -> Result<Option<u64>, Status> {
     let parsed = value.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok());
     match parsed {
         Some(id) => Ok(Some(id)),
-        None => Err(ApiError::invalid("invalid_session", format!("{SESSION_METADATA_KEY} metadata must be a session id (a decimal number)")).to_status()),
+        None => Err(ApiError::invalid(
+            "invalid_session",
+            format!("{SESSION_METADATA_KEY} metadata must be a session id (a decimal number)"),
+        )
+        .to_status()),
     }
 }
 
 fn send_call(r: proto::SendRequest, session: Option<u64>) -> Result<SendCall, ApiError> {
     let key = r.key.ok_or_else(|| ApiError::invalid("missing_field", "the request needs a room key"))?;
     let peer = (!r.peer.is_empty()).then_some(r.peer);
-    Ok(SendCall { session, room: RoomKey::new(key.room, key.generation), peer, part: r.part, chunk: r.chunk, at: r.offset, slices: slices(r.slices), last: r.last })
+    Ok(SendCall {
+        session,
+        room: RoomKey::new(key.room, key.generation),
+        peer,
+        part: r.part,
+        chunk: r.chunk,
+        at: r.offset,
+        slices: slices(r.slices),
+        last: r.last,
+    })
 }
 
 fn expect_call(r: proto::ExpectRequest, session: Option<u64>) -> Result<ExpectCall, ApiError> {
@@ -105,18 +132,32 @@ fn expect_call(r: proto::ExpectRequest, session: Option<u64>) -> Result<ExpectCa
             let kind = match part.source_kind.as_str() {
                 "" => None,
                 name => Some(kvgate_abi::MemoryKind::from_name(name).ok_or_else(|| {
-                    ApiError::invalid("unknown_memory_kind", format!("part {index}: source_kind {name:?} is not a memory kind (host, cuda_device)"))
+                    ApiError::invalid(
+                        "unknown_memory_kind",
+                        format!("part {index}: source_kind {name:?} is not a memory kind (host, cuda_device)"),
+                    )
                 })?),
             };
             source_kinds.push(kind);
         }
     }
     if r.part_peers.len() > r.parts.len() {
-        return Err(ApiError::invalid("unknown_part", format!("{} part_peers for {} parts", r.part_peers.len(), r.parts.len())));
+        return Err(ApiError::invalid(
+            "unknown_part",
+            format!("{} part_peers for {} parts", r.part_peers.len(), r.parts.len()),
+        ));
     }
     let parts = r.parts.into_iter().map(|p| slices(p.slices)).collect();
     let room = RoomKey::new(key.room, key.generation);
-    Ok(ExpectCall { session, room, peer: r.peer, part_peers: r.part_peers, parts, source_kinds, timeout_ms: r.timeout_ms })
+    Ok(ExpectCall {
+        session,
+        room,
+        peer: r.peer,
+        part_peers: r.part_peers,
+        parts,
+        source_kinds,
+        timeout_ms: r.timeout_ms,
+    })
 }
 
 /// Held by a session's `Watch` stream: its end detaches the session (the driver then counts the grace).
@@ -140,7 +181,10 @@ impl ConnectionWatches {
             return Err(ApiError::new(
                 tonic::Code::ResourceExhausted,
                 "too_many_watchers",
-                format!("this connection holds engine_api.max_watchers_per_connection = {} Watch streams already", self.max),
+                format!(
+                    "this connection holds engine_api.max_watchers_per_connection = {} Watch streams already",
+                    self.max
+                ),
             )
             .to_status());
         }
@@ -194,39 +238,69 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<proto::RoomEvent, Status>> +
 
 #[tonic::async_trait]
 impl EngineApi for EngineApiService {
-    async fn open_session(&self, request: Request<proto::OpenSessionRequest>) -> Result<Response<proto::OpenSessionReply>, Status> {
+    async fn open_session(
+        &self,
+        request: Request<proto::OpenSessionRequest>,
+    ) -> Result<Response<proto::OpenSessionReply>, Status> {
         let name = request.into_inner().name;
         let (session, resumed) = self.call(|reply| EngineCall::OpenSession { name, reply }).await?;
         Ok(Response::new(proto::OpenSessionReply { session, resumed, grace_ms: self.session_grace_ms }))
     }
 
-    async fn close_session(&self, request: Request<proto::CloseSessionRequest>) -> Result<Response<proto::CloseSessionReply>, Status> {
+    async fn close_session(
+        &self,
+        request: Request<proto::CloseSessionRequest>,
+    ) -> Result<Response<proto::CloseSessionReply>, Status> {
         let session = request.into_inner().session;
         let end = self.call(|reply| EngineCall::CloseSession { session, reply }).await?;
         Ok(Response::new(end.into()))
     }
 
-    async fn register_memory(&self, request: Request<proto::RegisterMemoryRequest>) -> Result<Response<proto::RegisterMemoryReply>, Status> {
+    async fn register_memory(
+        &self,
+        request: Request<proto::RegisterMemoryRequest>,
+    ) -> Result<Response<proto::RegisterMemoryReply>, Status> {
         let session = session_of(&request)?;
         let r = request.into_inner();
         let memory = match r.memory {
             Some(Memory::SharedMemory(m)) => MemorySpec::SharedFile { path: m.path, offset: m.offset, len: m.len },
-            Some(Memory::CudaIpc(c)) => MemorySpec::CudaIpc { device: c.device, handle: c.ipc_handle, offset: c.offset, len: c.len },
+            Some(Memory::CudaIpc(c)) => {
+                MemorySpec::CudaIpc { device: c.device, handle: c.ipc_handle, offset: c.offset, len: c.len }
+            }
             Some(Memory::PassedFd(p)) => {
                 let fd = self.take_passed_fd(p.token)?;
                 MemorySpec::PassedFd { file: std::fs::File::from(fd), offset: p.offset, len: p.len }
             }
             Some(Memory::CudaVmmFd(v)) => {
                 let fd = self.take_passed_fd(v.token)?;
-                MemorySpec::CudaVmmFd { file: std::fs::File::from(fd), device: v.device, offset: v.offset, len: v.len, allocation_size: v.allocation_size }
+                MemorySpec::CudaVmmFd {
+                    file: std::fs::File::from(fd),
+                    device: v.device,
+                    offset: v.offset,
+                    len: v.len,
+                    allocation_size: v.allocation_size,
+                }
             }
-            None => return Err(ApiError::invalid("missing_field", "register_memory needs shared_memory, cuda_ipc, passed_fd or cuda_vmm_fd").to_status()),
+            None => {
+                return Err(ApiError::invalid(
+                    "missing_field",
+                    "register_memory needs shared_memory, cuda_ipc, passed_fd or cuda_vmm_fd",
+                )
+                .to_status())
+            }
         };
         let registered = self.call(|reply| EngineCall::Register { memory, label: r.label, session, reply }).await?;
-        Ok(Response::new(proto::RegisterMemoryReply { region: registered.region, plugins: registered.plugins, refused: registered.refused }))
+        Ok(Response::new(proto::RegisterMemoryReply {
+            region: registered.region,
+            plugins: registered.plugins,
+            refused: registered.refused,
+        }))
     }
 
-    async fn unregister_memory(&self, request: Request<proto::UnregisterMemoryRequest>) -> Result<Response<proto::UnregisterMemoryReply>, Status> {
+    async fn unregister_memory(
+        &self,
+        request: Request<proto::UnregisterMemoryRequest>,
+    ) -> Result<Response<proto::UnregisterMemoryReply>, Status> {
         let region = request.into_inner().region;
         self.call(|reply| EngineCall::Unregister { region, reply }).await?;
         Ok(Response::new(proto::UnregisterMemoryReply {}))
@@ -246,7 +320,10 @@ impl EngineApi for EngineApiService {
         Ok(Response::new(proto::SendReply {}))
     }
 
-    async fn send_batch(&self, request: Request<proto::SendBatchRequest>) -> Result<Response<proto::BatchReply>, Status> {
+    async fn send_batch(
+        &self,
+        request: Request<proto::SendBatchRequest>,
+    ) -> Result<Response<proto::BatchReply>, Status> {
         let session = session_of(&request)?;
         let sends = request.into_inner().sends;
         self.check_batch(sends.len())?;
@@ -255,7 +332,10 @@ impl EngineApi for EngineApiService {
         Ok(Response::new(batch_reply(results)))
     }
 
-    async fn expect_batch(&self, request: Request<proto::ExpectBatchRequest>) -> Result<Response<proto::BatchReply>, Status> {
+    async fn expect_batch(
+        &self,
+        request: Request<proto::ExpectBatchRequest>,
+    ) -> Result<Response<proto::BatchReply>, Status> {
         let session = session_of(&request)?;
         let expects = request.into_inner().expects;
         self.check_batch(expects.len())?;
@@ -280,7 +360,10 @@ impl EngineApi for EngineApiService {
         Ok(Response::new(self.call(|reply| EngineCall::GetRoom { room, reply }).await?))
     }
 
-    async fn list_rooms(&self, request: Request<proto::ListRoomsRequest>) -> Result<Response<proto::ListRoomsReply>, Status> {
+    async fn list_rooms(
+        &self,
+        request: Request<proto::ListRoomsRequest>,
+    ) -> Result<Response<proto::ListRoomsReply>, Status> {
         let include_terminal = request.into_inner().include_terminal;
         let (rooms, seq) = self.call(|reply| EngineCall::ListRooms { include_terminal, reply }).await?;
         Ok(Response::new(proto::ListRoomsReply { rooms, seq, incarnation: self.info.incarnation }))
@@ -298,10 +381,16 @@ impl EngineApi for EngineApiService {
         };
         let request = request.into_inner();
         let permit = self.watchers.clone().try_acquire_owned().map_err(|_| {
-            ApiError::new(tonic::Code::ResourceExhausted, "too_many_watchers", "engine_api.max_watchers streams are open already").to_status()
+            ApiError::new(
+                tonic::Code::ResourceExhausted,
+                "too_many_watchers",
+                "engine_api.max_watchers streams are open already",
+            )
+            .to_status()
         })?;
         let cursor = request.after_seq.map(|seq| (seq, request.incarnation));
-        let mut watcher = self.watch.subscribe(request.key, request.outcomes_only, cursor, permit).map_err(|e| e.to_status())?;
+        let mut watcher =
+            self.watch.subscribe(request.key, request.outcomes_only, cursor, permit).map_err(|e| e.to_status())?;
         let attachment = match session {
             Some(session) => {
                 self.call(|reply| EngineCall::AttachSession { session, reply }).await?;

@@ -72,16 +72,29 @@ pub fn cursor_expired(after: u64, oldest: u64, last: u64) -> ApiError {
 
 /// A cursor that belongs to another gateway process: everything must be re-read.
 fn restarted(why: String) -> ApiError {
-    ApiError::new(tonic::Code::OutOfRange, "watch_cursor_expired", format!("{why}; reconcile from ListRooms and watch after its seq"))
+    ApiError::new(
+        tonic::Code::OutOfRange,
+        "watch_cursor_expired",
+        format!("{why}; reconcile from ListRooms and watch after its seq"),
+    )
 }
 
 impl WatchFeed {
     /// A feed whose streams may fall `buffer_events` events behind the broadcast (then they catch
     /// up from the log), replaying up to `replay_events` past events.
     pub fn new(buffer_events: usize, replay_events: usize, incarnation: u64) -> WatchFeed {
-        let log = ReplayLog { events: VecDeque::with_capacity(replay_events.min(4096)), capacity: replay_events, last_seq: 0 };
+        let log = ReplayLog {
+            events: VecDeque::with_capacity(replay_events.min(4096)),
+            capacity: replay_events,
+            last_seq: 0,
+        };
         let progress_watchers = Arc::new(AtomicUsize::new(0));
-        WatchFeed { events: broadcast::channel(buffer_events).0, log: Arc::new(Mutex::new(log)), progress_watchers, incarnation }
+        WatchFeed {
+            events: broadcast::channel(buffer_events).0,
+            log: Arc::new(Mutex::new(log)),
+            progress_watchers,
+            incarnation,
+        }
     }
 
     /// Whether any open stream wants progress events. A stream opening while this reads false
@@ -127,12 +140,20 @@ impl WatchFeed {
         let (replay, delivered) = match cursor {
             Some((after, incarnation)) => {
                 if incarnation != 0 && incarnation != self.incarnation {
-                    return Err(restarted(format!("the cursor is from incarnation {incarnation}, this gateway is incarnation {} (it restarted)", self.incarnation)));
+                    return Err(restarted(format!(
+                        "the cursor is from incarnation {incarnation}, this gateway is incarnation {} (it restarted)",
+                        self.incarnation
+                    )));
                 }
                 if after > log.last_seq {
-                    return Err(restarted(format!("seq {after} was never published here (the last is {}): the cursor is from before a restart", log.last_seq)));
+                    return Err(restarted(format!(
+                        "seq {after} was never published here (the last is {}): the cursor is from before a restart",
+                        log.last_seq
+                    )));
                 }
-                let Some(replay) = log.after(after) else { return Err(cursor_expired(after, log.oldest(), log.last_seq)) };
+                let Some(replay) = log.after(after) else {
+                    return Err(cursor_expired(after, log.oldest(), log.last_seq));
+                };
                 (replay.into(), after)
             }
             None => (VecDeque::new(), log.last_seq),
@@ -140,7 +161,17 @@ impl WatchFeed {
         let events = self.events.subscribe();
         drop(log);
         let progress = (!outcomes_only).then(|| ProgressWatcher::count_in(&self.progress_watchers));
-        Ok(Watcher { log: self.log.clone(), events, replay, delivered, room, _progress: progress, _permit: permit, ended: false, _held: None })
+        Ok(Watcher {
+            log: self.log.clone(),
+            events,
+            replay,
+            delivered,
+            room,
+            _progress: progress,
+            _permit: permit,
+            ended: false,
+            _held: None,
+        })
     }
 }
 
@@ -311,7 +342,12 @@ mod tests {
         let mut got = Vec::new();
         while let Some((event, next)) = watcher.next_item().await {
             match event {
-                Ok(event) => got.push(format!("{}:{}@{}", if is_outcome(&event) { "outcome" } else { "state" }, event.key.unwrap().room, event.seq)),
+                Ok(event) => got.push(format!(
+                    "{}:{}@{}",
+                    if is_outcome(&event) { "outcome" } else { "state" },
+                    event.key.unwrap().room,
+                    event.seq
+                )),
                 Err(status) => got.push(format!("error:{}", kvgate_client::reason_of(&status).unwrap_or_default())),
             }
             watcher = next;

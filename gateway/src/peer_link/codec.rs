@@ -1,9 +1,9 @@
 //! Serialises the core's `PeerMessage`s to and from peer-link frames. Pure conversion: an
 //! undecodable frame is an error the driver counts and logs; it never guesses a missing field.
 
+use kvgate_abi::Ticket;
 use kvgate_client::proto::{self, core_message::Message as Wire};
 use kvgate_core::api::{FailReason, PeerMessage, PluginSlot, RegionId, Role, RoomKey, Slice, Span};
-use kvgate_abi::Ticket;
 
 /// How one peer session names plugin instances: `own[slot]` is this gateway's wire name of each
 /// local instance; `partner[slot]` the peer's instance that local one is connected with in the
@@ -27,24 +27,36 @@ pub fn encode_in(message: &PeerMessage, names: InstanceNames<'_>) -> proto::Core
     let key = Some(proto::RoomKey { room: message.room().room, generation: message.room().generation });
     let body = match message {
         PeerMessage::ExpectNotice { parts, tickets, plugins, timeout, .. } => Wire::ExpectNotice(proto::ExpectNotice {
-            part_plugins: plugins.iter().map(|slot| plugin_names.get(slot.0 as usize).cloned().unwrap_or_default()).collect(),
+            part_plugins: plugins
+                .iter()
+                .map(|slot| plugin_names.get(slot.0 as usize).cloned().unwrap_or_default())
+                .collect(),
             parts: parts
                 .iter()
                 .map(|part| proto::RemoteParts {
-                    slices: part.iter().map(|s| proto::RemoteSlice { region: s.region.0, offset: s.offset, len: s.len }).collect(),
+                    slices: part
+                        .iter()
+                        .map(|s| proto::RemoteSlice { region: s.region.0, offset: s.offset, len: s.len })
+                        .collect(),
                 })
                 .collect(),
             tickets: tickets.iter().map(|t| t.0).collect(),
             timeout_ns: timeout.0,
             // Only once a reload made the two sides' names differ: until then the wire is as before.
-            part_sender_plugins: match plugins.iter().any(|slot| names.partner.get(slot.0 as usize).is_some_and(|p| Some(p) != plugin_names.get(slot.0 as usize))) {
+            part_sender_plugins: match plugins.iter().any(|slot| {
+                names.partner.get(slot.0 as usize).is_some_and(|p| Some(p) != plugin_names.get(slot.0 as usize))
+            }) {
                 false => Vec::new(),
-                true => plugins.iter().map(|slot| names.partner.get(slot.0 as usize).cloned().unwrap_or_default()).collect(),
+                true => {
+                    plugins.iter().map(|slot| names.partner.get(slot.0 as usize).cloned().unwrap_or_default()).collect()
+                }
             },
         }),
         PeerMessage::Matched { .. } => Wire::Matched(proto::Matched {}),
         PeerMessage::PartDone { part, bytes, .. } => Wire::PartDone(proto::PartDone { part: *part, bytes: *bytes }),
-        PeerMessage::Abort { reason, to, .. } => Wire::Abort(proto::AbortNotice { reason: reason.as_str().into(), to: to.as_str().into() }),
+        PeerMessage::Abort { reason, to, .. } => {
+            Wire::Abort(proto::AbortNotice { reason: reason.as_str().into(), to: to.as_str().into() })
+        }
         PeerMessage::RoomFailed { reason, to, .. } => {
             Wire::RoomFailed(proto::RoomFailed { reason: reason.as_str().into(), to: to.as_str().into() })
         }
@@ -102,11 +114,21 @@ pub fn decode(message: proto::CoreMessage, plugin_names: &[String]) -> Result<Pe
 /// for (`part_sender_plugins`, by this gateway's wire name), or, from a gateway that does not name
 /// it, the local instance connected with the receiver's named one.
 fn part_slots(notice: &proto::ExpectNotice, names: InstanceNames<'_>) -> Vec<PluginSlot> {
-    let position = |list: &[String], name: &str| list.iter().position(|p| !p.is_empty() && p == name).map(|slot| PluginSlot(slot as u32));
+    let position = |list: &[String], name: &str| {
+        list.iter().position(|p| !p.is_empty() && p == name).map(|slot| PluginSlot(slot as u32))
+    };
     if !notice.part_sender_plugins.is_empty() && notice.part_sender_plugins.len() == notice.part_plugins.len() {
-        return notice.part_sender_plugins.iter().map(|name| position(names.own, name).unwrap_or(PluginSlot::NONE)).collect();
+        return notice
+            .part_sender_plugins
+            .iter()
+            .map(|name| position(names.own, name).unwrap_or(PluginSlot::NONE))
+            .collect();
     }
-    notice.part_plugins.iter().map(|name| position(names.partner, name).or_else(|| position(names.own, name)).unwrap_or(PluginSlot::NONE)).collect()
+    notice
+        .part_plugins
+        .iter()
+        .map(|name| position(names.partner, name).or_else(|| position(names.own, name)).unwrap_or(PluginSlot::NONE))
+        .collect()
 }
 
 /// `decode` in a session whose instances may have been reloaded (see `InstanceNames`).
@@ -143,7 +165,16 @@ mod tests {
         let shapes: Vec<Vec<Vec<Slice>>> = vec![
             vec![vec![Slice::new(RegionId(1), 0, 1)]],
             vec![(0..1000).map(|i| Slice::new(RegionId(3), i * 4096, 4096)).collect(), vec![]],
-            (0..122).map(|p| (0..8).map(|i| Slice::new(RegionId(u64::MAX), u64::MAX - i, 1 << 40)).collect::<Vec<_>>().into_iter().take(p % 9).collect()).collect(),
+            (0..122)
+                .map(|p| {
+                    (0..8)
+                        .map(|i| Slice::new(RegionId(u64::MAX), u64::MAX - i, 1 << 40))
+                        .collect::<Vec<_>>()
+                        .into_iter()
+                        .take(p % 9)
+                        .collect()
+                })
+                .collect(),
         ];
         let names = vec!["shm".to_string(), "a-plugin-with-a-long-name".to_string()];
         for parts in shapes {
@@ -163,7 +194,10 @@ mod tests {
             assert!(bound >= real, "bound {bound} < real {real}");
             // The bound allows a name per part; a notice names one for all when they share it.
             let names_allowance = 2 * parts.len() * (2 + names[1].len());
-            assert!(bound <= real + 2 * EXPECT_NOTICE_OVERHEAD_BYTES + names_allowance, "bound {bound} far above real {real}");
+            assert!(
+                bound <= real + 2 * EXPECT_NOTICE_OVERHEAD_BYTES + names_allowance,
+                "bound {bound} far above real {real}"
+            );
         }
     }
 
@@ -200,7 +234,10 @@ mod tests {
             timeout: Span::from_ms(1),
         };
         let wire = encode(&message, &["shm".to_string(), "nvlink".to_string()]);
-        let PeerMessage::ExpectNotice { plugins, .. } = decode(wire, &["shm".to_string(), "quic".to_string()]).unwrap() else { unreachable!() };
+        let PeerMessage::ExpectNotice { plugins, .. } = decode(wire, &["shm".to_string(), "quic".to_string()]).unwrap()
+        else {
+            unreachable!()
+        };
         assert_eq!(plugins, [PluginSlot::NONE]);
     }
 
@@ -222,7 +259,11 @@ mod tests {
         // Sender: slot 0 is its first shm, slot 1 its shm@2; each part goes to the named instance
         // even though both are connected with receiver instances of the same plugin.
         let (own, partner) = (["shm".to_string(), "shm@2".to_string()], ["shm@3".to_string(), "shm@3".to_string()]);
-        let PeerMessage::ExpectNotice { plugins, .. } = decode_in(wire.clone(), InstanceNames { own: &own, partner: &partner }).unwrap() else { unreachable!() };
+        let PeerMessage::ExpectNotice { plugins, .. } =
+            decode_in(wire.clone(), InstanceNames { own: &own, partner: &partner }).unwrap()
+        else {
+            unreachable!()
+        };
         assert_eq!(plugins, [PluginSlot(1), PluginSlot(0)]);
         // A gateway that does not name the sender's instance: the one connected with the named one.
         let mut old = wire;
@@ -230,13 +271,20 @@ mod tests {
             n.part_sender_plugins.clear();
         }
         let partner = ["shm@3".to_string(), "shm".to_string()];
-        let PeerMessage::ExpectNotice { plugins, .. } = decode_in(old, InstanceNames { own: &own, partner: &partner }).unwrap() else { unreachable!() };
+        let PeerMessage::ExpectNotice { plugins, .. } =
+            decode_in(old, InstanceNames { own: &own, partner: &partner }).unwrap()
+        else {
+            unreachable!()
+        };
         assert_eq!(plugins, [PluginSlot(1), PluginSlot(0)]);
     }
 
     #[test]
     fn unknown_reason_and_missing_key_are_errors() {
-        let mut m = encode(&PeerMessage::Abort { room: RoomKey::new(1, 0), reason: FailReason::Aborted, to: Role::Sender }, &[]);
+        let mut m = encode(
+            &PeerMessage::Abort { room: RoomKey::new(1, 0), reason: FailReason::Aborted, to: Role::Sender },
+            &[],
+        );
         if let Some(Wire::Abort(a)) = &mut m.message {
             a.reason = "exploded".into();
         }

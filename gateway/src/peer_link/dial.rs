@@ -11,14 +11,24 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::transport::Endpoint;
 
-pub(super) async fn dial(config: &GatewayConfig, peer: &PeerEntry, identity: &LocalIdentity, auth: &LinkAuth) -> anyhow::Result<Session> {
+pub(super) async fn dial(
+    config: &GatewayConfig,
+    peer: &PeerEntry,
+    identity: &LocalIdentity,
+    auth: &LinkAuth,
+) -> anyhow::Result<Session> {
     let timeout = Duration::from_millis(config.peer_link.connect_timeout_ms);
-    tokio::time::timeout(timeout, dial_inner(config, peer, identity, auth))
-        .await
-        .with_context(|| format!("dial {} timed out after {} ms (peer_link.connect_timeout_ms)", peer.address, timeout.as_millis()))?
+    tokio::time::timeout(timeout, dial_inner(config, peer, identity, auth)).await.with_context(|| {
+        format!("dial {} timed out after {} ms (peer_link.connect_timeout_ms)", peer.address, timeout.as_millis())
+    })?
 }
 
-async fn dial_inner(config: &GatewayConfig, peer: &PeerEntry, identity: &LocalIdentity, auth: &LinkAuth) -> anyhow::Result<Session> {
+async fn dial_inner(
+    config: &GatewayConfig,
+    peer: &PeerEntry,
+    identity: &LocalIdentity,
+    auth: &LinkAuth,
+) -> anyhow::Result<Session> {
     let tls = auth.tls();
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut endpoint = Endpoint::from_shared(format!("{scheme}://{}", peer.address))?
@@ -43,7 +53,12 @@ async fn dial_inner(config: &GatewayConfig, peer: &PeerEntry, identity: &LocalId
         bail!("dialled {} expecting {:?}, found {:?}", peer.address, peer.name, hello.name);
     }
     if hello.protocol_version != super::PEER_PROTOCOL_VERSION {
-        bail!("peer {} speaks peer-link protocol {}, this gateway {}", peer.name, hello.protocol_version, super::PEER_PROTOCOL_VERSION);
+        bail!(
+            "peer {} speaks peer-link protocol {}, this gateway {}",
+            peer.name,
+            hello.protocol_version,
+            super::PEER_PROTOCOL_VERSION
+        );
     }
     let opener = match auth {
         LinkAuth::Psk(key) => {
@@ -65,7 +80,10 @@ async fn dial_inner(config: &GatewayConfig, peer: &PeerEntry, identity: &LocalId
             let proof = key.dialler_proof(&transcript);
             let (link_sealer, link_opener) = key.link_macs(&transcript, true);
             *sealer.lock().unwrap_or_else(|e| e.into_inner()) = Some(link_sealer);
-            tx.bulk.send(PeerFrame { frame: Some(Frame::AuthProof(proto::AuthProof { proof })), mac: Vec::new() }).await.ok();
+            tx.bulk
+                .send(PeerFrame { frame: Some(Frame::AuthProof(proto::AuthProof { proof })), mac: Vec::new() })
+                .await
+                .ok();
             Some(link_opener)
         }
         _ => None,

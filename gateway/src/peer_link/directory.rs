@@ -110,7 +110,9 @@ impl PeerDirectory {
     pub fn withdraw(&self, name: &str) -> bool {
         let known = self.known.read().expect("directory lock");
         match known.get(name) {
-            Some(k) if k.source == PeerSource::Discovered => k.entry.send_if_modified(|current| current.take().is_some()),
+            Some(k) if k.source == PeerSource::Discovered => {
+                k.entry.send_if_modified(|current| current.take().is_some())
+            }
             _ => false,
         }
     }
@@ -141,7 +143,8 @@ impl PeerDirectory {
     /// task still runs) and its source.
     pub fn list(&self) -> Vec<(String, Option<PeerEntry>, PeerSource)> {
         let known = self.known.read().expect("directory lock");
-        let mut peers: Vec<_> = known.iter().map(|(name, k)| (name.clone(), k.entry.borrow().clone(), k.source)).collect();
+        let mut peers: Vec<_> =
+            known.iter().map(|(name, k)| (name.clone(), k.entry.borrow().clone(), k.source)).collect();
         peers.sort_by(|a, b| a.0.cmp(&b.0));
         peers
     }
@@ -149,7 +152,11 @@ impl PeerDirectory {
     /// The names of discovered peers that are not withdrawn.
     pub fn discovered_names(&self) -> Vec<String> {
         let known = self.known.read().expect("directory lock");
-        known.iter().filter(|(_, k)| k.source == PeerSource::Discovered && k.entry.borrow().is_some()).map(|(n, _)| n.clone()).collect()
+        known
+            .iter()
+            .filter(|(_, k)| k.source == PeerSource::Discovered && k.entry.borrow().is_some())
+            .map(|(n, _)| n.clone())
+            .collect()
     }
 }
 
@@ -174,7 +181,9 @@ mod tests {
     #[test]
     fn a_discovered_peer_is_added_once_updated_in_place_and_retired_only_while_withdrawn() {
         let (directory, _) = PeerDirectory::with_static(&[]);
-        let Upsert::Added(mut new) = directory.upsert_discovered(peer("b", "10.0.0.2:7100"), 8) else { panic!("not added") };
+        let Upsert::Added(mut new) = directory.upsert_discovered(peer("b", "10.0.0.2:7100"), 8) else {
+            panic!("not added")
+        };
         assert!(matches!(directory.upsert_discovered(peer("b", "10.0.0.3:7100"), 8), Upsert::Updated));
         assert!(new.entry.has_changed().unwrap());
         assert_eq!(new.entry.borrow_and_update().as_ref().unwrap().address, "10.0.0.3:7100");

@@ -7,9 +7,9 @@
 //! as hearing from the peer; fragments are joined up to `peer_link.max_frame_bytes` (a peer sending
 //! more breaks the protocol and loses the link).
 
+use crate::channels::Outbound;
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use prost::Message;
-use crate::channels::Outbound;
 use tokio::sync::mpsc;
 
 /// The receiving halves, turned into the link's outbound stream by [`outbound_stream`].
@@ -74,7 +74,10 @@ impl Splitter {
 
 /// The link's outbound frames in send order: urgent first whenever one waits, then the rest of a
 /// frame being split, then the next bulk frame. Ends when the bulk lane closes.
-pub fn outbound_stream(lanes: OutboundReceivers, fragment_bytes: u64) -> impl tokio_stream::Stream<Item = PeerFrame> + Send + 'static {
+pub fn outbound_stream(
+    lanes: OutboundReceivers,
+    fragment_bytes: u64,
+) -> impl tokio_stream::Stream<Item = PeerFrame> + Send + 'static {
     let splitter = Splitter { splitting: None, fragment_bytes: fragment_bytes.max(1) as usize };
     futures_util::stream::unfold((lanes, splitter), |(mut lanes, mut splitter)| async move {
         let OutboundReceivers { bulk, urgent } = &mut lanes;
@@ -119,10 +122,13 @@ impl Reassembly {
             return Ok(None);
         }
         let encoded = std::mem::take(&mut self.buffer);
-        let frame = PeerFrame::decode(encoded.as_slice()).map_err(|e| format!("a fragmented frame does not decode: {e}"))?;
+        let frame =
+            PeerFrame::decode(encoded.as_slice()).map_err(|e| format!("a fragmented frame does not decode: {e}"))?;
         match frame.frame {
             Some(Frame::Fragment(_)) => Err("a fragment inside a fragmented frame".into()),
-            Some(Frame::Hello(_)) | Some(Frame::AuthProof(_)) => Err("a handshake frame inside a fragmented frame".into()),
+            Some(Frame::Hello(_)) | Some(Frame::AuthProof(_)) => {
+                Err("a handshake frame inside a fragmented frame".into())
+            }
             Some(frame) => Ok(Some(frame)),
             None => Err("an empty fragmented frame".into()),
         }
@@ -140,8 +146,15 @@ mod tests {
     use tokio_stream::StreamExt;
 
     fn core_frame(payload_bytes: usize) -> PeerFrame {
-        let slices = (0..payload_bytes / 8).map(|i| proto::RemoteSlice { region: 1, offset: i as u64, len: 1 }).collect();
-        let notice = proto::ExpectNotice { parts: vec![proto::RemoteParts { slices }], tickets: vec![7], timeout_ns: 1, part_plugins: Vec::new(), ..Default::default() };
+        let slices =
+            (0..payload_bytes / 8).map(|i| proto::RemoteSlice { region: 1, offset: i as u64, len: 1 }).collect();
+        let notice = proto::ExpectNotice {
+            parts: vec![proto::RemoteParts { slices }],
+            tickets: vec![7],
+            timeout_ns: 1,
+            part_plugins: Vec::new(),
+            ..Default::default()
+        };
         let core = proto::CoreMessage {
             key: Some(proto::RoomKey { room: 9, generation: 1 }),
             message: Some(proto::core_message::Message::ExpectNotice(notice)),
@@ -214,8 +227,10 @@ mod tests {
         let mut past = Reassembly::new(limit - 1);
         let e = past.push(proto::Fragment { data: encoded, last: true }).unwrap_err();
         assert!(e.contains("max_frame_bytes"), "{e}");
-        let nested = PeerFrame { frame: Some(Frame::Fragment(proto::Fragment { data: vec![1], last: true })), mac: Vec::new() };
-        let e = Reassembly::new(1 << 20).push(proto::Fragment { data: nested.encode_to_vec(), last: true }).unwrap_err();
+        let nested =
+            PeerFrame { frame: Some(Frame::Fragment(proto::Fragment { data: vec![1], last: true })), mac: Vec::new() };
+        let e =
+            Reassembly::new(1 << 20).push(proto::Fragment { data: nested.encode_to_vec(), last: true }).unwrap_err();
         assert!(e.contains("inside"), "{e}");
     }
 }

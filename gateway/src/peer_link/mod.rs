@@ -98,10 +98,15 @@ impl LinkAuth {
                 LinkAuth::Psk(Arc::new(psk::Psk::unusable()))
             }
             PeerAuthMode::Psk => LinkAuth::Psk(Arc::new(
-                psk::Psk::load(std::path::Path::new(&config.peer_link.psk_file)).map_err(|e| anyhow::anyhow!("peer_link.psk_file: {e:#}"))?,
+                psk::Psk::load(std::path::Path::new(&config.peer_link.psk_file))
+                    .map_err(|e| anyhow::anyhow!("peer_link.psk_file: {e:#}"))?,
             )),
             PeerAuthMode::Tls => {
-                let section = config.peer_link.tls.as_ref().ok_or_else(|| anyhow::anyhow!("peer_link.auth = \"tls\" needs [peer_link.tls]"))?;
+                let section = config
+                    .peer_link
+                    .tls
+                    .as_ref()
+                    .ok_or_else(|| anyhow::anyhow!("peer_link.auth = \"tls\" needs [peer_link.tls]"))?;
                 LinkAuth::Tls(Arc::new(tls::PeerTls::load(section)?))
             }
             PeerAuthMode::None => LinkAuth::None,
@@ -180,7 +185,13 @@ impl PeerLinks {
                 "peer_link.auth = \"none\": peer links are NOT authenticated; any local process that reaches the port and names a configured peer is believed"
             );
         }
-        let links = PeerLinks { config: config.clone(), identity: identity.clone(), events, auth: auth.clone(), directory: directory.clone() };
+        let links = PeerLinks {
+            config: config.clone(),
+            identity: identity.clone(),
+            events,
+            auth: auth.clone(),
+            directory: directory.clone(),
+        };
         for (name, new) in static_tasks {
             links.spawn(name, new);
         }

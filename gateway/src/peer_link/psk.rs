@@ -48,14 +48,22 @@ impl Psk {
             bail!("{} is not a regular file", path.display());
         }
         if meta.mode() & 0o077 != 0 {
-            bail!("{} has mode {:o}: a key file must be readable by its owner only (chmod 600)", path.display(), meta.mode() & 0o777);
+            bail!(
+                "{} has mode {:o}: a key file must be readable by its owner only (chmod 600)",
+                path.display(),
+                meta.mode() & 0o777
+            );
         }
         let euid = nix::unistd::geteuid().as_raw();
         if meta.uid() != euid {
             bail!("{} is owned by uid {}, not by this gateway's uid {euid}", path.display(), meta.uid());
         }
         if meta.len() > PSK_FILE_MAX_BYTES {
-            bail!("{} is {} bytes: a key file is one line of hex (at most {PSK_FILE_MAX_BYTES} bytes)", path.display(), meta.len());
+            bail!(
+                "{} is {} bytes: a key file is one line of hex (at most {PSK_FILE_MAX_BYTES} bytes)",
+                path.display(),
+                meta.len()
+            );
         }
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
         let bytes = decode_hex(text.trim()).with_context(|| format!("{} does not hold a hex key", path.display()))?;
@@ -68,7 +76,10 @@ impl Psk {
     /// A key nobody holds (a fresh random one, never written): a gateway with no peer configured
     /// and no key file refuses every link with it.
     pub fn unusable() -> Psk {
-        Psk { key: hmac::Key::generate(hmac::HMAC_SHA256, &SystemRandom::new()).expect("the system random number generator") }
+        Psk {
+            key: hmac::Key::generate(hmac::HMAC_SHA256, &SystemRandom::new())
+                .expect("the system random number generator"),
+        }
     }
 
     /// Write a new random key to `path` (mode 0600, created; an existing file is replaced only with
@@ -127,7 +138,8 @@ impl Psk {
     pub fn link_macs(&self, transcript: &Transcript, dialler: bool) -> (FrameSealer, FrameOpener) {
         let link = self.tag(b"link", transcript);
         let key = hmac::Key::new(hmac::HMAC_SHA256, link.as_ref());
-        let (out_label, in_label): (&'static [u8], &'static [u8]) = if dialler { (b"d->s", b"s->d") } else { (b"s->d", b"d->s") };
+        let (out_label, in_label): (&'static [u8], &'static [u8]) =
+            if dialler { (b"d->s", b"s->d") } else { (b"s->d", b"d->s") };
         (FrameSealer { key: key.clone(), label: out_label, seq: 0 }, FrameOpener { key, label: in_label, seq: 0 })
     }
 }
@@ -226,7 +238,10 @@ fn decode_hex(text: &str) -> anyhow::Result<Vec<u8>> {
     }
     (0..text.len())
         .step_by(2)
-        .map(|i| u8::from_str_radix(text.get(i..i + 2).unwrap_or("zz"), 16).map_err(|_| anyhow::anyhow!("not hex at character {i}")))
+        .map(|i| {
+            u8::from_str_radix(text.get(i..i + 2).unwrap_or("zz"), 16)
+                .map_err(|_| anyhow::anyhow!("not hex at character {i}"))
+        })
         .collect()
 }
 
@@ -236,7 +251,14 @@ mod tests {
     use kvgate_client::proto;
 
     fn transcript<'a>(dn: &'a [u8], sn: &'a [u8]) -> Transcript<'a> {
-        Transcript { dialler: "decode-0", server: "prefill-0", dialler_nonce: dn, server_nonce: sn, dialler_incarnation: 1, server_incarnation: 2 }
+        Transcript {
+            dialler: "decode-0",
+            server: "prefill-0",
+            dialler_nonce: dn,
+            server_nonce: sn,
+            dialler_incarnation: 1,
+            server_incarnation: 2,
+        }
     }
 
     fn key_in(dir: &Path, name: &str) -> Psk {

@@ -21,7 +21,12 @@ pub struct PeerLinkService {
 }
 
 impl PeerLinkService {
-    pub(super) fn new(identity: Arc<LocalIdentity>, config: Arc<GatewayConfig>, directory: Arc<PeerDirectory>, auth: LinkAuth) -> Self {
+    pub(super) fn new(
+        identity: Arc<LocalIdentity>,
+        config: Arc<GatewayConfig>,
+        directory: Arc<PeerDirectory>,
+        auth: LinkAuth,
+    ) -> Self {
         PeerLinkService { identity, config, directory, auth }
     }
 }
@@ -48,15 +53,27 @@ impl PeerLink for PeerLinkService {
             return Err(Status::invalid_argument("protocol_violation: a link starts with a hello"));
         };
         if hello.to != self.identity.name {
-            return Err(Status::invalid_argument(format!("protocol_violation: hello addressed to {:?}, this is {:?}", hello.to, self.identity.name)));
+            return Err(Status::invalid_argument(format!(
+                "protocol_violation: hello addressed to {:?}, this is {:?}",
+                hello.to, self.identity.name
+            )));
         }
         if hello.protocol_version != super::PEER_PROTOCOL_VERSION {
-            return Err(Status::failed_precondition(format!("version_mismatch: peer-link protocol {} (this gateway speaks {})", hello.protocol_version, super::PEER_PROTOCOL_VERSION)));
+            return Err(Status::failed_precondition(format!(
+                "version_mismatch: peer-link protocol {} (this gateway speaks {})",
+                hello.protocol_version,
+                super::PEER_PROTOCOL_VERSION
+            )));
         }
         let dialler_is_peer = super::dials(&hello.name, &self.identity.name);
-        let known = self.directory.entry(&hello.name).zip(self.directory.incoming(&hello.name)).filter(|_| dialler_is_peer);
+        let known =
+            self.directory.entry(&hello.name).zip(self.directory.incoming(&hello.name)).filter(|_| dialler_is_peer);
         let Some((entry, session_tx)) = known else {
-            return Err(refuse(&hello.name, "unknown_peer", format!("{:?} is not a configured or discovered peer that dials this gateway", hello.name)));
+            return Err(refuse(
+                &hello.name,
+                "unknown_peer",
+                format!("{:?} is not a configured or discovered peer that dials this gateway", hello.name),
+            ));
         };
         let (tx, rx) = lanes::channels(self.config.peer_link.send_queue_frames as usize);
         let sealer = Arc::new(Mutex::new(None));
@@ -71,19 +88,34 @@ impl PeerLink for PeerLinkService {
                         hello.name
                     )));
                 }
-                tx.bulk.send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new())).await.map_err(|_| Status::internal("link closed"))?;
-                session_tx.send(Session { hello, inbound, outbound: tx, opener: None }).await.map_err(|_| Status::unavailable("gateway stopping"))?;
+                tx.bulk
+                    .send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new()))
+                    .await
+                    .map_err(|_| Status::internal("link closed"))?;
+                session_tx
+                    .send(Session { hello, inbound, outbound: tx, opener: None })
+                    .await
+                    .map_err(|_| Status::unavailable("gateway stopping"))?;
             }
             LinkAuth::None => {
-                tx.bulk.send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new())).await.map_err(|_| Status::internal("link closed"))?;
-                session_tx.send(Session { hello, inbound, outbound: tx, opener: None }).await.map_err(|_| Status::unavailable("gateway stopping"))?;
+                tx.bulk
+                    .send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new()))
+                    .await
+                    .map_err(|_| Status::internal("link closed"))?;
+                session_tx
+                    .send(Session { hello, inbound, outbound: tx, opener: None })
+                    .await
+                    .map_err(|_| Status::unavailable("gateway stopping"))?;
             }
             LinkAuth::Psk(key) => {
                 if hello.nonce.len() != psk::NONCE_BYTES {
                     return Err(refuse(
                         &hello.name,
                         "peer_auth_failed",
-                        format!("{:?} sent no challenge (its peer_link.auth is {:?}; this gateway's is \"psk\")", hello.name, hello.auth),
+                        format!(
+                            "{:?} sent no challenge (its peer_link.auth is {:?}; this gateway's is \"psk\")",
+                            hello.name, hello.auth
+                        ),
                     ));
                 }
                 let nonce = psk::nonce();
@@ -99,25 +131,33 @@ impl PeerLink for PeerLinkService {
                 let (link_sealer, mut opener) = key.link_macs(&transcript, false);
                 let expected_answer = key.dialler_proof(&transcript);
                 *sealer.lock().unwrap_or_else(|e| e.into_inner()) = Some(link_sealer);
-                tx.bulk.send(self.identity.hello_to(&hello.name, self.auth.mode(), nonce, proof)).await.map_err(|_| Status::internal("link closed"))?;
+                tx.bulk
+                    .send(self.identity.hello_to(&hello.name, self.auth.mode(), nonce, proof))
+                    .await
+                    .map_err(|_| Status::internal("link closed"))?;
                 // The dialler answers only once it holds our Hello, which goes out with the response:
                 // its proof is awaited in a task, and the link is handed on only when it checks out.
                 tokio::spawn(async move {
                     let name = hello.name.clone();
                     let answer = match tokio::time::timeout(timeout, inbound.message()).await {
-                        Ok(Ok(Some(frame))) => opener.open(frame).map_err(|e| format!("its answer failed the link MAC: {e}")),
+                        Ok(Ok(Some(frame))) => {
+                            opener.open(frame).map_err(|e| format!("its answer failed the link MAC: {e}"))
+                        }
                         Ok(Ok(None)) => Err("it closed the link before answering the challenge".to_string()),
                         Ok(Err(status)) => Err(format!("link error before its answer: {}", status.message())),
                         Err(_) => Err("no answer to the challenge within peer_link.connect_timeout_ms".to_string()),
                     };
                     let proven = answer.and_then(|frame| match frame.frame {
                         Some(Frame::AuthProof(p)) if psk::constant_time_eq(&p.proof, &expected_answer) => Ok(()),
-                        Some(Frame::AuthProof(_)) => Err("its proof is wrong (a different peer_link.psk_file?)".to_string()),
+                        Some(Frame::AuthProof(_)) => {
+                            Err("its proof is wrong (a different peer_link.psk_file?)".to_string())
+                        }
                         _ => Err("its first frame after the Hello is not an AuthProof".to_string()),
                     });
                     match proven {
                         Ok(()) => {
-                            let _ = session_tx.send(Session { hello, inbound, outbound: tx, opener: Some(opener) }).await;
+                            let _ =
+                                session_tx.send(Session { hello, inbound, outbound: tx, opener: Some(opener) }).await;
                         }
                         // Dropping the outbound queue ends the response stream: the dialler sees the link close.
                         Err(why) => drop(refuse(&name, "peer_auth_failed", why)),

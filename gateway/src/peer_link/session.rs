@@ -6,8 +6,8 @@
 
 use super::handshaken::Session;
 use super::{dial, LocalIdentity, PeerDirectory};
-use crate::config::{GatewayConfig, PeerEntry};
 use crate::channels::{DriverInput, LinkEnd, PeerEvent, PeerSender};
+use crate::config::{GatewayConfig, PeerEntry};
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -51,7 +51,8 @@ impl PeerTask {
                     }
                     continue;
                 }
-                (None, Some(peer)) if dialer => match dial::dial(&self.config, &peer, &self.identity, &self.auth).await {
+                (None, Some(peer)) if dialer => match dial::dial(&self.config, &peer, &self.identity, &self.auth).await
+                {
                     Ok(s) => s,
                     Err(e) => {
                         self.log_dial_failure(&e);
@@ -87,7 +88,9 @@ impl PeerTask {
             return;
         }
         let now = Instant::now();
-        let repeat = self.last_auth_warning.as_ref().is_some_and(|(last, at)| *last == text && now.duration_since(*at) < Duration::from_millis(DIAL_AUTH_WARN_INTERVAL_MS));
+        let repeat = self.last_auth_warning.as_ref().is_some_and(|(last, at)| {
+            *last == text && now.duration_since(*at) < Duration::from_millis(DIAL_AUTH_WARN_INTERVAL_MS)
+        });
         if !repeat {
             tracing::warn!(peer = %self.name, reason = "peer_auth_failed", "peer link refused: {text}");
             self.last_auth_warning = Some((text, now));
@@ -108,7 +111,17 @@ impl PeerTask {
         let name = self.name.clone();
         let sender = PeerSender::new(session.outbound.clone());
         tracing::info!(peer = %name, session = id, incarnation = session.hello.incarnation, "peer link up");
-        if self.events.send(DriverInput::Peer(PeerEvent::Up { name: name.clone(), session: id, hello: session.hello.clone(), sender: sender.clone() })).await.is_err() {
+        if self
+            .events
+            .send(DriverInput::Peer(PeerEvent::Up {
+                name: name.clone(),
+                session: id,
+                hello: session.hello.clone(),
+                sender: sender.clone(),
+            }))
+            .await
+            .is_err()
+        {
             return None;
         }
         let interval = Duration::from_millis(self.config.peer_link.heartbeat_interval_ms);

@@ -14,7 +14,9 @@ pub struct PeerTls {
 
 impl PeerTls {
     pub fn load(section: &PeerTlsSection) -> anyhow::Result<PeerTls> {
-        let read = |key: &str, path: &str| std::fs::read(path).with_context(|| format!("peer_link.tls.{key}: cannot read {path}"));
+        let read = |key: &str, path: &str| {
+            std::fs::read(path).with_context(|| format!("peer_link.tls.{key}: cannot read {path}"))
+        };
         let cert = read("cert_file", &section.cert_file)?;
         let key = read("key_file", &section.key_file)?;
         let ca = read("ca_file", &section.ca_file)?;
@@ -35,7 +37,8 @@ impl PeerTls {
 /// alone would let any gateway of the cluster claim any other's name in its Hello.
 pub fn check_certificate_name(leaf: Option<&CertificateDer<'_>>, expected: &str) -> Result<(), String> {
     let leaf = leaf.ok_or("no client certificate was presented")?;
-    let name = ServerName::try_from(expected).map_err(|e| format!("{expected:?} is not a DNS name or IP address: {e}"))?;
+    let name =
+        ServerName::try_from(expected).map_err(|e| format!("{expected:?} is not a DNS name or IP address: {e}"))?;
     let cert = webpki::EndEntityCert::try_from(leaf).map_err(|e| format!("unreadable certificate: {e}"))?;
     cert.verify_is_valid_for_subject_name(&name).map_err(|e| format!("{e}"))
 }
@@ -64,7 +67,9 @@ mod tests {
     fn a_missing_certificate_or_a_malformed_name_is_refused_with_why() {
         assert_eq!(check_certificate_name(None, "decode").unwrap_err(), "no client certificate was presented");
         let cert = cert_for(&["decode"]);
-        assert!(check_certificate_name(Some(&cert), "not a name!").unwrap_err().contains("is not a DNS name or IP address"));
+        assert!(check_certificate_name(Some(&cert), "not a name!")
+            .unwrap_err()
+            .contains("is not a DNS name or IP address"));
         let garbage = CertificateDer::from(vec![0u8; 16]);
         assert!(check_certificate_name(Some(&garbage), "decode").unwrap_err().contains("unreadable certificate"));
     }

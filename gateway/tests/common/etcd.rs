@@ -44,9 +44,21 @@ impl Etcd {
         let client_port = free_port();
         let data_dir = dir.join(format!("etcd-{client_port}"));
         let log_path = dir.join(format!("etcd-{client_port}.log"));
-        let client_options = etcd_client::ConnectOptions::new().with_connect_timeout(Duration::from_secs(2)).with_timeout(Duration::from_secs(2));
+        let client_options = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_timeout(Duration::from_secs(2));
         let member = "kvgate-test".to_string();
-        Etcd { child: None, member, initial_cluster: None, client_port, peer_port: free_port(), data_dir, log_path, tls: None, client_options }
+        Etcd {
+            child: None,
+            member,
+            initial_cluster: None,
+            client_port,
+            peer_port: free_port(),
+            data_dir,
+            log_path,
+            tls: None,
+            client_options,
+        }
     }
 
     /// A server on a free port that serves TLS with `tls` and requires client certificates; the test's
@@ -100,7 +112,11 @@ impl Etcd {
                     return;
                 }
             }
-            assert!(tokio::time::Instant::now() < deadline, "etcd did not answer within {ETCD_READY_TIMEOUT:?}:\n{}", self.log());
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "etcd did not answer within {ETCD_READY_TIMEOUT:?}:\n{}",
+                self.log()
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -118,8 +134,10 @@ impl Etcd {
     /// The keys under `prefix`, as strings, sorted.
     pub async fn keys(&self, prefix: &str) -> Vec<String> {
         let mut client = self.client().await.unwrap();
-        let answer = client.get(prefix, Some(etcd_client::GetOptions::new().with_prefix().with_keys_only())).await.unwrap();
-        let mut keys: Vec<String> = answer.kvs().iter().map(|kv| String::from_utf8_lossy(kv.key()).into_owned()).collect();
+        let answer =
+            client.get(prefix, Some(etcd_client::GetOptions::new().with_prefix().with_keys_only())).await.unwrap();
+        let mut keys: Vec<String> =
+            answer.kvs().iter().map(|kv| String::from_utf8_lossy(kv.key()).into_owned()).collect();
         keys.sort();
         keys
     }
@@ -148,7 +166,13 @@ impl Etcd {
 
     /// The value at `key` as this member alone knows it (a serializable read: no leader needed).
     pub async fn local_value(&self, key: &str) -> Option<String> {
-        let answer = self.client().await.unwrap().get(key, Some(etcd_client::GetOptions::new().with_serializable())).await.unwrap();
+        let answer = self
+            .client()
+            .await
+            .unwrap()
+            .get(key, Some(etcd_client::GetOptions::new().with_serializable()))
+            .await
+            .unwrap();
         answer.kvs().first().map(|kv| String::from_utf8_lossy(kv.value()).into_owned())
     }
 
@@ -199,7 +223,12 @@ impl EtcdCluster {
                 if granted {
                     break;
                 }
-                assert!(tokio::time::Instant::now() < deadline, "member {} grants no lease within {ETCD_READY_TIMEOUT:?}:\n{}", m.member, self.logs());
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "member {} grants no lease within {ETCD_READY_TIMEOUT:?}:\n{}",
+                    m.member,
+                    self.logs()
+                );
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
@@ -241,7 +270,13 @@ pub async fn discovery_gateway(dir: &Path, name: &str, table: &str) -> Cluster {
 
 /// Waits (at most `within`) until `gw` says it is registered.
 pub async fn wait_registered(gw: &GatewayProcess, within: Duration) {
-    super::eventually(within, &format!("{} registered", gw.name), || async { super::metric(&gw.admin, "kvgate_discovery_registered").await == 1.0 }, &|| gw.log()).await;
+    super::eventually(
+        within,
+        &format!("{} registered", gw.name),
+        || async { super::metric(&gw.admin, "kvgate_discovery_registered").await == 1.0 },
+        &|| gw.log(),
+    )
+    .await;
 }
 
 /// This machine's host name, as a gateway publishes it in its record.

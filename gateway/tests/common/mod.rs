@@ -6,8 +6,8 @@
 pub mod etcd;
 pub mod pki;
 
-use kvgate_demo::engine::Engine;
 use kvgate::admin_client as http;
+use kvgate_demo::engine::Engine;
 use kvgate_demo::pool::{KvPool, KvShape};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -70,7 +70,9 @@ pub async fn metrics(admin: &str) -> String {
 
 /// The value of one sample line of the Prometheus text (`name{labels}` exactly as printed).
 pub fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(series).and_then(|rest| rest.trim().split(' ').next()).and_then(|v| v.parse().ok()))
+    text.lines().find_map(|l| {
+        l.strip_prefix(series).and_then(|rest| rest.trim().split(' ').next()).and_then(|v| v.parse().ok())
+    })
 }
 
 /// The value of `series` on `admin`'s `/metrics`; 0 when the series is not printed.
@@ -103,7 +105,13 @@ pub async fn plugin_instances(admin: &str) -> Vec<(String, String, String)> {
         .unwrap()
         .iter()
         .filter(|p| p["generation"].as_u64().unwrap_or(0) > 0)
-        .map(|p| (p["wire_name"].as_str().unwrap().to_string(), p["state"].as_str().unwrap().to_string(), p["reason"].as_str().unwrap().to_string()))
+        .map(|p| {
+            (
+                p["wire_name"].as_str().unwrap().to_string(),
+                p["state"].as_str().unwrap().to_string(),
+                p["reason"].as_str().unwrap().to_string(),
+            )
+        })
         .collect()
 }
 
@@ -139,11 +147,19 @@ pub fn plain_log(log: &str) -> String {
 }
 
 /// The `Terminal` event of `room` on a `Watch` stream, waiting up to `within`.
-pub async fn terminal_event(stream: &mut tonic::Streaming<kvgate_client::proto::RoomEvent>, room: u64, within: Duration) -> kvgate_client::proto::Terminal {
+pub async fn terminal_event(
+    stream: &mut tonic::Streaming<kvgate_client::proto::RoomEvent>,
+    room: u64,
+    within: Duration,
+) -> kvgate_client::proto::Terminal {
     use kvgate_client::proto::room_event::Event;
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        let event = tokio::time::timeout_at(deadline, stream.message()).await.expect("no terminal event in time").unwrap().expect("stream open");
+        let event = tokio::time::timeout_at(deadline, stream.message())
+            .await
+            .expect("no terminal event in time")
+            .unwrap()
+            .expect("stream open");
         if let (Some(key), Some(Event::Terminal(t))) = (event.key, event.event) {
             if key.room == room {
                 return t;

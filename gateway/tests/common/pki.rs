@@ -37,7 +37,11 @@ pub fn pem_files(dir: &std::path::Path, name: &str, own: &Pki, ca_pem: &str) -> 
         std::fs::write(&path, text).unwrap();
         path.display().to_string()
     };
-    (write(format!("{name}.pem"), &own.cert_pem), write(format!("{name}.key"), &own.key_pem), write(format!("{name}-ca.pem"), ca_pem))
+    (
+        write(format!("{name}.pem"), &own.cert_pem),
+        write(format!("{name}.key"), &own.key_pem),
+        write(format!("{name}-ca.pem"), ca_pem),
+    )
 }
 
 /// A `[peer_link.tls]` table presenting `own` and trusting `trusted_ca_pem`, its files written into `dir`.

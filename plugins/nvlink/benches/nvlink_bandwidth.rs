@@ -20,7 +20,13 @@ const BYTES_PER_MEASUREMENT: u64 = 8 << 30;
 /// Transfers the plugin is given at once (the host pipelines submits like this in serving).
 const PLUGIN_WINDOW: u64 = 16;
 
-fn raw_gbps(ctx: &std::sync::Arc<CudaContext>, src: &DeviceBuffer, dst: &DeviceBuffer, block: u64, iterations: u64) -> f64 {
+fn raw_gbps(
+    ctx: &std::sync::Arc<CudaContext>,
+    src: &DeviceBuffer,
+    dst: &DeviceBuffer,
+    block: u64,
+    iterations: u64,
+) -> f64 {
     ctx.synchronize().unwrap();
     let start = Instant::now();
     for _ in 0..iterations {
@@ -34,7 +40,13 @@ fn plugin_gbps(pair: &Pair, local: LocalKey, remote: RemoteKey, block: u64, iter
     let segment = [Segment { local, local_offset: 0, remote, remote_offset: 0, len: block }];
     let submit = |id: u64| {
         pair.a
-            .submit(&SubmitRequest { xfer: XferId(id), peer: B_PEER, ticket: Ticket(id), timeout_ns: 60_000_000_000, segments: (&segment[..]).into() })
+            .submit(&SubmitRequest {
+                xfer: XferId(id),
+                peer: B_PEER,
+                ticket: Ticket(id),
+                timeout_ns: 60_000_000_000,
+                segments: (&segment[..]).into(),
+            })
             .unwrap_or_else(|e| panic!("submit: {e}"))
     };
     let start = Instant::now();

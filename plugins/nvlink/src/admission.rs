@@ -44,7 +44,10 @@ pub fn check_region(
         return Err(refuse(
             ReasonCode::UNSUPPORTED_MEMORY,
             what,
-            format!("memory kind {} refused: this plugin serves CUDA device memory only (no host staging)", region.kind),
+            format!(
+                "memory kind {} refused: this plugin serves CUDA device memory only (no host staging)",
+                region.kind
+            ),
         ));
     }
     if region.len == 0 {
@@ -83,13 +86,12 @@ pub fn check_region(
                 RegionSource::VmmDescriptor { fd: b.fd, allocation_size: b.allocation_size }
             }
             Some(Err(why)) => return Err(refuse(ReasonCode::INVALID_ARGUMENT, what, why)),
-            None => {
-                return Err(refuse(
-                    ReasonCode::INVALID_ARGUMENT,
-                    what,
-                    "needs a device address, an IPC handle or a CUDA VMM descriptor (backing_path cuda-vmm-fd:<fd>:<size>)".into(),
-                ))
-            }
+            None => return Err(refuse(
+                ReasonCode::INVALID_ARGUMENT,
+                what,
+                "needs a device address, an IPC handle or a CUDA VMM descriptor (backing_path cuda-vmm-fd:<fd>:<size>)"
+                    .into(),
+            )),
         },
         (0, false) => RegionSource::EngineHandle,
         (addr, _) => {
@@ -148,7 +150,11 @@ pub fn route_import(
 
 /// Checks that a CUDA VMM `key` was made by the instance behind `peer`; the device whose context
 /// maps it (the key's device by UUID if this instance serves it, else the first one).
-pub fn route_vmm_import(key: &VmmKeyWire, peer: &EndpointWire, device_uuids: &[[u8; 16]]) -> Result<usize, PluginError> {
+pub fn route_vmm_import(
+    key: &VmmKeyWire,
+    peer: &EndpointWire,
+    device_uuids: &[[u8; 16]],
+) -> Result<usize, PluginError> {
     if key.instance_nonce != peer.instance_nonce {
         return Err(refuse(
             ReasonCode::INVALID_ARGUMENT,

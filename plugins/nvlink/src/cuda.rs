@@ -46,7 +46,8 @@ pub fn open_devices(requested: &[u32]) -> Result<Vec<CudaDevice>, String> {
         if ordinal as i64 >= count as i64 {
             return Err(format!("device ordinal {ordinal} configured, but only {count} device(s) are visible"));
         }
-        let ctx = CudaContext::new(ordinal as usize).map_err(|e| driver_error(&format!("device {ordinal}: context"), e))?;
+        let ctx =
+            CudaContext::new(ordinal as usize).map_err(|e| driver_error(&format!("device {ordinal}: context"), e))?;
         let uuid = ctx.uuid().map_err(|e| driver_error(&format!("device {ordinal}: uuid"), e))?;
         devices.push(CudaDevice { ordinal, ctx, uuid: uuid.bytes.map(|b| b as u8) });
     }
@@ -107,7 +108,8 @@ pub struct IpcMapping {
 
 /// Mappings open in this process, by (handle, device ordinal): CUDA maps an allocation once per
 /// context, and every instance of the plugin in a process shares the devices' primary contexts.
-static OPEN_MAPPINGS: std::sync::Mutex<Vec<(MappingKey, std::sync::Weak<IpcMapping>)>> = std::sync::Mutex::new(Vec::new());
+static OPEN_MAPPINGS: std::sync::Mutex<Vec<(MappingKey, std::sync::Weak<IpcMapping>)>> =
+    std::sync::Mutex::new(Vec::new());
 
 /// An IPC handle and the device ordinal of the context it is mapped in.
 type MappingKey = ([u8; IPC_HANDLE_BYTES], u32);
@@ -159,6 +161,8 @@ impl Drop for IpcMapping {
         if self.base == 0 {
             return;
         }
+        // SAFETY: `base` came from cuIpcOpenMemHandle in this context and is closed once, here, when
+        // the last holder of the mapping lets go.
         let closed = self.ctx.bind_to_thread().and_then(|()| unsafe { sys::cuIpcCloseMemHandle(self.base).result() });
         if let Err(e) = closed {
             tracing::warn!(base = self.base, "nvlink: cuIpcCloseMemHandle failed: {e}");

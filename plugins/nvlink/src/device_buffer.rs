@@ -47,6 +47,7 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once, here.
         let freed = self.ctx.bind_to_thread().and_then(|()| unsafe { result::free_sync(self.ptr) });
         if let Err(e) = freed {
             tracing::warn!("nvlink test buffer: cuMemFree failed: {e}");

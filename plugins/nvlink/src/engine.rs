@@ -91,8 +91,11 @@ impl<B: CopyBackend> Engine<B> {
     pub fn admit(&mut self, new: NewTransfer) {
         let xfer = new.xfer;
         let admission = Admission { peer: new.peer, total_bytes: new.total_bytes, deadline: new.deadline };
-        let admitted =
-            self.transfers.admit(xfer, admission, Transfer { new, next_op: 0, inflight: VecDeque::new(), lane_cursor: 0 });
+        let admitted = self.transfers.admit(
+            xfer,
+            admission,
+            Transfer { new, next_op: 0, inflight: VecDeque::new(), lane_cursor: 0 },
+        );
         assert!(admitted.is_ok(), "transfer {} admitted twice; submit checks live ids", xfer.0);
     }
 
@@ -113,8 +116,12 @@ impl<B: CopyBackend> Engine<B> {
     /// Fails every transfer to `peer` (or every transfer, for `None`).
     // CONFORMANCE: TIME-3, ABORT-4 (a lost peer fails its transfers at once; a cancel is one map lookup)
     pub fn fail_all(&mut self, peer: Option<PeerId>, reason: ReasonCode, message: &str) {
-        let ids: Vec<XferId> =
-            self.transfers.iter().filter(|(_, e)| e.is_live() && peer.is_none_or(|p| e.peer() == p)).map(|(x, _)| x).collect();
+        let ids: Vec<XferId> = self
+            .transfers
+            .iter()
+            .filter(|(_, e)| e.is_live() && peer.is_none_or(|p| e.peer() == p))
+            .map(|(x, _)| x)
+            .collect();
         for id in ids {
             self.fail(id, reason, message);
         }

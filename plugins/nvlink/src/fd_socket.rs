@@ -13,8 +13,8 @@
 
 use kvgate_abi::{PluginError, ReasonCode};
 use nix::sys::socket::{
-    self, getsockopt, recvmsg, sendmsg, sockopt, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag,
-    SockType, UnixAddr,
+    self, getsockopt, recvmsg, sendmsg, sockopt, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags,
+    SockFlag, SockType, UnixAddr,
 };
 use nix::sys::time::TimeVal;
 use std::collections::HashMap;
@@ -172,13 +172,17 @@ fn serve_connection(mut stream: UnixStream, table: &Table, timeout: Duration) {
             .map_err(|e| Refusal("socket_error", format!("set timeouts: {e}")))?;
         let their_uid = peer_uid(&stream).map_err(|e| Refusal("socket_error", format!("SO_PEERCRED: {e}")))?;
         if their_uid != uid() {
-            return Err(Refusal("uid_mismatch", format!("the requester runs as uid {their_uid}, this process as uid {}", uid())));
+            return Err(Refusal(
+                "uid_mismatch",
+                format!("the requester runs as uid {their_uid}, this process as uid {}", uid()),
+            ));
         }
         let mut request = [0u8; REQUEST_BYTES];
         stream.read_exact(&mut request).map_err(|e| match e.kind() {
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-                Refusal("request_timeout", format!("no complete request within vmm_fd_request_timeout_ms ({} ms)", timeout.as_millis()))
-            }
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Refusal(
+                "request_timeout",
+                format!("no complete request within vmm_fd_request_timeout_ms ({} ms)", timeout.as_millis()),
+            ),
             _ => Refusal("bad_request", format!("reading the request: {e}")),
         })?;
         if &request[..8] != REQUEST_MAGIC {
@@ -187,9 +191,12 @@ fn serve_connection(mut stream: UnixStream, table: &Table, timeout: Duration) {
         let region_id = u64::from_le_bytes(request[8..16].try_into().expect("8 bytes"));
         let secret: [u8; VMM_SECRET_BYTES] = request[16..].try_into().expect("secret bytes");
         let guard = table.lock().unwrap_or_else(|p| p.into_inner());
-        let served = guard
-            .get(&region_id)
-            .ok_or_else(|| Refusal("unknown_region", format!("region {region_id} is not served (never registered here, or deregistered)")))?;
+        let served = guard.get(&region_id).ok_or_else(|| {
+            Refusal(
+                "unknown_region",
+                format!("region {region_id} is not served (never registered here, or deregistered)"),
+            )
+        })?;
         if !same_secret(&served.secret, &secret) {
             return Err(Refusal("bad_secret", format!("wrong secret for region {region_id}")));
         }
@@ -199,7 +206,13 @@ fn serve_connection(mut stream: UnixStream, table: &Table, timeout: Duration) {
         Ok(fd) => {
             let iov = [IoSlice::new(b"ok\n")];
             let fds = [fd.as_raw_fd()];
-            if let Err(e) = sendmsg::<()>(stream.as_raw_fd(), &iov, &[ControlMessage::ScmRights(&fds)], MsgFlags::MSG_NOSIGNAL, None) {
+            if let Err(e) = sendmsg::<()>(
+                stream.as_raw_fd(),
+                &iov,
+                &[ControlMessage::ScmRights(&fds)],
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            ) {
                 tracing::info!("nvlink: descriptor socket: sending a descriptor failed: {e}");
             }
         }
@@ -231,14 +244,22 @@ fn timeval(d: Duration) -> TimeVal {
 
 /// Asks the instance serving on `socket_name` for region `region_id`'s descriptor. Bounded by
 /// `timeout` in all (connect, request, answer). Refusals carry the server's reason.
-pub fn request_fd(socket_name: &str, region_id: u64, secret: &[u8; VMM_SECRET_BYTES], timeout: Duration) -> Result<OwnedFd, PluginError> {
+pub fn request_fd(
+    socket_name: &str,
+    region_id: u64,
+    secret: &[u8; VMM_SECRET_BYTES],
+    timeout: Duration,
+) -> Result<OwnedFd, PluginError> {
     let deadline = Instant::now() + timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
     let io = |what: &str, e: std::io::Error| -> PluginError {
         match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => failed(
                 ReasonCode::TIMEOUT,
-                format!("{what}: no answer from {socket_name} within vmm_fd_request_timeout_ms ({} ms)", timeout.as_millis()),
+                format!(
+                    "{what}: no answer from {socket_name} within vmm_fd_request_timeout_ms ({} ms)",
+                    timeout.as_millis()
+                ),
             ),
             _ => failed(ReasonCode::TRANSPORT_ERROR, format!("{what} ({socket_name}): {e}")),
         }
@@ -292,7 +313,10 @@ pub fn request_fd(socket_name: &str, region_id: u64, secret: &[u8; VMM_SECRET_BY
         }
         let got = message.bytes;
         if got == 0 {
-            return Err(failed(ReasonCode::TRANSPORT_ERROR, format!("{socket_name} closed the connection without an answer")));
+            return Err(failed(
+                ReasonCode::TRANSPORT_ERROR,
+                format!("{socket_name} closed the connection without an answer"),
+            ));
         }
         line.extend_from_slice(&buf[..got]);
         if !line.contains(&b'\n') && line.len() >= MAX_ANSWER_BYTES {
@@ -303,7 +327,10 @@ pub fn request_fd(socket_name: &str, region_id: u64, secret: &[u8; VMM_SECRET_BY
     let text = String::from_utf8_lossy(&line[..end]).into_owned();
     if text == "ok" {
         if fds.len() != 1 {
-            return Err(failed(ReasonCode::PROTOCOL_VIOLATION, format!("answer ok with {} descriptors, expected 1", fds.len())));
+            return Err(failed(
+                ReasonCode::PROTOCOL_VIOLATION,
+                format!("answer ok with {} descriptors, expected 1", fds.len()),
+            ));
         }
         return Ok(fds.pop().expect("one descriptor"));
     }

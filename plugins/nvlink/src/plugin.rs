@@ -78,21 +78,24 @@ pub struct NvlinkPlugin {
 /// `driver_present` before any other CUDA call (no driver: `UNAVAILABLE` with the reason), then
 /// open the devices and start the worker.
 // CONFORMANCE: HYGIENE-3, TIME-10 (no driver: UNAVAILABLE; a dead worker is reported through spawn_worker)
-pub fn open_with_probe(config: &str, sink: Sink, driver_present: impl FnOnce() -> bool) -> Result<NvlinkPlugin, PluginError> {
+pub fn open_with_probe(
+    config: &str,
+    sink: Sink,
+    driver_present: impl FnOnce() -> bool,
+) -> Result<NvlinkPlugin, PluginError> {
     let config = NvlinkConfig::parse(config).map_err(logged)?;
     if !driver_present() {
         return Err(logged(PluginError::new(ReasonCode::UNAVAILABLE, cuda::NO_DRIVER_REASON)));
     }
-    let devices = match catch_unwind(AssertUnwindSafe(|| cuda::open_devices(&config.devices))) {
-        Ok(Ok(devices)) => devices,
-        Ok(Err(why)) => return Err(logged(PluginError::new(ReasonCode::UNAVAILABLE, format!("nvlink: {why}")))),
-        Err(_) => {
-            return Err(logged(PluginError::new(
+    let devices =
+        match catch_unwind(AssertUnwindSafe(|| cuda::open_devices(&config.devices))) {
+            Ok(Ok(devices)) => devices,
+            Ok(Err(why)) => return Err(logged(PluginError::new(ReasonCode::UNAVAILABLE, format!("nvlink: {why}")))),
+            Err(_) => return Err(logged(PluginError::new(
                 ReasonCode::UNAVAILABLE,
                 "nvlink: the CUDA driver library failed while opening the devices (missing symbol or broken install)",
-            )))
-        }
-    };
+            ))),
+        };
     let endpoint = EndpointWire { instance_nonce: fresh_nonce(), pid: std::process::id(), boot_id: read_boot_id() };
     let backend = CudaBackend::new(devices.iter().map(|d| d.ctx.clone()).collect(), config.streams_per_peer);
     let engine = Engine::new(backend, config.max_copies_in_flight_per_transfer, config.streams_per_peer);
@@ -157,7 +160,12 @@ impl NvlinkPlugin {
     fn register_inner(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
         let mut st = self.shared.lock();
         Self::usable(&st)?;
-        let plan = check_region(region, &self.device_ordinals(), st.regions.len() as u64, self.config().max_registered_regions)?;
+        let plan = check_region(
+            region,
+            &self.device_ordinals(),
+            st.regions.len() as u64,
+            self.config().max_registered_regions,
+        )?;
         let device = &self.devices[plan.device_index];
         let err = |code: ReasonCode, m: String| PluginError::new(code, format!("nvlink register: {m}"));
         if let RegionSource::VmmDescriptor { fd, allocation_size } = plan.source {
@@ -170,14 +178,20 @@ impl NvlinkPlugin {
                 if info.device_ordinal != device.ordinal {
                     return Err(err(
                         ReasonCode::INVALID_ARGUMENT,
-                        format!("address is on device {}, the region says device {}", info.device_ordinal, device.ordinal),
+                        format!(
+                            "address is on device {}, the region says device {}",
+                            info.device_ordinal, device.ordinal
+                        ),
                     ));
                 }
                 let offset = region.addr - info.allocation_base;
                 if !range_fits(offset, region.len, info.allocation_len) {
                     return Err(err(
                         ReasonCode::OUT_OF_RANGE,
-                        format!("{} bytes at offset {offset} exceed the allocation ({} bytes)", region.len, info.allocation_len),
+                        format!(
+                            "{} bytes at offset {offset} exceed the allocation ({} bytes)",
+                            region.len, info.allocation_len
+                        ),
                     ));
                 }
                 let handle = match region.ipc_handle.len() {
@@ -193,7 +207,10 @@ impl NvlinkPlugin {
                 if !mapping.fits(region.backing_offset, region.len) {
                     return Err(err(
                         ReasonCode::OUT_OF_RANGE,
-                        format!("backing_offset {} + {} exceeds the allocation ({:?} bytes)", region.backing_offset, region.len, mapping.len),
+                        format!(
+                            "backing_offset {} + {} exceeds the allocation ({:?} bytes)",
+                            region.backing_offset, region.len, mapping.len
+                        ),
                     ));
                 }
                 (mapping.base + region.backing_offset, region.backing_offset, handle, Some(mapping))
@@ -215,7 +232,13 @@ impl NvlinkPlugin {
         };
         st.regions.insert(
             key,
-            Arc::new(LocalRegion { device_index: plan.device_index, addr, len: region.len, _mapping: mapping, _vmm: None }),
+            Arc::new(LocalRegion {
+                device_index: plan.device_index,
+                addr,
+                len: region.len,
+                _mapping: mapping,
+                _vmm: None,
+            }),
         );
         st.registered_bytes += region.len;
         Ok(Registration { key, remote_key: wire.encode().into() })
@@ -225,12 +248,18 @@ impl NvlinkPlugin {
     fn import_admission(&self, st: &State, peer: PeerId) -> Result<EndpointWire, PluginError> {
         Self::usable(st)?;
         let peer_endpoint = st.peers.get(&peer).cloned().ok_or_else(|| {
-            PluginError::new(ReasonCode::PEER_UNREACHABLE, format!("nvlink import_remote_key: peer {} is not connected", peer.0))
+            PluginError::new(
+                ReasonCode::PEER_UNREACHABLE,
+                format!("nvlink import_remote_key: peer {} is not connected", peer.0),
+            )
         })?;
         if st.imported.len() as u64 >= self.config().max_imported_remote_keys {
             return Err(PluginError::new(
                 ReasonCode::RESOURCE_EXHAUSTED,
-                format!("nvlink import_remote_key: max_imported_remote_keys {} reached", self.config().max_imported_remote_keys),
+                format!(
+                    "nvlink import_remote_key: max_imported_remote_keys {} reached",
+                    self.config().max_imported_remote_keys
+                ),
             ));
         }
         Ok(peer_endpoint)
@@ -255,7 +284,10 @@ impl NvlinkPlugin {
                 })?;
                 let offset = key.holder_addr - info.allocation_base;
                 if !range_fits(offset, key.len, info.allocation_len) {
-                    return Err(PluginError::new(ReasonCode::OUT_OF_RANGE, "nvlink import_remote_key: key exceeds its allocation"));
+                    return Err(PluginError::new(
+                        ReasonCode::OUT_OF_RANGE,
+                        "nvlink import_remote_key: key exceeds its allocation",
+                    ));
                 }
                 ImportedKey { peer, addr: key.holder_addr, len: key.len, _mapping: None, _vmm: None }
             }
@@ -270,7 +302,13 @@ impl NvlinkPlugin {
                         ),
                     ));
                 }
-                ImportedKey { peer, addr: mapping.base + key.offset_in_allocation, len: key.len, _mapping: Some(mapping), _vmm: None }
+                ImportedKey {
+                    peer,
+                    addr: mapping.base + key.offset_in_allocation,
+                    len: key.len,
+                    _mapping: Some(mapping),
+                    _vmm: None,
+                }
             }
         };
         let id = RemoteKey(st.next_remote_key);
@@ -286,9 +324,12 @@ impl NvlinkPlugin {
             return Ok(server.clone());
         }
         let timeout = Duration::from_millis(self.config().vmm_fd_request_timeout_ms);
-        let server = fd_socket::fresh_socket_name()
-            .and_then(|name| FdServer::start(name, timeout))
-            .map_err(|e| PluginError::new(ReasonCode::RESOURCE_EXHAUSTED, format!("nvlink register: start the descriptor socket: {e}")))?;
+        let server = fd_socket::fresh_socket_name().and_then(|name| FdServer::start(name, timeout)).map_err(|e| {
+            PluginError::new(
+                ReasonCode::RESOURCE_EXHAUSTED,
+                format!("nvlink register: start the descriptor socket: {e}"),
+            )
+        })?;
         let server = Arc::new(server);
         *slot = Some(server.clone());
         Ok(server)
@@ -337,7 +378,13 @@ impl NvlinkPlugin {
         let addr = mapping.base + region.backing_offset;
         st.regions.insert(
             key,
-            Arc::new(LocalRegion { device_index, addr, len: region.len, _mapping: None, _vmm: Some(Arc::new(mapping)) }),
+            Arc::new(LocalRegion {
+                device_index,
+                addr,
+                len: region.len,
+                _mapping: None,
+                _vmm: Some(Arc::new(mapping)),
+            }),
         );
         st.registered_bytes += region.len;
         Ok(Registration { key, remote_key: wire.encode().into() })
@@ -346,19 +393,28 @@ impl NvlinkPlugin {
     /// `import_remote_key` of a CUDA VMM key: fetch the descriptor from the holder's socket (without
     /// the state lock: bounded by `vmm_fd_request_timeout_ms`), map it, then record the key if the
     /// instance and the peer are still there.
-    fn import_vmm(&self, peer: PeerId, peer_endpoint: &EndpointWire, key: &VmmKeyWire) -> Result<RemoteKey, PluginError> {
+    fn import_vmm(
+        &self,
+        peer: PeerId,
+        peer_endpoint: &EndpointWire,
+        key: &VmmKeyWire,
+    ) -> Result<RemoteKey, PluginError> {
         let uuids: Vec<[u8; 16]> = self.devices.iter().map(|d| d.uuid).collect();
         let device_index = route_vmm_import(key, peer_endpoint, &uuids)?;
         let timeout = Duration::from_millis(self.config().vmm_fd_request_timeout_ms);
         let fd = fd_socket::request_fd(&key.socket_name, key.region_id, &key.secret, timeout)
             .map_err(|e| PluginError::new(e.code, format!("nvlink import_remote_key: {}", e.message)))?;
-        let mapping = VmmMapping::import(&self.devices[device_index].ctx, fd.as_fd(), key.allocation_size).map_err(|e| {
-            let code = match e {
-                VmmError::Invalid(_) => ReasonCode::INVALID_ARGUMENT,
-                VmmError::Driver(_) => ReasonCode::TRANSPORT_ERROR,
-            };
-            PluginError::new(code, format!("nvlink import_remote_key: region {} of peer {}: {e}", key.region_id, peer.0))
-        })?;
+        let mapping =
+            VmmMapping::import(&self.devices[device_index].ctx, fd.as_fd(), key.allocation_size).map_err(|e| {
+                let code = match e {
+                    VmmError::Invalid(_) => ReasonCode::INVALID_ARGUMENT,
+                    VmmError::Driver(_) => ReasonCode::TRANSPORT_ERROR,
+                };
+                PluginError::new(
+                    code,
+                    format!("nvlink import_remote_key: region {} of peer {}: {e}", key.region_id, peer.0),
+                )
+            })?;
         drop(fd);
         let mut st = self.shared.lock();
         // Checked again: the peer may have gone, or the limit been reached, while the lock was free.
@@ -532,7 +588,11 @@ impl kvgate_abi::sdk::Plugin for NvlinkPlugin {
 
     fn cancel(&self, xfer: XferId) {
         if self.shared.lock().live.contains_key(&xfer) {
-            self.control(Control::Fail { xfer, reason: ReasonCode::CANCELLED, message: "nvlink: cancelled by the host".into() });
+            self.control(Control::Fail {
+                xfer,
+                reason: ReasonCode::CANCELLED,
+                message: "nvlink: cancelled by the host".into(),
+            });
         }
     }
 

@@ -3,8 +3,8 @@
 //! CUDA while building a request and never delivers events (the worker does, outside the lock).
 
 use crate::cuda::IpcMapping;
-use crate::vmm::VmmMapping;
 use crate::engine::{EngineCounts, NewTransfer};
+use crate::vmm::VmmMapping;
 use crate::wire::EndpointWire;
 use kvgate_abi::{LocalKey, PeerId, ReasonCode, RemoteKey, XferId};
 use std::collections::{HashMap, HashSet};
@@ -72,7 +72,13 @@ pub struct State {
 
 impl State {
     /// Fails every live transfer whose keys match.
-    pub fn fail_users(&mut self, local: Option<LocalKey>, remote: Option<RemoteKey>, reason: ReasonCode, message: &str) {
+    pub fn fail_users(
+        &mut self,
+        local: Option<LocalKey>,
+        remote: Option<RemoteKey>,
+        reason: ReasonCode,
+        message: &str,
+    ) {
         let users: HashSet<XferId> = self
             .live
             .iter()

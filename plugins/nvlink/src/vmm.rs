@@ -69,9 +69,12 @@ impl VmmMapping {
     /// device of `ctx`.
     pub fn import(ctx: &Arc<CudaContext>, fd: BorrowedFd<'_>, allocation_size: u64) -> Result<VmmMapping, VmmError> {
         let drv = |what: &str, e: DriverError| VmmError::Driver(driver_error(what, e));
-        let size = usize::try_from(allocation_size)
-            .map_err(|_| VmmError::Invalid(format!("allocation size {allocation_size} does not fit this machine's address space")))?;
-        let own = fd.try_clone_to_owned().map_err(|e| VmmError::Invalid(format!("cannot duplicate descriptor {}: {e}", fd.as_raw_fd())))?;
+        let size = usize::try_from(allocation_size).map_err(|_| {
+            VmmError::Invalid(format!("allocation size {allocation_size} does not fit this machine's address space"))
+        })?;
+        let own = fd
+            .try_clone_to_owned()
+            .map_err(|e| VmmError::Invalid(format!("cannot duplicate descriptor {}: {e}", fd.as_raw_fd())))?;
         ctx.bind_to_thread().map_err(|e| drv("bind context", e))?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: out-pointer to a local; for the POSIX descriptor type the driver takes the

@@ -104,9 +104,19 @@ impl<'a> Reader<'a> {
 }
 
 /// Checks length, magic, version and checksum; returns a reader positioned after the header.
-fn open_layout<'a>(bytes: &'a [u8], magic: &[u8; 8], version: u16, size: usize, what: &str) -> Result<Reader<'a>, PluginError> {
+fn open_layout<'a>(
+    bytes: &'a [u8],
+    magic: &[u8; 8],
+    version: u16,
+    size: usize,
+    what: &str,
+) -> Result<Reader<'a>, PluginError> {
     if bytes.len() < 8 || &bytes[..8] != magic {
-        return Err(refuse(ReasonCode::INVALID_ARGUMENT, what, "not produced by the nvlink plugin (wrong magic)".into()));
+        return Err(refuse(
+            ReasonCode::INVALID_ARGUMENT,
+            what,
+            "not produced by the nvlink plugin (wrong magic)".into(),
+        ));
     }
     if bytes.len() >= 10 {
         let found = u16::from_le_bytes([bytes[8], bytes[9]]);
@@ -223,12 +233,17 @@ pub struct VmmKeyWire {
 }
 
 /// Encoded size of a [`VmmKeyWire`].
-pub const VMM_KEY_BYTES: usize = 8 + 2 + 2 + 4 + 8 + 8 + 16 + 4 + 2 + 2 + 8 + 8 + 8 + VMM_SECRET_BYTES + MAX_SOCKET_NAME_BYTES + 8;
+pub const VMM_KEY_BYTES: usize =
+    8 + 2 + 2 + 4 + 8 + 8 + 16 + 4 + 2 + 2 + 8 + 8 + 8 + VMM_SECRET_BYTES + MAX_SOCKET_NAME_BYTES + 8;
 
 impl VmmKeyWire {
     pub fn encode(&self) -> Vec<u8> {
         let name = self.socket_name.as_bytes();
-        assert!(valid_socket_name(name), "socket name {:?} is not 1..={MAX_SOCKET_NAME_BYTES} printable bytes", self.socket_name);
+        assert!(
+            valid_socket_name(name),
+            "socket name {:?} is not 1..={MAX_SOCKET_NAME_BYTES} printable bytes",
+            self.socket_name
+        );
         let mut out = Vec::with_capacity(VMM_KEY_BYTES);
         out.extend_from_slice(REMOTE_KEY_MAGIC);
         out.extend_from_slice(&VMM_KEY_VERSION.to_le_bytes());
@@ -286,7 +301,9 @@ impl VmmKeyWire {
             return bad(format!("negative device ordinal {device}"));
         }
         if offset_in_allocation.checked_add(len).is_none_or(|end| end > allocation_size) {
-            return bad(format!("offset {offset_in_allocation} + length {len} exceeds the allocation ({allocation_size} bytes)"));
+            return bad(format!(
+                "offset {offset_in_allocation} + length {len} exceeds the allocation ({allocation_size} bytes)"
+            ));
         }
         let socket_name = String::from_utf8(name.to_vec()).expect("checked ASCII");
         Ok(VmmKeyWire {

@@ -52,7 +52,8 @@ pub fn run<B: CopyBackend>(shared: &Shared, mut engine: Engine<B>) {
         };
         if shutting {
             engine.fail_all(None, ReasonCode::SHUTDOWN, "nvlink: plugin shutting down");
-            drain_deadline.get_or_insert_with(|| Instant::now() + Duration::from_millis(shared.config.shutdown_drain_ms));
+            drain_deadline
+                .get_or_insert_with(|| Instant::now() + Duration::from_millis(shared.config.shutdown_drain_ms));
         }
         let now = Instant::now();
         let (finished, changed) = engine.step(now, &mut events);
@@ -171,8 +172,10 @@ mod tests {
 
     #[test]
     fn copies_finishing_while_the_worker_sleeps_complete_the_transfer() {
-        let (shared, rx, handle) =
-            start(Duration::from_millis(5), NvlinkConfig { max_copies_in_flight_per_transfer: 1, ..NvlinkConfig::default() });
+        let (shared, rx, handle) = start(
+            Duration::from_millis(5),
+            NvlinkConfig { max_copies_in_flight_per_transfer: 1, ..NvlinkConfig::default() },
+        );
         std::thread::sleep(Duration::from_millis(50)); // idle first: a submit must wake it
         submit(&shared, 1, 3, LONG);
         let e = rx.recv_timeout(Duration::from_secs(5)).expect("no event");
@@ -187,7 +190,11 @@ mod tests {
         submit(&shared, 1, 2, LONG);
         std::thread::sleep(Duration::from_millis(20));
         let cancelled_at = Instant::now();
-        shared.lock().controls.push(Control::Fail { xfer: XferId(1), reason: ReasonCode::CANCELLED, message: "test".into() });
+        shared.lock().controls.push(Control::Fail {
+            xfer: XferId(1),
+            reason: ReasonCode::CANCELLED,
+            message: "test".into(),
+        });
         shared.wake.notify_one();
         let e = rx.recv_timeout(Duration::from_secs(5)).expect("no event");
         assert_eq!((e.kind, e.reason), (EventKind::FAILED, ReasonCode::CANCELLED));

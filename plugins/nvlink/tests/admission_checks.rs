@@ -19,7 +19,10 @@ fn host_memory_is_refused_at_register_as_unsupported() {
     let e = check(&host).unwrap_err();
     assert_eq!(e.code, ReasonCode::UNSUPPORTED_MEMORY);
     assert!(e.message.contains("host"), "{e}");
-    assert_eq!(check(&RegionDesc { kind: MemoryKind(99), ..cuda_region() }).unwrap_err().code, ReasonCode::UNSUPPORTED_MEMORY);
+    assert_eq!(
+        check(&RegionDesc { kind: MemoryKind(99), ..cuda_region() }).unwrap_err().code,
+        ReasonCode::UNSUPPORTED_MEMORY
+    );
 }
 
 #[test]
@@ -43,7 +46,10 @@ fn a_cuda_vmm_descriptor_region_is_imported_and_checked_against_its_allocation()
         ..cuda_region()
     };
     let plan = check(&vmm(4096, 4096, "cuda-vmm-fd:9:8192")).unwrap();
-    assert_eq!(plan, RegionPlan { device_index: 1, source: RegionSource::VmmDescriptor { fd: 9, allocation_size: 8192 } });
+    assert_eq!(
+        plan,
+        RegionPlan { device_index: 1, source: RegionSource::VmmDescriptor { fd: 9, allocation_size: 8192 } }
+    );
     // Ends exactly at the allocation's end: accepted; one byte past it: refused.
     let past = check(&vmm(4097, 4096, "cuda-vmm-fd:9:8192")).unwrap_err();
     assert_eq!(past.code, ReasonCode::OUT_OF_RANGE, "{past}");
@@ -130,7 +136,13 @@ fn a_key_from_another_process_opens_the_handle_on_the_device_with_its_uuid() {
     let local = EndpointWire { instance_nonce: 1, pid: 10, boot_id: [1; 16] };
     let peer = EndpointWire { instance_nonce: 2, pid: 20, boot_id: [1; 16] };
     let uuids = [[0xa; 16], [0xb; 16]];
-    assert_eq!(route_import(&key(2, 20, [0xb; 16]), &peer, &local, &uuids).unwrap(), ImportRoute::OpenHandle { device_index: 1 });
+    assert_eq!(
+        route_import(&key(2, 20, [0xb; 16]), &peer, &local, &uuids).unwrap(),
+        ImportRoute::OpenHandle { device_index: 1 }
+    );
     // A device this instance does not serve: open in the first device's context (peer access).
-    assert_eq!(route_import(&key(2, 20, [0xc; 16]), &peer, &local, &uuids).unwrap(), ImportRoute::OpenHandle { device_index: 0 });
+    assert_eq!(
+        route_import(&key(2, 20, [0xc; 16]), &peer, &local, &uuids).unwrap(),
+        ImportRoute::OpenHandle { device_index: 0 }
+    );
 }

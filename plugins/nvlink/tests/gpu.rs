@@ -11,8 +11,8 @@ use gpu_support::*;
 use kvgate_abi::cuda_vmm::CudaVmmBacking;
 use kvgate_abi::sdk::Plugin;
 use kvgate_abi::*;
-use kvgate_plugin_nvlink::device_buffer::{pattern, DeviceBuffer};
 use kvgate_plugin_nvlink::cuda;
+use kvgate_plugin_nvlink::device_buffer::{pattern, DeviceBuffer};
 use std::io::{BufRead, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::{Command, Stdio};
@@ -51,7 +51,9 @@ fn gpu_odd_sizes_and_unaligned_offsets_arrive_intact() {
     let dst_reg = pair.b.register(&cuda_region(0, dst.ptr, cap)).unwrap();
     let remote = pair.a.import_remote_key(B_PEER, &dst_reg.remote_key).unwrap();
     for (i, &(len, src_off, dst_off)) in
-        [(0u64, 0u64, 0u64), (1, 3, 5), (4095, 1, 7), (65536, 4096, 3), (4 * MIB, 17, 1), (64 * MIB, 5, 9)].iter().enumerate()
+        [(0u64, 0u64, 0u64), (1, 3, 5), (4095, 1, 7), (65536, 4096, 3), (4 * MIB, 17, 1), (64 * MIB, 5, 9)]
+            .iter()
+            .enumerate()
     {
         let seg = Segment { local: src_reg.key, local_offset: src_off, remote, remote_offset: dst_off, len };
         submit(&pair.a, i as u64 + 1, &[seg], TEN_S).unwrap();
@@ -80,7 +82,13 @@ fn gpu_ten_thousand_segment_scatter_gather_arrives_intact() {
     let remote = pair.a.import_remote_key(B_PEER, &d.remote_key).unwrap();
     // Source piece i goes to destination slot (n - 1 - i) * 2: reversed and spread out.
     let segments: Vec<Segment> = (0..n)
-        .map(|i| Segment { local: s.key, local_offset: i * piece, remote, remote_offset: (n - 1 - i) * 2 * piece, len: piece })
+        .map(|i| Segment {
+            local: s.key,
+            local_offset: i * piece,
+            remote,
+            remote_offset: (n - 1 - i) * 2 * piece,
+            len: piece,
+        })
         .collect();
     submit(&pair.a, 1, &segments, TEN_S).unwrap();
     let e = wait_terminal(&pair.a_events, XferId(1), 60);
@@ -182,7 +190,10 @@ fn gpu_shutdown_with_live_transfers_fails_them_and_releases_everything() {
     }
     assert_eq!(terminal.len(), 4, "every live transfer got its terminal event before shutdown returned");
     let stats = pair.a.stats();
-    assert_eq!((stats.live_transfers, stats.registered_regions, stats.imported_remote_keys, stats.healthy), (0, 0, 0, 0));
+    assert_eq!(
+        (stats.live_transfers, stats.registered_regions, stats.imported_remote_keys, stats.healthy),
+        (0, 0, 0, 0)
+    );
     assert_eq!(submit(&pair.a, 9, &[], TEN_S).unwrap_err().code, ReasonCode::SHUTDOWN);
 }
 
@@ -197,7 +208,13 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
     }
     let ctx = device0();
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "gpu_two_processes_on_one_gpu_through_ipc_handles", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "gpu_two_processes_on_one_gpu_through_ipc_handles",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, "1")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -232,7 +249,8 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
     a.connect(PeerId(3), &b.local_endpoint()).unwrap();
     let dst = DeviceBuffer::alloc(&ctx, 8 * MIB).unwrap();
     let d = b.register(&cuda_region(0, dst.ptr, 8 * MIB)).unwrap();
-    let engine_region = RegionDesc { addr: 0, ipc_handle: engine_handle.into(), backing_offset: 4096, ..cuda_region(0, 0, 8 * MIB) };
+    let engine_region =
+        RegionDesc { addr: 0, ipc_handle: engine_handle.into(), backing_offset: 4096, ..cuda_region(0, 0, 8 * MIB) };
     let from_engine = a.register(&engine_region).unwrap();
     let remote_b = a.import_remote_key(PeerId(3), &d.remote_key).unwrap();
     a.submit(&SubmitRequest {
@@ -240,7 +258,14 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
         peer: PeerId(3),
         ticket: Ticket(2),
         timeout_ns: TEN_S,
-        segments: (&[Segment { local: from_engine.key, local_offset: 0, remote: remote_b, remote_offset: 0, len: 8 * MIB }][..]).into(),
+        segments: (&[Segment {
+            local: from_engine.key,
+            local_offset: 0,
+            remote: remote_b,
+            remote_offset: 0,
+            len: 8 * MIB,
+        }][..])
+            .into(),
     })
     .unwrap();
     let e = wait_terminal(&a_events, XferId(2), 30);
@@ -253,7 +278,6 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
     eprintln!("parent: engine bytes checked after {:?}; waiting for the child to exit", started.elapsed());
     assert!(child.wait().unwrap().success(), "the child process failed");
 }
-
 
 /// The child half: registers 64 MiB with its own instance, exports a second buffer as an engine
 /// would, prints endpoint, key and handle, then checks what the parent wrote.
@@ -277,7 +301,8 @@ fn ipc_child() {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
             ["CHECK", seed, offset, len] => {
-                let (seed, offset, len): (u64, u64, u64) = (seed.parse().unwrap(), offset.parse().unwrap(), len.parse().unwrap());
+                let (seed, offset, len): (u64, u64, u64) =
+                    (seed.parse().unwrap(), offset.parse().unwrap(), len.parse().unwrap());
                 let ok = region.read(offset, len).unwrap() == pattern(seed, len as usize);
                 println!("NVLINK-CHILD VERDICT {}", if ok { "OK" } else { "MISMATCH" });
                 std::io::stdout().flush().unwrap();
@@ -322,7 +347,9 @@ impl VmmBuffer {
         let mut granularity = 0usize;
         let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
         // SAFETY: out-pointer to a local; `prop` is initialised above.
-        check("cuMemGetAllocationGranularity", unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, minimum) });
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(&mut granularity, &prop, minimum)
+        });
         assert!(granularity > 0, "granularity 0");
         let size = min_len.div_ceil(granularity as u64) * granularity as u64;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -420,7 +447,9 @@ fn gpu_vmm_regions_by_descriptor_in_one_process_arrive_intact() {
     assert_eq!(d.remote_key[8], 2, "a VMM region's key is the version-2 form");
     // The importer gets the descriptor from b's socket and maps the allocation itself.
     let remote = pair.a.import_remote_key(B_PEER, &d.remote_key).unwrap();
-    for (i, &(len, src_off, dst_off)) in [(1u64, 0u64, 0u64), (4095, 1, 7), (65537, 4096, 3), (4 * MIB + 5, 17, 11)].iter().enumerate() {
+    for (i, &(len, src_off, dst_off)) in
+        [(1u64, 0u64, 0u64), (4095, 1, 7), (65537, 4096, 3), (4 * MIB + 5, 17, 11)].iter().enumerate()
+    {
         let seg = Segment { local: s.key, local_offset: src_off, remote, remote_offset: dst_off, len };
         submit(&pair.a, i as u64 + 1, &[seg], TEN_S).unwrap();
         let e = wait_terminal(&pair.a_events, XferId(i as u64 + 1), 30);
@@ -437,7 +466,10 @@ fn gpu_vmm_regions_by_descriptor_in_one_process_arrive_intact() {
     assert_eq!(gone.code, ReasonCode::UNKNOWN_KEY, "{gone}");
     // A descriptor that is not a CUDA one is refused at register, saying why.
     let not_cuda = std::fs::File::open("/proc/self/stat").unwrap();
-    let bogus = RegionDesc { backing_path: format!("cuda-vmm-fd:{}:{}", not_cuda.as_raw_fd(), dst.size).into(), ..dst.region(&dst_fd, 0, 1) };
+    let bogus = RegionDesc {
+        backing_path: format!("cuda-vmm-fd:{}:{}", not_cuda.as_raw_fd(), dst.size).into(),
+        ..dst.region(&dst_fd, 0, 1)
+    };
     let e = pair.b.register(&bogus).unwrap_err();
     assert_eq!(e.code, ReasonCode::UNSUPPORTED_MEMORY, "{e}");
     pair.a.deregister(s.key).unwrap();
@@ -456,7 +488,13 @@ fn gpu_two_processes_through_a_vmm_descriptor_socket() {
     }
     let ctx = device0();
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "gpu_two_processes_through_a_vmm_descriptor_socket", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "gpu_two_processes_through_a_vmm_descriptor_socket",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(VMM_CHILD_ENV, "1")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -502,7 +540,8 @@ fn vmm_child() {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
             ["CHECK", seed, offset, len] => {
-                let (seed, offset, len): (u64, u64, u64) = (seed.parse().unwrap(), offset.parse().unwrap(), len.parse().unwrap());
+                let (seed, offset, len): (u64, u64, u64) =
+                    (seed.parse().unwrap(), offset.parse().unwrap(), len.parse().unwrap());
                 let ok = region.read(offset, len) == pattern(seed, len as usize);
                 println!("NVLINK-VMM-CHILD VERDICT {}", if ok { "OK" } else { "MISMATCH" });
                 std::io::stdout().flush().unwrap();

@@ -136,8 +136,10 @@ fn plans_cover_exactly_the_bytes_of_many_random_scatter_lists() {
         assert_eq!(covered(&ops), segs.iter().map(|s| s.len).sum::<u64>());
         assert!(ops.iter().all(|o| o.len > 0 && o.len <= chunk));
         // Every byte of every segment is copied to the right place exactly once.
-        let mut expected: Vec<(u64, u64, usize)> = segs.iter().flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i, s.device_index))).collect();
-        let mut actual: Vec<(u64, u64, usize)> = ops.iter().flat_map(|o| (0..o.len).map(move |i| (o.src + i, o.dst + i, o.device_index))).collect();
+        let mut expected: Vec<(u64, u64, usize)> =
+            segs.iter().flat_map(|s| (0..s.len).map(move |i| (s.src + i, s.dst + i, s.device_index))).collect();
+        let mut actual: Vec<(u64, u64, usize)> =
+            ops.iter().flat_map(|o| (0..o.len).map(move |i| (o.src + i, o.dst + i, o.device_index))).collect();
         expected.sort_unstable();
         actual.sort_unstable();
         assert_eq!(expected, actual);

@@ -18,7 +18,8 @@ fn open_without_a_driver_is_unavailable_with_the_reason() {
 
 #[test]
 fn a_bad_config_is_reported_before_the_driver_check() {
-    let e = open_with_probe("chunk_bytes = 1", quiet_sink(), || panic!("driver probed before the config")).err().unwrap();
+    let e =
+        open_with_probe("chunk_bytes = 1", quiet_sink(), || panic!("driver probed before the config")).err().unwrap();
     assert_eq!(e.code, ReasonCode::INVALID_ARGUMENT);
     assert!(e.message.contains("chunk_bytes"), "{e}");
 }

@@ -49,10 +49,7 @@ fn every_single_byte_corruption_of_a_key_is_refused() {
         let mut bad = bytes.clone();
         bad[i] ^= 0x40;
         let e = RemoteKeyWire::decode(&bad).expect_err(&format!("flipped byte {i} accepted"));
-        assert!(
-            e.code == ReasonCode::INVALID_ARGUMENT || e.code == ReasonCode::VERSION_MISMATCH,
-            "byte {i}: {e}"
-        );
+        assert!(e.code == ReasonCode::INVALID_ARGUMENT || e.code == ReasonCode::VERSION_MISMATCH, "byte {i}: {e}");
     }
 }
 
@@ -190,7 +187,10 @@ fn impossible_vmm_keys_with_valid_checksums_are_refused() {
     let cases = [
         (VmmKeyWire { len: 0, ..sample_vmm_key() }, "zero-length"),
         (VmmKeyWire { device: -1, ..sample_vmm_key() }, "negative"),
-        (VmmKeyWire { offset_in_allocation: 3 << 20, len: (1 << 20) + 1, ..sample_vmm_key() }, "exceeds the allocation"),
+        (
+            VmmKeyWire { offset_in_allocation: 3 << 20, len: (1 << 20) + 1, ..sample_vmm_key() },
+            "exceeds the allocation",
+        ),
         (VmmKeyWire { offset_in_allocation: u64::MAX, ..sample_vmm_key() }, "exceeds the allocation"),
     ];
     for (key, why) in cases {

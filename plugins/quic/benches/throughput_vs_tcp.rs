@@ -9,7 +9,9 @@
 //! for profiling), `KVGATE_QUIC_BENCH_FRAMES` (set: print quinn's frame counts per connection).
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, Sink};
-use kvgate_abi::{EventKind, IncomingRequest, LocalRange, MemoryKind, PeerId, RegionDesc, Segment, SubmitRequest, Ticket, XferId};
+use kvgate_abi::{
+    EventKind, IncomingRequest, LocalRange, MemoryKind, PeerId, RegionDesc, Segment, SubmitRequest, Ticket, XferId,
+};
 use kvgate_plugin_quic::{QuicConfig, QuicPlugin};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -128,13 +130,24 @@ fn quic_run(config: &QuicConfig, total: u64, block: usize) -> Duration {
     b.plugin.connect(PeerId(1), &a.plugin.local_endpoint()).unwrap();
     let src = vec![7u8; REGION_BYTES].into_boxed_slice();
     let mut dst = vec![0u8; REGION_BYTES].into_boxed_slice();
-    let desc = |addr: u64| RegionDesc { kind: MemoryKind::HOST, device: -1, addr, len: REGION_BYTES as u64, ..Default::default() };
+    let desc = |addr: u64| RegionDesc {
+        kind: MemoryKind::HOST,
+        device: -1,
+        addr,
+        len: REGION_BYTES as u64,
+        ..Default::default()
+    };
     let src_reg = a.plugin.register(&desc(src.as_ptr() as u64)).unwrap();
     let dst_reg = b.plugin.register(&desc(dst.as_mut_ptr() as u64)).unwrap();
     let remote = a.plugin.import_remote_key(PeerId(2), &dst_reg.remote_key).unwrap();
     let ranges = [LocalRange { key: dst_reg.key, offset: 0, len: REGION_BYTES as u64 }];
     b.plugin
-        .expect_incoming(&IncomingRequest { ticket: Ticket(1), peer: PeerId(1), timeout_ns: 600_000_000_000, ranges: ranges.as_slice().into() })
+        .expect_incoming(&IncomingRequest {
+            ticket: Ticket(1),
+            peer: PeerId(1),
+            timeout_ns: 600_000_000_000,
+            ranges: ranges.as_slice().into(),
+        })
         .unwrap();
     let blocks_per_region = REGION_BYTES / block;
     let count = total / block as u64;
@@ -142,9 +155,21 @@ fn quic_run(config: &QuicConfig, total: u64, block: usize) -> Duration {
     let window = ((32usize << 20) / block).clamp(2, 512) as u64;
     let submit = |i: u64| {
         let slot = (i as usize % blocks_per_region) * block;
-        let seg = [Segment { local: src_reg.key, local_offset: slot as u64, remote, remote_offset: slot as u64, len: block as u64 }];
+        let seg = [Segment {
+            local: src_reg.key,
+            local_offset: slot as u64,
+            remote,
+            remote_offset: slot as u64,
+            len: block as u64,
+        }];
         a.plugin
-            .submit(&SubmitRequest { xfer: XferId(i), peer: PeerId(2), ticket: Ticket(1), timeout_ns: 60_000_000_000, segments: seg.as_slice().into() })
+            .submit(&SubmitRequest {
+                xfer: XferId(i),
+                peer: PeerId(2),
+                ticket: Ticket(1),
+                timeout_ns: 60_000_000_000,
+                segments: seg.as_slice().into(),
+            })
             .unwrap();
     };
     // Warm up the connections (handshake, MTU) before the clock starts.
@@ -200,15 +225,22 @@ fn main() {
     let mib: u64 = env_or("KVGATE_BENCH_MIB", if quick { "64" } else { "1024" }).parse().expect("KVGATE_BENCH_MIB");
     let config_text = env_or("KVGATE_QUIC_BENCH_CONFIG", TUNED_LOOPBACK_CONFIG);
     let config = QuicConfig::parse(&config_text).expect("bench config");
-    let blocks: Vec<usize> =
-        env_or("KVGATE_BENCH_BLOCKS", "64,4096").split(',').map(|s| s.trim().parse::<usize>().expect("block KiB") << 10).collect();
+    let blocks: Vec<usize> = env_or("KVGATE_BENCH_BLOCKS", "64,4096")
+        .split(',')
+        .map(|s| s.trim().parse::<usize>().expect("block KiB") << 10)
+        .collect();
     let total = mib << 20;
     println!("kvgate-quic vs tokio TCP on loopback, {mib} MiB per case");
     for block in blocks {
         let total = total - total % block as u64;
         if std::env::var("KVGATE_BENCH_ONLY_QUIC").is_ok() {
             let quic = measure(total, || quic_run(&config, total, block));
-            println!("block {:>5} KiB: quic {:6.3} GB/s  per CPU-second {:6.3} GB", block >> 10, quic.gbps, quic.gb_per_cpu_second);
+            println!(
+                "block {:>5} KiB: quic {:6.3} GB/s  per CPU-second {:6.3} GB",
+                block >> 10,
+                quic.gbps,
+                quic.gb_per_cpu_second
+            );
             continue;
         }
         let tcp = measure(total, || tcp_run(total, block));

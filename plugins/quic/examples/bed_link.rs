@@ -67,8 +67,20 @@ fn main() {
             while next < end && (live.len() as u64) < IN_FLIGHT {
                 let slot = next % IN_FLIGHT;
                 let off = slot * TRANSFER_BYTES;
-                expect(&b, PEER_A, Ticket(next), &[LocalRange { key: r.dst_key, offset: off, len: TRANSFER_BYTES }], WAIT);
-                let seg = Segment { local: r.src_key, local_offset: off, remote: r.remote, remote_offset: off, len: TRANSFER_BYTES };
+                expect(
+                    &b,
+                    PEER_A,
+                    Ticket(next),
+                    &[LocalRange { key: r.dst_key, offset: off, len: TRANSFER_BYTES }],
+                    WAIT,
+                );
+                let seg = Segment {
+                    local: r.src_key,
+                    local_offset: off,
+                    remote: r.remote,
+                    remote_offset: off,
+                    len: TRANSFER_BYTES,
+                };
                 submit(&a, PEER_B, XferId(next), Ticket(next), &[seg], WAIT).unwrap();
                 live.push(next);
                 next += 1;
@@ -101,14 +113,19 @@ fn main() {
     for host in 0..2 {
         // Where datagrams were dropped inside each host: the TUN device's queue, the UDP sockets' buffers.
         let ns = link.host(host).namespace.clone();
-        let dev = std::process::Command::new("ip").args(["-n", &ns, "-s", "link", "show", kvgate_netbed::DEVICE]).output();
-        let udp = std::process::Command::new("ip").args(["netns", "exec", &ns, "nstat", "-az", "UdpRcvbufErrors", "UdpSndbufErrors", "UdpInErrors"]).output();
+        let dev =
+            std::process::Command::new("ip").args(["-n", &ns, "-s", "link", "show", kvgate_netbed::DEVICE]).output();
+        let udp = std::process::Command::new("ip")
+            .args(["netns", "exec", &ns, "nstat", "-az", "UdpRcvbufErrors", "UdpSndbufErrors", "UdpInErrors"])
+            .output();
         for out in [dev, udp].into_iter().flatten() {
             let text = String::from_utf8_lossy(&out.stdout);
             println!("  host {host}: {}", text.split_whitespace().collect::<Vec<_>>().join(" "));
         }
     }
-    for (side, stats) in [("sender", a.plugin.outgoing_connection_stats()), ("receiver", b.plugin.incoming_connection_stats())] {
+    for (side, stats) in
+        [("sender", a.plugin.outgoing_connection_stats()), ("receiver", b.plugin.incoming_connection_stats())]
+    {
         for s in stats {
             println!(
                 "  {side}: mtu {} | tx {} datagrams in {} calls ({:.1}/call) | rx {} datagrams in {} calls ({:.1}/call) | lost {} | cwnd {} | rtt {:?} | congestion events {}",

@@ -217,7 +217,12 @@ fn invalid(key: &str, why: impl std::fmt::Display) -> PluginError {
     PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: `{key}` {why}"))
 }
 
-fn check_range<T: PartialOrd + std::fmt::Display + Copy>(key: &str, value: T, min: T, max: T) -> Result<(), PluginError> {
+fn check_range<T: PartialOrd + std::fmt::Display + Copy>(
+    key: &str,
+    value: T,
+    min: T,
+    max: T,
+) -> Result<(), PluginError> {
     if value < min || value > max {
         return Err(invalid(key, format!("is {value}, must be within {min}..={max}")));
     }
@@ -236,8 +241,9 @@ impl QuicConfig {
     /// Parse and validate a TOML string; an empty string gives the defaults.
     // CONFORMANCE: HYGIENE-3 (a malformed config fails INVALID_ARGUMENT)
     pub fn parse(text: &str) -> Result<QuicConfig, PluginError> {
-        let config: QuicConfig = toml::from_str(text)
-            .map_err(|e| PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: {}", one_line(&e.to_string()))))?;
+        let config: QuicConfig = toml::from_str(text).map_err(|e| {
+            PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: {}", one_line(&e.to_string())))
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -263,12 +269,18 @@ impl QuicConfig {
         check_range("mtu_discovery_upper_bound_bytes", self.mtu_discovery_upper_bound_bytes, 1200, 65527)?;
         check_range("min_mtu_bytes", self.min_mtu_bytes, 1200, MAX_MIN_MTU_BYTES)?;
         if self.min_mtu_bytes > self.initial_mtu_bytes {
-            return Err(invalid("min_mtu_bytes", format!("is {}, must be at most initial_mtu_bytes ({})", self.min_mtu_bytes, self.initial_mtu_bytes)));
+            return Err(invalid(
+                "min_mtu_bytes",
+                format!("is {}, must be at most initial_mtu_bytes ({})", self.min_mtu_bytes, self.initial_mtu_bytes),
+            ));
         }
         if self.mtu_discovery_upper_bound_bytes < self.initial_mtu_bytes {
             return Err(invalid(
                 "mtu_discovery_upper_bound_bytes",
-                format!("is {}, must be at least initial_mtu_bytes ({})", self.mtu_discovery_upper_bound_bytes, self.initial_mtu_bytes),
+                format!(
+                    "is {}, must be at least initial_mtu_bytes ({})",
+                    self.mtu_discovery_upper_bound_bytes, self.initial_mtu_bytes
+                ),
             ));
         }
         if self.segmentation_offload && self.mtu_discovery_upper_bound_bytes > MAX_GSO_DATAGRAM_BYTES {
@@ -289,7 +301,10 @@ impl QuicConfig {
         if self.initial_congestion_window_bytes != 0 && self.initial_congestion_window_bytes < two_datagrams {
             return Err(invalid(
                 "initial_congestion_window_bytes",
-                format!("is {}, must be 0 (automatic) or at least two initial_mtu_bytes datagrams ({two_datagrams})", self.initial_congestion_window_bytes),
+                format!(
+                    "is {}, must be 0 (automatic) or at least two initial_mtu_bytes datagrams ({two_datagrams})",
+                    self.initial_congestion_window_bytes
+                ),
             ));
         }
         check_range("idle_timeout_ms", self.idle_timeout_ms, 100, 600_000)?;
@@ -306,9 +321,17 @@ impl QuicConfig {
         check_range("staging_pool_bytes", self.staging_pool_bytes, 0, 1 << 32)?;
         check_range("socket_buffer_bytes", self.socket_buffer_bytes, 65536, 1 << 30)?;
         if self.malloc_trim_threshold_bytes != 0 {
-            check_range("malloc_trim_threshold_bytes", self.malloc_trim_threshold_bytes, MIN_MALLOC_TRIM_THRESHOLD_BYTES, MAX_MALLOC_TRIM_THRESHOLD_BYTES)?;
+            check_range(
+                "malloc_trim_threshold_bytes",
+                self.malloc_trim_threshold_bytes,
+                MIN_MALLOC_TRIM_THRESHOLD_BYTES,
+                MAX_MALLOC_TRIM_THRESHOLD_BYTES,
+            )?;
             if !crate::allocator::TRIM_THRESHOLD_SUPPORTED {
-                return Err(invalid("malloc_trim_threshold_bytes", "is set, but this build does not use glibc's allocator"));
+                return Err(invalid(
+                    "malloc_trim_threshold_bytes",
+                    "is set, but this build does not use glibc's allocator",
+                ));
             }
         }
         if self.stuck_after_ms != 0 {

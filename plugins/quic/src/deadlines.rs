@@ -72,7 +72,10 @@ mod tests {
         deadlines.watch(&early, now + Duration::from_millis(60), 60);
         deadlines.watch(&ended, now + Duration::from_millis(40), 40);
         ended.fail(ReasonCode::CANCELLED, "cancelled");
-        assert_eq!(events.recv_timeout(Duration::from_secs(5)).unwrap(), (XferId(3), EventKind::FAILED, ReasonCode::CANCELLED.0));
+        assert_eq!(
+            events.recv_timeout(Duration::from_secs(5)).unwrap(),
+            (XferId(3), EventKind::FAILED, ReasonCode::CANCELLED.0)
+        );
         drop(ended);
         runtime.block_on(async { tokio::time::sleep(Duration::from_millis(200)).await });
         let (xfer, kind, reason) = events.try_recv().expect("the early deadline fired before the late one");

@@ -66,7 +66,10 @@ pub async fn serve_lane<S: LaneIo>(
         };
         let id = PartId { xfer, ticket: Ticket(ticket) };
         if part_count == 0 || part_index >= part_count {
-            return (LaneEnd::Violation(format!("part {part_index} of {part_count} of transfer {xfer} is not a part")), Some(id));
+            return (
+                LaneEnd::Violation(format!("part {part_index} of {part_count} of transfer {xfer} is not a part")),
+                Some(id),
+            );
         }
         if let Err(end) = receive_part(reader, ctx, id, bytes, on_refused).await {
             return (end, Some(id));
@@ -84,7 +87,11 @@ enum Destination {
 }
 
 async fn reply<S: LaneIo>(reader: &mut FrameReader<S>, frame: Frame) -> Result<(), LaneEnd> {
-    reader.source_mut().queue_reply(&frame).await.map_err(|e| LaneEnd::Lost(format!("the way back for replies broke: {e:?}")))
+    reader
+        .source_mut()
+        .queue_reply(&frame)
+        .await
+        .map_err(|e| LaneEnd::Lost(format!("the way back for replies broke: {e:?}")))
 }
 
 async fn refuse<S: LaneIo>(
@@ -189,7 +196,10 @@ async fn receive_part<S: LaneIo>(
             }
             Frame::PartAbort { xfer } => {
                 if xfer != id.xfer {
-                    return Err(LaneEnd::Violation(format!("PART_ABORT for transfer {xfer} inside a part of transfer {}", id.xfer)));
+                    return Err(LaneEnd::Violation(format!(
+                        "PART_ABORT for transfer {xfer} inside a part of transfer {}",
+                        id.xfer
+                    )));
                 }
                 if let Some(ack) = cancelled(&dest, written) {
                     reply(reader, ack).await?;

@@ -5,8 +5,8 @@
 
 use crate::net::{app_code, classify_connection_error};
 use crate::outgoing::LanePlan;
-use crate::shared::Shared;
 use crate::reader::{FrameReader, ReadFail};
+use crate::shared::Shared;
 use crate::staging::HEADER_ROOM_BYTES;
 use crate::transfers::Transfer;
 use crate::wire::Frame;
@@ -202,7 +202,12 @@ fn kill_connection(conn: &quinn::Connection, reason: ReasonCode, why: &str) -> P
     }
 }
 
-async fn run_writer(shared: Arc<Shared>, lane: Arc<Lane>, conn: quinn::Connection, mut rx: mpsc::UnboundedReceiver<Part>) {
+async fn run_writer(
+    shared: Arc<Shared>,
+    lane: Arc<Lane>,
+    conn: quinn::Connection,
+    mut rx: mpsc::UnboundedReceiver<Part>,
+) {
     let end = match conn.open_bi().await {
         Err(e) => classify_connection_error(&e, true),
         Ok((send, recv)) => {
@@ -233,11 +238,23 @@ async fn run_reader(lane: Arc<Lane>, conn: quinn::Connection, recv: quinn::RecvS
                     break kill_connection(&conn, ReasonCode::PROTOCOL_VIOLATION, &why);
                 }
             }
-            Ok(None) => break kill_connection(&conn, ReasonCode::PROTOCOL_VIOLATION, "the receiver ended the replies of a lane in use"),
-            Err(ReadFail::Source(source)) => {
-                break kill_connection(&conn, ReasonCode::PROTOCOL_VIOLATION, &format!("the replies of a lane broke: {source:?}"))
+            Ok(None) => {
+                break kill_connection(
+                    &conn,
+                    ReasonCode::PROTOCOL_VIOLATION,
+                    "the receiver ended the replies of a lane in use",
+                )
             }
-            Err(bad) => break kill_connection(&conn, ReasonCode::PROTOCOL_VIOLATION, &format!("bad reply on a lane: {bad:?}")),
+            Err(ReadFail::Source(source)) => {
+                break kill_connection(
+                    &conn,
+                    ReasonCode::PROTOCOL_VIOLATION,
+                    &format!("the replies of a lane broke: {source:?}"),
+                )
+            }
+            Err(bad) => {
+                break kill_connection(&conn, ReasonCode::PROTOCOL_VIOLATION, &format!("bad reply on a lane: {bad:?}"))
+            }
         }
     };
     lane.close(&end);
@@ -269,9 +286,10 @@ impl LaneWriter<'_> {
         match written {
             Ok(()) => Ok(()),
             Err(quinn::WriteError::ConnectionLost(e)) => Err(classify_connection_error(&e, true)),
-            Err(quinn::WriteError::Stopped(code)) => {
-                Err(PluginError::new(ReasonCode::PROTOCOL_VIOLATION, format!("the receiver stopped a lane in use (code {code})")))
-            }
+            Err(quinn::WriteError::Stopped(code)) => Err(PluginError::new(
+                ReasonCode::PROTOCOL_VIOLATION,
+                format!("the receiver stopped a lane in use (code {code})"),
+            )),
             Err(other) => Err(PluginError::new(ReasonCode::TRANSPORT_ERROR, format!("lane write failed: {other}"))),
         }
     }
@@ -285,7 +303,8 @@ impl LaneWriter<'_> {
         self.flush().await?;
         let queued = self.lane.unstaged_bytes.load(Ordering::Relaxed);
         let wanted = payload_ahead.saturating_add(queued).saturating_add(HEADER_ROOM_BYTES as u64);
-        let old = std::mem::replace(&mut self.buf, self.shared.staging.take(usize::try_from(wanted).unwrap_or(usize::MAX)));
+        let old =
+            std::mem::replace(&mut self.buf, self.shared.staging.take(usize::try_from(wanted).unwrap_or(usize::MAX)));
         drop(self.shared.staging.freeze(old));
         debug_assert!(self.free() >= need);
         Ok(())
@@ -295,7 +314,9 @@ impl LaneWriter<'_> {
         loop {
             let part = match rx.try_recv() {
                 Ok(part) => part,
-                Err(mpsc::error::TryRecvError::Disconnected) => return PluginError::new(ReasonCode::PEER_LOST, "the lane was dropped"),
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    return PluginError::new(ReasonCode::PEER_LOST, "the lane was dropped")
+                }
                 Err(mpsc::error::TryRecvError::Empty) => {
                     // Nothing else queued: what is staged goes out now, then wait for the next part.
                     if let Err(e) = self.flush().await {
@@ -338,7 +359,8 @@ impl LaneWriter<'_> {
         }
         let xfer = t.xfer.0;
         self.room(PART_BEGIN_BYTES, plan.bytes).await?;
-        Frame::PartBegin { xfer, ticket, part_index: index, part_count: count, bytes: plan.bytes }.encode(&mut self.buf);
+        Frame::PartBegin { xfer, ticket, part_index: index, part_count: count, bytes: plan.bytes }
+            .encode(&mut self.buf);
         let mut left = plan.bytes;
         let mut pieces = 0u64;
         for seg in &plan.segments {
@@ -351,7 +373,9 @@ impl LaneWriter<'_> {
                 let n = (seg.len - done).min((self.free() - SEGMENT_HEADER_BYTES) as u64);
                 let mark = self.buf.len();
                 Frame::Segment { key: seg.remote_key, offset: seg.remote_offset + done, len: n }.encode(&mut self.buf);
-                if let Err(e) = self.shared.regions.copy_out(seg.local_key, seg.local_offset + done, n as usize, &mut self.buf) {
+                if let Err(e) =
+                    self.shared.regions.copy_out(seg.local_key, seg.local_offset + done, n as usize, &mut self.buf)
+                {
                     self.buf.truncate(mark);
                     t.fail(e.code, e.message.to_string());
                     return self.abort(&t).await;
@@ -381,7 +405,10 @@ mod tests {
     #[test]
     fn frame_size_constants_match_the_encoding() {
         let encoded = |f: Frame| f.to_bytes().len();
-        assert_eq!(encoded(Frame::PartBegin { xfer: 1, ticket: 2, part_index: 0, part_count: 1, bytes: 3 }), PART_BEGIN_BYTES);
+        assert_eq!(
+            encoded(Frame::PartBegin { xfer: 1, ticket: 2, part_index: 0, part_count: 1, bytes: 3 }),
+            PART_BEGIN_BYTES
+        );
         assert_eq!(encoded(Frame::Segment { key: 1, offset: 2, len: 3 }), SEGMENT_HEADER_BYTES);
         assert_eq!(encoded(Frame::PartEnd { segments: 1, bytes: 3 }), PART_END_BYTES);
         assert_eq!(encoded(Frame::PartAbort { xfer: 1 }), PART_ABORT_BYTES);

@@ -15,7 +15,8 @@ pub fn app_code(reason: ReasonCode) -> VarInt {
 }
 
 fn varint(key: &str, value: u64) -> Result<VarInt, PluginError> {
-    VarInt::from_u64(value).map_err(|_| PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: `{key}` is too large")))
+    VarInt::from_u64(value)
+        .map_err(|_| PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: `{key}` is too large")))
 }
 
 pub fn transport_config(config: &QuicConfig) -> Result<Arc<TransportConfig>, PluginError> {
@@ -65,8 +66,10 @@ pub fn transport_config(config: &QuicConfig) -> Result<Arc<TransportConfig>, Plu
 /// A UDP socket with the configured buffer sizes, bound to `addr`.
 pub fn udp_socket(addr: SocketAddr, buffer_bytes: usize) -> Result<std::net::UdpSocket, PluginError> {
     use socket2::{Domain, Protocol, Socket, Type};
-    let fail = |what: &str, e: std::io::Error| PluginError::new(ReasonCode::UNAVAILABLE, format!("quic: {what} {addr}: {e}"));
-    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(|e| fail("socket for", e))?;
+    let fail =
+        |what: &str, e: std::io::Error| PluginError::new(ReasonCode::UNAVAILABLE, format!("quic: {what} {addr}: {e}"));
+    let socket =
+        Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(|e| fail("socket for", e))?;
     // The kernel caps both at net.core.{r,w}mem_max; a smaller buffer only costs throughput.
     let _ = socket.set_recv_buffer_size(buffer_bytes);
     let _ = socket.set_send_buffer_size(buffer_bytes);
@@ -96,7 +99,9 @@ pub fn classify_connection_error(e: &ConnectionError, established: bool) -> Plug
                 _ => PluginError::new(lost, format!("the peer closed the connection ({rc}): {reason}")),
             }
         }
-        ConnectionError::TimedOut => PluginError::new(lost, format!("no packet from the peer within the idle timeout ({e})")),
+        ConnectionError::TimedOut => {
+            PluginError::new(lost, format!("no packet from the peer within the idle timeout ({e})"))
+        }
         other => PluginError::new(lost, format!("connection ended: {other}")),
     }
 }
@@ -107,7 +112,9 @@ pub fn classify_connection_error(e: &ConnectionError, established: bool) -> Plug
 pub fn peer_refused_our_certificate(e: &ConnectionError) -> bool {
     match e {
         ConnectionError::ConnectionClosed(close) => is_crypto(u64::from(close.error_code)),
-        ConnectionError::ApplicationClosed(close) => close.error_code.into_inner() == u64::from(ReasonCode::AUTH_FAILED.0),
+        ConnectionError::ApplicationClosed(close) => {
+            close.error_code.into_inner() == u64::from(ReasonCode::AUTH_FAILED.0)
+        }
         _ => false,
     }
 }

@@ -64,7 +64,14 @@ async fn stopped(rx: &mut watch::Receiver<bool>) {
 
 /// Hand each part of `t` to one of the peer's lanes (least loaded first), until the transfer stops.
 /// With `defer` (called on the host's thread), a part a dead lane refuses is failed on that runtime.
-pub fn dispatch(t: &Arc<Transfer>, links: &Links, entry: &PeerEntry, parts: Vec<LanePlan>, ticket: u64, defer: Option<&tokio::runtime::Handle>) {
+pub fn dispatch(
+    t: &Arc<Transfer>,
+    links: &Links,
+    entry: &PeerEntry,
+    parts: Vec<LanePlan>,
+    ticket: u64,
+    defer: Option<&tokio::runtime::Handle>,
+) {
     let count = parts.len() as u32;
     let lanes = links.pick_lanes(parts.len(), entry.first_connection_for(parts.len()));
     for (index, (plan, lane)) in parts.into_iter().zip(lanes).enumerate() {
@@ -76,7 +83,14 @@ pub fn dispatch(t: &Arc<Transfer>, links: &Links, entry: &PeerEntry, parts: Vec<
 }
 
 /// Drive one transfer whose peer was not ready at submit: wait for the peer's connections, hand each part to a lane, enforce the deadline.
-pub async fn run_transfer(shared: Arc<Shared>, t: Arc<Transfer>, entry: Arc<PeerEntry>, parts: Vec<LanePlan>, ticket: u64, deadline: Instant) {
+pub async fn run_transfer(
+    shared: Arc<Shared>,
+    t: Arc<Transfer>,
+    entry: Arc<PeerEntry>,
+    parts: Vec<LanePlan>,
+    ticket: u64,
+    deadline: Instant,
+) {
     let mut stop = t.stop_signal();
     let timeout_ms = deadline.saturating_duration_since(Instant::now()).as_millis();
     let links = tokio::select! {

@@ -44,11 +44,17 @@ struct AwsLcPacketKey {
 impl PacketKey for AwsLcPacketKey {
     fn encrypt_in_place(&self, packet_number: u64, header: &[u8], payload: &mut [u8]) -> Result<Tag, Error> {
         let nonce = AeadNonce::assume_unique_for_key(Nonce::new(&self.iv, packet_number).0);
-        let tag = self.key.seal_in_place_separate_tag(nonce, Aad::from(header), payload).map_err(|_| Error::EncryptError)?;
+        let tag =
+            self.key.seal_in_place_separate_tag(nonce, Aad::from(header), payload).map_err(|_| Error::EncryptError)?;
         Ok(Tag::from(tag.as_ref()))
     }
 
-    fn decrypt_in_place<'a>(&self, packet_number: u64, header: &[u8], payload: &'a mut [u8]) -> Result<&'a [u8], Error> {
+    fn decrypt_in_place<'a>(
+        &self,
+        packet_number: u64,
+        header: &[u8],
+        payload: &'a mut [u8],
+    ) -> Result<&'a [u8], Error> {
         let nonce = AeadNonce::assume_unique_for_key(Nonce::new(&self.iv, packet_number).0);
         let plain = self.key.open_in_place(nonce, Aad::from(header), payload).map_err(|_| Error::DecryptError)?;
         Ok(plain)
@@ -73,10 +79,15 @@ pub fn with_fast_packet_protection(suite: SupportedCipherSuite) -> SupportedCiph
     use rustls::crypto::ring::cipher_suite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384};
     static SUITES: OnceLock<[(rustls::CipherSuite, SupportedCipherSuite); 2]> = OnceLock::new();
     let suites = SUITES.get_or_init(|| {
-        let swap = |ring_suite: SupportedCipherSuite, aead: &'static aead::Algorithm| -> (rustls::CipherSuite, SupportedCipherSuite) {
+        let swap = |ring_suite: SupportedCipherSuite,
+                    aead: &'static aead::Algorithm|
+         -> (rustls::CipherSuite, SupportedCipherSuite) {
             // Refutable only when another crate enables rustls' `tls12` feature.
             #[allow(irrefutable_let_patterns)]
-            let SupportedCipherSuite::Tls13(inner) = ring_suite else { unreachable!("a TLS 1.3 suite") };
+            let SupportedCipherSuite::Tls13(inner) = ring_suite
+            else {
+                unreachable!("a TLS 1.3 suite")
+            };
             let ring = inner.quic.expect("ring's TLS 1.3 suites support QUIC");
             // Leaked once per process: rustls keeps suites as `&'static`.
             let algorithm: &'static AwsLcPacketAlgorithm = Box::leak(Box::new(AwsLcPacketAlgorithm { aead, ring }));
@@ -85,7 +96,12 @@ pub fn with_fast_packet_protection(suite: SupportedCipherSuite) -> SupportedCiph
                 hash_provider: inner.common.hash_provider,
                 confidentiality_limit: inner.common.confidentiality_limit,
             };
-            let fast = Tls13CipherSuite { common, hkdf_provider: inner.hkdf_provider, aead_alg: inner.aead_alg, quic: Some(algorithm) };
+            let fast = Tls13CipherSuite {
+                common,
+                hkdf_provider: inner.hkdf_provider,
+                aead_alg: inner.aead_alg,
+                quic: Some(algorithm),
+            };
             let fast: &'static Tls13CipherSuite = Box::leak(Box::new(fast));
             (ring_suite.suite(), SupportedCipherSuite::Tls13(fast))
         };
@@ -97,7 +113,9 @@ pub fn with_fast_packet_protection(suite: SupportedCipherSuite) -> SupportedCiph
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rustls::crypto::ring::cipher_suite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256};
+    use rustls::crypto::ring::cipher_suite::{
+        TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256,
+    };
     use rustls::quic::{Keys, Version};
     use rustls::Side;
 
@@ -117,11 +135,16 @@ mod tests {
             let ring_suite = tls13(suite);
             let fast_suite = tls13(with_fast_packet_protection(suite));
             assert!(!std::ptr::eq(ring_suite, fast_suite), "{:?} was not swapped", suite.suite());
-            let keys = |s: &'static Tls13CipherSuite, side| Keys::initial(Version::V1, s, s.quic.expect("quic"), b"kvgate-cid", side);
+            let keys = |s: &'static Tls13CipherSuite, side| {
+                Keys::initial(Version::V1, s, s.quic.expect("quic"), b"kvgate-cid", side)
+            };
             let (ring_client, fast_client) = (keys(ring_suite, Side::Client), keys(fast_suite, Side::Client));
             let (ring_server, fast_server) = (keys(ring_suite, Side::Server), keys(fast_suite, Side::Server));
             assert_eq!(fast_client.local.packet.tag_len(), ring_client.local.packet.tag_len());
-            assert_eq!(fast_client.local.packet.confidentiality_limit(), ring_client.local.packet.confidentiality_limit());
+            assert_eq!(
+                fast_client.local.packet.confidentiality_limit(),
+                ring_client.local.packet.confidentiality_limit()
+            );
             assert_eq!(fast_client.local.packet.integrity_limit(), ring_client.local.packet.integrity_limit());
             let header = [0x40u8, 1, 2, 3, 4];
             for (pn, len) in [(0u64, 0usize), (1, 1), (7, 1200), (1 << 20, 65_000)] {

@@ -4,8 +4,8 @@
 
 use crate::lanes::Lane;
 use crate::net::{app_code, classify_connection_error, peer_refused_our_certificate};
-use crate::shared::Shared;
 use crate::reader::{FrameReader, ReadFail};
+use crate::shared::Shared;
 use crate::tls;
 use crate::wire::{EndpointInfo, Frame, HELLO_MAGIC};
 use kvgate_abi::{Event, PeerId, PluginError, ReasonCode};
@@ -83,7 +83,12 @@ pub struct PeerEntry {
 }
 
 impl PeerEntry {
-    pub fn new(shared: &Shared, id: PeerId, info: EndpointInfo, endpoint_bytes: Vec<u8>) -> Result<PeerEntry, PluginError> {
+    pub fn new(
+        shared: &Shared,
+        id: PeerId,
+        info: EndpointInfo,
+        endpoint_bytes: Vec<u8>,
+    ) -> Result<PeerEntry, PluginError> {
         let crypto = tls::client_crypto(&shared.identity, info.fingerprint, shared.config.cipher_suite)?;
         let quic_crypto = quinn::crypto::rustls::QuicClientConfig::try_from(crypto)
             .map_err(|e| PluginError::new(ReasonCode::INTERNAL, format!("quic client crypto: {e}")))?;
@@ -115,7 +120,8 @@ impl PeerEntry {
     /// Close every connection with this peer (host `disconnect`, or shutdown).
     pub fn close_all(&self, reason: ReasonCode, why: &str) {
         self.removed.store(true, Ordering::Release);
-        let previous = self.status.send_replace(PeerStatus::Down(PluginError::new(ReasonCode::PEER_LOST, why.to_string())));
+        let previous =
+            self.status.send_replace(PeerStatus::Down(PluginError::new(ReasonCode::PEER_LOST, why.to_string())));
         if let PeerStatus::Ready(links) = previous {
             for c in links.conns.iter() {
                 c.close(app_code(reason), why.as_bytes());
@@ -223,7 +229,11 @@ async fn establish(shared: Arc<Shared>, entry: Arc<PeerEntry>) {
                         false
                     }
                 }) {
-                    shared.sink.deliver(Event::peer_down(entry.id, e.code, format!("cannot connect to {addr}: {}", e.message)));
+                    shared.sink.deliver(Event::peer_down(
+                        entry.id,
+                        e.code,
+                        format!("cannot connect to {addr}: {}", e.message),
+                    ));
                 }
                 return;
             }
@@ -250,7 +260,12 @@ async fn establish(shared: Arc<Shared>, entry: Arc<PeerEntry>) {
         }
         return;
     }
-    tracing::debug!(peer = entry.id.0, connections = links.conns.len(), lanes = links.lanes.len(), "quic: connected to peer");
+    tracing::debug!(
+        peer = entry.id.0,
+        connections = links.conns.len(),
+        lanes = links.lanes.len(),
+        "quic: connected to peer"
+    );
     shared.handle.spawn(crate::stuck::watch(shared.clone(), entry.clone(), links.clone()));
     for c in links.conns.iter() {
         let (shared, entry, links, c) = (shared.clone(), entry.clone(), links.clone(), c.clone());
@@ -292,9 +307,15 @@ pub fn replace_stuck(shared: &Arc<Shared>, entry: &Arc<PeerEntry>, links: &Arc<L
 }
 
 /// One connection ended: the whole peer is down (every connection closed, every transfer failed).
-fn on_connection_lost(shared: &Arc<Shared>, entry: &Arc<PeerEntry>, links: &Arc<Links>, error: &quinn::ConnectionError) {
+fn on_connection_lost(
+    shared: &Arc<Shared>,
+    entry: &Arc<PeerEntry>,
+    links: &Arc<Links>,
+    error: &quinn::ConnectionError,
+) {
     let e = classify_connection_error(error, true);
-    let lost = PluginError::new(ReasonCode::PEER_LOST, format!("connection to peer {} lost: {}", entry.id.0, e.message));
+    let lost =
+        PluginError::new(ReasonCode::PEER_LOST, format!("connection to peer {} lost: {}", entry.id.0, e.message));
     let was_current = entry.status.send_if_modified(|s| match s {
         PeerStatus::Ready(current) if Arc::ptr_eq(current, links) => {
             *s = PeerStatus::Down(lost.clone());
@@ -360,9 +381,9 @@ async fn connect_one(
     endpoint: &quinn::Endpoint,
     addr: std::net::SocketAddr,
 ) -> Result<quinn::Connection, AttemptError> {
-    let connecting = endpoint
-        .connect_with(entry.client_config.clone(), addr, tls::SERVER_NAME)
-        .map_err(|e| PluginError::new(ReasonCode::PEER_UNREACHABLE, format!("cannot start a connection to {addr}: {e}")))?;
+    let connecting = endpoint.connect_with(entry.client_config.clone(), addr, tls::SERVER_NAME).map_err(|e| {
+        PluginError::new(ReasonCode::PEER_UNREACHABLE, format!("cannot start a connection to {addr}: {e}"))
+    })?;
     let conn = connecting.await.map_err(|e| attempt_error(&e))?;
     let why_closed = |conn: &quinn::Connection, fallback: String| match conn.close_reason() {
         Some(e) => attempt_error(&e),
@@ -404,4 +425,3 @@ async fn connect_one(
         }
     }
 }
-

@@ -5,8 +5,8 @@ use crate::config::QuicConfig;
 use crate::net;
 use crate::outgoing::{plan_lanes, run_transfer, PlannedSegment};
 use crate::peers::{self, PeerEntry};
-use crate::shared::Shared;
 use crate::regions::{in_bounds, Regions};
+use crate::shared::Shared;
 use crate::staging::StagingPool;
 use crate::tickets::Tickets;
 use crate::tls::{self, Identity, KnownPeers};
@@ -14,8 +14,8 @@ use crate::transfers::Transfers;
 use crate::wire::{EndpointInfo, WIRE_VERSION};
 use kvgate_abi::sdk::{Plugin, Sink};
 use kvgate_abi::{
-    cap_flags, scope, Capabilities, Event, IncomingRequest, LocalKey, MemoryKind, PeerId, PluginError, PluginInfo, ReasonCode,
-    RegionDesc, Registration, RemoteKey, Stats, SubmitRequest, Ticket, XferId, ABI_VERSION,
+    cap_flags, scope, Capabilities, Event, IncomingRequest, LocalKey, MemoryKind, PeerId, PluginError, PluginInfo,
+    ReasonCode, RegionDesc, Registration, RemoteKey, Stats, SubmitRequest, Ticket, XferId, ABI_VERSION,
 };
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -80,9 +80,15 @@ impl QuicPlugin {
         };
         if config.malloc_trim_threshold_bytes != 0 {
             crate::allocator::set_malloc_trim_threshold(config.malloc_trim_threshold_bytes).map_err(|why| {
-                PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: `malloc_trim_threshold_bytes`: {why}"))
+                PluginError::new(
+                    ReasonCode::INVALID_ARGUMENT,
+                    format!("quic config: `malloc_trim_threshold_bytes`: {why}"),
+                )
             })?;
-            tracing::info!(bytes = config.malloc_trim_threshold_bytes, "quic: glibc malloc trim threshold set (process-wide)");
+            tracing::info!(
+                bytes = config.malloc_trim_threshold_bytes,
+                "quic: glibc malloc trim threshold set (process-wide)"
+            );
         }
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(config.worker_threads)
@@ -93,34 +99,50 @@ impl QuicPlugin {
         let _context = runtime.enter();
         let known = Arc::new(KnownPeers::default());
         let transport = net::transport_config(&config)?;
-        let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls::server_crypto(&identity, known.clone(), config.cipher_suite)?)
-            .map_err(|e| PluginError::new(ReasonCode::INTERNAL, format!("quic server crypto: {e}")))?;
+        let server_crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls::server_crypto(
+            &identity,
+            known.clone(),
+            config.cipher_suite,
+        )?)
+        .map_err(|e| PluginError::new(ReasonCode::INTERNAL, format!("quic server crypto: {e}")))?;
         let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(server_crypto));
         server_config.transport_config(transport.clone());
         let mut endpoint_config = quinn::EndpointConfig::default();
-        endpoint_config
-            .max_udp_payload_size(config.mtu_discovery_upper_bound_bytes)
-            .map_err(|e| PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("quic config: `mtu_discovery_upper_bound_bytes`: {e}")))?;
+        endpoint_config.max_udp_payload_size(config.mtu_discovery_upper_bound_bytes).map_err(|e| {
+            PluginError::new(
+                ReasonCode::INVALID_ARGUMENT,
+                format!("quic config: `mtu_discovery_upper_bound_bytes`: {e}"),
+            )
+        })?;
         let mut endpoints = Vec::with_capacity(config.endpoints);
         let mut addresses = Vec::with_capacity(config.endpoints);
         for i in 0..config.endpoints {
             let mut addr = config.listen_address;
             if addr.port() != 0 {
                 let port = addr.port().checked_add(i as u16).ok_or_else(|| {
-                    PluginError::new(ReasonCode::INVALID_ARGUMENT, "quic config: `listen_address` port + endpoints exceeds 65535")
+                    PluginError::new(
+                        ReasonCode::INVALID_ARGUMENT,
+                        "quic config: `listen_address` port + endpoints exceeds 65535",
+                    )
                 })?;
                 addr.set_port(port);
             }
             let socket = net::udp_socket(addr, config.socket_buffer_bytes)?;
-            let endpoint = quinn::Endpoint::new(endpoint_config.clone(), Some(server_config.clone()), socket, Arc::new(quinn::TokioRuntime))
-                .map_err(|e| unavailable("cannot start an endpoint", e))?;
+            let endpoint = quinn::Endpoint::new(
+                endpoint_config.clone(),
+                Some(server_config.clone()),
+                socket,
+                Arc::new(quinn::TokioRuntime),
+            )
+            .map_err(|e| unavailable("cannot start an endpoint", e))?;
             let bound = endpoint.local_addr().map_err(|e| unavailable("endpoint address", e))?;
             addresses.push(SocketAddr::new(config.advertise_ip.unwrap_or(bound.ip()), bound.port()));
             endpoints.push(endpoint);
         }
         let instance = random_u64();
         let wire_version = config.wire_version_override.unwrap_or(WIRE_VERSION);
-        let endpoint_bytes = EndpointInfo { wire_version, instance, fingerprint: identity.fingerprint, addresses }.encode();
+        let endpoint_bytes =
+            EndpointInfo { wire_version, instance, fingerprint: identity.fingerprint, addresses }.encode();
         let staging = StagingPool::new(config.write_chunk_bytes, config.staging_pool_bytes);
         let shared = Arc::new(Shared {
             transfers: Transfers::new(sink.clone()),
@@ -195,7 +217,11 @@ impl QuicPlugin {
 
     /// Check every segment and resolve remote keys; nothing is started on error.
     // CONFORMANCE: DATA-2, DATA-3 (every segment checked against both regions before anything is queued)
-    fn resolve_segments(&self, request: &SubmitRequest<'_>, entry: &PeerEntry) -> Result<(Vec<PlannedSegment>, u64), PluginError> {
+    fn resolve_segments(
+        &self,
+        request: &SubmitRequest<'_>,
+        entry: &PeerEntry,
+    ) -> Result<(Vec<PlannedSegment>, u64), PluginError> {
         let shared = &self.shared;
         let count = request.segments.len() as u64;
         if count > shared.config.max_segments_per_submit {
@@ -207,30 +233,43 @@ impl QuicPlugin {
         let mut planned = Vec::with_capacity(request.segments.len());
         let mut total: u64 = 0;
         for (i, seg) in request.segments.iter().enumerate() {
-            let local_len = shared
-                .regions
-                .local_len(seg.local)
-                .ok_or_else(|| PluginError::new(ReasonCode::UNKNOWN_KEY, format!("segment {i}: local key {} is not registered", seg.local.0)))?;
+            let local_len = shared.regions.local_len(seg.local).ok_or_else(|| {
+                PluginError::new(
+                    ReasonCode::UNKNOWN_KEY,
+                    format!("segment {i}: local key {} is not registered", seg.local.0),
+                )
+            })?;
             if !in_bounds(seg.local_offset, seg.len, local_len) {
                 return Err(PluginError::new(
                     ReasonCode::OUT_OF_RANGE,
-                    format!("segment {i}: source {}+{} outside local region {} of {local_len} bytes", seg.local_offset, seg.len, seg.local.0),
+                    format!(
+                        "segment {i}: source {}+{} outside local region {} of {local_len} bytes",
+                        seg.local_offset, seg.len, seg.local.0
+                    ),
                 ));
             }
-            let remote = shared
-                .regions
-                .remote(seg.remote)
-                .ok_or_else(|| PluginError::new(ReasonCode::UNKNOWN_KEY, format!("segment {i}: remote key {} is not imported", seg.remote.0)))?;
+            let remote = shared.regions.remote(seg.remote).ok_or_else(|| {
+                PluginError::new(
+                    ReasonCode::UNKNOWN_KEY,
+                    format!("segment {i}: remote key {} is not imported", seg.remote.0),
+                )
+            })?;
             if remote.peer != request.peer || remote.info.instance != entry.info.instance {
                 return Err(PluginError::new(
                     ReasonCode::UNKNOWN_KEY,
-                    format!("segment {i}: remote key {} belongs to another peer or an earlier incarnation of it", seg.remote.0),
+                    format!(
+                        "segment {i}: remote key {} belongs to another peer or an earlier incarnation of it",
+                        seg.remote.0
+                    ),
                 ));
             }
             if !in_bounds(seg.remote_offset, seg.len, remote.info.len) {
                 return Err(PluginError::new(
                     ReasonCode::OUT_OF_RANGE,
-                    format!("segment {i}: destination {}+{} outside remote region of {} bytes", seg.remote_offset, seg.len, remote.info.len),
+                    format!(
+                        "segment {i}: destination {}+{} outside remote region of {} bytes",
+                        seg.remote_offset, seg.len, remote.info.len
+                    ),
                 ));
             }
             total = total
@@ -313,13 +352,22 @@ impl Plugin for QuicPlugin {
         self.refuse_if_shut_down()?;
         let shared = &self.shared;
         let entry = shared.peer(request.peer).ok_or_else(|| {
-            PluginError::new(ReasonCode::PEER_UNREACHABLE, format!("peer {} is not connected (connect it first)", request.peer.0))
+            PluginError::new(
+                ReasonCode::PEER_UNREACHABLE,
+                format!("peer {} is not connected (connect it first)", request.peer.0),
+            )
         })?;
         let (segments, total) = self.resolve_segments(request, &entry)?;
         let max_lanes = shared.config.connections_per_peer * shared.config.lanes_per_connection;
         let lanes = plan_lanes(&segments, total, max_lanes, shared.config.min_lane_bytes);
         let deadline = tokio::time::Instant::now() + self.timeout_of(request.timeout_ns);
-        let t = shared.transfers.admit(request.xfer, request.peer, total, lanes.len(), shared.config.max_inflight_transfers)?;
+        let t = shared.transfers.admit(
+            request.xfer,
+            request.peer,
+            total,
+            lanes.len(),
+            shared.config.max_inflight_transfers,
+        )?;
         match crate::peers::ready_now(&entry) {
             // Connections up: the parts go to their lanes now and the instance's deadline task keeps
             // the deadline (no task, timer or wake-up of the transfer's own).
@@ -378,7 +426,8 @@ impl Plugin for QuicPlugin {
         let (live, unquiesced) = shared.transfers.counts();
         let (regions, bytes, remote_keys) = shared.regions.counts();
         let running = !shared.is_shut_down();
-        let workers = self.runtime.lock().expect("runtime lock").as_ref().map(|r| r.metrics().num_workers() as u64).unwrap_or(0);
+        let workers =
+            self.runtime.lock().expect("runtime lock").as_ref().map(|r| r.metrics().num_workers() as u64).unwrap_or(0);
         Stats {
             live_transfers: live,
             unquiesced_transfers: unquiesced,

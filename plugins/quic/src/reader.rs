@@ -156,13 +156,16 @@ impl<S: ByteSource> FrameReader<S> {
             let reason = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes"));
             let len = u16::from_le_bytes(head[12..].try_into().expect("2 bytes")) as usize;
             if len > MAX_REFUSAL_MESSAGE_BYTES {
-                return Err(ReadFail::Malformed(DecodeError(format!("REFUSED message of {len} bytes exceeds {MAX_REFUSAL_MESSAGE_BYTES}"))));
+                return Err(ReadFail::Malformed(DecodeError(format!(
+                    "REFUSED message of {len} bytes exceeds {MAX_REFUSAL_MESSAGE_BYTES}"
+                ))));
             }
             let mut text = vec![0u8; len];
             self.read_exact(&mut text, "a REFUSED message").await?;
             return Ok(Some(Frame::decode_refused(xfer, reason, &text)));
         }
-        let len = fixed_body_len(ty).ok_or_else(|| ReadFail::Malformed(DecodeError(format!("unknown frame type 0x{ty:02x}"))))?;
+        let len = fixed_body_len(ty)
+            .ok_or_else(|| ReadFail::Malformed(DecodeError(format!("unknown frame type 0x{ty:02x}"))))?;
         let mut body = [0u8; 64];
         self.read_exact(&mut body[..len], "a frame body").await?;
         Frame::decode_fixed(ty, &body[..len]).map(Some).map_err(ReadFail::Malformed)

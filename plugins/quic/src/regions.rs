@@ -40,7 +40,12 @@ pub fn in_bounds(offset: u64, len: u64, region_len: u64) -> bool {
 
 impl Regions {
     pub fn new(instance: u64) -> Regions {
-        Regions { instance, next_key: AtomicU64::new(1), local: RwLock::new(HashMap::new()), remote: Mutex::new(HashMap::new()) }
+        Regions {
+            instance,
+            next_key: AtomicU64::new(1),
+            local: RwLock::new(HashMap::new()),
+            remote: Mutex::new(HashMap::new()),
+        }
     }
 
     pub fn register(&self, desc: &RegionDesc) -> Result<(LocalKey, RemoteKeyInfo), PluginError> {
@@ -51,11 +56,21 @@ impl Regions {
             ));
         }
         if desc.len == 0 || desc.addr == 0 {
-            return Err(refuse(ReasonCode::INVALID_ARGUMENT, format!("region addr {:#x} len {} is empty or null", desc.addr, desc.len)));
+            return Err(refuse(
+                ReasonCode::INVALID_ARGUMENT,
+                format!("region addr {:#x} len {} is empty or null", desc.addr, desc.len),
+            ));
         }
         let end = desc.addr.checked_add(desc.len);
-        if end.is_none() || usize::try_from(desc.addr).is_err() || usize::try_from(desc.len).is_err() || desc.len > isize::MAX as u64 {
-            return Err(refuse(ReasonCode::INVALID_ARGUMENT, format!("region addr {:#x} len {} overflows the address space", desc.addr, desc.len)));
+        if end.is_none()
+            || usize::try_from(desc.addr).is_err()
+            || usize::try_from(desc.len).is_err()
+            || desc.len > isize::MAX as u64
+        {
+            return Err(refuse(
+                ReasonCode::INVALID_ARGUMENT,
+                format!("region addr {:#x} len {} overflows the address space", desc.addr, desc.len),
+            ));
         }
         let view = RegionView::registered(desc)?;
         let key = self.next_key.fetch_add(1, Ordering::Relaxed);
@@ -77,11 +92,14 @@ impl Regions {
     /// Append `len` bytes of local region `key` at `offset` to `out`.
     pub fn copy_out(&self, key: u64, offset: u64, len: usize, out: &mut Vec<u8>) -> Result<(), PluginError> {
         let table = self.local.read().expect("regions lock");
-        let region = table
-            .get(&key)
-            .ok_or_else(|| refuse(ReasonCode::UNKNOWN_KEY, format!("source region {key} was deregistered during the transfer")))?;
+        let region = table.get(&key).ok_or_else(|| {
+            refuse(ReasonCode::UNKNOWN_KEY, format!("source region {key} was deregistered during the transfer"))
+        })?;
         if !in_bounds(offset, len as u64, region.len) {
-            return Err(refuse(ReasonCode::OUT_OF_RANGE, format!("source {offset}+{len} outside region {key} of {} bytes", region.len)));
+            return Err(refuse(
+                ReasonCode::OUT_OF_RANGE,
+                format!("source {offset}+{len} outside region {key} of {} bytes", region.len),
+            ));
         }
         // The read lock keeps `deregister` (the write lock) out for the copy: the view stays valid.
         region.view.copy_out(offset, len, out)
@@ -110,7 +128,10 @@ impl Regions {
             .get(&key)
             .ok_or_else(|| refuse(ReasonCode::UNKNOWN_KEY, format!("destination region {key} is not registered")))?;
         if !in_bounds(offset, len, region.len) {
-            return Err(refuse(ReasonCode::OUT_OF_RANGE, format!("destination {offset}+{len} outside region {key} of {} bytes", region.len)));
+            return Err(refuse(
+                ReasonCode::OUT_OF_RANGE,
+                format!("destination {offset}+{len} outside region {key} of {} bytes", region.len),
+            ));
         }
         Ok(())
     }

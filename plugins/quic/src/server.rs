@@ -4,9 +4,9 @@
 
 use crate::incoming::{serve_lane as serve_lane_frames, LaneContext, LaneEnd, PartId};
 use crate::net::app_code;
-use crate::shared::Shared;
 use crate::reader::FrameReader;
 use crate::replies::ReceivingLane;
+use crate::shared::Shared;
 use crate::tickets::Refusal;
 use crate::tls;
 use crate::wire::{Frame, HELLO_MAGIC};
@@ -44,7 +44,10 @@ async fn serve_connection(shared: Arc<Shared>, incoming: quinn::Incoming) {
     };
     let timeout = Duration::from_millis(shared.config.connect_timeout_ms);
     if let Err(why) = tokio::time::timeout(timeout, answer_hello(&shared, &conn)).await.unwrap_or_else(|_| {
-        Err((ReasonCode::PEER_UNREACHABLE, format!("no HELLO within connect_timeout_ms ({})", shared.config.connect_timeout_ms)))
+        Err((
+            ReasonCode::PEER_UNREACHABLE,
+            format!("no HELLO within connect_timeout_ms ({})", shared.config.connect_timeout_ms),
+        ))
     }) {
         tracing::warn!(peer = peer.0, %remote, reason = %why.0, message = %why.1, "quic: refused an incoming connection");
         conn.close(app_code(why.0), why.1.as_bytes());
@@ -73,7 +76,8 @@ async fn serve_connection(shared: Arc<Shared>, incoming: quinn::Incoming) {
 
 /// Read the client's HELLO and accept it, or say why not.
 async fn answer_hello(shared: &Shared, conn: &quinn::Connection) -> Result<(), (ReasonCode, String)> {
-    let (mut send, recv) = conn.accept_bi().await.map_err(|e| (ReasonCode::PEER_LOST, format!("no control stream: {e}")))?;
+    let (mut send, recv) =
+        conn.accept_bi().await.map_err(|e| (ReasonCode::PEER_LOST, format!("no control stream: {e}")))?;
     let mut reader = FrameReader::new(recv);
     let frame = reader.read_frame().await.map_err(|e| (ReasonCode::PROTOCOL_VIOLATION, format!("bad HELLO: {e:?}")))?;
     let Some(Frame::Hello { magic, version, .. }) = frame else {
@@ -85,16 +89,27 @@ async fn answer_hello(shared: &Shared, conn: &quinn::Connection) -> Result<(), (
     if version != shared.wire_version {
         return Err((
             ReasonCode::VERSION_MISMATCH,
-            format!("kvgate-quic wire version mismatch: the client speaks {version}, this side {}", shared.wire_version),
+            format!(
+                "kvgate-quic wire version mismatch: the client speaks {version}, this side {}",
+                shared.wire_version
+            ),
         ));
     }
     let reply = Frame::HelloReply { version: shared.wire_version, status: 0, instance: shared.instance };
-    send.write_all(&reply.to_bytes()).await.map_err(|e| (ReasonCode::PEER_LOST, format!("sending HELLO_REPLY: {e}")))?;
+    send.write_all(&reply.to_bytes())
+        .await
+        .map_err(|e| (ReasonCode::PEER_LOST, format!("sending HELLO_REPLY: {e}")))?;
     let _ = send.finish();
     Ok(())
 }
 
-async fn serve_lane(shared: Arc<Shared>, conn: quinn::Connection, peer: PeerId, send: quinn::SendStream, recv: quinn::RecvStream) {
+async fn serve_lane(
+    shared: Arc<Shared>,
+    conn: quinn::Connection,
+    peer: PeerId,
+    send: quinn::SendStream,
+    recv: quinn::RecvStream,
+) {
     let mut reader = FrameReader::new(ReceivingLane::new(send, recv));
     let ctx = LaneContext { peer, tickets: &shared.tickets, regions: &shared.regions };
     // An incoming failure is reported only for a ticket the host still holds: a cancelled or expired

@@ -52,7 +52,11 @@ impl StagingPool {
         while Self::class_chunk(chunk_bytes, classes - 1) < chunk_bytes {
             classes += 1;
         }
-        Arc::new(StagingPool { idle: Mutex::new(Idle { by_class: vec![Vec::new(); classes], bytes: 0 }), chunk_bytes, max_idle_bytes })
+        Arc::new(StagingPool {
+            idle: Mutex::new(Idle { by_class: vec![Vec::new(); classes], bytes: 0 }),
+            chunk_bytes,
+            max_idle_bytes,
+        })
     }
 
     fn class_chunk(chunk_bytes: usize, class: usize) -> usize {
@@ -90,7 +94,9 @@ impl StagingPool {
     fn give_back(&self, mut buf: Vec<u8>) {
         let mut idle = self.idle.lock().expect("staging pool lock");
         // Only buffers of a class size are kept (a grown one would not fit its class).
-        let Some(class) = (0..idle.by_class.len()).find(|&k| Self::capacity_of(Self::class_chunk(self.chunk_bytes, k)) == buf.capacity()) else {
+        let Some(class) = (0..idle.by_class.len())
+            .find(|&k| Self::capacity_of(Self::class_chunk(self.chunk_bytes, k)) == buf.capacity())
+        else {
             return;
         };
         if idle.bytes + buf.capacity() as u64 > self.max_idle_bytes {

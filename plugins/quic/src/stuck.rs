@@ -28,7 +28,11 @@ pub struct StuckRule {
 
 impl StuckRule {
     pub fn from_config(c: &crate::config::QuicConfig) -> StuckRule {
-        StuckRule { after_ms: c.stuck_after_ms, min_bytes_per_s: c.stuck_min_bytes_per_s, below_best_percent: c.stuck_below_best_percent }
+        StuckRule {
+            after_ms: c.stuck_after_ms,
+            min_bytes_per_s: c.stuck_min_bytes_per_s,
+            below_best_percent: c.stuck_below_best_percent,
+        }
     }
 
     /// Whether any bar is set (a zero window or no bar at all disables the watchdog).
@@ -101,7 +105,12 @@ impl StallDetector {
         let bytes_per_s = (u128::from(sent) * 1000 / u128::from(window_ms)).min(u128::from(u64::MAX)) as u64;
         let bar = self.bar_bytes_per_s();
         if bytes_per_s < bar {
-            return Some(Stuck { window_ms, bytes_per_s, bar_bytes_per_s: bar, best_bytes_per_s: self.best_bytes_per_s });
+            return Some(Stuck {
+                window_ms,
+                bytes_per_s,
+                bar_bytes_per_s: bar,
+                best_bytes_per_s: self.best_bytes_per_s,
+            });
         }
         self.best_bytes_per_s = self.best_bytes_per_s.max(bytes_per_s);
         None

@@ -64,17 +64,29 @@ impl TicketGrant {
 
     fn usable(&self, now: Instant) -> Result<(), Refusal> {
         if self.revoked {
-            return Err(Refusal { reason: ReasonCode::NOT_EXPECTED, message: "the ticket was cancelled by the receiver".into() });
+            return Err(Refusal {
+                reason: ReasonCode::NOT_EXPECTED,
+                message: "the ticket was cancelled by the receiver".into(),
+            });
         }
         if now >= self.deadline {
-            return Err(Refusal { reason: ReasonCode::NOT_EXPECTED, message: "the ticket expired at the receiver".into() });
+            return Err(Refusal {
+                reason: ReasonCode::NOT_EXPECTED,
+                message: "the ticket expired at the receiver".into(),
+            });
         }
         Ok(())
     }
 }
 
 /// Check a whole segment against the ticket and the region before any of its bytes is read.
-pub fn authorise_segment(grant: &SharedGrant, regions: &Regions, key: u64, offset: u64, len: u64) -> Result<(), Refusal> {
+pub fn authorise_segment(
+    grant: &SharedGrant,
+    regions: &Regions,
+    key: u64,
+    offset: u64,
+    len: u64,
+) -> Result<(), Refusal> {
     let g = grant.read().expect("ticket lock");
     g.usable(Instant::now())?;
     regions.check_destination(key, offset, len)?;
@@ -118,9 +130,9 @@ impl Tickets {
         max_live_tickets: u64,
     ) -> Result<SharedGrant, PluginError> {
         for r in ranges {
-            let len = regions
-                .local_len(r.key)
-                .ok_or_else(|| PluginError::new(ReasonCode::UNKNOWN_KEY, format!("ticket range names unknown local key {}", r.key.0)))?;
+            let len = regions.local_len(r.key).ok_or_else(|| {
+                PluginError::new(ReasonCode::UNKNOWN_KEY, format!("ticket range names unknown local key {}", r.key.0))
+            })?;
             if !crate::regions::in_bounds(r.offset, r.len, len) {
                 return Err(PluginError::new(
                     ReasonCode::OUT_OF_RANGE,
@@ -130,7 +142,10 @@ impl Tickets {
         }
         let mut live = self.live.lock().expect("tickets lock");
         if live.contains_key(&(peer, ticket)) {
-            return Err(PluginError::new(ReasonCode::DUPLICATE_ID, format!("ticket {} from peer {} is already expected", ticket.0, peer.0)));
+            return Err(PluginError::new(
+                ReasonCode::DUPLICATE_ID,
+                format!("ticket {} from peer {} is already expected", ticket.0, peer.0),
+            ));
         }
         if live.len() as u64 >= max_live_tickets {
             return Err(PluginError::new(
@@ -138,7 +153,8 @@ impl Tickets {
                 format!("{} live tickets reached max_live_tickets ({max_live_tickets})", live.len()),
             ));
         }
-        let grant = Arc::new(RwLock::new(TicketGrant { revoked: false, deadline, ranges: merge_ranges(ranges.to_vec()) }));
+        let grant =
+            Arc::new(RwLock::new(TicketGrant { revoked: false, deadline, ranges: merge_ranges(ranges.to_vec()) }));
         live.insert((peer, ticket), grant.clone());
         Ok(grant)
     }
@@ -183,4 +199,3 @@ impl Tickets {
         }
     }
 }
-

@@ -172,7 +172,10 @@ impl Transfers {
     ) -> Result<Arc<Transfer>, kvgate_abi::PluginError> {
         let mut ledger = self.ledger();
         if ledger.contains(xfer) {
-            return Err(kvgate_abi::PluginError::new(ReasonCode::DUPLICATE_ID, format!("transfer {} is already live", xfer.0)));
+            return Err(kvgate_abi::PluginError::new(
+                ReasonCode::DUPLICATE_ID,
+                format!("transfer {} is already live", xfer.0),
+            ));
         }
         if self.closed.lock().expect("closed ids lock").set.contains(&xfer) {
             return Err(kvgate_abi::PluginError::new(
@@ -255,7 +258,12 @@ impl Transfers {
         let all: Vec<Arc<Transfer>> = ledger.iter().map(|(_, e)| e.data.t.clone()).collect();
         for (xfer, e) in ledger.iter() {
             if e.is_live() {
-                tracing::warn!(xfer = xfer.0, peer = e.peer().0, reason = "shutdown", "quic transfer failed: plugin shut down");
+                tracing::warn!(
+                    xfer = xfer.0,
+                    peer = e.peer().0,
+                    reason = "shutdown",
+                    "quic transfer failed: plugin shut down"
+                );
             }
         }
         ledger.close_all(ReasonCode::SHUTDOWN, "the quic plugin shut down");

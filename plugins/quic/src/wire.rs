@@ -291,17 +291,25 @@ impl Frame {
 
     /// Decode a fixed-size frame from its type byte and exactly its body.
     pub fn decode_fixed(frame_type: u8, body: &[u8]) -> Result<Frame, DecodeError> {
-        let expected = fixed_body_len(frame_type).ok_or_else(|| DecodeError(format!("unknown frame type 0x{frame_type:02x}")))?;
+        let expected =
+            fixed_body_len(frame_type).ok_or_else(|| DecodeError(format!("unknown frame type 0x{frame_type:02x}")))?;
         if body.len() != expected {
-            return Err(DecodeError(format!("frame 0x{frame_type:02x} body is {} bytes, expected {expected}", body.len())));
+            return Err(DecodeError(format!(
+                "frame 0x{frame_type:02x} body is {} bytes, expected {expected}",
+                body.len()
+            )));
         }
         let mut r = Reader { bytes: body, what: "frame" };
         let frame = match frame_type {
             frame_type::HELLO => Frame::Hello { magic: r.u32()?, version: r.u16()?, instance: r.u64()? },
             frame_type::HELLO_REPLY => Frame::HelloReply { version: r.u16()?, status: r.u32()?, instance: r.u64()? },
-            frame_type::PART_BEGIN => {
-                Frame::PartBegin { xfer: r.u64()?, ticket: r.u64()?, part_index: r.u32()?, part_count: r.u32()?, bytes: r.u64()? }
-            }
+            frame_type::PART_BEGIN => Frame::PartBegin {
+                xfer: r.u64()?,
+                ticket: r.u64()?,
+                part_index: r.u32()?,
+                part_count: r.u32()?,
+                bytes: r.u64()?,
+            },
             frame_type::SEGMENT => Frame::Segment { key: r.u64()?, offset: r.u64()?, len: r.u64()? },
             frame_type::PART_END => Frame::PartEnd { segments: r.u64()?, bytes: r.u64()? },
             frame_type::PART_ABORT => Frame::PartAbort { xfer: r.u64()? },

@@ -79,7 +79,8 @@ fn every_limit_holds_at_and_just_past_it() {
 #[test]
 fn mtu_bounds_are_u16_and_ordered() {
     parse("initial_mtu_bytes = 65527\nmtu_discovery_upper_bound_bytes = 65527\nsegmentation_offload = false").unwrap();
-    let err = parse("initial_mtu_bytes = 65528\nmtu_discovery_upper_bound_bytes = 65527\nsegmentation_offload = false").unwrap_err();
+    let err = parse("initial_mtu_bytes = 65528\nmtu_discovery_upper_bound_bytes = 65527\nsegmentation_offload = false")
+        .unwrap_err();
     assert!(err.message.contains("initial_mtu_bytes"), "{err}");
     let err = parse("initial_mtu_bytes = 9000\nmtu_discovery_upper_bound_bytes = 8999").unwrap_err();
     assert!(err.message.contains("mtu_discovery_upper_bound_bytes"), "{err}");
@@ -92,7 +93,9 @@ fn the_initial_congestion_window_holds_two_initial_datagrams() {
     parse("initial_mtu_bytes = 1200\ninitial_congestion_window_bytes = 2400").unwrap();
     let err = parse("initial_mtu_bytes = 1200\ninitial_congestion_window_bytes = 2399").unwrap_err();
     assert!(err.message.contains("initial_congestion_window_bytes"), "{err}");
-    let automatic = parse("initial_mtu_bytes = 65507\nmtu_discovery_upper_bound_bytes = 65507\nsegmentation_offload = false").unwrap();
+    let automatic =
+        parse("initial_mtu_bytes = 65507\nmtu_discovery_upper_bound_bytes = 65507\nsegmentation_offload = false")
+            .unwrap();
     assert_eq!(automatic.effective_initial_congestion_window_bytes(), 655_070);
 }
 
@@ -122,7 +125,10 @@ fn lanes_stay_below_the_concurrent_stream_limit() {
     parse("max_concurrent_streams_per_connection = 16\nlanes_per_connection = 15").unwrap();
     let err = parse("max_concurrent_streams_per_connection = 16\nlanes_per_connection = 16").unwrap_err();
     assert_eq!(err.code, ReasonCode::INVALID_ARGUMENT);
-    assert!(err.message.contains("lanes_per_connection") && err.message.contains("max_concurrent_streams_per_connection"), "{err}");
+    assert!(
+        err.message.contains("lanes_per_connection") && err.message.contains("max_concurrent_streams_per_connection"),
+        "{err}"
+    );
     // The version 1 key is gone: refused by name.
     let err = parse("streams_per_connection = 1").unwrap_err();
     assert!(err.message.contains("streams_per_connection"), "{err}");
@@ -145,7 +151,11 @@ fn the_malloc_trim_threshold_is_zero_or_within_its_range() {
 #[test]
 fn the_stuck_window_is_zero_or_within_its_range() {
     let c = parse("").unwrap();
-    assert_eq!((c.stuck_after_ms, c.stuck_min_bytes_per_s, c.stuck_below_best_percent), (3000, 0, 10), "the watchdog is on by default");
+    assert_eq!(
+        (c.stuck_after_ms, c.stuck_min_bytes_per_s, c.stuck_below_best_percent),
+        (3000, 0, 10),
+        "the watchdog is on by default"
+    );
     parse("stuck_after_ms = 0").unwrap();
     for ok in [100u64, 600_000] {
         parse(&format!("stuck_after_ms = {ok}")).unwrap_or_else(|e| panic!("{ok} refused: {e}"));
@@ -171,13 +181,21 @@ fn unknown_keys_and_bad_values_are_refused_by_name() {
     assert!(err.message.contains("vegas"), "{err}");
     let err = parse("endpoints = \"two\"").unwrap_err();
     assert!(err.message.contains("endpoints"), "{err}");
-    for (name, cc) in [("cubic", CongestionController::Cubic), ("bbr", CongestionController::Bbr), ("newreno", CongestionController::Newreno)] {
+    for (name, cc) in [
+        ("cubic", CongestionController::Cubic),
+        ("bbr", CongestionController::Bbr),
+        ("newreno", CongestionController::Newreno),
+    ] {
         assert_eq!(parse(&format!("congestion_controller = \"{name}\"")).unwrap().congestion_controller, cc);
     }
     let err = parse("cipher_suite = \"aes192gcm\"").unwrap_err();
     assert!(err.message.contains("aes192gcm"), "{err}");
     assert_eq!(parse("").unwrap().cipher_suite, CipherSuite::Aes128gcm);
-    for (name, suite) in [("aes128gcm", CipherSuite::Aes128gcm), ("aes256gcm", CipherSuite::Aes256gcm), ("chacha20poly1305", CipherSuite::Chacha20poly1305)] {
+    for (name, suite) in [
+        ("aes128gcm", CipherSuite::Aes128gcm),
+        ("aes256gcm", CipherSuite::Aes256gcm),
+        ("chacha20poly1305", CipherSuite::Chacha20poly1305),
+    ] {
         assert_eq!(parse(&format!("cipher_suite = \"{name}\"")).unwrap().cipher_suite, suite);
     }
 }
@@ -186,7 +204,8 @@ fn unknown_keys_and_bad_values_are_refused_by_name() {
 fn a_certificate_needs_its_key_and_both_must_exist() {
     let err = parse("certificate_path = \"/nonexistent/cert.pem\"").unwrap_err();
     assert!(err.message.contains("private_key_path"), "{err}");
-    let config = parse("certificate_path = \"/nonexistent/cert.pem\"\nprivate_key_path = \"/nonexistent/key.pem\"").unwrap();
+    let config =
+        parse("certificate_path = \"/nonexistent/cert.pem\"\nprivate_key_path = \"/nonexistent/key.pem\"").unwrap();
     let sink = kvgate_abi::sdk::Sink::new(kvgate_abi::sdk::sink_from_fn(|_| {}));
     let err = kvgate_plugin_quic::QuicPlugin::open(config, sink).err().expect("missing files refused");
     assert_eq!(err.code, ReasonCode::INVALID_ARGUMENT);

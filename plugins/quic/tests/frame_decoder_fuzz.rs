@@ -5,8 +5,8 @@
 //! The reply decoder, endpoint and remote-key decoders never panic either.
 
 use bytes::Bytes;
-use kvgate_abi::{LocalRange, MemoryKind, PeerId, RegionDesc, Ticket};
 use kvgate_abi::ReasonCode;
+use kvgate_abi::{LocalRange, MemoryKind, PeerId, RegionDesc, Ticket};
 use kvgate_plugin_quic::incoming::{serve_lane, LaneContext, LaneEnd, PartId};
 use kvgate_plugin_quic::reader::{FrameReader, MemorySource, ReadFail, SourceError};
 use kvgate_plugin_quic::regions::Regions;
@@ -85,9 +85,21 @@ fn frame_strategy(real_key: u64) -> impl Strategy<Value = Frame> {
         xfer.prop_map(|xfer| Frame::PartAbort { xfer }),
         (any::<u64>(), any::<u64>()).prop_map(|(xfer, bytes)| Frame::Done { xfer, bytes }),
         (any::<u64>(), any::<u64>()).prop_map(|(xfer, bytes)| Frame::CancelAck { xfer, bytes }),
-        (any::<u64>(), any::<u32>(), ".{0,40}").prop_map(|(xfer, reason, message)| Frame::Refused { xfer, reason, message }),
-        (any::<u32>(), any::<u16>(), any::<u64>()).prop_map(|(magic, version, instance)| Frame::Hello { magic, version, instance }),
-        (any::<u16>(), any::<u32>(), any::<u64>()).prop_map(|(version, status, instance)| Frame::HelloReply { version, status, instance }),
+        (any::<u64>(), any::<u32>(), ".{0,40}").prop_map(|(xfer, reason, message)| Frame::Refused {
+            xfer,
+            reason,
+            message
+        }),
+        (any::<u32>(), any::<u16>(), any::<u64>()).prop_map(|(magic, version, instance)| Frame::Hello {
+            magic,
+            version,
+            instance
+        }),
+        (any::<u16>(), any::<u32>(), any::<u64>()).prop_map(|(version, status, instance)| Frame::HelloReply {
+            version,
+            status,
+            instance
+        }),
     ]
 }
 
@@ -458,8 +470,14 @@ fn a_refused_part_is_discarded_and_the_next_part_is_served() {
     assert_eq!(served.refused, vec![PartId { xfer: 1, ticket: Ticket(TICKET) }]);
     let m = &arena.memory;
     let at = |off: u64| GUARD + off as usize;
-    assert!(m[at(TICKET_FROM)..at(TICKET_FROM + 10)].iter().all(|&b| b == 0xAB), "the first segment was written before the refusal");
-    assert!(m[at(TICKET_FROM + 20)..at(TICKET_FROM + 30)].iter().all(|&b| b == CANARY), "a segment after the refusal was written");
+    assert!(
+        m[at(TICKET_FROM)..at(TICKET_FROM + 10)].iter().all(|&b| b == 0xAB),
+        "the first segment was written before the refusal"
+    );
+    assert!(
+        m[at(TICKET_FROM + 20)..at(TICKET_FROM + 30)].iter().all(|&b| b == CANARY),
+        "a segment after the refusal was written"
+    );
     assert!(m[at(TICKET_FROM + 100)..at(TICKET_FROM + 107)].iter().all(|&b| b == 0xAB));
     assert!(m[GUARD + REGION..].iter().all(|&b| b == CANARY));
     assert_only_ticket_range_written(&arena);
@@ -494,7 +512,10 @@ fn empty_segments_and_foreign_aborts_are_violations() {
         (vec![begin.clone(), Piece::Frame(Frame::PartAbort { xfer: 6 })], "PART_ABORT for transfer 6"),
         (vec![begin.clone(), Piece::Frame(Frame::Done { xfer: 5, bytes: 10 })], "expected SEGMENT"),
         (vec![Piece::Frame(Frame::PartEnd { segments: 0, bytes: 0 })], "expected PART_BEGIN"),
-        (vec![Piece::Frame(Frame::PartBegin { xfer: 5, ticket: TICKET, part_index: 2, part_count: 2, bytes: 0 })], "is not a part"),
+        (
+            vec![Piece::Frame(Frame::PartBegin { xfer: 5, ticket: TICKET, part_index: 2, part_count: 2, bytes: 0 })],
+            "is not a part",
+        ),
     ];
     for (pieces, needle) in cases {
         let mut arena = Arena::new();

@@ -19,14 +19,18 @@ fn move_and_check(a: &Node, b: &Node, len: usize, xfer: u64) {
     let r = route(a, PEER_B, b, &src, &dst);
     let ticket = Ticket(1000 + xfer);
     expect(b, PEER_A, ticket, &[LocalRange { key: r.dst_key, offset: dst_off as u64, len: len as u64 }], WAIT);
-    submit(a, PEER_B, XferId(xfer), ticket, &[one_segment(&r, src_off as u64, dst_off as u64, len as u64)], WAIT).unwrap();
+    submit(a, PEER_B, XferId(xfer), ticket, &[one_segment(&r, src_off as u64, dst_off as u64, len as u64)], WAIT)
+        .unwrap();
     let done = a.events.terminal(XferId(xfer), WAIT);
     assert_eq!(done.kind, EventKind::SUCCEEDED, "transfer of {len} bytes: {done:?}");
     assert_eq!(done.bytes, len as u64);
     let s = src.snapshot();
     let d = dst.snapshot();
     assert_eq!(checksum(&d[dst_off..dst_off + len]), checksum(&s[src_off..src_off + len]), "{len} bytes differ");
-    assert!(d[..dst_off].iter().all(|&x| x == 0) && d[dst_off + len..].iter().all(|&x| x == 0), "bytes outside the range were written");
+    assert!(
+        d[..dst_off].iter().all(|&x| x == 0) && d[dst_off + len..].iter().all(|&x| x == 0),
+        "bytes outside the range were written"
+    );
     b.plugin.cancel_incoming(PEER_A, ticket);
     b.plugin.deregister(r.dst_key).unwrap();
     a.plugin.deregister(r.src_key).unwrap();
@@ -75,18 +79,31 @@ fn transfers_share_long_lived_lanes_and_stop_no_stream() {
     assert!(b.plugin.lane_streams_opened() <= 2 * 3, "b reopened its lanes to a");
     // Lanes are never stopped or reset: at most the control streams' STOP_SENDING remain (one per
     // connection and side).
-    let stop_sending = |stats: Vec<quinn::ConnectionStats>| stats.iter().map(|s| s.frame_tx.stop_sending + s.frame_tx.reset_stream).sum::<u64>();
+    let stop_sending = |stats: Vec<quinn::ConnectionStats>| {
+        stats.iter().map(|s| s.frame_tx.stop_sending + s.frame_tx.reset_stream).sum::<u64>()
+    };
     let connections = a.plugin.outgoing_connection_stats().len() as u64;
     assert_eq!(connections, 2);
     let sent_by_sender = stop_sending(a.plugin.outgoing_connection_stats());
     let sent_by_receiver = stop_sending(b.plugin.incoming_connection_stats());
-    assert!(sent_by_sender <= connections, "sender stopped or reset {sent_by_sender} streams for {TRANSFERS} transfers");
-    assert!(sent_by_receiver <= connections, "receiver stopped or reset {sent_by_receiver} streams for {TRANSFERS} transfers");
+    assert!(
+        sent_by_sender <= connections,
+        "sender stopped or reset {sent_by_sender} streams for {TRANSFERS} transfers"
+    );
+    assert!(
+        sent_by_receiver <= connections,
+        "receiver stopped or reset {sent_by_receiver} streams for {TRANSFERS} transfers"
+    );
 }
 
 #[test]
 fn a_single_lane_carries_every_transfer() {
-    let config = kvgate_plugin_quic::QuicConfig { connections_per_peer: 1, endpoints: 1, lanes_per_connection: 1, ..test_config() };
+    let config = kvgate_plugin_quic::QuicConfig {
+        connections_per_peer: 1,
+        endpoints: 1,
+        lanes_per_connection: 1,
+        ..test_config()
+    };
     let (a, b) = pair(config);
     for (i, len) in [1usize, 64 << 10, 1 << 20, 0, 4095].into_iter().enumerate() {
         move_and_check(&a, &b, len, i as u64 + 1);
@@ -152,7 +169,8 @@ fn receiver_refuses_writes_without_a_ticket_or_outside_it() {
     assert_failed(&e, ReasonCode::NOT_EXPECTED);
     assert!(dst.snapshot().iter().all(|&x| x == 0), "a refused write touched the destination");
     // The receiver reports the refusal of a live ticket.
-    let incoming = b.events.wait_for("incoming failure", WAIT, |e| e.is_incoming() && e.kind == EventKind::INCOMING_FAILED);
+    let incoming =
+        b.events.wait_for("incoming failure", WAIT, |e| e.is_incoming() && e.kind == EventKind::INCOMING_FAILED);
     assert_eq!((incoming.xfer.0, incoming.reason), (5, ReasonCode::NOT_EXPECTED));
     // A cancelled ticket refuses too, and its cancel is answered by an incoming QUIESCED.
     b.plugin.cancel_incoming(PEER_A, Ticket(5));
@@ -196,7 +214,10 @@ fn submit_refuses_bad_segments_before_anything_moves() {
     wait_baseline(&a, WAIT);
     let err = submit(&a, PEER_B, XferId(60), Ticket(1), &[one_segment(&r, 0, 0, 4096)], WAIT).unwrap_err();
     assert_eq!(err.code, ReasonCode::DUPLICATE_ID, "{err}");
-    assert!(a.events.all().iter().all(|e| e.xfer.0 >= 50 || e.kind == EventKind::PEER_DOWN), "a refused submit produced an event");
+    assert!(
+        a.events.all().iter().all(|e| e.xfer.0 >= 50 || e.kind == EventKind::PEER_DOWN),
+        "a refused submit produced an event"
+    );
     b.plugin.cancel_incoming(PEER_A, Ticket(1));
     wait_baseline(&a, WAIT);
 }
@@ -313,7 +334,11 @@ fn a_revoked_ticket_discards_its_part_and_the_lane_goes_on() {
     a.events.quiesced(XferId(1), WAIT);
     let second = a.events.terminal(XferId(2), WAIT);
     assert_eq!(second.kind, EventKind::SUCCEEDED, "{second:?}");
-    assert_eq!(checksum(&dst.snapshot()[big..]), checksum(&src.snapshot()[big..]), "the second transfer's bytes differ");
+    assert_eq!(
+        checksum(&dst.snapshot()[big..]),
+        checksum(&src.snapshot()[big..]),
+        "the second transfer's bytes differ"
+    );
     std::thread::sleep(Duration::from_millis(100));
     assert!(dst.snapshot()[..big] == frozen[..], "a write under the revoked ticket landed");
     assert_eq!(a.plugin.lane_streams_opened(), 1, "the lane was reopened");
@@ -475,14 +500,24 @@ fn shutdown_ends_every_live_transfer() {
     assert_eq!(events.iter().filter(|e| e.is_terminal()).count(), 1, "{events:?}");
     a.events.quiesced(XferId(1), Duration::from_millis(1));
     let s = a.plugin.stats();
-    assert_eq!((s.live_transfers, s.unquiesced_transfers, s.registered_regions, s.workers_alive, s.healthy), (0, 0, 0, 0, 0), "{s:?}");
+    assert_eq!(
+        (s.live_transfers, s.unquiesced_transfers, s.registered_regions, s.workers_alive, s.healthy),
+        (0, 0, 0, 0, 0),
+        "{s:?}"
+    );
     drop(b);
 }
 
 #[test]
 fn device_memory_is_refused_at_register() {
     let a = open(test_config());
-    let desc = kvgate_abi::RegionDesc { kind: kvgate_abi::MemoryKind::CUDA_DEVICE, device: 0, addr: 0x1000, len: 4096, ..Default::default() };
+    let desc = kvgate_abi::RegionDesc {
+        kind: kvgate_abi::MemoryKind::CUDA_DEVICE,
+        device: 0,
+        addr: 0x1000,
+        len: 4096,
+        ..Default::default()
+    };
     assert_eq!(a.plugin.register(&desc).unwrap_err().code, ReasonCode::UNSUPPORTED_MEMORY);
     let unknown = kvgate_abi::RegionDesc { kind: kvgate_abi::MemoryKind(77), ..desc };
     assert_eq!(a.plugin.register(&unknown).unwrap_err().code, ReasonCode::UNSUPPORTED_MEMORY);

@@ -32,7 +32,15 @@ fn open_on(link: &Link, host: usize, config: QuicConfig) -> Node {
     kvgate_netbed::in_namespace(&link.host(host).namespace, move || open(config)).expect("enter the host's namespace")
 }
 
-fn move_bytes(a: &Node, b: &Node, src: &Buffer, dst: &Buffer, xfer: u64, len: u64, timeout: Duration) -> kvgate_abi::Event {
+fn move_bytes(
+    a: &Node,
+    b: &Node,
+    src: &Buffer,
+    dst: &Buffer,
+    xfer: u64,
+    len: u64,
+    timeout: Duration,
+) -> kvgate_abi::Event {
     let r = route(a, PEER_B, b, src, dst);
     let ticket = Ticket(xfer);
     expect(b, PEER_A, ticket, &[LocalRange { key: r.dst_key, offset: 0, len }], timeout);

@@ -90,7 +90,12 @@ impl ShmConfig {
         check_range("max_inflight_transfers", self.max_inflight_transfers, 1, MAX_MAX_INFLIGHT_TRANSFERS)?;
         check_range("max_segments_per_submit", self.max_segments_per_submit, 1, MAX_MAX_SEGMENTS_PER_SUBMIT)?;
         check_range("max_transfer_bytes", self.max_transfer_bytes, 1, MAX_MAX_TRANSFER_BYTES)?;
-        check_range("max_import_bytes_per_peer", self.max_import_bytes_per_peer, MIN_MAX_IMPORT_BYTES_PER_PEER, MAX_MAX_IMPORT_BYTES_PER_PEER)?;
+        check_range(
+            "max_import_bytes_per_peer",
+            self.max_import_bytes_per_peer,
+            MIN_MAX_IMPORT_BYTES_PER_PEER,
+            MAX_MAX_IMPORT_BYTES_PER_PEER,
+        )?;
         check_range("streaming_stores_min_bytes", self.streaming_stores_min_bytes, 0, MAX_STREAMING_STORES_MIN_BYTES)?;
         Ok(())
     }

@@ -123,6 +123,7 @@ pub struct PeerMapping {
 
 // SAFETY: the mapping is plain shared memory; writers synchronise through the plugin's state.
 unsafe impl Send for PeerMapping {}
+// SAFETY: as for Send: shared references reach only the addresses, never a Rust-owned value.
 unsafe impl Sync for PeerMapping {}
 
 impl PeerMapping {
@@ -224,6 +225,7 @@ pub struct SharedRegion {
 
 // SAFETY: plain shared memory owned by this value; users synchronise access themselves.
 unsafe impl Send for SharedRegion {}
+// SAFETY: as for Send: shared references reach only the mapped bytes, whose users synchronise.
 unsafe impl Sync for SharedRegion {}
 
 impl SharedRegion {

@@ -152,7 +152,10 @@ mod tests {
         let mut dst = vec![0xEEu8; 40];
         // SAFETY: both buffers outlive the views, used only in this test.
         let (s, d) = unsafe {
-            (RegionView::from_raw_parts(src.as_mut_ptr() as usize, 40), RegionView::from_raw_parts(dst.as_mut_ptr() as usize, 40))
+            (
+                RegionView::from_raw_parts(src.as_mut_ptr() as usize, 40),
+                RegionView::from_raw_parts(dst.as_mut_ptr() as usize, 40),
+            )
         };
         let p = vec![
             Piece { src: s.slice(0, 15).unwrap(), dst: d.slice(20, 15).unwrap(), len: 15 },

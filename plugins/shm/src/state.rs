@@ -45,7 +45,10 @@ impl ImportedKey {
                 .name("kvgate-shm-populate".into())
                 .spawn(move || background.populate(crate::mapping::POPULATE_CHUNK_BYTES));
             if let Err(e) = spawned {
-                tracing::warn!(reason = "populate_unavailable", "shm: no thread to pre-fault a peer mapping ({e}); it faults on first use");
+                tracing::warn!(
+                    reason = "populate_unavailable",
+                    "shm: no thread to pre-fault a peer mapping ({e}); it faults on first use"
+                );
             }
         }
         Ok(self.mapping.get_or_init(|| mapping))
@@ -176,9 +179,7 @@ impl State {
     // CONFORMANCE: ABORT-4 (a cancel storm stays linear)
     fn compact_queue(&mut self) {
         let transfers = &self.transfers;
-        self.queue.retain(|&x| {
-            transfers.is_live(x) && transfers.get(x).is_some_and(|t| !t.cursor.is_done(&t.pieces))
-        });
+        self.queue.retain(|&x| transfers.is_live(x) && transfers.get(x).is_some_and(|t| !t.cursor.is_done(&t.pieces)));
         self.stale_in_queue = 0;
     }
 
@@ -192,12 +193,8 @@ impl State {
 
     /// Fail every live transfer that matches `which`.
     pub fn fail_where(&mut self, which: impl Fn(&Transfer) -> bool, reason: ReasonCode, message: &str) {
-        let doomed: Vec<XferId> = self
-            .transfers
-            .iter()
-            .filter(|(_, e)| e.is_live() && which(&e.data))
-            .map(|(x, _)| x)
-            .collect();
+        let doomed: Vec<XferId> =
+            self.transfers.iter().filter(|(_, e)| e.is_live() && which(&e.data)).map(|(x, _)| x).collect();
         for xfer in doomed {
             self.fail(xfer, reason, message.to_string());
         }

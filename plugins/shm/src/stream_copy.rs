@@ -138,9 +138,16 @@ mod tests {
                     };
                     store_fence();
                     let at = 64 + dst_shift;
-                    assert_eq!(&dst[at..at + len], &src[src_shift..src_shift + len], "len {len} dst+{dst_shift} src+{src_shift}");
+                    assert_eq!(
+                        &dst[at..at + len],
+                        &src[src_shift..src_shift + len],
+                        "len {len} dst+{dst_shift} src+{src_shift}"
+                    );
                     assert!(dst[..at].iter().all(|&b| b == 0xEE), "wrote before the range: len {len} dst+{dst_shift}");
-                    assert!(dst[at + len..].iter().all(|&b| b == 0xEE), "wrote past the range: len {len} dst+{dst_shift}");
+                    assert!(
+                        dst[at + len..].iter().all(|&b| b == 0xEE),
+                        "wrote past the range: len {len} dst+{dst_shift}"
+                    );
                 }
             }
         }

@@ -151,7 +151,16 @@ mod tests {
     use super::*;
 
     fn key() -> RemoteKeyBytes {
-        RemoteKeyBytes { nonce: 7, region_id: 3, backing_path: "/dev/shm/x".into(), backing_offset: 4096, len: 99, owner_fd: 12, dev: 5, ino: 77 }
+        RemoteKeyBytes {
+            nonce: 7,
+            region_id: 3,
+            backing_path: "/dev/shm/x".into(),
+            backing_offset: 4096,
+            len: 99,
+            owner_fd: 12,
+            dev: 5,
+            ino: 77,
+        }
     }
 
     #[test]

@@ -202,7 +202,11 @@ fn endpoints_and_keys_are_checked() {
     // opened, only the descriptor the peer's process holds, so a file it does not hold is refused.
     let name = format!("kvgate-shm-unregistered-{}", std::process::id());
     let stranger = kvgate_plugin_shm::SharedRegion::in_dir(std::path::Path::new("/dev/shm"), &name, 4096).unwrap();
-    let named = kvgate_plugin_shm::wire::RemoteKeyBytes { backing_path: stranger.path().to_string(), owner_fd: 999_999, ..real.clone() };
+    let named = kvgate_plugin_shm::wire::RemoteKeyBytes {
+        backing_path: stranger.path().to_string(),
+        owner_fd: 999_999,
+        ..real.clone()
+    };
     let e = err(t.import_remote_key(RECEIVER, RSlice::from_slice(&named.encode())));
     assert!(e.code == ReasonCode::UNKNOWN_KEY && e.message.contains("/fd/999999"), "{e}");
     // The peer's real descriptor but another file's identity (a descriptor number reused): refused.

@@ -165,7 +165,8 @@ fn perftest(t: &Transport, size: usize, iters: u64, window: u64) -> Result<f64, 
     let port = free_port().to_string();
     let (size_s, iters_s, warmup) = (size.to_string(), iters.to_string(), (iters / 10).max(10).to_string());
     let window_s = window.to_string();
-    let mut args = vec!["-t", t.perftest_test, "-s", &size_s, "-n", &iters_s, "-w", &warmup, "-O", &window_s, "-p", &port, "-f"];
+    let mut args =
+        vec!["-t", t.perftest_test, "-s", &size_s, "-n", &iters_s, "-w", &warmup, "-O", &window_s, "-p", &port, "-f"];
     args.extend_from_slice(t.perftest_extra);
     let timeout = PERFTEST_TIMEOUT_S.to_string();
     let mut server = Command::new("timeout")
@@ -197,7 +198,9 @@ fn perftest(t: &Transport, size: usize, iters: u64, window: u64) -> Result<f64, 
             let fields: Vec<f64> = line.split_whitespace().filter_map(|f| f.parse().ok()).collect();
             (fields.len() >= 8).then_some(fields)
         })
-        .ok_or_else(|| format!("no result line in ucx_perftest output:\n{text}\n{}", String::from_utf8_lossy(&client.stderr)))?;
+        .ok_or_else(|| {
+            format!("no result line in ucx_perftest output:\n{text}\n{}", String::from_utf8_lossy(&client.stderr))
+        })?;
     Ok(numbers[5] * 1048576.0 / 1e9)
 }
 
@@ -213,7 +216,17 @@ fn transfers_in_flight(window: u64, segments: u64) -> u64 {
 /// plugin joins segments that continue each other into one message; the gaps keep them apart);
 /// GB/s from the first submit to the last `SUCCEEDED`.
 #[allow(clippy::too_many_arguments)]
-fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segments: u64, extra: &str, placement: Placement, host: Host) -> Result<f64, String> {
+fn plugin(
+    t: &Transport,
+    size: usize,
+    iters: u64,
+    window: u64,
+    slots: u64,
+    segments: u64,
+    extra: &str,
+    placement: Placement,
+    host: Host,
+) -> Result<f64, String> {
     let config = format!("{}{extra}\n", t.plugin_config);
     let (tx_a, rx_a) = mpsc::channel::<Event>();
     let driver: Arc<Mutex<SinkDriver>> = Arc::new(Mutex::new(SinkDriver::default()));
@@ -230,7 +243,9 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
     let slot_bytes = size * (2 * segments as usize - 1);
     let pool = slot_bytes * slots as usize;
     if pool as u64 > MAX_POOL_BYTES {
-        return Err(format!("{slots} slots of {segments} segments of {size} bytes, with gaps, is over {MAX_POOL_BYTES} bytes a side"));
+        return Err(format!(
+            "{slots} slots of {segments} segments of {size} bytes, with gaps, is over {MAX_POOL_BYTES} bytes a side"
+        ));
     }
     let mut src = PageAligned::filled(pool, 0xa5);
     let src_reg = a.register(&host_region(src.bytes())).map_err(|e| e.to_string())?;
@@ -248,7 +263,13 @@ fn plugin(t: &Transport, size: usize, iters: u64, window: u64, slots: u64, segme
                 (0..segments)
                     .map(|j| {
                         let offset = i * slot_bytes as u64 + 2 * j * size as u64;
-                        Segment { local: src_reg.key, local_offset: offset, remote, remote_offset: offset, len: size as u64 }
+                        Segment {
+                            local: src_reg.key,
+                            local_offset: offset,
+                            remote,
+                            remote_offset: offset,
+                            len: size as u64,
+                        }
                     })
                     .collect()
             })
@@ -457,7 +478,13 @@ impl Drop for PageAligned {
 }
 
 fn host_region(buf: &mut [u8]) -> RegionDesc {
-    RegionDesc { kind: MemoryKind::HOST, device: -1, addr: buf.as_mut_ptr() as u64, len: buf.len() as u64, ..Default::default() }
+    RegionDesc {
+        kind: MemoryKind::HOST,
+        device: -1,
+        addr: buf.as_mut_ptr() as u64,
+        len: buf.len() as u64,
+        ..Default::default()
+    }
 }
 
 /// Instance B with its destination buffer registered and ticket 1 authorised for peer 1 over it.
@@ -475,7 +502,12 @@ impl InProcessReceiver {
         let mut dst = PageAligned::filled(size, 0);
         let dst_reg = plugin.register(&host_region(dst.bytes())).map_err(|e| e.to_string())?;
         let ranges = [LocalRange { key: dst_reg.key, offset: 0, len: size as u64 }];
-        let request = IncomingRequest { ticket: Ticket(1), peer: PeerId(1), timeout_ns: 3_600_000_000_000, ranges: ranges[..].into() };
+        let request = IncomingRequest {
+            ticket: Ticket(1),
+            peer: PeerId(1),
+            timeout_ns: 3_600_000_000_000,
+            ranges: ranges[..].into(),
+        };
         plugin.expect_incoming(&request).map_err(|e| e.to_string())?;
         let endpoint = plugin.local_endpoint().to_vec();
         Ok(InProcessReceiver { plugin, remote_key: dst_reg.remote_key.to_vec(), endpoint, _dst: dst })
@@ -491,12 +523,15 @@ impl Drop for InProcessReceiver {
 /// The child process side: instance B opened, connected to the parent (whose endpoint comes first
 /// on stdin), its endpoint and remote key printed, then `ready`; it lives until stdin closes.
 fn child_receiver(config: &str) {
-    let size: usize = std::env::var(CHILD_SIZE_ENV).ok().and_then(|v| v.parse().ok()).expect("KVGATE_UCX_BENCH_CHILD_BYTES");
+    let size: usize =
+        std::env::var(CHILD_SIZE_ENV).ok().and_then(|v| v.parse().ok()).expect("KVGATE_UCX_BENCH_CHILD_BYTES");
     let mut lines = std::io::stdin().lock().lines();
     let parent = unhex(lines.next().expect("the parent's endpoint").expect("stdin").trim());
     let receiver = InProcessReceiver::open(config, size, &parent).expect("the receiving instance");
     let mut out = std::io::stdout().lock();
-    writeln!(out, "endpoint {}\nrkey {}\nready", hex(&receiver.endpoint), hex(&receiver.remote_key)).and_then(|_| out.flush()).expect("stdout");
+    writeln!(out, "endpoint {}\nrkey {}\nready", hex(&receiver.endpoint), hex(&receiver.remote_key))
+        .and_then(|_| out.flush())
+        .expect("stdout");
     for _ in lines.map_while(Result::ok) {}
     drop(receiver);
 }
@@ -532,7 +567,9 @@ impl ChildReceiver {
         });
         let mut receiver = ChildReceiver { child, endpoint: Vec::new(), remote_key: Vec::new() };
         loop {
-            let line = lines.recv_timeout(CHILD_SETUP_TIMEOUT).map_err(|_| "the receiving child process ended or went silent during setup".to_string())?;
+            let line = lines
+                .recv_timeout(CHILD_SETUP_TIMEOUT)
+                .map_err(|_| "the receiving child process ended or went silent during setup".to_string())?;
             if let Some(text) = line.strip_prefix("endpoint ") {
                 receiver.endpoint = unhex(text.trim());
             } else if let Some(text) = line.strip_prefix("rkey ") {
@@ -581,7 +618,9 @@ impl Receiver {
 }
 
 fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg").map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 fn size_text(size: usize) -> String {
@@ -677,9 +716,12 @@ fn main() {
                 let reference_first = run % 2 == 0;
                 let measure_reference = || if plugin_only { Ok(1.0) } else { perftest(t, size, iters, window) };
                 let early_reference = reference_first.then(measure_reference);
-                let order: Vec<usize> = if run % 2 == 0 { (0..hosts.len()).collect() } else { (0..hosts.len()).rev().collect() };
-                let ours: Vec<(usize, Result<f64, String>)> =
-                    order.into_iter().map(|i| (i, plugin(t, size, iters, window, slots, segments, &extra, placement, hosts[i]))).collect();
+                let order: Vec<usize> =
+                    if run % 2 == 0 { (0..hosts.len()).collect() } else { (0..hosts.len()).rev().collect() };
+                let ours: Vec<(usize, Result<f64, String>)> = order
+                    .into_iter()
+                    .map(|i| (i, plugin(t, size, iters, window, slots, segments, &extra, placement, hosts[i])))
+                    .collect();
                 let reference = match early_reference.unwrap_or_else(measure_reference) {
                     Ok(r) => r,
                     Err(e) => {
@@ -707,7 +749,14 @@ fn main() {
             }
             for (i, host) in hosts.iter().enumerate() {
                 if pairs[i].is_empty() {
-                    println!("{:<6} {:<11} {:>7} {:<6} failed: {}", t.name, t.perftest_test, size_text(size), host.name(), errors.join("; "));
+                    println!(
+                        "{:<6} {:<11} {:>7} {:<6} failed: {}",
+                        t.name,
+                        t.perftest_test,
+                        size_text(size),
+                        host.name(),
+                        errors.join("; ")
+                    );
                     continue;
                 }
                 let mut ratios: Vec<f64> = pairs[i].iter().map(|(r, p)| p / r).collect();
@@ -722,7 +771,8 @@ fn main() {
                 let interval = median_interval(&ratios, INTERVAL_CONFIDENCE);
                 // One decimal: with hundreds of runs the interval is narrower than a point, and rounded to
                 // whole points an interval that just reaches below the target would read "95..96%".
-                let interval_text = interval.map_or("-".to_string(), |i| format!("{:.1}..{:.1}%", i.low * 100.0, i.high * 100.0));
+                let interval_text =
+                    interval.map_or("-".to_string(), |i| format!("{:.1}..{:.1}%", i.low * 100.0, i.high * 100.0));
                 let point_verdict = if t.name == "sm-put" { None } else { Some(verdict(interval, TARGET_RATIO)) };
                 if let Some(v) = point_verdict.filter(|v| i == judged && *v != Verdict::Met) {
                     short_of_target.push((format!("{} {}", t.name, size_text(size)), v, interval_text.clone()));
@@ -761,7 +811,8 @@ fn main() {
         println!("  met at every point (the whole interval at or above the target)");
     }
     for verdict in [Verdict::Missed, Verdict::NotDecided, Verdict::TooFewRuns] {
-        let points: Vec<String> = short_of_target.iter().filter(|p| p.1 == verdict).map(|p| format!("{} ({})", p.0, p.2)).collect();
+        let points: Vec<String> =
+            short_of_target.iter().filter(|p| p.1 == verdict).map(|p| format!("{} ({})", p.0, p.2)).collect();
         if !points.is_empty() {
             println!("  {}: {}", verdict.word(), points.join(", "));
         }

@@ -29,9 +29,8 @@ pub enum ResolvedMode {
 /// above 1 MiB, and on shared memory (posix, sysv, cma) it has no RMA lane for user memory at all:
 /// puts are emulated with active messages that need the receiver's progress, so `am` (which also
 /// validates at the receiver) is as fast there and safer.
-const PUT_FRIENDLY_TRANSPORTS: &[&str] = &[
-    "rc", "rc_v", "rc_x", "rc_mlx5", "rc_verbs", "dc", "dc_x", "dc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5", "ib",
-];
+const PUT_FRIENDLY_TRANSPORTS: &[&str] =
+    &["rc", "rc_v", "rc_x", "rc_mlx5", "rc_verbs", "dc", "dc_x", "dc_mlx5", "ud", "ud_v", "ud_x", "ud_mlx5", "ib"];
 
 /// The `config` string of `open`, e.g. `tls = "tcp"\ndevices = "lo"\nmode = "am"`.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -142,7 +141,12 @@ impl UcxConfig {
         check_range("quiesce_timeout_ms", self.quiesce_timeout_ms, 1, 600_000)?;
         check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 60_000)?;
         check_range("join_segments_max_bytes", self.join_segments_max_bytes, 0, 1 << 30)?;
-        check_range("reply_batch_transfers", self.reply_batch_transfers, 1, crate::wire::MAX_REPLIES_PER_MESSAGE as u64)?;
+        check_range(
+            "reply_batch_transfers",
+            self.reply_batch_transfers,
+            1,
+            crate::wire::MAX_REPLIES_PER_MESSAGE as u64,
+        )?;
         for (key, value) in [("tls", &self.tls), ("devices", &self.devices), ("rndv_thresh", &self.rndv_thresh)] {
             if let Some(v) = value {
                 if v.trim().is_empty() || v.contains('\0') {
@@ -151,7 +155,8 @@ impl UcxConfig {
             }
         }
         for (name, value) in &self.ucx_options {
-            let valid_name = !name.is_empty() && name.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+            let valid_name =
+                !name.is_empty() && name.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
             if !valid_name || name.starts_with("UCX_") {
                 return Err(invalid(format!(
                     "ucx config: `ucx_options.{name}` must be an upper-case UCX setting name without the UCX_ prefix"
@@ -176,7 +181,11 @@ impl UcxConfig {
         if let Some(v) = &self.rndv_thresh {
             settings.push(("RNDV_THRESH".into(), v.clone(), "rndv_thresh".into()));
         }
-        settings.push(("KEEPALIVE_INTERVAL".into(), format!("{}ms", self.keepalive_interval_ms), "keepalive_interval_ms".into()));
+        settings.push((
+            "KEEPALIVE_INTERVAL".into(),
+            format!("{}ms", self.keepalive_interval_ms),
+            "keepalive_interval_ms".into(),
+        ));
         for (name, value) in &self.ucx_options {
             settings.push((name.clone(), value.clone(), format!("ucx_options.{name}")));
         }
@@ -188,7 +197,8 @@ impl UcxConfig {
     pub fn shared_memory_only(&self) -> bool {
         const SHM: &[&str] = &["sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "self", "mm"];
         self.tls.as_deref().is_some_and(|tls| {
-            !tls.trim_start().starts_with('^') && tls.split(',').all(|t| SHM.contains(&t.trim().to_ascii_lowercase().as_str()))
+            !tls.trim_start().starts_with('^')
+                && tls.split(',').all(|t| SHM.contains(&t.trim().to_ascii_lowercase().as_str()))
         })
     }
 

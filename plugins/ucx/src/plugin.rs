@@ -4,13 +4,15 @@
 
 use crate::config::{ResolvedMode, UcxConfig};
 use crate::engine::Engine;
-use crate::shared::{resolve_segments, Command, LocalRegion, OutgoingJob, PeerInfo, Registry, RemoteRegion, Shared, TicketState};
+use crate::shared::{
+    resolve_segments, Command, LocalRegion, OutgoingJob, PeerInfo, Registry, RemoteRegion, Shared, TicketState,
+};
 use crate::ucp::{self, Context, Worker};
 use crate::wire::{EndpointBytes, RemoteKeyBytes};
 use kvgate_abi::sdk::{spawn_worker, Plugin, PluginFactory, Sink};
 use kvgate_abi::{
-    cap_flags, scope, Capabilities, Event, IncomingRequest, LocalKey, MemoryKind, PeerId, PluginError, PluginInfo, ReasonCode,
-    RegionDesc, Registration, RemoteKey, Stats, SubmitRequest, Ticket, XferId, ABI_VERSION,
+    cap_flags, scope, Capabilities, Event, IncomingRequest, LocalKey, MemoryKind, PeerId, PluginError, PluginInfo,
+    ReasonCode, RegionDesc, Registration, RemoteKey, Stats, SubmitRequest, Ticket, XferId, ABI_VERSION,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,12 +40,7 @@ fn capabilities(config: &UcxConfig, mode: ResolvedMode) -> Capabilities {
 }
 
 fn static_info(capabilities: Capabilities) -> PluginInfo {
-    PluginInfo {
-        name: "ucx".into(),
-        version: env!("CARGO_PKG_VERSION").into(),
-        abi_version: ABI_VERSION,
-        capabilities,
-    }
+    PluginInfo { name: "ucx".into(), version: env!("CARGO_PKG_VERSION").into(), abi_version: ABI_VERSION, capabilities }
 }
 
 fn unavailable(message: String) -> PluginError {
@@ -55,7 +52,8 @@ fn random_instance_id() -> u64 {
     let mut bytes = [0u8; 8];
     // SAFETY: getrandom writes at most 8 bytes into the 8-byte array it is given.
     let got = unsafe { libc::getrandom(bytes.as_mut_ptr() as *mut libc::c_void, 8, 0) };
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
     let fallback = nanos ^ ((std::process::id() as u64) << 32);
     if got == 8 {
         u64::from_le_bytes(bytes) | 1
@@ -72,7 +70,8 @@ fn parse_with_ucx(config_text: &str) -> Result<(UcxConfig, ucp::Config), PluginE
     let mut ucx_config = ucp::Config::read().map_err(|e| unavailable(format!("UCX configuration: {e}")))?;
     for (name, value, key) in config.ucx_settings() {
         ucx_config.modify(&name, &value).map_err(|e| {
-            let message = format!("ucx config: `{key}` = {value:?} refused by UCX ({name}): {}", ucp::status_text(e.status));
+            let message =
+                format!("ucx config: `{key}` = {value:?} refused by UCX ({name}): {}", ucp::status_text(e.status));
             tracing::warn!(reason = "invalid_argument", "{message}");
             PluginError::new(ReasonCode::INVALID_ARGUMENT, message)
         })?;
@@ -236,7 +235,12 @@ impl UcxPlugin {
         );
         let same_host = decoded.boot_id == self.shared.boot_id && decoded.boot_id != [0; 16];
         let process = (same_host && decoded.pid != 0).then_some(decoded.pid);
-        registry.commands.push_back(Command::Connect { peer, instance: decoded.instance, worker_address: decoded.worker_address, process });
+        registry.commands.push_back(Command::Connect {
+            peer,
+            instance: decoded.instance,
+            worker_address: decoded.worker_address,
+            process,
+        });
         drop(registry);
         self.shared.wake();
         Ok(())
@@ -263,7 +267,10 @@ impl UcxPlugin {
             ));
         }
         if region.len == 0 || region.addr == 0 || region.addr.checked_add(region.len).is_none() {
-            return Err(PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("bad region addr {:#x} len {}", region.addr, region.len)));
+            return Err(PluginError::new(
+                ReasonCode::INVALID_ARGUMENT,
+                format!("bad region addr {:#x} len {}", region.addr, region.len),
+            ));
         }
         self.usable(&self.shared.lock(), "register")?;
         let map = self.shared.context.map(region.addr, region.len).map_err(|e| {
@@ -282,7 +289,9 @@ impl UcxPlugin {
             packed_rkey: map.packed_rkey.clone(),
         }
         .encode();
-        registry.regions.insert(key, Arc::new(LocalRegion { key: LocalKey(key), addr: region.addr, len: region.len, map }));
+        registry
+            .regions
+            .insert(key, Arc::new(LocalRegion { key: LocalKey(key), addr: region.addr, len: region.len, map }));
         Ok(Registration { key: LocalKey(key), remote_key: remote_key.into() })
     }
 
@@ -306,7 +315,10 @@ impl UcxPlugin {
             if info.instance != decoded.owner_instance {
                 return Err(PluginError::new(
                     ReasonCode::INVALID_ARGUMENT,
-                    format!("remote key was made by instance {:#x}, peer {} is instance {:#x}", decoded.owner_instance, peer.0, info.instance),
+                    format!(
+                        "remote key was made by instance {:#x}, peer {} is instance {:#x}",
+                        decoded.owner_instance, peer.0, info.instance
+                    ),
                 ));
             }
         }
@@ -342,13 +354,20 @@ impl UcxPlugin {
         if request.segments.len() as u64 > config.max_segments_per_submit {
             return Err(PluginError::new(
                 ReasonCode::RESOURCE_EXHAUSTED,
-                format!("{} segments exceed max_segments_per_submit = {}", request.segments.len(), config.max_segments_per_submit),
+                format!(
+                    "{} segments exceed max_segments_per_submit = {}",
+                    request.segments.len(),
+                    config.max_segments_per_submit
+                ),
             ));
         }
         let mut registry = self.shared.lock();
         self.usable(&registry, "submit")?;
         if registry.live_xfers.contains(&request.xfer.0) || registry.unquiesced_xfers.contains(&request.xfer.0) {
-            return Err(PluginError::new(ReasonCode::DUPLICATE_ID, format!("transfer {} is already live", request.xfer.0)));
+            return Err(PluginError::new(
+                ReasonCode::DUPLICATE_ID,
+                format!("transfer {} is already live", request.xfer.0),
+            ));
         }
         if registry.live_xfers.len() as u64 >= config.max_inflight_transfers {
             return Err(PluginError::new(
@@ -358,14 +377,18 @@ impl UcxPlugin {
         }
         match registry.peers.get(&request.peer) {
             None => {
-                return Err(PluginError::new(ReasonCode::PEER_UNREACHABLE, format!("peer {} is not connected", request.peer.0)));
+                return Err(PluginError::new(
+                    ReasonCode::PEER_UNREACHABLE,
+                    format!("peer {} is not connected", request.peer.0),
+                ));
             }
             Some(p) if p.down => {
                 return Err(PluginError::new(ReasonCode::PEER_LOST, format!("peer {} is down", request.peer.0)));
             }
             Some(_) => {}
         }
-        let (segments, local_regions, remote_regions) = resolve_segments(&registry, request.peer, request.segments.as_slice(), config.join_segments_max_bytes)?;
+        let (segments, local_regions, remote_regions) =
+            resolve_segments(&registry, request.peer, request.segments.as_slice(), config.join_segments_max_bytes)?;
         let total_bytes = segments.iter().map(|s| s.len).sum();
         registry.live_xfers.insert(request.xfer.0);
         registry.commands.push_back(Command::Submit(Box::new(OutgoingJob {
@@ -386,7 +409,8 @@ impl UcxPlugin {
     // CONFORMANCE: ABORT-3, ABORT-4 (unknown or finished ids ignored; a cancel is one queued command, never a wait)
     pub fn cancel(&self, xfer: XferId) {
         let registry = self.shared.lock();
-        if registry.shut_down || !(registry.live_xfers.contains(&xfer.0) || registry.unquiesced_xfers.contains(&xfer.0)) {
+        if registry.shut_down || !(registry.live_xfers.contains(&xfer.0) || registry.unquiesced_xfers.contains(&xfer.0))
+        {
             return;
         }
         drop(registry);
@@ -398,20 +422,25 @@ impl UcxPlugin {
         let mut registry = self.shared.lock();
         self.usable(&registry, "expect_incoming")?;
         for (i, range) in request.ranges.iter().enumerate() {
-            let region = registry
-                .regions
-                .get(&range.key.0)
-                .ok_or_else(|| PluginError::new(ReasonCode::UNKNOWN_KEY, format!("range {i}: no registered region {}", range.key.0)))?;
+            let region = registry.regions.get(&range.key.0).ok_or_else(|| {
+                PluginError::new(ReasonCode::UNKNOWN_KEY, format!("range {i}: no registered region {}", range.key.0))
+            })?;
             if range.offset.checked_add(range.len).is_none_or(|end| end > region.len) {
                 return Err(PluginError::new(
                     ReasonCode::OUT_OF_RANGE,
-                    format!("range {i}: {}+{} outside region {} of {} bytes", range.offset, range.len, range.key.0, region.len),
+                    format!(
+                        "range {i}: {}+{} outside region {} of {} bytes",
+                        range.offset, range.len, range.key.0, region.len
+                    ),
                 ));
             }
         }
         if let Some(existing) = registry.tickets.get(&request.ticket.0) {
             if existing.authorises(now) || existing.pending_writes > 0 {
-                return Err(PluginError::new(ReasonCode::DUPLICATE_ID, format!("ticket {} is already live", request.ticket.0)));
+                return Err(PluginError::new(
+                    ReasonCode::DUPLICATE_ID,
+                    format!("ticket {} is already live", request.ticket.0),
+                ));
             }
         }
         if registry.live_tickets(now) >= self.shared.config.max_live_tickets {

@@ -41,7 +41,12 @@ pub unsafe extern "C" fn send_done(_request: *mut c_void, status: ucs_status_t, 
 ///
 /// # Safety
 /// Called by UCX on the progress thread, with the `user_data` the receive was posted with.
-pub unsafe extern "C" fn recv_done(_request: *mut c_void, status: ucs_status_t, _length: usize, user_data: *mut c_void) {
+pub unsafe extern "C" fn recv_done(
+    _request: *mut c_void,
+    status: ucs_status_t,
+    _length: usize,
+    user_data: *mut c_void,
+) {
     COMPLETIONS.with(|c| c.borrow_mut().push((user_data as u64, status)));
 }
 
@@ -142,7 +147,13 @@ impl Receiver {
         if rec.failed.is_some() || rec.cancelled {
             return;
         }
-        tracing::warn!(reason = reason.as_str(), peer = rec.peer.0, ticket = rec.ticket, xfer = key.1, "ucx incoming write refused: {message}");
+        tracing::warn!(
+            reason = reason.as_str(),
+            peer = rec.peer.0,
+            ticket = rec.ticket,
+            xfer = key.1,
+            "ucx incoming write refused: {message}"
+        );
         self.shared.sink.deliver(Event::incoming_failed(rec.peer, Ticket(rec.ticket), reason, message.clone()));
         rec.failed = Some((reason, message));
     }
@@ -156,7 +167,10 @@ impl Receiver {
         // One lock for the whole check (the record's peer, the region, the ticket).
         let mut registry = self.shared.lock();
         let sender_peer = registry.instance_to_peer.get(&header.sender).copied();
-        let rec = self.records.entry(key).or_insert_with(|| IncomingXfer::new(header.ticket, sender_peer.unwrap_or(PeerId(0))));
+        let rec = self
+            .records
+            .entry(key)
+            .or_insert_with(|| IncomingXfer::new(header.ticket, sender_peer.unwrap_or(PeerId(0))));
         if let Some(commit) = header.commit {
             // The transfer's last message: every other one has arrived (messages keep their order).
             rec.expected = Some(commit);
@@ -193,12 +207,19 @@ impl Receiver {
             return ucs_status_t::UCS_OK;
         }
         rec.pending += 1;
-        let slot = self.pending.insert(PendingRecv { request: std::ptr::null_mut(), key, ticket: header.ticket, len: header.len });
+        let slot = self.pending.insert(PendingRecv {
+            request: std::ptr::null_mut(),
+            key,
+            ticket: header.ticket,
+            len: header.len,
+        });
         let param = ucp::recv_am_param(Some(recv_done), RECV_TOKEN_BIT | slot, dest.memh);
         // SAFETY: `data` is the rendezvous descriptor UCX handed this callback; the destination range was
         // checked inside a registered region (kept registered while the receive is pending,
         // `pending_writes`), and the request is tracked in `pending` until its completion.
-        let posted = ucp::classify(unsafe { ucp::ucp_am_recv_data_nbx(self.worker, data, dest.addr as *mut c_void, length, &param) });
+        let posted = ucp::classify(unsafe {
+            ucp::ucp_am_recv_data_nbx(self.worker, data, dest.addr as *mut c_void, length, &param)
+        });
         match posted {
             Posted::Pending(request) => self.pending.get_mut(slot).expect("just inserted").request = request,
             Posted::Done => {
@@ -272,7 +293,11 @@ impl Receiver {
                 });
             drop(registry);
             if !ok {
-                self.fail(key, ReasonCode::NOT_EXPECTED, format!("empty transfer under unknown or revoked ticket {}", header.ticket));
+                self.fail(
+                    key,
+                    ReasonCode::NOT_EXPECTED,
+                    format!("empty transfer under unknown or revoked ticket {}", header.ticket),
+                );
             }
         }
         self.check_complete(key);
@@ -325,29 +350,48 @@ fn check_write(
     rndv: bool,
     now: Instant,
 ) -> Result<Destination, (ReasonCode, String)> {
-    let peer = sender_peer.ok_or_else(|| (ReasonCode::NOT_EXPECTED, format!("write from unknown sender instance {:#x}", header.sender)))?;
+    let peer = sender_peer.ok_or_else(|| {
+        (ReasonCode::NOT_EXPECTED, format!("write from unknown sender instance {:#x}", header.sender))
+    })?;
     if header.len != length as u64 {
-        return Err((ReasonCode::PROTOCOL_VIOLATION, format!("header says {} bytes, message has {length}", header.len)));
+        return Err((
+            ReasonCode::PROTOCOL_VIOLATION,
+            format!("header says {} bytes, message has {length}", header.len),
+        ));
     }
     let region = registry
         .regions
         .get(&header.region)
         .ok_or_else(|| (ReasonCode::UNKNOWN_KEY, format!("no registered region {}", header.region)))?;
     if header.offset.checked_add(header.len).is_none_or(|end| end > region.len) {
-        return Err((ReasonCode::OUT_OF_RANGE, format!("{}+{} outside region {} of {} bytes", header.offset, header.len, header.region, region.len)));
+        return Err((
+            ReasonCode::OUT_OF_RANGE,
+            format!("{}+{} outside region {} of {} bytes", header.offset, header.len, header.region, region.len),
+        ));
     }
     let dest = Destination { addr: region.addr + header.offset, memh: region.map.memh };
     let crate::shared::Registry { tickets, peers, .. } = registry;
-    let ticket = tickets.get_mut(&header.ticket).ok_or_else(|| (ReasonCode::NOT_EXPECTED, format!("no ticket {}", header.ticket)))?;
+    let ticket = tickets
+        .get_mut(&header.ticket)
+        .ok_or_else(|| (ReasonCode::NOT_EXPECTED, format!("no ticket {}", header.ticket)))?;
     // Several peer ids may name one instance: the ticket's peer must be one of them.
     if ticket.peer != peer && !crate::shared::sender_is_peer(peers, header.sender, ticket.peer) {
-        return Err((ReasonCode::NOT_EXPECTED, format!("ticket {} belongs to peer {}, write came from peer {}", header.ticket, ticket.peer.0, peer.0)));
+        return Err((
+            ReasonCode::NOT_EXPECTED,
+            format!("ticket {} belongs to peer {}, write came from peer {}", header.ticket, ticket.peer.0, peer.0),
+        ));
     }
     if !ticket.authorises(now) {
         return Err((ReasonCode::NOT_EXPECTED, format!("ticket {} cancelled or expired", header.ticket)));
     }
     if !ticket.allows(header.region, header.offset, header.len) {
-        return Err((ReasonCode::OUT_OF_RANGE, format!("{}+{} of region {} not covered by ticket {}", header.offset, header.len, header.region, header.ticket)));
+        return Err((
+            ReasonCode::OUT_OF_RANGE,
+            format!(
+                "{}+{} of region {} not covered by ticket {}",
+                header.offset, header.len, header.region, header.ticket
+            ),
+        ));
     }
     if rndv {
         ticket.pending_writes += 1;
@@ -451,7 +495,9 @@ pub unsafe extern "C" fn am_commit(
     _length: usize,
     _param: *const sys::ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    if let (Some(header), Some(mut receiver)) = (CommitHeader::decode(header_bytes(header, header_length)), receiver_of(arg)) {
+    if let (Some(header), Some(mut receiver)) =
+        (CommitHeader::decode(header_bytes(header, header_length)), receiver_of(arg))
+    {
         receiver.on_commit(header);
     }
     ucs_status_t::UCS_OK
@@ -469,7 +515,9 @@ pub unsafe extern "C" fn am_cancel(
     _length: usize,
     _param: *const sys::ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    if let (Some(header), Some(mut receiver)) = (CommitHeader::decode(header_bytes(header, header_length)), receiver_of(arg)) {
+    if let (Some(header), Some(mut receiver)) =
+        (CommitHeader::decode(header_bytes(header, header_length)), receiver_of(arg))
+    {
         receiver.on_cancel(header);
     }
     ucs_status_t::UCS_OK
@@ -487,7 +535,9 @@ pub unsafe extern "C" fn am_reply(
     _length: usize,
     _param: *const sys::ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    if let (Some(replies), Some(mut receiver)) = (crate::wire::decode_replies(header_bytes(header, header_length)), receiver_of(arg)) {
+    if let (Some(replies), Some(mut receiver)) =
+        (crate::wire::decode_replies(header_bytes(header, header_length)), receiver_of(arg))
+    {
         receiver.notices.extend(replies.map(|r| SenderNotice { xfer: r.xfer, code: r.code }));
     }
     ucs_status_t::UCS_OK
@@ -505,7 +555,9 @@ pub unsafe extern "C" fn am_bye(
     _length: usize,
     _param: *const sys::ucp_am_recv_param_t,
 ) -> ucs_status_t {
-    if let (Some(instance), Some(mut receiver)) = (crate::wire::decode_bye(header_bytes(header, header_length)), receiver_of(arg)) {
+    if let (Some(instance), Some(mut receiver)) =
+        (crate::wire::decode_bye(header_bytes(header, header_length)), receiver_of(arg))
+    {
         receiver.byes.push(instance);
     }
     ucs_status_t::UCS_OK
@@ -532,7 +584,10 @@ mod tests {
     }
 
     fn codes(replies: &[(u64, ReplyHeader)]) -> Vec<u32> {
-        assert!(replies.iter().all(|(sender, r)| *sender == KEY.0 && r.xfer == KEY.1), "replies go to the sender, about this transfer");
+        assert!(
+            replies.iter().all(|(sender, r)| *sender == KEY.0 && r.xfer == KEY.1),
+            "replies go to the sender, about this transfer"
+        );
         replies.iter().map(|(_, r)| r.code).collect()
     }
 
@@ -575,7 +630,11 @@ mod tests {
         rec.pending = 1;
         assert!(!settle(&mut rec, KEY, &mut replies));
         assert!(!settle(&mut rec, KEY, &mut replies));
-        assert_eq!(codes(&replies), [ReasonCode::OUT_OF_RANGE.0 | REPLY_EARLY_BIT], "one early refusal while writes land");
+        assert_eq!(
+            codes(&replies),
+            [ReasonCode::OUT_OF_RANGE.0 | REPLY_EARLY_BIT],
+            "one early refusal while writes land"
+        );
         rec.pending = 0;
         rec.expected = Some((2, 128));
         assert!(!settle(&mut rec, KEY, &mut replies));

@@ -148,8 +148,15 @@ pub struct OutgoingJob {
 pub enum Command {
     /// `instance`: the remote plugin instance (one UCX endpoint per instance, shared by its peer ids);
     /// `process`: the peer's pid when it runs on this host (watched where UCX reports no peer failure).
-    Connect { peer: PeerId, instance: u64, worker_address: Vec<u8>, process: Option<u32> },
-    Disconnect { peer: PeerId },
+    Connect {
+        peer: PeerId,
+        instance: u64,
+        worker_address: Vec<u8>,
+        process: Option<u32>,
+    },
+    Disconnect {
+        peer: PeerId,
+    },
     Submit(Box<OutgoingJob>),
     Cancel(XferId),
     ReleaseRemoteKey(u64),
@@ -283,7 +290,12 @@ pub type ResolvedSubmit = (Vec<ResolvedSegment>, Vec<Arc<LocalRegion>>, Vec<Arc<
 /// Resolve and bounds-check the segments of a submit against the registry, joining segments that
 /// continue each other up to `join_max_bytes` (`push_joined`).
 // CONFORMANCE: DATA-2, DATA-3 (every segment checked against both regions, overflow included)
-pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment], join_max_bytes: u64) -> Result<ResolvedSubmit, kvgate_abi::PluginError> {
+pub fn resolve_segments(
+    registry: &Registry,
+    peer: PeerId,
+    segments: &[Segment],
+    join_max_bytes: u64,
+) -> Result<ResolvedSubmit, kvgate_abi::PluginError> {
     use kvgate_abi::{PluginError, ReasonCode};
     let mut resolved = Vec::with_capacity(segments.len());
     // The regions the transfer holds, each once: a segment naming the region of the one before is
@@ -291,14 +303,12 @@ pub fn resolve_segments(registry: &Registry, peer: PeerId, segments: &[Segment],
     let mut locals: Vec<Arc<LocalRegion>> = Vec::with_capacity(1);
     let mut remotes: Vec<Arc<RemoteRegion>> = Vec::with_capacity(1);
     for (i, s) in segments.iter().enumerate() {
-        let local = registry
-            .regions
-            .get(&s.local.0)
-            .ok_or_else(|| PluginError::new(ReasonCode::UNKNOWN_KEY, format!("segment {i}: unknown local key {}", s.local.0)))?;
-        let remote = registry
-            .remote_keys
-            .get(&s.remote.0)
-            .ok_or_else(|| PluginError::new(ReasonCode::UNKNOWN_KEY, format!("segment {i}: unknown remote key {}", s.remote.0)))?;
+        let local = registry.regions.get(&s.local.0).ok_or_else(|| {
+            PluginError::new(ReasonCode::UNKNOWN_KEY, format!("segment {i}: unknown local key {}", s.local.0))
+        })?;
+        let remote = registry.remote_keys.get(&s.remote.0).ok_or_else(|| {
+            PluginError::new(ReasonCode::UNKNOWN_KEY, format!("segment {i}: unknown remote key {}", s.remote.0))
+        })?;
         if remote.peer != peer {
             return Err(PluginError::new(
                 ReasonCode::UNKNOWN_KEY,
@@ -391,7 +401,8 @@ mod tests {
 
     #[test]
     fn a_range_with_the_same_start_as_another_does_not_shrink_it() {
-        let ranges = [LocalRange { key: LocalKey(1), offset: 0, len: 100 }, LocalRange { key: LocalKey(1), offset: 0, len: 10 }];
+        let ranges =
+            [LocalRange { key: LocalKey(1), offset: 0, len: 100 }, LocalRange { key: LocalKey(1), offset: 0, len: 10 }];
         let t = TicketState::new(PeerId(1), &ranges, Instant::now() + Duration::from_secs(1));
         assert!(t.allows(1, 0, 100));
     }

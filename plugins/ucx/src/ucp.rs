@@ -61,8 +61,10 @@ impl Config {
 
     /// `ucp_config_modify(name, value)`; a bad name or value is UCX's error.
     pub fn modify(&mut self, name: &str, value: &str) -> Result<(), UcxError> {
-        let name = CString::new(name).map_err(|_| UcxError { call: "ucp_config_modify", status: ucs_status_t::UCS_ERR_INVALID_PARAM })?;
-        let value = CString::new(value).map_err(|_| UcxError { call: "ucp_config_modify", status: ucs_status_t::UCS_ERR_INVALID_PARAM })?;
+        let name = CString::new(name)
+            .map_err(|_| UcxError { call: "ucp_config_modify", status: ucs_status_t::UCS_ERR_INVALID_PARAM })?;
+        let value = CString::new(value)
+            .map_err(|_| UcxError { call: "ucp_config_modify", status: ucs_status_t::UCS_ERR_INVALID_PARAM })?;
         // SAFETY: `self.0` is a live config (released only on drop); the names are NUL-terminated CStrings
         // that outlive the call.
         check("ucp_config_modify", unsafe { sys::ucp_config_modify(self.0, name.as_ptr(), value.as_ptr()) })
@@ -93,8 +95,10 @@ impl Context {
                 | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED
                 | sys::ucp_params_field::UCP_PARAM_FIELD_NAME)
                 .0 as u64,
-            features: (sys::ucp_feature::UCP_FEATURE_AM | sys::ucp_feature::UCP_FEATURE_RMA | sys::ucp_feature::UCP_FEATURE_WAKEUP).0
-                as u64,
+            features: (sys::ucp_feature::UCP_FEATURE_AM
+                | sys::ucp_feature::UCP_FEATURE_RMA
+                | sys::ucp_feature::UCP_FEATURE_WAKEUP)
+                .0 as u64,
             mt_workers_shared: 1,
             name: c"kvgate-ucx".as_ptr(),
             ..Default::default()
@@ -319,7 +323,12 @@ pub fn classify(ptr: *mut c_void) -> Posted {
 }
 
 /// Request parameters with a send-completion callback, `user_data` and optional flags/memh.
-pub fn send_param(cb: sys::ucp_send_nbx_callback_t, user_data: u64, flags: u32, memh: ucp_mem_h) -> sys::ucp_request_param_t {
+pub fn send_param(
+    cb: sys::ucp_send_nbx_callback_t,
+    user_data: u64,
+    flags: u32,
+    memh: ucp_mem_h,
+) -> sys::ucp_request_param_t {
     // SAFETY: an all-zero `ucp_request_param_t` is valid (no attribute selected); the attributes used are set
     // below and named in `op_attr_mask`.
     let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
@@ -339,7 +348,11 @@ pub fn send_param(cb: sys::ucp_send_nbx_callback_t, user_data: u64, flags: u32, 
 }
 
 /// Request parameters for `ucp_am_recv_data_nbx`.
-pub fn recv_am_param(cb: sys::ucp_am_recv_data_nbx_callback_t, user_data: u64, memh: ucp_mem_h) -> sys::ucp_request_param_t {
+pub fn recv_am_param(
+    cb: sys::ucp_am_recv_data_nbx_callback_t,
+    user_data: u64,
+    memh: ucp_mem_h,
+) -> sys::ucp_request_param_t {
     // SAFETY: an all-zero `ucp_request_param_t` is valid (no attribute selected); the attributes used are set
     // below and named in `op_attr_mask`.
     let mut param: sys::ucp_request_param_t = unsafe { std::mem::zeroed() };
@@ -404,5 +417,7 @@ pub fn version() -> String {
     unsafe { CStr::from_ptr(sys::ucp_get_version_string()).to_string_lossy().into_owned() }
 }
 
-pub use sys::{ucp_am_data_release, ucp_am_recv_data_nbx, ucp_am_recv_param_t, ucp_am_send_nbx, ucp_ep_flush_nbx, ucp_put_nbx};
+pub use sys::{
+    ucp_am_data_release, ucp_am_recv_data_nbx, ucp_am_recv_param_t, ucp_am_send_nbx, ucp_ep_flush_nbx, ucp_put_nbx,
+};
 pub use sys::{ucp_am_recv_attr_t, ucp_send_am_flags};

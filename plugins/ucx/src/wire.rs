@@ -330,7 +330,8 @@ mod tests {
 
     #[test]
     fn reply_batches_round_trip_and_refuse_bad_lengths_and_codes() {
-        let replies: Vec<ReplyHeader> = (0..MAX_REPLIES_PER_MESSAGE as u64).map(|i| ReplyHeader { xfer: i + 1, code: i as u32 }).collect();
+        let replies: Vec<ReplyHeader> =
+            (0..MAX_REPLIES_PER_MESSAGE as u64).map(|i| ReplyHeader { xfer: i + 1, code: i as u32 }).collect();
         let mut bytes = Vec::new();
         encode_replies(&replies, &mut bytes);
         assert_eq!(decode_replies(&bytes).unwrap().collect::<Vec<_>>(), replies);

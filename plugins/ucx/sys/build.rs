@@ -13,7 +13,9 @@ fn main() {
         .allowlist_type("ucp_.*|ucs_.*")
         .allowlist_var("UCP_.*|UCS_.*")
         .default_enum_style(bindgen::EnumVariation::NewType { is_bitfield: false, is_global: false })
-        .bitfield_enum("ucp_feature|.*_field|.*_flags(_t)?|ucp_op_attr_t|ucp_am_cb_flags|ucp_send_am_flags|ucp_am_recv_attr_t")
+        .bitfield_enum(
+            "ucp_feature|.*_field|.*_flags(_t)?|ucp_op_attr_t|ucp_am_cb_flags|ucp_send_am_flags|ucp_am_recv_attr_t",
+        )
         .derive_default(true)
         .layout_tests(false)
         .generate_comments(false)

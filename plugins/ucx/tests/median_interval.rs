@@ -47,6 +47,7 @@ fn the_verdict_follows_where_the_target_falls() {
     assert_eq!(verdict(at(0.90, 0.98), 0.95), Verdict::NotDecided);
     assert_eq!(verdict(at(0.90, 0.95), 0.95), Verdict::NotDecided, "the target at the high end is not missed");
     assert_eq!(verdict(None, 0.95), Verdict::TooFewRuns);
-    let words: Vec<&str> = [Verdict::Met, Verdict::Missed, Verdict::NotDecided, Verdict::TooFewRuns].iter().map(|v| v.word()).collect();
+    let words: Vec<&str> =
+        [Verdict::Met, Verdict::Missed, Verdict::NotDecided, Verdict::TooFewRuns].iter().map(|v| v.word()).collect();
     assert_eq!(words, ["met", "missed", "not decided", "too few runs"]);
 }

@@ -49,7 +49,8 @@ fn second_peer_id_for_the_same_instance(config: &str) {
         if receiver_enforced {
             let end = a.log.terminal_of(XferId(orphan), WAIT_LIMIT);
             // PEER_LOST at the disconnect, or B's refusal of the unknown ticket if it came first.
-            let ended = end.kind == EventKind::FAILED && [ReasonCode::PEER_LOST, ReasonCode::NOT_EXPECTED].contains(&end.reason);
+            let ended = end.kind == EventKind::FAILED
+                && [ReasonCode::PEER_LOST, ReasonCode::NOT_EXPECTED].contains(&end.reason);
             assert!(ended, "round {round}: {end:?}");
         }
 

@@ -78,7 +78,13 @@ fn submits_are_checked_before_anything_moves() {
     let src = buffer(&a, 4096, 1);
     let dst = buffer(&b, 4096, 2);
     let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
-    let seg = |local_offset: u64, remote_offset: u64, len: u64| Segment { local: src.key, local_offset, remote, remote_offset, len };
+    let seg = |local_offset: u64, remote_offset: u64, len: u64| Segment {
+        local: src.key,
+        local_offset,
+        remote,
+        remote_offset,
+        len,
+    };
     let long = Duration::from_secs(30);
     let code = |r: Result<(), PluginError>| r.unwrap_err().code;
     assert_eq!(code(submit(&a, 1, PEER_B, 1, long, &[seg(4000, 0, 97)])), ReasonCode::OUT_OF_RANGE);
@@ -94,7 +100,7 @@ fn submits_are_checked_before_anything_moves() {
     // A frozen-free way to keep transfers live: a receiver that has the ticket, large enough windows.
     expect(&b, 1, PEER_A, long, &[LocalRange { key: dst.key, offset: 0, len: 4096 }]);
     submit(&a, 10, PEER_B, 1, long, &[seg(0, 0, 1); 3]).unwrap();
-    assert_eq!(code(submit(&a, 10, PEER_B, 1, long, &[seg(0, 0, 1)])), ReasonCode::DUPLICATE_ID, );
+    assert_eq!(code(submit(&a, 10, PEER_B, 1, long, &[seg(0, 0, 1)])), ReasonCode::DUPLICATE_ID,);
     a.log.terminal_of(XferId(10), WAIT_LIMIT);
     // Nothing moved for the refused submits: only transfer 10 has an event.
     assert!(a.log.all().iter().filter(|e| e.is_terminal()).all(|e| e.xfer == XferId(10)));

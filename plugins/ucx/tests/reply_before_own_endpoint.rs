@@ -40,7 +40,12 @@ fn reply_waits_for_the_receivers_endpoint(config: &str) {
         std::thread::sleep(Duration::from_millis(1));
     }
     std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(a.log.count(|e| e.is_terminal() && e.xfer == XferId(1)), 0, "ended before B could answer: {:?}", a.log.all());
+    assert_eq!(
+        a.log.count(|e| e.is_terminal() && e.xfer == XferId(1)),
+        0,
+        "ended before B could answer: {:?}",
+        a.log.all()
+    );
     b.plugin.hold_commands_for_tests(false);
     let end = a.log.terminal_of(XferId(1), WAIT_LIMIT);
     assert_eq!(end.kind, EventKind::SUCCEEDED, "{end:?}");

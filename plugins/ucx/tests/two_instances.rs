@@ -6,8 +6,8 @@ mod support;
 
 use kvgate_abi::sdk::Plugin;
 use kvgate_abi::*;
-use support::*;
 use std::time::{Duration, Instant};
+use support::*;
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -52,7 +52,13 @@ fn scatter_gather(config: &str) {
     let dst = buffer(&b, (count * seg_len) as usize + 1, 12);
     let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
     let segments: Vec<Segment> = (0..count)
-        .map(|i| Segment { local: src.key, local_offset: i * seg_len, remote, remote_offset: 1 + (count - 1 - i) * seg_len, len: seg_len })
+        .map(|i| Segment {
+            local: src.key,
+            local_offset: i * seg_len,
+            remote,
+            remote_offset: 1 + (count - 1 - i) * seg_len,
+            len: seg_len,
+        })
         .collect();
     expect(&b, 77, PEER_A, LONG, &[LocalRange { key: dst.key, offset: 1, len: count * seg_len }]);
     submit(&a, 1, PEER_B, 77, LONG, &segments).unwrap();
@@ -79,20 +85,29 @@ fn adjacent_blocks(config: &str) {
     let src = buffer(&a, (2 * BLOCKS * BLOCK) as usize, 71);
     let dst = buffer(&b, (3 * BLOCKS * BLOCK) as usize, 72);
     let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
-    let ranges: Vec<LocalRange> = (0..BLOCKS).rev().map(|i| LocalRange { key: dst.key, offset: i * BLOCK, len: BLOCK }).collect();
+    let ranges: Vec<LocalRange> =
+        (0..BLOCKS).rev().map(|i| LocalRange { key: dst.key, offset: i * BLOCK, len: BLOCK }).collect();
     expect(&b, 8, PEER_A, LONG, &ranges);
-    let joined: Vec<Segment> =
-        (0..BLOCKS).map(|i| Segment { local: src.key, local_offset: i * BLOCK, remote, remote_offset: i * BLOCK, len: BLOCK }).collect();
+    let joined: Vec<Segment> = (0..BLOCKS)
+        .map(|i| Segment { local: src.key, local_offset: i * BLOCK, remote, remote_offset: i * BLOCK, len: BLOCK })
+        .collect();
     submit(&a, 80, PEER_B, 8, LONG, &joined).unwrap();
     let done = a.log.terminal_of(XferId(80), WAIT_LIMIT);
     assert_eq!((done.kind, done.bytes), (EventKind::SUCCEEDED, BLOCKS * BLOCK), "{done:?}");
     assert_eq!(&src.bytes[..(BLOCKS * BLOCK) as usize], &dst.bytes[..(BLOCKS * BLOCK) as usize]);
     // Destination blocks every other block from BLOCKS * BLOCK on: a gap of one block between each.
     let base = BLOCKS * BLOCK;
-    let ranges: Vec<LocalRange> = (0..BLOCKS).map(|i| LocalRange { key: dst.key, offset: base + 2 * i * BLOCK, len: BLOCK }).collect();
+    let ranges: Vec<LocalRange> =
+        (0..BLOCKS).map(|i| LocalRange { key: dst.key, offset: base + 2 * i * BLOCK, len: BLOCK }).collect();
     expect(&b, 9, PEER_A, LONG, &ranges);
     let apart: Vec<Segment> = (0..BLOCKS)
-        .map(|i| Segment { local: src.key, local_offset: base + i * BLOCK, remote, remote_offset: base + 2 * i * BLOCK, len: BLOCK })
+        .map(|i| Segment {
+            local: src.key,
+            local_offset: base + i * BLOCK,
+            remote,
+            remote_offset: base + 2 * i * BLOCK,
+            len: BLOCK,
+        })
         .collect();
     submit(&a, 81, PEER_B, 9, LONG, &apart).unwrap();
     let done = a.log.terminal_of(XferId(81), WAIT_LIMIT);
@@ -101,7 +116,11 @@ fn adjacent_blocks(config: &str) {
     for i in 0..BLOCKS as usize {
         let (block, from) = (BLOCK as usize, base as usize);
         assert_eq!(&dst.bytes[from + 2 * i * block..][..block], &src.bytes[from + i * block..][..block], "block {i}");
-        assert_eq!(&dst.bytes[from + (2 * i + 1) * block..][..block], &untouched[from + (2 * i + 1) * block..][..block], "gap after block {i}");
+        assert_eq!(
+            &dst.bytes[from + (2 * i + 1) * block..][..block],
+            &untouched[from + (2 * i + 1) * block..][..block],
+            "gap after block {i}"
+        );
     }
     b.plugin.cancel_incoming(PEER_A, Ticket(8));
     b.plugin.cancel_incoming(PEER_A, Ticket(9));
@@ -122,10 +141,18 @@ fn posted_ops_bound(config: &str) {
     let mut first = 0;
     for (i, &n) in counts.iter().enumerate() {
         let blocks = first..first + n;
-        let ranges: Vec<LocalRange> = blocks.clone().map(|k| LocalRange { key: dst.key, offset: 2 * k * BLOCK, len: BLOCK }).collect();
+        let ranges: Vec<LocalRange> =
+            blocks.clone().map(|k| LocalRange { key: dst.key, offset: 2 * k * BLOCK, len: BLOCK }).collect();
         expect(&b, 20 + i as u64, PEER_A, LONG, &ranges);
-        let segments: Vec<Segment> =
-            blocks.map(|k| Segment { local: src.key, local_offset: k * BLOCK, remote, remote_offset: 2 * k * BLOCK, len: BLOCK }).collect();
+        let segments: Vec<Segment> = blocks
+            .map(|k| Segment {
+                local: src.key,
+                local_offset: k * BLOCK,
+                remote,
+                remote_offset: 2 * k * BLOCK,
+                len: BLOCK,
+            })
+            .collect();
         submit(&a, 200 + i as u64, PEER_B, 20 + i as u64, LONG, &segments).unwrap();
         first += n;
     }
@@ -137,7 +164,11 @@ fn posted_ops_bound(config: &str) {
     for k in 0..total as usize {
         let block = BLOCK as usize;
         assert_eq!(&dst.bytes[2 * k * block..][..block], &src.bytes[k * block..][..block], "block {k}");
-        assert_eq!(&dst.bytes[(2 * k + 1) * block..][..block], &untouched[(2 * k + 1) * block..][..block], "gap after block {k}");
+        assert_eq!(
+            &dst.bytes[(2 * k + 1) * block..][..block],
+            &untouched[(2 * k + 1) * block..][..block],
+            "gap after block {k}"
+        );
     }
     for i in 0..counts.len() as u64 {
         b.plugin.cancel_incoming(PEER_A, Ticket(20 + i));
@@ -163,19 +194,35 @@ fn posted_bytes_bound(config: &str) {
         let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
         for t in 0..TRANSFERS {
             let blocks = t * BLOCKS..(t + 1) * BLOCKS;
-            let ranges: Vec<LocalRange> = blocks.clone().map(|k| LocalRange { key: dst.key, offset: 2 * k * BLOCK, len: BLOCK }).collect();
+            let ranges: Vec<LocalRange> =
+                blocks.clone().map(|k| LocalRange { key: dst.key, offset: 2 * k * BLOCK, len: BLOCK }).collect();
             expect(&b, 40 + t, PEER_A, LONG, &ranges);
-            let segments: Vec<Segment> =
-                blocks.map(|k| Segment { local: src.key, local_offset: k * BLOCK, remote, remote_offset: 2 * k * BLOCK, len: BLOCK }).collect();
+            let segments: Vec<Segment> = blocks
+                .map(|k| Segment {
+                    local: src.key,
+                    local_offset: k * BLOCK,
+                    remote,
+                    remote_offset: 2 * k * BLOCK,
+                    len: BLOCK,
+                })
+                .collect();
             submit(&a, 400 + t, PEER_B, 40 + t, LONG, &segments).unwrap();
         }
         for t in 0..TRANSFERS {
             let done = a.log.terminal_of(XferId(400 + t), WAIT_LIMIT);
-            assert_eq!((done.kind, done.bytes), (EventKind::SUCCEEDED, BLOCKS * BLOCK), "limit {limit}, transfer {t}: {done:?}");
+            assert_eq!(
+                (done.kind, done.bytes),
+                (EventKind::SUCCEEDED, BLOCKS * BLOCK),
+                "limit {limit}, transfer {t}: {done:?}"
+            );
         }
         for k in 0..total as usize {
             let block = BLOCK as usize;
-            assert_eq!(&dst.bytes[2 * k * block..][..block], &src.bytes[k * block..][..block], "limit {limit}: block {k}");
+            assert_eq!(
+                &dst.bytes[2 * k * block..][..block],
+                &src.bytes[k * block..][..block],
+                "limit {limit}: block {k}"
+            );
         }
         let peak = a.plugin.posted_bytes_peak_for_tests();
         assert!(peak <= peak_expected, "limit {limit}: {peak} bytes posted at once");
@@ -197,7 +244,8 @@ fn empty_segments_around_the_data(config: &str) {
     let dst = buffer(&b, 4096, 52);
     let remote = a.plugin.import_remote_key(PEER_B, &dst.remote_key_bytes).unwrap();
     expect(&b, 3, PEER_A, LONG, &[LocalRange { key: dst.key, offset: 0, len: 4096 }]);
-    let seg = |offset: u64, len: u64| Segment { local: src.key, local_offset: offset, remote, remote_offset: offset, len };
+    let seg =
+        |offset: u64, len: u64| Segment { local: src.key, local_offset: offset, remote, remote_offset: offset, len };
     let shapes: [Vec<Segment>; 4] = [
         vec![seg(0, 100), seg(100, 0), seg(100, 0)],
         vec![seg(200, 0), seg(200, 100), seg(300, 0)],
@@ -237,19 +285,20 @@ fn cancel_then_quiesced(config: &str) {
         a.plugin.cancel(XferId(xfer)); // double cancel is harmless
         let end = a.log.terminal_of(XferId(xfer), WAIT_LIMIT);
         // A transfer that finished before the cancel was seen may succeed; otherwise it is cancelled.
-        assert!(
-            end.kind == EventKind::SUCCEEDED || end.reason == ReasonCode::CANCELLED,
-            "round {round}: {end:?}"
-        );
+        assert!(end.kind == EventKind::SUCCEEDED || end.reason == ReasonCode::CANCELLED, "round {round}: {end:?}");
         if end.kind == EventKind::FAILED && end.flags & event_flags::QUIESCED == 0 {
-            a.log.wait_for(WAIT_LIMIT, "quiesced after cancel", |e| e.kind == EventKind::QUIESCED && e.xfer == XferId(xfer) && !e.is_incoming());
+            a.log.wait_for(WAIT_LIMIT, "quiesced after cancel", |e| {
+                e.kind == EventKind::QUIESCED && e.xfer == XferId(xfer) && !e.is_incoming()
+            });
         }
         assert_eq!(a.log.count(|e| e.is_terminal() && e.xfer == XferId(xfer)), 1, "exactly one terminal event");
     }
     a.plugin.cancel(XferId(123_456)); // unknown id: ignored
     b.plugin.cancel_incoming(PEER_A, Ticket(9));
     if b.plugin.info().capabilities.flags & cap_flags::RECEIVER_ENFORCED != 0 {
-        b.log.wait_for(WAIT_LIMIT, "incoming quiesced", |e| e.kind == EventKind::QUIESCED && e.is_incoming() && e.xfer == XferId(9));
+        b.log.wait_for(WAIT_LIMIT, "incoming quiesced", |e| {
+            e.kind == EventKind::QUIESCED && e.is_incoming() && e.xfer == XferId(9)
+        });
     }
     baseline(&a, &b);
 }
@@ -269,7 +318,9 @@ fn receiver_refuses(config: &str) {
         let end = a.log.terminal_of(XferId(xfer), WAIT_LIMIT);
         assert_eq!((end.kind, end.reason), (EventKind::FAILED, ReasonCode::NOT_EXPECTED), "{end:?}");
     }
-    b.log.wait_for(WAIT_LIMIT, "incoming_failed", |e| e.kind == EventKind::INCOMING_FAILED && e.reason == ReasonCode::NOT_EXPECTED);
+    b.log.wait_for(WAIT_LIMIT, "incoming_failed", |e| {
+        e.kind == EventKind::INCOMING_FAILED && e.reason == ReasonCode::NOT_EXPECTED
+    });
     expect(&b, 7, PEER_A, LONG, &[LocalRange { key: dst.key, offset: 0, len: 1000 }]);
     for (xfer, len) in [(3u64, 1001u64), (4, 256 << 10)] {
         let seg = Segment { local: src.key, local_offset: 0, remote, remote_offset: 0, len };
@@ -310,7 +361,9 @@ fn timeout_against_frozen_peer(config: &str) {
     if !shared_memory {
         let down = a.log.wait_for(WAIT_LIMIT, "peer_down once the peer is gone", |e| e.kind == EventKind::PEER_DOWN);
         assert_eq!(down.reason, ReasonCode::PEER_LOST);
-        a.log.wait_for(WAIT_LIMIT, "quiesced once the peer is gone", |e| e.kind == EventKind::QUIESCED && e.xfer == XferId(1));
+        a.log.wait_for(WAIT_LIMIT, "quiesced once the peer is gone", |e| {
+            e.kind == EventKind::QUIESCED && e.xfer == XferId(1)
+        });
         wait_stats(&a, "nothing live", |s| s.live_transfers == 0 && s.unquiesced_transfers == 0);
     }
     let shutdown_started = Instant::now();
@@ -396,7 +449,11 @@ fn shutdown_with_transfers_in_flight(config: &str) {
         assert!(quiesced, "transfer {xfer} not quiesced at shutdown: {end:?}");
     }
     let s = a.plugin.stats();
-    assert_eq!((s.live_transfers, s.unquiesced_transfers, s.registered_regions, s.workers_alive), (0, 0, 0, 0), "{s:?}");
+    assert_eq!(
+        (s.live_transfers, s.unquiesced_transfers, s.registered_regions, s.workers_alive),
+        (0, 0, 0, 0),
+        "{s:?}"
+    );
     b.plugin.shutdown();
 }
 
@@ -429,10 +486,16 @@ fn shutdown_with_zero_grace(config: &str) {
 /// Every counter back to its baseline once regions, keys and peers are released.
 fn baseline(a: &Side, b: &Side) {
     for side in [a, b] {
-        wait_stats(side, "no live transfers or tickets", |s| s.live_transfers == 0 && s.unquiesced_transfers == 0 && s.live_tickets == 0);
+        wait_stats(side, "no live transfers or tickets", |s| {
+            s.live_transfers == 0 && s.unquiesced_transfers == 0 && s.live_tickets == 0
+        });
         side.plugin.shutdown();
         let s = side.plugin.stats();
-        assert_eq!((s.registered_regions, s.registered_bytes, s.imported_remote_keys, s.workers_alive), (0, 0, 0, 0), "{s:?}");
+        assert_eq!(
+            (s.registered_regions, s.registered_bytes, s.imported_remote_keys, s.workers_alive),
+            (0, 0, 0, 0),
+            "{s:?}"
+        );
     }
 }
 
@@ -444,7 +507,18 @@ macro_rules! per_transport {
     };
 }
 
-per_transport!(data_integrity, scatter_gather, adjacent_blocks, posted_ops_bound, posted_bytes_bound, empty_segments_around_the_data, cancel_then_quiesced, peer_shutdown, shutdown_with_transfers_in_flight, shutdown_with_zero_grace);
+per_transport!(
+    data_integrity,
+    scatter_gather,
+    adjacent_blocks,
+    posted_ops_bound,
+    posted_bytes_bound,
+    empty_segments_around_the_data,
+    cancel_then_quiesced,
+    peer_shutdown,
+    shutdown_with_transfers_in_flight,
+    shutdown_with_zero_grace
+);
 
 #[test]
 fn tcp_receiver_refuses() {

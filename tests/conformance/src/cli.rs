@@ -58,7 +58,8 @@ pub const PEER_LOG_DEFAULT: &str = "warn";
 /// keeps it for failure reports. A subscriber already installed by the host binary stays.
 fn init_peer_logging() {
     let filter = std::env::var(PEER_LOG_ENV).unwrap_or_else(|_| PEER_LOG_DEFAULT.to_string());
-    let filter = tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(PEER_LOG_DEFAULT));
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(PEER_LOG_DEFAULT));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
 }
 
@@ -138,12 +139,24 @@ struct SeedSummary {
 }
 
 /// `--seeds N`: the plan once per seed, `first`..`first + n`, summarised.
-fn run_seeds(args: &ConformanceArgs, limits: config::HarnessLimits, plugin_config: String, cmd: PeerCommand, first: u64, n: u64) -> i32 {
+fn run_seeds(
+    args: &ConformanceArgs,
+    limits: config::HarnessLimits,
+    plugin_config: String,
+    cmd: PeerCommand,
+    first: u64,
+    n: u64,
+) -> i32 {
     if n == 0 || args.junit.is_some() {
         eprintln!("kvgate conformance: --seeds takes N ≥ 1 and no --junit (its --json is the summary)");
         return EXIT_HARNESS_ERROR;
     }
-    let mut summary = SeedSummary { plugin: args.plugin.clone(), profile: if args.quick { "quick" } else { "full" }.into(), first_seed: first, ..Default::default() };
+    let mut summary = SeedSummary {
+        plugin: args.plugin.clone(),
+        profile: if args.quick { "quick" } else { "full" }.into(),
+        first_seed: first,
+        ..Default::default()
+    };
     let (mut any_fail, mut any_unexercised) = (false, false);
     for seed in first..first.saturating_add(n) {
         let report = run_plan(RunPlan {
@@ -169,12 +182,22 @@ fn run_seeds(args: &ConformanceArgs, limits: config::HarnessLimits, plugin_confi
             summary.certified_runs += 1;
             println!("seed {seed}: certified ({} ms)", report.elapsed_ms);
         } else {
-            let shown: Vec<String> = bad.iter().map(|(id, status, e)| format!("{id} {status}: {}", e.chars().take(300).collect::<String>())).collect();
+            let shown: Vec<String> = bad
+                .iter()
+                .map(|(id, status, e)| format!("{id} {status}: {}", e.chars().take(300).collect::<String>()))
+                .collect();
             println!("seed {seed}: NOT certified ({} ms): {}", report.elapsed_ms, shown.join(" | "));
             summary.uncertified.push((seed, bad));
         }
     }
-    println!("{}: {} of {} seeds certified ({} profile, seeds {first}..{})", args.plugin, summary.certified_runs, summary.runs, summary.profile, first.saturating_add(n) - 1);
+    println!(
+        "{}: {} of {} seeds certified ({} profile, seeds {first}..{})",
+        args.plugin,
+        summary.certified_runs,
+        summary.runs,
+        summary.profile,
+        first.saturating_add(n) - 1
+    );
     for (id, counts) in &summary.clauses {
         let line: Vec<String> = counts.iter().map(|(status, k)| format!("{status} {k}")).collect();
         println!("  {id:<12} {}", line.join(", "));

@@ -91,7 +91,11 @@ impl HarnessLimits {
             return Err(format!("[harness] max_data_bytes = {}: must be in 1..={MAX_DATA_BYTES}", self.max_data_bytes));
         }
         if !crate::peer::memory::PROVIDERS.contains(&self.memory_provider.as_str()) {
-            return Err(format!("[harness] memory_provider = {:?}: must be one of {:?}", self.memory_provider, crate::peer::memory::PROVIDERS));
+            return Err(format!(
+                "[harness] memory_provider = {:?}: must be one of {:?}",
+                self.memory_provider,
+                crate::peer::memory::PROVIDERS
+            ));
         }
         if self.reply_bound_ms <= self.call_bound_ms {
             return Err("[harness] reply_bound_ms must exceed call_bound_ms".into());
@@ -164,7 +168,11 @@ mod tests {
         assert_eq!(limits.abort_grace_ms, 50);
         assert_eq!(limits.storm_transfers, QUICK_STORM_TRANSFERS);
         let full = HarnessLimits::default();
-        assert_eq!((limits.lifecycles, limits.max_data_bytes), (full.lifecycles, full.max_data_bytes), "--quick keeps sizes and lifecycles");
+        assert_eq!(
+            (limits.lifecycles, limits.max_data_bytes),
+            (full.lifecycles, full.max_data_bytes),
+            "--quick keeps sizes and lifecycles"
+        );
         assert!(plugin.contains("segment_delay_us = 3"), "{plugin}");
         std::fs::write(&dir, "[harness]\nabort_grace = 50\n").unwrap();
         assert!(load(Some(&dir), false).unwrap_err().contains("abort_grace"));

@@ -98,8 +98,10 @@ fn tail_of(path: &std::path::Path, lines: usize) -> String {
 impl PeerProcess {
     pub fn spawn(cmd: &PeerCommand, role: &str) -> Result<PeerProcess, String> {
         let n = SPAWNED.fetch_add(1, Ordering::Relaxed);
-        let stderr_path = std::env::temp_dir().join(format!("kvgate-conformance-{}-{role}-{n}.log", std::process::id()));
-        let stderr = std::fs::File::create(&stderr_path).map_err(|e| format!("create {}: {e}", stderr_path.display()))?;
+        let stderr_path =
+            std::env::temp_dir().join(format!("kvgate-conformance-{}-{role}-{n}.log", std::process::id()));
+        let stderr =
+            std::fs::File::create(&stderr_path).map_err(|e| format!("create {}: {e}", stderr_path.display()))?;
         let mut child = Command::new(&cmd.exe)
             .args(&cmd.args)
             .stdin(Stdio::piped())
@@ -329,7 +331,12 @@ impl Drop for PeerProcess {
             self.kill();
         }
         if keep_logs() {
-            eprintln!("kvgate-conformance: {} peer (pid {}) stderr kept at {}", self.role, self.pid, self.stderr_path.display());
+            eprintln!(
+                "kvgate-conformance: {} peer (pid {}) stderr kept at {}",
+                self.role,
+                self.pid,
+                self.stderr_path.display()
+            );
         } else {
             let _ = std::fs::remove_file(&self.stderr_path);
         }

@@ -11,7 +11,8 @@ pub type BuiltinModule = (&'static str, fn() -> PluginModRef);
 /// only with the crate features `ucx` and `nvlink`.
 pub fn builtin_modules() -> Vec<BuiltinModule> {
     #[allow(unused_mut)]
-    let mut modules: Vec<BuiltinModule> = vec![("shm", kvgate_plugin_shm::module), ("quic", kvgate_plugin_quic::module)];
+    let mut modules: Vec<BuiltinModule> =
+        vec![("shm", kvgate_plugin_shm::module), ("quic", kvgate_plugin_quic::module)];
     #[cfg(feature = "ucx")]
     modules.push(("ucx", kvgate_plugin_ucx::module));
     #[cfg(feature = "nvlink")]

@@ -56,7 +56,8 @@ impl UdpProxy {
         let counters = Arc::new(Counters::default());
         let stop = Arc::new(AtomicBool::new(false));
         let (f, c, s) = (Arc::clone(&fault), Arc::clone(&counters), Arc::clone(&stop));
-        let thread = std::thread::Builder::new().name("udp-fault-proxy".into()).spawn(move || pump(front, back, f, c, s))?;
+        let thread =
+            std::thread::Builder::new().name("udp-fault-proxy".into()).spawn(move || pump(front, back, f, c, s))?;
         Ok(UdpProxy { listen, target, fault, counters, stop, thread: Some(thread) })
     }
 
@@ -103,7 +104,13 @@ fn pump(front: UdpSocket, back: UdpSocket, fault: Arc<Mutex<Fault>>, counters: A
     }
 }
 
-fn handle(to_target: bool, data: &[u8], fault: &Mutex<Fault>, counters: &Counters, held: &mut std::collections::VecDeque<(Instant, bool, Vec<u8>)>) {
+fn handle(
+    to_target: bool,
+    data: &[u8],
+    fault: &Mutex<Fault>,
+    counters: &Counters,
+    held: &mut std::collections::VecDeque<(Instant, bool, Vec<u8>)>,
+) {
     let f = *fault.lock().unwrap();
     let mut data = data.to_vec();
     let delay = match f {

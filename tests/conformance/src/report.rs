@@ -125,7 +125,9 @@ impl Report {
                     xml(&c.evidence.chars().take(200).collect::<String>()),
                     xml(&c.evidence)
                 )),
-                Status::Unsupported => out.push_str(&format!("><skipped message=\"{}\"/></testcase>\n", xml(&c.evidence))),
+                Status::Unsupported => {
+                    out.push_str(&format!("><skipped message=\"{}\"/></testcase>\n", xml(&c.evidence)))
+                }
                 // Not a pass and not a skip: the run certifies nothing while a clause is not exercised.
                 Status::NotExercised => out.push_str(&format!(
                     "><failure type=\"not_exercised\" message=\"not exercised: {}\">{}</failure></testcase>\n",
@@ -167,8 +169,20 @@ mod tests {
             profile: "quick".into(),
             limits: Default::default(),
             clauses: vec![
-                ClauseResult { id: "A-1".into(), group: "A".into(), status: Status::Fail, evidence: "a<b & \"c\"".into(), elapsed_ms: 3 },
-                ClauseResult { id: "A-2".into(), group: "A".into(), status: Status::Unsupported, evidence: "no gpu".into(), elapsed_ms: 0 },
+                ClauseResult {
+                    id: "A-1".into(),
+                    group: "A".into(),
+                    status: Status::Fail,
+                    evidence: "a<b & \"c\"".into(),
+                    elapsed_ms: 3,
+                },
+                ClauseResult {
+                    id: "A-2".into(),
+                    group: "A".into(),
+                    status: Status::Unsupported,
+                    evidence: "no gpu".into(),
+                    elapsed_ms: 0,
+                },
             ],
             elapsed_ms: 5,
         };
@@ -186,9 +200,24 @@ mod tests {
         let clauses = statuses
             .iter()
             .enumerate()
-            .map(|(i, s)| ClauseResult { id: format!("A-{i}"), group: "A".into(), status: *s, evidence: format!("evidence {i}"), elapsed_ms: 1 })
+            .map(|(i, s)| ClauseResult {
+                id: format!("A-{i}"),
+                group: "A".into(),
+                status: *s,
+                evidence: format!("evidence {i}"),
+                elapsed_ms: 1,
+            })
             .collect();
-        Report { plugin: "x.so".into(), plugin_name: "x".into(), abi_version: 1, seed: 7, profile: "quick".into(), limits: Default::default(), clauses, elapsed_ms: 5 }
+        Report {
+            plugin: "x.so".into(),
+            plugin_name: "x".into(),
+            abi_version: 1,
+            seed: 7,
+            profile: "quick".into(),
+            limits: Default::default(),
+            clauses,
+            elapsed_ms: 5,
+        }
     }
 
     #[test]
@@ -196,7 +225,10 @@ mod tests {
         let r = report_of(&[Status::Pass, Status::NotExercised, Status::Unsupported]);
         assert!(!r.certified());
         let table = r.to_table();
-        assert!(table.contains("not_exercised") && table.contains("1 not exercised") && table.contains("NOT certified"), "{table}");
+        assert!(
+            table.contains("not_exercised") && table.contains("1 not exercised") && table.contains("NOT certified"),
+            "{table}"
+        );
         let j: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         assert_eq!(j["clauses"][1]["status"], "not_exercised");
         assert_eq!(j["certified"], false);

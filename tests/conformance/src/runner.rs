@@ -32,11 +32,17 @@ fn probe(plan: &RunPlan) -> Probe {
         Ok(p) => p,
         Err(e) => return Probe::Broken(e),
     };
-    let op = Op::Open { plugin: plan.plugin.clone(), config: plan.plugin_config.clone(), memory: plan.limits.memory_provider.clone() };
+    let op = Op::Open {
+        plugin: plan.plugin.clone(),
+        config: plan.plugin_config.clone(),
+        memory: plan.limits.memory_provider.clone(),
+    };
     let result = match peer.call(&op, Duration::from_millis(plan.limits.reply_bound_ms)) {
         Ok(r) => match r.outcome {
             Outcome::Info { instance, .. } => Probe::Ready { name: instance.name, abi_version: instance.abi_version },
-            Outcome::Unavailable { reason, module } => Probe::Unavailable(reason, module.map(|m| (m.name, m.abi_version))),
+            Outcome::Unavailable { reason, module } => {
+                Probe::Unavailable(reason, module.map(|m| (m.name, m.abi_version)))
+            }
             Outcome::PeerError { message } => Probe::Broken(message),
             other => Probe::Broken(format!("unexpected reply to open: {other:?}")),
         },
@@ -48,7 +54,8 @@ fn probe(plan: &RunPlan) -> Probe {
 
 pub fn run_plan(plan: RunPlan) -> Report {
     let started = Instant::now();
-    let selected_clauses: Vec<_> = registry().into_iter().filter(|c| selected(plan.clauses.as_deref(), c.id, c.group)).collect();
+    let selected_clauses: Vec<_> =
+        registry().into_iter().filter(|c| selected(plan.clauses.as_deref(), c.id, c.group)).collect();
     let mut report = Report {
         plugin: plan.plugin.clone(),
         plugin_name: String::new(),
@@ -77,7 +84,13 @@ pub fn run_plan(plan: RunPlan) -> Report {
     if let Some((status, evidence)) = blanket {
         report.clauses = selected_clauses
             .iter()
-            .map(|c| ClauseResult { id: c.id.into(), group: c.group.into(), status, evidence: evidence.clone(), elapsed_ms: 0 })
+            .map(|c| ClauseResult {
+                id: c.id.into(),
+                group: c.group.into(),
+                status,
+                evidence: evidence.clone(),
+                elapsed_ms: 0,
+            })
             .collect();
         report.elapsed_ms = started.elapsed().as_millis() as u64;
         return report;
@@ -118,7 +131,11 @@ pub fn run_plan(plan: RunPlan) -> Report {
         // A clause that passed without its situation ever arising is not a pass.
         if let Some(list) = ctx.exercised.get(result.id.as_str()) {
             if result.status == Status::Pass {
-                let counts = list.iter().map(|e| format!("{}: {} of {}", e.what, e.seen, e.tries)).collect::<Vec<_>>().join("; ");
+                let counts = list
+                    .iter()
+                    .map(|e| format!("{}: {} of {}", e.what, e.seen, e.tries))
+                    .collect::<Vec<_>>()
+                    .join("; ");
                 match list.iter().find(|e| e.seen == 0) {
                     Some(e) => {
                         result.status = e.absent;

@@ -65,8 +65,11 @@ impl TcpProxy {
         let counters = Arc::new(TcpCounters::default());
         let stop = Arc::new(AtomicBool::new(false));
         let threads: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-        let (to, f, c, s, t) = (Arc::clone(&target), Arc::clone(&fault), Arc::clone(&counters), Arc::clone(&stop), Arc::clone(&threads));
-        let acceptor = std::thread::Builder::new().name("tcp-fault-proxy".into()).spawn(move || accept(listener, to, f, c, s, t))?;
+        let (to, f, c, s, t) =
+            (Arc::clone(&target), Arc::clone(&fault), Arc::clone(&counters), Arc::clone(&stop), Arc::clone(&threads));
+        let acceptor = std::thread::Builder::new()
+            .name("tcp-fault-proxy".into())
+            .spawn(move || accept(listener, to, f, c, s, t))?;
         Ok(TcpProxy { listen, target, fault, counters, stop, threads, acceptor: Some(acceptor) })
     }
 
@@ -116,7 +119,9 @@ pub fn listening_tcp_ports(pid: u32) -> Vec<u16> {
         for line in text.lines().skip(1) {
             let fields: Vec<&str> = line.split_whitespace().collect();
             // sl local_address rem_address st tx:rx tr:tm retrnsmt uid timeout inode
-            let (Some(local), Some(state), Some(inode)) = (fields.get(1), fields.get(3), fields.get(9)) else { continue };
+            let (Some(local), Some(state), Some(inode)) = (fields.get(1), fields.get(3), fields.get(9)) else {
+                continue;
+            };
             if *state != "0A" || !inodes.contains(*inode) {
                 continue;
             }
@@ -179,7 +184,14 @@ fn reset(s: &TcpStream) {
     };
 }
 
-fn accept(listener: TcpListener, target: Arc<Mutex<SocketAddr>>, fault: Arc<Mutex<TcpFault>>, counters: Arc<TcpCounters>, stop: Arc<AtomicBool>, threads: Arc<Mutex<Vec<JoinHandle<()>>>>) {
+fn accept(
+    listener: TcpListener,
+    target: Arc<Mutex<SocketAddr>>,
+    fault: Arc<Mutex<TcpFault>>,
+    counters: Arc<TcpCounters>,
+    stop: Arc<AtomicBool>,
+    threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
+) {
     while !stop.load(Ordering::SeqCst) {
         let client = match listener.accept() {
             Ok((client, _)) => client,
@@ -205,7 +217,10 @@ fn accept(listener: TcpListener, target: Arc<Mutex<SocketAddr>>, fault: Arc<Mute
             let (Ok(from), Ok(to)) = (from, to) else { continue };
             let (f, c, s) = (Arc::clone(&fault), Arc::clone(&counters), Arc::clone(&stop));
             let to_target = i == 0;
-            if let Ok(t) = std::thread::Builder::new().name("tcp-fault-pump".into()).spawn(move || pump(from, to, to_target, f, c, s)) {
+            if let Ok(t) = std::thread::Builder::new()
+                .name("tcp-fault-pump".into())
+                .spawn(move || pump(from, to, to_target, f, c, s))
+            {
                 spawned.push(t);
             }
         }
@@ -215,7 +230,14 @@ fn accept(listener: TcpListener, target: Arc<Mutex<SocketAddr>>, fault: Arc<Mute
 
 /// Move bytes from `from` to `to` (toward the target when `to_target`) under the current fault,
 /// until either side closes, a reset, or `stop`.
-fn pump(mut from: TcpStream, mut to: TcpStream, to_target: bool, fault: Arc<Mutex<TcpFault>>, counters: Arc<TcpCounters>, stop: Arc<AtomicBool>) {
+fn pump(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    to_target: bool,
+    fault: Arc<Mutex<TcpFault>>,
+    counters: Arc<TcpCounters>,
+    stop: Arc<AtomicBool>,
+) {
     let _ = from.set_read_timeout(Some(Duration::from_millis(POLL_MS)));
     let mut held: std::collections::VecDeque<(Instant, Vec<u8>)> = Default::default();
     let mut buf = vec![0u8; 65_536];
@@ -255,7 +277,14 @@ fn pump(mut from: TcpStream, mut to: TcpStream, to_target: bool, fault: Arc<Mute
                 return;
             }
             Ok(n) => n,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue
+            }
             Err(_) => {
                 let _ = to.shutdown(Shutdown::Write);
                 return;
@@ -372,7 +401,10 @@ mod tests {
         assert_eq!(echo_within(&mut client, b"hello", Duration::from_secs(2)).unwrap(), b"hello");
 
         proxy.set(TcpFault::BlackHole);
-        assert!(echo_within(&mut client, b"lost", Duration::from_millis(200)).is_err(), "nothing comes back through a black hole");
+        assert!(
+            echo_within(&mut client, b"lost", Duration::from_millis(200)).is_err(),
+            "nothing comes back through a black hole"
+        );
         assert!(proxy.counters.dropped_bytes.load(Ordering::Relaxed) >= 4);
 
         let mut client = TcpStream::connect(proxy.listen).unwrap();
@@ -401,11 +433,17 @@ mod tests {
         client.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let mut buf = [0u8; 8];
         let r = client.read(&mut buf);
-        assert!(matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset), "an open connection is reset: {r:?}");
+        assert!(
+            matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+            "an open connection is reset: {r:?}"
+        );
         let mut late = TcpStream::connect(proxy.listen).unwrap();
         late.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let r = late.read(&mut buf);
-        assert!(matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset), "a new connection is reset at once: {r:?}");
+        assert!(
+            matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+            "a new connection is reset at once: {r:?}"
+        );
         assert!(proxy.counters.resets.load(Ordering::Relaxed) >= 2);
     }
 }

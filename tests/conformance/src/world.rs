@@ -184,13 +184,19 @@ impl Pair {
         let mut tx = PeerProcess::spawn(&ctx.cmd, "sender").map_err(Verdict::Fail)?;
         let mut rx = PeerProcess::spawn(&ctx.cmd, "receiver").map_err(Verdict::Fail)?;
         let bound = Duration::from_millis(ctx.limits.reply_bound_ms);
-        let open = Op::Open { plugin: ctx.plugin.clone(), config: ctx.plugin_config.clone(), memory: ctx.limits.memory_provider.clone() };
+        let open = Op::Open {
+            plugin: ctx.plugin.clone(),
+            config: ctx.plugin_config.clone(),
+            memory: ctx.limits.memory_provider.clone(),
+        };
         let mut infos = Vec::new();
         for p in [&mut tx, &mut rx] {
             let reply = p.call(&open, bound).map_err(|e| fail_no_reply(&p.role, "open", e))?;
             match reply.outcome {
                 Outcome::Info { module, instance } => infos.push((module, instance)),
-                Outcome::Unavailable { reason, .. } => return Err(Verdict::Unsupported(format!("plugin unavailable: {reason}"))),
+                Outcome::Unavailable { reason, .. } => {
+                    return Err(Verdict::Unsupported(format!("plugin unavailable: {reason}")))
+                }
                 Outcome::PeerError { message } => return Err(Verdict::Fail(message)),
                 other => return Err(Verdict::Fail(format!("open: unexpected reply {other:?}"))),
             }
@@ -269,7 +275,9 @@ impl Pair {
     fn expect_done(&mut self, side: Side, op: Op, ctx: &mut Ctx, what: &str) -> Result<(), Verdict> {
         match self.call(side, op, ctx)?.outcome {
             Outcome::Done => Ok(()),
-            Outcome::Failed { error } => Err(Verdict::Fail(format!("{what} failed: {}: {}", error.code_name, error.message))),
+            Outcome::Failed { error } => {
+                Err(Verdict::Fail(format!("{what} failed: {}: {}", error.code_name, error.message)))
+            }
             other => Err(Verdict::Fail(format!("{what}: unexpected reply {other:?}"))),
         }
     }
@@ -296,17 +304,21 @@ impl Pair {
         self.next_xfer
     }
 
-    fn alloc_register(&mut self, side: Side, len: u64, seed: u64, ctx: &mut Ctx) -> Result<(u32, u64, Vec<u8>), Verdict> {
+    fn alloc_register(
+        &mut self,
+        side: Side,
+        len: u64,
+        seed: u64,
+        ctx: &mut Ctx,
+    ) -> Result<(u32, u64, Vec<u8>), Verdict> {
         let rid = self.rid();
         self.call(side, Op::Alloc { rid, len, seed }, ctx)?;
         match self.call(side, Op::Register { rid }, ctx)?.outcome {
             Outcome::Registered { key, remote_key } => Ok((rid, key, remote_key)),
-            Outcome::Failed { error } => {
-                Err(Verdict::Fail(format!(
+            Outcome::Failed { error } => Err(Verdict::Fail(format!(
                 "register of a {len}-byte region (memory provider {:?}) refused: {}: {}",
                 self.limits.memory_provider, error.code_name, error.message
-            )))
-            }
+            ))),
             other => Err(Verdict::Fail(format!("register: unexpected reply {other:?}"))),
         }
     }
@@ -326,7 +338,9 @@ impl Pair {
         let peer = self.rx_peer;
         match self.call(Side::Tx, Op::Import { peer, bytes: bytes.to_vec() }, ctx)?.outcome {
             Outcome::Key { key } => Ok(key),
-            Outcome::Failed { error } => Err(Verdict::Fail(format!("import_remote_key refused: {}: {}", error.code_name, error.message))),
+            Outcome::Failed { error } => {
+                Err(Verdict::Fail(format!("import_remote_key refused: {}: {}", error.code_name, error.message)))
+            }
             other => Err(Verdict::Fail(format!("import: unexpected reply {other:?}"))),
         }
     }
@@ -341,12 +355,25 @@ impl Pair {
     }
 
     /// Submit; the ledger records it. Returns the id and, when accepted, the sender clock at return.
-    pub fn submit(&mut self, ticket: u64, timeout_ms: u64, segments: Vec<Seg>, ctx: &mut Ctx) -> Result<(u64, Result<u64, CallError>), Verdict> {
+    pub fn submit(
+        &mut self,
+        ticket: u64,
+        timeout_ms: u64,
+        segments: Vec<Seg>,
+        ctx: &mut Ctx,
+    ) -> Result<(u64, Result<u64, CallError>), Verdict> {
         let xfer = self.xfer_id();
         self.submit_as(xfer, ticket, timeout_ms * 1_000_000, segments, ctx).map(|r| (xfer, r))
     }
 
-    pub fn submit_as(&mut self, xfer: u64, ticket: u64, timeout_ns: u64, segments: Vec<Seg>, ctx: &mut Ctx) -> Result<Result<u64, CallError>, Verdict> {
+    pub fn submit_as(
+        &mut self,
+        xfer: u64,
+        ticket: u64,
+        timeout_ns: u64,
+        segments: Vec<Seg>,
+        ctx: &mut Ctx,
+    ) -> Result<Result<u64, CallError>, Verdict> {
         let peer = self.rx_peer;
         let bytes = total_bytes(&segments);
         let reply = self.call(Side::Tx, Op::Submit { xfer, peer, ticket, timeout_ns, segments }, ctx)?;
@@ -439,7 +466,8 @@ impl Pair {
         let wanted: std::collections::BTreeSet<u64> = xfers.iter().copied().filter(|x| self.accepted(*x)).collect();
         let mut missing = Vec::new();
         self.tx.wait_events(bound, |events| {
-            let done: std::collections::BTreeSet<u64> = events.iter().filter(|e| is_terminal(e)).map(|e| e.xfer).collect();
+            let done: std::collections::BTreeSet<u64> =
+                events.iter().filter(|e| is_terminal(e)).map(|e| e.xfer).collect();
             missing = wanted.difference(&done).copied().collect();
             missing.is_empty()
         });
@@ -458,15 +486,24 @@ impl Pair {
         let offset = src.len.min(dst.len) - len;
         let (x, r) = self.submit(ticket, self.limits.long_timeout_ms, vec![seg(src, offset, dst, offset, len)], ctx)?;
         if let Err(e) = r {
-            return Err(Verdict::Fail(format!("settling the ticket: a {len} B transfer with the receiver running was refused: {}: {}", e.code_name, e.message)));
+            return Err(Verdict::Fail(format!(
+                "settling the ticket: a {len} B transfer with the receiver running was refused: {}: {}",
+                e.code_name, e.message
+            )));
         }
         match self.wait_terminal(x, self.bound()) {
             Some(e) if e.kind == EventKind::SUCCEEDED.0 => {
                 self.wait_landed(src, dst, offset, len, Duration::from_millis(SETTLE_LANDING_BOUND_MS));
                 Ok(())
             }
-            Some(e) => Err(Verdict::Fail(format!("settling the ticket: a {len} B transfer with the receiver running ended {}", describe(&e)))),
-            None => Err(Verdict::Fail(format!("settling the ticket: a {len} B transfer with the receiver running did not end within {} ms", self.bound().as_millis()))),
+            Some(e) => Err(Verdict::Fail(format!(
+                "settling the ticket: a {len} B transfer with the receiver running ended {}",
+                describe(&e)
+            ))),
+            None => Err(Verdict::Fail(format!(
+                "settling the ticket: a {len} B transfer with the receiver running did not end within {} ms",
+                self.bound().as_millis()
+            ))),
         }
     }
 
@@ -496,17 +533,26 @@ impl Pair {
         let unended = self.unended(ctx);
         let tx_events = self.tx.events();
         self.check_ledger(&tx_events, ctx);
-        let with_progress: std::collections::BTreeSet<u64> =
-            tx_events.iter().filter(|e| e.kind == EventKind::PROGRESS.0 && e.flags & event_flags::INCOMING == 0 && self.accepted(e.xfer)).map(|e| e.xfer).collect();
+        let with_progress: std::collections::BTreeSet<u64> = tx_events
+            .iter()
+            .filter(|e| {
+                e.kind == EventKind::PROGRESS.0 && e.flags & event_flags::INCOMING == 0 && self.accepted(e.xfer)
+            })
+            .map(|e| e.xfer)
+            .collect();
         let transfers = self.xfers.values().filter(|x| x.accepted).count() as u64;
-        let absent = if self.info.flags & cap_flags::PROGRESS_EVENTS != 0 { Status::NotExercised } else { Status::Unsupported };
+        let absent =
+            if self.info.flags & cap_flags::PROGRESS_EVENTS != 0 { Status::NotExercised } else { Status::Unsupported };
         ctx.exercise("OBS-5", "transfers with PROGRESS events", with_progress.len() as u64, transfers, absent);
         for e in tx_events.iter().chain(self.rx.events().iter()) {
             check_event_fields(e, ctx);
         }
         for peer in [&mut self.tx, &mut self.rx] {
             if let Some(death) = peer.unreported_death() {
-                ctx.findings.add("HYGIENE-1", format!("[{}] {} peer process died during the clause: {death}", self.context, peer.role));
+                ctx.findings.add(
+                    "HYGIENE-1",
+                    format!("[{}] {} peer process died during the clause: {death}", self.context, peer.role),
+                );
             }
         }
         let bound = Duration::from_millis(2_000);
@@ -552,7 +598,12 @@ impl Pair {
             .take(5)
             .map(|x| {
                 let l = &self.xfers[x];
-                format!("transfer {x} (submitted at {:.1} ms, timeout {} ms, {} B)", ms(l.submitted_ns), l.timeout_ns / 1_000_000, l.bytes.last().copied().unwrap_or(0))
+                format!(
+                    "transfer {x} (submitted at {:.1} ms, timeout {} ms, {} B)",
+                    ms(l.submitted_ns),
+                    l.timeout_ns / 1_000_000,
+                    l.bytes.last().copied().unwrap_or(0)
+                )
             })
             .collect();
         Some(format!(
@@ -569,17 +620,31 @@ impl Pair {
         let mut terminals: BTreeMap<u64, Vec<&WireEvent>> = BTreeMap::new();
         for e in events.iter().filter(|e| e.flags & event_flags::INCOMING == 0) {
             let kind = EventKind(e.kind);
-            if kind != EventKind::SUCCEEDED && kind != EventKind::FAILED && kind != EventKind::QUIESCED && kind != EventKind::PROGRESS {
+            if kind != EventKind::SUCCEEDED
+                && kind != EventKind::FAILED
+                && kind != EventKind::QUIESCED
+                && kind != EventKind::PROGRESS
+            {
                 continue;
             }
             match self.xfers.get(&e.xfer) {
                 None => ctx.findings.add(
                     "RES-1",
-                    format!("[{}] event {} for transfer id {} the harness never submitted", self.context, describe(e), e.xfer),
+                    format!(
+                        "[{}] event {} for transfer id {} the harness never submitted",
+                        self.context,
+                        describe(e),
+                        e.xfer
+                    ),
                 ),
                 Some(x) if !x.accepted => ctx.findings.add(
                     "RES-1",
-                    format!("[{}] event {} for transfer {} whose submit was refused", self.context, describe(e), e.xfer),
+                    format!(
+                        "[{}] event {} for transfer {} whose submit was refused",
+                        self.context,
+                        describe(e),
+                        e.xfer
+                    ),
                 ),
                 Some(_) => {}
             }
@@ -591,7 +656,15 @@ impl Pair {
             let allowed = self.xfers.get(xfer).map_or(1, |x| x.accepted_submits.max(1) as usize);
             if list.len() > allowed {
                 let seen: Vec<String> = list.iter().map(|e| describe(e)).collect();
-                ctx.findings.add("RES-1", format!("[{}] transfer {xfer} got {} terminal events: {}", self.context, list.len(), seen.join(", ")));
+                ctx.findings.add(
+                    "RES-1",
+                    format!(
+                        "[{}] transfer {xfer} got {} terminal events: {}",
+                        self.context,
+                        list.len(),
+                        seen.join(", ")
+                    ),
+                );
             }
         }
         let reused = |xfer: u64| self.xfers.get(&xfer).is_some_and(|x| x.accepted_submits > 1);
@@ -599,7 +672,8 @@ impl Pair {
             ctx.findings.add(clause, format!("[{}] {finding}", self.context));
         }
         // CONFORMANCE: OBS-5 (every PROGRESS event of the run)
-        let lives = |xfer: u64| self.xfers.get(&xfer).filter(|x| x.accepted).map(|x| x.bytes.clone()).unwrap_or_default();
+        let lives =
+            |xfer: u64| self.xfers.get(&xfer).filter(|x| x.accepted).map(|x| x.bytes.clone()).unwrap_or_default();
         for finding in progress_findings(events, lives) {
             ctx.findings.add("OBS-5", format!("[{}] {finding}", self.context));
         }
@@ -612,7 +686,11 @@ fn without_terminal(xfers: &BTreeMap<u64, Xfer>, events: &[WireEvent]) -> Vec<u6
     for e in events.iter().filter(|e| is_terminal(e)) {
         *ended.entry(e.xfer).or_default() += 1;
     }
-    xfers.iter().filter(|(x, l)| l.accepted && ended.get(x).copied().unwrap_or(0) < l.accepted_submits).map(|(x, _)| *x).collect()
+    xfers
+        .iter()
+        .filter(|(x, l)| l.accepted && ended.get(x).copied().unwrap_or(0) < l.accepted_submits)
+        .map(|(x, _)| *x)
+        .collect()
 }
 
 /// OBS-5 on one side's outgoing events: the `PROGRESS` bytes of a transfer never go down, never exceed
@@ -650,9 +728,17 @@ fn progress_findings(events: &[WireEvent], lives: impl Fn(u64) -> Vec<u64>) -> V
         if life.ended {
             findings.push(format!("{} carries {} bytes after the transfer's terminal event", describe(e), e.bytes));
         } else if let Some(last) = life.last.filter(|last| e.bytes < *last) {
-            findings.push(format!("{} carries {} bytes after a PROGRESS of {last} bytes: progress went backwards", describe(e), e.bytes));
+            findings.push(format!(
+                "{} carries {} bytes after a PROGRESS of {last} bytes: progress went backwards",
+                describe(e),
+                e.bytes
+            ));
         } else if e.bytes > total {
-            findings.push(format!("{} carries {} bytes, more than the {total} bytes the transfer was submitted with", describe(e), e.bytes));
+            findings.push(format!(
+                "{} carries {} bytes, more than the {total} bytes the transfer was submitted with",
+                describe(e),
+                e.bytes
+            ));
         }
         life.last = Some(life.last.map_or(e.bytes, |l| l.max(e.bytes)));
     }
@@ -678,7 +764,13 @@ fn event_order_findings(events: &[WireEvent], reused: impl Fn(u64) -> bool) -> V
             ("live", EventKind::FAILED) => "failed",
             ("failed", EventKind::QUIESCED) => "done",
             (_, EventKind::QUIESCED) => {
-                findings.push(("RES-3", format!("{} came while the transfer was {s} (QUIESCED only follows a FAILED without the flag)", describe(e))));
+                findings.push((
+                    "RES-3",
+                    format!(
+                        "{} came while the transfer was {s} (QUIESCED only follows a FAILED without the flag)",
+                        describe(e)
+                    ),
+                ));
                 s
             }
             _ => s,
@@ -695,13 +787,20 @@ fn check_event_fields(e: &WireEvent, ctx: &mut Ctx) {
         ctx.findings.add("OBS-1", format!("[{}] event of undeclared kind {}", ctx.current, e.kind));
         return;
     }
-    let needs_reason = [EventKind::FAILED, EventKind::INCOMING_FAILED, EventKind::PEER_DOWN, EventKind::UNHEALTHY].contains(&kind);
+    let needs_reason =
+        [EventKind::FAILED, EventKind::INCOMING_FAILED, EventKind::PEER_DOWN, EventKind::UNHEALTHY].contains(&kind);
     if needs_reason {
         let reason = ReasonCode(e.reason);
         if e.reason == 0 || !reason.is_known() || e.message.trim().is_empty() {
             ctx.findings.add(
                 "OBS-1",
-                format!("[{}] {} carries reason code {} and message {:?}", ctx.current, describe(e), e.reason, e.message),
+                format!(
+                    "[{}] {} carries reason code {} and message {:?}",
+                    ctx.current,
+                    describe(e),
+                    e.reason,
+                    e.message
+                ),
             );
         }
         if reason == ReasonCode::PANIC {
@@ -762,7 +861,11 @@ mod tests {
         let list = &ctx.exercised["ABORT-4"];
         assert_eq!(list.len(), 2);
         assert_eq!((list[0].seen, list[0].tries), (6, 20), "the same situation adds up");
-        assert_eq!((list[1].seen, list[1].tries), (0, 400), "another situation is kept apart: one never seen leaves the clause not exercised");
+        assert_eq!(
+            (list[1].seen, list[1].tries),
+            (0, 400),
+            "another situation is kept apart: one never seen leaves the clause not exercised"
+        );
     }
 
     fn event(xfer: u64, kind: EventKind, flags: u32) -> WireEvent {
@@ -789,7 +892,15 @@ mod tests {
     #[test]
     fn progress_moves_forward_within_the_total_and_stops_at_the_terminal_event() {
         let lives = |x: u64| if x == 9 { vec![] } else { vec![100] };
-        let ok = [progress(1, 10), progress(1, 10), progress(1, 100), event(1, EventKind::SUCCEEDED, 0), progress(2, 0), event(2, EventKind::FAILED, 0), event(2, EventKind::QUIESCED, 0)];
+        let ok = [
+            progress(1, 10),
+            progress(1, 10),
+            progress(1, 100),
+            event(1, EventKind::SUCCEEDED, 0),
+            progress(2, 0),
+            event(2, EventKind::FAILED, 0),
+            event(2, EventKind::QUIESCED, 0),
+        ];
         assert!(progress_findings(&ok, lives).is_empty(), "{:?}", progress_findings(&ok, lives));
         let backwards = [progress(1, 60), progress(1, 40), progress(1, 50)];
         let f = progress_findings(&backwards, lives);
@@ -807,7 +918,13 @@ mod tests {
     #[test]
     fn an_id_submitted_again_starts_its_progress_afresh_with_its_own_total() {
         let lives = |_| vec![1000, 64];
-        let events = [progress(7, 900), event(7, EventKind::SUCCEEDED, 0), progress(7, 10), progress(7, 64), event(7, EventKind::SUCCEEDED, 0)];
+        let events = [
+            progress(7, 900),
+            event(7, EventKind::SUCCEEDED, 0),
+            progress(7, 10),
+            progress(7, 64),
+            event(7, EventKind::SUCCEEDED, 0),
+        ];
         assert!(progress_findings(&events, lives).is_empty(), "{:?}", progress_findings(&events, lives));
         let over = [event(7, EventKind::SUCCEEDED, 0), progress(7, 65)];
         assert_eq!(progress_findings(&over, lives).len(), 1, "the second life's total is 64");
@@ -824,7 +941,8 @@ mod tests {
         twice.accepted_submits = 2;
         xfers.insert(3, twice);
         assert_eq!(without_terminal(&xfers, &[]), vec![1, 3], "a refused submit needs no event");
-        let one_each = [event(1, EventKind::SUCCEEDED, 0), event(3, EventKind::FAILED, 0), event(3, EventKind::QUIESCED, 0)];
+        let one_each =
+            [event(1, EventKind::SUCCEEDED, 0), event(3, EventKind::FAILED, 0), event(3, EventKind::QUIESCED, 0)];
         assert_eq!(without_terminal(&xfers, &one_each), vec![3], "QUIESCED is not terminal; id 3 was accepted twice");
         let incoming = [WireEvent { flags: event_flags::INCOMING, ..event(1, EventKind::FAILED, 0) }];
         assert_eq!(without_terminal(&xfers, &incoming), vec![1, 3], "an incoming event ends no transfer");
@@ -833,12 +951,18 @@ mod tests {
     #[test]
     fn an_id_submitted_again_after_it_ended_starts_a_new_life() {
         // The first transfer succeeded; the second, under the same id, was cancelled mid-copy.
-        let events = [event(7, EventKind::SUCCEEDED, 0), event(7, EventKind::FAILED, 0), event(7, EventKind::QUIESCED, 0)];
+        let events =
+            [event(7, EventKind::SUCCEEDED, 0), event(7, EventKind::FAILED, 0), event(7, EventKind::QUIESCED, 0)];
         assert!(event_order_findings(&events, |x| x == 7).is_empty());
         // The same events for an id submitted once break RES-3.
         assert_eq!(event_order_findings(&events, |_| false).len(), 1);
         // A reused id still gets one QUIESCED per life.
-        let extra = [event(7, EventKind::SUCCEEDED, 0), event(7, EventKind::FAILED, 0), event(7, EventKind::QUIESCED, 0), event(7, EventKind::QUIESCED, 0)];
+        let extra = [
+            event(7, EventKind::SUCCEEDED, 0),
+            event(7, EventKind::FAILED, 0),
+            event(7, EventKind::QUIESCED, 0),
+            event(7, EventKind::QUIESCED, 0),
+        ];
         assert_eq!(event_order_findings(&extra, |x| x == 7).len(), 1);
     }
 }

@@ -43,7 +43,10 @@ fn clause_id_at_start(line: &str) -> Option<String> {
 
 pub fn is_clause_id(s: &str) -> bool {
     let Some((group, num)) = s.split_once('-') else { return false };
-    !group.is_empty() && group.chars().all(|c| c.is_ascii_uppercase()) && !num.is_empty() && num.chars().all(|c| c.is_ascii_digit())
+    !group.is_empty()
+        && group.chars().all(|c| c.is_ascii_uppercase())
+        && !num.is_empty()
+        && num.chars().all(|c| c.is_ascii_digit())
 }
 
 pub fn parse_contract(text: &str) -> Contract {
@@ -120,11 +123,18 @@ pub struct Citation {
 }
 
 pub fn citations_in_file(path: &Path, text: &str) -> Vec<Citation> {
-    let in_test = path.components().any(|c| c.as_os_str() == "tests") || text.contains("#[test]") || text.contains("#[cfg(test)]");
+    let in_test = path.components().any(|c| c.as_os_str() == "tests")
+        || text.contains("#[test]")
+        || text.contains("#[cfg(test)]");
     text.lines()
         .enumerate()
         .flat_map(|(i, line)| {
-            citations_in_line(line).into_iter().map(move |id| Citation { id, file: path.to_path_buf(), line: i + 1, in_test })
+            citations_in_line(line).into_iter().map(move |id| Citation {
+                id,
+                file: path.to_path_buf(),
+                line: i + 1,
+                in_test,
+            })
         })
         .collect()
 }
@@ -195,7 +205,12 @@ pub fn problems(contract: &Contract, citations: &[Citation], harness_ids: &[&str
 /// What a plugin crate fails of the rule "a plugin crate cites, in its own sources, every clause
 /// enforced by plugins, except those `exempt` lists for it (with a reason)": each such clause it does
 /// not cite, and each exemption that is stale (the clause is cited after all, or is not a plugin's).
-pub fn plugin_citation_gaps(contract: &Contract, plugin: &str, cited: &BTreeSet<String>, exempt: &[&str]) -> Vec<String> {
+pub fn plugin_citation_gaps(
+    contract: &Contract,
+    plugin: &str,
+    cited: &BTreeSet<String>,
+    exempt: &[&str],
+) -> Vec<String> {
     let mut out = Vec::new();
     for id in &contract.plugin_enforced {
         if !cited.contains(id) && !exempt.contains(&id.as_str()) {
@@ -206,7 +221,9 @@ pub fn plugin_citation_gaps(contract: &Contract, plugin: &str, cited: &BTreeSet<
         if cited.contains(*id) {
             out.push(format!("plugin {plugin} is exempted from {id} but cites it: drop the exemption"));
         } else if !contract.plugin_enforced.contains(*id) {
-            out.push(format!("plugin {plugin} is exempted from {id}, which CONFORMANCE.md does not enforce on plugins"));
+            out.push(format!(
+                "plugin {plugin} is exempted from {id}, which CONFORMANCE.md does not enforce on plugins"
+            ));
         }
     }
     out
@@ -252,7 +269,8 @@ mod tests {
 
     #[test]
     fn a_plugin_missing_a_citation_or_keeping_a_stale_exemption_is_reported() {
-        let doc = "**A-1**. x\nEnforced by: plugin.\n\n**A-2**. x\nEnforced by: plugin.\n\n**A-3**. x\nEnforced by: core.\n";
+        let doc =
+            "**A-1**. x\nEnforced by: plugin.\n\n**A-2**. x\nEnforced by: plugin.\n\n**A-3**. x\nEnforced by: core.\n";
         let c = parse_contract(doc);
         let cited: BTreeSet<String> = ["A-1".to_string()].into();
         assert!(plugin_citation_gaps(&c, "p", &cited, &["A-2"]).is_empty());

@@ -18,7 +18,11 @@ const NOT_IN_THE_PLUGIN: &[(&str, &str, &str)] = &[
     ("shm", "DATA-7", "same host: no network to corrupt or delay"),
     ("nvlink", "TIME-12", "same host: no network to black-hole"),
     ("nvlink", "DATA-7", "same host: no network to corrupt or delay"),
-    ("ucx", "DATA-7", "UCX's transports deliver bytes intact (TCP's checksum, shared memory); the plugin adds no check"),
+    (
+        "ucx",
+        "DATA-7",
+        "UCX's transports deliver bytes intact (TCP's checksum, shared memory); the plugin adds no check",
+    ),
     ("quic", "TIME-10", "no worker thread of its own: its work runs as tasks of its tokio runtime"),
 ];
 
@@ -52,7 +56,11 @@ fn every_plugin_crate_cites_the_clauses_it_implements() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let text = std::fs::read_to_string(root.join("CONFORMANCE.md")).expect("CONFORMANCE.md at the repository root");
     let contract = xref::parse_contract(&text);
-    assert!(contract.plugin_enforced.len() >= 20, "only {} plugin-enforced clauses parsed", contract.plugin_enforced.len());
+    assert!(
+        contract.plugin_enforced.len() >= 20,
+        "only {} plugin-enforced clauses parsed",
+        contract.plugin_enforced.len()
+    );
     let mut plugins: Vec<String> = std::fs::read_dir(root.join("plugins"))
         .expect("plugins/")
         .flatten()

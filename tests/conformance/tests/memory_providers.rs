@@ -8,10 +8,13 @@ mod common;
 use common::*;
 
 fn fake_device_plugin() -> String {
-    kvgate_host::artifacts::built_cdylib_path("kvgate-gateway-fixture-fake-device-plugin", "kvgate_fixture_fake_device_plugin")
-        .unwrap_or_else(|e| panic!("{e}"))
-        .to_string_lossy()
-        .into_owned()
+    kvgate_host::artifacts::built_cdylib_path(
+        "kvgate-gateway-fixture-fake-device-plugin",
+        "kvgate_fixture_fake_device_plugin",
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+    .to_string_lossy()
+    .into_owned()
 }
 
 const FAKE_DEVICE: &str = "[harness]\nmemory_provider = \"fake_device\"\n";
@@ -44,5 +47,8 @@ fn a_host_only_plugin_refuses_fake_device_regions() {
     let run = run_harness("builtin:shm", &["--quick", "--clauses", "DATA-1"], FAKE_DEVICE);
     let (_, status, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == "DATA-1").unwrap();
     assert_eq!(status, "fail", "{evidence}");
-    assert!(evidence.contains("memory provider \"fake_device\"") && evidence.contains("unsupported_memory"), "{evidence}");
+    assert!(
+        evidence.contains("memory provider \"fake_device\"") && evidence.contains("unsupported_memory"),
+        "{evidence}"
+    );
 }

@@ -41,7 +41,11 @@ fn assert_fails_on_each_and_perhaps(defect: &str, clauses: &[&str], perhaps: &[&
             assert!(may_be_unsupported(&id, &evidence), "{defect}: {id} unsupported: {evidence}");
         }
     }
-    assert!(run.with_status("not_exercised").is_empty(), "{defect}: every clause's situation must arise\n{}", run.stdout);
+    assert!(
+        run.with_status("not_exercised").is_empty(),
+        "{defect}: every clause's situation must arise\n{}",
+        run.stdout
+    );
     assert_eq!(run.report["certified"], false);
 }
 
@@ -142,13 +146,22 @@ fn cancel_slow_under_load_fails_abort_4() {
         assert_eq!(status, "fail", "seed {seed} {profile:?}: {}", run.stdout);
         // In the full profile the 10 000-transfer storm's cancels, queued first, already overrun the
         // storm grace, and the loaded case's wait behind them: the evidence says so instead.
-        assert!(evidence.contains("later than G") || profile.is_empty(), "seed {seed}: the evidence names the late cancels: {evidence}");
+        assert!(
+            evidence.contains("later than G") || profile.is_empty(),
+            "seed {seed}: the evidence names the late cancels: {evidence}"
+        );
     }
     // The faithful base meets G in the same case, hundreds of transfers live.
     let run = run_mutant("reference", &["--quick", "--clauses", "ABORT-4"], MUTANT_CONFIG);
     let (_, status, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == "ABORT-4").unwrap();
     assert_eq!(status, "pass", "{}", run.stdout);
-    assert!(evidence.contains("cancels under load") && !evidence.contains("cancels under load (a live transfer reached with at least 100 live, bytes seen moving): 0 of"), "{evidence}");
+    assert!(
+        evidence.contains("cancels under load")
+            && !evidence.contains(
+                "cancels under load (a live transfer reached with at least 100 live, bytes seen moving): 0 of"
+            ),
+        "{evidence}"
+    );
 }
 
 // CONFORMANCE: DATA-1
@@ -262,7 +275,10 @@ fn loses_terminal_event_fails_res_1() {
     let run = run_mutant("loses-terminal-event", &["--quick", "--clauses", "TIME-5,RES-1"], MUTANT_CONFIG);
     let (_, status, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == "RES-1").unwrap();
     assert_eq!(status, "fail", "{}", run.stdout);
-    assert!(evidence.contains("[TIME-5]") && evidence.contains("never got a terminal event in clause TIME-5"), "the evidence names the clause and the transfer: {evidence}");
+    assert!(
+        evidence.contains("[TIME-5]") && evidence.contains("never got a terminal event in clause TIME-5"),
+        "the evidence names the clause and the transfer: {evidence}"
+    );
     assert!(evidence.contains("transfer "), "{evidence}");
 }
 
@@ -302,21 +318,29 @@ fn every_mutant_is_tested_here_and_listed_in_conformance_md() {
     for entry in std::fs::read_dir(root.join("tests/mutants")).expect("tests/mutants") {
         let dir = entry.expect("entry").file_name().to_string_lossy().into_owned();
         if dir != "base" && dir != "library" {
-            assert!(tests.contains(&format!("\"kvgate-mutant-{dir}\"")), "tests/mutants/{dir} is run by no test in mutants.rs");
+            assert!(
+                tests.contains(&format!("\"kvgate-mutant-{dir}\"")),
+                "tests/mutants/{dir} is run by no test in mutants.rs"
+            );
             names.push(dir);
         }
     }
     names.sort();
     assert!(names.len() >= 30, "{names:?}");
     let section = doc.split("\n## Mutants\n").nth(1).expect("a Mutants section").split("\n## ").next().unwrap_or("");
-    let rows: Vec<&str> = section.lines().filter(|l| l.starts_with("| `")).map(|l| l.split('`').nth(1).unwrap_or("")).collect();
+    let rows: Vec<&str> =
+        section.lines().filter(|l| l.starts_with("| `")).map(|l| l.split('`').nth(1).unwrap_or("")).collect();
     for name in &names {
-        let run_by_a_test = tests.contains(&format!("\"{name}\"")) || tests.contains(&format!("\"kvgate-mutant-{name}\""));
+        let run_by_a_test =
+            tests.contains(&format!("\"{name}\"")) || tests.contains(&format!("\"kvgate-mutant-{name}\""));
         assert!(run_by_a_test, "the mutant {name} is run by no test in mutants.rs");
         if name.starts_with("reference") {
             assert!(doc.contains(&format!("`{name}`")), "CONFORMANCE.md does not name the faithful variant {name}");
         } else {
-            assert!(rows.contains(&name.replace('-', "_").as_str()), "CONFORMANCE.md's table of mutants has no row for {name}");
+            assert!(
+                rows.contains(&name.replace('-', "_").as_str()),
+                "CONFORMANCE.md's table of mutants has no row for {name}"
+            );
         }
     }
     assert!(rows.len() >= 28, "{rows:?}");
@@ -350,7 +374,11 @@ fn abort_after_stall_fails_hygiene_1_from_a_clause_with_no_call_after_the_death(
 #[test]
 fn ucx_tcp_drops_deadlines_fails_time_12_through_the_tcp_proxy() {
     let lib = mutant_library("kvgate-mutant-ucx-tcp-drops-deadlines");
-    let run = run_harness(&lib.to_string_lossy(), &["--quick", "--clauses", "TIME-12"], "[plugin]\ntls = \"tcp\"\ndevices = \"lo\"\n");
+    let run = run_harness(
+        &lib.to_string_lossy(),
+        &["--quick", "--clauses", "TIME-12"],
+        "[plugin]\ntls = \"tcp\"\ndevices = \"lo\"\n",
+    );
     assert_eq!(run.with_status("fail"), ["TIME-12"], "{}", run.stdout);
     let (_, _, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == "TIME-12").unwrap();
     assert!(evidence.contains("every byte of every connection dropped"), "the TCP proxy's black hole: {evidence}");

@@ -54,7 +54,10 @@ fn ucx_over_tcp_passes_every_clause() {
     assert_all_pass(&run, true);
     assert_eq!(run.report["profile"], "full");
     for (id, _, evidence) in run.clauses().into_iter().filter(|(id, _, _)| id == "TIME-12" || id == "DATA-7") {
-        assert!(evidence.contains("TCP proxy toward the receiver") && !evidence.contains("not proxied"), "{id}: {evidence}");
+        assert!(
+            evidence.contains("TCP proxy toward the receiver") && !evidence.contains("not proxied"),
+            "{id}: {evidence}"
+        );
     }
     let (_, _, evidence) = run.clauses().into_iter().find(|(id, _, _)| id == "HANDSHAKE-2").unwrap();
     assert!(evidence.contains("behind the same TCP proxy address"), "{evidence}");

@@ -121,7 +121,10 @@ mod tests {
 
     #[test]
     fn patterned_rows_expand_to_their_keys() {
-        assert_eq!(expand_key_pattern("peer_link.tls.{cert,key,ca}_file"), ["peer_link.tls.cert_file", "peer_link.tls.key_file", "peer_link.tls.ca_file"]);
+        assert_eq!(
+            expand_key_pattern("peer_link.tls.{cert,key,ca}_file"),
+            ["peer_link.tls.cert_file", "peer_link.tls.key_file", "peer_link.tls.ca_file"]
+        );
         assert_eq!(expand_key_pattern("d.tls.{ca_file,cert_file}"), ["d.tls.ca_file", "d.tls.cert_file"]);
         assert_eq!(expand_key_pattern("[[peers]] name, address"), ["peers.name", "peers.address"]);
         assert_eq!(expand_key_pattern("gateway.name"), ["gateway.name"]);

@@ -29,7 +29,8 @@ fn every_gateway_key_is_in_the_gateway_readme() {
 
 #[test]
 fn every_scheduler_key_is_in_the_top_level_readme() {
-    let keys: Vec<String> = gateway_keys().iter().filter_map(|k| k.strip_prefix("scheduler.")).map(str::to_string).collect();
+    let keys: Vec<String> =
+        gateway_keys().iter().filter_map(|k| k.strip_prefix("scheduler.")).map(str::to_string).collect();
     assert!(keys.len() >= 10, "too few scheduler keys read: {keys:?}");
     let missing = undocumented(&keys, TOP_README);
     assert!(missing.is_empty(), "scheduler keys missing from README.md's [scheduler] table: {missing:?}");
@@ -43,7 +44,8 @@ const UNSET_BY_DEFAULT: [(&str, &str, &str); 1] = [("peer_link", "auth", "\"none
 fn every_gateway_key_the_readme_table_names_is_accepted() {
     let mut accepted = gateway_keys();
     for (section, key, value) in UNSET_BY_DEFAULT {
-        kvgate::config::load_config_from_str(&format!("[{section}]\n{key} = {value}\n")).unwrap_or_else(|e| panic!("{section}.{key}: {e}"));
+        kvgate::config::load_config_from_str(&format!("[{section}]\n{key} = {value}\n"))
+            .unwrap_or_else(|e| panic!("{section}.{key}: {e}"));
         accepted.push(format!("{section}.{key}"));
     }
     // Plain `section.key` rows; the patterned ones of the optional tables (`peer_link.tls.{cert,key,ca}_file`,
@@ -59,7 +61,8 @@ fn every_gateway_key_the_readme_table_names_is_accepted() {
 
 /// The tables the defaults do not write (absent unless configured), each as its dotted name and its
 /// TOML header: their keys are read from the gateway's refusal of an unknown key in them.
-const OPTIONAL_TABLES: [(&str, &str); 3] = [("peers", "[[peers]]"), ("peer_link.tls", "[peer_link.tls]"), ("discovery.tls", "[discovery.tls]")];
+const OPTIONAL_TABLES: [(&str, &str); 3] =
+    [("peers", "[[peers]]"), ("peer_link.tls", "[peer_link.tls]"), ("discovery.tls", "[discovery.tls]")];
 
 /// Tables inside a section (`[engine_api.connections]`...): their keys are checked the same way.
 const NESTED_TABLES: [(&str, &str); 3] = [
@@ -75,10 +78,19 @@ fn the_readme_row_of_each_optional_table_names_exactly_the_keys_it_accepts() {
         .flat_map(|k| expand_key_pattern(k))
         .collect();
     for (table, header) in OPTIONAL_TABLES.into_iter().chain(NESTED_TABLES) {
-        let refusal = kvgate::config::load_config_from_str(&format!("{header}\nno_such_key_anywhere = 1\n")).map(drop).map_err(|e| e.to_string());
-        let accepted: BTreeSet<String> = keys_in_refusal(&refusal.expect_err("an unknown key is refused")).iter().map(|k| format!("{table}.{k}")).collect();
-        let in_readme: BTreeSet<String> = named.iter().filter(|k| k.starts_with(&format!("{table}."))).cloned().collect();
-        assert_eq!(in_readme, accepted, "{header}: the keys gateway/README.md's table names (left) are not those the gateway accepts (right)");
+        let refusal = kvgate::config::load_config_from_str(&format!("{header}\nno_such_key_anywhere = 1\n"))
+            .map(drop)
+            .map_err(|e| e.to_string());
+        let accepted: BTreeSet<String> = keys_in_refusal(&refusal.expect_err("an unknown key is refused"))
+            .iter()
+            .map(|k| format!("{table}.{k}"))
+            .collect();
+        let in_readme: BTreeSet<String> =
+            named.iter().filter(|k| k.starts_with(&format!("{table}."))).cloned().collect();
+        assert_eq!(
+            in_readme, accepted,
+            "{header}: the keys gateway/README.md's table names (left) are not those the gateway accepts (right)"
+        );
     }
 }
 

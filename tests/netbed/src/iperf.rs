@@ -19,7 +19,12 @@ pub struct Iperf3Result {
 
 /// Whether iperf3 is installed (Debian `iperf3`; scripts/install-deps.sh installs it).
 pub fn iperf3_available() -> bool {
-    std::process::Command::new("iperf3").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    std::process::Command::new("iperf3")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// Kills the iperf3 server when the run ends, however it ends.
@@ -51,7 +56,17 @@ pub(crate) fn run(link: &Link, seconds: f64, streams: u32, congestion: Option<&s
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let mut client = link.command(0, "iperf3").map_err(|e| format!("iperf3 client: {e}"))?;
-        client.args(["-c", &server_ip, "-p", &port.to_string(), "-J", "-t", &format!("{seconds}"), "-P", &streams.to_string()]);
+        client.args([
+            "-c",
+            &server_ip,
+            "-p",
+            &port.to_string(),
+            "-J",
+            "-t",
+            &format!("{seconds}"),
+            "-P",
+            &streams.to_string(),
+        ]);
         if let Some(cc) = congestion {
             client.args(["-C", cc]);
         }
@@ -60,7 +75,9 @@ pub(crate) fn run(link: &Link, seconds: f64, streams: u32, congestion: Option<&s
         match parse(&text) {
             Ok(r) => return Ok(r),
             // The server may not listen yet.
-            Err(e) if Instant::now() < deadline && (e.contains("connect") || e.contains("refused")) => std::thread::sleep(Duration::from_millis(100)),
+            Err(e) if Instant::now() < deadline && (e.contains("connect") || e.contains("refused")) => {
+                std::thread::sleep(Duration::from_millis(100))
+            }
             Err(e) => return Err(format!("iperf3: {e}")),
         }
     }
@@ -73,7 +90,8 @@ pub(crate) fn parse(json: &str) -> Result<Iperf3Result, String> {
         return Err(err.to_string());
     }
     let end = &v["end"];
-    let bytes_per_s = end["sum_received"]["bits_per_second"].as_f64().ok_or("no end.sum_received.bits_per_second")? / 8.0;
+    let bytes_per_s =
+        end["sum_received"]["bits_per_second"].as_f64().ok_or("no end.sum_received.bits_per_second")? / 8.0;
     Ok(Iperf3Result {
         bytes_per_s,
         retransmits: end["sum_sent"]["retransmits"].as_u64().unwrap_or(0),
@@ -91,6 +109,9 @@ mod tests {
             "cpu_utilization_percent":{"host_total":50.5,"remote_total":20.0},"sender_tcp_congestion":"cubic"}}"#;
         let r = super::parse(ok).unwrap();
         assert_eq!((r.bytes_per_s, r.retransmits, r.congestion.as_str()), (1e9, 7, "cubic"));
-        assert_eq!(super::parse(r#"{"error":"unable to connect to server: Connection refused"}"#).unwrap_err(), "unable to connect to server: Connection refused");
+        assert_eq!(
+            super::parse(r#"{"error":"unable to connect to server: Connection refused"}"#).unwrap_err(),
+            "unable to connect to server: Connection refused"
+        );
     }
 }

@@ -98,7 +98,8 @@ fn open_tun(name: &str) -> std::io::Result<OwnedFd> {
     }
     // SAFETY: fd is a fresh descriptor this function owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let mut req = IfReq { name: [0; libc::IFNAMSIZ], flags: (libc::IFF_TUN | libc::IFF_NO_PI) as libc::c_short, _pad: [0; 22] };
+    let mut req =
+        IfReq { name: [0; libc::IFNAMSIZ], flags: (libc::IFF_TUN | libc::IFF_NO_PI) as libc::c_short, _pad: [0; 22] };
     req.name[..name.len()].copy_from_slice(name.as_bytes());
     // SAFETY: TUNSETIFF reads and writes one ifreq.
     if unsafe { libc::ioctl(fd.as_raw_fd(), TUNSETIFF as _, &mut req) } < 0 {
@@ -143,7 +144,8 @@ impl Link {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pid = std::process::id();
-        let hosts = [0u8, 1].map(|i| Host { namespace: format!("{NS_PREFIX}{pid}-{n}-{i}"), address: Ipv4Addr::new(10, 77, 0, i + 1) });
+        let hosts = [0u8, 1]
+            .map(|i| Host { namespace: format!("{NS_PREFIX}{pid}-{n}-{i}"), address: Ipv4Addr::new(10, 77, 0, i + 1) });
         let mut link = Link { hosts: hosts.clone(), profile: std::sync::Mutex::new(profile.clone()), relay: None };
         let mut fds = Vec::new();
         for (i, host) in hosts.iter().enumerate() {
@@ -156,14 +158,25 @@ impl Link {
             run_ip(&["link", "set", "dev", &temp, "netns", ns])?;
             run_ip(&["-n", ns, "link", "set", "dev", &temp, "name", DEVICE])?;
             run_ip(&["-n", ns, "link", "set", "dev", DEVICE, "mtu", &profile.mtu.to_string(), "txqueuelen", "1000"])?;
-            run_ip(&["-n", ns, "addr", "add", &format!("{}/32", host.address), "peer", &format!("{}/32", peer.address), "dev", DEVICE])?;
+            run_ip(&[
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{}/32", host.address),
+                "peer",
+                &format!("{}/32", peer.address),
+                "dev",
+                DEVICE,
+            ])?;
             run_ip(&["-n", ns, "link", "set", "dev", DEVICE, "up"])?;
             run_ip(&["-n", ns, "link", "set", "dev", "lo", "up"])?;
             fds.push(fd);
         }
         let tun1 = fds.pop().expect("two");
         let tun0 = fds.pop().expect("two");
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
+        let seed =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64);
         link.relay = Some(relay::Relay::start(tun0, tun1, profile, seed)?);
         Ok(link)
     }
@@ -211,7 +224,13 @@ impl Link {
     }
 
     /// `(status, body)` of an HTTP/1.0 `GET path` on `addr` inside host `i` (blocking, bounded by `timeout`).
-    pub fn http_get(&self, i: usize, addr: SocketAddr, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
+    pub fn http_get(
+        &self,
+        i: usize,
+        addr: SocketAddr,
+        path: &str,
+        timeout: Duration,
+    ) -> std::io::Result<(u16, String)> {
         let mut stream = self.tcp_connect(i, addr, timeout)?;
         stream.set_read_timeout(Some(timeout))?;
         stream.set_write_timeout(Some(timeout))?;

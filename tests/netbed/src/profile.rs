@@ -57,12 +57,19 @@ impl Profile {
                 _ => {}
             }
             let p = profile.get_or_insert_with(|| Profile::new("", Duration::ZERO, 0.0));
-            let (key, value) = part.split_once('=').ok_or_else(|| format!("link profile: {part:?} is not a, b, c or key=value"))?;
+            let (key, value) =
+                part.split_once('=').ok_or_else(|| format!("link profile: {part:?} is not a, b, c or key=value"))?;
             match key {
                 "delay" => p.one_way_delay = parse_duration(value)?,
                 "loss" => p.loss = parse_loss(value)?,
                 "rate" => p.rate_bytes_per_s = Some(parse_rate(value)?),
-                "mtu" => p.mtu = value.parse().ok().filter(|m| (576..=65535).contains(m)).ok_or_else(|| format!("link profile: mtu={value} is not 576..=65535"))?,
+                "mtu" => {
+                    p.mtu = value
+                        .parse()
+                        .ok()
+                        .filter(|m| (576..=65535).contains(m))
+                        .ok_or_else(|| format!("link profile: mtu={value} is not 576..=65535"))?
+                }
                 "queue" => p.queue_bytes = parse_bytes(value)?,
                 other => return Err(format!("link profile: unknown key {other:?} (delay, loss, rate, mtu, queue)")),
             }
@@ -80,7 +87,13 @@ impl Profile {
             Some(r) => format!("{:.0} Mbit/s", r as f64 * 8.0 / 1e6),
             None => "rate as the relay forwards".to_string(),
         };
-        format!("{} ({} ms one way, {} % loss each way, {rate}, MTU {})", self.name, self.one_way_delay.as_secs_f64() * 1e3, self.loss * 100.0, self.mtu)
+        format!(
+            "{} ({} ms one way, {} % loss each way, {rate}, MTU {})",
+            self.name,
+            self.one_way_delay.as_secs_f64() * 1e3,
+            self.loss * 100.0,
+            self.mtu
+        )
     }
 }
 
@@ -176,7 +189,10 @@ mod tests {
         assert_eq!(p.rate_bytes_per_s, Some(125_000_000));
         assert_eq!(p.mtu, 9000);
         let p = Profile::parse("b,rate=200mbyte").unwrap();
-        assert_eq!((p.one_way_delay, p.rate_bytes_per_s, p.name.as_str()), (Duration::from_millis(1), Some(200_000_000), "b,rate=200mbyte"));
+        assert_eq!(
+            (p.one_way_delay, p.rate_bytes_per_s, p.name.as_str()),
+            (Duration::from_millis(1), Some(200_000_000), "b,rate=200mbyte")
+        );
         assert!(Profile::parse("delay=1").unwrap_err().contains("delay=1"));
         assert!(Profile::parse("loss=2").unwrap_err().contains("loss"));
         assert!(Profile::parse("jitter=1ms").unwrap_err().contains("unknown key"));

@@ -96,7 +96,8 @@ pub(crate) struct Relay {
 impl Relay {
     /// Start forwarding between `tun0` (host 0's device) and `tun1` (host 1's).
     pub(crate) fn start(tun0: OwnedFd, tun1: OwnedFd, profile: &Profile, seed: u64) -> std::io::Result<Relay> {
-        let shared = Arc::new(Shared { shaping: Shaping::default(), stats: Default::default(), stop: AtomicBool::new(false) });
+        let shared =
+            Arc::new(Shared { shaping: Shaping::default(), stats: Default::default(), stop: AtomicBool::new(false) });
         shared.shaping.set(profile);
         let fds = [Arc::new(tun0), Arc::new(tun1)];
         for fd in &fds {
@@ -108,9 +109,17 @@ impl Relay {
             let (from, to) = (fds[dir].clone(), fds[1 - dir].clone());
             let (s, q) = (shared.clone(), queue.clone());
             let rng = seed ^ (0x9e37_79b9_7f4a_7c15u64.wrapping_mul(dir as u64 + 1));
-            threads.push(std::thread::Builder::new().name(format!("netbed-read-{dir}")).spawn(move || read_loop(&from, &s, &q, dir, rng))?);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("netbed-read-{dir}"))
+                    .spawn(move || read_loop(&from, &s, &q, dir, rng))?,
+            );
             let s = shared.clone();
-            threads.push(std::thread::Builder::new().name(format!("netbed-write-{dir}")).spawn(move || write_loop(&to, &s, &queue, dir))?);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("netbed-write-{dir}"))
+                    .spawn(move || write_loop(&to, &s, &queue, dir))?,
+            );
         }
         Ok(Relay { shared, threads })
     }
@@ -210,7 +219,10 @@ fn write_loop(fd: &OwnedFd, shared: &Shared, queue: &Queue, dir: usize) {
         let wait = {
             let mut q = queue.packets.lock().unwrap_or_else(|e| e.into_inner());
             if q.is_empty() {
-                let (guard, _) = queue.ready.wait_timeout(q, Duration::from_millis(IDLE_POLL_MS as u64)).unwrap_or_else(|e| e.into_inner());
+                let (guard, _) = queue
+                    .ready
+                    .wait_timeout(q, Duration::from_millis(IDLE_POLL_MS as u64))
+                    .unwrap_or_else(|e| e.into_inner());
                 q = guard;
             }
             let now = Instant::now();

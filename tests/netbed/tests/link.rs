@@ -21,7 +21,10 @@ fn skip() -> Option<String> {
 /// An echo round trip over TCP from host 0 to host 1; returns the median RTT of `n` 1-byte echoes.
 fn echo_rtt(link: &Link, n: usize) -> Duration {
     let server_addr: SocketAddr = format!("{}:7000", link.host(1).address).parse().unwrap();
-    let listener = kvgate_netbed::in_namespace(&link.host(1).namespace, move || std::net::TcpListener::bind(server_addr)).unwrap().unwrap();
+    let listener =
+        kvgate_netbed::in_namespace(&link.host(1).namespace, move || std::net::TcpListener::bind(server_addr))
+            .unwrap()
+            .unwrap();
     let server = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         let mut b = [0u8; 1];

@@ -496,7 +496,10 @@ impl<T, S> Drop for TransferLedger<T, S> {
     fn drop(&mut self) {
         if self.live > 0 {
             DROPPED_WITHOUT_TERMINAL.fetch_add(self.live, Ordering::SeqCst);
-            eprintln!("kvgate-abi: a transfer ledger was dropped with {} live transfers (terminal events lost)", self.live);
+            eprintln!(
+                "kvgate-abi: a transfer ledger was dropped with {} live transfers (terminal events lost)",
+                self.live
+            );
         }
     }
 }
@@ -519,7 +522,12 @@ impl OrderedDelivery {
     /// returns none; return at once if another thread is delivering. `pending` tells (under the
     /// caller's lock) whether events are queued: checked after letting go of the delivery lock, so
     /// events queued while the holder was finishing are never left behind.
-    pub fn flush(&self, pending: impl Fn() -> bool, mut take: impl FnMut() -> Vec<Event>, mut deliver: impl FnMut(Event)) {
+    pub fn flush(
+        &self,
+        pending: impl Fn() -> bool,
+        mut take: impl FnMut() -> Vec<Event>,
+        mut deliver: impl FnMut(Event),
+    ) {
         loop {
             let guard = match self.delivering.try_lock() {
                 Ok(guard) => guard,

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 
 pub struct CountingAllocator;
 pub static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
+// SAFETY: every call is forwarded unchanged to the system allocator; only a counter is added.
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         LIVE_BYTES.fetch_add(layout.size() as isize, Ordering::Relaxed);

@@ -53,7 +53,12 @@ pub fn new_side(config: CoreConfig, now: At, side: Side) -> Core {
         Side::Sender => A,
     };
     core.handle_peer_up(now, peer, 1, SLOT);
-    let info = RegionInfo { id: REGION, len: 1 << 40, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(SLOT, LocalKey(1))] };
+    let info = RegionInfo {
+        id: REGION,
+        len: 1 << 40,
+        memory_kind: kvgate_abi::MemoryKind::HOST,
+        keys: vec![(SLOT, LocalKey(1))],
+    };
     core.handle_region_registered(now, info);
     if side == Side::Sender {
         core.handle_remote_region(now, A, REGION, 1 << 40, RemoteKey(2));
@@ -153,7 +158,9 @@ impl NoopPair {
         for n in 0..count {
             let room = RoomKey::new(u64::MAX / 2 + n, 0);
             let parts = vec![vec![Slice::new(REGION, n * 64, 64)]];
-            self.receiver.handle_engine(self.now, EngineRequest::Expect { room, peer: B, parts, timeout_ms: None }).unwrap();
+            self.receiver
+                .handle_engine(self.now, EngineRequest::Expect { room, peer: B, parts, timeout_ms: None })
+                .unwrap();
             while self.receiver.poll_command().is_some() {}
         }
     }

@@ -3,7 +3,7 @@
 //! side, fed the same inputs since its creation, replays them alone (the caller times that).
 //! Included by path next to `noop_pair.rs`; it owns no measurement.
 
-use super::noop_pair::{new_side, Input, NoopPair, Side, EXPECT_PART, SEND_SLICES, A, B, SLOT};
+use super::noop_pair::{new_side, Input, NoopPair, Side, A, B, EXPECT_PART, SEND_SLICES, SLOT};
 use kvgate_core::*;
 
 /// Lifecycles recorded by the pair, then replayed by the shadow core, at a time.

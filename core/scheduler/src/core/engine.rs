@@ -4,10 +4,10 @@
 
 use super::mapping::{insert_range, map_chunk, stream_position, SourceSlice};
 use super::room::{ChunkXfer, HeldChunk, Placement, RecvPart, RoleData, Room, SendPart, AT_CURSOR};
-use crate::lifecycle::{TicketState, TransferState};
 use super::store::{Lookup, TicketRef, XferRef};
 use super::{Core, LocalRegion};
 use crate::api::*;
+use crate::lifecycle::{TicketState, TransferState};
 use crate::metrics::{HarmlessAbort, LateSource};
 use crate::table::RoomInput;
 use crate::timer::TimerKind;
@@ -110,18 +110,29 @@ impl Core {
     /// The plugin one part of an expect uses: the first of the peer's plugins that holds a key for
     /// every destination region of the part and serves the memory kind the sender reads it from
     /// (`source`, or the kind of the part's first destination region). Slices already checked.
-    fn part_plugin(&self, room: RoomKey, peer: PeerId, slices: &[Slice], source: Option<kvgate_abi::MemoryKind>) -> Result<PluginSlot, Refusal> {
+    fn part_plugin(
+        &self,
+        room: RoomKey,
+        peer: PeerId,
+        slices: &[Slice],
+        source: Option<kvgate_abi::MemoryKind>,
+    ) -> Result<PluginSlot, Refusal> {
         let entry = &self.peers[&peer];
         let source = source.unwrap_or_else(|| self.regions[&slices[0].region].kind);
         let first = entry.plugins[0].slot;
         // The common case: the preferred plugin serves the part (one region, one lookup).
         let serves = |plugin: &PeerPlugin| {
-            plugin.memory_kinds & source.bit() != 0 && slices.iter().all(|s| self.regions[&s.region].key_for(plugin.slot).is_some())
+            plugin.memory_kinds & source.bit() != 0
+                && slices.iter().all(|s| self.regions[&s.region].key_for(plugin.slot).is_some())
         };
         if serves(&entry.plugins[0]) {
             return Ok(first);
         }
-        entry.plugins[1..].iter().find(|p| serves(p)).map(|p| p.slot).ok_or(Refusal { room, reason: RefusalReason::NoPluginForMemory })
+        entry.plugins[1..]
+            .iter()
+            .find(|p| serves(p))
+            .map(|p| p.slot)
+            .ok_or(Refusal { room, reason: RefusalReason::NoPluginForMemory })
     }
 
     /// One part of an expect in `plugin`'s keys (every region holds one: `part_plugin`); returns its
@@ -250,7 +261,13 @@ impl Core {
         for (index, (part, &plugin)) in parts.iter().zip(plugins).enumerate() {
             let (bytes, ranges) = self.resolve_expect_part(plugin, part.as_ref());
             bytes_total += bytes;
-            recv_parts.push(RecvPart { bytes, done: false, ticket: TicketState::Open, plugin, sender: sender_index(index) });
+            recv_parts.push(RecvPart {
+                bytes,
+                done: false,
+                ticket: TicketState::Open,
+                plugin,
+                sender: sender_index(index),
+            });
             part_ranges.push(ranges);
         }
         (recv_parts, part_ranges, bytes_total)
@@ -276,10 +293,13 @@ impl Core {
         let sender_of = |index: usize| part_peers.get(index).copied().unwrap_or(peer);
         let senders = receiver_senders(peer, part_peers);
         let sender_index = |index: usize| -> u16 {
-            senders.as_ref().map_or(0, |s| s.peers.iter().position(|(p, _)| *p == sender_of(index)).expect("listed above") as u16)
+            senders
+                .as_ref()
+                .map_or(0, |s| s.peers.iter().position(|(p, _)| *p == sender_of(index)).expect("listed above") as u16)
         };
         let (recv_parts, part_ranges, bytes_total) = self.receiver_parts(parts, &plugins, sender_index);
-        let extra_senders: smallvec::SmallVec<[PeerId; 2]> = senders.iter().flat_map(|s| s.peers[1..].iter().map(|(p, _)| *p)).collect();
+        let extra_senders: smallvec::SmallVec<[PeerId; 2]> =
+            senders.iter().flat_map(|s| s.peers[1..].iter().map(|(p, _)| *p)).collect();
         let ticket_base = self.rooms.reserve_tickets(parts.len() as u64);
         let room_timeout_ms = timeout_ms.unwrap_or(self.config.room_timeout_ms).min(self.config.max_room_timeout_ms);
         let deadline = now.saturating_add(Span::from_ms(room_timeout_ms));
@@ -306,7 +326,13 @@ impl Core {
             let ticket = Ticket(ticket_base + index as u64);
             self.rooms.bind_ticket(ticket.0, TicketRef { slot, epoch, part: index as u32 });
             let plugin = plugins[index];
-            self.commands.push_back(Command::ExpectIncoming { plugin, peer: sender_of(index), ticket, timeout: remaining, ranges });
+            self.commands.push_back(Command::ExpectIncoming {
+                plugin,
+                peer: sender_of(index),
+                ticket,
+                timeout: remaining,
+                ranges,
+            });
             tickets.push(ticket);
         }
         if !extra_senders.is_empty() {
@@ -340,10 +366,18 @@ impl Core {
         let sender_of = |index: usize| part_peers.get(index).copied().unwrap_or(peer);
         for sender in std::iter::once(peer).chain(extra_senders.iter().copied()) {
             let own = |index: usize| sender_of(index) == sender;
-            let notice_parts = parts.iter().enumerate().map(|(i, p)| if own(i) { p.as_ref().to_vec() } else { Vec::new() }).collect();
+            let notice_parts =
+                parts.iter().enumerate().map(|(i, p)| if own(i) { p.as_ref().to_vec() } else { Vec::new() }).collect();
             let notice_tickets = tickets.iter().enumerate().map(|(i, t)| if own(i) { *t } else { Ticket(0) }).collect();
-            let notice_plugins = plugins.iter().enumerate().map(|(i, p)| if own(i) { *p } else { PluginSlot::NONE }).collect();
-            let message = PeerMessage::ExpectNotice { room: key, parts: notice_parts, tickets: notice_tickets, plugins: notice_plugins, timeout: remaining };
+            let notice_plugins =
+                plugins.iter().enumerate().map(|(i, p)| if own(i) { *p } else { PluginSlot::NONE }).collect();
+            let message = PeerMessage::ExpectNotice {
+                room: key,
+                parts: notice_parts,
+                tickets: notice_tickets,
+                plugins: notice_plugins,
+                timeout: remaining,
+            };
             self.push_peer(sender, message);
         }
     }
@@ -386,7 +420,9 @@ impl Core {
             Lookup::Same(slot) => self.send_to_existing(now, slot, peer, part, chunk, at, slices, last),
             // CONFORMANCE: ABORT-6
             Lookup::Settled(_) => Self::refuse(key, RefusalReason::RoomTerminal),
-            lookup @ (Lookup::Absent | Lookup::Older(_)) => self.open_sender(now, key, lookup, peer, part, chunk, at, slices, last),
+            lookup @ (Lookup::Absent | Lookup::Older(_)) => {
+                self.open_sender(now, key, lookup, peer, part, chunk, at, slices, last)
+            }
         }
     }
 
@@ -435,7 +471,6 @@ impl Core {
         Ok(())
     }
 
-
     #[allow(clippy::too_many_arguments)]
     fn send_to_existing(
         &mut self,
@@ -473,7 +508,14 @@ impl Core {
     /// bound to the same peer, the part is its own (once the notice came), and the chunk follows
     /// the part's placement and order. Returns the room's key, whether the notice came, and the
     /// chunk's placement.
-    fn check_send(&self, slot: u32, peer: Option<PeerId>, part: u32, chunk: u32, at: Option<u64>) -> Result<(RoomKey, bool, Placement), Refusal> {
+    fn check_send(
+        &self,
+        slot: u32,
+        peer: Option<PeerId>,
+        part: u32,
+        chunk: u32,
+        at: Option<u64>,
+    ) -> Result<(RoomKey, bool, Placement), Refusal> {
         let room = self.room_at(slot);
         let key = room.key;
         let refusal = |reason| Refusal { room: key, reason };
@@ -492,8 +534,10 @@ impl Core {
         if notice && parts.get(part as usize).is_none_or(|p| p.foreign()) {
             return Err(refusal(RefusalReason::UnknownPart));
         }
-        let (next_chunk, last_seen, placement) =
-            parts.get(part as usize).map(|p| (p.next_chunk, p.last_seen, p.placement)).unwrap_or((0, false, Placement::Unset));
+        let (next_chunk, last_seen, placement) = parts
+            .get(part as usize)
+            .map(|p| (p.next_chunk, p.last_seen, p.placement))
+            .unwrap_or((0, false, Placement::Unset));
         let wanted = if at.is_some() { Placement::Explicit } else { Placement::Cursor };
         if placement != Placement::Unset && placement != wanted {
             return Err(refusal(RefusalReason::PlacementMismatch));
@@ -571,7 +615,15 @@ impl Core {
     /// `at`: the byte of the part's destination stream the chunk starts at, or `AT_CURSOR` (right after
     /// the previous chunk). An explicitly placed chunk must not overlap one already placed nor run
     /// past the part's end; with `last` it must complete the part.
-    pub(super) fn place_chunk(&mut self, _now: At, slot: u32, part: u32, at: u64, slices: &[Slice], last: bool) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
+    pub(super) fn place_chunk(
+        &mut self,
+        _now: At,
+        slot: u32,
+        part: u32,
+        at: u64,
+        slices: &[Slice],
+        last: bool,
+    ) -> Result<Vec<kvgate_abi::Segment>, PlaceError> {
         let plugin = match &self.room_at(slot).data {
             RoleData::Sender { parts, .. } => parts[part as usize].plugin(),
             RoleData::Receiver { .. } => unreachable!("chunks are placed in sender rooms"),
@@ -606,7 +658,8 @@ impl Core {
         let target = &mut parts[part as usize];
         if at != AT_CURSOR {
             // Explicit: [at, at + bytes) of the stream, not overlapping any chunk already placed.
-            let end = at.checked_add(bytes).filter(|&end| end <= target.dest_total).ok_or(PlaceError::LengthMismatch)?;
+            let end =
+                at.checked_add(bytes).filter(|&end| end <= target.dest_total).ok_or(PlaceError::LengthMismatch)?;
             let covered = target.covered.get_or_insert_with(Default::default);
             let index = covered.partition_point(|&(_, e)| e <= at);
             if covered.get(index).is_some_and(|&(s, _)| s < end) {
@@ -616,8 +669,9 @@ impl Core {
                 return Err(PlaceError::LengthMismatch);
             }
             let (start_slice, start_offset) = stream_position(&target.dest, at);
-            let (segments, _, _) = map_chunk(sources, slices.len(), &target.dest, start_slice, start_offset, max_segments, spare)
-                .map_err(|_| PlaceError::TooManySegments)?;
+            let (segments, _, _) =
+                map_chunk(sources, slices.len(), &target.dest, start_slice, start_offset, max_segments, spare)
+                    .map_err(|_| PlaceError::TooManySegments)?;
             insert_range(covered, index, at, end);
             target.placement = Placement::Explicit;
             target.filled += bytes;
@@ -629,9 +683,16 @@ impl Core {
         if bytes > remaining || (last && bytes != remaining) {
             return Err(PlaceError::LengthMismatch);
         }
-        let (segments, cursor_slice, cursor_offset) =
-            map_chunk(sources, slices.len(), &target.dest, target.cursor_slice, target.cursor_offset, max_segments, spare)
-                .map_err(|_| PlaceError::TooManySegments)?;
+        let (segments, cursor_slice, cursor_offset) = map_chunk(
+            sources,
+            slices.len(),
+            &target.dest,
+            target.cursor_slice,
+            target.cursor_offset,
+            max_segments,
+            spare,
+        )
+        .map_err(|_| PlaceError::TooManySegments)?;
         target.cursor_slice = cursor_slice;
         target.cursor_offset = cursor_offset;
         target.placement = Placement::Cursor;

@@ -257,7 +257,11 @@ mod tests {
         let mut stale: std::collections::HashSet<u32> = std::collections::HashSet::new();
         let mut next_value = 0u32;
         for step in 0..200_000u32 {
-            let id = if next_random(&mut rng).is_multiple_of(2) { next_random(&mut rng) % 4096 } else { next_random(&mut rng) };
+            let id = if next_random(&mut rng).is_multiple_of(2) {
+                next_random(&mut rng) % 4096
+            } else {
+                next_random(&mut rng)
+            };
             let found = find_id(&table, &by_value, id);
             assert_eq!(found.map(|index| table.value_at(index)), by_id.get(&id).copied(), "step {step}, id {id}");
             match (next_random(&mut rng) % 3, found) {
@@ -451,7 +455,11 @@ mod tests {
         }
         table.note_eviction();
         table.insert_new(table.hash(value as u64), value, |held| held < 20);
-        assert_eq!((table.slots(), table.len()), (128, 33), "more than three eighths of 64 slots held after the sweep: doubled");
+        assert_eq!(
+            (table.slots(), table.len()),
+            (128, 33),
+            "more than three eighths of 64 slots held after the sweep: doubled"
+        );
     }
 
     #[test]

@@ -130,7 +130,10 @@ mod placement_tests {
 
     #[test]
     fn a_stream_position_is_found_in_the_slice_that_holds_the_byte() {
-        let dest = [DestSlice { key: RemoteKey(1), offset: 100, len: 10 }, DestSlice { key: RemoteKey(1), offset: 500, len: 5 }];
+        let dest = [
+            DestSlice { key: RemoteKey(1), offset: 100, len: 10 },
+            DestSlice { key: RemoteKey(1), offset: 500, len: 5 },
+        ];
         assert_eq!(stream_position(&dest, 0), (0, 0));
         assert_eq!(stream_position(&dest, 9), (0, 9));
         assert_eq!(stream_position(&dest, 10), (1, 0));

@@ -262,9 +262,18 @@ impl Core {
 
     /// A peer's region imported into `plugin` (one of the peer's plugins): its key there replaces
     /// any earlier one, and its length is the latest announced. Ignored for a peer that is not up.
-    pub fn handle_remote_region_key(&mut self, _now: At, peer: PeerId, region: RegionId, len: u64, plugin: PluginSlot, key: RemoteKey) {
+    pub fn handle_remote_region_key(
+        &mut self,
+        _now: At,
+        peer: PeerId,
+        region: RegionId,
+        len: u64,
+        plugin: PluginSlot,
+        key: RemoteKey,
+    ) {
         let Some(entry) = self.peers.get_mut(&peer) else { return };
-        let remote = entry.remote_regions.entry(region).or_insert_with(|| RemoteRegion { len, keys: smallvec::SmallVec::new() });
+        let remote =
+            entry.remote_regions.entry(region).or_insert_with(|| RemoteRegion { len, keys: smallvec::SmallVec::new() });
         remote.len = len;
         match remote.keys.iter_mut().find(|(slot, _)| *slot == plugin) {
             Some(held) => held.1 = key,
@@ -292,7 +301,11 @@ impl Core {
     pub fn handle_peer_plugins(&mut self, _now: At, peer: PeerId, plugins: &[PeerPlugin], retired: &[PluginSlot]) {
         let Some(entry) = self.peers.get_mut(&peer) else { return };
         entry.plugins = plugins.iter().copied().filter(|p| p.slot.0 < room::MAX_PLUGIN_SLOTS).collect();
-        entry.retired = retired.iter().copied().filter(|s| s.0 < room::MAX_PLUGIN_SLOTS && !plugins.iter().any(|p| p.slot == *s)).collect();
+        entry.retired = retired
+            .iter()
+            .copied()
+            .filter(|s| s.0 < room::MAX_PLUGIN_SLOTS && !plugins.iter().any(|p| p.slot == *s))
+            .collect();
     }
 
     /// The peer link is lost: every live room bound to `peer` fails at once (`peer_lost`).
@@ -399,11 +412,17 @@ impl Core {
         self.room_mut(slot).touch(now, LastEvent::TimerFired);
         match kind {
             // CONFORMANCE: TIME-6
-            TimerKind::Bootstrap => self.fail_room(now, slot, RoomInput::BootstrapTimer, FailReason::BootstrapTimeout, None, None),
-            TimerKind::Transfer => self.fail_room(now, slot, RoomInput::TransferTimer, FailReason::TransferTimeout, None, None),
+            TimerKind::Bootstrap => {
+                self.fail_room(now, slot, RoomInput::BootstrapTimer, FailReason::BootstrapTimeout, None, None)
+            }
+            TimerKind::Transfer => {
+                self.fail_room(now, slot, RoomInput::TransferTimer, FailReason::TransferTimeout, None, None)
+            }
             TimerKind::Room => self.fail_room(now, slot, RoomInput::RoomTimer, FailReason::RoomTimeout, None, None),
             TimerKind::PluginGrace => self.plugin_grace_expired(now, slot),
-            TimerKind::Quarantine => self.release_quarantine(now, slot, RoomInput::QuarantineTimer, ReleaseCause::QuarantineTimeout),
+            TimerKind::Quarantine => {
+                self.release_quarantine(now, slot, RoomInput::QuarantineTimer, ReleaseCause::QuarantineTimeout)
+            }
             // Tombstones expire from the tombstone FIFO (`handle_timeout`), never from the wheel.
             TimerKind::Tombstone => unreachable!("a tombstone expiry in the wheel"),
         }
@@ -448,7 +467,14 @@ impl Core {
             if !moved.to.is_terminal() {
                 let room = self.room_at(slot);
                 let (opened_at, plugin) = (room.created, room.plugin());
-                self.push_engine(RoomEvent::StateChanged { room: moved.key, role: moved.role, state: moved.to, from: Some(moved.from), opened_at, plugin });
+                self.push_engine(RoomEvent::StateChanged {
+                    room: moved.key,
+                    role: moved.role,
+                    state: moved.to,
+                    from: Some(moved.from),
+                    opened_at,
+                    plugin,
+                });
             }
         }
         Ok(())

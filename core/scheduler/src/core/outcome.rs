@@ -4,18 +4,22 @@
 
 use super::room::{BytesCounted, RoleData, Room};
 use super::tombstone::Tombstone;
-use smallvec::SmallVec;
 use super::Core;
 use crate::api::*;
 use crate::lifecycle::Verdict;
 use crate::table::RoomInput;
 use crate::timer::TimerKind;
 use kvgate_abi::{PeerId, Ticket, XferId};
+use smallvec::SmallVec;
 
 fn came_from_peer(reason: FailReason) -> bool {
     matches!(
         reason,
-        FailReason::AbortedByPeer | FailReason::SenderFailed | FailReason::ReceiverFailed | FailReason::PeerLost | FailReason::Overloaded
+        FailReason::AbortedByPeer
+            | FailReason::SenderFailed
+            | FailReason::ReceiverFailed
+            | FailReason::PeerLost
+            | FailReason::Overloaded
     )
 }
 
@@ -64,7 +68,16 @@ impl Core {
         let (bytes, plugin) = (room.bytes_done, room.plugin());
         self.metrics.pending_sends -= dropped_held;
         let outcome = Outcome::Failed(failure);
-        self.push_engine(RoomEvent::Terminal { room: key, role, outcome, elapsed, bytes, peer: peer.map(|p| p.0), plugin, transferring });
+        self.push_engine(RoomEvent::Terminal {
+            room: key,
+            role,
+            outcome,
+            elapsed,
+            bytes,
+            peer: peer.map(|p| p.0),
+            plugin,
+            transferring,
+        });
         self.commands.extend(commands);
         if outstanding_xfers {
             let current = self.timer_deadline(slot, TimerKind::PluginGrace);
@@ -83,7 +96,12 @@ impl Core {
             // CONFORMANCE: RES-4
             self.room_mut(slot).bytes_counted = BytesCounted::InQuarantine;
             self.metrics.quarantined_bytes += bytes_total;
-            self.arm(now, slot, TimerKind::Quarantine, now.saturating_add(Span::from_ms(self.config.quarantine_timeout_ms)));
+            self.arm(
+                now,
+                slot,
+                TimerKind::Quarantine,
+                now.saturating_add(Span::from_ms(self.config.quarantine_timeout_ms)),
+            );
         }
     }
 
@@ -158,8 +176,22 @@ impl Core {
         let elapsed = now.saturating_since(room.created);
         let (bytes, plugin) = (room.bytes_done, room.plugin());
         let outcome = Outcome::Succeeded;
-        self.commands.push_back(Command::ToEngine(RoomEvent::Terminal { room: key, role, outcome, elapsed, bytes, peer: peer.map(|p| p.0), plugin, transferring }));
-        self.commands.push_back(Command::ToEngine(RoomEvent::Reusable { room: key, role, cause: ReleaseCause::NothingInFlight, plugin }));
+        self.commands.push_back(Command::ToEngine(RoomEvent::Terminal {
+            room: key,
+            role,
+            outcome,
+            elapsed,
+            bytes,
+            peer: peer.map(|p| p.0),
+            plugin,
+            transferring,
+        }));
+        self.commands.push_back(Command::ToEngine(RoomEvent::Reusable {
+            room: key,
+            role,
+            cause: ReleaseCause::NothingInFlight,
+            plugin,
+        }));
         if let RoleData::Receiver { ticket_base, parts, .. } = &mut room.data {
             for (index, part) in parts.iter_mut().enumerate() {
                 if part.ticket.is_open() {
@@ -184,7 +216,11 @@ impl Core {
         }
         self.disarm_all(slot, &[TimerKind::Quarantine, TimerKind::PluginGrace]);
         let room = self.room_mut(slot);
-        let held = if std::mem::replace(&mut room.bytes_counted, BytesCounted::Nowhere) == BytesCounted::InQuarantine { room.bytes_total } else { 0 };
+        let held = if std::mem::replace(&mut room.bytes_counted, BytesCounted::Nowhere) == BytesCounted::InQuarantine {
+            room.bytes_total
+        } else {
+            0
+        };
         let (key, role, peer, plugin) = (room.key, room.role, room.peer(), room.plugin());
         let failure = room.failure;
         if cause == ReleaseCause::Quiesced {

@@ -23,7 +23,14 @@ impl Core {
         }
         // Slots past `MAX_PLUGIN_SLOTS` cannot be named by a part (kept in one byte).
         let plugins = plugins.iter().copied().filter(|p| p.slot.0 < super::room::MAX_PLUGIN_SLOTS).collect();
-        let entry = PeerEntry { incarnation, plugins, retired: smallvec::SmallVec::new(), bytes_moving: 0, room_head: NIL, remote_regions: super::peer_keyed_map() };
+        let entry = PeerEntry {
+            incarnation,
+            plugins,
+            retired: smallvec::SmallVec::new(),
+            bytes_moving: 0,
+            room_head: NIL,
+            remote_regions: super::peer_keyed_map(),
+        };
         self.peers.insert(peer, entry);
     }
 
@@ -66,11 +73,12 @@ impl Core {
             // A room with several senders fails as a whole: the senders still there are told (read
             // before the failure, which may release the room's slot).
             let room = self.room_at(slot);
-            let others: smallvec::SmallVec<[PeerId; 2]> = if reason == FailReason::PeerLost && self.several_senders(slot) {
-                room.peer().into_iter().chain(room.extra_senders()).filter(|&p| p != peer).collect()
-            } else {
-                smallvec::SmallVec::new()
-            };
+            let others: smallvec::SmallVec<[PeerId; 2]> =
+                if reason == FailReason::PeerLost && self.several_senders(slot) {
+                    room.peer().into_iter().chain(room.extra_senders()).filter(|&p| p != peer).collect()
+                } else {
+                    smallvec::SmallVec::new()
+                };
             let key = room.key;
             self.fail_room(now, slot, input, reason, None, None);
             for other in others {
@@ -128,7 +136,9 @@ impl Core {
     /// or with a part from `peer`).
     fn peer_room(&self, key: RoomKey, role: Role, peer: PeerId) -> Option<u32> {
         match self.rooms.lookup(key, role) {
-            Lookup::Same(slot) if self.room_at(slot).peer().is_none() || self.room_at(slot).bound_to(peer) => Some(slot),
+            Lookup::Same(slot) if self.room_at(slot).peer().is_none() || self.room_at(slot).bound_to(peer) => {
+                Some(slot)
+            }
             _ => None,
         }
     }
@@ -261,7 +271,10 @@ impl Core {
                     };
                     self.fail_room(now, slot, input, local_reason, Some(peer_reason), None);
                     for other in others {
-                        self.push_peer(other, PeerMessage::RoomFailed { room: key, reason: local_reason, to: Role::Sender });
+                        self.push_peer(
+                            other,
+                            PeerMessage::RoomFailed { room: key, reason: local_reason, to: Role::Sender },
+                        );
                     }
                 } else {
                     self.count_late(LateSource::Peer);
@@ -336,7 +349,8 @@ impl Core {
             }
             Lookup::Absent | Lookup::Older(_) => {
                 if self.rooms.live() >= self.config.max_inflight_rooms {
-                    let message = PeerMessage::RoomFailed { room: key, reason: FailReason::Overloaded, to: Role::Receiver };
+                    let message =
+                        PeerMessage::RoomFailed { room: key, reason: FailReason::Overloaded, to: Role::Receiver };
                     return self.push_peer(peer, message);
                 }
                 let parts = self.spare_send_parts();

@@ -9,8 +9,8 @@ use super::store::TOMBSTONE_SLOT;
 use super::Core;
 use crate::api::*;
 use crate::lifecycle::{
-    ticket_transition, transfer_transition, RefusedInput, TicketEffect, TicketInput, TicketState, TicketStep, TransferEffect,
-    TransferInput, TransferState, TransferStep, Verdict,
+    ticket_transition, transfer_transition, RefusedInput, TicketEffect, TicketInput, TicketState, TicketStep,
+    TransferEffect, TransferInput, TransferState, TransferStep, Verdict,
 };
 use crate::metrics::LateSource;
 use crate::table::RoomInput;
@@ -62,7 +62,8 @@ impl Core {
         self.metrics.violations[clause.index()] += 1;
         let id = event.xfer.0;
         let room = if event.is_incoming() { self.rooms.owner_of_ticket(id) } else { self.rooms.owner_of_transfer(id) };
-        let violation = Violation { clause, plugin: Some(plugin), event: Some(event.kind.as_str()), xfer: id, room, count: 1 };
+        let violation =
+            Violation { clause, plugin: Some(plugin), event: Some(event.kind.as_str()), xfer: id, room, count: 1 };
         self.commands.push_back(Command::Violation(violation));
     }
 
@@ -100,7 +101,8 @@ impl Core {
     /// Every room with a peer the plugin serves fails: a room whose parts use other plugins fails
     /// too (a bound, never a wait).
     fn plugin_unhealthy(&mut self, now: At, plugin: PluginSlot) {
-        let peers: Vec<_> = self.peers.iter().filter(|(_, entry)| entry.has_plugin(plugin)).map(|(peer, _)| *peer).collect();
+        let peers: Vec<_> =
+            self.peers.iter().filter(|(_, entry)| entry.has_plugin(plugin)).map(|(peer, _)| *peer).collect();
         for peer in peers {
             self.fail_peer_rooms(now, peer, FailReason::PluginFailed);
         }
@@ -123,7 +125,10 @@ impl Core {
             return None;
         }
         if xref.slot == TOMBSTONE_SLOT {
-            return Some(TransferSite::Settled { index: self.rooms.record_index(xref.epoch), entry: xref.part as usize });
+            return Some(TransferSite::Settled {
+                index: self.rooms.record_index(xref.epoch),
+                entry: xref.part as usize,
+            });
         }
         debug_assert_eq!(self.rooms.epoch(xref.slot), xref.epoch);
         Some(TransferSite::Live { slot: xref.slot, part: xref.part, chunk: xref.chunk })
@@ -133,7 +138,9 @@ impl Core {
     fn transfer_at(&self, site: TransferSite) -> (TransferState, u64) {
         match site {
             TransferSite::Live { slot, part, chunk } => {
-                let RoleData::Sender { parts, .. } = &self.room_at(slot).data else { unreachable!("transfers belong to senders") };
+                let RoleData::Sender { parts, .. } = &self.room_at(slot).data else {
+                    unreachable!("transfers belong to senders")
+                };
                 let chunk = &parts[part as usize].chunks[chunk as usize];
                 (chunk.state, chunk.bytes)
             }
@@ -156,7 +163,9 @@ impl Core {
         };
         self.count_verdict(step.verdict, plugin, event);
         match site {
-            TransferSite::Live { slot, part, chunk } => self.live_transfer_step(now, slot, part, chunk, bytes, state, step, reason),
+            TransferSite::Live { slot, part, chunk } => {
+                self.live_transfer_step(now, slot, part, chunk, bytes, state, step, reason)
+            }
             TransferSite::Settled { index, entry } => {
                 let record = self.rooms.record_at_mut(index);
                 record.ids[entry].state = step.next;
@@ -170,7 +179,14 @@ impl Core {
 
     /// Set a live room's chunk to `next` (from `from`), keeping the room's in-flight and unquiesced
     /// counts.
-    pub(super) fn set_transfer_state(&mut self, slot: u32, part: u32, chunk: u32, from: TransferState, next: TransferState) {
+    pub(super) fn set_transfer_state(
+        &mut self,
+        slot: u32,
+        part: u32,
+        chunk: u32,
+        from: TransferState,
+        next: TransferState,
+    ) {
         let room = self.room_mut(slot);
         room.in_flight -= from.is_in_flight() as u32;
         room.unquiesced -= from.is_unquiesced() as u32;
@@ -206,7 +222,8 @@ impl Core {
                 }
             }
             TransferEffect::Failed if live => {
-                let cause = if reason.is_some() { FailReason::PluginFailed } else { FailReason::PluginProtocolViolation };
+                let cause =
+                    if reason.is_some() { FailReason::PluginFailed } else { FailReason::PluginProtocolViolation };
                 self.fail_room(now, slot, RoomInput::PluginFailure, cause, None, reason);
             }
             TransferEffect::ProtocolViolation if live => {
@@ -264,7 +281,9 @@ impl Core {
             (TicketSite::Settled { index, entry }, self.rooms.record_at(index).ids[entry].plugin)
         } else {
             debug_assert_eq!(self.rooms.epoch(tref.slot), tref.epoch);
-            let RoleData::Receiver { parts, .. } = &self.room_at(tref.slot).data else { unreachable!("tickets belong to receivers") };
+            let RoleData::Receiver { parts, .. } = &self.room_at(tref.slot).data else {
+                unreachable!("tickets belong to receivers")
+            };
             (TicketSite::Live { slot: tref.slot, part: tref.part }, parts[tref.part as usize].plugin)
         };
         if on != plugin {
@@ -320,7 +339,8 @@ impl Core {
                 }
             }
             TicketEffect::Failed if live => {
-                let cause = if reason.is_some() { FailReason::IncomingFailed } else { FailReason::PluginProtocolViolation };
+                let cause =
+                    if reason.is_some() { FailReason::IncomingFailed } else { FailReason::PluginProtocolViolation };
                 self.fail_room(now, slot, RoomInput::PluginFailure, cause, None, reason);
             }
             TicketEffect::Failed => self.count_late(LateSource::Plugin),
@@ -334,14 +354,16 @@ impl Core {
 
 /// The state the core's own inputs lead to, read from the tables at compile time (a table that
 /// refused them would not build): a transfer the grace timer forces, a ticket cancelled on success.
-pub(super) const FORCED_SILENT: TransferStep = match transfer_transition(TransferState::InFlight, TransferInput::GraceExpired) {
-    Ok(step) => step,
-    Err(_) => panic!("the transfer table forces in-flight transfers"),
-};
-pub(super) const CANCELLED_ON_SUCCESS: TicketState = match ticket_transition(TicketState::Open, TicketInput::RoomSucceeded) {
-    Ok(step) => step.next,
-    Err(_) => panic!("the ticket table cancels open tickets on success"),
-};
+pub(super) const FORCED_SILENT: TransferStep =
+    match transfer_transition(TransferState::InFlight, TransferInput::GraceExpired) {
+        Ok(step) => step,
+        Err(_) => panic!("the transfer table forces in-flight transfers"),
+    };
+pub(super) const CANCELLED_ON_SUCCESS: TicketState =
+    match ticket_transition(TicketState::Open, TicketInput::RoomSucceeded) {
+        Ok(step) => step.next,
+        Err(_) => panic!("the ticket table cancels open tickets on success"),
+    };
 
 #[cfg(test)]
 mod tests {

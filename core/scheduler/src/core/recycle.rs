@@ -184,7 +184,11 @@ mod tests {
         let mut parts = Vec::with_capacity(SPARE_NOTICE_PARTS + 1);
         parts.push(Vec::with_capacity(1));
         core.recycle_command(notice(parts, 0));
-        assert_eq!(core.spare_notice_buffers(), (1, 2), "a part list past the part limit is freed, no empty ticket list kept");
+        assert_eq!(
+            core.spare_notice_buffers(),
+            (1, 2),
+            "a part list past the part limit is freed, no empty ticket list kept"
+        );
         for _ in 1..SPARE_COMMAND_BUFFERS {
             core.recycle_command(notice(vec![Vec::with_capacity(2)], 1));
         }

@@ -120,10 +120,17 @@ pub(crate) struct Senders {
 
 #[derive(Clone, Debug)]
 pub(crate) enum RoleData {
-    Sender { notice: bool, parts: Vec<SendPart> },
+    Sender {
+        notice: bool,
+        parts: Vec<SendPart>,
+    },
     /// One part inline (no heap block per room in the common case); a receiver's part list
     /// never changes length. `senders`: set when the parts come from more than one peer.
-    Receiver { ticket_base: u64, parts: SmallVec<[RecvPart; 1]>, senders: Option<Box<Senders>> },
+    Receiver {
+        ticket_base: u64,
+        parts: SmallVec<[RecvPart; 1]>,
+        senders: Option<Box<Senders>>,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -278,11 +285,7 @@ impl Room {
 
     /// The earliest armed deadline other than `Tombstone`.
     pub fn earliest_wheel_deadline(&self) -> Option<At> {
-        TimerKind::WHEEL
-            .into_iter()
-            .filter(|kind| self.armed & kind.bit() != 0)
-            .map(|kind| self.timer_at(kind))
-            .min()
+        TimerKind::WHEEL.into_iter().filter(|kind| self.armed & kind.bit() != 0).map(|kind| self.timer_at(kind)).min()
     }
 
     pub fn part_count(&self) -> u32 {

@@ -205,9 +205,16 @@ impl RoomStore {
             None => Lookup::Absent,
             Some(value) if value & TOMBSTONE_KEY_BIT != 0 => {
                 let seq = self.held_record_seq(value).expect("key_value returns held values");
-                by_generation(self.record(seq).key().generation, key.generation, Lookup::Settled(seq), Lookup::Older(NIL))
+                by_generation(
+                    self.record(seq).key().generation,
+                    key.generation,
+                    Lookup::Settled(seq),
+                    Lookup::Older(NIL),
+                )
             }
-            Some(slot) => by_generation(self.get(slot).key.generation, key.generation, Lookup::Same(slot), Lookup::Older(slot)),
+            Some(slot) => {
+                by_generation(self.get(slot).key.generation, key.generation, Lookup::Same(slot), Lookup::Older(slot))
+            }
         }
     }
 
@@ -272,7 +279,9 @@ impl RoomStore {
         let (front_seq, records) = (self.front_seq, self.tombstones.len());
         match held {
             Some(index) => self.keys[role as usize].set_value_at(index, value),
-            None => self.keys[role as usize].insert_new(hash, value, |held| key_value_is_stale(held, front_seq, records)),
+            None => {
+                self.keys[role as usize].insert_new(hash, value, |held| key_value_is_stale(held, front_seq, records))
+            }
         }
     }
 
@@ -302,7 +311,13 @@ impl RoomStore {
 
     /// Move the room through the transition table on `input`, keeping the per-state gauges and the
     /// live count. Returns the change, None when the state stays.
-    pub fn transition(&mut self, now: At, slot: u32, input: RoomInput, metrics: &mut Metrics) -> Result<Option<Moved>, IllegalTransition> {
+    pub fn transition(
+        &mut self,
+        now: At,
+        slot: u32,
+        input: RoomInput,
+        metrics: &mut Metrics,
+    ) -> Result<Option<Moved>, IllegalTransition> {
         let entry = &mut self.slots[slot as usize];
         let epoch = entry.epoch;
         let room = entry.room.as_mut().expect("live slot");
@@ -480,7 +495,9 @@ impl RoomStore {
                     let xref = XferRef { slot: TOMBSTONE_SLOT, epoch, part: entry, chunk: 0, plugin: settled.plugin };
                     self.xfers.replace(settled.id, xref);
                 }
-                Role::Receiver => self.tickets.replace(settled.id, TicketRef { slot: TOMBSTONE_SLOT, epoch, part: entry }),
+                Role::Receiver => {
+                    self.tickets.replace(settled.id, TicketRef { slot: TOMBSTONE_SLOT, epoch, part: entry })
+                }
             }
         }
         self.free_slots.push(slot);

@@ -5,8 +5,8 @@
 //! never revives a room.
 
 use super::room::{RoleData, Room};
-use crate::lifecycle::{TicketState, TransferState};
 use crate::api::*;
+use crate::lifecycle::{TicketState, TransferState};
 use crate::wheel::Wheel;
 use kvgate_abi::PeerId;
 use smallvec::SmallVec;
@@ -108,14 +108,26 @@ impl Tombstone {
                 for part in parts {
                     let plugin = part.plugin();
                     for chunk in &part.chunks {
-                        ids.push(SettledId { id: chunk.xfer, bytes: chunk.bytes, state: chunk.state, ticket: TicketState::Closed, plugin });
+                        ids.push(SettledId {
+                            id: chunk.xfer,
+                            bytes: chunk.bytes,
+                            state: chunk.state,
+                            ticket: TicketState::Closed,
+                            plugin,
+                        });
                     }
                 }
             }
             RoleData::Receiver { ticket_base, parts, .. } => {
                 for (index, part) in parts.iter().enumerate() {
                     let ticket = ticket_base + index as u64;
-                    ids.push(SettledId { id: ticket, bytes: 0, state: TransferState::Succeeded, ticket: part.ticket, plugin: part.plugin });
+                    ids.push(SettledId {
+                        id: ticket,
+                        bytes: 0,
+                        state: TransferState::Succeeded,
+                        ticket: part.ticket,
+                        plugin: part.plugin,
+                    });
                 }
             }
         }
@@ -143,7 +155,14 @@ impl Tombstone {
 
     /// The record of a room that never existed here (an abort or a failure before the
     /// counterpart), remembered from `now` so its late counterpart is refused.
-    pub fn remembered(key: RoomKey, role: Role, failure: Failure, last_event: LastEvent, now: At, expiry: At) -> Tombstone {
+    pub fn remembered(
+        key: RoomKey,
+        role: Role,
+        failure: Failure,
+        last_event: LastEvent,
+        now: At,
+        expiry: At,
+    ) -> Tombstone {
         Tombstone {
             room_id: key.room,
             generation: key.generation,
@@ -205,7 +224,9 @@ mod tests {
     #[test]
     fn tombstone_key_values_resolve_across_the_30_bit_wrap_and_stale_ones_never_alias() {
         const MOST_HELD: usize = 1 << 24;
-        assert!(crate::config::CoreConfig { max_tombstones: MOST_HELD as u64 + 1, ..Default::default() }.validate().is_err());
+        assert!(crate::config::CoreConfig { max_tombstones: MOST_HELD as u64 + 1, ..Default::default() }
+            .validate()
+            .is_err());
         for front_seq in [0u64, (1 << 30) - 2, (1 << 30) - 2 + (1 << 40), u32::MAX as u64 + 7] {
             for offset in [0, 1, 2, MOST_HELD - 1] {
                 let value = tombstone_key_value(front_seq + offset as u64);
@@ -231,7 +252,11 @@ mod tests {
             for n in 0..3 * max_tombstones {
                 core.engine_abort(At::from_origin(Span::from_ms(1)), RoomKey::new(n, 0), Some(Role::Sender));
                 assert_eq!(core.rooms.records() as u64, (n + 1).min(max_tombstones));
-                assert!(core.rooms.record_capacity() as u64 <= max_tombstones, "capacity {}", core.rooms.record_capacity());
+                assert!(
+                    core.rooms.record_capacity() as u64 <= max_tombstones,
+                    "capacity {}",
+                    core.rooms.record_capacity()
+                );
             }
             assert_eq!(core.metrics.tombstones_evicted, 2 * max_tombstones);
         }

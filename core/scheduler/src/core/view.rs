@@ -10,10 +10,7 @@ use kvgate_abi::XferId;
 
 impl Core {
     fn view_of(&self, now: At, room: &Room) -> RoomView {
-        let next_deadline = TimerKind::ALL
-            .iter()
-            .filter_map(|&kind| room.timer(kind))
-            .min();
+        let next_deadline = TimerKind::ALL.iter().filter_map(|&kind| room.timer(kind)).min();
         RoomView {
             room: room.key,
             role: room.role,

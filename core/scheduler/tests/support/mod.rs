@@ -131,11 +131,21 @@ impl Pair {
         pair.prefill.core.handle_peer_up(now, DECODE_ID, 1, SLOT);
         pair.decode.core.handle_region_registered(
             now,
-            RegionInfo { id: DST_REGION, len: REGION_LEN, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(SLOT, DST_LOCAL_KEY)] },
+            RegionInfo {
+                id: DST_REGION,
+                len: REGION_LEN,
+                memory_kind: kvgate_abi::MemoryKind::HOST,
+                keys: vec![(SLOT, DST_LOCAL_KEY)],
+            },
         );
         pair.prefill.core.handle_region_registered(
             now,
-            RegionInfo { id: SRC_REGION, len: REGION_LEN, memory_kind: kvgate_abi::MemoryKind::HOST, keys: vec![(SLOT, SRC_LOCAL_KEY)] },
+            RegionInfo {
+                id: SRC_REGION,
+                len: REGION_LEN,
+                memory_kind: kvgate_abi::MemoryKind::HOST,
+                keys: vec![(SLOT, SRC_LOCAL_KEY)],
+            },
         );
         pair.prefill.core.handle_remote_region(now, DECODE_ID, DST_REGION, REGION_LEN, DST_REMOTE_KEY);
         for (i, byte) in pair.prefill.memory.iter_mut().enumerate() {
@@ -146,15 +156,22 @@ impl Pair {
 
     pub fn expect(&mut self, room: RoomKey, parts: &[&[(u64, u64)]]) -> Result<(), Refusal> {
         let parts = parts.iter().map(|p| slices(DST_REGION, p)).collect();
-        let result = self.decode.core.handle_engine(
-            self.now,
-            EngineRequest::Expect { room, peer: PREFILL_ID, parts, timeout_ms: None },
-        );
+        let result = self
+            .decode
+            .core
+            .handle_engine(self.now, EngineRequest::Expect { room, peer: PREFILL_ID, parts, timeout_ms: None });
         self.drive();
         result
     }
 
-    pub fn send(&mut self, room: RoomKey, part: u32, chunk: u32, list: &[(u64, u64)], last: bool) -> Result<(), Refusal> {
+    pub fn send(
+        &mut self,
+        room: RoomKey,
+        part: u32,
+        chunk: u32,
+        list: &[(u64, u64)],
+        last: bool,
+    ) -> Result<(), Refusal> {
         let result = self.prefill.core.handle_engine(
             self.now,
             EngineRequest::Send { room, peer: None, part, chunk, slices: slices(SRC_REGION, list), last },
@@ -164,7 +181,15 @@ impl Pair {
     }
 
     /// A chunk placed at byte `at` of the part's destination stream.
-    pub fn send_at(&mut self, room: RoomKey, part: u32, chunk: u32, at: u64, list: &[(u64, u64)], last: bool) -> Result<(), Refusal> {
+    pub fn send_at(
+        &mut self,
+        room: RoomKey,
+        part: u32,
+        chunk: u32,
+        at: u64,
+        list: &[(u64, u64)],
+        last: bool,
+    ) -> Result<(), Refusal> {
         let slices = slices(SRC_REGION, list);
         let result = self.prefill.core.handle_send_at(self.now, room, None, part, chunk, at, &slices, last);
         self.drive();
@@ -172,7 +197,8 @@ impl Pair {
     }
 
     pub fn abort_decode(&mut self, room: RoomKey) {
-        let result = self.decode.core.handle_engine(self.now, EngineRequest::Abort { room, role: Some(Role::Receiver) });
+        let result =
+            self.decode.core.handle_engine(self.now, EngineRequest::Abort { room, role: Some(Role::Receiver) });
         assert!(result.is_ok(), "abort is never refused");
         self.drive();
     }

@@ -29,8 +29,14 @@ impl Deployment {
     /// The shipped (prefill, decode) configs.
     pub fn shipped(self) -> (&'static str, &'static str) {
         match self {
-            Deployment::Quic => (include_str!("../../../../configs/quic-two-hosts/prefill.toml"), include_str!("../../../../configs/quic-two-hosts/decode.toml")),
-            Deployment::UcxTcp => (include_str!("../../../../configs/ucx-two-hosts/prefill.toml"), include_str!("../../../../configs/ucx-two-hosts/decode.toml")),
+            Deployment::Quic => (
+                include_str!("../../../../configs/quic-two-hosts/prefill.toml"),
+                include_str!("../../../../configs/quic-two-hosts/decode.toml"),
+            ),
+            Deployment::UcxTcp => (
+                include_str!("../../../../configs/ucx-two-hosts/prefill.toml"),
+                include_str!("../../../../configs/ucx-two-hosts/decode.toml"),
+            ),
         }
     }
 }
@@ -58,7 +64,10 @@ pub struct Overrides {
 
 fn table<'a>(v: &'a mut toml::Value, key: &str) -> &'a mut toml::value::Table {
     let root = v.as_table_mut().expect("a TOML document is a table");
-    root.entry(key.to_string()).or_insert_with(|| toml::Value::Table(Default::default())).as_table_mut().expect("a table")
+    root.entry(key.to_string())
+        .or_insert_with(|| toml::Value::Table(Default::default()))
+        .as_table_mut()
+        .expect("a table")
 }
 
 fn merge(into: &mut toml::value::Table, extra: &str) -> anyhow::Result<()> {
@@ -68,7 +77,15 @@ fn merge(into: &mut toml::value::Table, extra: &str) -> anyhow::Result<()> {
 }
 
 /// The shipped config `text` for host `i` of the bed (addresses, paths and names changed).
-pub fn bed_config(deployment: Deployment, text: &str, i: usize, link: &Link, dir: &Path, tls_names: [&str; 2], o: &Overrides) -> anyhow::Result<String> {
+pub fn bed_config(
+    deployment: Deployment,
+    text: &str,
+    i: usize,
+    link: &Link,
+    dir: &Path,
+    tls_names: [&str; 2],
+    o: &Overrides,
+) -> anyhow::Result<String> {
     let mut v: toml::Value = toml::from_str(text).context("the shipped config")?;
     let (me, peer) = (link.host(i).address, link.host(1 - i).address);
     table(&mut v, "gateway").insert("name".into(), NAMES[i].into());
@@ -78,7 +95,11 @@ pub fn bed_config(deployment: Deployment, text: &str, i: usize, link: &Link, dir
     api.remove("bearer_token_file");
     let pl = table(&mut v, "peer_link");
     pl.insert("listen".into(), format!("{me}:{PEER_PORT}").into());
-    let tls = pl.entry("tls").or_insert_with(|| toml::Value::Table(Default::default())).as_table_mut().context("[peer_link.tls]")?;
+    let tls = pl
+        .entry("tls")
+        .or_insert_with(|| toml::Value::Table(Default::default()))
+        .as_table_mut()
+        .context("[peer_link.tls]")?;
     let tls_dir = dir.join("tls");
     tls.insert("cert_file".into(), tls_dir.join(format!("{}.pem", tls_names[i])).display().to_string().into());
     tls.insert("key_file".into(), tls_dir.join(format!("{}.key", tls_names[i])).display().to_string().into());
@@ -97,12 +118,20 @@ pub fn bed_config(deployment: Deployment, text: &str, i: usize, link: &Link, dir
             "ucx"
         }
     };
-    let configs = plugins.entry("config").or_insert_with(|| toml::Value::Table(Default::default())).as_table_mut().context("[plugins.config]")?;
+    let configs = plugins
+        .entry("config")
+        .or_insert_with(|| toml::Value::Table(Default::default()))
+        .as_table_mut()
+        .context("[plugins.config]")?;
     // A QUIC table (the plugin, or UCX's fallback) listens on this host's address.
     if let Some(quic) = configs.get_mut("quic").and_then(|q| q.as_table_mut()) {
         quic.insert("listen_address".into(), format!("{me}:{QUIC_PORT}").into());
     }
-    let own = configs.entry(plugin).or_insert_with(|| toml::Value::Table(Default::default())).as_table_mut().context("plugin table")?;
+    let own = configs
+        .entry(plugin)
+        .or_insert_with(|| toml::Value::Table(Default::default()))
+        .as_table_mut()
+        .context("plugin table")?;
     match deployment {
         Deployment::Quic => {
             own.insert("listen_address".into(), format!("{me}:{QUIC_PORT}").into());
@@ -200,13 +229,21 @@ pub struct BedPair {
 pub async fn admin_get(link: &std::sync::Arc<Link>, i: usize, path: &str) -> std::io::Result<(u16, String)> {
     let (link, path) = (link.clone(), path.to_string());
     let addr: SocketAddr = ADMIN.parse().expect("literal");
-    tokio::task::spawn_blocking(move || link.http_get(i, addr, &path, Duration::from_secs(5))).await.map_err(std::io::Error::other)?
+    tokio::task::spawn_blocking(move || link.http_get(i, addr, &path, Duration::from_secs(5)))
+        .await
+        .map_err(std::io::Error::other)?
 }
 
 impl BedPair {
     /// Write both configs into `dir` (with a fresh CA and certificates), start both gateways with
     /// `binary`, and wait until each is up and sees the other.
-    pub async fn start(binary: &Path, link: &std::sync::Arc<Link>, dir: &Path, deployment: Deployment, o: &Overrides) -> anyhow::Result<BedPair> {
+    pub async fn start(
+        binary: &Path,
+        link: &std::sync::Arc<Link>,
+        dir: &Path,
+        deployment: Deployment,
+        o: &Overrides,
+    ) -> anyhow::Result<BedPair> {
         let shipped = deployment.shipped();
         let shipped = [shipped.0, shipped.1];
         // The names each gateway's certificate must carry: its peer's `tls_name` in the other config.
@@ -229,7 +266,8 @@ impl BedPair {
         let mut gateways = Vec::new();
         for (i, text) in shipped.iter().enumerate() {
             let config_text = bed_config(deployment, text, i, link, dir, names, o)?;
-            let config = kvgate::config::load_config_from_str(&config_text).map_err(|e| anyhow::anyhow!("the bed's {} config: {e}", NAMES[i]))?;
+            let config = kvgate::config::load_config_from_str(&config_text)
+                .map_err(|e| anyhow::anyhow!("the bed's {} config: {e}", NAMES[i]))?;
             let config_path = dir.join(format!("{}-{}.toml", deployment.name(), NAMES[i]));
             std::fs::write(&config_path, &config_text)?;
             let log_path = dir.join(format!("{}-{}.log", deployment.name(), NAMES[i]));
@@ -268,7 +306,11 @@ impl BedPair {
                     }
                 }
                 if Instant::now() > deadline {
-                    bail!("gateway {name} not ready within {} ms:\n{}", kvgate_demo::gateways::GATEWAY_READY_TIMEOUT_MS, self.gateways[i].log());
+                    bail!(
+                        "gateway {name} not ready within {} ms:\n{}",
+                        kvgate_demo::gateways::GATEWAY_READY_TIMEOUT_MS,
+                        self.gateways[i].log()
+                    );
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }

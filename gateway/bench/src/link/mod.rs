@@ -44,14 +44,24 @@ pub fn variants(names: &[String]) -> (Vec<Variant>, Vec<(String, String)>) {
             n if n.starts_with("quic-") => {
                 let cc = &n["quic-".len()..];
                 if !["bbr", "cubic", "newreno"].contains(&cc) {
-                    skipped.push((n.to_string(), "unknown QUIC congestion controller (bbr, cubic, newreno)".to_string()));
+                    skipped
+                        .push((n.to_string(), "unknown QUIC congestion controller (bbr, cubic, newreno)".to_string()));
                     continue;
                 }
-                Variant { name: n.to_string(), deployment: Deployment::Quic, plugin_config: format!("congestion_controller = \"{cc}\"\n") }
+                Variant {
+                    name: n.to_string(),
+                    deployment: Deployment::Quic,
+                    plugin_config: format!("congestion_controller = \"{cc}\"\n"),
+                }
             }
-            "ucx" | "ucx-tcp" => Variant { name: "ucx-tcp".into(), deployment: Deployment::UcxTcp, plugin_config: String::new() },
+            "ucx" | "ucx-tcp" => {
+                Variant { name: "ucx-tcp".into(), deployment: Deployment::UcxTcp, plugin_config: String::new() }
+            }
             other => {
-                skipped.push((other.to_string(), "not a transport between hosts (the link bench runs quic, quic-<cc>, ucx-tcp)".to_string()));
+                skipped.push((
+                    other.to_string(),
+                    "not a transport between hosts (the link bench runs quic, quic-<cc>, ucx-tcp)".to_string(),
+                ));
                 continue;
             }
         };
@@ -113,7 +123,11 @@ async fn iperf3_all(link: &Arc<Link>) -> Vec<IperfRow> {
     for cc in [None, Some("cubic"), Some("bbr")] {
         let l = link.clone();
         match tokio::task::spawn_blocking(move || l.iperf3(IPERF3_SECONDS, 1, cc)).await {
-            Ok(Ok(r)) => rows.push(IperfRow { congestion: if cc.is_none() { format!("default ({})", r.congestion) } else { r.congestion.clone() }, gbps: r.bytes_per_s / 1e9, retransmits: r.retransmits }),
+            Ok(Ok(r)) => rows.push(IperfRow {
+                congestion: if cc.is_none() { format!("default ({})", r.congestion) } else { r.congestion.clone() },
+                gbps: r.bytes_per_s / 1e9,
+                retransmits: r.retransmits,
+            }),
             Ok(Err(e)) => eprintln!("kvgate bench: iperf3 ({}): {e}", cc.unwrap_or("default")),
             Err(e) => eprintln!("kvgate bench: iperf3: {e}"),
         }
@@ -121,7 +135,15 @@ async fn iperf3_all(link: &Arc<Link>) -> Vec<IperfRow> {
     rows
 }
 
-async fn measure(binary: &Path, link: &Arc<Link>, dir: &Path, v: &Variant, ucx_library: &Result<PathBuf, String>, inflight: u64, quick: bool) -> anyhow::Result<Vec<Row>> {
+async fn measure(
+    binary: &Path,
+    link: &Arc<Link>,
+    dir: &Path,
+    v: &Variant,
+    ucx_library: &Result<PathBuf, String>,
+    inflight: u64,
+    quick: bool,
+) -> anyhow::Result<Vec<Row>> {
     // Experiments: extra keys of the plugin's own table for every variant of this deployment
     // (`KVGATE_BED_QUIC_CONFIG='socket_buffer_bytes = 8388608'`, `KVGATE_BED_UCX_CONFIG=...`).
     let env_key = match v.deployment {
@@ -176,10 +198,21 @@ async fn measure(binary: &Path, link: &Arc<Link>, dir: &Path, v: &Variant, ucx_l
 
 /// The link bench: returns the process exit code.
 #[allow(clippy::too_many_arguments)]
-pub async fn run(binary: &Path, dir: &Path, profile: &Profile, names: &[String], ucx_library: &Result<PathBuf, String>, inflight: u64, quick: bool, json: Option<&Path>) -> anyhow::Result<i32> {
+pub async fn run(
+    binary: &Path,
+    dir: &Path,
+    profile: &Profile,
+    names: &[String],
+    ucx_library: &Result<PathBuf, String>,
+    inflight: u64,
+    quick: bool,
+    json: Option<&Path>,
+) -> anyhow::Result<i32> {
     kvgate_netbed::available().map_err(|why| anyhow::anyhow!("--link-profile: {why}"))?;
     if !kvgate_netbed::iperf3_available() {
-        anyhow::bail!("--link-profile: iperf3 is not installed (the reference every figure is a ratio of; Debian iperf3)");
+        anyhow::bail!(
+            "--link-profile: iperf3 is not installed (the reference every figure is a ratio of; Debian iperf3)"
+        );
     }
     let link = Arc::new(Link::start(profile)?);
     println!("kvgate bench --link-profile {}: {}; {} rooms in flight", profile.name, profile.describe(), inflight);
@@ -232,7 +265,10 @@ pub async fn run(binary: &Path, dir: &Path, profile: &Profile, names: &[String],
         broken |= r.succeeded < r.rooms || !r.bytes_verified;
     }
     let c = link.counts(0);
-    println!("\nrelay, host 0 to 1: {} packets forwarded, {} lost at random, {} queue drops", c.forwarded_packets, c.lost_packets, c.queue_drops);
+    println!(
+        "\nrelay, host 0 to 1: {} packets forwarded, {} lost at random, {} queue drops",
+        c.forwarded_packets, c.lost_packets, c.queue_drops
+    );
     let report = LinkReport { profile: profile.describe(), inflight, iperf3, rows, skipped };
     if let Some(path) = json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)?;

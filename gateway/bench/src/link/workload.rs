@@ -50,7 +50,9 @@ pub struct RoomRecord {
 
 impl RoomRecord {
     pub fn succeeded(&self) -> bool {
-        self.error.is_none() && self.prefill.as_ref().is_some_and(|p| p.0.succeeded) && self.decode.as_ref().is_some_and(|d| d.0.succeeded)
+        self.error.is_none()
+            && self.prefill.as_ref().is_some_and(|p| p.0.succeeded)
+            && self.decode.as_ref().is_some_and(|d| d.0.succeeded)
     }
     /// Both sides' terminal events arrived.
     pub fn terminal(&self) -> bool {
@@ -123,7 +125,12 @@ pub struct Engines {
 }
 
 impl Engines {
-    pub async fn connect(dir: &Path, prefill_socket: &Path, decode_socket: &Path, w: &Workload) -> anyhow::Result<Engines> {
+    pub async fn connect(
+        dir: &Path,
+        prefill_socket: &Path,
+        decode_socket: &Path,
+        w: &Workload,
+    ) -> anyhow::Result<Engines> {
         let shape = w.shape();
         let slots = w.inflight.max(1);
         let tag = crate::datapath::fresh_room();
@@ -148,7 +155,9 @@ impl Engines {
 
     async fn destination_matches(&self, slot: u64) -> anyhow::Result<bool> {
         let pool = self.decode.pool.clone();
-        let sum = tokio::task::spawn_blocking(move || checksum(pool.lock().unwrap_or_else(|e| e.into_inner()).slot(slot))).await?;
+        let sum =
+            tokio::task::spawn_blocking(move || checksum(pool.lock().unwrap_or_else(|e| e.into_inner()).slot(slot)))
+                .await?;
         Ok(sum == self.sources[slot as usize])
     }
 
@@ -196,12 +205,16 @@ impl Engines {
         let mut p_rx = self.prefill.events.listen(room);
         let mut d_rx = self.decode.events.listen(room);
         let begun = Instant::now();
-        let mut record = RoomRecord { room, started: t0.elapsed(), prefill: None, decode: None, error: None, verified: None };
+        let mut record =
+            RoomRecord { room, started: t0.elapsed(), prefill: None, decode: None, error: None, verified: None };
         let (expect, send) = tokio::join!(
             expect_into(&self.decode, &self.shape, room, slot, PREFILL_NAME, 0),
             send_all(&self.prefill, &self.shape, room, slot, DECODE_NAME, None)
         );
-        let refused: Vec<String> = [("expect", expect), ("send", send)].into_iter().filter_map(|(what, r)| r.err().map(|s| format!("{what} refused: {}", s.message()))).collect();
+        let refused: Vec<String> = [("expect", expect), ("send", send)]
+            .into_iter()
+            .filter_map(|(what, r)| r.err().map(|s| format!("{what} refused: {}", s.message())))
+            .collect();
         if !refused.is_empty() {
             record.error = Some(refused.join("; "));
         }

@@ -3,8 +3,8 @@
 
 use kvgate_abi::sdk::{sink_from_fn, Plugin, Sink};
 use kvgate_abi::{
-    Event, EventKind, IncomingRequest, LocalKey, LocalRange, MemoryKind, PeerId, ReasonCode, RegionDesc, RemoteKey, Segment, Stats,
-    SubmitRequest, Ticket, XferId,
+    Event, EventKind, IncomingRequest, LocalKey, LocalRange, MemoryKind, PeerId, ReasonCode, RegionDesc, RemoteKey,
+    Segment, Stats, SubmitRequest, Ticket, XferId,
 };
 use kvgate_plugin_quic::{QuicConfig, QuicPlugin};
 use std::sync::{Arc, Condvar, Mutex};
@@ -42,7 +42,10 @@ impl Events {
     }
     /// The outgoing events of one transfer.
     pub fn of_xfer(&self, xfer: XferId) -> Vec<Event> {
-        self.all().into_iter().filter(|e| !e.is_incoming() && e.xfer == xfer && e.kind != EventKind::PEER_DOWN).collect()
+        self.all()
+            .into_iter()
+            .filter(|e| !e.is_incoming() && e.xfer == xfer && e.kind != EventKind::PEER_DOWN)
+            .collect()
     }
     /// Wait for the terminal event of `xfer`.
     pub fn terminal(&self, xfer: XferId, within: Duration) -> Event {
@@ -96,7 +99,10 @@ pub struct Buffer {
     len: usize,
 }
 
+// SAFETY: the buffer owns its heap bytes; the plugin writes them from its threads and the test only
+// reads them through raw copies once a transfer ended.
 unsafe impl Send for Buffer {}
+// SAFETY: as for Send.
 unsafe impl Sync for Buffer {}
 
 impl Buffer {
@@ -127,7 +133,13 @@ impl Buffer {
         self.len
     }
     pub fn desc(&self) -> RegionDesc {
-        RegionDesc { kind: MemoryKind::HOST, device: -1, addr: self.ptr as u64, len: self.len as u64, ..Default::default() }
+        RegionDesc {
+            kind: MemoryKind::HOST,
+            device: -1,
+            addr: self.ptr as u64,
+            len: self.len as u64,
+            ..Default::default()
+        }
     }
     pub fn write(&self, offset: usize, data: &[u8]) {
         assert!(offset + data.len() <= self.len);
@@ -190,8 +202,21 @@ pub fn expect(to: &Node, from_peer: PeerId, ticket: Ticket, ranges: &[LocalRange
         .unwrap();
 }
 
-pub fn submit(from: &Node, to_peer: PeerId, xfer: XferId, ticket: Ticket, segments: &[Segment], timeout: Duration) -> Result<(), kvgate_abi::PluginError> {
-    from.plugin.submit(&SubmitRequest { xfer, peer: to_peer, ticket, timeout_ns: timeout.as_nanos() as u64, segments: segments.into() })
+pub fn submit(
+    from: &Node,
+    to_peer: PeerId,
+    xfer: XferId,
+    ticket: Ticket,
+    segments: &[Segment],
+    timeout: Duration,
+) -> Result<(), kvgate_abi::PluginError> {
+    from.plugin.submit(&SubmitRequest {
+        xfer,
+        peer: to_peer,
+        ticket,
+        timeout_ns: timeout.as_nanos() as u64,
+        segments: segments.into(),
+    })
 }
 
 /// Wait until the stats' transfer and ticket counts return to zero.

@@ -205,7 +205,10 @@ impl Engine {
             let held = self.shared.commands_held_for_tests.load(Ordering::SeqCst);
             let mut commands = std::mem::take(&mut self.command_buffer);
             // Look before swapping: a swap writes the flag's cache line every round, even when idle.
-            if !held && self.shared.commands_pending.load(Ordering::Relaxed) && self.shared.commands_pending.swap(false, Ordering::SeqCst) {
+            if !held
+                && self.shared.commands_pending.load(Ordering::Relaxed)
+                && self.shared.commands_pending.swap(false, Ordering::SeqCst)
+            {
                 std::mem::swap(&mut self.shared.lock().commands, &mut commands);
             }
             let mut activity = !commands.is_empty();
@@ -286,7 +289,9 @@ impl Engine {
         }
         let timeout_ms = wait.as_micros().div_ceil(1000) as i32;
         self.shared.progress_thread_sleeping.store(true, Ordering::SeqCst);
-        if self.shared.commands_pending.load(Ordering::SeqCst) && !self.shared.commands_held_for_tests.load(Ordering::SeqCst) {
+        if self.shared.commands_pending.load(Ordering::SeqCst)
+            && !self.shared.commands_held_for_tests.load(Ordering::SeqCst)
+        {
             self.shared.progress_thread_sleeping.store(false, Ordering::SeqCst);
             return;
         }
@@ -308,7 +313,9 @@ impl Engine {
 
     fn handle(&mut self, command: Command) {
         match command {
-            Command::Connect { peer, instance, worker_address, process } => self.connect(peer, instance, &worker_address, process),
+            Command::Connect { peer, instance, worker_address, process } => {
+                self.connect(peer, instance, &worker_address, process)
+            }
             Command::Disconnect { peer } => {
                 self.drop_peer(peer, "peer disconnected by the host", false, false, true, false);
             }
@@ -348,9 +355,8 @@ impl Engine {
     /// loop, before the call that swaps the queues out (whose frame alone cost more than the check).
     #[inline(always)]
     fn drain(&mut self) -> bool {
-        let nothing_queued = COMPLETIONS.with(|c| c.borrow().is_empty())
-            && EP_ERRORS.with(|c| c.borrow().is_empty())
-            && {
+        let nothing_queued =
+            COMPLETIONS.with(|c| c.borrow().is_empty()) && EP_ERRORS.with(|c| c.borrow().is_empty()) && {
                 let r = self.receiver.borrow();
                 r.byes.is_empty() && r.notices.is_empty() && r.replies.is_empty()
             };

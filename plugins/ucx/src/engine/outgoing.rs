@@ -142,12 +142,7 @@ impl Engine {
         }
         .encode_into(&mut header);
         let token = self.token();
-        let param = ucp::send_param(
-            Some(receiver::send_done),
-            token,
-            0,
-            segment.local_memh as ucp::ucp_mem_h,
-        );
+        let param = ucp::send_param(Some(receiver::send_done), token, 0, segment.local_memh as ucp::ucp_mem_h);
         // SAFETY: `ep` is a live endpoint of this worker (from `conns`, used on the progress thread only);
         // the header and the source bytes stay valid until the request completes: the header is kept in
         // `requests` with it, and the source region is held mapped by the job's `local_regions` until the
@@ -189,12 +184,7 @@ impl Engine {
         }
         .encode_into(&mut header);
         let token = self.token();
-        let param = ucp::send_param(
-            Some(receiver::send_done),
-            token,
-            0,
-            std::ptr::null_mut(),
-        );
+        let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
         // SAFETY: `ep` is a live endpoint of this worker, used on the progress thread only; the header is
         // kept in `requests` until the send completes, and no data buffer is passed.
         let posted = ucp::classify(unsafe {
@@ -220,7 +210,12 @@ impl Engine {
         }
     }
 
-    fn post_put(&mut self, xfer: u64, ep: ucp_ep_h, segment: &crate::shared::ResolvedSegment) -> Result<(), (ReasonCode, String)> {
+    fn post_put(
+        &mut self,
+        xfer: u64,
+        ep: ucp_ep_h,
+        segment: &crate::shared::ResolvedSegment,
+    ) -> Result<(), (ReasonCode, String)> {
         let peer = self.xfers.get(XferId(xfer)).unwrap().job.peer;
         let rkey = self.rkey_for(peer, segment.remote_key, xfer).map_err(|m| (ReasonCode::TRANSPORT_ERROR, m))?;
         let token = self.token();
@@ -229,7 +224,14 @@ impl Engine {
         // endpoint closes; the source bytes are held mapped by the job's `local_regions` until the transfer
         // is forgotten, after the put completed.
         let posted = ucp::classify(unsafe {
-            ucp::ucp_put_nbx(ep, segment.local_addr as *const c_void, segment.len as usize, segment.remote_addr, rkey, &param)
+            ucp::ucp_put_nbx(
+                ep,
+                segment.local_addr as *const c_void,
+                segment.len as usize,
+                segment.remote_addr,
+                rkey,
+                &param,
+            )
         });
         let pending = self
             .track(token, posted, ReqKind::Xfer { xfer }, Vec::new())

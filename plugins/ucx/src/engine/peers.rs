@@ -17,7 +17,8 @@ impl Engine {
         }
         let token = self.token();
         let try_peer_mode = !self.shared.config.shared_memory_only();
-        let mut created = self.worker.connect(address, try_peer_mode, Some(receiver::ep_failed), token).map(|ep| (ep, try_peer_mode));
+        let mut created =
+            self.worker.connect(address, try_peer_mode, Some(receiver::ep_failed), token).map(|ep| (ep, try_peer_mode));
         if created.is_err() && try_peer_mode {
             tracing::info!(peer = peer.0, "ucx endpoint without peer-failure handling (the transport offers none)");
             created = self.worker.connect(address, false, Some(receiver::ep_failed), token).map(|ep| (ep, false));
@@ -27,7 +28,8 @@ impl Engine {
                 self.ep_tokens.insert(token, instance);
                 let watched = process.filter(|_| !peer_failure_handling);
                 let process_fd = watched.and_then(|pid| open_process_fd(peer, pid));
-                let conn = PeerConn { ep, peer_failure_handling, token, rkeys: HashMap::new(), process_fd, users: vec![peer] };
+                let conn =
+                    PeerConn { ep, peer_failure_handling, token, rkeys: HashMap::new(), process_fd, users: vec![peer] };
                 self.conns.insert(instance, conn);
                 self.peers.insert(peer, instance);
                 if let (Some(pid), None) = (watched, process_fd) {
@@ -72,11 +74,21 @@ impl Engine {
     /// open they end with a cancel message and quiesce on the receiver's answer, as any failure.
     /// `peer_gone`: the peer said goodbye or UCX declared it dead, so closing by force cannot upset it.
     // CONFORMANCE: HANDSHAKE-2, TIME-3 (the peer's transfers fail, its keys and endpoint go)
-    pub(super) fn drop_peer(&mut self, peer: PeerId, why: &str, announce_down: bool, peer_gone: bool, close_quiesces: bool, keep_endpoint: bool) {
+    pub(super) fn drop_peer(
+        &mut self,
+        peer: PeerId,
+        why: &str,
+        announce_down: bool,
+        peer_gone: bool,
+        close_quiesces: bool,
+        keep_endpoint: bool,
+    ) {
         let instance = self.peers.get(&peer).copied();
-        let shared_with_others = instance.and_then(|i| self.conns.get(&i)).is_some_and(|c| c.users.iter().any(|p| *p != peer));
+        let shared_with_others =
+            instance.and_then(|i| self.conns.get(&i)).is_some_and(|c| c.users.iter().any(|p| *p != peer));
         let closes_endpoint = instance.is_some() && !shared_with_others && !keep_endpoint;
-        let victims: Vec<u64> = self.xfers.iter().filter(|(_, e)| e.data.job.peer == peer).map(|(id, _)| id.0).collect();
+        let victims: Vec<u64> =
+            self.xfers.iter().filter(|(_, e)| e.data.job.peer == peer).map(|(id, _)| id.0).collect();
         for xfer in &victims {
             if closes_endpoint {
                 if let Some(x) = self.xfers.get_mut(XferId(*xfer)) {
@@ -118,7 +130,12 @@ impl Engine {
                     }
                     Posted::Done => {}
                     Posted::Failed(status) => {
-                        tracing::warn!(reason = "transport_error", peer = peer.0, "ucx endpoint close: {}", ucp::status_text(status));
+                        tracing::warn!(
+                            reason = "transport_error",
+                            peer = peer.0,
+                            "ucx endpoint close: {}",
+                            ucp::status_text(status)
+                        );
                     }
                 }
             }
@@ -154,7 +171,8 @@ impl Engine {
             return Ok(*rkey);
         }
         let x = self.xfers.get(XferId(xfer)).ok_or("no transfer")?;
-        let remote = x.job.remote_regions.iter().find(|r| r.id == remote_key).ok_or("remote key not held by the job")?;
+        let remote =
+            x.job.remote_regions.iter().find(|r| r.id == remote_key).ok_or("remote key not held by the job")?;
         // SAFETY: `conn.ep` is live while it is in `conns`.
         let rkey = unsafe { ucp::rkey_unpack(conn.ep, &remote.packed_rkey) }.map_err(|e| e.to_string())?;
         conn.rkeys.insert(remote_key, rkey);
@@ -214,7 +232,11 @@ fn open_process_fd(peer: PeerId, pid: u32) -> Option<i32> {
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
     if fd < 0 {
         let error = std::io::Error::last_os_error();
-        tracing::info!(peer = peer.0, pid, "ucx peer process not watched (pidfd_open: {error}); deadlines bound its transfers");
+        tracing::info!(
+            peer = peer.0,
+            pid,
+            "ucx peer process not watched (pidfd_open: {error}); deadlines bound its transfers"
+        );
         return None;
     }
     Some(fd as i32)

@@ -31,7 +31,11 @@ impl Engine {
                 self.replies_awaiting_endpoint.extend_from_slice(replies);
             } else {
                 for (_, header) in replies {
-                    tracing::warn!(reason = "peer_unreachable", xfer = header.xfer, "ucx reply dropped: no endpoint to sender {sender:#x}");
+                    tracing::warn!(
+                        reason = "peer_unreachable",
+                        xfer = header.xfer,
+                        "ucx reply dropped: no endpoint to sender {sender:#x}"
+                    );
                 }
             }
             return;
@@ -46,7 +50,15 @@ impl Engine {
         // SAFETY: `ep` is a live endpoint of this worker; `bytes` is kept with the request in `requests` (or
         // reused only once the send completed at once), so UCX may read it until completion.
         let posted = ucp::classify(unsafe {
-            ucp::ucp_am_send_nbx(ep, wire::AM_REPLY, bytes.as_ptr() as *const c_void, bytes.len(), std::ptr::null(), 0, &param)
+            ucp::ucp_am_send_nbx(
+                ep,
+                wire::AM_REPLY,
+                bytes.as_ptr() as *const c_void,
+                bytes.len(),
+                std::ptr::null(),
+                0,
+                &param,
+            )
         });
         if let Posted::Done = posted {
             self.reply_bytes = bytes;
@@ -60,7 +72,8 @@ impl Engine {
     /// Whether the host connected a peer id naming `instance` (not down) whose endpoint is not made
     /// yet: its `Connect` command is queued (the registry and the queue change under one lock).
     fn endpoint_coming(&self, instance: u64) -> bool {
-        !self.conns.contains_key(&instance) && self.shared.lock().peers.values().any(|p| p.instance == instance && !p.down)
+        !self.conns.contains_key(&instance)
+            && self.shared.lock().peers.values().any(|p| p.instance == instance && !p.down)
     }
 
     /// After a batch of commands: send the replies whose endpoint now exists; drop (logged) those

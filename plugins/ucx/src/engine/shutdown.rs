@@ -39,7 +39,15 @@ impl Engine {
             // SAFETY: `ep` is a live endpoint of this worker (taken from `conns` just above); the goodbye
             // bytes are kept with the request in `requests` until the send completes.
             let posted = ucp::classify(unsafe {
-                ucp::ucp_am_send_nbx(ep, wire::AM_BYE, bye.as_ptr() as *const c_void, bye.len(), std::ptr::null(), 0, &param)
+                ucp::ucp_am_send_nbx(
+                    ep,
+                    wire::AM_BYE,
+                    bye.as_ptr() as *const c_void,
+                    bye.len(),
+                    std::ptr::null(),
+                    0,
+                    &param,
+                )
             });
             if let Ok(true) = self.track(token, posted, ReqKind::Other, bye.clone()) {
                 tokens.push(token);

@@ -100,7 +100,13 @@ pub struct Buffer {
 }
 
 pub fn region(bytes: &mut [u8]) -> RegionDesc {
-    RegionDesc { kind: MemoryKind::HOST, device: -1, addr: bytes.as_mut_ptr() as u64, len: bytes.len() as u64, ..Default::default() }
+    RegionDesc {
+        kind: MemoryKind::HOST,
+        device: -1,
+        addr: bytes.as_mut_ptr() as u64,
+        len: bytes.len() as u64,
+        ..Default::default()
+    }
 }
 
 pub fn buffer(side: &Side, len: usize, seed: u64) -> Buffer {
@@ -126,7 +132,14 @@ pub fn checksum(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x100_0000_01b3))
 }
 
-pub fn submit(side: &Side, xfer: u64, peer: PeerId, ticket: u64, timeout: Duration, segments: &[Segment]) -> Result<(), PluginError> {
+pub fn submit(
+    side: &Side,
+    xfer: u64,
+    peer: PeerId,
+    ticket: u64,
+    timeout: Duration,
+    segments: &[Segment],
+) -> Result<(), PluginError> {
     side.plugin.submit(&SubmitRequest {
         xfer: XferId(xfer),
         peer,
@@ -138,7 +151,12 @@ pub fn submit(side: &Side, xfer: u64, peer: PeerId, ticket: u64, timeout: Durati
 
 pub fn expect(side: &Side, ticket: u64, peer: PeerId, timeout: Duration, ranges: &[LocalRange]) {
     side.plugin
-        .expect_incoming(&IncomingRequest { ticket: Ticket(ticket), peer, timeout_ns: timeout.as_nanos() as u64, ranges: ranges.into() })
+        .expect_incoming(&IncomingRequest {
+            ticket: Ticket(ticket),
+            peer,
+            timeout_ns: timeout.as_nanos() as u64,
+            ranges: ranges.into(),
+        })
         .expect("expect_incoming");
 }
 
@@ -191,7 +209,9 @@ pub fn frozen_peer(config: &str, len: usize) -> FrozenPeer {
     let worker = ucp::Worker::new(&context).unwrap();
     let mut target = vec![0u8; len];
     let map = context.map(target.as_mut_ptr() as u64, len as u64).unwrap();
-    let endpoint = wire::EndpointBytes { instance: 0xf00d, pid: 0, boot_id: [0; 16], worker_address: worker.address().unwrap() }.encode();
+    let endpoint =
+        wire::EndpointBytes { instance: 0xf00d, pid: 0, boot_id: [0; 16], worker_address: worker.address().unwrap() }
+            .encode();
     let remote_key = wire::RemoteKeyBytes {
         owner_instance: 0xf00d,
         region: 1,

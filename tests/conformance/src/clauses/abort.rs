@@ -72,7 +72,8 @@ pub fn abort_1(ctx: &mut Ctx) -> CheckResult {
         for i in 0..5u64 {
             // The receiver never authorises this ticket: the counterpart has not registered.
             let ticket = p.ticket();
-            let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, i * 4096, &dst, i * 4096, 4096)], ctx)?;
+            let (x, r) =
+                p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, i * 4096, &dst, i * 4096, 4096)], ctx)?;
             accepted(r, "transfer to an unregistered ticket")?;
             sleep_ms(5 + 5 * i);
             record(cancel_and_time(p, x, &format!("waiting for peer registration ({} ms)", 5 + 5 * i), ctx)?);
@@ -101,12 +102,18 @@ pub fn abort_1(ctx: &mut Ctx) -> CheckResult {
             let state = format!("receiver frozen, {} MiB in {pieces} segments", (pieces * region) >> 20);
             match r {
                 Ok(_) => record(cancel_and_time(p, x, &state, ctx)?),
-                Err(e) => record(Cancelled { verdict: Ok(format!("{state}: submit refused ({})", e.code_name)), reached: false }),
+                Err(e) => record(Cancelled {
+                    verdict: Ok(format!("{state}: submit refused ({})", e.code_name)),
+                    reached: false,
+                }),
             }
         }
         p.rx.resume();
         ctx.exercise("ABORT-1", "cancels that reached a live transfer", reached, tries, Status::NotExercised);
-        verdict_of(problems, format!("{tries} transfers whose receiver never authorised the ticket: {}", lines.join("; ")))
+        verdict_of(
+            problems,
+            format!("{tries} transfers whose receiver never authorised the ticket: {}", lines.join("; ")),
+        )
     })
 }
 
@@ -149,7 +156,11 @@ pub fn abort_2(ctx: &mut Ctx) -> CheckResult {
         let landed = p.wait_landed(&src, &dst, 0, 4096, ms_of(FROZEN_LANDING_BOUND_MS));
         sleep_ms(FROZEN_SETTLE_MS);
         if submitted {
-            let state = if landed { "receiver frozen (SIGSTOP), bytes landed" } else { "receiver frozen (SIGSTOP), bytes not landed" };
+            let state = if landed {
+                "receiver frozen (SIGSTOP), bytes landed"
+            } else {
+                "receiver frozen (SIGSTOP), bytes not landed"
+            };
             record(cancel_and_time(p, x, state, ctx)?);
         }
         p.rx.resume();
@@ -176,11 +187,15 @@ pub fn abort_3(ctx: &mut Ctx) -> CheckResult {
         let bound = ms_of(ctx.limits.long_timeout_ms.min(30_000));
         let (done, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
         accepted(r, "transfer")?;
-        let (on_extra, r) = p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&extra, 0, &dst, 8192, 4096)], ctx)?;
+        let (on_extra, r) =
+            p.submit(ticket, ctx.limits.long_timeout_ms, vec![seg(&extra, 0, &dst, 8192, 4096)], ctx)?;
         accepted(r, "transfer")?;
         let missing = p.wait_all_terminal(&[done, on_extra], bound);
         if !missing.is_empty() {
-            return fail(format!("transfers {missing:?} to an authorised ticket never ended within {} ms", bound.as_millis()));
+            return fail(format!(
+                "transfers {missing:?} to an authorised ticket never ended within {} ms",
+                bound.as_millis()
+            ));
         }
         sleep_ms(20);
         match p.call(Side::Tx, Op::Deregister { key: extra.key }, ctx)?.outcome {
@@ -284,7 +299,9 @@ fn abort_4_loaded(p: &mut Pair, ctx: &mut Ctx) -> Result<Result<String, Vec<Stri
     p.settle_ticket(&src, &dst, ticket, ctx)?;
     // The destination made to differ from the source everywhere, so the first bytes to land show.
     p.call(Side::Rx, Op::Fill { rid: dst.rid, offset: 0, len: piece, seed: ctx.rng.next_u64() }, ctx)?;
-    let filled = p.region_bytes(Side::Rx, dst.rid, 0, 4096).map_err(|e| Verdict::Fail(format!("reading the destination: {e}")))?;
+    let filled = p
+        .region_bytes(Side::Rx, dst.rid, 0, 4096)
+        .map_err(|e| Verdict::Fail(format!("reading the destination: {e}")))?;
     let first = p.xfer_id() + 1;
     for _ in 0..count {
         p.xfer_id();
@@ -292,8 +309,14 @@ fn abort_4_loaded(p: &mut Pair, ctx: &mut Ctx) -> Result<Result<String, Vec<Stri
     let timeout_ns = ctx.limits.long_timeout_ms * 1_000_000;
     let segments: Vec<_> = (0..passes).map(|_| seg(&src, 0, &dst, 0, piece)).collect();
     let peer = p.rx_peer;
-    let reply = p.call(Side::Tx, Op::SubmitMany { first_xfer: first, count, peer, ticket, timeout_ns, segments: segments.clone() }, ctx)?;
-    let Outcome::Batch { errors, .. } = reply.outcome else { return fail("loaded case: submit batch: unexpected reply") };
+    let reply = p.call(
+        Side::Tx,
+        Op::SubmitMany { first_xfer: first, count, peer, ticket, timeout_ns, segments: segments.clone() },
+        ctx,
+    )?;
+    let Outcome::Batch { errors, .. } = reply.outcome else {
+        return fail("loaded case: submit batch: unexpected reply");
+    };
     let mut ids = Vec::new();
     for (i, e) in errors.iter().enumerate() {
         let x = first + i as u64;
@@ -316,7 +339,9 @@ fn abort_4_loaded(p: &mut Pair, ctx: &mut Ctx) -> Result<Result<String, Vec<Stri
         std::thread::sleep(std::time::Duration::from_micros(100));
     }
     let reply = p.call(Side::Tx, Op::CancelMany { xfers: ids.clone() }, ctx)?;
-    let Outcome::Batch { started_ns, returned_ns, .. } = reply.outcome else { return fail("loaded case: cancel batch: unexpected reply") };
+    let Outcome::Batch { started_ns, returned_ns, .. } = reply.outcome else {
+        return fail("loaded case: cancel batch: unexpected reply");
+    };
     if started_ns.len() != ids.len() || returned_ns.len() != ids.len() {
         return fail("loaded case: the peer did not time each cancel of the batch");
     }
@@ -356,7 +381,9 @@ fn abort_4_loaded(p: &mut Pair, ctx: &mut Ctx) -> Result<Result<String, Vec<Stri
     }
     ctx.exercise(
         "ABORT-4",
-        &format!("cancels under load (a live transfer reached with at least {LOADED_MIN_LIVE} live, bytes seen moving)"),
+        &format!(
+            "cancels under load (a live transfer reached with at least {LOADED_MIN_LIVE} live, bytes seen moving)"
+        ),
         under_load,
         ids.len() as u64,
         Status::NotExercised,
@@ -371,10 +398,18 @@ fn abort_4_loaded(p: &mut Pair, ctx: &mut Ctx) -> Result<Result<String, Vec<Stri
     );
     let mut problems = Vec::new();
     if !missing.is_empty() {
-        problems.push(format!("{what}: {} of them never got a terminal event (first: {:?})", missing.len(), &missing[..missing.len().min(5)]));
+        problems.push(format!(
+            "{what}: {} of them never got a terminal event (first: {:?})",
+            missing.len(),
+            &missing[..missing.len().min(5)]
+        ));
     }
     if !late.is_empty() {
-        let shown: Vec<String> = late.iter().take(3).map(|(x, took, live)| format!("transfer {x} {:.1} ms with {live} live", ms(*took))).collect();
+        let shown: Vec<String> = late
+            .iter()
+            .take(3)
+            .map(|(x, took, live)| format!("transfer {x} {:.1} ms with {live} live", ms(*took)))
+            .collect();
         problems.push(format!(
             "{what}: {} of {} cancels reached their terminal event later than G ({} ms) after the cancel returned: {}{}",
             late.len(),
@@ -412,7 +447,11 @@ pub fn abort_4(ctx: &mut Ctx) -> CheckResult {
         let segments = vec![seg(&src, 0, &dst, 0, ABORT_4_BYTES)];
         let peer = p.rx_peer;
         p.rx.freeze().map_err(Verdict::Fail)?;
-        let reply = p.call(Side::Tx, Op::SubmitMany { first_xfer: first, count, peer, ticket, timeout_ns, segments: segments.clone() }, ctx)?;
+        let reply = p.call(
+            Side::Tx,
+            Op::SubmitMany { first_xfer: first, count, peer, ticket, timeout_ns, segments: segments.clone() },
+            ctx,
+        )?;
         let Outcome::Batch { errors, .. } = reply.outcome else { return fail("submit batch: unexpected reply") };
         let mut ids = Vec::new();
         for (i, e) in errors.iter().enumerate() {
@@ -439,7 +478,13 @@ pub fn abort_4(ctx: &mut Ctx) -> CheckResult {
             .iter()
             .filter(|e| crate::world::is_terminal(e) && ended_by_cancel(e) && e.xfer >= first && e.xfer < first + count)
             .count() as u64;
-        ctx.exercise("ABORT-4", "cancels that reached a live transfer in the storm", reached, ids.len() as u64, Status::NotExercised);
+        ctx.exercise(
+            "ABORT-4",
+            "cancels that reached a live transfer in the storm",
+            reached,
+            ids.len() as u64,
+            Status::NotExercised,
+        );
         let last = events.iter().filter(|e| crate::world::is_terminal(e)).map(|e| e.t_ns).max().unwrap_or(0);
         let took = last.saturating_sub(cancel.t_ns);
         let stats = p.stats(Side::Tx, ctx)?;
@@ -452,7 +497,11 @@ pub fn abort_4(ctx: &mut Ctx) -> CheckResult {
                 &missing[..missing.len().min(5)]
             ));
         } else if took > ctx.limits.storm_grace_ms * 1_000_000 {
-            problems.push(format!("the last terminal event came {:.0} ms after the cancels (bound {} ms)", ms(took), ctx.limits.storm_grace_ms));
+            problems.push(format!(
+                "the last terminal event came {:.0} ms after the cancels (bound {} ms)",
+                ms(took),
+                ctx.limits.storm_grace_ms
+            ));
         }
         if stats.healthy == 0 {
             problems.push("plugin reports unhealthy after the storm".into());
@@ -486,7 +535,16 @@ mod tests {
     use crate::peer::protocol::WireEvent;
 
     fn cancel(xfer: u64, started_ns: u64, ended_ns: Option<u64>) -> LoadedCancel {
-        let terminal = ended_ns.map(|t_ns| WireEvent { kind: EventKind::FAILED.0, xfer, peer: 1, reason: ReasonCode::CANCELLED.0, bytes: 0, flags: 0, message: "cancelled".into(), t_ns });
+        let terminal = ended_ns.map(|t_ns| WireEvent {
+            kind: EventKind::FAILED.0,
+            xfer,
+            peer: 1,
+            reason: ReasonCode::CANCELLED.0,
+            bytes: 0,
+            flags: 0,
+            message: "cancelled".into(),
+            t_ns,
+        });
         LoadedCancel { xfer, started_ns, returned_ns: started_ns + 1, live: 0, terminal }
     }
 
@@ -494,7 +552,8 @@ mod tests {
     #[test]
     fn each_cancel_counts_the_transfers_live_when_it_began() {
         // Transfer 1 ended before any cancel, 2 at its own cancel, 3 long after, 4 never.
-        let mut cancels = vec![cancel(1, 100, Some(50)), cancel(2, 110, Some(111)), cancel(3, 120, Some(900)), cancel(4, 130, None)];
+        let mut cancels =
+            vec![cancel(1, 100, Some(50)), cancel(2, 110, Some(111)), cancel(3, 120, Some(900)), cancel(4, 130, None)];
         live_at_each_cancel(&mut cancels);
         let live: Vec<u64> = cancels.iter().map(|c| c.live).collect();
         assert_eq!(live, vec![3, 3, 2, 2], "an event at the very moment a cancel began still counts as live");

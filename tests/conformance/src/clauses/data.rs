@@ -9,24 +9,49 @@ use kvgate_abi::EventKind;
 const DATA_TIMEOUT_MS: u64 = 60_000;
 
 /// Submit `segs`, wait for the terminal event, and compare both sides' checksums the moment it arrives.
-pub(crate) fn transfer_and_verify(p: &mut Pair, ticket: u64, src_rid: u32, dst_rid: u32, segs: Vec<Seg>, ctx: &mut Ctx) -> Result<Result<String, String>, Verdict> {
+pub(crate) fn transfer_and_verify(
+    p: &mut Pair,
+    ticket: u64,
+    src_rid: u32,
+    dst_rid: u32,
+    segs: Vec<Seg>,
+    ctx: &mut Ctx,
+) -> Result<Result<String, String>, Verdict> {
     transfer_and_compare(p, ticket, src_rid, dst_rid, segs, 0, ctx)
 }
 
 /// Like [`transfer_and_verify`], but compares only after `settle_ms`: for checks whose subject is not
 /// the moment of `SUCCEEDED` (that is DATA-1's), only that the bytes did move.
-pub(crate) fn transfer_and_settle(p: &mut Pair, ticket: u64, src_rid: u32, dst_rid: u32, segs: Vec<Seg>, ctx: &mut Ctx) -> Result<Result<String, String>, Verdict> {
+pub(crate) fn transfer_and_settle(
+    p: &mut Pair,
+    ticket: u64,
+    src_rid: u32,
+    dst_rid: u32,
+    segs: Vec<Seg>,
+    ctx: &mut Ctx,
+) -> Result<Result<String, String>, Verdict> {
     transfer_and_compare(p, ticket, src_rid, dst_rid, segs, 300, ctx)
 }
 
-fn transfer_and_compare(p: &mut Pair, ticket: u64, src_rid: u32, dst_rid: u32, segs: Vec<Seg>, settle_ms: u64, ctx: &mut Ctx) -> Result<Result<String, String>, Verdict> {
+fn transfer_and_compare(
+    p: &mut Pair,
+    ticket: u64,
+    src_rid: u32,
+    dst_rid: u32,
+    segs: Vec<Seg>,
+    settle_ms: u64,
+    ctx: &mut Ctx,
+) -> Result<Result<String, String>, Verdict> {
     let src_ranges: Vec<(u64, u64)> = segs.iter().map(|s| (s.local_offset, s.len)).collect();
     let dst_ranges: Vec<(u64, u64)> = segs.iter().map(|s| (s.remote_offset, s.len)).collect();
     let bytes: u64 = segs.iter().map(|s| s.len).sum();
     let nseg = segs.len();
     let (x, r) = p.submit(ticket, DATA_TIMEOUT_MS, segs, ctx)?;
     if let Err(e) = r {
-        return Ok(Err(format!("{bytes} bytes in {nseg} segments: valid submit refused: {}: {}", e.code_name, e.message)));
+        return Ok(Err(format!(
+            "{bytes} bytes in {nseg} segments: valid submit refused: {}: {}",
+            e.code_name, e.message
+        )));
     }
     let Some(t) = p.wait_terminal(x, ms_of(DATA_TIMEOUT_MS + ctx.limits.deadline_slack_ms)) else {
         return Ok(Err(format!("{bytes} bytes in {nseg} segments: no terminal event")));
@@ -37,7 +62,11 @@ fn transfer_and_compare(p: &mut Pair, ticket: u64, src_rid: u32, dst_rid: u32, s
     }
     let dst_sum = p.checksum(Side::Rx, dst_rid, dst_ranges, ctx)?;
     if t.kind != EventKind::SUCCEEDED.0 {
-        return Ok(Err(format!("{bytes} bytes in {nseg} segments: valid transfer ended {}: {}", describe(&t), t.message)));
+        return Ok(Err(format!(
+            "{bytes} bytes in {nseg} segments: valid transfer ended {}: {}",
+            describe(&t),
+            t.message
+        )));
     }
     let src_sum = p.checksum(Side::Tx, src_rid, src_ranges, ctx)?;
     let took = t.t_ns.saturating_sub(p.xfers[&x].submitted_ns);
@@ -53,7 +82,10 @@ fn transfer_and_compare(p: &mut Pair, ticket: u64, src_rid: u32, dst_rid: u32, s
 // CONFORMANCE: DATA-1
 pub fn data_1(ctx: &mut Ctx) -> CheckResult {
     with_pair(ctx, |p, ctx| {
-        let sizes: Vec<u64> = [0u64, 1, 4095, 64 << 10, 4 << 20, 64 << 20].into_iter().filter(|s| *s <= ctx.limits.max_data_bytes).collect();
+        let sizes: Vec<u64> = [0u64, 1, 4095, 64 << 10, 4 << 20, 64 << 20]
+            .into_iter()
+            .filter(|s| *s <= ctx.limits.max_data_bytes)
+            .collect();
         let (mut lines, mut problems) = (Vec::new(), Vec::new());
         for size in sizes {
             let pad = 8192;
@@ -67,7 +99,11 @@ pub fn data_1(ctx: &mut Ctx) -> CheckResult {
             } else {
                 let a = 1 + ctx.rng.below(size / 2);
                 let b = 1 + ctx.rng.below(size - a - 1);
-                vec![seg(&src, so, &dst, d_o, a), seg(&src, so + a, &dst, d_o + a, b), seg(&src, so + a + b, &dst, d_o + a + b, size - a - b)]
+                vec![
+                    seg(&src, so, &dst, d_o, a),
+                    seg(&src, so + a, &dst, d_o + a, b),
+                    seg(&src, so + a + b, &dst, d_o + a + b, size - a - b),
+                ]
             };
             match transfer_and_verify(p, ticket, src.rid, dst.rid, segs, ctx)? {
                 Ok(l) => lines.push(l),
@@ -77,7 +113,10 @@ pub fn data_1(ctx: &mut Ctx) -> CheckResult {
             p.call(Side::Tx, Op::Release { key: dst.remote }, ctx)?;
             p.call(Side::Rx, Op::Deregister { key: dst.key }, ctx)?;
         }
-        verdict_of(problems, format!("random bytes at odd offsets, checksummed at the SUCCEEDED event: {}", lines.join(", ")))
+        verdict_of(
+            problems,
+            format!("random bytes at odd offsets, checksummed at the SUCCEEDED event: {}", lines.join(", ")),
+        )
     })
 }
 
@@ -165,7 +204,11 @@ pub fn data_3(ctx: &mut Ctx) -> CheckResult {
         ];
         if p.info.max_segments_per_submit > 0 && p.info.max_segments_per_submit < 1_000_000 {
             let n = p.info.max_segments_per_submit + 1;
-            cases.push((format!("{n} segments (max_segments_per_submit {})", n - 1), (0..n).map(|_| Seg { len: 1, ..ok }).collect(), None));
+            cases.push((
+                format!("{n} segments (max_segments_per_submit {})", n - 1),
+                (0..n).map(|_| Seg { len: 1, ..ok }).collect(),
+                None,
+            ));
         }
         let mut problems = Vec::new();
         let mut refused = Vec::new();
@@ -201,7 +244,8 @@ pub fn data_3(ctx: &mut Ctx) -> CheckResult {
         let live_ticket = p.authorise(&big_dst, ctx)?;
         sleep_ms(10);
         let piece = big / 1000;
-        let moving: Vec<Seg> = (0..4000).map(|i| seg(&big_src, i % 1000 * piece, &big_dst, i % 1000 * piece, piece)).collect();
+        let moving: Vec<Seg> =
+            (0..4000).map(|i| seg(&big_src, i % 1000 * piece, &big_dst, i % 1000 * piece, piece)).collect();
         let (x, r) = p.submit(live_ticket, ctx.limits.long_timeout_ms, moving, ctx)?;
         accepted(r, "transfer")?;
         // One small segment, so that the second call reaches the plugin as fast as the harness can send it.

@@ -39,7 +39,9 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
                 to_tx = Some((proxy, tx_endpoint));
             }
             p.call(Side::Tx, Op::Disconnect { peer: RX_PEER }, ctx)?;
-            if let Outcome::Failed { error } = p.call(Side::Tx, Op::Connect { peer: PROXIED_PEER, endpoint: rewritten.clone() }, ctx)?.outcome {
+            if let Outcome::Failed { error } =
+                p.call(Side::Tx, Op::Connect { peer: PROXIED_PEER, endpoint: rewritten.clone() }, ctx)?.outcome
+            {
                 return fail(format!("connect through the TCP proxy refused: {}: {}", error.code_name, error.message));
             }
             p.rx_peer = PROXIED_PEER;
@@ -61,7 +63,18 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
         // The receiver dies and a new generation starts with the same plugin and config.
         p.rx.kill();
         p.rx = PeerProcess::spawn(&ctx.cmd, "receiver-gen2").map_err(Verdict::Fail)?;
-        match p.call(Side::Rx, Op::Open { plugin: ctx.plugin.clone(), config: ctx.plugin_config.clone(), memory: ctx.limits.memory_provider.clone() }, ctx)?.outcome {
+        match p
+            .call(
+                Side::Rx,
+                Op::Open {
+                    plugin: ctx.plugin.clone(),
+                    config: ctx.plugin_config.clone(),
+                    memory: ctx.limits.memory_provider.clone(),
+                },
+                ctx,
+            )?
+            .outcome
+        {
             Outcome::Info { .. } => {}
             other => return fail(format!("second generation could not open: {other:?}")),
         }
@@ -74,10 +87,13 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
         let mut problems = Vec::new();
         if was_live {
             match p.wait_terminal(old_live, ms_of(ctx.limits.abort_grace_ms + 1_000)) {
-                Some(e) if e.kind == EventKind::SUCCEEDED.0 => problems.push(format!("old generation's waiting transfer {}", describe(&e))),
-                Some(e) if e.t_ns.saturating_sub(disc.t_ns) > grace_ns(ctx) => {
-                    problems.push(format!("old generation's transfer ended {} ms after disconnect", (e.t_ns - disc.t_ns) / 1_000_000))
+                Some(e) if e.kind == EventKind::SUCCEEDED.0 => {
+                    problems.push(format!("old generation's waiting transfer {}", describe(&e)))
                 }
+                Some(e) if e.t_ns.saturating_sub(disc.t_ns) > grace_ns(ctx) => problems.push(format!(
+                    "old generation's transfer ended {} ms after disconnect",
+                    (e.t_ns - disc.t_ns) / 1_000_000
+                )),
                 Some(_) => {}
                 None => problems.push("old generation's live transfer never ended after disconnect".into()),
             }
@@ -88,7 +104,9 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
             // The new generation behind the same address: the proxy now forwards to its port.
             let ports = listening_tcp_ports(p.rx.pid());
             let Some((at, port)) = find_listening_port(&endpoint, &ports) else {
-                return fail(format!("the restarted receiver's endpoint names none of the TCP ports it listens on ({ports:?})"));
+                return fail(format!(
+                    "the restarted receiver's endpoint names none of the TCP ports it listens on ({ports:?})"
+                ));
             };
             proxy.retarget(([127, 0, 0, 1], port).into());
             endpoint = rewrite_tcp_port(&endpoint, at, proxy.listen.port());
@@ -100,7 +118,14 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
         let dst2 = p.alloc_dst(1 << 20, ctx.rng.next_u64(), ctx)?;
         let ticket2 = p.authorise(&dst2, ctx)?;
         sleep_ms(20);
-        let moved = match super::data::transfer_and_settle(p, ticket2, src.rid, dst2.rid, vec![seg(&src, 7, &dst2, 5, 100_000)], ctx)? {
+        let moved = match super::data::transfer_and_settle(
+            p,
+            ticket2,
+            src.rid,
+            dst2.rid,
+            vec![seg(&src, 7, &dst2, 5, 100_000)],
+            ctx,
+        )? {
             Ok(l) => l,
             Err(e) => {
                 problems.push(format!("new generation: {e}"));
@@ -112,7 +137,12 @@ pub fn handshake_2(ctx: &mut Ctx) -> CheckResult {
         for (what, peer, remote) in stale {
             let saved = p.rx_peer;
             p.rx_peer = peer;
-            let (x, r) = p.submit(ticket2, 2_000, vec![crate::peer::protocol::Seg { remote, ..seg(&src, 0, &dst2, 0, 64) }], ctx)?;
+            let (x, r) = p.submit(
+                ticket2,
+                2_000,
+                vec![crate::peer::protocol::Seg { remote, ..seg(&src, 0, &dst2, 0, 64) }],
+                ctx,
+            )?;
             p.rx_peer = saved;
             if r.is_ok() {
                 if let Some(e) = p.wait_terminal(x, ms_of(2_000 + ctx.limits.deadline_slack_ms)) {
@@ -149,25 +179,56 @@ pub fn handshake_3(ctx: &mut Ctx) -> CheckResult {
                 lines.push(format!("{kind} advertised"));
                 continue;
             }
-            let region = RawRegion { kind: kind.0, device: 0, rid: Some(rid), addr_offset: 0, len: 1 << 16, backing: true, ipc_handle: vec![0xab; 64] };
+            let region = RawRegion {
+                kind: kind.0,
+                device: 0,
+                rid: Some(rid),
+                addr_offset: 0,
+                len: 1 << 16,
+                backing: true,
+                ipc_handle: vec![0xab; 64],
+            };
             let out = p.call(Side::Tx, Op::RegisterRaw { region }, ctx)?.outcome;
             match &out {
-                Outcome::Failed { error } if error.code == ReasonCode::UNSUPPORTED_MEMORY.0 => lines.push(format!("{kind} refused (unsupported_memory)")),
-                Outcome::Failed { error } => problems.push(format!("{kind} (not advertised) refused with {} instead of unsupported_memory", error.code_name)),
-                _ => problems.push(format!("register of {kind} memory, which the plugin does not advertise, was accepted")),
+                Outcome::Failed { error } if error.code == ReasonCode::UNSUPPORTED_MEMORY.0 => {
+                    lines.push(format!("{kind} refused (unsupported_memory)"))
+                }
+                Outcome::Failed { error } => problems.push(format!(
+                    "{kind} (not advertised) refused with {} instead of unsupported_memory",
+                    error.code_name
+                )),
+                _ => problems
+                    .push(format!("register of {kind} memory, which the plugin does not advertise, was accepted")),
             }
         }
-        let zero = RawRegion { kind: MemoryKind::HOST.0, device: -1, rid: Some(rid), addr_offset: 0, len: 0, backing: true, ipc_handle: vec![] };
+        let zero = RawRegion {
+            kind: MemoryKind::HOST.0,
+            device: -1,
+            rid: Some(rid),
+            addr_offset: 0,
+            len: 0,
+            backing: true,
+            ipc_handle: vec![],
+        };
         match refused(&p.call(Side::Tx, Op::RegisterRaw { region: zero }, ctx)?.outcome) {
             Some(code) => lines.push(format!("zero-length region refused ({code})")),
             None => problems.push("a zero-length region was accepted".into()),
         }
         let same_host_only = p.info.scope == kvgate_abi::scope::SAME_HOST;
         if same_host_only && p.info.memory_kinds & MemoryKind::HOST.bit() != 0 {
-            let bare = RawRegion { kind: MemoryKind::HOST.0, device: -1, rid: Some(rid), addr_offset: 0, len: 4096, backing: false, ipc_handle: vec![] };
+            let bare = RawRegion {
+                kind: MemoryKind::HOST.0,
+                device: -1,
+                rid: Some(rid),
+                addr_offset: 0,
+                len: 4096,
+                backing: false,
+                ipc_handle: vec![],
+            };
             match refused(&p.call(Side::Tx, Op::RegisterRaw { region: bare }, ctx)?.outcome) {
                 Some(code) => lines.push(format!("host region without a backing file refused ({code})")),
-                None => problems.push("a same-host plugin accepted a host region with no backing file a peer could map".into()),
+                None => problems
+                    .push("a same-host plugin accepted a host region with no backing file a peer could map".into()),
             }
         }
         verdict_of(problems, lines.join("; "))

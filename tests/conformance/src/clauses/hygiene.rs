@@ -17,10 +17,35 @@ pub fn hygiene_1(ctx: &mut Ctx) -> CheckResult {
             (Side::Tx, Op::Release { key: 0xdead_beef }),
             (Side::Tx, Op::Disconnect { peer: 0x999 }),
             (Side::Rx, Op::CancelIncoming { peer: 0x999, ticket: 5 }),
-            (Side::Rx, Op::ExpectIncoming { ticket: 77, peer: TX_PEER, timeout_ns: 1_000_000, ranges: vec![(0xdead_beef, 0, 10)] }),
-            (Side::Rx, Op::ExpectIncoming { ticket: 78, peer: TX_PEER, timeout_ns: 1_000_000, ranges: vec![(dst.key, u64::MAX - 3, 10)] }),
+            (
+                Side::Rx,
+                Op::ExpectIncoming {
+                    ticket: 77,
+                    peer: TX_PEER,
+                    timeout_ns: 1_000_000,
+                    ranges: vec![(0xdead_beef, 0, 10)],
+                },
+            ),
+            (
+                Side::Rx,
+                Op::ExpectIncoming {
+                    ticket: 78,
+                    peer: TX_PEER,
+                    timeout_ns: 1_000_000,
+                    ranges: vec![(dst.key, u64::MAX - 3, 10)],
+                },
+            ),
             (Side::Tx, Op::Submit { xfer: 0xffff_0001, peer, ticket: 1, timeout_ns: 1_000_000, segments: vec![] }),
-            (Side::Tx, Op::Submit { xfer: 0xffff_0002, peer, ticket: 1, timeout_ns: 0, segments: vec![seg(&src, 0, &dst, 0, 0)] }),
+            (
+                Side::Tx,
+                Op::Submit {
+                    xfer: 0xffff_0002,
+                    peer,
+                    ticket: 1,
+                    timeout_ns: 0,
+                    segments: vec![seg(&src, 0, &dst, 0, 0)],
+                },
+            ),
             (Side::Tx, Op::Cancel { xfer: u64::MAX }),
             (Side::Tx, Op::Stats),
             (Side::Tx, Op::Info),
@@ -45,14 +70,23 @@ pub fn hygiene_1(ctx: &mut Ctx) -> CheckResult {
 // CONFORMANCE: HYGIENE-3
 pub fn hygiene_3(ctx: &mut Ctx) -> CheckResult {
     with_pair(ctx, |p, ctx| {
-        let cases = [("malformed TOML", "[[[ this is not toml"), ("an unknown key", "kvgate_conformance_no_such_key = 1")];
+        let cases =
+            [("malformed TOML", "[[[ this is not toml"), ("an unknown key", "kvgate_conformance_no_such_key = 1")];
         let (mut lines, mut problems) = (Vec::new(), Vec::new());
         for (what, config) in cases {
             match p.call(Side::Tx, Op::TryOpen { config: config.into() }, ctx)?.outcome {
-                Outcome::Failed { error } if error.code == ReasonCode::INVALID_ARGUMENT.0 && !error.message.trim().is_empty() => {
-                    lines.push(format!("{what} → invalid_argument ({})", error.message.chars().take(60).collect::<String>()))
+                Outcome::Failed { error }
+                    if error.code == ReasonCode::INVALID_ARGUMENT.0 && !error.message.trim().is_empty() =>
+                {
+                    lines.push(format!(
+                        "{what} → invalid_argument ({})",
+                        error.message.chars().take(60).collect::<String>()
+                    ))
                 }
-                Outcome::Failed { error } => problems.push(format!("{what} refused with {} {:?} (want invalid_argument with a message)", error.code_name, error.message)),
+                Outcome::Failed { error } => problems.push(format!(
+                    "{what} refused with {} {:?} (want invalid_argument with a message)",
+                    error.code_name, error.message
+                )),
                 other => problems.push(format!("open with {what} was accepted ({other:?})")),
             }
         }
@@ -69,7 +103,10 @@ pub fn hygiene_4(ctx: &mut Ctx) -> CheckResult {
             problems.push(format!("module name {:?}, instance name {:?}", m.name, i.name));
         }
         if m.abi_version != ABI_VERSION || i.abi_version != ABI_VERSION {
-            problems.push(format!("ABI versions: module {}, instance {}, host {ABI_VERSION}", m.abi_version, i.abi_version));
+            problems.push(format!(
+                "ABI versions: module {}, instance {}, host {ABI_VERSION}",
+                m.abi_version, i.abi_version
+            ));
         }
         verdict_of(problems, format!("module and instance agree: {} {} ABI v{}", i.name, i.version, i.abi_version))
     })

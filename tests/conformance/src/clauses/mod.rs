@@ -25,10 +25,14 @@ pub type CheckResult = Result<String, Verdict>;
 /// on its own, they are added to its evidence instead (its failure is then usually why).
 pub fn with_pair(ctx: &mut Ctx, body: impl FnOnce(&mut Pair, &mut Ctx) -> CheckResult) -> CheckResult {
     let mut pair = Pair::open(ctx)?;
-    let result = body(&mut pair, ctx).map_err(|v| with_peer_logs(v, &pair.tx.stderr_tail(STDERR_TAIL_LINES), &pair.rx.stderr_tail(STDERR_TAIL_LINES)));
+    let result = body(&mut pair, ctx).map_err(|v| {
+        with_peer_logs(v, &pair.tx.stderr_tail(STDERR_TAIL_LINES), &pair.rx.stderr_tail(STDERR_TAIL_LINES))
+    });
     let unended = pair.finish(ctx);
     match (result, unended) {
-        (Err(Verdict::Fail(what)), Some(unended)) => Err(Verdict::Fail(format!("{what}; and at the end of the clause: {unended}"))),
+        (Err(Verdict::Fail(what)), Some(unended)) => {
+            Err(Verdict::Fail(format!("{what}; and at the end of the clause: {unended}")))
+        }
         (result, Some(unended)) => {
             // CONFORMANCE: RES-1 (every accepted submit ends with a terminal event, in every clause)
             ctx.findings.add("RES-1", format!("[{}] {unended}", ctx.current));
@@ -44,7 +48,11 @@ fn with_peer_logs(verdict: Verdict, sender_tail: &str, receiver_tail: &str) -> V
     match verdict {
         Verdict::Fail(what) if !(sender_tail.is_empty() && receiver_tail.is_empty()) => {
             let quote = |tail: &str| if tail.is_empty() { "(nothing)".to_string() } else { tail.to_string() };
-            Verdict::Fail(format!("{what} [sender stderr: {}] [receiver stderr: {}]", quote(sender_tail), quote(receiver_tail)))
+            Verdict::Fail(format!(
+                "{what} [sender stderr: {}] [receiver stderr: {}]",
+                quote(sender_tail),
+                quote(receiver_tail)
+            ))
         }
         other => other,
     }
@@ -89,8 +97,16 @@ mod tests {
     #[test]
     fn a_failure_quotes_what_the_peers_logged_and_a_pass_does_not() {
         let quoted = with_peer_logs(Verdict::Fail("no reply".into()), "WARN ucx: reply dropped", "");
-        assert!(matches!(&quoted, Verdict::Fail(m) if m == "no reply [sender stderr: WARN ucx: reply dropped] [receiver stderr: (nothing)]"), "{quoted:?}");
-        assert!(matches!(with_peer_logs(Verdict::Fail("x".into()), "", ""), Verdict::Fail(m) if m == "x"), "nothing logged: unchanged");
-        assert!(matches!(with_peer_logs(Verdict::Unsupported("no GPU".into()), "a", "b"), Verdict::Unsupported(m) if m == "no GPU"));
+        assert!(
+            matches!(&quoted, Verdict::Fail(m) if m == "no reply [sender stderr: WARN ucx: reply dropped] [receiver stderr: (nothing)]"),
+            "{quoted:?}"
+        );
+        assert!(
+            matches!(with_peer_logs(Verdict::Fail("x".into()), "", ""), Verdict::Fail(m) if m == "x"),
+            "nothing logged: unchanged"
+        );
+        assert!(
+            matches!(with_peer_logs(Verdict::Unsupported("no GPU".into()), "a", "b"), Verdict::Unsupported(m) if m == "no GPU")
+        );
     }
 }

@@ -20,7 +20,10 @@ pub(crate) enum NetProxy {
     Udp(UdpProxy),
     /// `to_rx` carries the connections the sender opens to the receiver; `to_tx`, when the sender's
     /// endpoint names a listening port too, those the receiver opens back.
-    Tcp { to_rx: TcpProxy, to_tx: Option<TcpProxy> },
+    Tcp {
+        to_rx: TcpProxy,
+        to_tx: Option<TcpProxy>,
+    },
 }
 
 impl NetProxy {
@@ -35,9 +38,13 @@ impl NetProxy {
 
     fn summary(&self) -> String {
         match self {
-            NetProxy::Udp(u) => format!("{} datagrams dropped by the UDP proxy", u.counters.dropped.load(Ordering::Relaxed)),
+            NetProxy::Udp(u) => {
+                format!("{} datagrams dropped by the UDP proxy", u.counters.dropped.load(Ordering::Relaxed))
+            }
             NetProxy::Tcp { to_rx, to_tx } => {
-                let back = to_tx.as_ref().map_or("not proxied (no listening port in the sender's endpoint)".to_string(), |t| t.summary());
+                let back = to_tx
+                    .as_ref()
+                    .map_or("not proxied (no listening port in the sender's endpoint)".to_string(), |t| t.summary());
                 format!("TCP proxy toward the receiver: {}; toward the sender: {back}", to_rx.summary())
             }
         }
@@ -50,7 +57,8 @@ pub(crate) fn tcp_proxy_to(p: &mut Pair, side: Side, ctx: &mut Ctx) -> Result<Op
     let endpoint = p.endpoint(side, ctx)?;
     let ports = listening_tcp_ports(p.peer(side).pid());
     let Some((at, port)) = find_listening_port(&endpoint, &ports) else { return Ok(None) };
-    let proxy = TcpProxy::start(([127, 0, 0, 1], port).into()).map_err(|e| Verdict::Fail(format!("cannot start the TCP proxy: {e}")))?;
+    let proxy = TcpProxy::start(([127, 0, 0, 1], port).into())
+        .map_err(|e| Verdict::Fail(format!("cannot start the TCP proxy: {e}")))?;
     let rewritten = rewrite_tcp_port(&endpoint, at, proxy.listen.port());
     Ok(Some((proxy, rewritten)))
 }
@@ -61,7 +69,8 @@ pub(crate) fn tcp_proxy_to(p: &mut Pair, side: Side, ctx: &mut Ctx) -> Result<Op
 pub(crate) fn through_proxy(p: &mut Pair, ctx: &mut Ctx) -> Result<(NetProxy, Src, Dst, u64), Verdict> {
     let endpoint = p.endpoint(Side::Rx, ctx)?;
     let (proxy, rewritten) = if let Some((at, little_endian, port)) = find_loopback_udp(&endpoint) {
-        let proxy = UdpProxy::start(([127, 0, 0, 1], port).into()).map_err(|e| Verdict::Fail(format!("cannot start the UDP proxy: {e}")))?;
+        let proxy = UdpProxy::start(([127, 0, 0, 1], port).into())
+            .map_err(|e| Verdict::Fail(format!("cannot start the UDP proxy: {e}")))?;
         let rewritten = rewrite_port(&endpoint, at, little_endian, proxy.listen.port());
         (NetProxy::Udp(proxy), rewritten)
     } else if let Some((to_rx, rewritten)) = tcp_proxy_to(p, Side::Rx, ctx)? {
@@ -69,8 +78,13 @@ pub(crate) fn through_proxy(p: &mut Pair, ctx: &mut Ctx) -> Result<(NetProxy, Sr
         let to_tx = match tcp_proxy_to(p, Side::Tx, ctx)? {
             Some((to_tx, tx_endpoint)) => {
                 p.call(Side::Rx, Op::Disconnect { peer: TX_PEER }, ctx)?;
-                if let Outcome::Failed { error } = p.call(Side::Rx, Op::Connect { peer: TX_PEER, endpoint: tx_endpoint }, ctx)?.outcome {
-                    return Err(Verdict::Fail(format!("receiver's connect back through the proxy refused: {}: {}", error.code_name, error.message)));
+                if let Outcome::Failed { error } =
+                    p.call(Side::Rx, Op::Connect { peer: TX_PEER, endpoint: tx_endpoint }, ctx)?.outcome
+                {
+                    return Err(Verdict::Fail(format!(
+                        "receiver's connect back through the proxy refused: {}: {}",
+                        error.code_name, error.message
+                    )));
                 }
                 Some(to_tx)
             }
@@ -83,8 +97,13 @@ pub(crate) fn through_proxy(p: &mut Pair, ctx: &mut Ctx) -> Result<(NetProxy, Sr
         ));
     };
     p.call(Side::Tx, Op::Disconnect { peer: RX_PEER }, ctx)?;
-    if let Outcome::Failed { error } = p.call(Side::Tx, Op::Connect { peer: PROXIED_PEER, endpoint: rewritten }, ctx)?.outcome {
-        return Err(Verdict::Fail(format!("connect through the proxy refused: {}: {}", error.code_name, error.message)));
+    if let Outcome::Failed { error } =
+        p.call(Side::Tx, Op::Connect { peer: PROXIED_PEER, endpoint: rewritten }, ctx)?.outcome
+    {
+        return Err(Verdict::Fail(format!(
+            "connect through the proxy refused: {}: {}",
+            error.code_name, error.message
+        )));
     }
     p.rx_peer = PROXIED_PEER;
     let src = p.alloc_src(1 << 20, ctx.rng.next_u64(), ctx)?;
@@ -97,7 +116,10 @@ pub(crate) fn through_proxy(p: &mut Pair, ctx: &mut Ctx) -> Result<(NetProxy, Sr
     }
     if let NetProxy::Tcp { to_rx, .. } = &proxy {
         if to_rx.counters.forwarded_bytes.load(Ordering::Relaxed) < 65536 {
-            return Err(Verdict::Fail(format!("a 64 KiB transfer to the proxied endpoint went around the proxy ({})", to_rx.summary())));
+            return Err(Verdict::Fail(format!(
+                "a 64 KiB transfer to the proxied endpoint went around the proxy ({})",
+                to_rx.summary()
+            )));
         }
     }
     Ok((proxy, src, dst, ticket))
@@ -123,7 +145,9 @@ fn time_12_tcp_case(ctx: &mut Ctx, fault: TcpFault, what: &str) -> CheckResult {
         let verdict = super::time::judge_deadlines(p, &xfers, what, ctx);
         proxy.set_tcp(TcpFault::Pass);
         if live == 0 {
-            return Err(Verdict::Fail(format!("{what}: both transfers ended while every byte was held, before the fault")));
+            return Err(Verdict::Fail(format!(
+                "{what}: both transfers ended while every byte was held, before the fault"
+            )));
         }
         verdict.map(|e| format!("{e} ({live} of 2 live when it hit; {})", proxy.summary()))
     })
@@ -148,7 +172,9 @@ pub fn time_12(ctx: &mut Ctx) -> CheckResult {
         }
         let what = match proxy {
             NetProxy::Udp(_) => "network black-holed (every datagram dropped both ways)",
-            NetProxy::Tcp { .. } => "network black-holed (every byte of every connection dropped both ways, connections kept open)",
+            NetProxy::Tcp { .. } => {
+                "network black-holed (every byte of every connection dropped both ways, connections kept open)"
+            }
         };
         let verdict = super::time::judge_deadlines(p, &xfers, what, ctx);
         if let NetProxy::Udp(u) = &proxy {
@@ -163,7 +189,11 @@ pub fn time_12(ctx: &mut Ctx) -> CheckResult {
     }
     // Over TCP a connection can also be reset or half-closed under the plugin.
     let reset = time_12_tcp_case(ctx, TcpFault::Reset, "every connection reset (RST), new ones too")?;
-    let half = time_12_tcp_case(ctx, TcpFault::HalfClose, "every connection half-closed toward its target (end of file), bytes after it dropped")?;
+    let half = time_12_tcp_case(
+        ctx,
+        TcpFault::HalfClose,
+        "every connection half-closed toward its target (end of file), bytes after it dropped",
+    )?;
     Ok(format!("{black_hole}; {reset}; {half}"))
 }
 
@@ -177,7 +207,10 @@ pub fn data_7(ctx: &mut Ctx) -> CheckResult {
         // sent again, so no network corrupts a TCP stream (a proxy that did would be forging bytes).
         let faults: Vec<(&str, u64)> = match proxy {
             NetProxy::Udp(_) => vec![("every datagram corrupted", 131_072), ("every datagram delayed 30 ms", 393_216)],
-            NetProxy::Tcp { .. } => vec![("every chunk of every connection delayed 30 ms (corruption is TCP's own checksum's to catch)", 393_216)],
+            NetProxy::Tcp { .. } => vec![(
+                "every chunk of every connection delayed 30 ms (corruption is TCP's own checksum's to catch)",
+                393_216,
+            )],
         };
         for (i, (what, off)) in faults.into_iter().enumerate() {
             match &proxy {

@@ -19,10 +19,22 @@ pub fn obs_1(ctx: &mut Ctx) -> CheckResult {
         let (timed_out, r) = p.submit(waiting, 20, vec![seg(&src, 0, &dst, 0, 4096)], ctx)?;
         accepted(r, "transfer")?;
         let (_, refused) = p.submit(waiting, 1_000, vec![seg(&src, 1 << 20, &dst, 0, 4096)], ctx)?;
-        let region = RawRegion { kind: 0xfff0, device: 0, rid: None, addr_offset: 0, len: 4096, backing: false, ipc_handle: vec![] };
+        let region = RawRegion {
+            kind: 0xfff0,
+            device: 0,
+            rid: None,
+            addr_offset: 0,
+            len: 4096,
+            backing: false,
+            ipc_handle: vec![],
+        };
         let reg = p.call(Side::Tx, Op::RegisterRaw { region }, ctx)?;
-        p.wait_all_terminal(&[cancelled, timed_out], ms_of(ctx.limits.abort_grace_ms + ctx.limits.deadline_slack_ms + 1_000));
-        let failures = p.tx.events().iter().filter(|e| is_terminal(e) && e.kind == kvgate_abi::EventKind::FAILED.0).count();
+        p.wait_all_terminal(
+            &[cancelled, timed_out],
+            ms_of(ctx.limits.abort_grace_ms + ctx.limits.deadline_slack_ms + 1_000),
+        );
+        let failures =
+            p.tx.events().iter().filter(|e| is_terminal(e) && e.kind == kvgate_abi::EventKind::FAILED.0).count();
         let errors = usize::from(refused.is_err()) + usize::from(matches!(reg.outcome, Outcome::Failed { .. }));
         Ok(format!("provoked a cancel, a timeout, a bad submit and a bad register ({failures} FAILED events, {errors} errors); every event and error of the run inspected"))
     })
@@ -51,7 +63,10 @@ pub fn obs_2(ctx: &mut Ctx) -> CheckResult {
         let dst = p.alloc_dst(1 << 16, ctx.rng.next_u64(), ctx)?;
         let s2 = p.stats(Side::Tx, ctx)?;
         if s2.imported_remote_keys != s.imported_remote_keys + 1 {
-            problems.push(format!("after an import: imported_remote_keys {} → {}", s.imported_remote_keys, s2.imported_remote_keys));
+            problems.push(format!(
+                "after an import: imported_remote_keys {} → {}",
+                s.imported_remote_keys, s2.imported_remote_keys
+            ));
         }
         let endpoint = p.endpoint(Side::Rx, ctx)?;
         p.call(Side::Tx, Op::Connect { peer: 12, endpoint }, ctx)?;
@@ -62,14 +77,16 @@ pub fn obs_2(ctx: &mut Ctx) -> CheckResult {
         p.call(Side::Tx, Op::Disconnect { peer: 12 }, ctx)?;
         let s4 = p.stats(Side::Tx, ctx)?;
         if s4.connected_peers != s2.connected_peers {
-            problems.push(format!("after a disconnect: connected_peers {} → {}", s3.connected_peers, s4.connected_peers));
+            problems
+                .push(format!("after a disconnect: connected_peers {} → {}", s3.connected_peers, s4.connected_peers));
         }
         // Live transfers: five waiting on a ticket not yet authorised.
         let waiting = p.ticket();
         let mut ids = Vec::new();
         let mut last_reply_ns = 0;
         for i in 0..5u64 {
-            let (x, r) = p.submit(waiting, ctx.limits.long_timeout_ms, vec![seg(&src, i * 100, &dst, i * 100, 100)], ctx)?;
+            let (x, r) =
+                p.submit(waiting, ctx.limits.long_timeout_ms, vec![seg(&src, i * 100, &dst, i * 100, 100)], ctx)?;
             last_reply_ns = accepted(r, "transfer")?;
             ids.push(x);
         }
@@ -78,7 +95,9 @@ pub fn obs_2(ctx: &mut Ctx) -> CheckResult {
         // G of `stats()` returning (the decrement may precede the event by its delivery in flight,
         // never by more). Event and reply times are the sender peer's own clock.
         let reply = p.call(Side::Tx, Op::Stats, ctx)?;
-        let Outcome::Stats { stats } = reply.outcome else { return fail(format!("stats: unexpected reply {:?}", reply.outcome)) };
+        let Outcome::Stats { stats } = reply.outcome else {
+            return fail(format!("stats: unexpected reply {:?}", reply.outcome));
+        };
         let live = stats.live_transfers;
         // Surely before the stats call: the last submit's reply (same peer, calls one at a time).
         let called_ns = last_reply_ns;
@@ -101,7 +120,16 @@ pub fn obs_2(ctx: &mut Ctx) -> CheckResult {
             ));
         }
         let timeout_ns = ctx.limits.long_timeout_ms * 1_000_000;
-        p.call(Side::Rx, Op::ExpectIncoming { ticket: waiting, peer: crate::world::TX_PEER, timeout_ns, ranges: vec![(dst.key, 0, dst.len)] }, ctx)?;
+        p.call(
+            Side::Rx,
+            Op::ExpectIncoming {
+                ticket: waiting,
+                peer: crate::world::TX_PEER,
+                timeout_ns,
+                ranges: vec![(dst.key, 0, dst.len)],
+            },
+            ctx,
+        )?;
         let rx_tickets = p.stats(Side::Rx, ctx)?.live_tickets;
         let missing = p.wait_all_terminal(&ids, ms_of(10_000));
         if !missing.is_empty() {
@@ -110,12 +138,18 @@ pub fn obs_2(ctx: &mut Ctx) -> CheckResult {
         sleep_ms(20);
         let end = p.stats(Side::Tx, ctx)?;
         if end.live_transfers != base.live_transfers {
-            problems.push(format!("live_transfers {} after every transfer ended (baseline {})", end.live_transfers, base.live_transfers));
+            problems.push(format!(
+                "live_transfers {} after every transfer ended (baseline {})",
+                end.live_transfers, base.live_transfers
+            ));
         }
         p.call(Side::Tx, Op::Release { key: dst.remote }, ctx)?;
         p.call(Side::Tx, Op::Deregister { key: src.key }, ctx)?;
         let fin = p.stats(Side::Tx, ctx)?;
-        if fin.registered_regions != base.registered_regions || fin.registered_bytes != base.registered_bytes || fin.imported_remote_keys != base.imported_remote_keys {
+        if fin.registered_regions != base.registered_regions
+            || fin.registered_bytes != base.registered_bytes
+            || fin.imported_remote_keys != base.imported_remote_keys
+        {
             problems.push(format!("after deregister and release: {fin:?}, baseline {base:?}"));
         }
         verdict_of(
@@ -167,7 +201,8 @@ pub fn obs_5(ctx: &mut Ctx) -> CheckResult {
             return fail(format!("transfers {missing:?} had no terminal event within {} ms", p.bound().as_millis()));
         }
         sleep_ms(50);
-        let progress = p.tx.events().iter().filter(|e| e.kind == EventKind::PROGRESS.0 && ids.contains(&e.xfer)).count();
+        let progress =
+            p.tx.events().iter().filter(|e| e.kind == EventKind::PROGRESS.0 && ids.contains(&e.xfer)).count();
         let advertised = p.info.flags & cap_flags::PROGRESS_EVENTS != 0;
         Ok(format!(
             "3 transfers (segments halving from {} KiB, 64 random segments, one cancelled at once): {progress} PROGRESS events{}; every PROGRESS event of the run checked against its transfer's bytes and terminal event",

@@ -107,7 +107,11 @@ pub fn res_2(ctx: &mut Ctx) -> CheckResult {
             for _ in 0..n {
                 let ticket = if rng.below(100) < 85 { good } else { never };
                 let short = rng.below(100) < 25 || ticket == never;
-                let timeout_ns = if short { (1 + rng.below(short_ms_max)) * 1_000_000 } else { ctx.limits.long_timeout_ms * 1_000_000 };
+                let timeout_ns = if short {
+                    (1 + rng.below(short_ms_max)) * 1_000_000
+                } else {
+                    ctx.limits.long_timeout_ms * 1_000_000
+                };
                 let nseg = 1 + rng.below(3);
                 let segments = (0..nseg)
                     .map(|_| {
@@ -129,18 +133,27 @@ pub fn res_2(ctx: &mut Ctx) -> CheckResult {
             let peer = p.rx_peer;
             let mut sent = Vec::new();
             for l in &plan {
-                let op = Op::Submit { xfer: l.xfer, peer, ticket: l.ticket, timeout_ns: l.timeout_ns, segments: l.segments.clone() };
+                let op = Op::Submit {
+                    xfer: l.xfer,
+                    peer,
+                    ticket: l.ticket,
+                    timeout_ns: l.timeout_ns,
+                    segments: l.segments.clone(),
+                };
                 let sid = p.tx.send(&op);
                 let cid = l.cancel_at_once.then(|| p.tx.send(&Op::Cancel { xfer: l.xfer }));
                 sent.push((l, sid, cid));
             }
             for (l, sid, cid) in sent {
-                let reply = p.tx.wait_reply(sid, p.bound()).map_err(|e| Verdict::Fail(format!("submit during lifecycles: {e}")))?;
+                let reply =
+                    p.tx.wait_reply(sid, p.bound())
+                        .map_err(|e| Verdict::Fail(format!("submit during lifecycles: {e}")))?;
                 p.inspect(&reply.outcome, "submit", ctx);
                 let ok = matches!(reply.outcome, Outcome::Done);
                 p.xfers.insert(l.xfer, Xfer::new(ok, reply.t_ns, l.timeout_ns, total_bytes(&l.segments)));
                 if let Some(cid) = cid {
-                    p.tx.wait_reply(cid, p.bound()).map_err(|e| Verdict::Fail(format!("cancel during lifecycles: {e}")))?;
+                    p.tx.wait_reply(cid, p.bound())
+                        .map_err(|e| Verdict::Fail(format!("cancel during lifecycles: {e}")))?;
                 }
                 all.push(l.xfer);
             }
@@ -155,22 +168,27 @@ pub fn res_2(ctx: &mut Ctx) -> CheckResult {
             done += n;
         }
         // Liveness phase: faults healed, everything must end.
-        let missing = p.wait_all_terminal(&all, ms_of(short_ms_max + ctx.limits.deadline_slack_ms + ctx.limits.storm_grace_ms));
+        let missing =
+            p.wait_all_terminal(&all, ms_of(short_ms_max + ctx.limits.deadline_slack_ms + ctx.limits.storm_grace_ms));
         let quiesce_bound = ms_of(ctx.limits.abort_grace_ms + 2_000);
         p.tx.wait_events(quiesce_bound, |events| {
             let failed_unquiesced = events
                 .iter()
-                .filter(|e| e.kind == EventKind::FAILED.0 && e.flags & (event_flags::QUIESCED | event_flags::INCOMING) == 0)
+                .filter(|e| {
+                    e.kind == EventKind::FAILED.0 && e.flags & (event_flags::QUIESCED | event_flags::INCOMING) == 0
+                })
                 .filter(|e| !Pair::quiesced(events, e.xfer))
                 .count();
             failed_unquiesced == 0
         });
         sleep_ms(50);
         let events = p.tx.events();
-        let terminal: std::collections::BTreeSet<u64> = events.iter().filter(|e| is_terminal(e)).map(|e| e.xfer).collect();
+        let terminal: std::collections::BTreeSet<u64> =
+            events.iter().filter(|e| is_terminal(e)).map(|e| e.xfer).collect();
         let accepted: Vec<u64> = all.iter().copied().filter(|x| p.accepted(*x)).collect();
         let nonterminal = accepted.iter().filter(|x| !terminal.contains(x)).count() as u64;
-        let unquiesced = accepted.iter().filter(|x| terminal.contains(x) && !Pair::quiesced(&events, **x)).count() as u64;
+        let unquiesced =
+            accepted.iter().filter(|x| terminal.contains(x) && !Pair::quiesced(&events, **x)).count() as u64;
         let now_tx = p.stats(Side::Tx, ctx)?;
         let mut problems = Vec::new();
         if now_tx.live_transfers > nonterminal {
@@ -238,7 +256,10 @@ fn probe(p: &Pair, dst: &crate::world::Dst) -> Result<Vec<u8>, Verdict> {
     let mut out = Vec::new();
     let mut at = 0;
     while at + len <= dst.len && out.len() < (RES_3_PROBE_WINDOWS * len) as usize {
-        out.extend(p.region_bytes(Side::Rx, dst.rid, at, len).map_err(|e| Verdict::Fail(format!("reading the destination: {e}")))?);
+        out.extend(
+            p.region_bytes(Side::Rx, dst.rid, at, len)
+                .map_err(|e| Verdict::Fail(format!("reading the destination: {e}")))?,
+        );
         at += step;
     }
     Ok(out)
@@ -261,7 +282,14 @@ fn watch_destination(p: &Pair, dst: &crate::world::Dst, watch_ms: u64) -> Result
 
 /// After a `FAILED`: wait for the transfer's quiesce report, then watch the destination from the
 /// moment it is seen. `Err` is the problem found.
-fn quiesce_then_watch(p: &Pair, x: u64, t: &WireEvent, dst: &crate::world::Dst, what: &str, ctx: &Ctx) -> Result<Result<String, String>, Verdict> {
+fn quiesce_then_watch(
+    p: &Pair,
+    x: u64,
+    t: &WireEvent,
+    dst: &crate::world::Dst,
+    what: &str,
+    ctx: &Ctx,
+) -> Result<Result<String, String>, Verdict> {
     let bound = ms_of(ctx.limits.deadline_slack_ms + 2_000);
     if !p.tx.wait_events(bound, |events| Pair::quiesced(events, x)) {
         return Ok(Err(format!("{what}: {} and no QUIESCED within {} ms", describe(t), bound.as_millis())));
@@ -338,7 +366,9 @@ pub fn res_3(ctx: &mut Ctx) -> CheckResult {
             let seed = ctx.rng.next_u64();
             p.call(Side::Rx, Op::Fill { rid: dst.rid, offset: 0, len: big, seed }, ctx)?;
             let filled_probe = probe(p, &dst)?;
-            let finished = p.region_bytes(Side::Tx, src.rid, last_half, big).map_err(|e| Verdict::Fail(format!("reading the source: {e}")))?;
+            let finished = p
+                .region_bytes(Side::Tx, src.rid, last_half, big)
+                .map_err(|e| Verdict::Fail(format!("reading the source: {e}")))?;
             let segs = (0..passes).map(|i| seg(&src, (i % 2) * big, &dst, 0, big)).collect();
             let (x, r) = p.submit(ticket, ctx.limits.long_timeout_ms, segs, ctx)?;
             accepted(r, "large transfer")?;
@@ -389,7 +419,13 @@ pub fn res_3(ctx: &mut Ctx) -> CheckResult {
         let tries = RES_3_CANCEL_POINTS_MS.len();
         // A run none of whose cancels landed inside a transfer still moving tested nothing of the
         // clause's main case: not exercised, never pass.
-        ctx.exercise("RES-3", "mid-transfer cancels that found bytes moving and the transfer unfinished", mid, tries as u64, Status::NotExercised);
+        ctx.exercise(
+            "RES-3",
+            "mid-transfer cancels that found bytes moving and the transfer unfinished",
+            mid,
+            tries as u64,
+            Status::NotExercised,
+        );
         verdict_of(
             problems,
             format!("{}; mid-transfer cases: bytes seen moving before {moving} of {tries} cancels, {mid} of them reached the transfer unfinished", lines.join("; ")),
@@ -408,7 +444,8 @@ pub fn res_5(ctx: &mut Ctx) -> CheckResult {
         sleep_ms(20);
         let mut ids = Vec::new();
         for i in 0..20u64 {
-            let (x, r) = p.submit(waiting, ctx.limits.long_timeout_ms, vec![seg(&src, i * 4096, &dst, i * 4096, 4096)], ctx)?;
+            let (x, r) =
+                p.submit(waiting, ctx.limits.long_timeout_ms, vec![seg(&src, i * 4096, &dst, i * 4096, 4096)], ctx)?;
             accepted(r, "transfer")?;
             ids.push(x);
         }
@@ -447,7 +484,8 @@ pub fn res_5(ctx: &mut Ctx) -> CheckResult {
             problems.push("register after shutdown was accepted".into());
         }
         sleep_ms(100);
-        let after: Vec<String> = p.tx.events().iter().filter(|e| e.t_ns > shut.t_ns && e.xfer != late).map(describe).collect();
+        let after: Vec<String> =
+            p.tx.events().iter().filter(|e| e.t_ns > shut.t_ns && e.xfer != late).map(describe).collect();
         if !after.is_empty() {
             problems.push(format!("events after shutdown returned: {}", after.join(", ")));
         }

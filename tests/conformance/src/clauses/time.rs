@@ -44,7 +44,8 @@ pub fn time_1(ctx: &mut Ctx) -> CheckResult {
         let mut xfers = Vec::new();
         for (i, timeout_ms) in [50u64, 200, 500].into_iter().enumerate() {
             let ticket = p.ticket(); // never authorised
-            let (x, r) = p.submit(ticket, timeout_ms, vec![seg(&src, i as u64 * 4096, &dst, i as u64 * 4096, 4096)], ctx)?;
+            let (x, r) =
+                p.submit(ticket, timeout_ms, vec![seg(&src, i as u64 * 4096, &dst, i as u64 * 4096, 4096)], ctx)?;
             accepted(r, "transfer to an unregistered ticket")?;
             xfers.push((x, timeout_ms));
         }
@@ -62,12 +63,16 @@ pub fn time_2(ctx: &mut Ctx) -> CheckResult {
         p.rx.freeze().map_err(Verdict::Fail)?;
         let mut xfers = Vec::new();
         for (i, timeout_ms) in [100u64, 300].into_iter().enumerate() {
-            let (x, r) = p.submit(ticket, timeout_ms, vec![seg(&src, i as u64 * 65536, &dst, i as u64 * 65536, 65536)], ctx)?;
+            let (x, r) =
+                p.submit(ticket, timeout_ms, vec![seg(&src, i as u64 * 65536, &dst, i as u64 * 65536, 65536)], ctx)?;
             match r {
                 Ok(_) => xfers.push((x, timeout_ms)),
                 Err(e) => {
                     p.rx.resume();
-                    return fail(format!("submit refused while the receiver was frozen: {}: {}", e.code_name, e.message));
+                    return fail(format!(
+                        "submit refused while the receiver was frozen: {}: {}",
+                        e.code_name, e.message
+                    ));
                 }
             }
         }
@@ -86,7 +91,12 @@ pub fn time_3(ctx: &mut Ctx) -> CheckResult {
         let waiting_ticket = p.ticket();
         let mut waiting = Vec::new();
         for i in 0..3u64 {
-            let (x, r) = p.submit(waiting_ticket, ctx.limits.long_timeout_ms, vec![seg(&src, i * 4096, &dst, i * 4096, 4096)], ctx)?;
+            let (x, r) = p.submit(
+                waiting_ticket,
+                ctx.limits.long_timeout_ms,
+                vec![seg(&src, i * 4096, &dst, i * 4096, 4096)],
+                ctx,
+            )?;
             accepted(r, "transfer")?;
             waiting.push(x);
         }
@@ -103,9 +113,8 @@ pub fn time_3(ctx: &mut Ctx) -> CheckResult {
                     ms(e.t_ns.saturating_sub(disc.t_ns)),
                     ctx.limits.abort_grace_ms
                 )),
-                Some(e) if e.kind == kvgate_abi::EventKind::SUCCEEDED.0 => {
-                    problems.push(format!("after disconnect: {} for a transfer the receiver never authorised", describe(&e)))
-                }
+                Some(e) if e.kind == kvgate_abi::EventKind::SUCCEEDED.0 => problems
+                    .push(format!("after disconnect: {} for a transfer the receiver never authorised", describe(&e))),
                 _ => {}
             }
         }
@@ -125,14 +134,17 @@ pub fn time_3(ctx: &mut Ctx) -> CheckResult {
         p.rx.kill();
         let mut xfers = Vec::new();
         for (i, timeout_ms) in [100u64, 300].into_iter().enumerate() {
-            let (x, r) = p.submit(ticket, timeout_ms, vec![seg(&src, i as u64 * 4096, &dst2, i as u64 * 4096, 4096)], ctx)?;
+            let (x, r) =
+                p.submit(ticket, timeout_ms, vec![seg(&src, i as u64 * 4096, &dst2, i as u64 * 4096, 4096)], ctx)?;
             if r.is_ok() {
                 xfers.push((x, timeout_ms));
             }
         }
         let killed = judge_deadlines(p, &xfers, "receiver killed (SIGKILL)", ctx);
         match killed {
-            Ok(ev) => verdict_of(problems, format!("disconnect failed {} waiting transfers within G; {ev}", live.len())),
+            Ok(ev) => {
+                verdict_of(problems, format!("disconnect failed {} waiting transfers within G; {ev}", live.len()))
+            }
             Err(Verdict::Fail(f)) => {
                 problems.push(f);
                 verdict_of(problems, String::new())
@@ -189,7 +201,14 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
         }
         let timeout_ns = ctx.limits.long_timeout_ms * 1_000_000;
         let peer = p.rx_peer;
-        let op = Op::SubmitMany { first_xfer: first, count: load, peer, ticket: waiting_ticket, timeout_ns, segments: vec![seg(&src, 0, &dst, 0, 64)] };
+        let op = Op::SubmitMany {
+            first_xfer: first,
+            count: load,
+            peer,
+            ticket: waiting_ticket,
+            timeout_ns,
+            segments: vec![seg(&src, 0, &dst, 0, 64)],
+        };
         let reply = p.call(Side::Tx, op, ctx)?;
         let mut load_ids = Vec::new();
         if let Outcome::Batch { errors, max_call_ns, .. } = &reply.outcome {
@@ -209,7 +228,14 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
         for _ in 0..burst {
             p.xfer_id();
         }
-        let op = Op::SubmitMany { first_xfer: first, count: burst, peer, ticket, timeout_ns, segments: vec![seg(&src, 0, &dst, 4096, 4096)] };
+        let op = Op::SubmitMany {
+            first_xfer: first,
+            count: burst,
+            peer,
+            ticket,
+            timeout_ns,
+            segments: vec![seg(&src, 0, &dst, 4096, 4096)],
+        };
         let id = p.tx.send(&op);
         match p.tx.wait_reply(id, stuck) {
             Ok(reply) => {
@@ -217,7 +243,10 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
                 if let Outcome::Batch { errors, max_call_ns, slowest_index, .. } = reply.outcome {
                     slowest.push((format!("submit #{slowest_index} to the frozen receiver"), max_call_ns));
                     for (i, e) in errors.iter().enumerate() {
-                        p.xfers.insert(first + i as u64, crate::world::Xfer::new(e.is_none(), reply.t_ns, timeout_ns, 4096));
+                        p.xfers.insert(
+                            first + i as u64,
+                            crate::world::Xfer::new(e.is_none(), reply.t_ns, timeout_ns, 4096),
+                        );
                     }
                 }
             }
@@ -228,7 +257,10 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
                 if let Ok(reply) = p.tx.wait_reply(id, p.bound()) {
                     if let Outcome::Batch { errors, .. } = reply.outcome {
                         for (i, e) in errors.iter().enumerate() {
-                            p.xfers.insert(first + i as u64, crate::world::Xfer::new(e.is_none(), reply.t_ns, timeout_ns, 4096));
+                            p.xfers.insert(
+                                first + i as u64,
+                                crate::world::Xfer::new(e.is_none(), reply.t_ns, timeout_ns, 4096),
+                            );
                         }
                     }
                 }
@@ -274,7 +306,12 @@ pub fn time_5(ctx: &mut Ctx) -> CheckResult {
         let worst = slowest.iter().max_by_key(|(_, ns)| *ns).cloned().unwrap_or_default();
         verdict_of(
             problems,
-            format!("{} kinds of call timed, under 1000 live transfers and with the receiver frozen; slowest: {} {:.2} ms", slowest.len(), worst.0, ms(worst.1)),
+            format!(
+                "{} kinds of call timed, under 1000 live transfers and with the receiver frozen; slowest: {} {:.2} ms",
+                slowest.len(),
+                worst.0,
+                ms(worst.1)
+            ),
         )
     })
 }

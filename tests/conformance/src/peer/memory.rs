@@ -93,7 +93,9 @@ pub fn choose(requested: &str, memory_kinds: u32) -> Result<Box<dyn MemoryProvid
         "cuda" => cuda::provider(),
         "auto" if memory_kinds & MemoryKind::HOST.bit() != 0 => Ok(Box::new(HostProvider)),
         "auto" if memory_kinds & MemoryKind::CUDA_DEVICE.bit() != 0 => cuda::provider(),
-        "auto" => Err(format!("the plugin declares no memory kind the harness can provide (memory_kinds {memory_kinds:#x})")),
+        "auto" => {
+            Err(format!("the plugin declares no memory kind the harness can provide (memory_kinds {memory_kinds:#x})"))
+        }
         other => Err(format!("unknown memory provider {other:?} (one of {PROVIDERS:?})")),
     }
 }

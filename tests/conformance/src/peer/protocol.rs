@@ -44,30 +44,85 @@ pub enum Op {
         memory: String,
     },
     /// Open a second time with this config (to check refusals), closing the result at once.
-    TryOpen { config: String },
+    TryOpen {
+        config: String,
+    },
     Info,
     Endpoint,
-    Connect { peer: u64, endpoint: Vec<u8> },
-    Disconnect { peer: u64 },
+    Connect {
+        peer: u64,
+        endpoint: Vec<u8>,
+    },
+    Disconnect {
+        peer: u64,
+    },
     /// Create a region of `len` bytes with the memory provider (a `/dev/shm` file mapped, and device
     /// memory behind it for `cuda`), fill it from `seed`.
-    Alloc { rid: u32, len: u64, seed: u64 },
+    Alloc {
+        rid: u32,
+        len: u64,
+        seed: u64,
+    },
     /// Register the whole of region `rid` with the plugin.
-    Register { rid: u32 },
-    RegisterRaw { region: RawRegion },
-    Deregister { key: u64 },
-    Import { peer: u64, bytes: Vec<u8> },
-    Release { key: u64 },
-    Fill { rid: u32, offset: u64, len: u64, seed: u64 },
+    Register {
+        rid: u32,
+    },
+    RegisterRaw {
+        region: RawRegion,
+    },
+    Deregister {
+        key: u64,
+    },
+    Import {
+        peer: u64,
+        bytes: Vec<u8>,
+    },
+    Release {
+        key: u64,
+    },
+    Fill {
+        rid: u32,
+        offset: u64,
+        len: u64,
+        seed: u64,
+    },
     /// Checksum of the given ranges of region `rid`, hashed range by range.
-    Checksum { rid: u32, ranges: Vec<(u64, u64)> },
-    Submit { xfer: u64, peer: u64, ticket: u64, timeout_ns: u64, segments: Vec<Seg> },
+    Checksum {
+        rid: u32,
+        ranges: Vec<(u64, u64)>,
+    },
+    Submit {
+        xfer: u64,
+        peer: u64,
+        ticket: u64,
+        timeout_ns: u64,
+        segments: Vec<Seg>,
+    },
     /// Many submits of one segment list shape; `xfer` ids from `first_xfer` upward.
-    SubmitMany { first_xfer: u64, count: u64, peer: u64, ticket: u64, timeout_ns: u64, segments: Vec<Seg> },
-    Cancel { xfer: u64 },
-    CancelMany { xfers: Vec<u64> },
-    ExpectIncoming { ticket: u64, peer: u64, timeout_ns: u64, ranges: Vec<(u64, u64, u64)> },
-    CancelIncoming { peer: u64, ticket: u64 },
+    SubmitMany {
+        first_xfer: u64,
+        count: u64,
+        peer: u64,
+        ticket: u64,
+        timeout_ns: u64,
+        segments: Vec<Seg>,
+    },
+    Cancel {
+        xfer: u64,
+    },
+    CancelMany {
+        xfers: Vec<u64>,
+    },
+    ExpectIncoming {
+        ticket: u64,
+        peer: u64,
+        timeout_ns: u64,
+        ranges: Vec<(u64, u64, u64)>,
+    },
+    CancelIncoming {
+        peer: u64,
+        ticket: u64,
+    },
     Stats,
     Shutdown,
     Exit,
@@ -119,15 +174,34 @@ pub struct WireInfo {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Outcome {
     Done,
-    Failed { error: CallError },
+    Failed {
+        error: CallError,
+    },
     /// `Open` of an instance that is not available here (a harness reports every clause unsupported).
-    Unavailable { reason: String, module: Option<WireInfo> },
-    Info { module: WireInfo, instance: WireInfo },
-    Bytes { bytes: Vec<u8> },
-    Registered { key: u64, remote_key: Vec<u8> },
-    Key { key: u64 },
-    Checksum { value: u64 },
-    Stats { stats: WireStats },
+    Unavailable {
+        reason: String,
+        module: Option<WireInfo>,
+    },
+    Info {
+        module: WireInfo,
+        instance: WireInfo,
+    },
+    Bytes {
+        bytes: Vec<u8>,
+    },
+    Registered {
+        key: u64,
+        remote_key: Vec<u8>,
+    },
+    Key {
+        key: u64,
+    },
+    Checksum {
+        value: u64,
+    },
+    Stats {
+        stats: WireStats,
+    },
     /// One result per call of a batch, with the longest call, and the peer clock right before each
     /// call began and right after it returned (ABORT-4 times each cancel of a batch to its transfer's
     /// terminal event).
@@ -141,7 +215,9 @@ pub enum Outcome {
         returned_ns: Vec<u64>,
     },
     /// The harness's own request could not be carried out (bad region id, mmap failure).
-    PeerError { message: String },
+    PeerError {
+        message: String,
+    },
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug)]

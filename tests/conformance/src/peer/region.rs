@@ -24,9 +24,10 @@ pub struct Region {
     _file: File,
 }
 
-// The mapping is shared memory written by plugins from any thread; the peer only reads or fills it
-// while serving one request at a time.
+// SAFETY: the mapping is shared memory written by plugins from any thread; the peer only reads or
+// fills it while serving one request at a time.
 unsafe impl Send for Region {}
+// SAFETY: as for Send.
 unsafe impl Sync for Region {}
 
 impl Region {

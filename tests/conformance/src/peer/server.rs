@@ -2,8 +2,8 @@
 //! out the controller's requests one at a time, timing every plugin call and forwarding every event
 //! with a timestamp. Never judges a result and never blocks the plugin's sink (events go to a writer thread).
 
-use super::protocol::*;
 use super::memory::{self, MemoryProvider};
+use super::protocol::*;
 use super::region::Region;
 use crate::plugin_spec;
 use kvgate_abi::abi_stable::std_types::{RResult, RSlice};
@@ -99,7 +99,8 @@ pub fn peer_main() -> i32 {
             }
         }
     });
-    let mut peer = Peer { host: None, opened: None, regions: HashMap::new(), memory: Box::new(memory::HostProvider), out: tx };
+    let mut peer =
+        Peer { host: None, opened: None, regions: HashMap::new(), memory: Box::new(memory::HostProvider), out: tx };
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
         let Ok(line) = line else { break };
@@ -181,7 +182,9 @@ impl Peer {
                                 self.memory = provider;
                                 Outcome::Info { module: module.unwrap_or_else(|| instance.clone()), instance }
                             }
-                            Err(reason) => Outcome::Unavailable { reason: format!("memory provider {memory:?}: {reason}"), module },
+                            Err(reason) => {
+                                Outcome::Unavailable { reason: format!("memory provider {memory:?}: {reason}"), module }
+                            }
                         }
                     }
                     Err(OpenError::Unavailable { reason, .. }) => {
@@ -271,7 +274,8 @@ impl Peer {
                 let t = self.t()?;
                 let segs = to_segments(&segments);
                 let mut errors = Vec::with_capacity(count as usize);
-                let (mut started_ns, mut returned_ns) = (Vec::with_capacity(count as usize), Vec::with_capacity(count as usize));
+                let (mut started_ns, mut returned_ns) =
+                    (Vec::with_capacity(count as usize), Vec::with_capacity(count as usize));
                 let (mut max_call_ns, mut slowest_index) = (0, 0);
                 for i in 0..count {
                     started_ns.push(now_ns());
@@ -293,7 +297,8 @@ impl Peer {
             Op::CancelMany { xfers } => {
                 let t = self.t()?;
                 let (mut max_call_ns, mut slowest_index) = (0, 0);
-                let (mut started_ns, mut returned_ns) = (Vec::with_capacity(xfers.len()), Vec::with_capacity(xfers.len()));
+                let (mut started_ns, mut returned_ns) =
+                    (Vec::with_capacity(xfers.len()), Vec::with_capacity(xfers.len()));
                 for (i, x) in xfers.iter().enumerate() {
                     started_ns.push(now_ns());
                     let started = Instant::now();

@@ -81,7 +81,12 @@ pub fn run_mutant_with_seed(defect: &str, seed: u64, extra: &[&str], plugin_conf
 /// The harness process with `env` set (the peer processes it starts inherit it).
 fn run_harness_in(plugin: &str, seed: u64, extra: &[&str], plugin_config: &str, env: &[(&str, &str)]) -> Run {
     let _one = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = std::env::temp_dir().join(format!("kvgate-conformance-test-{}-{}{}", std::process::id(), plugin.replace(['/', ':', '.'], "_"), env.iter().map(|(_, v)| format!("-{v}")).collect::<String>()));
+    let dir = std::env::temp_dir().join(format!(
+        "kvgate-conformance-test-{}-{}{}",
+        std::process::id(),
+        plugin.replace(['/', ':', '.'], "_"),
+        env.iter().map(|(_, v)| format!("-{v}")).collect::<String>()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("report.json");
     let junit = dir.join("report.xml");

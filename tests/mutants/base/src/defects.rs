@@ -83,7 +83,10 @@ pub const DEFECTS: &[Defect] = &[
     // A cancel mid-copy reports `FAILED` with the quiesced flag at once, while its copy worker notices the
     // stop only at the next segment boundary and writes the rest of the segment in progress (at most 64 KiB
     // per millisecond) after the report; breaks RES-3.
-    defect!("premature-quiesce", Faults { quiesce_before_copy_stops: true, copy_bytes_per_ms: 64 << 10, ..Faults::NONE }),
+    defect!(
+        "premature-quiesce",
+        Faults { quiesce_before_copy_stops: true, copy_bytes_per_ms: 64 << 10, ..Faults::NONE }
+    ),
     // Emits `PROGRESS` after each copied segment, but with the bytes of that segment instead of the running
     // total, so progress goes backwards whenever a shorter segment follows a longer one; breaks OBS-5.
     defect!("progress-backwards", Faults { progress_events: true, progress_per_segment: true, ..Faults::NONE }),
@@ -109,7 +112,10 @@ pub const DEFECTS: &[Defect] = &[
     defect!("unchecked-payloads", Faults { udp: true, unchecked_payloads: true, ..Faults::NONE }),
     // Over UDP, the sender waits for the receiver to take a window of data for ever, sending it again past the
     // deadline; breaks TIME-12.
-    defect!("window-without-deadline", Faults { udp: true, no_deadline_while_waiting_for_window: true, ..Faults::NONE }),
+    defect!(
+        "window-without-deadline",
+        Faults { udp: true, no_deadline_while_waiting_for_window: true, ..Faults::NONE }
+    ),
     // Reports quiesced at cancel but keeps copying; breaks RES-3.
     defect!("write-after-cancel", Faults { write_after_cancel: true, default_segment_delay_us: 50, ..Faults::NONE }),
 ];

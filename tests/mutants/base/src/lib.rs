@@ -239,7 +239,10 @@ pub fn open(name: &'static str, config: &str, sink: Sink, faults: Faults) -> Res
         ));
     }
     if faults.unavailable {
-        return Err(PluginError::new(ReasonCode::UNAVAILABLE, format!("{name}: this plugin never runs anywhere (a conformance mutant)")));
+        return Err(PluginError::new(
+            ReasonCode::UNAVAILABLE,
+            format!("{name}: this plugin never runs anywhere (a conformance mutant)"),
+        ));
     }
     RefPlugin::start(name, sink, faults, delay)
 }
@@ -254,7 +257,10 @@ macro_rules! mutant {
             fn info() -> ::kvgate_abi::PluginInfo {
                 $crate::info_with($name, &$faults)
             }
-            fn open(config: &str, sink: ::kvgate_abi::sdk::Sink) -> Result<$crate::RefPlugin, ::kvgate_abi::PluginError> {
+            fn open(
+                config: &str,
+                sink: ::kvgate_abi::sdk::Sink,
+            ) -> Result<$crate::RefPlugin, ::kvgate_abi::PluginError> {
                 $crate::open($name, config, sink, $faults)
             }
         }

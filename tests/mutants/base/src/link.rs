@@ -24,7 +24,15 @@ pub(crate) fn abstract_addr(name: &str) -> std::io::Result<SocketAddr> {
 /// between its minimum and `net.core.{r,w}mem_max`.
 pub(crate) fn set_buffer(fd: RawFd, option: libc::c_int, bytes: libc::c_int) -> std::io::Result<()> {
     // SAFETY: an option of the size given, on a socket the caller owns.
-    let rc = unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, option, (&bytes as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t) };
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            option,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
     if rc == 0 {
         Ok(())
     } else {

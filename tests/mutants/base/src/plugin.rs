@@ -130,7 +130,8 @@ impl Shared {
 
     /// A failure event (FAULT: `reasonless_failures` drops its reason and message).
     pub fn failed(&self, xfer: u64, reason: ReasonCode, message: String, quiesced: bool) {
-        let (reason, message) = if self.faults.reasonless_failures { (ReasonCode(0), String::new()) } else { (reason, message) };
+        let (reason, message) =
+            if self.faults.reasonless_failures { (ReasonCode(0), String::new()) } else { (reason, message) };
         let mut e = Event::failed(XferId(xfer), reason, message);
         if quiesced {
             e.flags |= event_flags::QUIESCED;
@@ -182,7 +183,12 @@ fn start_watchdog(shared: Arc<Shared>) {
             std::thread::sleep(tick);
             let gap = before.elapsed();
             if gap > stall {
-                eprintln!("{}: watchdog: process stalled for {} ms (limit {} ms); aborting", shared.name, gap.as_millis(), stall.as_millis());
+                eprintln!(
+                    "{}: watchdog: process stalled for {} ms (limit {} ms); aborting",
+                    shared.name,
+                    gap.as_millis(),
+                    stall.as_millis()
+                );
                 let no_core = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
                 // SAFETY: setrlimit(2) with a valid struct; abort(3) ends the process.
                 unsafe { libc::setrlimit(libc::RLIMIT_CORE, &no_core) };
@@ -193,7 +199,12 @@ fn start_watchdog(shared: Arc<Shared>) {
 }
 
 impl RefPlugin {
-    pub(crate) fn start(name: &'static str, sink: Sink, faults: Faults, segment_delay_us: u64) -> Result<RefPlugin, PluginError> {
+    pub(crate) fn start(
+        name: &'static str,
+        sink: Sink,
+        faults: Faults,
+        segment_delay_us: u64,
+    ) -> Result<RefPlugin, PluginError> {
         let n = INSTANCES.fetch_add(1, Ordering::Relaxed);
         let io = |e: std::io::Error| err(ReasonCode::TRANSPORT_ERROR, format!("control socket: {e}"));
         let (socket, endpoint) = if faults.udp {
@@ -226,20 +237,33 @@ impl RefPlugin {
             start_watchdog(Arc::clone(&shared));
         }
         let for_worker = Arc::clone(&shared);
-        let worker = kvgate_abi::sdk::spawn_worker(&format!("{name}-worker"), sink, move || crate::worker::run(&for_worker))
-            .map_err(|e| err(ReasonCode::RESOURCE_EXHAUSTED, format!("cannot start worker: {e}")))?;
+        let worker =
+            kvgate_abi::sdk::spawn_worker(&format!("{name}-worker"), sink, move || crate::worker::run(&for_worker))
+                .map_err(|e| err(ReasonCode::RESOURCE_EXHAUSTED, format!("cannot start worker: {e}")))?;
         Ok(RefPlugin { shared, worker: Mutex::new(Some(worker)), note_socket })
     }
 
     fn check_segment(&self, st: &State, peer: u64, s: &Segment) -> Result<(Piece, Arc<RemoteMap>), PluginError> {
-        let &(laddr, llen) = st.regions.get(&s.local.0).ok_or_else(|| err(ReasonCode::UNKNOWN_KEY, format!("unknown local key {}", s.local.0)))?;
-        let (owner, map) = st.remotes.get(&s.remote.0).ok_or_else(|| err(ReasonCode::UNKNOWN_KEY, format!("unknown remote key {}", s.remote.0)))?;
+        let &(laddr, llen) = st
+            .regions
+            .get(&s.local.0)
+            .ok_or_else(|| err(ReasonCode::UNKNOWN_KEY, format!("unknown local key {}", s.local.0)))?;
+        let (owner, map) = st
+            .remotes
+            .get(&s.remote.0)
+            .ok_or_else(|| err(ReasonCode::UNKNOWN_KEY, format!("unknown remote key {}", s.remote.0)))?;
         if *owner != peer {
-            return Err(err(ReasonCode::UNKNOWN_KEY, format!("remote key {} belongs to peer {owner}, not {peer}", s.remote.0)));
+            return Err(err(
+                ReasonCode::UNKNOWN_KEY,
+                format!("remote key {} belongs to peer {owner}, not {peer}", s.remote.0),
+            ));
         }
         let (local_end, remote_end) = if self.shared.faults.panic_on_offset_overflow {
             // FAULT: unchecked arithmetic on untrusted offsets.
-            (Some(s.local_offset.checked_add(s.len).expect("local offset overflow")), Some(s.remote_offset.checked_add(s.len).expect("remote offset overflow")))
+            (
+                Some(s.local_offset.checked_add(s.len).expect("local offset overflow")),
+                Some(s.remote_offset.checked_add(s.len).expect("remote offset overflow")),
+            )
         } else {
             (s.local_offset.checked_add(s.len), s.remote_offset.checked_add(s.len))
         };
@@ -247,10 +271,20 @@ impl RefPlugin {
         let (remote_key, remote_offset) = (map.owner_key, s.remote_offset);
         // FAULT: `skip_segment_range_checks` leaves the check to the copy, after earlier segments moved.
         if !in_range && !self.shared.faults.skip_segment_range_checks {
-            return Err(err(ReasonCode::OUT_OF_RANGE, format!("segment {}+{} → {}+{} outside its regions", s.local_offset, s.len, s.remote_offset, s.len)));
+            return Err(err(
+                ReasonCode::OUT_OF_RANGE,
+                format!("segment {}+{} → {}+{} outside its regions", s.local_offset, s.len, s.remote_offset, s.len),
+            ));
         }
         let piece = if in_range {
-            Piece { src: laddr + s.local_offset, dst: map.addr as u64 + s.remote_offset, len: s.len, in_range, remote_key, remote_offset }
+            Piece {
+                src: laddr + s.local_offset,
+                dst: map.addr as u64 + s.remote_offset,
+                len: s.len,
+                in_range,
+                remote_key,
+                remote_offset,
+            }
         } else {
             Piece { src: 0, dst: 0, len: 0, in_range, remote_key, remote_offset }
         };
@@ -306,7 +340,10 @@ impl Plugin for RefPlugin {
     fn register(&self, region: &RegionDesc) -> Result<Registration, PluginError> {
         // FAULT: `accept_any_memory_kind` skips the memory-kind check.
         if region.kind != MemoryKind::HOST && !self.shared.faults.accept_any_memory_kind {
-            return Err(err(ReasonCode::UNSUPPORTED_MEMORY, format!("{} memory is not served (host only)", region.kind)));
+            return Err(err(
+                ReasonCode::UNSUPPORTED_MEMORY,
+                format!("{} memory is not served (host only)", region.kind),
+            ));
         }
         if region.len == 0 || region.addr == 0 {
             return Err(err(ReasonCode::INVALID_ARGUMENT, "region has no address or zero length"));
@@ -331,15 +368,24 @@ impl Plugin for RefPlugin {
             if st.regions.remove(&key.0).is_none() {
                 return Err(err(ReasonCode::UNKNOWN_KEY, format!("unknown local key {}", key.0)));
             }
-            let copying: Vec<_> = st.transfers.values().filter(|t| t.phase == Phase::Copying && t.local_keys.contains(&key.0)).map(|t| Arc::clone(&t.stop)).collect();
+            let copying: Vec<_> = st
+                .transfers
+                .values()
+                .filter(|t| t.phase == Phase::Copying && t.local_keys.contains(&key.0))
+                .map(|t| Arc::clone(&t.stop))
+                .collect();
             if self.shared.faults.deregister_succeeds_partial_copy {
                 // FAULT: the copy stops where it is and the transfer is still to succeed.
-                for t in st.transfers.values_mut().filter(|t| t.phase == Phase::Copying && t.local_keys.contains(&key.0)) {
+                for t in
+                    st.transfers.values_mut().filter(|t| t.phase == Phase::Copying && t.local_keys.contains(&key.0))
+                {
                     t.fail_open = true;
                     t.stop.store(true, Ordering::SeqCst);
                 }
             } else {
-                self.shared.fail_where(&mut st, ReasonCode::UNKNOWN_KEY, "source region deregistered", |t| t.local_keys.contains(&key.0));
+                self.shared.fail_where(&mut st, ReasonCode::UNKNOWN_KEY, "source region deregistered", |t| {
+                    t.local_keys.contains(&key.0)
+                });
             }
             copying
         };
@@ -391,7 +437,9 @@ impl Plugin for RefPlugin {
         if r.segments.is_empty() {
             return Err(err(ReasonCode::INVALID_ARGUMENT, "no segments"));
         }
-        if r.segments.len() as u64 > crate::MAX_SEGMENTS_PER_SUBMIT || st.transfers.len() as u64 >= crate::MAX_INFLIGHT_TRANSFERS {
+        if r.segments.len() as u64 > crate::MAX_SEGMENTS_PER_SUBMIT
+            || st.transfers.len() as u64 >= crate::MAX_INFLIGHT_TRANSFERS
+        {
             return Err(err(ReasonCode::RESOURCE_EXHAUSTED, "segment or in-flight limit reached"));
         }
         let mut pieces = Vec::with_capacity(r.segments.len());
@@ -442,7 +490,10 @@ impl Plugin for RefPlugin {
             return;
         }
         // FAULT: under load, a cancel of a transfer not being copied waits in the worker's queue.
-        if self.shared.faults.cancel_queued_when_busy && busy > crate::QUEUED_CANCEL_LIVE_TRANSFERS && t.phase != Phase::Copying {
+        if self.shared.faults.cancel_queued_when_busy
+            && busy > crate::QUEUED_CANCEL_LIVE_TRANSFERS
+            && t.phase != Phase::Copying
+        {
             t.cancel_queued = true;
             st.queued_cancels.push_back(xfer.0);
             return;
@@ -483,7 +534,12 @@ impl Plugin for RefPlugin {
             return;
         }
         if self.shared.awaits_verdict(t) {
-            return self.shared.fail_unquiesced(t, xfer.0, ReasonCode::CANCELLED, "cancelled with its commit unanswered");
+            return self.shared.fail_unquiesced(
+                t,
+                xfer.0,
+                ReasonCode::CANCELLED,
+                "cancelled with its commit unanswered",
+            );
         }
         if faults.leak_on_cancel {
             // FAULT: reported, but never removed from the table.
@@ -501,7 +557,10 @@ impl Plugin for RefPlugin {
             return Err(err(ReasonCode::PEER_UNREACHABLE, format!("unknown peer {}", r.peer.0)));
         };
         for range in r.ranges.iter() {
-            let &(_, len) = st.regions.get(&range.key.0).ok_or_else(|| err(ReasonCode::UNKNOWN_KEY, format!("unknown local key {}", range.key.0)))?;
+            let &(_, len) = st
+                .regions
+                .get(&range.key.0)
+                .ok_or_else(|| err(ReasonCode::UNKNOWN_KEY, format!("unknown local key {}", range.key.0)))?;
             if range.offset.checked_add(range.len).is_none_or(|e| e > len) {
                 return Err(err(ReasonCode::OUT_OF_RANGE, "incoming range outside its region"));
             }
@@ -527,7 +586,11 @@ impl Plugin for RefPlugin {
         Stats {
             // FAULT: a count that never moves.
             live_transfers: if self.shared.faults.stale_live_transfers { 0 } else { live },
-            unquiesced_transfers: st.transfers.values().filter(|t| t.reported && matches!(t.phase, Phase::Copying | Phase::Unquiesced)).count() as u64,
+            unquiesced_transfers: st
+                .transfers
+                .values()
+                .filter(|t| t.reported && matches!(t.phase, Phase::Copying | Phase::Unquiesced))
+                .count() as u64,
             live_tickets: st.tickets.len() as u64,
             registered_regions: st.regions.len() as u64,
             registered_bytes: st.regions.values().map(|(_, l)| l).sum(),

@@ -21,7 +21,9 @@ pub(crate) struct Incoming {
 }
 
 fn fits(st: &State, key: u64, offset: u64, len: usize) -> bool {
-    st.regions.get(&key).is_some_and(|&(_, region_len)| offset.checked_add(len as u64).is_some_and(|end| end <= region_len))
+    st.regions
+        .get(&key)
+        .is_some_and(|&(_, region_len)| offset.checked_add(len as u64).is_some_and(|end| end <= region_len))
 }
 
 /// Stage one data datagram from `from`; returns the transfer to answer with a `GOT`.
@@ -29,10 +31,11 @@ pub(crate) fn stage(shared: &Shared, st: &mut State, from: &str, datagram: &[u8]
     // FAULT: `unchecked_payloads` trusts the bytes the network delivered.
     let data = decode_data(datagram, !shared.faults.unchecked_payloads)?;
     let in_range = data.records.iter().all(|r| fits(st, r.key, r.offset, r.bytes.len()));
-    let entry = st
-        .incoming
-        .entry((from.to_string(), data.xfer))
-        .or_insert_with(|| Incoming { next: 0, records: Vec::new(), touched: Instant::now() });
+    let entry = st.incoming.entry((from.to_string(), data.xfer)).or_insert_with(|| Incoming {
+        next: 0,
+        records: Vec::new(),
+        touched: Instant::now(),
+    });
     entry.touched = Instant::now();
     // In order only: a datagram past a gap, or seen already, is dropped and the GOT says where we are.
     if data.seq == entry.next && in_range {

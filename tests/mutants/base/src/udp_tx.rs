@@ -49,7 +49,15 @@ fn plan(pieces: &[Piece]) -> Result<Plan, usize> {
 
 /// Send every datagram of the transfer and wait until the receiver has staged them all. On
 /// `Completed`, returns how many datagrams the commit must name.
-pub(crate) fn copy(shared: &Shared, xfer: u64, peer: u64, pieces: &[Piece], stop: &AtomicBool, deadline: Instant, buf: &mut [u8]) -> (Stopped, u32) {
+pub(crate) fn copy(
+    shared: &Shared,
+    xfer: u64,
+    peer: u64,
+    pieces: &[Piece],
+    stop: &AtomicBool,
+    deadline: Instant,
+    buf: &mut [u8],
+) -> (Stopped, u32) {
     let plan = match plan(pieces) {
         Ok(plan) => plan,
         Err(i) => return (Stopped::OutOfRange(i), 0),

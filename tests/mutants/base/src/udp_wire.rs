@@ -24,7 +24,12 @@ pub fn encode_endpoint(port: u16) -> Vec<u8> {
 
 /// The socket address text ("127.0.0.1:port") an endpoint names.
 pub fn parse_endpoint(bytes: &[u8]) -> Result<String, PluginError> {
-    let invalid = || PluginError::new(ReasonCode::INVALID_ARGUMENT, format!("endpoint of {} bytes is not a kvgate-refplugin-udp endpoint", bytes.len()));
+    let invalid = || {
+        PluginError::new(
+            ReasonCode::INVALID_ARGUMENT,
+            format!("endpoint of {} bytes is not a kvgate-refplugin-udp endpoint", bytes.len()),
+        )
+    };
     let rest = bytes.strip_prefix(ENDPOINT_PREFIX).ok_or_else(invalid)?;
     let [a, b, c, d, p0, p1] = <[u8; 6]>::try_from(rest).map_err(|_| invalid())?;
     if [a, b, c, d] != [127, 0, 0, 1] {

@@ -55,7 +55,10 @@ pub struct RemoteMap {
     pub owner_key: u64,
 }
 
+// SAFETY: `addr` is a shared mapping that outlives every use (the base plugin keeps it while a key
+// names it); the value holds no Rust-owned data behind the pointer.
 unsafe impl Send for RemoteMap {}
+// SAFETY: as for Send: readers and the plugin's workers synchronise through the plugin's state.
 unsafe impl Sync for RemoteMap {}
 
 impl RemoteMap {
@@ -69,17 +72,30 @@ impl RemoteMap {
         let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
         let end = offset.checked_add(len).filter(|e| *e <= file_len && len > 0);
         let Some(end) = end else {
-            return Err(PluginError::new(ReasonCode::OUT_OF_RANGE, format!("{offset}+{len} outside {path:?} of {file_len} bytes")));
+            return Err(PluginError::new(
+                ReasonCode::OUT_OF_RANGE,
+                format!("{offset}+{len} outside {path:?} of {file_len} bytes"),
+            ));
         };
         let page = 4096u64;
         let map_off = offset / page * page;
         let map_len = (end - map_off) as usize;
         // SAFETY: a fresh shared mapping of a file opened read-write; checked below.
         let base = unsafe {
-            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), map_off as libc::off_t)
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                map_off as libc::off_t,
+            )
         };
         if base == libc::MAP_FAILED {
-            return Err(PluginError::new(ReasonCode::RESOURCE_EXHAUSTED, format!("mmap {path:?}: {}", std::io::Error::last_os_error())));
+            return Err(PluginError::new(
+                ReasonCode::RESOURCE_EXHAUSTED,
+                format!("mmap {path:?}: {}", std::io::Error::last_os_error()),
+            ));
         }
         let base = base as *mut u8;
         // SAFETY: inside the mapping just made.

@@ -155,7 +155,12 @@ pub(crate) fn fire_deadlines(shared: &Shared, st: &mut State) {
     st.tickets.retain(|_, expiry| *expiry > now);
     crate::udp_rx::purge(st);
     let grace = Duration::from_millis(COMMIT_GRACE_MS);
-    let settled: Vec<u64> = st.transfers.iter().filter(|(_, t)| t.phase == Phase::Unquiesced && t.deadline + grace <= now).map(|(x, _)| *x).collect();
+    let settled: Vec<u64> = st
+        .transfers
+        .iter()
+        .filter(|(_, t)| t.phase == Phase::Unquiesced && t.deadline + grace <= now)
+        .map(|(x, _)| *x)
+        .collect();
     for x in settled {
         // Past the deadline the receiver refuses the commit: nothing more can land.
         st.transfers.remove(&x);
@@ -164,7 +169,9 @@ pub(crate) fn fire_deadlines(shared: &Shared, st: &mut State) {
     let due: Vec<u64> = st
         .transfers
         .iter()
-        .filter(|(_, t)| !t.reported && t.deadline <= now && !matches!(t.phase, Phase::Leaked | Phase::Copying | Phase::Unquiesced))
+        .filter(|(_, t)| {
+            !t.reported && t.deadline <= now && !matches!(t.phase, Phase::Leaked | Phase::Copying | Phase::Unquiesced)
+        })
         // FAULT: a transfer waiting for its ticket is swept a coarse timer's period late.
         .filter(|(_, t)| {
             let coarse = shared.faults.coarse_deadline_while_waiting_for_ticket && t.phase == Phase::WaitingForTicket;
@@ -217,7 +224,11 @@ fn end_one_queued_cancel(shared: &Shared, st: &mut State) {
 type Job = (u64, u64, Arc<Vec<Piece>>, Arc<AtomicBool>, Instant);
 
 fn pick_job(st: &mut State) -> Option<Job> {
-    let (x, t) = st.transfers.iter_mut().filter(|(_, t)| t.phase == Phase::Ready && !t.reported && !t.cancel_queued).min_by_key(|(x, _)| **x)?;
+    let (x, t) = st
+        .transfers
+        .iter_mut()
+        .filter(|(_, t)| t.phase == Phase::Ready && !t.reported && !t.cancel_queued)
+        .min_by_key(|(x, _)| **x)?;
     t.phase = Phase::Copying;
     Some((*x, t.peer, Arc::clone(&t.pieces), Arc::clone(&t.stop), t.deadline))
 }
@@ -272,7 +283,9 @@ fn copy(shared: &Shared, xfer: u64, pieces: &[Piece], stop: &Arc<AtomicBool>, de
             // SAFETY: both ranges were checked against their regions at submit and the mappings
             // are kept alive by the transfer; the host keeps local memory mapped until deregister,
             // which waits for this copy to stop.
-            unsafe { std::ptr::copy_nonoverlapping((p.src + done) as *const u8, (p.dst + done) as *mut u8, n as usize) };
+            unsafe {
+                std::ptr::copy_nonoverlapping((p.src + done) as *const u8, (p.dst + done) as *mut u8, n as usize)
+            };
             done += n;
             // The rate limit: no faster than `rate` bytes per millisecond since the copy began.
             paced += n;
@@ -336,7 +349,8 @@ fn finish(shared: &Shared, xfer: u64, mut stopped: Stopped, datagrams: u32, dead
             t.phase = Phase::WaitingForAck;
             let peer = t.peer;
             let msg = if shared.socket.is_udp() {
-                let expiry_ns = crate::udp_wire::mono_ns() + deadline.saturating_duration_since(Instant::now()).as_nanos() as u64;
+                let expiry_ns =
+                    crate::udp_wire::mono_ns() + deadline.saturating_duration_since(Instant::now()).as_nanos() as u64;
                 Msg::Commit(xfer, datagrams, expiry_ns)
             } else {
                 Msg::Done(xfer)
@@ -386,6 +400,8 @@ pub(crate) fn flush(shared: &Shared) {
     st.outbox = keep;
     for endpoint in unreachable {
         let peers = Shared::peers_at(&st, &endpoint);
-        shared.fail_where(&mut st, ReasonCode::PEER_LOST, "peer unreachable (its socket is gone)", |t| peers.contains(&t.peer));
+        shared.fail_where(&mut st, ReasonCode::PEER_LOST, "peer unreachable (its socket is gone)", |t| {
+            peers.contains(&t.peer)
+        });
     }
 }

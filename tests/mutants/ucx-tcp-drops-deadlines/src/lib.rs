@@ -6,8 +6,8 @@
 
 use kvgate_abi::sdk::{Plugin, PluginFactory, Sink};
 use kvgate_abi::{
-    IncomingRequest, LocalKey, PeerId, PluginError, PluginInfo, RegionDesc, Registration, RemoteKey, Stats, SubmitRequest, Ticket,
-    XferId,
+    IncomingRequest, LocalKey, PeerId, PluginError, PluginInfo, RegionDesc, Registration, RemoteKey, Stats,
+    SubmitRequest, Ticket, XferId,
 };
 use kvgate_plugin_ucx::{UcxFactory, UcxPlugin};
 
