@@ -104,3 +104,19 @@ def test_spawned_processes_are_registered_too() -> None:
     done = subprocess.run([sys.executable, "-m", "kvgate.sglang.launch_server"], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "child: KvgateKVManager" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_the_room_timeout_is_read_under_its_earlier_name_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvgate.sglang.conn import Settings
+
+    monkeypatch.delenv("KVGATE_SGLANG_ROOM_TIMEOUT_MS", raising=False)
+    monkeypatch.setenv("KVGATE_SGLANG_ROOM_DEADLINE_MS", "1500")
+    assert Settings.from_env().room_timeout_ms == 1500
+    assert any("KVGATE_SGLANG_ROOM_DEADLINE_MS is the earlier name" in r.message for r in caplog.records)
+    # The current name wins when both are set, and then nothing is said.
+    caplog.clear()
+    monkeypatch.setenv("KVGATE_SGLANG_ROOM_TIMEOUT_MS", "2500")
+    assert Settings.from_env().room_timeout_ms == 2500
+    assert not caplog.records

@@ -72,6 +72,19 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw.strip() else default
 
 
+#: Earlier names of settings, still read (with a warning) when the current name is unset.
+RENAMED_ENV = {"KVGATE_SGLANG_ROOM_TIMEOUT_MS": "KVGATE_SGLANG_ROOM_DEADLINE_MS"}
+
+
+def _env_float_renamed(name: str, default: float) -> float:
+    """`_env_float(name)`, or the setting's earlier name when only that one is set."""
+    old = RENAMED_ENV[name]
+    if not os.environ.get(name, "").strip() and os.environ.get(old, "").strip():
+        logger.warning("kvgate: %s is the earlier name of %s; it is read for now, rename it", old, name)
+        return _env_float(old, default)
+    return _env_float(name, default)
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The backend's settings (environment variables of the SGLang processes)."""
@@ -96,7 +109,7 @@ class Settings:
             token_file=os.environ.get("KVGATE_SGLANG_TOKEN_FILE") or None,
             gateway_name=os.environ.get("KVGATE_SGLANG_GATEWAY", ""),
             prefill_peer=os.environ.get("KVGATE_SGLANG_PREFILL_PEER", ""),
-            room_timeout_ms=int(_env_float("KVGATE_SGLANG_ROOM_TIMEOUT_MS", 0)),
+            room_timeout_ms=int(_env_float_renamed("KVGATE_SGLANG_ROOM_TIMEOUT_MS", 0)),
             release_timeout_s=_env_float("KVGATE_SGLANG_RELEASE_TIMEOUT_S", 60.0),
         )
 
