@@ -58,6 +58,7 @@ fn map_shared_file(path: &str, offset: u64, len: u64) -> Result<memmap2::MmapMut
     map_file(&file, path, offset, len)
 }
 
+#[allow(unsafe_code)] // mapping an engine's memory file
 fn map_file(file: &std::fs::File, path: &str, offset: u64, len: u64) -> Result<memmap2::MmapMut, ApiError> {
     let file_len = file.metadata().map_err(|e| ApiError::invalid("memory_unavailable", format!("{path}: {e}")))?.len();
     if offset.checked_add(len).is_none_or(|end| end > file_len) {

@@ -138,6 +138,7 @@ fn serve_connection(mut stream: UnixStream, table: &PassedFds, read_timeout: Dur
 struct Refused(&'static str, String);
 
 /// One message: Ok(None) at the end of the stream, the one descriptor it carried, or why not.
+#[allow(unsafe_code)] // the kernel's SCM_RIGHTS descriptors become owned here
 fn receive_fd(stream: &UnixStream) -> Result<Option<OwnedFd>, Refused> {
     let mut byte = [0u8; 1];
     let mut iov = [IoSliceMut::new(&mut byte)];
