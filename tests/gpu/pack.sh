@@ -33,6 +33,13 @@ for line in sys.stdin:
     objcopy --strip-debug "$exe" "$DIR/$name"
 done
 objcopy --strip-debug "$REL/libkvgate_nvlink.so" "$DIR/libkvgate_nvlink.so"
+# The daemon, for the end-to-end step, when it runs without UCX (a GPU node seldom has it): build it
+# so with `cargo build --release -p kvgate --no-default-features` before packing.
+if ldd "$REL/kvgate" 2>/dev/null | grep -q libucp; then
+    echo "pack: $REL/kvgate links UCX; the e2e step needs one built with --no-default-features (not packed)" >&2
+elif [ -x "$REL/kvgate" ]; then
+    objcopy --strip-debug "$REL/kvgate" "$DIR/kvgate"
+fi
 git rev-parse HEAD > "$DIR/commit"
 ls -l "$DIR"
 du -sh "$DIR"

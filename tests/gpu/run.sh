@@ -19,6 +19,7 @@
 #   4. conform : target/release/kvgate-conformance --plugin target/release/libkvgate_nvlink.so --quick
 #                --json out/conformance.json   (the harness of tests/conformance, same as
 #                `kvgate conformance`; plugin config from tests/gpu/nvlink-conformance.toml)
+#   6. e2e     : python/tests/test_gpu_nvlink.py: GPU KV through two `kvgate serve` and the plugin
 #   5. bench   : cargo bench -p kvgate-plugin-nvlink --bench nvlink_bandwidth
 #                (plugin vs raw cuMemcpyDtoD, same bytes, same run, 1..256 MiB; target ratio >= 0.90)
 # Exit status: 0 when every step passed, 1 otherwise. Without a GPU it stops at once with status 3.
@@ -68,18 +69,22 @@ fi
 if [ -n "$PREBUILT" ]; then
     log "prebuilt binaries from $PREBUILT (commit $(cat "$PREBUILT/commit" 2>/dev/null || echo unknown); this checkout $(git rev-parse HEAD 2>/dev/null || echo unknown))"
     unit_tests() {
-        local t rc=0
+        local t rc=0 ran=0
         for t in "$PREBUILT"/*; do
-            case "$(basename "$t")" in gpu|nvlink_bandwidth|kvgate-conformance|*.so|commit) continue ;; esac
+            case "$(basename "$t")" in gpu|nvlink_bandwidth|kvgate-conformance|kvgate|*.so|commit) continue ;; esac
             "$t" || rc=1
+            ran=$((ran + 1))
         done
+        [ "$ran" -gt 0 ] || { echo "no unit test binaries in $PREBUILT"; return 1; }
         return $rc
     }
     export -f unit_tests; export PREBUILT
     step unit 120 bash -c unit_tests
     gpu_tests() {  # one test at a time, each bounded and timed, so a hang names its test
-        local t rc=0 started
-        for t in $("$PREBUILT/gpu" --list --ignored 2>/dev/null | sed -n 's/: test$//p'); do
+        local t rc=0 started tests
+        tests=$("$PREBUILT/gpu" --list --ignored 2>/dev/null | sed -n 's/: test$//p')
+        [ -n "$tests" ] || { echo "no GPU tests listed by $PREBUILT/gpu"; return 1; }
+        for t in $tests; do
             started=$(date +%s%N)
             timeout --signal=KILL "${GPU_TEST_TIMEOUT_S:-60}" "$PREBUILT/gpu" --exact "$t" --ignored --test-threads=1 \
                 || { echo "gpu test $t: FAILED or killed after ${GPU_TEST_TIMEOUT_S:-60} s"; rc=1; }
@@ -107,6 +112,7 @@ else
     step gpu 180 cargo test --release $OFFLINE -p kvgate-plugin-nvlink --test gpu -- --ignored --test-threads=1
     CONFORMANCE="$REL/kvgate-conformance"; PLUGIN="$REL/libkvgate_nvlink.so"
 fi
+rm -f "$OUT_DIR/conformance.json"
 step conform 240 "$CONFORMANCE" --plugin "$PLUGIN" \
     --config "$ROOT/tests/gpu/nvlink-conformance.toml" --quick --json "$OUT_DIR/conformance.json"
 # The harness exits 0 when nothing failed, also when clauses were unsupported: say so. Certified
@@ -137,6 +143,19 @@ if [ -n "$PREBUILT" ]; then
     step bench 180 "$PREBUILT/nvlink_bandwidth" --bench
 else
     step bench 180 cargo bench $OFFLINE -p kvgate-plugin-nvlink --bench nvlink_bandwidth
+fi
+
+# 6. e2e: a room of GPU KV through two `kvgate serve` processes and the NVLink plugin, registered as the
+# SGLang backend registers PyTorch tensors (IPC handle; VMM descriptor under expandable segments).
+# Needs python3 with PyTorch (CUDA), grpcio and protobuf at least the version kvgate's generated code
+# names, and the kvgate package's generated `_proto` (pip install ./python, or setup.py's generate).
+DAEMON="${PREBUILT:+$PREBUILT/kvgate}"; DAEMON="${DAEMON:-$REL/kvgate}"
+if [ -x "$DAEMON" ] && python3 -c 'import torch, grpc' 2>/dev/null; then
+    step e2e 300 env KVGATE_BIN="$DAEMON" KVGATE_NVLINK_PLUGIN="$PLUGIN" \
+        PYTHONPATH="$ROOT/python:$ROOT/python/tests${PYTHONPATH:+:$PYTHONPATH}" \
+        python3 -m pytest "$ROOT/python/tests/test_gpu_nvlink.py" -v -p no:cacheprovider -rs
+else
+    SUMMARY+=("e2e: NOT RUN (no kvgate binary at $DAEMON, or no python3 with torch and grpc)"); FAILED=1
 fi
 
 log "summary (logs in $OUT_DIR):"
