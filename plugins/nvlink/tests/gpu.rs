@@ -15,7 +15,6 @@ use kvgate_plugin_nvlink::cuda;
 use kvgate_plugin_nvlink::device_buffer::{pattern, DeviceBuffer};
 use std::io::{BufRead, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
@@ -207,21 +206,8 @@ fn gpu_two_processes_on_one_gpu_through_ipc_handles() {
         return ipc_child();
     }
     let ctx = device0();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "gpu_two_processes_on_one_gpu_through_ipc_handles",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD_ENV, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn the child process");
-    let mut to_child = child.stdin.take().unwrap();
-    let from_child = ChildLines::new(child.stdout.take().unwrap(), "NVLINK-CHILD");
+    let (mut child, mut to_child, from_child) =
+        spawn_child("gpu_two_processes_on_one_gpu_through_ipc_handles", CHILD_ENV, "NVLINK-CHILD");
     let started = std::time::Instant::now();
     let child_endpoint = from_child.bytes("ENDPOINT");
     let child_key = from_child.bytes("KEY");
@@ -487,21 +473,8 @@ fn gpu_two_processes_through_a_vmm_descriptor_socket() {
         return vmm_child();
     }
     let ctx = device0();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "gpu_two_processes_through_a_vmm_descriptor_socket",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(VMM_CHILD_ENV, "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn the child process");
-    let mut to_child = child.stdin.take().unwrap();
-    let from_child = ChildLines::new(child.stdout.take().unwrap(), "NVLINK-VMM-CHILD");
+    let (mut child, mut to_child, from_child) =
+        spawn_child("gpu_two_processes_through_a_vmm_descriptor_socket", VMM_CHILD_ENV, "NVLINK-VMM-CHILD");
     let child_endpoint = from_child.bytes("ENDPOINT");
     let child_key = from_child.bytes("KEY");
 

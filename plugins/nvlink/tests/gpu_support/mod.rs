@@ -80,6 +80,26 @@ pub fn unhex(text: &str) -> Vec<u8> {
 /// How long a two-process test waits for each tagged line of its child.
 pub const CHILD_STEP_TIMEOUT_S: u64 = 45;
 
+/// This test binary started again as the child half of two-process test `test` (`child_env` set), its
+/// stdin to write commands to, and its `tag`ged output lines.
+pub fn spawn_child(
+    test: &str,
+    child_env: &str,
+    tag: &'static str,
+) -> (std::process::Child, std::process::ChildStdin, ChildLines) {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--ignored", "--nocapture", "--test-threads=1"])
+        .env(child_env, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the child process");
+    let to_child = child.stdin.take().unwrap();
+    let lines = ChildLines::new(child.stdout.take().unwrap(), tag);
+    (child, to_child, lines)
+}
+
 /// The tagged lines a two-process test's child prints on its stdout (`<TAG> <NAME> <value>`), read on
 /// a thread so that every wait is bounded and names what it waited for.
 pub struct ChildLines {
