@@ -35,6 +35,25 @@ pub fn init(log: &LogSection) {
     let _ = tracing_subscriber::registry().with(fmt).with(tls).try_init();
 }
 
+/// `log` without terminal colour codes (ANSI escape sequences), as a log written to a terminal
+/// reads once captured: for tools and tests that search a gateway's log for its reason codes.
+pub fn without_colour(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Turns tonic's debug-level "tls accept error" events into rate-limited warnings.
 #[derive(Default)]
 struct TlsFailures {
@@ -88,5 +107,17 @@ impl<S: tracing::Subscriber> Layer<S> for TlsFailures {
                 fields.error
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_colour;
+
+    #[test]
+    fn colour_codes_are_removed_and_the_text_kept() {
+        let coloured = "\u{1b}[2m2026-12-04\u{1b}[0m \u{1b}[33m WARN\u{1b}[0m room failed reason=transfer_timeout";
+        assert_eq!(without_colour(coloured), "2026-12-04  WARN room failed reason=transfer_timeout");
+        assert_eq!(without_colour("plain text"), "plain text");
     }
 }

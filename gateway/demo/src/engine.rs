@@ -153,7 +153,8 @@ pub async fn wait_reusable(rx: &mut mpsc::UnboundedReceiver<RoomEvent>, timeout:
 
 /// Prefill side: send every chunk of every part of `room` from `slot`, one `SendBatch` per chunk
 /// (every part's slices of that chunk), stopping at the first chunk with a refusal (returned with its
-/// reason code, as a single `Send`'s would be).
+/// reason code, as a single `Send`'s would be). With `chunk_limit`, only the first chunks are sent
+/// and no part is completed.
 pub async fn send_all(
     prefill: &Engine,
     shape: &KvShape,
@@ -162,25 +163,8 @@ pub async fn send_all(
     peer: &str,
     chunk_limit: Option<u64>,
 ) -> Result<(), tonic::Status> {
-    let slot_offset = prefill.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(slot);
-    for chunk in 0..chunk_limit.unwrap_or(shape.chunks).min(shape.chunks) {
-        let sends = (0..shape.parts)
-            .map(|part| proto::SendRequest {
-                offset: None,
-                key: Some(room_key(room, 0)),
-                part: part as u32,
-                chunk: chunk as u32,
-                slices: shape.chunk_slices(prefill.region, slot_offset, part, chunk),
-                last: chunk + 1 == shape.chunks,
-                peer: peer.to_string(),
-            })
-            .collect();
-        let reply = prefill.client.send_batch(sends).await?;
-        if let Some(refused) = reply.results.into_iter().find(|r| !r.reason.is_empty()) {
-            return Err(refusal_status(&refused));
-        }
-    }
-    Ok(())
+    let order: Vec<u64> = (0..chunk_limit.unwrap_or(shape.chunks).min(shape.chunks)).collect();
+    send_chunks(prefill, shape, ChunkPlan { room, slot, peer, order: &order, offsets: false }).await
 }
 
 /// The order the demo's prefill engine sends a room's chunks in: a shuffle of `0..chunks` seeded by
@@ -206,18 +190,34 @@ pub async fn send_all_placed(
     slot: u64,
     peer: &str,
 ) -> Result<(), tonic::Status> {
-    let slot_offset = prefill.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(slot);
     let order = shuffled_chunks(room, shape.chunks);
-    for (i, &chunk) in order.iter().enumerate() {
+    send_chunks(prefill, shape, ChunkPlan { room, slot, peer, order: &order, offsets: true }).await
+}
+
+/// Which chunks of a room a prefill engine sends, in what order, and whether each names its offset.
+struct ChunkPlan<'a> {
+    room: u64,
+    slot: u64,
+    peer: &'a str,
+    order: &'a [u64],
+    offsets: bool,
+}
+
+/// One `SendBatch` per chunk of `plan.order`; `last` on the final one only when the order covers
+/// every chunk of the room.
+async fn send_chunks(prefill: &Engine, shape: &KvShape, plan: ChunkPlan<'_>) -> Result<(), tonic::Status> {
+    let slot_offset = prefill.pool.lock().unwrap_or_else(|e| e.into_inner()).slot_offset(plan.slot);
+    let complete = plan.order.len() as u64 == shape.chunks;
+    for (i, &chunk) in plan.order.iter().enumerate() {
         let sends = (0..shape.parts)
             .map(|part| proto::SendRequest {
-                offset: Some(shape.chunk_stream_offset(chunk)),
-                key: Some(room_key(room, 0)),
+                offset: plan.offsets.then(|| shape.chunk_stream_offset(chunk)),
+                key: Some(room_key(plan.room, 0)),
                 part: part as u32,
                 chunk: chunk as u32,
                 slices: shape.chunk_slices(prefill.region, slot_offset, part, chunk),
-                last: i + 1 == order.len(),
-                peer: peer.to_string(),
+                last: complete && i + 1 == plan.order.len(),
+                peer: plan.peer.to_string(),
             })
             .collect();
         let reply = prefill.client.send_batch(sends).await?;

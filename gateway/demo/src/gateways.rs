@@ -72,6 +72,23 @@ impl Default for PairSettings {
     }
 }
 
+/// Stop a gateway process as a service manager would: `SIGCONT` (a frozen one must run to exit),
+/// `SIGTERM`, up to `timeout` for it to drain and exit, then `SIGKILL`; always reaped.
+pub fn stop_child(mut child: Child, timeout: Duration) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 /// One running `kvgate serve`.
 pub struct GatewayProcess {
     pub name: String,
@@ -111,19 +128,8 @@ impl GatewayProcess {
     }
     /// SIGTERM, then wait for a clean exit (SIGKILL after `timeout`).
     pub fn stop(&mut self, timeout: Duration) {
-        if let Some(mut child) = self.child.take() {
-            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let deadline = Instant::now() + timeout;
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(child) = self.child.take() {
+            stop_child(child, timeout);
         }
     }
     /// Start the gateway again with the same config (a new process: a new incarnation to its peers).

@@ -150,24 +150,6 @@ pub fn bed_config(
     Ok(toml::to_string(&v)?)
 }
 
-/// `log` without terminal colour codes.
-fn plain(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// One gateway process on a host of the bed.
 pub struct BedGateway {
     pub host: usize,
@@ -182,7 +164,7 @@ impl BedGateway {
         self.child.as_ref().map(|c| c.id() as i32)
     }
     pub fn log(&self) -> String {
-        plain(&std::fs::read_to_string(&self.log_path).unwrap_or_default())
+        kvgate::logging::without_colour(&std::fs::read_to_string(&self.log_path).unwrap_or_default())
     }
     /// Whether the process is still running (`Err` with its exit status when it ended).
     pub fn alive(&mut self) -> Result<(), String> {
@@ -194,18 +176,8 @@ impl BedGateway {
         }
     }
     pub fn stop(&mut self, timeout: Duration) {
-        if let Some(mut child) = self.child.take() {
-            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let deadline = Instant::now() + timeout;
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
+        if let Some(child) = self.child.take() {
+            kvgate_demo::gateways::stop_child(child, timeout);
         }
     }
 }
