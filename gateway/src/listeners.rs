@@ -273,6 +273,11 @@ pub struct ConnectionId(pub u64);
 
 static NEXT_CONNECTION_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// A number no other accepted connection of this process has (gRPC and lane listeners alike).
+pub fn next_connection_id() -> ConnectionId {
+    ConnectionId(NEXT_CONNECTION_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+}
+
 /// A guarded connection with its [`ConnectionId`] as tonic's connect info.
 pub struct Numbered<Io> {
     inner: Guarded<Io>,
@@ -285,10 +290,7 @@ impl<L: Acceptor> GuardedListener<L> {
         self,
     ) -> impl tokio_stream::Stream<Item = io::Result<Numbered<L::Io>>> + Send + 'static {
         tokio_stream::StreamExt::map(self.into_stream(), |io| {
-            io.map(|inner| Numbered {
-                inner,
-                id: ConnectionId(NEXT_CONNECTION_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
-            })
+            io.map(|inner| Numbered { inner, id: next_connection_id() })
         })
     }
 }

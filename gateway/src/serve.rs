@@ -118,6 +118,13 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
         Some(path) => Some(bind_unix_socket(path)?.into_std()?),
         None => None,
     };
+    // And the engine fast lane (same checks, same mode): the same calls without HTTP/2.
+    let lane_socket_path = (config.engine_api.lane && !config.engine_api.unix_socket.is_empty())
+        .then(|| crate::engine_api::lane::lane_socket_path(Path::new(&config.engine_api.unix_socket)));
+    let lane_listener = match &lane_socket_path {
+        Some(path) => Some(bind_unix_socket(path)?),
+        None => None,
+    };
     let peer_listener = tokio::net::TcpListener::bind(&config.peer_link.listen)
         .await
         .with_context(|| format!("peer_link.listen: bind {}", config.peer_link.listen))?;
@@ -181,6 +188,13 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
         let timeout = std::time::Duration::from_millis(config.engine_api.connections.handshake_timeout_ms);
         crate::engine_api::fd_pass::spawn_fd_socket(listener, api.passed_fds(), timeout, fd_stop.clone())
             .context("start the fd socket thread")?;
+    }
+    if let Some(listener) = lane_listener {
+        let (service, section, metrics, stop) =
+            (api.clone(), config.engine_api.clone(), metrics.clone(), stop_rx.clone());
+        tokio::spawn(
+            async move { crate::engine_api::lane::serve_lane(listener, service, &section, metrics, stop).await },
+        );
     }
     let api_config = config.clone();
     let api_stop = stop_rx.clone();
@@ -250,6 +264,9 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
         let _ = std::fs::remove_file(&config.engine_api.unix_socket);
     }
     if let Some(path) = fd_socket_path {
+        let _ = std::fs::remove_file(path);
+    }
+    if let Some(path) = lane_socket_path {
         let _ = std::fs::remove_file(path);
     }
     Ok(())

@@ -94,6 +94,11 @@ impl Rig {
         Ok(())
     }
 
+    /// Context switches and read/write-class system calls so far of (both gateways, this process).
+    pub fn switches_and_io_calls(&self) -> SwitchCounts {
+        SwitchCounts::of(self.pair.prefill.pid(), self.pair.decode.pid())
+    }
+
     /// CPU time used so far by (both gateways, this process).
     pub fn cpu_used(&self) -> (Duration, Duration) {
         let of = |pid: Option<i32>| pid.and_then(super::system::process_cpu).unwrap_or_default();
@@ -662,5 +667,40 @@ mod tests {
         assert_eq!(cell_slots(8192, 4097, 8), (8192, 1), "slots start on a page");
         assert_eq!(cell_slots(4096, 8, 16), (4096, 1));
         assert_eq!(cell_slots(mib, 8, 0), (4096, 1), "at least one room");
+    }
+}
+
+/// Context switches and read/write-class system calls of both gateways and of this process (the
+/// engines), from `/proc` (`system::process_switches_and_io_calls`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SwitchCounts {
+    pub gateway_switches: u64,
+    pub gateway_io_calls: u64,
+    pub engine_switches: u64,
+    pub engine_io_calls: u64,
+}
+
+impl SwitchCounts {
+    pub fn of(prefill: Option<i32>, decode: Option<i32>) -> SwitchCounts {
+        let of = |pid: Option<i32>| pid.map(super::system::process_switches_and_io_calls).unwrap_or_default();
+        let (p, d, e) =
+            (of(prefill), of(decode), super::system::process_switches_and_io_calls(std::process::id() as i32));
+        SwitchCounts {
+            gateway_switches: p.0 + d.0,
+            gateway_io_calls: p.1 + d.1,
+            engine_switches: e.0,
+            engine_io_calls: e.1,
+        }
+    }
+
+    /// Per room: (gateway switches, gateway io calls, engine switches, engine io calls) since `before`.
+    pub fn per_room_since(&self, before: &SwitchCounts, rooms: u64) -> [f64; 4] {
+        let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / rooms.max(1) as f64;
+        [
+            per(self.gateway_switches, before.gateway_switches),
+            per(self.gateway_io_calls, before.gateway_io_calls),
+            per(self.engine_switches, before.engine_switches),
+            per(self.engine_io_calls, before.engine_io_calls),
+        ]
     }
 }

@@ -7,6 +7,7 @@ pub mod control;
 pub mod copy_limit;
 pub mod core_abort;
 pub mod datapath;
+pub mod lane_cost;
 pub mod link;
 pub mod matrix;
 pub mod peers;
@@ -211,20 +212,28 @@ async fn run_room_cost_only(args: &BenchArgs, plan: &Plan) -> i32 {
         let (dir, _guard) = work_dir(args)?;
         let cost = room_cost::measure(&binary, &dir, plan.room_cost_rooms).await?;
         let batched = room_cost::measure_batched(&binary, &dir, plan.batched_rooms).await?;
-        anyhow::Ok((cost, batched))
+        let lane_cost = lane_cost::measure(&binary, &dir, plan.room_cost_rooms).await?;
+        let lane_batched = lane_cost::measure_batched(&binary, &dir, plan.batched_rooms).await?;
+        anyhow::Ok(ControlPath {
+            room_cost: Some(cost),
+            batched_rooms: Some(batched),
+            lane_room_cost: Some(lane_cost),
+            lane_batched_rooms: Some(lane_batched),
+            ..ControlPath::default()
+        })
     };
     match measured.await {
-        Ok((cost, batched)) => {
-            let control =
-                ControlPath { room_cost: Some(cost.clone()), batched_rooms: Some(batched), ..ControlPath::default() };
+        Ok(control) => {
             print!("{}", report::control_lines_of(&control));
             if let Some(path) = &args.json {
-                if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&cost).unwrap_or_default() + "\n") {
+                if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&control).unwrap_or_default() + "\n")
+                {
                     eprintln!("kvgate bench: write {}: {e}", path.display());
                     return 1;
                 }
             }
-            i32::from(cost.failures > 0)
+            let failed = [&control.room_cost, &control.lane_room_cost].into_iter().flatten().any(|c| c.failures > 0);
+            i32::from(failed)
         }
         Err(e) => {
             eprintln!("kvgate bench --room-cost-only failed: {e:#}");
@@ -501,6 +510,16 @@ async fn bench_control(binary: &Path, dir: &Path, plan: &Plan, bar: &ProgressBar
     match room_cost::measure_batched(binary, dir, plan.batched_rooms).await {
         Ok(r) => out.batched_rooms = Some(r),
         Err(e) => out.errors.push(format!("batched rooms: {e:#}")),
+    }
+    bar.set_message(format!("per-room cost over the engine lane, {} rooms of 4 KiB", plan.room_cost_rooms));
+    match lane_cost::measure(binary, dir, plan.room_cost_rooms).await {
+        Ok(r) => out.lane_room_cost = Some(r),
+        Err(e) => out.errors.push(format!("per-room cost over the lane: {e:#}")),
+    }
+    bar.set_message(format!("rooms per second with batched calls over the engine lane, {} rooms", plan.batched_rooms));
+    match lane_cost::measure_batched(binary, dir, plan.batched_rooms).await {
+        Ok(r) => out.lane_batched_rooms = Some(r),
+        Err(e) => out.errors.push(format!("batched rooms over the lane: {e:#}")),
     }
     let settings = control::control_settings();
     bar.set_message("control path: starting two gateways");

@@ -2,7 +2,9 @@
 //! `BENCHMARKS.md` page. Pure functions of the measured figures; never measures and never rounds a
 //! figure before it is stored.
 
-use super::results::{AbortLatency, BenchReport, CellResult, ControlPath, CopyLimit, PluginResult, TargetCheck};
+use super::results::{
+    AbortLatency, BenchReport, CellResult, ControlPath, CopyLimit, PluginResult, RoomCost, TargetCheck,
+};
 use super::stats::size_label;
 use std::fmt::Write;
 
@@ -327,21 +329,46 @@ fn control_lines(report: &BenchReport) -> String {
 /// The control-path lines of the table (also printed alone by `--room-cost-only`).
 pub fn control_lines_of(c: &ControlPath) -> String {
     let mut out = String::new();
-    if let Some(r) = &c.room_cost {
+    for (path, cost) in [("gRPC", &c.room_cost), ("lane", &c.lane_room_cost)] {
+        let Some(r) = cost else { continue };
         let _ = writeln!(
             out,
-            "control  per-room cost, {} rooms of {} B one at a time: p50 {:.3} ms, p99 {:.3} ms, wall {:.0} us a room; CPU per room: gateways {:.0} us, engines {:.0} us, together {:.0} us; reference Info round trip: p50 {:.3} ms, CPU {:.0} us ({} failed{})",
+            "control  per-room cost [{path}], {} rooms of {} B one at a time: p50 {:.3} ms, p99 {:.3} ms, wall {:.0} us a room; CPU per room: gateways {:.0} us, engines {:.0} us, together {:.0} us; reference Info round trip [{path}]: p50 {:.3} ms, CPU {:.0} us; ratios to it: p50 {:.1}x, CPU {:.1}x ({} failed{})",
             r.rooms, r.bytes_per_room, r.latency_p50_ms, r.latency_p99_ms, r.wall_us_per_room, r.gateway_cpu_us_per_room, r.engine_cpu_us_per_room,
-            r.gateway_cpu_us_per_room + r.engine_cpu_us_per_room, r.call_p50_ms, r.call_cpu_us, r.failures,
-            r.failure_reasons.first().map(|e| format!(": {e}")).unwrap_or_default()
+            r.gateway_cpu_us_per_room + r.engine_cpu_us_per_room, r.call_p50_ms, r.call_cpu_us,
+            r.latency_p50_ms / r.call_p50_ms.max(1e-9), (r.gateway_cpu_us_per_room + r.engine_cpu_us_per_room) / r.call_cpu_us.max(1e-9),
+            r.failures, r.failure_reasons.first().map(|e| format!(": {e}")).unwrap_or_default()
+        );
+        let _ = writeln!(
+            out,
+            "         per room [{path}]: context switches gateways {:.1}, engines {:.1}; read/write system calls gateways {:.1}, engines {:.1} (/proc)",
+            r.gateway_switches_per_room, r.engine_switches_per_room, r.gateway_io_calls_per_room, r.engine_io_calls_per_room
         );
     }
-    if let Some(r) = &c.batched_rooms {
+    if let (Some(g), Some(l)) = (&c.room_cost, &c.lane_room_cost) {
+        let cpu = |r: &RoomCost| r.gateway_cpu_us_per_room + r.engine_cpu_us_per_room;
         let _ = writeln!(
             out,
-            "control  rooms/s with batched calls: {:.0} ({} rooms of 8 B, {} a batch (one ExpectBatch + one SendBatch), {} batches at once, {} failed{}; batch p50 {:.2} ms; CPU per room: gateways {:.1} us, engines {:.1} us)",
+            "         lane / gRPC, same run: p50 {:.2}, CPU per room {:.2} (gateways {:.2}, engines {:.2}), context switches {:.2}",
+            l.latency_p50_ms / g.latency_p50_ms.max(1e-9), cpu(l) / cpu(g).max(1e-9),
+            l.gateway_cpu_us_per_room / g.gateway_cpu_us_per_room.max(1e-9), l.engine_cpu_us_per_room / g.engine_cpu_us_per_room.max(1e-9),
+            (l.gateway_switches_per_room + l.engine_switches_per_room) / (g.gateway_switches_per_room + g.engine_switches_per_room).max(1e-9)
+        );
+    }
+    for (path, batched) in [("gRPC", &c.batched_rooms), ("lane", &c.lane_batched_rooms)] {
+        let Some(r) = batched else { continue };
+        let _ = writeln!(
+            out,
+            "control  rooms/s with batched calls [{path}]: {:.0} ({} rooms of 8 B, {} a batch (one ExpectBatch + one SendBatch), {} batches at once, {} failed{}; batch p50 {:.2} ms; CPU per room: gateways {:.1} us, engines {:.1} us)",
             r.rooms_per_second, r.rooms, r.batch_rooms, r.batches_in_flight, r.failures,
             r.first_error.as_deref().map(|e| format!(": {e}")).unwrap_or_default(), r.batch_p50_ms, r.gateway_cpu_us_per_room, r.engine_cpu_us_per_room
+        );
+    }
+    if let (Some(g), Some(l)) = (&c.batched_rooms, &c.lane_batched_rooms) {
+        let _ = writeln!(
+            out,
+            "         lane / gRPC, same run: batched rooms/s {:.2}",
+            l.rooms_per_second / g.rooms_per_second.max(1e-9)
         );
     }
     if let Some(r) = &c.rooms_per_second {

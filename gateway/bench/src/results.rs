@@ -190,6 +190,11 @@ pub struct ControlPath {
     /// Minimal rooms through `ExpectBatch` / `SendBatch`.
     #[serde(default)]
     pub batched_rooms: Option<BatchedRooms>,
+    /// The same two figures over the engine fast lane (`<socket>.lane`), each on a fresh pair.
+    #[serde(default)]
+    pub lane_room_cost: Option<RoomCost>,
+    #[serde(default)]
+    pub lane_batched_rooms: Option<BatchedRooms>,
     /// Control-path parts that could not run, with why.
     pub errors: Vec<String>,
 }
@@ -214,6 +219,16 @@ pub struct RoomCost {
     pub call_p50_ms: f64,
     /// CPU of one `Info` round trip (gateways + bench process), in microseconds.
     pub call_cpu_us: f64,
+    /// Per room, from `/proc`: context switches of both gateways' threads, their read/write-class
+    /// system calls, and the same for the bench process.
+    #[serde(default)]
+    pub gateway_switches_per_room: f64,
+    #[serde(default)]
+    pub gateway_io_calls_per_room: f64,
+    #[serde(default)]
+    pub engine_switches_per_room: f64,
+    #[serde(default)]
+    pub engine_io_calls_per_room: f64,
 }
 
 /// Minimal rooms carried by batched engine calls: rooms per second and CPU per room.

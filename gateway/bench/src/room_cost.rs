@@ -1,12 +1,15 @@
 //! The per-room cost: 4 KiB rooms one at a time through two gateways (latency p50/p99, CPU per room
 //! of both gateways and of the engines' process), against the engine-API round trip over the same
 //! sockets in the same run (`Info`, the cheapest call: its p50 and its CPU per call). Measures only.
+//! The same measures run over gRPC (`Rig`) and over the engine fast lane (`lane_cost::LaneRig`),
+//! through [`EnginePath`].
 
 use super::control::start_control_rig;
-use super::datapath::{fresh_room, move_room, Rig};
+use super::datapath::{fresh_room, move_room, Rig, SwitchCounts};
 use super::results::RoomCost;
 use super::stats::{millis, percentile};
-use kvgate_client::slice;
+use kvgate_client::{proto, slice};
+use kvgate_demo::engine::EventRouter;
 use std::time::{Duration, Instant};
 
 /// Bytes of the room whose cost is measured (one page of KV, the size the field quotes).
@@ -35,19 +38,69 @@ pub async fn measure_batched(
     result
 }
 
-async fn measure_on(rig: &Rig, rooms: u64) -> anyhow::Result<RoomCost> {
+/// How the engines of a started pair reach their gateways: gRPC (`Rig`) or the lane.
+pub trait EnginePath {
+    /// One 4 KiB room through both gateways (slot 0 of both pools).
+    fn one_room(&self) -> impl std::future::Future<Output = anyhow::Result<super::datapath::RoomRun>>;
+    /// One `Info` round trip on the decode (`decode` true) or the prefill engine's connection.
+    fn info(&self, decode: bool) -> impl std::future::Future<Output = anyhow::Result<()>>;
+    /// One `ExpectBatch` (decode) and one `SendBatch` (prefill) issued together: calls refused.
+    fn batches(
+        &self,
+        expects: Vec<proto::ExpectRequest>,
+        sends: Vec<proto::SendRequest>,
+    ) -> impl std::future::Future<Output = anyhow::Result<u64>>;
+    /// Room events of (prefill, decode).
+    fn events(&self) -> (&EventRouter, &EventRouter);
+    /// Region ids of the (prefill, decode) pools.
+    fn regions(&self) -> (u64, u64);
+    /// CPU used so far by (both gateways, this process).
+    fn cpu_used(&self) -> (Duration, Duration);
+    fn switches(&self) -> SwitchCounts;
+}
+
+impl EnginePath for Rig {
+    async fn one_room(&self) -> anyhow::Result<super::datapath::RoomRun> {
+        one_room(self).await
+    }
+    async fn info(&self, decode: bool) -> anyhow::Result<()> {
+        let engine = if decode { &self.decode } else { &self.prefill };
+        engine.client.info().await?;
+        Ok(())
+    }
+    async fn batches(&self, expects: Vec<proto::ExpectRequest>, sends: Vec<proto::SendRequest>) -> anyhow::Result<u64> {
+        let (e, s) = tokio::join!(self.decode.client.expect_batch(expects), self.prefill.client.send_batch(sends));
+        Ok(e?.results.iter().chain(s?.results.iter()).filter(|r| !r.reason.is_empty()).count() as u64)
+    }
+    fn events(&self) -> (&EventRouter, &EventRouter) {
+        (&self.prefill.events, &self.decode.events)
+    }
+    fn regions(&self) -> (u64, u64) {
+        (self.prefill.region, self.decode.region)
+    }
+    fn cpu_used(&self) -> (Duration, Duration) {
+        Rig::cpu_used(self)
+    }
+    fn switches(&self) -> SwitchCounts {
+        self.switches_and_io_calls()
+    }
+}
+
+/// The per-room cost on any engine path.
+pub async fn measure_on(rig: &impl EnginePath, rooms: u64) -> anyhow::Result<RoomCost> {
     for _ in 0..ROOM_COST_WARMUP_ROOMS {
-        one_room(rig).await?;
+        rig.one_room().await?;
     }
     let half = rooms / 2;
     let mut calls = round_trips(rig, half).await?;
     let cpu_before = rig.cpu_used();
+    let switches_before = rig.switches();
     let started = Instant::now();
     let mut latencies = Vec::with_capacity(rooms as usize);
     let mut failures = 0u64;
     let mut reasons = Vec::new();
     for _ in 0..rooms {
-        let run = one_room(rig).await?;
+        let run = rig.one_room().await?;
         if run.succeeded {
             latencies.push(run.latency);
         } else {
@@ -59,6 +112,8 @@ async fn measure_on(rig: &Rig, rooms: u64) -> anyhow::Result<RoomCost> {
     }
     let wall = started.elapsed();
     let cpu_after = rig.cpu_used();
+    let [gateway_switches, gateway_io_calls, engine_switches, engine_io_calls] =
+        rig.switches().per_room_since(&switches_before, rooms);
     calls.merge(round_trips(rig, rooms - half).await?);
     let per_room =
         |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
@@ -74,6 +129,10 @@ async fn measure_on(rig: &Rig, rooms: u64) -> anyhow::Result<RoomCost> {
         engine_cpu_us_per_room: per_room(cpu_after.1, cpu_before.1),
         call_p50_ms: millis(percentile(&calls.latencies, 50.0)),
         call_cpu_us: calls.cpu_us_per_call(),
+        gateway_switches_per_room: gateway_switches,
+        gateway_io_calls_per_room: gateway_io_calls,
+        engine_switches_per_room: engine_switches,
+        engine_io_calls_per_room: engine_io_calls,
     })
 }
 
@@ -100,13 +159,12 @@ impl RoundTrips {
 }
 
 /// `count` `Info` calls, alternating between the decode and the prefill engine's socket, one at a time.
-async fn round_trips(rig: &Rig, count: u64) -> anyhow::Result<RoundTrips> {
+async fn round_trips(rig: &impl EnginePath, count: u64) -> anyhow::Result<RoundTrips> {
     let before = rig.cpu_used();
     let mut latencies = Vec::with_capacity(count as usize);
     for i in 0..count {
-        let engine = if i % 2 == 0 { &rig.decode } else { &rig.prefill };
         let started = Instant::now();
-        engine.client.info().await?;
+        rig.info(i % 2 == 0).await?;
         latencies.push(started.elapsed());
     }
     let after = rig.cpu_used();
@@ -123,7 +181,10 @@ pub const BATCHES_IN_FLIGHT: u64 = 4;
 /// the decode engine and one `SendBatch` on the prefill engine per batch, issued together),
 /// [`BATCHES_IN_FLIGHT`] batches at once; a batch is done when every room of it is terminal and
 /// reusable on both sides. Rooms per second over the wall time, CPU per room.
-pub async fn batched_rooms_per_second(rig: &Rig, rooms: u64) -> anyhow::Result<super::results::BatchedRooms> {
+pub async fn batched_rooms_per_second(
+    rig: &impl EnginePath,
+    rooms: u64,
+) -> anyhow::Result<super::results::BatchedRooms> {
     use futures_util::{stream, StreamExt};
     let batches = rooms.div_ceil(BATCH_ROOMS);
     let cpu_before = rig.cpu_used();
@@ -171,13 +232,14 @@ pub async fn batched_rooms_per_second(rig: &Rig, rooms: u64) -> anyhow::Result<s
 
 /// One batch of `count` minimal rooms on slots `slot_base..slot_base + count`: how many failed, and
 /// the batch's latency once per successful room.
-async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64, Vec<Duration>)> {
+async fn one_batch(rig: &impl EnginePath, slot_base: u64, count: u64) -> anyhow::Result<(u64, Vec<Duration>)> {
     use super::control::MINIMAL_ROOM_BYTES;
-    use kvgate_client::{proto, room_key};
+    use kvgate_client::room_key;
     use kvgate_demo::gateways::{DECODE_NAME, PREFILL_NAME};
+    let (prefill_events, decode_events) = rig.events();
+    let (prefill_region, decode_region) = rig.regions();
     let rooms: Vec<u64> = (0..count).map(|_| fresh_room()).collect();
-    let mut listeners: Vec<_> =
-        rooms.iter().map(|r| (rig.prefill.events.listen(*r), rig.decode.events.listen(*r))).collect();
+    let mut listeners: Vec<_> = rooms.iter().map(|r| (prefill_events.listen(*r), decode_events.listen(*r))).collect();
     let offset = |i: u64| ((slot_base + i) * MINIMAL_ROOM_BYTES) % super::control::CONTROL_POOL_BYTES;
     let expects = rooms
         .iter()
@@ -186,7 +248,7 @@ async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64
             key: Some(room_key(*r, 0)),
             peer: PREFILL_NAME.to_string(),
             parts: vec![proto::PartSlices {
-                slices: vec![slice(rig.decode.region, offset(i as u64), MINIMAL_ROOM_BYTES)],
+                slices: vec![slice(decode_region, offset(i as u64), MINIMAL_ROOM_BYTES)],
                 ..Default::default()
             }],
             ..Default::default()
@@ -197,15 +259,14 @@ async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64
         .enumerate()
         .map(|(i, r)| proto::SendRequest {
             key: Some(room_key(*r, 0)),
-            slices: vec![slice(rig.prefill.region, offset(i as u64), MINIMAL_ROOM_BYTES)],
+            slices: vec![slice(prefill_region, offset(i as u64), MINIMAL_ROOM_BYTES)],
             last: true,
             peer: DECODE_NAME.to_string(),
             ..Default::default()
         })
         .collect();
     let started = Instant::now();
-    let (e, s) = tokio::join!(rig.decode.client.expect_batch(expects), rig.prefill.client.send_batch(sends));
-    let refused = e?.results.iter().chain(s?.results.iter()).filter(|r| !r.reason.is_empty()).count() as u64;
+    let refused = rig.batches(expects, sends).await?;
     let wait = Duration::from_millis(super::datapath::BENCH_ROOM_WAIT_MS);
     let mut failed = 0;
     for (p, d) in listeners.iter_mut() {
@@ -224,8 +285,8 @@ async fn one_batch(rig: &Rig, slot_base: u64, count: u64) -> anyhow::Result<(u64
             tokio::join!(kvgate_demo::engine::wait_reusable(p, reuse), kvgate_demo::engine::wait_reusable(d, reuse));
     }
     for r in &rooms {
-        rig.prefill.events.forget(*r);
-        rig.decode.events.forget(*r);
+        prefill_events.forget(*r);
+        decode_events.forget(*r);
     }
     let failed = failed.max(refused);
     Ok((failed, vec![latency; (count - failed) as usize]))

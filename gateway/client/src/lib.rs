@@ -1,6 +1,7 @@
 //! kvgate-client: the Rust client of the engine API, and the generated protobuf types (`proto`) that
 //! the gateway serves. It connects over a Unix socket (default) or TCP with a bearer token; it never
-//! carries KV bytes, only references to memory the engine registered.
+//! carries KV bytes, only references to memory the engine registered. [`LaneClient`] speaks the same
+//! calls on the engine fast lane (`<socket>.lane`: length-prefixed frames, no HTTP/2).
 
 pub mod proto {
     //! Generated from `gateway/proto/kvgate.proto`.
@@ -8,7 +9,11 @@ pub mod proto {
 }
 
 pub mod fd_pass;
+pub mod lane;
+pub mod lane_frame;
 pub mod outcomes;
+
+pub use lane::{LaneClient, LaneError};
 
 use hyper_util::rt::TokioIo;
 use proto::engine_api_client::EngineApiClient;

@@ -39,6 +39,21 @@ impl EventRouter {
         });
         Ok(router)
     }
+    /// Start routing room events that arrive on `events` (e.g. a `LaneClient` watch).
+    pub fn from_events(mut events: mpsc::UnboundedReceiver<RoomEvent>) -> EventRouter {
+        let router = EventRouter::default();
+        let rooms = router.rooms.clone();
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                let room = event.key.as_ref().map(|k| k.room).unwrap_or(0);
+                let target = rooms.lock().unwrap_or_else(|e| e.into_inner()).get(&room).cloned();
+                if let Some(tx) = target {
+                    let _ = tx.send(event);
+                }
+            }
+        });
+        router
+    }
     pub fn listen(&self, room: u64) -> mpsc::UnboundedReceiver<RoomEvent> {
         let (tx, rx) = mpsc::unbounded_channel();
         self.rooms.lock().unwrap_or_else(|e| e.into_inner()).insert(room, tx);

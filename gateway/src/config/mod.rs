@@ -90,6 +90,19 @@ pub struct EngineApiSection {
     /// How long a passed descriptor waits for its `RegisterMemory` before it is closed
     /// (`unknown_fd_token` after it).
     pub passed_fd_ttl_ms: u64,
+    /// The engine fast lane: the same calls as length-prefixed frames on `<unix_socket>.lane` (mode
+    /// 0600, same folder checks), beside gRPC. Needs `unix_socket`.
+    pub lane: bool,
+    /// Largest lane frame accepted from an engine, in bytes (its length prefix not counted). A longer
+    /// one is answered `frame_too_large` and its connection closed.
+    pub lane_max_frame_bytes: u64,
+    /// Calls one lane connection may have in flight (accepted, not yet answered); one more is refused
+    /// `too_many_calls_in_flight` (a watch counts as one for as long as it is open).
+    pub lane_max_calls_in_flight: u64,
+    /// Reply bytes one lane connection may have queued but not yet written (an engine that does not
+    /// read its replies); at it, the gateway reads no more of that connection's calls until the
+    /// engine has read them.
+    pub lane_max_queued_reply_bytes: u64,
 }
 
 impl Default for EngineApiSection {
@@ -112,6 +125,10 @@ impl Default for EngineApiSection {
             max_text_bytes: 1024,
             max_passed_fds: 64,
             passed_fd_ttl_ms: 10_000,
+            lane: true,
+            lane_max_frame_bytes: 16 << 20,
+            lane_max_calls_in_flight: 4096,
+            lane_max_queued_reply_bytes: 4 << 20,
         }
     }
 }

@@ -70,6 +70,9 @@ fn queue_limits_are_checked_at_and_just_past_each_bound() {
         ("engine_api", "max_text_bytes", 16, 65_536),
         ("engine_api", "max_passed_fds", 1, 4096),
         ("engine_api", "passed_fd_ttl_ms", 100, 3_600_000),
+        ("engine_api", "lane_max_frame_bytes", 1024, 1 << 30),
+        ("engine_api", "lane_max_calls_in_flight", 1, 1 << 20),
+        ("engine_api", "lane_max_queued_reply_bytes", 64 * 1024, 1 << 30),
         ("admin", "quarantine_unhealthy_ms", 100, 86_400_000),
     ];
     for (section, key, min, max) in cases {

@@ -91,6 +91,14 @@ fn check_gateway_and_engine_api(config: &GatewayConfig, errors: &mut Vec<LimitEr
     errors.extend(check_range("engine_api.max_text_bytes", api.max_text_bytes, 16, 65_536));
     errors.extend(check_range("engine_api.max_passed_fds", api.max_passed_fds, 1, 4096));
     errors.extend(check_range("engine_api.passed_fd_ttl_ms", api.passed_fd_ttl_ms, 100, 3_600_000));
+    errors.extend(check_range("engine_api.lane_max_frame_bytes", api.lane_max_frame_bytes, 1024, 1 << 30));
+    errors.extend(check_range("engine_api.lane_max_calls_in_flight", api.lane_max_calls_in_flight, 1, 1 << 20));
+    errors.extend(check_range(
+        "engine_api.lane_max_queued_reply_bytes",
+        api.lane_max_queued_reply_bytes,
+        64 * 1024,
+        1 << 30,
+    ));
     errors.extend(check_range(
         "engine_api.http2_max_pending_reset_streams",
         api.http2_max_pending_reset_streams,

@@ -1,9 +1,11 @@
 //! The engine API: the `EngineApi` gRPC service (decoding protobuf into driver calls and answering
 //! with the driver's reply), served on a Unix socket (mode 0600) and optionally on TCP behind a
-//! bearer token. Never touches the core directly and never carries KV bytes.
+//! bearer token; and the same calls on the engine fast lane (`lane`: length-prefixed frames on
+//! `<unix_socket>.lane`). Never touches the core directly and never carries KV bytes.
 
 mod auth;
 pub mod fd_pass;
+pub mod lane;
 mod listen;
 mod service;
 mod watch_feed;
