@@ -9,8 +9,9 @@ Figures: `ListRooms` of an idle gateway (the cheapest call that reaches the gate
 raw gRPC (no message encoding), the blocking `Client`, and `AsyncClient` one at a time and
 `--concurrency` at once; a refused call (`GetRoom` of an unknown room: the error path, exception
 included); with two gateways, minimal rooms (8 bytes: `Expect` + `Send` + both outcomes through the
-Watch streams) one at a time (blocking) and `--concurrency` at once (asyncio). Each figure is the
-median of 5 rounds. Measures only.
+Watch streams) one at a time (blocking) and `--concurrency` at once (asyncio). Where the gateway
+has its engine fast lane (`<socket>.lane`), the blocking figures are also taken with `Client(lane=True)`,
+in the same rounds. Each figure is the median of 5 rounds. Measures only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import sys
 import time
@@ -27,7 +29,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 import grpc.aio
 
-from . import _channel
+from . import _channel, _lane
 from .aio import AsyncClient
 from .client import Client
 from .errors import KvgateError
@@ -112,6 +114,12 @@ async def timed_async(
     return [median_round(name, r, concurrency) for (name, _, concurrency), r in zip(named, rounds)]
 
 
+def has_lane(target: str | None) -> bool:
+    """Whether the gateway at `target` has its engine fast lane (a Unix socket beside the engine socket)."""
+    parsed = _channel.parse_target(target)
+    return parsed.is_unix and os.path.exists(_lane.lane_path(parsed.unix_path))
+
+
 def call_figures(target: str | None, token: str | None, calls: int, concurrency: int) -> list[Figure]:
     parsed = _channel.parse_target(target)
     metadata = _channel.call_metadata(token)
@@ -129,14 +137,17 @@ def call_figures(target: str | None, token: str | None, calls: int, concurrency:
             except KvgateError:
                 pass
 
-        out += timed(
-            [
-                ("raw gRPC round trip, blocking (ListRooms, bytes in/out)", lambda: raw(raw_request, metadata=metadata)),
-                ("kvgate.Client.rooms() (ListRooms)", client.rooms),
-                ("kvgate.Client.room(unknown) -> RoomError (refused call)", refused),
-            ],
-            calls,
-        )
+        named: list[tuple[str, Callable[[], object]]] = [
+            ("raw gRPC round trip, blocking (ListRooms, bytes in/out)", lambda: raw(raw_request, metadata=metadata)),
+            ("kvgate.Client.rooms() (ListRooms)", client.rooms),
+            ("kvgate.Client.room(unknown) -> RoomError (refused call)", refused),
+        ]
+        lane_client = Client(target, session=False, lane=True) if has_lane(target) else None
+        if lane_client is not None:
+            named.append(("kvgate.Client(lane=True).rooms() (ListRooms)", lane_client.rooms))
+        out += timed(named, calls)
+        if lane_client is not None:
+            lane_client.close()
     channel.close()
 
     async def aio_figures() -> None:
@@ -169,11 +180,15 @@ def room_figures(prefill: str, decode: str, prefill_name: str, decode_name: str,
     base = secrets.randbits(40) << 20
     slot_bytes = MINIMAL_ROOM_BYTES
     with SharedPool(slot_bytes * concurrency, name="kvgate-bench-p") as ppool, SharedPool(slot_bytes * concurrency, name="kvgate-bench-d") as dpool:
-        with Client(prefill) as p, Client(decode) as d:
+        counter = [0]
+        transports = [False, True] if has_lane(prefill) and has_lane(decode) else [False]
+        clients = [(Client(prefill, lane=lane), Client(decode, lane=lane)) for lane in transports]
+        named: list[tuple[str, Callable[[], object]]] = []
+        # The pools' first slot, registered by each transport's clients (a room at a time uses it).
+        for lane, (p, d) in zip(transports, clients):
             pr, dr = p.register_pool(ppool, label="bench"), d.register_pool(dpool, label="bench")
-            counter = [0]
 
-            def one_room() -> None:
+            def one_room(p: Client = p, d: Client = d, pr: Any = pr, dr: Any = dr) -> None:
                 room = base + counter[0]
                 counter[0] += 1
                 receiver = d.expect(room, prefill_name, [[dr.slice(0, slot_bytes)]])
@@ -182,9 +197,12 @@ def room_figures(prefill: str, decode: str, prefill_name: str, decode_name: str,
                     h.result(timeout=30)
                     h.reusable(timeout=30)
 
-            out += timed([("minimal room, blocking: expect + send + both outcomes", one_room)], rooms, warmup=5)
-            p.unregister_memory(pr)
-            d.unregister_memory(dr)
+            on = " on the fast lane" if lane else ""
+            named.append((f"minimal room, blocking{on}: expect + send + both outcomes", one_room))
+        out += timed(named, rooms, warmup=5)
+        for p, d in clients:
+            p.close()
+            d.close()
 
         async def aio_rooms() -> None:
             async with AsyncClient(prefill) as ap, AsyncClient(decode) as ad:

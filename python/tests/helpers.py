@@ -62,9 +62,11 @@ def pattern(room: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
 class Engine:
     """A blocking client with a pool of `slots` slots of `layout.size` bytes, registered."""
 
-    def __init__(self, target: str, layout: Layout = Layout(), slots: int = 8, *, token: str | None = None, memfd: bool = False, name: str = "engine") -> None:
+    def __init__(
+        self, target: str, layout: Layout = Layout(), slots: int = 8, *, token: str | None = None, memfd: bool = False, name: str = "engine", lane: bool = False
+    ) -> None:
         self.layout = layout
-        self.client = kvgate.Client(target, token=token)
+        self.client = kvgate.Client(target, token=token, lane=lane)
         self.pool = kvgate.SharedPool(slots * layout.size, memfd=memfd, name=f"kvgate-test-{name}")
         self.region = self.client.register_pool(self.pool, label=name)
 

@@ -18,10 +18,13 @@ def test_bench_reports_per_call_and_per_room_figures(pair: Pair, workdir: Path) 
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, f"{stdout}\n{stderr}"
     figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
-    assert len(figures) == 9, list(figures)
+    # Nine over gRPC, and two on the engine fast lane (the gateways open it by default).
+    assert len(figures) == 11, list(figures)
     for name, f in figures.items():
         assert f["calls"] > 0 and f["us_per_call"] > 0 and f["calls_per_s"] > 0, name
         assert name in stdout
     assert any(n.startswith("raw gRPC round trip, blocking") for n in figures)
     assert any(n.startswith("minimal room, asyncio") for n in figures)
+    assert "kvgate.Client(lane=True).rooms() (ListRooms)" in figures
+    assert "minimal room, blocking on the fast lane: expect + send + both outcomes" in figures
     assert pair.decode.wait_rooms_empty(5) == [] and pair.prefill.wait_rooms_empty(5) == []

@@ -4,7 +4,16 @@ prefix-cache skip on the decode side, several requests at once, and the metrics.
 from __future__ import annotations
 
 import random
+from typing import Callable
+
+from gateways import Pair
 from harness import SUCCESS, Engines
+
+
+def lane_connections(metrics: str) -> float:
+    """Engine connections open on the gateway's fast lane (`kvgate_listener_connections{listener="engine_api_lane"}`)."""
+    prefix = 'kvgate_listener_connections{listener="engine_api_lane"}'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix))
 
 
 def test_random_pages_land_byte_exact(engines: Engines) -> None:
@@ -63,3 +72,21 @@ def test_interleaved_requests(engines: Engines) -> None:
         assert e.prefill.wait_poll(room, {SUCCESS, 0}, 20)[0] == SUCCESS
         assert e.decode.wait_poll(room, {SUCCESS, 0}, 20)[0] == SUCCESS
         assert e.decode.call("digest", pages=dst, aux=room % 16)["digest"] == e.prefill.call("digest", pages=src, aux=room % 16)["digest"]
+
+
+def test_rooms_on_the_engine_fast_lane_land_byte_exact(start_engines: Callable[..., tuple[Pair, Engines]]) -> None:
+    """`KVGATE_SGLANG_LANE=1`: both engines make every engine-API call on the gateways' fast lane."""
+    pair, e = start_engines(engine_env={"KVGATE_SGLANG_LANE": "1"})
+    pages_total = e.prefill.call("info")["pages"]
+    e.prefill.call("randomize", seed=11)
+    e.decode.call("zero")
+    rng = random.Random(11)
+    for room in range(60, 63):
+        count = rng.randrange(3, 12)
+        src = rng.sample(range(1, pages_total), count)
+        dst = rng.sample(range(1, pages_total), count)
+        e.transfer(room, src, dst, 1, 2)
+        assert e.decode.call("digest", pages=dst, aux=2)["digest"] == e.prefill.call("digest", pages=src, aux=1)["digest"]
+    for gateway in (pair.prefill, pair.decode):
+        # The engine's unary calls and its Watch stream each hold a lane connection.
+        assert lane_connections(gateway.metrics()) >= 2, f"{gateway.name}: the engine is not on the lane"

@@ -120,3 +120,18 @@ def test_the_room_timeout_is_read_under_its_earlier_name_with_a_warning(
     monkeypatch.setenv("KVGATE_SGLANG_ROOM_TIMEOUT_MS", "2500")
     assert Settings.from_env().room_timeout_ms == 2500
     assert not caplog.records
+
+
+def test_the_lane_setting_is_read_and_a_bad_value_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgate.sglang.conn import Settings
+
+    monkeypatch.delenv("KVGATE_SGLANG_LANE", raising=False)
+    assert Settings.from_env().lane is False
+    for on in ("1", "true", "YES", "on"):
+        monkeypatch.setenv("KVGATE_SGLANG_LANE", on)
+        assert Settings.from_env().lane is True, on
+    monkeypatch.setenv("KVGATE_SGLANG_LANE", "0")
+    assert Settings.from_env().lane is False
+    monkeypatch.setenv("KVGATE_SGLANG_LANE", "maybe")
+    with pytest.raises(ValueError, match="KVGATE_SGLANG_LANE='maybe'"):
+        Settings.from_env()

@@ -72,6 +72,19 @@ def _env_float(name: str, default: float) -> float:
     return float(raw) if raw.strip() else default
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def _env_bool(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r}: expected one of {', '.join(_TRUE[:2])} or {', '.join(_FALSE[1:3])}")
+
+
 #: Earlier names of settings, still read (with a warning) when the current name is unset.
 RENAMED_ENV = {"KVGATE_SGLANG_ROOM_TIMEOUT_MS": "KVGATE_SGLANG_ROOM_DEADLINE_MS"}
 
@@ -100,6 +113,8 @@ class Settings:
     room_timeout_ms: int
     #: Decode: how long a failed request waits for its rooms' `Reusable` at most, in seconds.
     release_timeout_s: float
+    #: Make the engine-API calls on the gateway's engine fast lane (`<socket>.lane`) instead of gRPC.
+    lane: bool = False
 
     @classmethod
     def from_env(cls, engine_rank: int = 0) -> Settings:
@@ -111,6 +126,7 @@ class Settings:
             prefill_peer=os.environ.get("KVGATE_SGLANG_PREFILL_PEER", ""),
             room_timeout_ms=int(_env_float_renamed("KVGATE_SGLANG_ROOM_TIMEOUT_MS", 0)),
             release_timeout_s=_env_float("KVGATE_SGLANG_RELEASE_TIMEOUT_S", 60.0),
+            lane=_env_bool("KVGATE_SGLANG_LANE"),
         )
 
 
@@ -181,7 +197,7 @@ class KvgateKVManager(CommonKVManager):  # type: ignore[misc]
         self.settings = Settings.from_env(int(getattr(args, "engine_rank", 0) or 0))
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
         session = f"sglang-{role}-{os.getpid()}-r{getattr(args, 'engine_rank', 0)}-pp{getattr(args, 'pp_rank', 0)}"
-        self.client = Client(self.settings.engine_api, token_file=self.settings.token_file, session=session)
+        self.client = Client(self.settings.engine_api, token_file=self.settings.token_file, session=session, lane=self.settings.lane)
         self.gateway_name = self.settings.gateway_name or self.client.info().gateway
         if not self.gateway_name:
             raise RuntimeError("kvgate: the gateway does not say its name (engine API v1): set KVGATE_SGLANG_GATEWAY to its [gateway] name")
