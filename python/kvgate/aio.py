@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, 
 import grpc
 import grpc.aio
 
-from . import _channel, errors
+from . import _channel, _lane_aio, errors
 from .fd_pass import pass_fd
 from ._proto import kvgate_pb2 as pb
 from .client import (
@@ -63,7 +63,8 @@ T = TypeVar("T")
 
 
 class AsyncClient:
-    """A connection to one gateway's engine API for asyncio code. Arguments as `kvgate.Client`."""
+    """A connection to one gateway's engine API for asyncio code. Arguments as `kvgate.Client`
+    (`lane=True`: every call on the gateway's engine fast lane)."""
 
     def __init__(
         self,
@@ -74,8 +75,11 @@ class AsyncClient:
         session: str | bool = True,
         timeout: float | None = _channel.DEFAULT_TIMEOUT_S,
         connect_timeout: float = CONNECT_TIMEOUT_S,
+        lane: bool = False,
     ) -> None:
         self.target = _channel.parse_target(target)
+        if lane and not self.target.is_unix:
+            raise ValueError(f"the engine fast lane is a Unix socket beside the engine socket; {self.target} is a TCP address")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.session_name = session_name_of(session)
@@ -88,24 +92,30 @@ class AsyncClient:
         self._channel = grpc.aio.insecure_channel(self.target.grpc_target, options=_channel.channel_options(self.target))
         m = _channel.METHOD
         ch = self._channel
+        self._lane = _lane_aio.AioLane(self.target.unix_path, connect_timeout) if lane else None
+        on_lane = self._lane
 
         def unary(name: str) -> Any:
+            if on_lane is not None:
+                return on_lane.unary(name)
             return ch.unary_unary(m[name].path, request_serializer=m[name].request.SerializeToString, response_deserializer=m[name].reply.FromString)
 
-        self._open_session_rpc: grpc.aio.UnaryUnaryMultiCallable[pb.OpenSessionRequest, pb.OpenSessionReply] = unary("OpenSession")
-        self._close_session_rpc: grpc.aio.UnaryUnaryMultiCallable[pb.CloseSessionRequest, pb.CloseSessionReply] = unary("CloseSession")
-        self._info: grpc.aio.UnaryUnaryMultiCallable[pb.InfoRequest, pb.InfoReply] = unary("Info")
-        self._register: grpc.aio.UnaryUnaryMultiCallable[pb.RegisterMemoryRequest, pb.RegisterMemoryReply] = unary("RegisterMemory")
-        self._unregister: grpc.aio.UnaryUnaryMultiCallable[pb.UnregisterMemoryRequest, pb.UnregisterMemoryReply] = unary("UnregisterMemory")
-        self._expect: grpc.aio.UnaryUnaryMultiCallable[pb.ExpectRequest, pb.ExpectReply] = unary("Expect")
-        self._send: grpc.aio.UnaryUnaryMultiCallable[pb.SendRequest, pb.SendReply] = unary("Send")
-        self._send_batch: grpc.aio.UnaryUnaryMultiCallable[pb.SendBatchRequest, pb.BatchReply] = unary("SendBatch")
-        self._expect_batch: grpc.aio.UnaryUnaryMultiCallable[pb.ExpectBatchRequest, pb.BatchReply] = unary("ExpectBatch")
-        self._abort: grpc.aio.UnaryUnaryMultiCallable[pb.AbortRequest, pb.AbortReply] = unary("Abort")
-        self._get_room: grpc.aio.UnaryUnaryMultiCallable[pb.GetRoomRequest, pb.RoomInfo] = unary("GetRoom")
-        self._list_rooms: grpc.aio.UnaryUnaryMultiCallable[pb.ListRoomsRequest, pb.ListRoomsReply] = unary("ListRooms")
-        self._watch: grpc.aio.UnaryStreamMultiCallable[pb.WatchRequest, pb.RoomEvent] = ch.unary_stream(
-            m["Watch"].path, request_serializer=pb.WatchRequest.SerializeToString, response_deserializer=pb.RoomEvent.FromString
+        self._open_session_rpc: Callable[..., Awaitable[pb.OpenSessionReply]] = unary("OpenSession")
+        self._close_session_rpc: Callable[..., Awaitable[pb.CloseSessionReply]] = unary("CloseSession")
+        self._info: Callable[..., Awaitable[pb.InfoReply]] = unary("Info")
+        self._register: Callable[..., Awaitable[pb.RegisterMemoryReply]] = unary("RegisterMemory")
+        self._unregister: Callable[..., Awaitable[pb.UnregisterMemoryReply]] = unary("UnregisterMemory")
+        self._expect: Callable[..., Awaitable[pb.ExpectReply]] = unary("Expect")
+        self._send: Callable[..., Awaitable[pb.SendReply]] = unary("Send")
+        self._send_batch: Callable[..., Awaitable[pb.BatchReply]] = unary("SendBatch")
+        self._expect_batch: Callable[..., Awaitable[pb.BatchReply]] = unary("ExpectBatch")
+        self._abort: Callable[..., Awaitable[pb.AbortReply]] = unary("Abort")
+        self._get_room: Callable[..., Awaitable[pb.RoomInfo]] = unary("GetRoom")
+        self._list_rooms: Callable[..., Awaitable[pb.ListRoomsReply]] = unary("ListRooms")
+        self._watch: Callable[..., Any] = (
+            on_lane.watch
+            if on_lane is not None
+            else ch.unary_stream(m["Watch"].path, request_serializer=pb.WatchRequest.SerializeToString, response_deserializer=pb.RoomEvent.FromString)
         )
         self._tracker = _AsyncTracker(self)
         self._closed = False
@@ -127,11 +137,19 @@ class AsyncClient:
             except KvgateError:
                 pass
         await self._tracker.close()
+        if self._lane is not None:
+            await self._lane.close()
         await self._channel.close(None)
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Wait until the gateway accepts a connection (raises `GatewayUnavailable` after `timeout`)."""
         wait = timeout if timeout is not None else self.connect_timeout
+        if self._lane is not None:
+            try:
+                await self._lane.wait_ready(wait)
+            except grpc.RpcError as e:
+                raise GatewayUnavailable("unavailable", f"no gateway answered on the engine fast lane {self._lane.path} within {wait} s: {e}") from None
+            return
         try:
             await asyncio.wait_for(self._channel.channel_ready(), wait)
         except asyncio.TimeoutError:
@@ -140,7 +158,7 @@ class AsyncClient:
     async def _call(self, fn: Callable[..., Awaitable[T]], request: Any, timeout: float | None = None) -> T:
         try:
             return await fn(request, timeout=timeout if timeout is not None else self.timeout, metadata=self._metadata)
-        except grpc.aio.AioRpcError as e:
+        except grpc.RpcError as e:
             error = from_rpc_error(e)
             if error.code == "unknown_session":
                 self._session_lost()
@@ -164,7 +182,7 @@ class AsyncClient:
             reply = await self._open_session_rpc(
                 pb.OpenSessionRequest(name=self.session_name or ""), timeout=self.timeout, metadata=_channel.call_metadata(self._token)
             )
-        except grpc.aio.AioRpcError as e:
+        except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         self.session_id = reply.session
         self._metadata = _channel.call_metadata(self._token, reply.session)
@@ -180,7 +198,7 @@ class AsyncClient:
             try:
                 reply = await self._info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
                 self._api = GatewayInfo(reply.api_version, reply.gateway, tuple(reply.plugins))
-            except grpc.aio.AioRpcError as e:
+            except grpc.RpcError as e:
                 error = from_rpc_error(e)
                 if error.status != "UNIMPLEMENTED":
                     raise error from None
@@ -408,7 +426,7 @@ class AsyncWatchStream:
     async def __anext__(self) -> RoomEvent:
         try:
             return event_of(await self._events.__anext__())
-        except grpc.aio.AioRpcError as e:
+        except grpc.RpcError as e:
             error = from_rpc_error(e)
             if error.code == "cancelled":
                 raise StopAsyncIteration from None
@@ -498,7 +516,7 @@ class _AsyncTracker:
                 async for _ in call:
                     pass
                 raise GatewayUnavailable("unavailable", "the Watch stream ended as it opened")
-        except grpc.aio.AioRpcError as e:
+        except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return call
 
@@ -563,7 +581,7 @@ class _AsyncTracker:
                         self.cursor = message.seq
                     self.table.on_event(message)
                 cut = "the gateway ended the Watch stream"
-            except grpc.aio.AioRpcError as e:
+            except grpc.RpcError as e:
                 cut = str(from_rpc_error(e))
             except SessionError as e:
                 cut = str(e)

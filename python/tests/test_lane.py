@@ -4,12 +4,14 @@ client's own bounds on what it reads; and the lane's call table against the prot
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import threading
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 import kvgate
@@ -185,3 +187,43 @@ def test_a_call_without_a_reply_ends_at_its_deadline(workdir: Path) -> None:
     finally:
         server.close()
         thread.join(timeout=3)
+
+
+def test_the_asyncio_client_moves_rooms_on_the_lane(pair: Pair) -> None:
+    layout = Layout(parts=2, layers=2, tokens=16, token_bytes=64, chunks=2)
+
+    async def scenario() -> None:
+        async with kvgate.AsyncClient(pair.prefill.socket, lane=True) as p, kvgate.AsyncClient(pair.decode.socket, lane=True) as d:
+            with kvgate.SharedPool(8 * layout.size) as ppool, kvgate.SharedPool(8 * layout.size) as dpool:
+                pr = await p.register_pool(ppool, label="prefill")
+                dr = await d.register_pool(dpool, label="decode")
+                stream = await d.watch(kvgate.RoomKey(700, 0))
+
+                async def one(i: int) -> None:
+                    room, base = 700 + i, i * layout.size
+                    ppool.numpy()[base : base + layout.size] = np.random.default_rng(room).integers(0, 256, layout.size, dtype=np.uint8)
+                    receiver, sender = await asyncio.gather(
+                        d.expect(room, "prefill", layout.parts_of(dr, base)),
+                        p.send_chunks(room, layout.chunks_of(pr, base), peer="decode"),
+                    )
+                    assert (await receiver.result(timeout=10)).succeeded
+                    assert (await sender.result(timeout=10)).succeeded
+                    await asyncio.gather(receiver.reusable(timeout=10), sender.reusable(timeout=10))
+                    assert np.array_equal(dpool.numpy()[base : base + layout.size], ppool.numpy()[base : base + layout.size])
+
+                await asyncio.gather(*(one(i) for i in range(8)))
+                # The room-scoped stream on the lane saw room 700 end.
+                kinds = []
+                async for event in stream:
+                    kinds.append(event.kind)
+                    if event.kind == "terminal":
+                        break
+                stream.close()
+                assert "terminal" in kinds
+                with pytest.raises(kvgate.RegionError) as refused:
+                    await d.expect(799, "prefill", [[kvgate.Slice(region=987654, offset=0, length=8)]])
+                assert refused.value.code == "unknown_region"
+                for gateway in (pair.prefill, pair.decode):
+                    assert lane_connections(gateway.metrics()) >= 2, gateway.name
+
+    asyncio.run(scenario())
