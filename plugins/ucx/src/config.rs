@@ -85,6 +85,21 @@ pub struct UcxConfig {
     /// first; its sender sees `SUCCEEDED` that much later. 1 answers every transfer on its own.
     /// Default 2; 1..=64 (the most replies one message carries).
     pub reply_batch_transfers: u64,
+    /// How long `deregister` waits for the UCX requests still reading or writing the region (a send
+    /// whose endpoint is being torn down, a rendezvous receive) to be handed back before it returns.
+    /// Past it the region is quarantined: the plugin keeps its UCX registration until the last of those
+    /// requests completes, and `deregister` fails `TRANSPORT_ERROR` so that the host keeps the memory
+    /// mapped. It never waits on the network: requests on a live endpoint end at the pace of the peer,
+    /// so the bound stays under the host's call bound. Default 50; 0..=60000.
+    pub deregister_wait_ms: u64,
+    /// How long an endpoint stays open after the host disconnected the last peer id using it (UCX
+    /// having reported no failure), for a `connect` to the same remote instance to take it up again:
+    /// a gateway whose peer link dropped and came back reconnects the same instance, and over TCP a
+    /// black-holed connection resumes once the network does. Closing it and creating a second
+    /// endpoint to the same remote worker instead crashed UCX 1.13's TCP transport (README, Requests,
+    /// endpoints and memory). An endpoint UCX reports failed is closed at once, whatever this says;
+    /// 0 closes at every disconnect. Default 30000; 0..=3600000.
+    pub endpoint_linger_ms: u64,
 }
 
 impl Default for UcxConfig {
@@ -106,6 +121,8 @@ impl Default for UcxConfig {
             shutdown_grace_ms: 500,
             join_segments_max_bytes: 4 << 20,
             reply_batch_transfers: 2,
+            deregister_wait_ms: 50,
+            endpoint_linger_ms: 30_000,
         }
     }
 }
@@ -141,6 +158,8 @@ impl UcxConfig {
         check_range("quiesce_timeout_ms", self.quiesce_timeout_ms, 1, 600_000)?;
         check_range("shutdown_grace_ms", self.shutdown_grace_ms, 0, 60_000)?;
         check_range("join_segments_max_bytes", self.join_segments_max_bytes, 0, 1 << 30)?;
+        check_range("deregister_wait_ms", self.deregister_wait_ms, 0, 60_000)?;
+        check_range("endpoint_linger_ms", self.endpoint_linger_ms, 0, 3_600_000)?;
         check_range(
             "reply_batch_transfers",
             self.reply_batch_transfers,
@@ -265,6 +284,8 @@ mod tests {
             ("shutdown_grace_ms", 0, 60_000),
             ("join_segments_max_bytes", 0, 1 << 30),
             ("reply_batch_transfers", 1, 64),
+            ("deregister_wait_ms", 0, 60_000),
+            ("endpoint_linger_ms", 0, 3_600_000),
         ];
         for &(key, min, max) in cases {
             assert!(UcxConfig::parse(&format!("{key} = {min}")).is_ok(), "{key} at min");

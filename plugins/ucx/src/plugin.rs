@@ -289,21 +289,45 @@ impl UcxPlugin {
             packed_rkey: map.packed_rkey.clone(),
         }
         .encode();
-        registry
-            .regions
-            .insert(key, Arc::new(LocalRegion { key: LocalKey(key), addr: region.addr, len: region.len, map }));
+        registry.regions.insert(key, Arc::new(LocalRegion::new(LocalKey(key), region.addr, region.len, map)));
         Ok(Registration { key: LocalKey(key), remote_key: remote_key.into() })
     }
 
+    /// Forget the region; return once no UCX request touches it any more (its sends, puts and
+    /// rendezvous receives handed back by UCX), waiting at most `deregister_wait_ms`. Past that the
+    /// region is quarantined: its UCX registration stays until the last request completes, and the
+    /// error tells the host to keep its memory mapped.
+    // CONFORMANCE: DATA-4 (transfers reading it fail), TIME-5 (bounded by deregister_wait_ms)
     fn deregister_checked(&self, key: LocalKey) -> Result<(), PluginError> {
         let mut registry = self.shared.lock();
-        if registry.regions.remove(&key.0).is_none() {
+        let Some(region) = registry.regions.remove(&key.0) else {
             return Err(PluginError::new(ReasonCode::UNKNOWN_KEY, format!("no registered region {}", key.0)));
-        }
+        };
+        // Under the registry lock, which rendezvous receives take their hold under: none starts after it.
+        let in_flight = region.close_to_new_requests();
         registry.commands.push_back(Command::Deregistered(key));
         drop(registry);
         self.shared.wake();
-        Ok(())
+        if in_flight == 0 {
+            return Ok(());
+        }
+        let limit = Duration::from_millis(self.shared.config.deregister_wait_ms);
+        // The progress thread hands the requests back: it cannot wait for itself (a host calling
+        // from inside an event it delivers).
+        if !crate::engine::on_progress_thread() && region.wait_until_untouched(limit) {
+            return Ok(());
+        }
+        let left = region.requests_in_flight();
+        if left == 0 {
+            return Ok(());
+        }
+        let message = format!(
+            "region {} quarantined: {left} UCX request(s) still use it after deregister_wait_ms = {}; its UCX \
+             registration is kept until they complete, and its memory must stay mapped",
+            key.0, self.shared.config.deregister_wait_ms
+        );
+        tracing::warn!(reason = "region_quarantined", region = key.0, requests = left, "ucx deregister: {message}");
+        Err(PluginError::new(ReasonCode::TRANSPORT_ERROR, message))
     }
 
     // CONFORMANCE: HANDSHAKE-4 (malformed or stale remote keys refused)

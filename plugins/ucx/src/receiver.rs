@@ -5,7 +5,7 @@
 
 use crate::config::ResolvedMode;
 use crate::fast_map::FastMap;
-use crate::shared::Shared;
+use crate::shared::{RegionHold, Shared};
 use crate::token_slab::TokenSlab;
 use crate::ucp::{self, ucp_ep_h, ucs_status_t, Posted};
 use crate::wire::{CommitHeader, DataHeader, ReplyHeader};
@@ -94,6 +94,9 @@ struct PendingRecv {
     key: (u64, u64),
     ticket: u64,
     len: u64,
+    /// The destination region, held registered (and the host's mapping with it) until UCX hands the
+    /// receive back.
+    _hold: Option<RegionHold>,
 }
 
 /// A reply from a receiver about one of our outgoing transfers.
@@ -184,7 +187,7 @@ impl Receiver {
         }
         let verdict = check_write(&mut registry, &header, sender_peer, length, rndv, Instant::now());
         drop(registry);
-        let dest = match verdict {
+        let mut dest = match verdict {
             Ok(v) => v,
             Err((reason, message)) => {
                 self.fail(key, reason, message);
@@ -195,7 +198,8 @@ impl Receiver {
         if !rndv {
             // Eager: the bytes are in `data` for the duration of this callback only.
             // SAFETY: `check_write` placed `[dest.addr, dest.addr + length)` inside a registered region of
-            // this instance (bounds checked against the ticket and the region); `data` holds `length` bytes
+            // this instance (bounds checked against the ticket and the region), held by `dest.hold` until
+            // the copy is over (`deregister` waits for it); `data` holds `length` bytes
             // for this callback's duration (eager message); the two cannot overlap (UCX's receive buffer is
             // not user memory).
             unsafe { std::ptr::copy_nonoverlapping(data as *const u8, dest.addr as *mut u8, length) };
@@ -212,11 +216,13 @@ impl Receiver {
             key,
             ticket: header.ticket,
             len: header.len,
+            _hold: dest.hold.take(),
         });
         let param = ucp::recv_am_param(Some(recv_done), RECV_TOKEN_BIT | slot, dest.memh);
         // SAFETY: `data` is the rendezvous descriptor UCX handed this callback; the destination range was
-        // checked inside a registered region (kept registered while the receive is pending,
-        // `pending_writes`), and the request is tracked in `pending` until its completion.
+        // checked inside a registered region, kept registered and mapped by the hold the pending receive
+        // keeps until UCX hands it back (`deregister` waits for it); the request is tracked in `pending`
+        // until its completion.
         let posted = ucp::classify(unsafe {
             ucp::ucp_am_recv_data_nbx(self.worker, data, dest.addr as *mut c_void, length, &param)
         });
@@ -337,6 +343,8 @@ impl Receiver {
 struct Destination {
     addr: u64,
     memh: sys::ucp_mem_h,
+    /// The write's hold on the region (a rendezvous receive keeps it until UCX hands it back).
+    hold: Option<RegionHold>,
 }
 
 /// Whether `header`'s write may land: a known sender, the length it claims, a registered region
@@ -369,7 +377,12 @@ fn check_write(
             format!("{}+{} outside region {} of {} bytes", header.offset, header.len, header.region, region.len),
         ));
     }
-    let dest = Destination { addr: region.addr + header.offset, memh: region.map.memh };
+    // The write holds the region (taken under the registry lock, which `deregister` closes the
+    // region to new requests under): an eager copy for the callback's duration (it runs after the
+    // lock is dropped), a rendezvous receive until UCX hands it back.
+    let hold = RegionHold::try_new(region)
+        .ok_or_else(|| (ReasonCode::UNKNOWN_KEY, format!("region {} is being deregistered", header.region)))?;
+    let dest = Destination { addr: region.addr + header.offset, memh: region.map.memh, hold: Some(hold) };
     let crate::shared::Registry { tickets, peers, .. } = registry;
     let ticket = tickets
         .get_mut(&header.ticket)

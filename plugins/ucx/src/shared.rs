@@ -9,15 +9,100 @@ use kvgate_abi::sdk::Sink;
 use kvgate_abi::{LocalKey, LocalRange, PeerId, Segment, Ticket, XferId};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-/// A region registered with this instance.
+/// A region registered with this instance. Its UCX registration (`map`) is released when the last
+/// holder drops it: the registry, the transfers that read it, and every UCX request posted on it
+/// ([`RegionHold`]).
 pub struct LocalRegion {
     pub key: LocalKey,
     pub addr: u64,
     pub len: u64,
     pub map: MemMap,
+    /// UCX requests that may still read or write the region (sends, puts, rendezvous receives):
+    /// the [`RegionHold`]s alive. `deregister` waits (bounded) until it is 0.
+    requests: AtomicU64,
+    /// Set by `deregister` before it waits: from then on no new request is posted on the region
+    /// ([`RegionHold::try_new`]).
+    deregistered: AtomicBool,
+    /// Signalled when `requests` drops to 0 once deregistered (taken before notifying, so a waiter
+    /// never misses it).
+    idle_lock: Mutex<()>,
+    idle: Condvar,
+}
+
+impl LocalRegion {
+    pub fn new(key: LocalKey, addr: u64, len: u64, map: MemMap) -> LocalRegion {
+        LocalRegion {
+            key,
+            addr,
+            len,
+            map,
+            requests: AtomicU64::new(0),
+            deregistered: AtomicBool::new(false),
+            idle_lock: Mutex::new(()),
+            idle: Condvar::new(),
+        }
+    }
+
+    /// UCX requests still posted on the region.
+    pub fn requests_in_flight(&self) -> u64 {
+        self.requests.load(Ordering::SeqCst)
+    }
+
+    /// No request may be posted on the region from now on; returns the requests still posted.
+    /// (SeqCst with `RegionHold::try_new`'s count-then-check: either that sees the flag and posts
+    /// nothing, or this sees its count and waits for it.)
+    pub fn close_to_new_requests(&self) -> u64 {
+        self.deregistered.store(true, Ordering::SeqCst);
+        self.requests.load(Ordering::SeqCst)
+    }
+
+    /// Wait until no UCX request touches the region, at most `limit`; whether none does.
+    pub fn wait_until_untouched(&self, limit: std::time::Duration) -> bool {
+        let until = Instant::now() + limit;
+        let mut guard = self.idle_lock.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if self.requests_in_flight() == 0 {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= until {
+                return false;
+            }
+            guard = self.idle.wait_timeout(guard, until - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+}
+
+/// One UCX request posted on a region (a send or put reading it, a rendezvous receive writing it):
+/// keeps the region's UCX registration alive and counts in [`LocalRegion::requests_in_flight`] until
+/// the request has been handed back by UCX and the hold is dropped.
+pub struct RegionHold(Arc<LocalRegion>);
+
+impl RegionHold {
+    /// A hold for a request about to be posted on `region`, or `None` once the region is
+    /// deregistered (post nothing then).
+    pub fn try_new(region: &Arc<LocalRegion>) -> Option<RegionHold> {
+        region.requests.fetch_add(1, Ordering::SeqCst);
+        let hold = RegionHold(region.clone());
+        if region.deregistered.load(Ordering::SeqCst) {
+            return None; // dropping `hold` takes the count back
+        }
+        Some(hold)
+    }
+}
+
+impl Drop for RegionHold {
+    fn drop(&mut self) {
+        // Only a deregistered region has a waiter (it sets the flag before it looks at the count:
+        // SeqCst on both sides, so either it sees this decrement or this sees its flag).
+        if self.0.requests.fetch_sub(1, Ordering::SeqCst) == 1 && self.0.deregistered.load(Ordering::SeqCst) {
+            let _guard = self.0.idle_lock.lock().unwrap_or_else(|p| p.into_inner());
+            self.0.idle.notify_all();
+        }
+    }
 }
 
 /// A peer's region, imported from its remote-key bytes.
@@ -142,6 +227,16 @@ pub struct OutgoingJob {
     /// Keeps the source registrations mapped while UCX may still read them.
     pub local_regions: Vec<Arc<LocalRegion>>,
     pub remote_regions: Vec<Arc<RemoteRegion>>,
+}
+
+impl OutgoingJob {
+    /// A hold on the source registration `local_key` for one request about to read it; `None` when
+    /// it is not the job's or was deregistered meanwhile (nothing may be posted from it then).
+    pub fn source_hold(&self, local_key: u64) -> Option<RegionHold> {
+        // `local_regions` holds each region once, sorted by key (`each_once`; one region is sorted).
+        let at = self.local_regions.binary_search_by_key(&local_key, |r| r.key.0).ok()?;
+        RegionHold::try_new(&self.local_regions[at])
+    }
 }
 
 /// Work for the progress thread.

@@ -13,16 +13,16 @@ mod replies;
 mod shutdown;
 
 use crate::config::ResolvedMode;
-use crate::fast_map::{FastHashBuilder, FastMap};
+use crate::fast_map::{FastHashBuilder, FastMap, FastSet};
 use crate::receiver::{self, Receiver, SenderNotice, COMPLETIONS, EP_ERRORS, RECV_TOKEN_BIT, REPLY_EARLY_BIT};
-use crate::shared::{Command, OutgoingJob, Shared};
+use crate::shared::{Command, OutgoingJob, RegionHold, Shared};
 use crate::ucp::{self, ucp_ep_h, ucp_rkey_h, ucs_status_t, Posted, Worker};
 use crate::vec_pool::VecPool;
 use crate::wire::{self, CommitHeader, DataHeader, Header, ReplyHeader};
 use kvgate_abi::sdk::{Admission, TransferLedger};
 use kvgate_abi::{event_flags, Event, EventKind, LocalKey, PeerId, ReasonCode, XferId};
 use replies::replies_go_now;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -38,6 +38,16 @@ const SPARE_VECS: usize = 1024;
 /// Largest token list kept for reuse (a transfer that posted more frees its own).
 const SPARE_TOKEN_LIST_MAX: usize = 256;
 
+thread_local! {
+    /// Set on the progress thread (a call made from inside an event it delivers must not wait for it).
+    static PROGRESS_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is an instance's progress thread.
+pub fn on_progress_thread() -> bool {
+    PROGRESS_THREAD.with(|t| t.get())
+}
+
 /// The one UCP endpoint to a remote instance, shared by every peer id the host connected to that
 /// instance. A second UCP endpoint to the same worker must never exist: over TCP, UCT pairs the
 /// sockets of both processes by per-address connection sequence numbers, so the sockets of a second
@@ -45,6 +55,8 @@ const SPARE_TOKEN_LIST_MAX: usize = 256;
 /// second peer id) would break the first peer's replies.
 struct PeerConn {
     ep: ucp_ep_h,
+    /// The remote worker address it was created with.
+    address: Vec<u8>,
     /// Created with `UCP_ERR_HANDLING_MODE_PEER` (may be force-closed; failures reported).
     peer_failure_handling: bool,
     token: u64,
@@ -54,6 +66,32 @@ struct PeerConn {
     process_fd: Option<i32>,
     /// The peer ids using this endpoint (closed when the last one leaves).
     users: Vec<PeerId>,
+    /// Requests posted on this endpoint that UCX has not handed back yet.
+    outstanding: u64,
+    /// No peer id uses it since the host disconnected the last one (UCX reported no failure): kept
+    /// open for `endpoint_linger_ms` from this instant for a reconnect of the same remote instance,
+    /// with the transfers that were cut off (quiesced if it is closed after all).
+    parked: Option<(Instant, Vec<u64>)>,
+}
+
+/// An endpoint being torn down: closed (by force or by flush), but UCX may still hold requests
+/// posted on it, and UCT may still read their source memory or invoke their completions. It is
+/// retired (its remote keys destroyed, its transfers quiesced) only once the close has completed and
+/// every one of its requests has been handed back.
+struct RetiringConn {
+    instance: u64,
+    rkeys: HashMap<u64, ucp_rkey_h>,
+    outstanding: u64,
+    /// The close request is still in UCX's hands.
+    close_pending: bool,
+    /// Transfers that quiesce once it is retired.
+    quiesce: Vec<u64>,
+    since: Instant,
+    /// `endpoint_retire_pending` already logged.
+    warned: bool,
+    /// UCX would not close it and its peer is gone: its requests are left to UCX (their holds stay
+    /// in `requests`), its remote keys are never destroyed.
+    abandoned: bool,
 }
 
 enum ReqKind {
@@ -61,8 +99,8 @@ enum ReqKind {
     Xfer { xfer: u64 },
     /// The flush that ends a put-mode transfer.
     Flush { xfer: u64 },
-    /// An endpoint close; these transfers quiesce when it completes.
-    Close { xfers: Vec<u64> },
+    /// The close of the retiring endpoint with this token.
+    Close { conn: u64 },
     /// A reply or a goodbye: nothing waits on it.
     Other,
 }
@@ -74,6 +112,10 @@ struct Req {
     header: Vec<u8>,
     /// Data bytes this request carries (counted in `Engine::posted_bytes` until it completes).
     bytes: u64,
+    /// The token of the endpoint it was posted on (0: none, an endpoint close).
+    conn: u64,
+    /// The source region it reads, held registered until UCX hands the request back.
+    hold: Option<RegionHold>,
 }
 
 struct Outgoing {
@@ -110,6 +152,12 @@ pub struct Engine {
     conns: FastMap<u64, PeerConn>,
     /// Endpoint tokens (the error callback's argument) and the instance each one reaches.
     ep_tokens: FastMap<u64, u64>,
+    /// Closed endpoints UCX may still hold requests of, by token.
+    retiring: FastMap<u64, RetiringConn>,
+    /// (remote instance, worker address) of every endpoint this worker closed: a second endpoint to
+    /// the same remote worker address is never made (UCX 1.13's TCP transport crashes on it; README,
+    /// Requests, endpoints and memory), so a `connect` to one of them is refused `PEER_UNREACHABLE`.
+    closed_endpoints: FastSet<(u64, Vec<u8>)>,
     /// Outgoing transfers until terminal and quiesced (the SDK's ledger: terminal events, deadlines,
     /// quiesce bounds). Each holds one ledger hold while anything of it may still land
     /// ([`Engine::maybe_finish`] releases it).
@@ -145,6 +193,9 @@ pub struct Engine {
     reply_batch: usize,
     /// Inside the progress rounds of one loop iteration (replies may be held); false after them.
     in_progress_burst: bool,
+    /// Holds of the requests still in UCX at shutdown: dropped with the engine, after the worker
+    /// (fields drop in order), so their regions stay registered while UCX could touch them.
+    held_past_shutdown: Vec<RegionHold>,
 }
 
 impl Engine {
@@ -169,6 +220,8 @@ impl Engine {
             peers: FastMap::default(),
             conns: FastMap::default(),
             ep_tokens: FastMap::default(),
+            retiring: FastMap::default(),
+            closed_endpoints: FastSet::default(),
             xfers,
             requests: FastMap::default(),
             posted_bytes: 0,
@@ -187,6 +240,7 @@ impl Engine {
             token_lists: VecPool::new(SPARE_VECS, SPARE_TOKEN_LIST_MAX),
             reply_batch,
             in_progress_burst: false,
+            held_past_shutdown: Vec::new(),
         }))
     }
 
@@ -199,6 +253,7 @@ impl Engine {
 
     /// The progress loop; returns after `Command::Shutdown`.
     pub fn run(mut self: Box<Self>) {
+        PROGRESS_THREAD.with(|t| t.set(true));
         let busy_poll = Duration::from_micros(self.shared.config.busy_poll_us);
         let mut last_activity = Instant::now();
         loop {
@@ -253,6 +308,8 @@ impl Engine {
                 self.receiver.borrow_mut().sweep(now);
                 self.sweep_tickets(now);
                 self.check_peer_processes();
+                self.check_retiring(now);
+                self.close_lingering(now);
             }
             if activity {
                 last_activity = now;
@@ -327,8 +384,17 @@ impl Engine {
         }
     }
 
-    /// Keep a posted request (and the header UCX may read until it completes) until its completion.
-    fn track(&mut self, token: u64, posted: Posted, kind: ReqKind, header: Vec<u8>) -> Result<bool, ucs_status_t> {
+    /// Keep a posted request (with the header UCX may read and the hold on the source region it
+    /// reads) until its completion, counted on the endpoint `conn` it was posted on.
+    fn track(
+        &mut self,
+        token: u64,
+        posted: Posted,
+        kind: ReqKind,
+        header: Vec<u8>,
+        conn: u64,
+        hold: Option<RegionHold>,
+    ) -> Result<bool, ucs_status_t> {
         match posted {
             Posted::Done => {
                 self.headers.give(header);
@@ -340,13 +406,28 @@ impl Engine {
                         x.tokens.push(token);
                     }
                 }
-                self.requests.insert(token, Req { request, kind, header, bytes: 0 });
+                if let Some(c) = self.ep_tokens.get(&conn).and_then(|i| self.conns.get_mut(i)) {
+                    c.outstanding += 1;
+                } else if let Some(r) = self.retiring.get_mut(&conn) {
+                    r.outstanding += 1;
+                }
+                self.requests.insert(token, Req { request, kind, header, bytes: 0, conn, hold });
                 Ok(true)
             }
             Posted::Failed(status) => {
                 self.headers.give(header);
                 Err(status)
             }
+        }
+    }
+
+    /// A request posted on endpoint `conn` was handed back: an endpoint being retired may now be.
+    fn request_returned(&mut self, conn: u64) {
+        if let Some(c) = self.ep_tokens.get(&conn).and_then(|i| self.conns.get_mut(i)) {
+            c.outstanding = c.outstanding.saturating_sub(1);
+        } else if let Some(r) = self.retiring.get_mut(&conn) {
+            r.outstanding = r.outstanding.saturating_sub(1);
+            self.maybe_retire(conn);
         }
     }
 
@@ -419,15 +500,19 @@ impl Engine {
         unsafe { ucp::request_free(req.request) };
         self.posted_bytes -= req.bytes;
         self.headers.give(req.header);
+        // UCX has handed the request back: nothing reads its source any more.
+        drop(req.hold);
         match req.kind {
             ReqKind::Xfer { xfer } => {
-                let Some(x) = self.xfers.get_mut(XferId(xfer)) else { return };
-                x.posted = x.posted.saturating_sub(1);
-                let refused_by_receiver = status == ucs_status_t::UCS_ERR_REJECTED;
-                if !ucp::is_ok(status) && status != ucs_status_t::UCS_ERR_CANCELED && !refused_by_receiver {
-                    self.fail(xfer, reason_for(status), format!("UCX operation failed: {}", ucp::status_text(status)));
+                if let Some(x) = self.xfers.get_mut(XferId(xfer)) {
+                    x.posted = x.posted.saturating_sub(1);
+                    let refused_by_receiver = status == ucs_status_t::UCS_ERR_REJECTED;
+                    if !ucp::is_ok(status) && status != ucs_status_t::UCS_ERR_CANCELED && !refused_by_receiver {
+                        let message = format!("UCX operation failed: {}", ucp::status_text(status));
+                        self.fail(xfer, reason_for(status), message);
+                    }
+                    self.maybe_finish(xfer);
                 }
-                self.maybe_finish(xfer);
             }
             ReqKind::Flush { xfer } => {
                 if let Some(x) = self.xfers.get_mut(XferId(xfer)) {
@@ -435,8 +520,16 @@ impl Engine {
                 }
                 self.flush_done(xfer, status);
             }
-            ReqKind::Close { xfers } => self.closed(&xfers),
+            ReqKind::Close { conn } => {
+                if let Some(r) = self.retiring.get_mut(&conn) {
+                    r.close_pending = false;
+                }
+                self.maybe_retire(conn);
+            }
             ReqKind::Other => {}
+        }
+        if req.conn != 0 {
+            self.request_returned(req.conn);
         }
     }
 

@@ -64,7 +64,7 @@ impl Engine {
             }
             let Some(x) = self.xfers.get(XferId(xfer)) else { return };
             let ep = match self.conn_of(x.job.peer) {
-                Some(conn) if x.posted < max_posted => conn.ep,
+                Some(conn) if x.posted < max_posted => (conn.ep, conn.token),
                 // At the posted-operations bound, or no endpoint yet: pumped again after activity.
                 _ => {
                     if x.next_segment < x.job.segments.len() || !x.final_sent {
@@ -125,11 +125,12 @@ impl Engine {
     fn post_data(
         &mut self,
         xfer: u64,
-        ep: ucp_ep_h,
+        (ep, conn): (ucp_ep_h, u64),
         segment: &crate::shared::ResolvedSegment,
         carries_commit: bool,
     ) -> Result<(), (ReasonCode, String)> {
         let x = self.xfers.get(XferId(xfer)).unwrap();
+        let hold = source_hold(&x.job, segment)?;
         let mut header = self.headers.take();
         DataHeader {
             sender: self.shared.instance,
@@ -144,9 +145,9 @@ impl Engine {
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, segment.local_memh as ucp::ucp_mem_h);
         // SAFETY: `ep` is a live endpoint of this worker (from `conns`, used on the progress thread only);
-        // the header and the source bytes stay valid until the request completes: the header is kept in
-        // `requests` with it, and the source region is held mapped by the job's `local_regions` until the
-        // transfer is forgotten.
+        // the header and the source bytes stay valid until the request completes: the header and the hold
+        // on the source region (its registration, and the host's mapping: `deregister` waits for it) are
+        // kept in `requests` with it until UCX hands it back.
         let posted = ucp::classify(unsafe {
             ucp::ucp_am_send_nbx(
                 ep,
@@ -159,7 +160,7 @@ impl Engine {
             )
         });
         let pending = self
-            .track(token, posted, ReqKind::Xfer { xfer }, header)
+            .track(token, posted, ReqKind::Xfer { xfer }, header, conn, Some(hold))
             .map_err(|s| (reason_for(s), format!("ucp_am_send_nbx: {}", ucp::status_text(s))))?;
         if pending {
             self.count_posted_bytes(token, segment.len);
@@ -172,7 +173,7 @@ impl Engine {
         Ok(())
     }
 
-    fn send_commit(&mut self, xfer: u64, ep: ucp_ep_h, id: u32) {
+    fn send_commit(&mut self, xfer: u64, (ep, conn): (ucp_ep_h, u64), id: u32) {
         let x = self.xfers.get(XferId(xfer)).unwrap();
         let mut header = self.headers.take();
         CommitHeader {
@@ -190,7 +191,7 @@ impl Engine {
         let posted = ucp::classify(unsafe {
             ucp::ucp_am_send_nbx(ep, id, header.as_ptr() as *const c_void, header.len(), std::ptr::null(), 0, &param)
         });
-        let result = self.track(token, posted, ReqKind::Xfer { xfer }, header);
+        let result = self.track(token, posted, ReqKind::Xfer { xfer }, header, conn, None);
         let x = self.xfers.get_mut(XferId(xfer)).unwrap();
         x.final_sent = true;
         if id == wire::AM_CANCEL {
@@ -213,16 +214,18 @@ impl Engine {
     fn post_put(
         &mut self,
         xfer: u64,
-        ep: ucp_ep_h,
+        (ep, conn): (ucp_ep_h, u64),
         segment: &crate::shared::ResolvedSegment,
     ) -> Result<(), (ReasonCode, String)> {
-        let peer = self.xfers.get(XferId(xfer)).unwrap().job.peer;
+        let x = self.xfers.get(XferId(xfer)).unwrap();
+        let peer = x.job.peer;
+        let hold = source_hold(&x.job, segment)?;
         let rkey = self.rkey_for(peer, segment.remote_key, xfer).map_err(|m| (ReasonCode::TRANSPORT_ERROR, m))?;
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, segment.local_memh as ucp::ucp_mem_h);
-        // SAFETY: `ep` is a live endpoint of this worker; `rkey` was unpacked on it and lives until the
-        // endpoint closes; the source bytes are held mapped by the job's `local_regions` until the transfer
-        // is forgotten, after the put completed.
+        // SAFETY: `ep` is a live endpoint of this worker; `rkey` was unpacked on it and is destroyed only
+        // once every request posted on the endpoint has been handed back (`maybe_retire`); the source
+        // bytes are held registered and mapped by the hold kept in `requests` until the put is handed back.
         let posted = ucp::classify(unsafe {
             ucp::ucp_put_nbx(
                 ep,
@@ -234,7 +237,7 @@ impl Engine {
             )
         });
         let pending = self
-            .track(token, posted, ReqKind::Xfer { xfer }, Vec::new())
+            .track(token, posted, ReqKind::Xfer { xfer }, Vec::new(), conn, Some(hold))
             .map_err(|s| (reason_for(s), format!("ucp_put_nbx: {}", ucp::status_text(s))))?;
         if pending {
             self.count_posted_bytes(token, segment.len);
@@ -246,13 +249,13 @@ impl Engine {
     }
 
     /// Post the flush that makes a put-mode transfer's bytes visible remotely (or that quiesces it).
-    fn post_flush(&mut self, xfer: u64, ep: ucp_ep_h) {
+    fn post_flush(&mut self, xfer: u64, (ep, conn): (ucp_ep_h, u64)) {
         let token = self.token();
         let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
         // SAFETY: `ep` is a live endpoint of this worker, used on the progress thread only; a flush reads no
         // caller memory.
         let posted = ucp::classify(unsafe { ucp::ucp_ep_flush_nbx(ep, &param) });
-        let result = self.track(token, posted, ReqKind::Flush { xfer }, Vec::new());
+        let result = self.track(token, posted, ReqKind::Flush { xfer }, Vec::new(), conn, None);
         let x = self.xfers.get_mut(XferId(xfer)).unwrap();
         x.final_sent = true;
         match result {
@@ -311,7 +314,7 @@ impl Engine {
             // SAFETY: tracked requests are freed only when they leave `requests`.
             unsafe { ucp::request_cancel(&self.worker, request) };
         }
-        let ep = self.conn_of(peer).map(|c| c.ep);
+        let ep = self.conn_of(peer).map(|c| (c.ep, c.token));
         let x = self.xfers.get_mut(XferId(xfer)).unwrap();
         let needs_cancel_message = mode == ResolvedMode::Am && x.awaiting_reply && !x.cancel_sent;
         let needs_flush = mode == ResolvedMode::Put && x.any_put_posted && !x.final_sent;
@@ -384,6 +387,16 @@ impl Engine {
             self.maybe_finish(xfer);
         }
     }
+}
+
+/// A hold on the source region `segment` reads, for one request; refused (`UNKNOWN_KEY`) when the
+/// region was deregistered since the submit (its transfer then fails and posts nothing more).
+fn source_hold(
+    job: &OutgoingJob,
+    segment: &crate::shared::ResolvedSegment,
+) -> Result<RegionHold, (ReasonCode, String)> {
+    job.source_hold(segment.local_key)
+        .ok_or_else(|| (ReasonCode::UNKNOWN_KEY, format!("source region {} deregistered", segment.local_key)))
 }
 
 /// Whether a message of `len` bytes may be posted with `posted` bytes already posted: the sum stays

@@ -26,7 +26,7 @@ impl Engine {
     /// One message carrying `replies` (all to `sender`).
     fn send_reply_message(&mut self, sender: u64, replies: &[(u64, ReplyHeader)]) {
         // The endpoint to the sender's instance, whichever peer id (or ids) the host knows it by.
-        let Some(ep) = self.conns.get(&sender).map(|c| c.ep) else {
+        let Some((ep, conn)) = self.conns.get(&sender).map(|c| (c.ep, c.token)) else {
             if self.endpoint_coming(sender) {
                 self.replies_awaiting_endpoint.extend_from_slice(replies);
             } else {
@@ -64,7 +64,7 @@ impl Engine {
             self.reply_bytes = bytes;
             return;
         }
-        if let Err(status) = self.track(token, posted, ReqKind::Other, bytes) {
+        if let Err(status) = self.track(token, posted, ReqKind::Other, bytes, conn, None) {
             tracing::warn!(reason = "transport_error", "ucx reply to a sender failed: {}", ucp::status_text(status));
         }
     }

@@ -32,8 +32,8 @@ impl Engine {
     fn say_goodbye(&mut self) {
         let bye = wire::encode_bye(self.shared.instance);
         let mut tokens = Vec::new();
-        let eps: Vec<ucp_ep_h> = self.conns.values().map(|c| c.ep).collect();
-        for ep in eps {
+        let eps: Vec<(ucp_ep_h, u64)> = self.conns.values().map(|c| (c.ep, c.token)).collect();
+        for (ep, conn) in eps {
             let token = self.token();
             let param = ucp::send_param(Some(receiver::send_done), token, 0, std::ptr::null_mut());
             // SAFETY: `ep` is a live endpoint of this worker (taken from `conns` just above); the goodbye
@@ -49,7 +49,7 @@ impl Engine {
                     &param,
                 )
             });
-            if let Ok(true) = self.track(token, posted, ReqKind::Other, bye.clone()) {
+            if let Ok(true) = self.track(token, posted, ReqKind::Other, bye.clone(), conn, None) {
                 tokens.push(token);
             }
         }
@@ -75,11 +75,9 @@ impl Engine {
         for peer in peers {
             self.drop_peer(peer, "plugin shutting down", false, false, false, false);
         }
+        self.close_all_lingering();
         let close_until = Instant::now() + Duration::from_millis(ENDPOINT_CLOSE_WAIT_MS);
-        self.progress_until(close_until, |e| {
-            let closes_done = e.requests.values().all(|r| !matches!(r.kind, ReqKind::Close { .. }));
-            closes_done && e.receiver.borrow().pending_receives() == 0
-        });
+        self.progress_until(close_until, |e| e.retiring.is_empty() && e.receiver.borrow().pending_receives() == 0);
         // What no receiver confirmed stays unquiesced: the host's quarantine bound decides for it.
         let unconfirmed: Vec<u64> = self.xfers.iter().map(|(id, _)| id.0).collect();
         for xfer in unconfirmed {
@@ -95,15 +93,27 @@ impl Engine {
         }
         self.shared.lock().unquiesced_xfers.clear();
         // UCX must get every request back before the worker is destroyed; one still in progress is
-        // released by UCX itself when it completes.
+        // released by UCX itself when it completes. The regions they read stay registered until the
+        // worker is gone (`held_past_shutdown` drops after it), and endpoints still retiring keep
+        // their remote keys (leaked: a request may still name them).
         for (_, req) in self.requests.drain() {
             // SAFETY: drained from `requests`, so freed once.
             unsafe { ucp::request_free(req.request) };
+            self.held_past_shutdown.extend(req.hold);
         }
         for request in self.receiver.borrow().pending_requests() {
             // SAFETY: each pending receive's request, freed once here at shutdown; no receive
             // completes after this (the worker is no longer progressed).
             unsafe { ucp::request_free(request) };
+        }
+        for (token, r) in self.retiring.drain() {
+            tracing::warn!(
+                reason = "endpoint_retire_pending",
+                endpoint = token,
+                requests = r.outstanding,
+                "ucx endpoint still retiring at shutdown: its {} remote key(s) are left to the worker's end",
+                r.rkeys.len()
+            );
         }
         self.shared.healthy.store(false, Ordering::Release);
     }
