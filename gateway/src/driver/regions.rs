@@ -28,11 +28,15 @@ pub struct Regions {
     by_id: BTreeMap<u64, LocalRegion>,
     next_id: u64,
     max_regions: u64,
+    /// Regions released while a plugin refused to let go of them (its `deregister` failed: it may
+    /// still read or write the memory): kept mapped until the plugins are shut down, never unmapped
+    /// under a plugin.
+    quarantined: Vec<LocalRegion>,
 }
 
 impl Regions {
     pub fn new(max_regions: u64) -> Regions {
-        Regions { by_id: BTreeMap::new(), next_id: 1, max_regions }
+        Regions { by_id: BTreeMap::new(), next_id: 1, max_regions, quarantined: Vec::new() }
     }
     pub fn announcements(&self) -> impl Iterator<Item = &proto::RegionAnnounce> {
         self.by_id.values().map(|r| &r.announce)
@@ -46,6 +50,7 @@ impl Regions {
     /// Drops every registration and its mapping without asking the plugins (they are shut down).
     pub fn forget_all(&mut self) {
         self.by_id.clear();
+        self.quarantined.clear();
     }
 }
 
@@ -257,15 +262,29 @@ impl Driver {
         };
         let now = self.now();
         self.core.handle_region_unregistered(now, RegionId(id));
+        let mut refused = false;
         for (slot, key) in &region.keys {
             if let Some(plugin) = self.plugins.get(slot.0 as usize) {
                 if let RResult::RErr(e) = plugin.transport().deregister(*key) {
-                    tracing::warn!(region = id, plugin = plugin.name(), "deregister failed: {e}");
+                    tracing::warn!(region = id, plugin = plugin.name(), reason = %e.code, "deregister failed: {e}");
+                    // A key the plugin does not know is not in its hands; any other refusal may mean it
+                    // still touches the memory.
+                    refused |= e.code != kvgate_abi::ReasonCode::UNKNOWN_KEY;
                 }
             }
         }
         self.peers.broadcast(Frame::RegionWithdraw(proto::RegionWithdraw { region: id }), &self.metrics);
-        tracing::info!(region = id, label = %region.label, "region unregistered");
+        if refused {
+            tracing::warn!(
+                region = id,
+                label = %region.label,
+                reason = "region_quarantined",
+                "region unregistered, but a plugin refused to let go of it: its memory stays mapped until the plugins shut down"
+            );
+            self.regions.quarantined.push(region);
+        } else {
+            tracing::info!(region = id, label = %region.label, "region unregistered");
+        }
         Ok(())
     }
 
