@@ -226,14 +226,12 @@ async fn ucx_tcp_black_hole_ends_every_room_with_a_reason_within_its_bound() {
     black_hole_ends_every_room_in_bounds(Deployment::UcxTcp, false).await;
 }
 
-/// A known crash, reproduced: after the black hole, with the link back, the UCX prefill gateway
-/// dies inside libuct under `uct_tcp_iface_progress` (SIGSEGV) in two runs of five on a 2-core
-/// machine, within a millisecond of the host connecting the UCX peer again (the same remote worker,
-/// its endpoint closed by force during the black hole), so the first new room is refused
-/// (`Connection refused` on its engine socket). Ignored until the UCX plugin no longer lets a request outlive its endpoint or
-/// memory; run it with `--ignored` (three rounds; it stops at the first crash).
+/// After the black hole, with the link back, both UCX gateways still run and serve a new room,
+/// three rounds in a row. Before the UCX plugin kept a disconnected endpoint for the reconnect and let
+/// no request outlive its endpoint or memory (plugins/ucx/README.md, "Requests, endpoints and
+/// memory"), the prefill gateway died inside libuct under `uct_tcp_iface_progress` (SIGSEGV) in two
+/// runs of five on a 2-core machine, soon after the host connected the UCX peer again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known: the UCX plugin can crash the gateway after a black hole (docs/performance-record.md)"]
 async fn ucx_tcp_gateways_survive_a_black_hole_and_serve_new_rooms() {
     let _serial = common::serial().await;
     if bed_unavailable() {
