@@ -4,7 +4,7 @@
 //! its lanes fail their parts with `TRANSPORT_ERROR` (the message names the rates), it is closed, and
 //! the peer is connected afresh.
 //! The bar is the larger of `stuck_min_bytes_per_s` and `stuck_below_best_percent` of the best rate the
-//! connection reached over such a window. This is what keeps a congestion controller that fell into a
+//! connection, or another connection to the same peer, reached over such a window. This is what keeps a congestion controller that fell into a
 //! state it does not leave (quinn's BBR was seen stuck at a tenth of the link after the loss ended) from
 //! pinning a peer's transfers to it for the peer's lifetime. Owns the detection (`StallDetector`, pure
 //! arithmetic on samples) and the per-peer task that samples quinn's counters.
