@@ -136,16 +136,17 @@ pub struct QuicConfig {
     /// 131072..=1073741824; refused when non-zero on a target without glibc.
     pub malloc_trim_threshold_bytes: u64,
     /// A peer's outgoing connection whose sending rate stays below the stuck bar for this long while it
-    /// holds data back (a lane's writer waits for quinn, or parts queue on a lane) is replaced (`src/stuck.rs`): its parts fail `TRANSPORT_ERROR`, it is
-    /// closed, and the peer is connected afresh. 0 disables the watchdog. Default 3000, range 0 or
-    /// 100..=600000.
+    /// is busy (a lane's writer waits for quinn, parts queue on a lane, or its unanswered parts carry
+    /// at least the bar's bytes over this window) is replaced (`src/stuck.rs`): its parts fail
+    /// `TRANSPORT_ERROR`, it is closed, and the peer is connected afresh. 0 disables the watchdog.
+    /// Default 3000, range 0 or 100..=600000.
     pub stuck_after_ms: u64,
     /// The stuck bar's floor: a busy connection sending fewer bytes per second than this over
     /// `stuck_after_ms` is stuck. Default 0 (no floor), range 0..=1099511627776.
     pub stuck_min_bytes_per_s: u64,
-    /// The stuck bar's share of the best rate the connection reached over a `stuck_after_ms` window, in
-    /// percent: a busy connection sending below it for `stuck_after_ms` is stuck. Default 10, range
-    /// 0..=100 (0: only the floor).
+    /// The stuck bar's share of the best rate a connection to the same peer (this one or another)
+    /// reached over a `stuck_after_ms` window, in percent: a busy connection sending below it for
+    /// `stuck_after_ms` is stuck. Default 10, range 0..=100 (0: only the floor).
     pub stuck_below_best_percent: u64,
     /// Most segments one submit may carry. Default 1048576, range 1..=16777216.
     pub max_segments_per_submit: u64,

@@ -61,10 +61,14 @@ impl Links {
         order.iter().cycle().take(n).map(|&i| self.lanes[i].clone()).collect()
     }
 
-    /// Whether any lane of connection `i` is held back by it (`Lane::held_back`; lane `j` is on
-    /// connection `j % conns`).
-    pub fn connection_busy(&self, i: usize) -> bool {
-        self.lanes.iter().skip(i).step_by(self.conns.len().max(1)).any(|l| l.held_back())
+    /// What the lanes of connection `i` hold right now (lane `j` is on connection `j % conns`):
+    /// whether any is held back by it (`Lane::held_back`), and the payload bytes of their parts not
+    /// yet answered by the receiver (`Lane::outstanding_bytes`).
+    pub fn connection_load(&self, i: usize) -> (bool, u64) {
+        let lanes = self.lanes.iter().skip(i).step_by(self.conns.len().max(1));
+        lanes.fold((false, 0u64), |(held, bytes), l| {
+            (held || l.held_back(), bytes.saturating_add(l.outstanding_bytes()))
+        })
     }
 }
 

@@ -1,8 +1,10 @@
-//! Stuck-connection watchdog. A peer's outgoing connection that holds back a lane (`Lane::held_back`:
-//! data waiting for quinn) while its sending rate stays below a bar for `stuck_after_ms` is replaced: its lanes fail their parts with
-//! `TRANSPORT_ERROR` (the message names the rates), it is closed, and the peer is connected afresh.
+//! Stuck-connection watchdog. A peer's outgoing connection that is busy (it holds back a lane,
+//! `Lane::held_back`: data waiting for quinn; or its lanes' unanswered parts carry at least a window's
+//! worth of the bar, `busy`) while its sending rate stays below a bar for `stuck_after_ms` is replaced:
+//! its lanes fail their parts with `TRANSPORT_ERROR` (the message names the rates), it is closed, and
+//! the peer is connected afresh.
 //! The bar is the larger of `stuck_min_bytes_per_s` and `stuck_below_best_percent` of the best rate the
-//! connection reached over such a window. This is what keeps a congestion controller that fell into a
+//! connection, or another connection to the same peer, reached over such a window. This is what keeps a congestion controller that fell into a
 //! state it does not leave (quinn's BBR was seen stuck at a tenth of the link after the loss ended) from
 //! pinning a peer's transfers to it for the peer's lifetime. Owns the detection (`StallDetector`, pure
 //! arithmetic on samples) and the per-peer task that samples quinn's counters.
@@ -63,21 +65,36 @@ pub struct StallDetector {
     rule: StuckRule,
     samples: VecDeque<Sample>,
     best_bytes_per_s: u64,
+    /// The best window any connection to the same peer reached (`set_peer_best`): they share a path,
+    /// so what one of them sent, each could.
+    peer_best_bytes_per_s: u64,
 }
 
 impl StallDetector {
     pub fn new(rule: StuckRule) -> StallDetector {
-        StallDetector { rule, samples: VecDeque::new(), best_bytes_per_s: 0 }
+        StallDetector { rule, samples: VecDeque::new(), best_bytes_per_s: 0, peer_best_bytes_per_s: 0 }
     }
 
-    #[cfg(test)]
+    /// The best window this connection reached.
     pub fn best_bytes_per_s(&self) -> u64 {
         self.best_bytes_per_s
     }
 
-    /// The bar a window's rate must reach: the floor, or the share of the best window, whichever is higher.
+    /// The best window any connection to the same peer reached (this one's included).
+    pub fn set_peer_best(&mut self, bytes_per_s: u64) {
+        self.peer_best_bytes_per_s = bytes_per_s;
+    }
+
+    /// The best a window's rate is measured against: this connection's, or its peer's, whichever is higher.
+    fn reference_bytes_per_s(&self) -> u64 {
+        self.best_bytes_per_s.max(self.peer_best_bytes_per_s)
+    }
+
+    /// The bar a window's rate must reach: the floor, or the share of the best window (of this
+    /// connection or any other to the same peer), whichever is higher.
     pub fn bar_bytes_per_s(&self) -> u64 {
-        let share = (u128::from(self.best_bytes_per_s) * u128::from(self.rule.below_best_percent) / 100) as u64;
+        let best = self.reference_bytes_per_s();
+        let share = (u128::from(best) * u128::from(self.rule.below_best_percent) / 100) as u64;
         share.max(self.rule.min_bytes_per_s)
     }
 
@@ -109,7 +126,7 @@ impl StallDetector {
                 window_ms,
                 bytes_per_s,
                 bar_bytes_per_s: bar,
-                best_bytes_per_s: self.best_bytes_per_s,
+                best_bytes_per_s: self.reference_bytes_per_s(),
             });
         }
         self.best_bytes_per_s = self.best_bytes_per_s.max(bytes_per_s);
@@ -117,13 +134,28 @@ impl StallDetector {
     }
 }
 
+/// Whether a connection counts as busy for one reading: it holds a lane back (data waits for quinn),
+/// or the parts its lanes have not had answered carry at least what the bar sends in a whole window
+/// (`bar_bytes_per_s x after_ms`, and at least one byte), so that a window below the bar cannot be for
+/// want of data to send. The second covers a connection whose transfers in flight fit in its
+/// `send_window_bytes`: its lanes hand quinn every byte at once and are never held back. With no bar
+/// (0) only the first applies.
+pub fn busy(held_back: bool, outstanding_bytes: u64, bar_bytes_per_s: u64, after_ms: u64) -> bool {
+    if held_back {
+        return true;
+    }
+    let window_bytes = (u128::from(bar_bytes_per_s) * u128::from(after_ms) / 1000).max(1);
+    bar_bytes_per_s > 0 && u128::from(outstanding_bytes) >= window_bytes
+}
+
 impl Stuck {
     pub fn to_error(self, peer: u64, connection: usize) -> PluginError {
         PluginError::new(
             ReasonCode::TRANSPORT_ERROR,
             format!(
-                "connection {connection} to peer {peer} stuck: sent {} B/s over {} ms with data held back, below {} B/s \
-                 (stuck_min_bytes_per_s, or stuck_below_best_percent of its best {} B/s); replaced by a new connection",
+                "connection {connection} to peer {peer} stuck: sent {} B/s over {} ms with data to send, below {} B/s \
+                 (stuck_min_bytes_per_s, or stuck_below_best_percent of the best {} B/s of a connection to the peer); \
+                 replaced by a new connection",
                 self.bytes_per_s, self.window_ms, self.bar_bytes_per_s, self.best_bytes_per_s
             ),
         )
@@ -147,8 +179,14 @@ pub async fn watch(shared: Arc<Shared>, entry: Arc<PeerEntry>, links: Arc<Links>
             return;
         }
         let at_ms = start.elapsed().as_millis() as u64;
+        let peer_best = detectors.iter().map(StallDetector::best_bytes_per_s).max().unwrap_or(0);
+        for d in detectors.iter_mut() {
+            d.set_peer_best(peer_best);
+        }
         for (i, conn) in links.conns.iter().enumerate() {
-            let sample = Sample { at_ms, sent_bytes: conn.stats().udp_tx.bytes, busy: links.connection_busy(i) };
+            let (held_back, outstanding_bytes) = links.connection_load(i);
+            let busy = busy(held_back, outstanding_bytes, detectors[i].bar_bytes_per_s(), rule.after_ms);
+            let sample = Sample { at_ms, sent_bytes: conn.stats().udp_tx.bytes, busy };
             if let Some(stuck) = detectors[i].observe(sample) {
                 peers::replace_stuck(&shared, &entry, &links, stuck.to_error(entry.id.0, i));
                 return;
@@ -228,11 +266,47 @@ mod tests {
     }
 
     #[test]
+    fn the_bar_follows_the_best_connection_of_the_peer_and_a_rate_just_below_its_share_is_stuck() {
+        // This connection reached 100 000 B/s; a sibling to the same peer reached 1 000 000 B/s.
+        let mut d = StallDetector::new(rule(0, 10));
+        d.observe(busy(0, 0));
+        assert_eq!(d.observe(busy(WINDOW_MS, 100_000)), None);
+        assert_eq!(d.bar_bytes_per_s(), 10_000, "its own best alone");
+        d.set_peer_best(1_000_000);
+        assert_eq!(d.bar_bytes_per_s(), 100_000, "10 % of the sibling's best");
+        // Exactly the bar over the next window: not stuck; one byte per second less: stuck.
+        assert_eq!(d.observe(busy(2 * WINDOW_MS, 200_000)), None, "at 10 % of the peer's best");
+        let stuck = d.observe(busy(3 * WINDOW_MS, 299_999)).expect("just below 10 % of the peer's best");
+        assert_eq!(stuck.bytes_per_s, 99_999);
+        assert_eq!(stuck.best_bytes_per_s, 1_000_000);
+        // A lower peer best never lowers the bar below the connection's own.
+        let mut d = StallDetector::new(rule(0, 10));
+        d.observe(busy(0, 0));
+        d.observe(busy(WINDOW_MS, 100_000));
+        d.set_peer_best(50_000);
+        assert_eq!(d.bar_bytes_per_s(), 10_000);
+    }
+
+    #[test]
     fn the_floor_wins_over_a_lower_share() {
         let mut d = StallDetector::new(rule(500_000, 10));
         d.observe(busy(0, 0));
         assert_eq!(d.observe(busy(WINDOW_MS, 1_000_000)), None);
         assert_eq!(d.bar_bytes_per_s(), 500_000, "10 % of 1 MB/s is below the floor");
+    }
+
+    #[test]
+    fn unanswered_bytes_make_a_connection_busy_from_a_window_of_the_bar_not_one_byte_below() {
+        // A bar of 1 MB/s over a 1000 ms window: 1 000 000 unanswered bytes.
+        assert!(super::busy(false, 1_000_000, 1_000_000, WINDOW_MS), "exactly a window's worth of the bar");
+        assert!(!super::busy(false, 999_999, 1_000_000, WINDOW_MS), "one byte short");
+        assert!(super::busy(true, 0, 1_000_000, WINDOW_MS), "a lane held back is busy whatever is outstanding");
+        // No bar yet (no best window, no floor): only a lane held back counts.
+        assert!(!super::busy(false, u64::MAX, 0, WINDOW_MS));
+        assert!(super::busy(true, 0, 0, WINDOW_MS));
+        // A bar whose window's worth rounds to nothing still needs a byte outstanding.
+        assert!(!super::busy(false, 0, 1, 1));
+        assert!(super::busy(false, 1, 1, 1));
     }
 
     #[test]

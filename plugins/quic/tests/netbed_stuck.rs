@@ -51,22 +51,42 @@ fn move_bytes(
 
 #[test]
 fn a_connection_that_stops_delivering_is_replaced_and_the_next_transfer_succeeds() {
-    if bed_unavailable() {
-        return;
-    }
-    let link = Link::start(&Profile::a()).expect("start the link");
-    let config = QuicConfig {
-        // The watchdog's window and floor; the idle timeout stays well beyond them, so it is the
-        // watchdog, not the loss of the peer, that ends the transfer.
+    black_hole_under_a_transfer(QuicConfig {
+        // Unacknowledged bytes a connection may send into the black hole: with no acknowledgement
+        // nothing more than this and loss probes leaves, 2 MB/s over a window at most, below the floor.
+        // The transfer is larger, so its lanes are held back waiting for quinn.
+        send_window_bytes: 1 << 20,
+        ..stuck_config()
+    })
+}
+
+/// The transfer fits in the connections' send windows (the default 64 MiB): quinn takes every byte at
+/// once and no lane is ever held back, so only the parts left unanswered (16 MiB per connection, above
+/// the floor's 4 MiB a window) show the connections busy.
+#[test]
+fn a_connection_whose_transfer_fits_in_its_send_window_is_replaced_when_it_stops_delivering() {
+    let config = stuck_config();
+    assert!(config.send_window_bytes >= 32 << 20, "the transfer must fit in one connection's send window");
+    black_hole_under_a_transfer(config)
+}
+
+/// The watchdog's window and floor; the idle timeout stays well beyond them, so it is the watchdog,
+/// not the loss of the peer, that ends the transfer.
+fn stuck_config() -> QuicConfig {
+    QuicConfig {
         stuck_after_ms: 500,
         stuck_min_bytes_per_s: 8 << 20,
         idle_timeout_ms: 60_000,
         keep_alive_interval_ms: 200,
-        // Unacknowledged bytes a connection may send into the black hole: with no acknowledgement
-        // nothing more than this and loss probes leaves, 2 MB/s over a window at most, below the floor.
-        send_window_bytes: 1 << 20,
         ..test_config()
-    };
+    }
+}
+
+fn black_hole_under_a_transfer(config: QuicConfig) {
+    if bed_unavailable() {
+        return;
+    }
+    let link = Link::start(&Profile::a()).expect("start the link");
     let a = open_on(&link, 0, config.clone());
     let b = open_on(&link, 1, config);
     a.plugin.connect(PEER_B, &b.plugin.local_endpoint()).unwrap();

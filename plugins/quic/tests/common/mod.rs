@@ -27,15 +27,20 @@ impl Events {
     }
     /// Wait until an event matches, or panic with every event seen.
     pub fn wait_for(&self, what: &str, within: Duration, pred: impl Fn(&Event) -> bool) -> Event {
+        self.try_wait_for(within, pred)
+            .unwrap_or_else(|| panic!("no event `{what}` within {within:?}; events: {:#?}", self.all()))
+    }
+    /// Wait until an event matches; `None` once `within` passed without one.
+    pub fn try_wait_for(&self, within: Duration, pred: impl Fn(&Event) -> bool) -> Option<Event> {
         let deadline = Instant::now() + within;
         let mut list = self.list.lock().unwrap();
         loop {
             if let Some(e) = list.iter().find(|e| pred(e)) {
-                return e.clone();
+                return Some(e.clone());
             }
             let now = Instant::now();
             if now >= deadline {
-                panic!("no event `{what}` within {within:?}; events: {:#?}", *list);
+                return None;
             }
             list = self.changed.wait_timeout(list, deadline - now).unwrap().0;
         }
