@@ -94,8 +94,8 @@ impl Rig {
         Ok(())
     }
 
-    /// Context switches and read/write-class system calls so far of (both gateways, this process).
-    pub fn switches_and_io_calls(&self) -> SwitchCounts {
+    /// Context switches so far of (both gateways, this process).
+    pub fn context_switches(&self) -> SwitchCounts {
         SwitchCounts::of(self.pair.prefill.pid(), self.pair.decode.pid())
     }
 
@@ -670,37 +670,23 @@ mod tests {
     }
 }
 
-/// Context switches and read/write-class system calls of both gateways and of this process (the
-/// engines), from `/proc` (`system::process_switches_and_io_calls`).
+/// Context switches of both gateways and of this process (the engines), from `/proc`
+/// (`system::process_context_switches`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SwitchCounts {
-    pub gateway_switches: u64,
-    pub gateway_io_calls: u64,
-    pub engine_switches: u64,
-    pub engine_io_calls: u64,
+    pub gateways: u64,
+    pub engines: u64,
 }
 
 impl SwitchCounts {
     pub fn of(prefill: Option<i32>, decode: Option<i32>) -> SwitchCounts {
-        let of = |pid: Option<i32>| pid.map(super::system::process_switches_and_io_calls).unwrap_or_default();
-        let (p, d, e) =
-            (of(prefill), of(decode), super::system::process_switches_and_io_calls(std::process::id() as i32));
-        SwitchCounts {
-            gateway_switches: p.0 + d.0,
-            gateway_io_calls: p.1 + d.1,
-            engine_switches: e.0,
-            engine_io_calls: e.1,
-        }
+        let of = |pid: Option<i32>| pid.map(super::system::process_context_switches).unwrap_or_default();
+        SwitchCounts { gateways: of(prefill) + of(decode), engines: of(Some(std::process::id() as i32)) }
     }
 
-    /// Per room: (gateway switches, gateway io calls, engine switches, engine io calls) since `before`.
-    pub fn per_room_since(&self, before: &SwitchCounts, rooms: u64) -> [f64; 4] {
+    /// Per room since `before`: (gateways, engines).
+    pub fn per_room_since(&self, before: &SwitchCounts, rooms: u64) -> (f64, f64) {
         let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / rooms.max(1) as f64;
-        [
-            per(self.gateway_switches, before.gateway_switches),
-            per(self.gateway_io_calls, before.gateway_io_calls),
-            per(self.engine_switches, before.engine_switches),
-            per(self.engine_io_calls, before.engine_io_calls),
-        ]
+        (per(self.gateways, before.gateways), per(self.engines, before.engines))
     }
 }

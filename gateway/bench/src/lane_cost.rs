@@ -143,6 +143,10 @@ impl EnginePath for LaneRig {
     fn switches(&self) -> SwitchCounts {
         SwitchCounts::of(self.pair.prefill.pid(), self.pair.decode.pid())
     }
+
+    fn gateway_pids(&self) -> Vec<i32> {
+        [self.pair.prefill.pid(), self.pair.decode.pid()].into_iter().flatten().collect()
+    }
 }
 
 /// The per-room cost over the lane, on a fresh pair.

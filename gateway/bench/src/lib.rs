@@ -22,6 +22,7 @@ pub mod rounds;
 pub mod sglang_room;
 pub mod stats;
 pub mod svg;
+pub mod syscalls;
 pub mod system;
 
 use anyhow::Context;

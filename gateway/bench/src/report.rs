@@ -341,8 +341,10 @@ pub fn control_lines_of(c: &ControlPath) -> String {
         );
         let _ = writeln!(
             out,
-            "         per room [{path}]: context switches gateways {:.1}, engines {:.1}; read/write system calls gateways {:.1}, engines {:.1} (/proc)",
-            r.gateway_switches_per_room, r.engine_switches_per_room, r.gateway_io_calls_per_room, r.engine_io_calls_per_room
+            "         per room [{path}]: context switches gateways {:.1}, engines {:.1} (/proc); system calls gateways {}, engines {} (perf stat)",
+            r.gateway_switches_per_room, r.engine_switches_per_room,
+            r.gateway_syscalls_per_room.map(|n| format!("{n:.1}")).unwrap_or_else(|| "n/a".into()),
+            r.engine_syscalls_per_room.map(|n| format!("{n:.1}")).unwrap_or_else(|| "n/a".into())
         );
     }
     if let (Some(g), Some(l)) = (&c.room_cost, &c.lane_room_cost) {

@@ -219,16 +219,17 @@ pub struct RoomCost {
     pub call_p50_ms: f64,
     /// CPU of one `Info` round trip (gateways + bench process), in microseconds.
     pub call_cpu_us: f64,
-    /// Per room, from `/proc`: context switches of both gateways' threads, their read/write-class
-    /// system calls, and the same for the bench process.
+    /// Context switches per room of both gateways' threads, and of the bench process (`/proc`).
     #[serde(default)]
     pub gateway_switches_per_room: f64,
     #[serde(default)]
-    pub gateway_io_calls_per_room: f64,
-    #[serde(default)]
     pub engine_switches_per_room: f64,
+    /// System calls per room of both gateways and of the bench process (`perf stat`; `None` without
+    /// perf or its permission).
     #[serde(default)]
-    pub engine_io_calls_per_room: f64,
+    pub gateway_syscalls_per_room: Option<f64>,
+    #[serde(default)]
+    pub engine_syscalls_per_room: Option<f64>,
 }
 
 /// Minimal rooms carried by batched engine calls: rooms per second and CPU per room.

@@ -57,6 +57,8 @@ pub trait EnginePath {
     /// CPU used so far by (both gateways, this process).
     fn cpu_used(&self) -> (Duration, Duration);
     fn switches(&self) -> SwitchCounts;
+    /// Process ids of the two gateways.
+    fn gateway_pids(&self) -> Vec<i32>;
 }
 
 impl EnginePath for Rig {
@@ -82,7 +84,10 @@ impl EnginePath for Rig {
         Rig::cpu_used(self)
     }
     fn switches(&self) -> SwitchCounts {
-        self.switches_and_io_calls()
+        self.context_switches()
+    }
+    fn gateway_pids(&self) -> Vec<i32> {
+        [self.pair.prefill.pid(), self.pair.decode.pid()].into_iter().flatten().collect()
     }
 }
 
@@ -93,6 +98,9 @@ pub async fn measure_on(rig: &impl EnginePath, rooms: u64) -> anyhow::Result<Roo
     }
     let half = rooms / 2;
     let mut calls = round_trips(rig, half).await?;
+    let gateway_calls = super::syscalls::SyscallCount::start(&rig.gateway_pids());
+    let engine_calls = super::syscalls::SyscallCount::start(&[std::process::id() as i32]);
+    tokio::time::sleep(Duration::from_millis(super::syscalls::PERF_ATTACH_MS)).await;
     let cpu_before = rig.cpu_used();
     let switches_before = rig.switches();
     let started = Instant::now();
@@ -112,8 +120,11 @@ pub async fn measure_on(rig: &impl EnginePath, rooms: u64) -> anyhow::Result<Roo
     }
     let wall = started.elapsed();
     let cpu_after = rig.cpu_used();
-    let [gateway_switches, gateway_io_calls, engine_switches, engine_io_calls] =
-        rig.switches().per_room_since(&switches_before, rooms);
+    let (gateway_switches, engine_switches) = rig.switches().per_room_since(&switches_before, rooms);
+    let per_room_calls = |count: Option<super::syscalls::SyscallCount>| {
+        count.and_then(|c| c.stop()).map(|n| n as f64 / rooms.max(1) as f64)
+    };
+    let (gateway_syscalls, engine_syscalls) = (per_room_calls(gateway_calls), per_room_calls(engine_calls));
     calls.merge(round_trips(rig, rooms - half).await?);
     let per_room =
         |after: Duration, before: Duration| after.saturating_sub(before).as_secs_f64() * 1e6 / rooms.max(1) as f64;
@@ -130,9 +141,9 @@ pub async fn measure_on(rig: &impl EnginePath, rooms: u64) -> anyhow::Result<Roo
         call_p50_ms: millis(percentile(&calls.latencies, 50.0)),
         call_cpu_us: calls.cpu_us_per_call(),
         gateway_switches_per_room: gateway_switches,
-        gateway_io_calls_per_room: gateway_io_calls,
         engine_switches_per_room: engine_switches,
-        engine_io_calls_per_room: engine_io_calls,
+        gateway_syscalls_per_room: gateway_syscalls,
+        engine_syscalls_per_room: engine_syscalls,
     })
 }
 

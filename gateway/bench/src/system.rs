@@ -143,6 +143,26 @@ pub fn format_utc(secs: u64) -> String {
     format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
+/// Context switches (voluntary and not) a process's live threads have made so far, summed over
+/// `/proc/<pid>/task/*/status`; 0 when unreadable. (`/proc` has no count of system calls: its `syscr`
+/// and `syscw` miss socket `recv` / `send`, which is what the engine paths make.)
+pub fn process_context_switches(pid: i32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    let field = |text: &str, name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim_start_matches(':').trim().parse().ok())
+            .unwrap_or(0)
+    };
+    let mut switches = 0;
+    for task in tasks.flatten() {
+        if let Ok(status) = std::fs::read_to_string(task.path().join("status")) {
+            switches += field(&status, "voluntary_ctxt_switches") + field(&status, "nonvoluntary_ctxt_switches");
+        }
+    }
+    switches
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,28 +219,4 @@ mod tests {
         assert_eq!(format_utc(951_782_400), "2000-02-29 00:00:00");
         assert_eq!(format_utc(1_798_761_599), "2026-12-31 23:59:59");
     }
-}
-
-/// Context switches (voluntary and not) and read/write-class system calls (`syscr` + `syscw`) a
-/// process's live threads have made so far, summed over `/proc/<pid>/task/*`; zeros when unreadable.
-/// Other system calls (`epoll_wait`, `futex`, ...) are not counted by `/proc`.
-pub fn process_switches_and_io_calls(pid: i32) -> (u64, u64) {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return (0, 0) };
-    let field = |text: &str, name: &str| -> u64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim_start_matches(':').trim().parse().ok())
-            .unwrap_or(0)
-    };
-    let (mut switches, mut calls) = (0, 0);
-    for task in tasks.flatten() {
-        let path = task.path();
-        if let Ok(status) = std::fs::read_to_string(path.join("status")) {
-            switches += field(&status, "voluntary_ctxt_switches") + field(&status, "nonvoluntary_ctxt_switches");
-        }
-        if let Ok(io) = std::fs::read_to_string(path.join("io")) {
-            calls += field(&io, "syscr") + field(&io, "syscw");
-        }
-    }
-    (switches, calls)
 }

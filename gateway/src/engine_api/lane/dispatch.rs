@@ -12,7 +12,9 @@ use tonic::{Request, Status};
 /// The room events of an accepted `watch`.
 pub type EventStream = <EngineApiService as EngineApi>::WatchStream;
 
-/// What a call ends in: a reply, or (an accepted watch) its stream of events.
+/// What a call ends in: a reply, or (an accepted watch) its stream of events. Not boxed: an answer
+/// is moved once, into its frame, and a box would be an allocation per call.
+#[allow(clippy::large_enum_variant)]
 pub enum Answer {
     Reply(Reply),
     Watch(EventStream),
