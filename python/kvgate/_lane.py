@@ -92,6 +92,19 @@ def _session_of(metadata: Sequence[tuple[str, str]]) -> Optional[int]:
     return None
 
 
+def watch_event(reply: pb.LaneReply) -> Optional[pb.RoomEvent]:
+    """What a reply frame on a Watch connection means: its room event; None for `watch_opened`; a
+    refusal is raised (`LaneCallError`)."""
+    kind = reply.WhichOneof("reply")
+    if kind == "error":
+        raise error_of(reply.error)
+    return reply.event if kind == "event" else None
+
+
+def cancelled_watch() -> LaneCallError:
+    return LaneCallError(grpc.StatusCode.CANCELLED, "cancelled", "the Watch stream was cancelled")
+
+
 def _frame(message: pb.LaneRequest) -> bytes:
     body: bytes = message.SerializeToString()
     return LENGTH.pack(len(body)) + body
@@ -351,13 +364,11 @@ class LaneWatch:
                 reply = frames.next()  # no deadline: a reply, or an exception
                 if reply is None:
                     continue
-                kind = reply.WhichOneof("reply")
-                if kind == "event":
-                    self._events.put(reply.event)
-                elif kind == "watch_opened":
+                event = watch_event(reply)
+                if event is not None:
+                    self._events.put(event)
+                else:
                     self._opened.set()
-                elif kind == "error":
-                    raise error_of(reply.error)
         except LaneCallError as e:
             self._end(e)
         except (OSError, ValueError) as e:
@@ -365,7 +376,7 @@ class LaneWatch:
 
     def _end(self, error: LaneCallError) -> None:
         if self._ended is None:
-            self._ended = LaneCallError(grpc.StatusCode.CANCELLED, "cancelled", "the Watch stream was cancelled") if self._cancelled else error
+            self._ended = cancelled_watch() if self._cancelled else error
         self._opened.set()
         self._events.put(_END)
 
@@ -396,7 +407,7 @@ class LaneWatch:
             except OSError:
                 pass
         else:
-            self._end(LaneCallError(grpc.StatusCode.CANCELLED, "cancelled", "the Watch stream was cancelled"))
+            self._end(cancelled_watch())
 
 
 def check_fields(methods: Sequence[str]) -> list[str]:

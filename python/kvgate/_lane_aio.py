@@ -15,11 +15,14 @@ import grpc
 from ._lane import (
     LENGTH,
     LaneCallError,
+    _frame,
     _session_of,
     _unavailable,
+    cancelled_watch,
     error_of,
     field_of,
     lane_path,
+    watch_event,
 )
 from . import _lane
 from ._proto import kvgate_pb2 as pb
@@ -46,11 +49,6 @@ async def _read_frame(reader: asyncio.StreamReader, path: str) -> pb.LaneReply:
     except asyncio.IncompleteReadError:
         raise _unavailable(f"the gateway closed the engine fast lane at {path}") from None
     return pb.LaneReply.FromString(body)
-
-
-def _frame(message: pb.LaneRequest) -> bytes:
-    body: bytes = message.SerializeToString()
-    return LENGTH.pack(len(body)) + body
 
 
 class _Connection:
@@ -198,24 +196,21 @@ class AioLaneWatch:
             self._writer.write(_frame(message))
             await self._writer.drain()
             while True:
-                reply = await _read_frame(reader, self.path)
-                kind = reply.WhichOneof("reply")
-                if kind == "event":
-                    self._events.put_nowait(reply.event)
-                elif kind == "watch_opened":
+                event = watch_event(await _read_frame(reader, self.path))
+                if event is not None:
+                    self._events.put_nowait(event)
+                else:
                     self._opened.set()
-                elif kind == "error":
-                    raise error_of(reply.error)
         except LaneCallError as e:
             self._end(e)
         except (OSError, ValueError) as e:
             self._end(_unavailable(f"reading the Watch stream on the engine fast lane at {self.path} failed: {e}"))
         except asyncio.CancelledError:
-            self._end(LaneCallError(grpc.StatusCode.CANCELLED, "cancelled", "the Watch stream was cancelled"))
+            self._end(cancelled_watch())
 
     def _end(self, error: LaneCallError) -> None:
         if self._ended is None:
-            self._ended = LaneCallError(grpc.StatusCode.CANCELLED, "cancelled", "the Watch stream was cancelled") if self._cancelled else error
+            self._ended = cancelled_watch() if self._cancelled else error
             self._events.put_nowait(self._ended)
         self._opened.set()
         if self._writer is not None:
