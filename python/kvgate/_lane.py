@@ -101,6 +101,27 @@ def watch_event(reply: pb.LaneReply) -> Optional[pb.RoomEvent]:
     return reply.event if kind == "event" else None
 
 
+def request_of(field: str, request: Any, metadata: Sequence[tuple[str, str]]) -> pb.LaneRequest:
+    """The frame of a call: `request` in the `field` of `LaneRequest.call`, the session taken from the
+    metadata the client would send on gRPC."""
+    message = pb.LaneRequest()
+    session = _session_of(metadata)
+    if session is not None:
+        message.session = session
+    getattr(message, field).CopyFrom(request)
+    return message
+
+
+def answer_of(field: str, reply: pb.LaneReply) -> Any:
+    """The reply message of a `field` call, or its refusal raised."""
+    kind = reply.WhichOneof("reply")
+    if kind == "error":
+        raise error_of(reply.error)
+    if kind != field:
+        raise LaneCallError(grpc.StatusCode.INTERNAL, "internal", f"the gateway answered a {field} call with {kind}")
+    return getattr(reply, field)
+
+
 def cancelled_watch() -> LaneCallError:
     return LaneCallError(grpc.StatusCode.CANCELLED, "cancelled", "the Watch stream was cancelled")
 
@@ -292,18 +313,7 @@ class Lane:
         return LaneUnary(self, field_of(method))
 
     def call(self, field: str, request: Any, timeout: Optional[float], metadata: Sequence[tuple[str, str]]) -> Any:
-        message = pb.LaneRequest()
-        session = _session_of(metadata)
-        if session is not None:
-            message.session = session
-        getattr(message, field).CopyFrom(request)
-        reply = self._connection().call(message, timeout)
-        kind = reply.WhichOneof("reply")
-        if kind == "error":
-            raise error_of(reply.error)
-        if kind != field:
-            raise LaneCallError(grpc.StatusCode.INTERNAL, "internal", f"the gateway answered a {field} call with {kind}")
-        return getattr(reply, field)
+        return answer_of(field, self._connection().call(request_of(field, request, metadata), timeout))
 
     def watch(self, request: pb.WatchRequest, metadata: Sequence[tuple[str, str]] = (), **_: Any) -> LaneWatch:
         """A Watch stream on a connection of its own (the lane takes one watch per connection)."""

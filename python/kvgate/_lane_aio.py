@@ -18,10 +18,12 @@ from ._lane import (
     _frame,
     _session_of,
     _unavailable,
+    answer_of,
     cancelled_watch,
     error_of,
     field_of,
     lane_path,
+    request_of,
     watch_event,
 )
 from . import _lane
@@ -139,18 +141,8 @@ class AioLane:
         return AioLaneUnary(self, field_of(method))
 
     async def call(self, field: str, request: Any, timeout: Optional[float], metadata: Sequence[tuple[str, str]]) -> Any:
-        message = pb.LaneRequest()
-        session = _session_of(metadata)
-        if session is not None:
-            message.session = session
-        getattr(message, field).CopyFrom(request)
-        reply = await (await self._connection()).call(message, timeout)
-        kind = reply.WhichOneof("reply")
-        if kind == "error":
-            raise error_of(reply.error)
-        if kind != field:
-            raise LaneCallError(grpc.StatusCode.INTERNAL, "internal", f"the gateway answered a {field} call with {kind}")
-        return getattr(reply, field)
+        reply = await (await self._connection()).call(request_of(field, request, metadata), timeout)
+        return answer_of(field, reply)
 
     def watch(self, request: pb.WatchRequest, metadata: Sequence[tuple[str, str]] = (), **_: Any) -> AioLaneWatch:
         return AioLaneWatch(self.path, request, _session_of(metadata), self.connect_timeout)
