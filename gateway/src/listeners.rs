@@ -4,7 +4,7 @@
 //! on every TCP socket, and back-off with a rate-limited log line when accept itself fails (EMFILE,
 //! ENFILE: out of descriptors). Every refusal and close is counted in
 //! `kvgate_listener_refused_total{listener,reason}`; open connections in `kvgate_listener_connections`.
-//! Owns no protocol: what runs over a connection is tonic's or axum's.
+//! Owns no protocol: what runs over a connection is tonic's, axum's or a framed peer link's.
 //!
 //! tonic ignores `Server::tcp_nodelay` for `serve_with_incoming*`, so a bare listener stream would
 //! leave Nagle on and hold small frames ~40 ms behind the delayed ACK: never hand one over.
@@ -182,6 +182,11 @@ impl<Io> Guarded<Io> {
         shared.metrics.listener_opened(shared.name, 1);
         let first = Instant::now() + Duration::from_millis(shared.limits.handshake_timeout_ms);
         Guarded { inner, _permit: permit, shared, timer: Box::pin(tokio::time::sleep_until(first)), last_read: None }
+    }
+
+    /// The connection itself (to peek at its first bytes).
+    pub fn get_ref(&self) -> &Io {
+        &self.inner
     }
 
     /// Whether the connection has been silent past its bound (re-arms the timer when it has not).

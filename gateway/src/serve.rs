@@ -157,7 +157,13 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
     // Accepted through `listeners`: a connection cap, timeouts, TCP_NODELAY (tonic ignores
     // `Server::tcp_nodelay` there) and accept back-off.
     let peer_limits = config.peer_link.connections;
-    let peer_incoming = GuardedListener::new(peer_listener, "peer_link", peer_limits, metrics.clone()).into_stream();
+    let peer_service = Arc::new(peer_service);
+    let peer_incoming = crate::peer_link::listener::route(
+        GuardedListener::new(peer_listener, "peer_link", peer_limits, metrics.clone()),
+        peer_service.clone(),
+        config.clone(),
+        stop_rx.clone(),
+    );
     let mut peer_server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(keepalive_interval(&peer_limits)))
         .http2_keepalive_timeout(Some(keepalive_interval(&peer_limits)));
@@ -168,7 +174,7 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
     let peer_task = tokio::spawn(
         peer_server
             .add_service(
-                PeerLinkServer::new(peer_service)
+                PeerLinkServer::from_arc(peer_service)
                     .max_decoding_message_size(crate::peer_link::max_decoding_bytes(&config)),
             )
             .serve_with_incoming_shutdown(peer_incoming, async move {

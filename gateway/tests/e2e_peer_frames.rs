@@ -154,6 +154,38 @@ async fn a_batching_gateway_and_one_without_batches_move_rooms_together() {
     }
 }
 
+/// `peer_link.transport` on each side: the dialling gateway's choice carries the link (decode dials,
+/// its name sorts first), the listener takes either, and rooms move intact on both. The link's
+/// transport is in both gateways' "peer link up" lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framed_and_grpc_links_carry_rooms_whichever_side_asks_for_which() {
+    let _serial = serial().await;
+    for (prefill_transport, decode_transport) in [("grpc", "framed"), ("framed", "grpc"), ("framed", "framed")] {
+        let dir = work_dir();
+        let mut s = settings();
+        s.env_prefill.push(("KVGATE__PEER_LINK__TRANSPORT".into(), prefill_transport.into()));
+        s.env_decode.push(("KVGATE__PEER_LINK__TRANSPORT".into(), decode_transport.into()));
+        let mut pair = GatewayPair::start(&binary(), dir.path(), &s).await.unwrap();
+        let shape = small_shape();
+        let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 8).await;
+        let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 8).await;
+        let rooms = (0..8u64).map(|i| run_room(&prefill, &decode, &shape, 7400 + i, i, i));
+        for result in futures_util::future::join_all(rooms).await {
+            let result = result.unwrap();
+            assert!(result.verified, "decode dials with {decode_transport}: {result:?}");
+        }
+        for log in [pair.prefill.log(), pair.decode.log()] {
+            let up = log.lines().find(|l| l.contains("peer link up")).unwrap_or_else(|| panic!("no link up: {log}"));
+            assert!(
+                up.contains(&format!("transport=\"{decode_transport}\""))
+                    || up.contains(&format!("transport={decode_transport}")),
+                "{up}"
+            );
+        }
+        pair.stop();
+    }
+}
+
 #[test]
 fn a_request_limit_above_the_frame_limit_is_refused_by_config_check() {
     let dir = work_dir();

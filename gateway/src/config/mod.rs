@@ -137,7 +137,7 @@ impl Default for EngineApiSection {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeerLinkSection {
-    /// Listen address of the peer-link gRPC server (`127.0.0.1:7100`).
+    /// Listen address of the peer-link server (`127.0.0.1:7100`); it takes framed and gRPC links.
     pub listen: String,
     /// A heartbeat is sent at least this often on every link.
     pub heartbeat_interval_ms: u64,
@@ -176,6 +176,13 @@ pub struct PeerLinkSection {
     pub psk_file: String,
     /// Mutual TLS for peer links (`auth = "tls"`).
     pub tls: Option<PeerTlsSection>,
+    /// What carries a link this gateway dials: `framed` (length-prefixed frames straight on the TCP
+    /// connection: no HTTP/2, no task between the socket and the link) or `grpc` (a gRPC stream over
+    /// HTTP/2). The listener takes both, and a framed dial to a gateway that does not take framed
+    /// links falls back to gRPC, so mixed versions link. Unset: `framed`, or `grpc` with
+    /// `auth = "tls"` (framed links have no TLS yet).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub transport: Option<PeerTransport>,
     /// Connections of the peer-link listener (dialled links; heartbeats keep a live one talking).
     pub connections: ConnectionLimits,
 }
@@ -199,7 +206,34 @@ impl PeerAuthMode {
     }
 }
 
+/// What carries a peer link (`peer_link.transport`).
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PeerTransport {
+    Framed,
+    Grpc,
+}
+
+impl PeerTransport {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PeerTransport::Framed => "framed",
+            PeerTransport::Grpc => "grpc",
+        }
+    }
+}
+
 impl PeerLinkSection {
+    /// The transport this gateway dials with: `transport`, or its default (`grpc` with TLS, else
+    /// `framed`).
+    pub fn transport_mode(&self) -> PeerTransport {
+        self.transport.unwrap_or(if self.auth_mode() == PeerAuthMode::Tls {
+            PeerTransport::Grpc
+        } else {
+            PeerTransport::Framed
+        })
+    }
+
     /// The authentication in force: `auth`, or its default (`tls` with `[peer_link.tls]`, else `psk`).
     pub fn auth_mode(&self) -> PeerAuthMode {
         self.auth.unwrap_or(if self.tls.is_some() { PeerAuthMode::Tls } else { PeerAuthMode::Psk })
@@ -222,6 +256,7 @@ impl Default for PeerLinkSection {
             auth: None,
             psk_file: String::new(),
             tls: None,
+            transport: None,
             connections: ConnectionLimits::new(256, 10_000, 120_000),
         }
     }

@@ -324,6 +324,14 @@ fn peer_links_need_authentication_unless_none_is_written_and_then_only_on_loopba
         load_config_from_str(&format!("[peer_link]\nauth = \"none\"\n{peer}")).unwrap().peer_link.auth_mode(),
         PeerAuthMode::None
     );
+    // The transport: framed unless TLS; framed with TLS is refused, gRPC is allowed with any.
+    assert_eq!(c.peer_link.transport_mode(), PeerTransport::Framed);
+    assert_eq!(load_config_from_str(&format!("{peer}{tls}")).unwrap().peer_link.transport_mode(), PeerTransport::Grpc);
+    let grpc = load_config_from_str(&format!("[peer_link]\npsk_file = \"/k\"\ntransport = \"grpc\"\n{peer}")).unwrap();
+    assert_eq!(grpc.peer_link.transport_mode(), PeerTransport::Grpc);
+    let e = errors_of(&format!("[peer_link]\ntransport = \"framed\"\n{peer}{tls}"));
+    assert!(e.contains("peer_link.transport") && e.contains("no TLS yet"), "{e}");
+    assert!(errors_of(&format!("[peer_link]\ntransport = \"http\"\n{peer}")).contains("transport"));
     for listen in ["0.0.0.0:7100", "10.0.0.1:7100", "[::]:7100"] {
         let e = errors_of(&format!("[peer_link]\nauth = \"none\"\nlisten = {listen:?}\n{peer}"));
         assert!(e.contains("peer_link.listen") && e.contains("loopback"), "{listen}: {e}");

@@ -1,7 +1,7 @@
 //! Checks every limit and cross-field rule of a loaded [`GatewayConfig`], reporting all problems at
 //! once, each naming the key, the value and what is allowed. Never fixes a value silently.
 
-use super::{GatewayConfig, PeerAuthMode};
+use super::{GatewayConfig, PeerAuthMode, PeerTransport};
 use std::fmt;
 use std::net::SocketAddr;
 
@@ -231,6 +231,13 @@ fn check_peer_auth(config: &GatewayConfig, errors: &mut Vec<LimitError>) {
                 ));
             }
         }
+    }
+    if link.auth_mode() == PeerAuthMode::Tls && link.transport == Some(PeerTransport::Framed) {
+        errors.push(rule(
+            "peer_link.transport",
+            "\"framed\"",
+            "\"grpc\" (or unset) while peer_link.auth = \"tls\": framed links have no TLS yet",
+        ));
     }
     if link.auth_mode() != PeerAuthMode::Psk && !link.psk_file.is_empty() {
         errors.push(rule(

@@ -294,8 +294,9 @@ impl Driver {
                 }
             }
             // The session task checks both before a frame gets here (a second Hello ends the link).
-            // Fragments are joined by the link's session task; none reaches the driver.
-            Frame::Hello(_) | Frame::Heartbeat(_) | Frame::AuthProof(_) | Frame::Fragment(_) => {}
+            // Fragments are joined by the link's session task; none reaches the driver, nor does a
+            // refusal (it can only stand in place of a Hello, which the dialler reads).
+            Frame::Hello(_) | Frame::Heartbeat(_) | Frame::AuthProof(_) | Frame::Fragment(_) | Frame::Refused(_) => {}
         }
     }
 

@@ -1,15 +1,27 @@
 //! A link once its handshake (and authentication) is done: what the dialler and the server hand the
-//! peer's link task. Plain data.
+//! peer's link task. Plain data, the same whichever transport carries the link.
 
 use crate::channels::Outbound;
+use crate::config::PeerTransport;
 use kvgate_client::proto::{self, PeerFrame};
-use tonic::Streaming;
+use std::pin::Pin;
+
+/// A link's inbound frames, in order; an error (its text says why) or the end is the link's loss.
+/// Cancel-safe: a frame half read when a `next()` is dropped is read on by the next one.
+pub type Inbound = Pin<Box<dyn tokio_stream::Stream<Item = Result<PeerFrame, String>> + Send>>;
 
 /// A handshaken (and authenticated) link: the peer's hello, its inbound frames, our outbound queue
 /// and, with `peer_link.auth = "psk"`, the check of every inbound frame's MAC.
 pub struct Session {
     pub hello: proto::Hello,
-    pub inbound: Streaming<PeerFrame>,
+    pub inbound: Inbound,
     pub outbound: Outbound,
     pub opener: Option<super::psk::FrameOpener>,
+    /// What carries it (for the log and the metrics).
+    pub transport: PeerTransport,
+}
+
+/// A gRPC stream as a link's inbound frames.
+pub fn grpc_inbound(stream: tonic::Streaming<PeerFrame>) -> Inbound {
+    Box::pin(tokio_stream::StreamExt::map(stream, |item| item.map_err(|status| status.message().to_string())))
 }

@@ -126,7 +126,7 @@ impl Reassembly {
             PeerFrame::decode(encoded.as_slice()).map_err(|e| format!("a fragmented frame does not decode: {e}"))?;
         match frame.frame {
             Some(Frame::Fragment(_)) => Err("a fragment inside a fragmented frame".into()),
-            Some(Frame::Hello(_)) | Some(Frame::AuthProof(_)) => {
+            Some(Frame::Hello(_)) | Some(Frame::AuthProof(_)) | Some(Frame::Refused(_)) => {
                 Err("a handshake frame inside a fragmented frame".into())
             }
             Some(frame) => Ok(Some(frame)),

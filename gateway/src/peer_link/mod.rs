@@ -1,17 +1,21 @@
-//! Peer links: one gRPC bidirectional stream per pair of gateways (dialled by the gateway whose name
-//! sorts first), a Hello each way, heartbeats, and loss detection within
+//! Peer links: one link per pair of gateways (dialled by the gateway whose name sorts first), framed
+//! on TCP (`framed.rs`) or a gRPC bidirectional stream (`peer_link.transport`), a Hello each way, heartbeats, and loss detection within
 //! `heartbeat_interval_ms * heartbeat_misses`. Hands sessions and frames to the driver; never
 //! interprets a frame's meaning for rooms (the driver and the core do).
 
 pub mod codec;
 mod dial;
 pub mod directory;
+pub mod framed;
 mod handshaken;
 pub mod lanes;
+pub mod listener;
 pub mod psk;
 mod server;
 mod session;
 mod tls;
+#[cfg(test)]
+mod transport_tests;
 
 pub use directory::{PeerDirectory, PeerSource, Upsert};
 pub use server::PeerLinkService;
@@ -145,7 +149,7 @@ pub(crate) fn sealed_stream(
     })
 }
 
-/// The largest message tonic decodes on a peer link: a whole frame of `max_frame_bytes` (a peer that
+/// The largest message a peer link decodes (tonic's bound, and the framed reader's): a whole frame of `max_frame_bytes` (a peer that
 /// fragments less than this gateway) plus its envelope and MAC.
 pub fn max_decoding_bytes(config: &GatewayConfig) -> usize {
     (config.peer_link.max_frame_bytes + 4096) as usize

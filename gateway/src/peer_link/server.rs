@@ -1,16 +1,18 @@
-//! The `PeerLink` gRPC service: accepts links dialled by peers whose name sorts before ours, checks
-//! their Hello and their authentication (`psk`: the challenge-response, `tls`: that their certificate
-//! names the peer the Hello claims to be), and only then hands the session to that peer's task. Never
-//! accepts an unknown peer (neither in `[[peers]]` nor discovered, or withdrawn from discovery), and
-//! logs every refusal with its reason.
+//! Accepting a dialled link, whatever carries it (`accept`: a framed connection from `listener.rs`,
+//! or the `PeerLink` gRPC service's stream): checks links dialled by peers whose name sorts before
+//! ours, their Hello and their authentication (`psk`: the challenge-response, `tls`: that their
+//! certificate names the peer the Hello claims to be), and only then hands the session to that peer's
+//! task. Never accepts an unknown peer (neither in `[[peers]]` nor discovered, or withdrawn from
+//! discovery); every refusal carries a reason code.
 
-use super::handshaken::Session;
+use super::handshaken::{Inbound, Session};
 use super::{lanes, psk, sealed_stream, LinkAuth, LocalIdentity, PeerDirectory};
-use crate::config::GatewayConfig;
+use crate::config::{GatewayConfig, PeerTransport};
 use kvgate_client::proto::{peer_frame::Frame, peer_link_server::PeerLink, PeerFrame};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
 pub struct PeerLinkService {
@@ -33,9 +35,30 @@ impl PeerLinkService {
 
 type FrameStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<PeerFrame, Status>> + Send>>;
 
-fn refuse(peer: &str, reason: &str, why: String) -> Status {
-    tracing::warn!(peer = %peer, reason, "refused a peer link: {why}");
-    Status::permission_denied(format!("{reason}: {why}"))
+/// Why a link was refused: a reason code, the text for the dialler and its gRPC status code.
+#[derive(Debug)]
+pub struct Refusal {
+    pub reason: &'static str,
+    pub message: String,
+    code: tonic::Code,
+    /// Already logged where it was decided.
+    pub logged: bool,
+}
+
+impl Refusal {
+    fn new(code: tonic::Code, reason: &'static str, message: String) -> Refusal {
+        Refusal { reason, message, code, logged: false }
+    }
+
+    /// A refusal worth a warning (logged once, where it is decided).
+    fn logged(peer: &str, reason: &'static str, why: String) -> Refusal {
+        tracing::warn!(peer = %peer, reason, "refused a peer link: {why}");
+        Refusal { logged: true, ..Refusal::new(tonic::Code::PermissionDenied, reason, why) }
+    }
+
+    pub fn status(&self) -> Status {
+        Status::new(self.code, format!("{}: {}", self.reason, self.message))
+    }
 }
 
 #[tonic::async_trait]
@@ -44,32 +67,67 @@ impl PeerLink for PeerLinkService {
 
     async fn link(&self, request: Request<Streaming<PeerFrame>>) -> Result<Response<FrameStream>, Status> {
         let client_certs = request.peer_certs();
-        let mut inbound = request.into_inner();
+        let leaf = client_certs.as_ref().and_then(|certs| certs.first().cloned());
+        let inbound = super::handshaken::grpc_inbound(request.into_inner());
+        let outbound = self.accept(inbound, leaf, PeerTransport::Grpc).await.map_err(|r| r.status())?;
+        Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(outbound, Ok))))
+    }
+}
+
+impl PeerLinkService {
+    /// Takes a dialled link whatever carries it: checks its Hello and authentication, answers with
+    /// our Hello, and hands the session to the peer's task once it is proven. Returns the link's
+    /// outbound frames (for the transport to send), or why it was refused. `leaf` is the dialler's
+    /// TLS certificate, if any.
+    pub async fn accept(
+        &self,
+        mut inbound: Inbound,
+        leaf: Option<tonic::transport::CertificateDer<'static>>,
+        transport: PeerTransport,
+    ) -> Result<impl tokio_stream::Stream<Item = PeerFrame> + Send + 'static, Refusal> {
+        use tonic::Code;
         let timeout = Duration::from_millis(self.config.peer_link.connect_timeout_ms);
-        let first = tokio::time::timeout(timeout, inbound.message())
-            .await
-            .map_err(|_| Status::deadline_exceeded("no hello within peer_link.connect_timeout_ms"))??;
-        let Some(Frame::Hello(hello)) = first.and_then(|f| f.frame) else {
-            return Err(Status::invalid_argument("protocol_violation: a link starts with a hello"));
+        let first = match tokio::time::timeout(timeout, inbound.next()).await {
+            Err(_) => {
+                return Err(Refusal::new(
+                    Code::DeadlineExceeded,
+                    "protocol_violation",
+                    "no hello within peer_link.connect_timeout_ms".into(),
+                ))
+            }
+            Ok(Some(Err(why))) if why.starts_with("protocol_violation") => {
+                return Err(Refusal::new(Code::InvalidArgument, "protocol_violation", why))
+            }
+            Ok(Some(Err(why))) => return Err(Refusal::new(Code::Unavailable, "link_closed", why)),
+            Ok(None) => return Err(Refusal::new(Code::Unavailable, "link_closed", "closed before its hello".into())),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Some(Frame::Hello(hello)) = first.frame else {
+            return Err(Refusal::new(Code::InvalidArgument, "protocol_violation", "a link starts with a hello".into()));
         };
         if hello.to != self.identity.name {
-            return Err(Status::invalid_argument(format!(
-                "protocol_violation: hello addressed to {:?}, this is {:?}",
-                hello.to, self.identity.name
-            )));
+            return Err(Refusal::new(
+                Code::InvalidArgument,
+                "protocol_violation",
+                format!("hello addressed to {:?}, this is {:?}", hello.to, self.identity.name),
+            ));
         }
         if hello.protocol_version != super::PEER_PROTOCOL_VERSION {
-            return Err(Status::failed_precondition(format!(
-                "version_mismatch: peer-link protocol {} (this gateway speaks {})",
-                hello.protocol_version,
-                super::PEER_PROTOCOL_VERSION
-            )));
+            return Err(Refusal::new(
+                Code::FailedPrecondition,
+                "version_mismatch",
+                format!(
+                    "peer-link protocol {} (this gateway speaks {})",
+                    hello.protocol_version,
+                    super::PEER_PROTOCOL_VERSION
+                ),
+            ));
         }
         let dialler_is_peer = super::dials(&hello.name, &self.identity.name);
         let known =
             self.directory.entry(&hello.name).zip(self.directory.incoming(&hello.name)).filter(|_| dialler_is_peer);
         let Some((entry, session_tx)) = known else {
-            return Err(refuse(
+            return Err(Refusal::logged(
                 &hello.name,
                 "unknown_peer",
                 format!("{:?} is not a configured or discovered peer that dials this gateway", hello.name),
@@ -80,36 +138,42 @@ impl PeerLink for PeerLinkService {
         match &self.auth {
             LinkAuth::Tls(_) => {
                 let expected = super::tls_name(&entry);
-                let leaf = client_certs.as_ref().and_then(|certs| certs.first().cloned());
                 if let Err(why) = super::tls::check_certificate_name(leaf.as_ref(), &expected) {
                     tracing::warn!(peer = %hello.name, expected_name = %expected, reason = "peer_identity_mismatch", "refused a peer link: {why}");
-                    return Err(Status::permission_denied(format!(
-                        "peer_identity_mismatch: the certificate of {:?} is not valid for {expected:?} (peers.tls_name): {why}",
-                        hello.name
-                    )));
+                    return Err(Refusal {
+                        logged: true,
+                        ..Refusal::new(
+                            Code::PermissionDenied,
+                            "peer_identity_mismatch",
+                            format!(
+                                "the certificate of {:?} is not valid for {expected:?} (peers.tls_name): {why}",
+                                hello.name
+                            ),
+                        )
+                    });
                 }
                 tx.bulk
                     .send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new()))
                     .await
-                    .map_err(|_| Status::internal("link closed"))?;
+                    .map_err(|_| Refusal::new(Code::Internal, "link_closed", "link closed".into()))?;
                 session_tx
-                    .send(Session { hello, inbound, outbound: tx, opener: None })
+                    .send(Session { hello, inbound, outbound: tx, opener: None, transport })
                     .await
-                    .map_err(|_| Status::unavailable("gateway stopping"))?;
+                    .map_err(|_| Refusal::new(Code::Unavailable, "shutdown", "gateway stopping".into()))?;
             }
             LinkAuth::None => {
                 tx.bulk
                     .send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new()))
                     .await
-                    .map_err(|_| Status::internal("link closed"))?;
+                    .map_err(|_| Refusal::new(Code::Internal, "link_closed", "link closed".into()))?;
                 session_tx
-                    .send(Session { hello, inbound, outbound: tx, opener: None })
+                    .send(Session { hello, inbound, outbound: tx, opener: None, transport })
                     .await
-                    .map_err(|_| Status::unavailable("gateway stopping"))?;
+                    .map_err(|_| Refusal::new(Code::Unavailable, "shutdown", "gateway stopping".into()))?;
             }
             LinkAuth::Psk(key) => {
                 if hello.nonce.len() != psk::NONCE_BYTES {
-                    return Err(refuse(
+                    return Err(Refusal::logged(
                         &hello.name,
                         "peer_auth_failed",
                         format!(
@@ -134,17 +198,17 @@ impl PeerLink for PeerLinkService {
                 tx.bulk
                     .send(self.identity.hello_to(&hello.name, self.auth.mode(), nonce, proof))
                     .await
-                    .map_err(|_| Status::internal("link closed"))?;
+                    .map_err(|_| Refusal::new(Code::Internal, "link_closed", "link closed".into()))?;
                 // The dialler answers only once it holds our Hello, which goes out with the response:
                 // its proof is awaited in a task, and the link is handed on only when it checks out.
                 tokio::spawn(async move {
                     let name = hello.name.clone();
-                    let answer = match tokio::time::timeout(timeout, inbound.message()).await {
-                        Ok(Ok(Some(frame))) => {
+                    let answer = match tokio::time::timeout(timeout, inbound.next()).await {
+                        Ok(Some(Ok(frame))) => {
                             opener.open(frame).map_err(|e| format!("its answer failed the link MAC: {e}"))
                         }
-                        Ok(Ok(None)) => Err("it closed the link before answering the challenge".to_string()),
-                        Ok(Err(status)) => Err(format!("link error before its answer: {}", status.message())),
+                        Ok(None) => Err("it closed the link before answering the challenge".to_string()),
+                        Ok(Some(Err(why))) => Err(format!("link error before its answer: {why}")),
                         Err(_) => Err("no answer to the challenge within peer_link.connect_timeout_ms".to_string()),
                     };
                     let proven = answer.and_then(|frame| match frame.frame {
@@ -156,16 +220,15 @@ impl PeerLink for PeerLinkService {
                     });
                     match proven {
                         Ok(()) => {
-                            let _ =
-                                session_tx.send(Session { hello, inbound, outbound: tx, opener: Some(opener) }).await;
+                            let session = Session { hello, inbound, outbound: tx, opener: Some(opener), transport };
+                            let _ = session_tx.send(session).await;
                         }
                         // Dropping the outbound queue ends the response stream: the dialler sees the link close.
-                        Err(why) => drop(refuse(&name, "peer_auth_failed", why)),
+                        Err(why) => drop(Refusal::logged(&name, "peer_auth_failed", why)),
                     }
                 });
             }
         }
-        let outbound = sealed_stream(rx, sealer, &self.config);
-        Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(outbound, Ok))))
+        Ok(sealed_stream(rx, sealer, &self.config))
     }
 }

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
+use tokio_stream::StreamExt;
 
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 
@@ -110,7 +111,7 @@ impl PeerTask {
         let id = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
         let name = self.name.clone();
         let sender = PeerSender::new(session.outbound.clone());
-        tracing::info!(peer = %name, session = id, incarnation = session.hello.incarnation, "peer link up");
+        tracing::info!(peer = %name, session = id, incarnation = session.hello.incarnation, transport = session.transport.as_str(), "peer link up");
         if self
             .events
             .send(DriverInput::Peer(PeerEvent::Up {
@@ -137,12 +138,12 @@ impl PeerTask {
             // waiting in the socket are read before its silence is judged.
             tokio::select! {
                 biased;
-                message = session.inbound.message() => match message.map(|m| m.map(|frame| match session.opener.as_mut() {
+                message = session.inbound.next() => match message.map(|m| m.map(|frame| match session.opener.as_mut() {
                     Some(opener) => opener.open(frame),
                     None => Ok(frame),
                 })) {
-                    Ok(Some(Err(why))) => break (LinkEnd::AuthFailed, why),
-                    Ok(Some(Ok(PeerFrame { frame: Some(frame), .. }))) => {
+                    Some(Ok(Err(why))) => break (LinkEnd::AuthFailed, why),
+                    Some(Ok(Ok(PeerFrame { frame: Some(frame), .. }))) => {
                         last_heard = Instant::now();
                         if matches!(frame, Frame::Heartbeat(_)) { continue; }
                         let frame = match frame {
@@ -154,12 +155,13 @@ impl PeerTask {
                             _ if joining.pending_bytes() > 0 => break (LinkEnd::ProtocolViolation, "a frame between the fragments of another".into()),
                             frame => frame,
                         };
-                        if let Frame::Hello(_) = frame { break (LinkEnd::ProtocolViolation, "a second hello on a live link".into()); }
+                        if let Frame::Hello(_) | Frame::Refused(_) = frame { break (LinkEnd::ProtocolViolation, "a handshake frame on a live link".into()); }
                         if self.events.send(DriverInput::Peer(PeerEvent::Frame { session: id, frame })).await.is_err() { return None; }
                     }
-                    Ok(Some(Ok(PeerFrame { frame: None, .. }))) => last_heard = Instant::now(),
-                    Ok(None) => break (LinkEnd::Closed, "the peer closed the link".into()),
-                    Err(status) => break (LinkEnd::Closed, format!("link error: {}", status.message())),
+                    Some(Ok(Ok(PeerFrame { frame: None, .. }))) => last_heard = Instant::now(),
+                    None => break (LinkEnd::Closed, "the peer closed the link".into()),
+                    Some(Err(why)) if why.starts_with("protocol_violation") => break (LinkEnd::ProtocolViolation, why),
+                    Some(Err(why)) => break (LinkEnd::Closed, format!("link error: {why}")),
                 },
                 _ = heartbeat.tick() => {
                     seq += 1;

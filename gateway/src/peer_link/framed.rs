@@ -1,0 +1,252 @@
+//! The framed peer-link transport: a TCP connection that starts with [`MAGIC`] each way, then carries
+//! `PeerFrame`s as length-prefixed frames (u32 little-endian length, then the protobuf; the engine
+//! fast lane's framing, `kvgate_client::lane_frame`). No HTTP/2: no HPACK, no flow-control frames, no
+//! connection task between the socket and the link. The link's session task reads the socket itself
+//! ([`inbound`]); one writer task per link ([`spawn_writer`]) writes every frame already queued in
+//! one `write`. Owns the bytes on the wire only: the handshake and authentication above it are the
+//! same as on a gRPC link (`dial.rs`, `server.rs`).
+
+use super::handshaken::Inbound;
+use futures_util::FutureExt;
+use kvgate_client::lane_frame::{encode_frame, FrameBuffer};
+use kvgate_client::proto::PeerFrame;
+use prost::Message;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_stream::{Stream, StreamExt};
+
+/// The first bytes of a framed link, sent by the dialler and echoed by the server before anything
+/// else. An HTTP/2 connection starts with `PRI * HTTP/2.0`, a TLS one with a handshake record, so a
+/// listener tells them apart from these.
+pub const MAGIC: &[u8; 8] = b"KVGPEER1";
+
+/// A writer stops gathering queued frames into one `write` past this many bytes.
+pub const WRITE_BATCH_BYTES: usize = 256 << 10;
+
+/// Reads the framed link's inbound frames from `io`: each at most `max_frame_bytes` (a length past
+/// it ends the link before its body is read), each a `PeerFrame` that decodes.
+pub fn inbound<R: AsyncRead + Unpin + Send + 'static>(io: R, max_frame_bytes: usize) -> Inbound {
+    let reader = Reader { io, buffer: FrameBuffer::default(), max_frame_bytes, failed: false };
+    Box::pin(futures_util::stream::unfold(reader, |mut reader| async move {
+        let item = reader.next().await?;
+        Some((item, reader))
+    }))
+}
+
+struct Reader<R> {
+    io: R,
+    buffer: FrameBuffer,
+    max_frame_bytes: usize,
+    failed: bool,
+}
+
+impl<R: AsyncRead + Unpin> Reader<R> {
+    /// The next frame; `None` at a clean end of the connection or after an error was returned.
+    async fn next(&mut self) -> Option<Result<PeerFrame, String>> {
+        if self.failed {
+            return None;
+        }
+        loop {
+            match self.buffer.take(self.max_frame_bytes) {
+                Ok(Some(body)) => {
+                    let frame = PeerFrame::decode(body)
+                        .map_err(|e| format!("protocol_violation: a frame does not decode: {e}"));
+                    self.failed = frame.is_err();
+                    return Some(frame);
+                }
+                Ok(None) => {}
+                Err(too_large) => {
+                    self.failed = true;
+                    return Some(Err(format!(
+                        "protocol_violation: a frame of {} bytes, past peer_link.max_frame_bytes = {} (plus its envelope)",
+                        too_large.len, too_large.max
+                    )));
+                }
+            }
+            match self.io.read_buf(self.buffer.spare()).await {
+                Ok(0) => return None,
+                Ok(_) => {}
+                Err(e) => {
+                    self.failed = true;
+                    return Some(Err(format!("read: {e}")));
+                }
+            }
+        }
+    }
+}
+
+/// Starts the task that writes `frames` to `io` until the stream ends (the link's outbound lanes
+/// closed) or a write fails. A failed write drops the stream, closing the lanes, which the link's
+/// session task sees as the loss of the link.
+pub fn spawn_writer<W, S>(mut io: W, frames: S)
+where
+    W: AsyncWrite + Unpin + Send + 'static,
+    S: Stream<Item = PeerFrame> + Send + 'static,
+{
+    tokio::spawn(async move {
+        let mut frames = std::pin::pin!(frames);
+        let mut buffer = Vec::with_capacity(64 << 10);
+        while let Some(frame) = frames.next().await {
+            encode_frame(&frame, &mut buffer);
+            // Every frame already queued goes in the same write.
+            while buffer.len() < WRITE_BATCH_BYTES {
+                match frames.next().now_or_never() {
+                    Some(Some(frame)) => encode_frame(&frame, &mut buffer),
+                    _ => break,
+                }
+            }
+            if let Err(e) = io.write_all(&buffer).await {
+                tracing::debug!("peer link write failed: {e}");
+                return;
+            }
+            buffer.clear();
+        }
+        let _ = io.shutdown().await;
+    });
+}
+
+/// What a connection to the peer-link listener speaks, from its first bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Speaks {
+    /// A framed link: its [`MAGIC`] is still unread.
+    Framed,
+    /// Anything else (HTTP/2, TLS): for the gRPC server.
+    Other,
+}
+
+/// Tells a framed link from anything else by peeking at most `MAGIC.len()` bytes, waiting for them
+/// at most `wait`. `peek` returns what the bytes read so far were, to be retried while they are a
+/// strict prefix of the magic.
+pub async fn sniff<F, Fut>(mut peek: F, wait: Duration) -> std::io::Result<Speaks>
+where
+    F: FnMut(Vec<u8>) -> Fut,
+    Fut: std::future::Future<Output = std::io::Result<(usize, Vec<u8>)>>,
+{
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let (n, seen) = tokio::time::timeout_at(deadline, peek(vec![0u8; MAGIC.len()])).await.map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::TimedOut, "no first bytes within connect_timeout_ms")
+        })??;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if seen[..n] != MAGIC[..n] {
+            return Ok(Speaks::Other);
+        }
+        if n == MAGIC.len() {
+            return Ok(Speaks::Framed);
+        }
+        // A strict prefix so far: `peek` returns at once while bytes wait, so pause before the next
+        // (and give up at the deadline: a ready peek beats `timeout_at`).
+        if tokio::time::Instant::now() >= deadline {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "only part of a framed link's magic within connect_timeout_ms",
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Reads the peer's [`MAGIC`] (the server's echo, or the dialler's opening). `Ok(false)`: the peer
+/// sent something else, or closed, so it does not take framed links.
+pub async fn read_magic<R: AsyncRead + Unpin>(io: &mut R) -> std::io::Result<bool> {
+    let mut seen = [0u8; MAGIC.len()];
+    match io.read_exact(&mut seen).await {
+        Ok(_) => Ok(&seen == MAGIC),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_client::proto::{self, peer_frame::Frame};
+
+    fn heartbeat(seq: u64) -> PeerFrame {
+        PeerFrame { frame: Some(Frame::Heartbeat(proto::Heartbeat { seq })), mac: vec![1, 2, 3] }
+    }
+
+    #[tokio::test]
+    async fn frames_written_by_the_writer_are_read_back_in_order_then_the_end() {
+        let (a, b) = tokio::io::duplex(1 << 20);
+        let frames: Vec<PeerFrame> = (0..1000).map(heartbeat).collect();
+        spawn_writer(a, tokio_stream::iter(frames.clone()));
+        let read: Vec<Result<PeerFrame, String>> = inbound(b, 1 << 20).collect().await;
+        assert_eq!(read.len(), frames.len(), "every frame once, then the clean end");
+        for (got, sent) in read.into_iter().zip(frames) {
+            assert_eq!(got.unwrap(), sent);
+        }
+    }
+
+    /// One frame of exactly `len` encoded bytes, then what the reader makes of it under `max`.
+    async fn read_one(len: usize, max: usize) -> Vec<Result<PeerFrame, String>> {
+        let frame = PeerFrame { frame: Some(Frame::Heartbeat(proto::Heartbeat { seq: 1 })), mac: Vec::new() };
+        let pad = len - frame.encoded_len() - 3; // `mac` field: one tag byte, two length bytes (len >= 131)
+        let frame = PeerFrame { mac: vec![7; pad], ..frame };
+        assert_eq!(frame.encoded_len(), len);
+        let mut bytes = Vec::new();
+        encode_frame(&frame, &mut bytes);
+        let (mut a, b) = tokio::io::duplex(1 << 20);
+        a.write_all(&bytes).await.unwrap();
+        drop(a);
+        inbound(b, max).collect().await
+    }
+
+    #[tokio::test]
+    async fn a_frame_at_the_bound_is_read_and_one_byte_more_ends_the_link() {
+        let at = read_one(4000, 4000).await;
+        assert!(at.len() == 1 && at[0].is_ok(), "{at:?}");
+        let past = read_one(4001, 4000).await;
+        assert_eq!(past.len(), 1, "the error, then nothing: {past:?}");
+        let e = past[0].as_ref().unwrap_err();
+        assert!(e.contains("protocol_violation") && e.contains("max_frame_bytes"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn garbage_ends_the_link_with_a_protocol_violation() {
+        let (mut a, b) = tokio::io::duplex(1024);
+        a.write_all(&[3, 0, 0, 0, 0xff, 0xff, 0xff]).await.unwrap();
+        drop(a);
+        let read: Vec<_> = inbound(b, 1024).collect().await;
+        assert_eq!(read.len(), 1);
+        assert!(read[0].as_ref().unwrap_err().contains("does not decode"), "{read:?}");
+    }
+
+    /// What `sniff` says of a connection whose first bytes are `bytes` (and no more ever arrive):
+    /// each peek returns them, as a socket's peek returns what waits unread.
+    async fn sniffed(bytes: &'static [u8]) -> std::io::Result<Speaks> {
+        let peek = move |mut buf: Vec<u8>| async move {
+            let n = bytes.len().min(buf.len());
+            buf[..n].copy_from_slice(&bytes[..n]);
+            Ok((n, buf))
+        };
+        sniff(peek, Duration::from_millis(50)).await
+    }
+
+    #[tokio::test]
+    async fn the_listener_tells_a_framed_link_from_http2_and_tls_and_waits_only_so_long() {
+        assert_eq!(sniffed(b"KVGPEER1\x05\x00").await.unwrap(), Speaks::Framed);
+        assert_eq!(sniffed(b"PRI * HTTP/2.0\r\n").await.unwrap(), Speaks::Other);
+        assert_eq!(sniffed(b"\x16\x03\x01\x02\x00").await.unwrap(), Speaks::Other);
+        // A strict prefix that never completes: waited for, then refused at the bound.
+        let e = sniffed(b"KVG").await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        assert_eq!(sniffed(b"").await.unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+
+    #[tokio::test]
+    async fn read_magic_tells_a_framed_server_from_an_http2_one() {
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        a.write_all(MAGIC).await.unwrap();
+        assert!(read_magic(&mut b).await.unwrap());
+        // An HTTP/2 server's first bytes are its SETTINGS frame; a refusing one may just close.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        a.write_all(&[0, 0, 18, 4, 0, 0, 0, 0, 0]).await.unwrap();
+        assert!(!read_magic(&mut b).await.unwrap());
+        let (a, mut b) = tokio::io::duplex(1024);
+        drop(a);
+        assert!(!read_magic(&mut b).await.unwrap());
+    }
+}

@@ -1,0 +1,87 @@
+//! The peer-link listener's two protocols on one port: each accepted connection's first bytes say
+//! whether it is a framed link (`framed.rs`), served here, or anything else (HTTP/2, TLS), handed to
+//! the gRPC server. With `peer_link.auth = "tls"` every connection goes to the gRPC server (framed
+//! links have no TLS yet). A connection that sends nothing within `connect_timeout_ms` is closed.
+
+use super::framed::{self, Speaks};
+use super::PeerLinkService;
+use crate::config::{GatewayConfig, PeerAuthMode, PeerTransport};
+use crate::listeners::{Guarded, GuardedListener};
+use kvgate_client::lane_frame::encode_frame;
+use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+
+/// Connections accepted but not yet taken by the gRPC server.
+const GRPC_HANDOVER_QUEUE: usize = 64;
+
+/// Starts routing `listener`'s connections; returns the stream of those for the gRPC server. Stops
+/// accepting once `stop` turns true.
+pub fn route(
+    listener: GuardedListener<tokio::net::TcpListener>,
+    service: Arc<PeerLinkService>,
+    config: Arc<GatewayConfig>,
+    mut stop: watch::Receiver<bool>,
+) -> std::pin::Pin<Box<dyn tokio_stream::Stream<Item = io::Result<Guarded<TcpStream>>> + Send>> {
+    if config.peer_link.auth_mode() == PeerAuthMode::Tls {
+        return Box::pin(listener.into_stream());
+    }
+    let (grpc, grpc_rx) = mpsc::channel(GRPC_HANDOVER_QUEUE);
+    tokio::spawn(async move {
+        let mut listener = listener;
+        loop {
+            let conn = tokio::select! {
+                (conn, _) = listener.next() => conn,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            let (grpc, service, config) = (grpc.clone(), service.clone(), config.clone());
+            tokio::spawn(async move {
+                let wait = Duration::from_millis(config.peer_link.connect_timeout_ms);
+                let stream = conn.get_ref();
+                let peek = move |mut buf: Vec<u8>| async move {
+                    let n = stream.peek(&mut buf).await?;
+                    Ok((n, buf))
+                };
+                match framed::sniff(peek, wait).await {
+                    Ok(Speaks::Framed) => serve_framed(conn, &service, &config).await,
+                    Ok(Speaks::Other) => {
+                        let _ = grpc.send(Ok(conn)).await;
+                    }
+                    Err(e) => tracing::debug!(
+                        reason = "handshake_timeout",
+                        "peer-link connection closed before it said what it speaks: {e}"
+                    ),
+                }
+            });
+        }
+    });
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(grpc_rx))
+}
+
+/// A framed link: takes its magic, echoes it, then runs the same handshake as a gRPC link; a refusal
+/// is sent as a `Refused` frame before the connection closes.
+async fn serve_framed(mut conn: Guarded<TcpStream>, service: &PeerLinkService, config: &GatewayConfig) {
+    let mut magic = [0u8; framed::MAGIC.len()];
+    if conn.read_exact(&mut magic).await.is_err() || conn.write_all(framed::MAGIC).await.is_err() {
+        return;
+    }
+    let (read, mut write) = tokio::io::split(conn);
+    let inbound = framed::inbound(read, super::max_decoding_bytes(config));
+    match service.accept(inbound, None, PeerTransport::Framed).await {
+        Ok(outbound) => framed::spawn_writer(write, outbound),
+        Err(refusal) => {
+            if !refusal.logged {
+                tracing::info!(reason = refusal.reason, "refused a framed peer link: {}", refusal.message);
+            }
+            let refused = proto::LinkRefused { reason: refusal.reason.to_string(), message: refusal.message };
+            let mut bytes = Vec::new();
+            encode_frame(&PeerFrame { frame: Some(Frame::Refused(refused)), mac: Vec::new() }, &mut bytes);
+            let _ = write.write_all(&bytes).await;
+            let _ = write.shutdown().await;
+        }
+    }
+}
