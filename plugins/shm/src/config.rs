@@ -38,6 +38,12 @@ pub struct ShmConfig {
     /// ones a plain memcpy, since their destination is likely still cached when it is read.
     /// Default 1 MiB, allowed 0..=2^48 (0 streams every transfer).
     pub streaming_stores_min_bytes: u64,
+    /// A transfer of at most this many bytes (and at most `chunk_bytes`) submitted while no other
+    /// chunk waits is copied by the submitting thread before `submit` returns, instead of waking a
+    /// copy worker: for a small transfer the wake-ups (a worker's, then the caller's for the event)
+    /// cost more than the copy. Default 64 KiB (a few microseconds of copying), allowed 0..=1 MiB
+    /// (0: every transfer goes to the workers).
+    pub inline_copy_bytes: u64,
 }
 
 pub const DEFAULT_WORKERS: u32 = 2;
@@ -56,6 +62,8 @@ pub const MIN_MAX_IMPORT_BYTES_PER_PEER: u64 = 1 << 20;
 pub const MAX_MAX_IMPORT_BYTES_PER_PEER: u64 = 1 << 48;
 pub const DEFAULT_STREAMING_STORES_MIN_BYTES: u64 = 1 << 20;
 pub const MAX_STREAMING_STORES_MIN_BYTES: u64 = 1 << 48;
+pub const DEFAULT_INLINE_COPY_BYTES: u64 = 64 << 10;
+pub const MAX_INLINE_COPY_BYTES: u64 = 1 << 20;
 
 impl Default for ShmConfig {
     fn default() -> Self {
@@ -69,6 +77,7 @@ impl Default for ShmConfig {
             max_import_bytes_per_peer: DEFAULT_MAX_IMPORT_BYTES_PER_PEER,
             streaming_stores: true,
             streaming_stores_min_bytes: DEFAULT_STREAMING_STORES_MIN_BYTES,
+            inline_copy_bytes: DEFAULT_INLINE_COPY_BYTES,
         }
     }
 }
@@ -97,7 +106,13 @@ impl ShmConfig {
             MAX_MAX_IMPORT_BYTES_PER_PEER,
         )?;
         check_range("streaming_stores_min_bytes", self.streaming_stores_min_bytes, 0, MAX_STREAMING_STORES_MIN_BYTES)?;
+        check_range("inline_copy_bytes", self.inline_copy_bytes, 0, MAX_INLINE_COPY_BYTES)?;
         Ok(())
+    }
+
+    /// Whether a transfer of `total_bytes` may be copied by the submitting thread.
+    pub fn copies_inline(&self, total_bytes: u64) -> bool {
+        self.inline_copy_bytes > 0 && total_bytes <= self.inline_copy_bytes.min(self.chunk_bytes)
     }
 
     /// Whether a transfer of `total_bytes` is copied with streaming stores.
@@ -157,13 +172,14 @@ mod tests {
     #[test]
     fn every_limit_at_and_past_its_bounds() {
         type Setter = fn(&mut ShmConfig, u64);
-        let limits: [(&str, u64, u64, Setter); 6] = [
+        let limits: [(&str, u64, u64, Setter); 7] = [
             ("workers", 1, MAX_WORKERS as u64, |c, v| c.workers = v as u32),
             ("chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES, |c, v| c.chunk_bytes = v),
             ("max_inflight_transfers", 1, MAX_MAX_INFLIGHT_TRANSFERS, |c, v| c.max_inflight_transfers = v),
             ("max_segments_per_submit", 1, MAX_MAX_SEGMENTS_PER_SUBMIT, |c, v| c.max_segments_per_submit = v),
             ("max_transfer_bytes", 1, MAX_MAX_TRANSFER_BYTES, |c, v| c.max_transfer_bytes = v),
             ("streaming_stores_min_bytes", 0, MAX_STREAMING_STORES_MIN_BYTES, |c, v| c.streaming_stores_min_bytes = v),
+            ("inline_copy_bytes", 0, MAX_INLINE_COPY_BYTES, |c, v| c.inline_copy_bytes = v),
         ];
         for (key, min, max, set) in limits {
             for ok in [min, max] {
@@ -192,6 +208,19 @@ mod tests {
         let off = ShmConfig { streaming_stores: false, streaming_stores_min_bytes: 0, ..ShmConfig::default() };
         assert!(!off.streams(1 << 40));
         assert!(ShmConfig::parse("streaming_stores_min_bytes = -1").is_err());
+    }
+
+    /// Inline up to the smaller of the two bounds, inclusive; 0 never (a zero-byte transfer has
+    /// nothing to copy either way).
+    #[test]
+    fn inline_copies_stop_at_the_bound_and_at_the_chunk_size() {
+        let c = ShmConfig::default();
+        assert!(c.copies_inline(DEFAULT_INLINE_COPY_BYTES));
+        assert!(!c.copies_inline(DEFAULT_INLINE_COPY_BYTES + 1));
+        let small_chunks = ShmConfig { chunk_bytes: 8192, ..ShmConfig::default() };
+        assert!(small_chunks.copies_inline(8192) && !small_chunks.copies_inline(8193));
+        let off = ShmConfig { inline_copy_bytes: 0, ..ShmConfig::default() };
+        assert!(!off.copies_inline(1) && !off.copies_inline(0));
     }
 
     #[test]

@@ -384,8 +384,17 @@ impl Plugin for ShmPlugin {
         }
         let transfer = self.plan(&state, request)?;
         let spans_chunks = transfer.total_bytes > self.shared.config.chunk_bytes;
+        let inline = state.queue.is_empty() && self.shared.config.copies_inline(transfer.total_bytes);
         let wake_timer = transfer.deadline.is_some_and(|d| state.timer.must_wake_for(d));
         state.insert(request.xfer, transfer)?;
+        if inline {
+            // Nothing else waits, so the chunk claimed is this transfer's (its only one).
+            if let Some(job) = state.claim(self.shared.config.chunk_bytes) {
+                drop(state);
+                crate::workers::copy_claimed(&self.shared, job);
+                return Ok(());
+            }
+        }
         drop(state);
         if spans_chunks {
             self.shared.work_ready.notify_all();

@@ -1,5 +1,7 @@
-//! The shm plugin's threads: copy workers that take chunks from the shared queue, one timer thread that
-//! enforces each transfer's own timeout, and the ordered, re-entrancy-safe delivery of the outbox.
+//! The shm plugin's threads: copy workers that take chunks from the shared queue (a small transfer
+//! submitted to an empty queue is copied by the submitting thread instead, `copy_claimed`), one timer
+//! thread that enforces each transfer's own timeout, and the ordered, re-entrancy-safe delivery of
+//! the outbox.
 //! A worker never holds the state lock while copying, and nothing calls the sink under that lock.
 
 use crate::config::ShmConfig;
@@ -106,24 +108,34 @@ pub fn worker_loop(shared: &Shared) {
             continue;
         };
         drop(state);
-        // The chunk is a ledger hold: the local region cannot be deregistered (deregister waits on
-        // `chunk_done`) nor the peer mapping unmapped (the transfer holds it) while it is active.
-        let copied = catch_unwind(AssertUnwindSafe(|| copy_chunk(&job.pieces, job.chunk, job.streaming)));
-        state = shared.lock();
-        if let Ok(Err(e)) = &copied {
-            // Cannot happen (every piece was cut to its views at submit); never reported as copied.
-            state.fail(job.xfer, e.code, format!("shm copy refused: {}", e.message));
-        }
-        state.complete(&job);
-        if copied.is_err() {
-            worker_died(shared, state, &job);
+        if !copy_claimed(shared, job) {
             return;
         }
-        shared.chunk_done.notify_all();
-        drop(state);
-        shared.flush();
         state = shared.lock();
     }
+}
+
+/// Copies a claimed chunk without the lock, completes it and delivers the events it caused; run by a
+/// worker, or by `submit` for a small transfer (`inline_copy_bytes`). `false`: the copy panicked,
+/// and the instance is now unhealthy.
+pub fn copy_claimed(shared: &Shared, job: Job) -> bool {
+    // The chunk is a ledger hold: the local region cannot be deregistered (deregister waits on
+    // `chunk_done`) nor the peer mapping unmapped (the transfer holds it) while it is active.
+    let copied = catch_unwind(AssertUnwindSafe(|| copy_chunk(&job.pieces, job.chunk, job.streaming)));
+    let mut state = shared.lock();
+    if let Ok(Err(e)) = &copied {
+        // Cannot happen (every piece was cut to its views at submit); never reported as copied.
+        state.fail(job.xfer, e.code, format!("shm copy refused: {}", e.message));
+    }
+    state.complete(&job);
+    if copied.is_err() {
+        worker_died(shared, state, &job);
+        return false;
+    }
+    shared.chunk_done.notify_all();
+    drop(state);
+    shared.flush();
+    true
 }
 
 /// A worker that panicked fails everything the instance holds and leaves it unhealthy.

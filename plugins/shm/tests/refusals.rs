@@ -100,7 +100,7 @@ fn bad_submit_arguments_are_refused() {
 /// The only worker is held inside the sink, so queued transfers stay live deterministically.
 #[test]
 fn max_inflight_transfers_and_duplicate_ids() {
-    let pair = Pair::new("workers = 1\nmax_inflight_transfers = 2");
+    let pair = Pair::new("workers = 1\nmax_inflight_transfers = 2\ninline_copy_bytes = 0");
     let (src, dst) = (region(4096), region(4096));
     let (l, _, r) = pair.regions(&src, &dst);
     let seg = [segment(l, 0, r, 0, 100)];
