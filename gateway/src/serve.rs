@@ -28,22 +28,30 @@ const SHUTDOWN_FLUSH_MS: u64 = 100;
 /// Runs the driver on its own thread with its own single-threaded runtime. Plugin calls are
 /// synchronous (registering a large region maps and faults it in, which takes seconds for GiBs); on
 /// a shared runtime they would stall the peer links' and the engine API's tasks (a link starved of
-/// its heartbeats is declared lost). The returned receiver fires when the driver has stopped.
+/// its heartbeats is declared lost). The engine fast lane runs on this runtime too (`handle`): its
+/// calls and events reach the driver, and its replies the connection, without waking another thread.
+/// The returned receiver fires when the driver has stopped; the runtime keeps serving the lane's
+/// last frames until `stop` turns true.
 fn spawn_driver_thread(
     driver: Driver,
     inputs: mpsc::Receiver<DriverInput>,
     plugin_events: mpsc::Receiver<PluginEventMsg>,
-) -> anyhow::Result<tokio::sync::oneshot::Receiver<()>> {
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<(tokio::sync::oneshot::Receiver<()>, tokio::runtime::Handle)> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("driver runtime")?;
+    let handle = runtime.handle().clone();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("kvgate-driver".into())
         .spawn(move || {
-            runtime.block_on(driver.run(inputs, plugin_events));
-            let _ = done_tx.send(());
+            runtime.block_on(async move {
+                driver.run(inputs, plugin_events).await;
+                let _ = done_tx.send(());
+                let _ = stop.wait_for(|s| *s).await;
+            });
         })
         .context("spawn the driver thread")?;
-    Ok(done_rx)
+    Ok((done_rx, handle))
 }
 
 /// Run one gateway until a signal arrives.
@@ -150,7 +158,7 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
         metrics: metrics.clone(),
         directory: directory.clone(),
     });
-    let driver_done = spawn_driver_thread(driver, input_rx, plugin_rx)?;
+    let (driver_done, driver_runtime) = spawn_driver_thread(driver, input_rx, plugin_rx, stop_rx.clone())?;
 
     let (links, peer_service) =
         PeerLinks::start(config.clone(), identity.clone(), input_tx.clone(), directory, static_links)?;
@@ -196,11 +204,18 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
             .context("start the fd socket thread")?;
     }
     if let Some(listener) = lane_listener {
+        // On the driver's runtime (see `spawn_driver_thread`): the listener, and so every connection
+        // it accepts, is registered with that runtime's reactor, not this one's.
+        let listener = listener.into_std().context("engine_api.lane: take the listener")?;
+        listener.set_nonblocking(true).context("engine_api.lane: a non-blocking listener")?;
         let (service, section, metrics, stop) =
             (api.clone(), config.engine_api.clone(), metrics.clone(), stop_rx.clone());
-        tokio::spawn(
-            async move { crate::engine_api::lane::serve_lane(listener, service, &section, metrics, stop).await },
-        );
+        driver_runtime.spawn(async move {
+            match tokio::net::UnixListener::from_std(listener) {
+                Ok(listener) => crate::engine_api::lane::serve_lane(listener, service, &section, metrics, stop).await,
+                Err(e) => tracing::error!(reason = "lane_listener", "the engine fast lane cannot listen: {e}"),
+            }
+        });
     }
     let api_config = config.clone();
     let api_stop = stop_rx.clone();

@@ -118,6 +118,29 @@ async fn an_expect_whose_notice_would_pass_the_frame_limit_is_refused_and_the_li
     pair.stop();
 }
 
+/// Starts a pair with `key` set to `prefill_value` / `decode_value` (a `KVGATE__...` override) and
+/// moves eight rooms from `first_room` through it, each verified. The caller stops the pair.
+async fn pair_moving_rooms(
+    dir: &std::path::Path,
+    key: &str,
+    (prefill_value, decode_value): (&str, &str),
+    first_room: u64,
+) -> GatewayPair {
+    let mut s = settings();
+    s.env_prefill.push((key.into(), prefill_value.into()));
+    s.env_decode.push((key.into(), decode_value.into()));
+    let pair = GatewayPair::start(&binary(), dir, &s).await.unwrap();
+    let shape = small_shape();
+    let prefill = engine(dir, &pair.prefill.socket, "prefill", &shape, 8).await;
+    let decode = engine(dir, &pair.decode.socket, "decode", &shape, 8).await;
+    let rooms = (0..8u64).map(|i| run_room(&prefill, &decode, &shape, first_room + i, i, i));
+    for result in futures_util::future::join_all(rooms).await {
+        let result = result.unwrap();
+        assert!(result.verified, "{key}: prefill {prefill_value}, decode {decode_value}: {result:?}");
+    }
+    pair
+}
+
 /// `peer_link.core_batch = false` on one side: that side announces no `core_batch` feature, so the
 /// other sends it one frame per message and neither sends a `CoreBatch`; with it on both sides, rooms
 /// in flight together leave in batches. Every room arrives intact either way.
@@ -126,18 +149,9 @@ async fn a_batching_gateway_and_one_without_batches_move_rooms_together() {
     let _serial = serial().await;
     for (prefill_batches, decode_batches) in [("false", "true"), ("true", "false"), ("true", "true")] {
         let dir = work_dir();
-        let mut s = settings();
-        s.env_prefill.push(("KVGATE__PEER_LINK__CORE_BATCH".into(), prefill_batches.into()));
-        s.env_decode.push(("KVGATE__PEER_LINK__CORE_BATCH".into(), decode_batches.into()));
-        let mut pair = GatewayPair::start(&binary(), dir.path(), &s).await.unwrap();
-        let shape = small_shape();
-        let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 8).await;
-        let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 8).await;
-        let rooms = (0..8u64).map(|i| run_room(&prefill, &decode, &shape, 7300 + i, i, i));
-        for result in futures_util::future::join_all(rooms).await {
-            let result = result.unwrap();
-            assert!(result.verified, "prefill core_batch {prefill_batches}: {result:?}");
-        }
+        let mut pair =
+            pair_moving_rooms(dir.path(), "KVGATE__PEER_LINK__CORE_BATCH", (prefill_batches, decode_batches), 7300)
+                .await;
         for log in [pair.prefill.log(), pair.decode.log()] {
             assert!(!log.contains("undecodable"), "{log}");
         }
@@ -162,18 +176,9 @@ async fn framed_and_grpc_links_carry_rooms_whichever_side_asks_for_which() {
     let _serial = serial().await;
     for (prefill_transport, decode_transport) in [("grpc", "framed"), ("framed", "grpc"), ("framed", "framed")] {
         let dir = work_dir();
-        let mut s = settings();
-        s.env_prefill.push(("KVGATE__PEER_LINK__TRANSPORT".into(), prefill_transport.into()));
-        s.env_decode.push(("KVGATE__PEER_LINK__TRANSPORT".into(), decode_transport.into()));
-        let mut pair = GatewayPair::start(&binary(), dir.path(), &s).await.unwrap();
-        let shape = small_shape();
-        let prefill = engine(dir.path(), &pair.prefill.socket, "prefill", &shape, 8).await;
-        let decode = engine(dir.path(), &pair.decode.socket, "decode", &shape, 8).await;
-        let rooms = (0..8u64).map(|i| run_room(&prefill, &decode, &shape, 7400 + i, i, i));
-        for result in futures_util::future::join_all(rooms).await {
-            let result = result.unwrap();
-            assert!(result.verified, "decode dials with {decode_transport}: {result:?}");
-        }
+        let mut pair =
+            pair_moving_rooms(dir.path(), "KVGATE__PEER_LINK__TRANSPORT", (prefill_transport, decode_transport), 7400)
+                .await;
         for log in [pair.prefill.log(), pair.decode.log()] {
             let up = log.lines().find(|l| l.contains("peer link up")).unwrap_or_else(|| panic!("no link up: {log}"));
             assert!(

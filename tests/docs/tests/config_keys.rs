@@ -38,7 +38,8 @@ fn every_scheduler_key_is_in_the_top_level_readme() {
 
 /// Keys whose default is "unset" (so `kvgate config default` does not print them), each with a value
 /// that proves the gateway accepts it.
-const UNSET_BY_DEFAULT: [(&str, &str, &str); 1] = [("peer_link", "auth", "\"none\"")];
+const UNSET_BY_DEFAULT: [(&str, &str, &str); 2] =
+    [("peer_link", "auth", "\"none\""), ("peer_link", "transport", "\"grpc\"")];
 
 #[test]
 fn every_gateway_key_the_readme_table_names_is_accepted() {
