@@ -6,7 +6,7 @@
 //! one `write`. Owns the bytes on the wire only: the handshake and authentication above it are the
 //! same as on a gRPC link (`dial.rs`, `server.rs`).
 
-use super::handshaken::Inbound;
+use super::handshaken::{Inbound, InboundError};
 use futures_util::FutureExt;
 use kvgate_client::lane_frame::{encode_frame, FrameBuffer};
 use kvgate_client::proto::PeerFrame;
@@ -42,7 +42,7 @@ struct Reader<R> {
 
 impl<R: AsyncRead + Unpin> Reader<R> {
     /// The next frame; `None` at a clean end of the connection or after an error was returned.
-    async fn next(&mut self) -> Option<Result<PeerFrame, String>> {
+    async fn next(&mut self) -> Option<Result<PeerFrame, InboundError>> {
         if self.failed {
             return None;
         }
@@ -50,17 +50,17 @@ impl<R: AsyncRead + Unpin> Reader<R> {
             match self.buffer.take(self.max_frame_bytes) {
                 Ok(Some(body)) => {
                     let frame = PeerFrame::decode(body)
-                        .map_err(|e| format!("protocol_violation: a frame does not decode: {e}"));
+                        .map_err(|e| InboundError::ProtocolViolation(format!("a frame does not decode: {e}")));
                     self.failed = frame.is_err();
                     return Some(frame);
                 }
                 Ok(None) => {}
                 Err(too_large) => {
                     self.failed = true;
-                    return Some(Err(format!(
-                        "protocol_violation: a frame of {} bytes, past peer_link.max_frame_bytes = {} (plus its envelope)",
+                    return Some(Err(InboundError::ProtocolViolation(format!(
+                        "a frame of {} bytes, past peer_link.max_frame_bytes = {} (plus its envelope)",
                         too_large.len, too_large.max
-                    )));
+                    ))));
                 }
             }
             match self.io.read_buf(self.buffer.spare()).await {
@@ -68,7 +68,7 @@ impl<R: AsyncRead + Unpin> Reader<R> {
                 Ok(_) => {}
                 Err(e) => {
                     self.failed = true;
-                    return Some(Err(format!("read: {e}")));
+                    return Some(Err(InboundError::Broken(format!("read: {e}"))));
                 }
             }
         }
@@ -173,7 +173,7 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 20);
         let frames: Vec<PeerFrame> = (0..1000).map(heartbeat).collect();
         spawn_writer(a, tokio_stream::iter(frames.clone()));
-        let read: Vec<Result<PeerFrame, String>> = inbound(b, 1 << 20).collect().await;
+        let read: Vec<Result<PeerFrame, InboundError>> = inbound(b, 1 << 20).collect().await;
         assert_eq!(read.len(), frames.len(), "every frame once, then the clean end");
         for (got, sent) in read.into_iter().zip(frames) {
             assert_eq!(got.unwrap(), sent);
@@ -181,7 +181,7 @@ mod tests {
     }
 
     /// One frame of exactly `len` encoded bytes, then what the reader makes of it under `max`.
-    async fn read_one(len: usize, max: usize) -> Vec<Result<PeerFrame, String>> {
+    async fn read_one(len: usize, max: usize) -> Vec<Result<PeerFrame, InboundError>> {
         let frame = PeerFrame { frame: Some(Frame::Heartbeat(proto::Heartbeat { seq: 1 })), mac: Vec::new() };
         let pad = len - frame.encoded_len() - 3; // `mac` field: one tag byte, two length bytes (len >= 131)
         let frame = PeerFrame { mac: vec![7; pad], ..frame };
@@ -201,7 +201,7 @@ mod tests {
         let past = read_one(4001, 4000).await;
         assert_eq!(past.len(), 1, "the error, then nothing: {past:?}");
         let e = past[0].as_ref().unwrap_err();
-        assert!(e.contains("protocol_violation") && e.contains("max_frame_bytes"), "{e}");
+        assert!(matches!(e, InboundError::ProtocolViolation(why) if why.contains("max_frame_bytes")), "{e}");
     }
 
     #[tokio::test]
@@ -211,7 +211,8 @@ mod tests {
         drop(a);
         let read: Vec<_> = inbound(b, 1024).collect().await;
         assert_eq!(read.len(), 1);
-        assert!(read[0].as_ref().unwrap_err().contains("does not decode"), "{read:?}");
+        let e = read[0].as_ref().unwrap_err();
+        assert!(matches!(e, InboundError::ProtocolViolation(why) if why.contains("does not decode")), "{read:?}");
     }
 
     /// What `sniff` says of a connection whose first bytes are `bytes` (and no more ever arrive):

@@ -6,9 +6,26 @@ use crate::config::PeerTransport;
 use kvgate_client::proto::{self, PeerFrame};
 use std::pin::Pin;
 
-/// A link's inbound frames, in order; an error (its text says why) or the end is the link's loss.
-/// Cancel-safe: a frame half read when a `next()` is dropped is read on by the next one.
-pub type Inbound = Pin<Box<dyn tokio_stream::Stream<Item = Result<PeerFrame, String>> + Send>>;
+/// A link's inbound frames, in order; an error or the end is the link's loss. Cancel-safe: a frame
+/// half read when a `next()` is dropped is read on by the next one.
+pub type Inbound = Pin<Box<dyn tokio_stream::Stream<Item = Result<PeerFrame, InboundError>> + Send>>;
+
+/// Why a link's inbound frames stopped: the peer broke the protocol (reason `protocol_violation`), or
+/// the connection failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InboundError {
+    ProtocolViolation(String),
+    Broken(String),
+}
+
+impl std::fmt::Display for InboundError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InboundError::ProtocolViolation(why) => write!(f, "protocol_violation: {why}"),
+            InboundError::Broken(why) => f.write_str(why),
+        }
+    }
+}
 
 /// A handshaken (and authenticated) link: the peer's hello, its inbound frames, our outbound queue
 /// and, with `peer_link.auth = "psk"`, the check of every inbound frame's MAC.
@@ -23,5 +40,7 @@ pub struct Session {
 
 /// A gRPC stream as a link's inbound frames.
 pub fn grpc_inbound(stream: tonic::Streaming<PeerFrame>) -> Inbound {
-    Box::pin(tokio_stream::StreamExt::map(stream, |item| item.map_err(|status| status.message().to_string())))
+    Box::pin(tokio_stream::StreamExt::map(stream, |item| {
+        item.map_err(|status| InboundError::Broken(status.message().to_string()))
+    }))
 }

@@ -5,7 +5,7 @@
 //! task. Never accepts an unknown peer (neither in `[[peers]]` nor discovered, or withdrawn from
 //! discovery); every refusal carries a reason code.
 
-use super::handshaken::{Inbound, Session};
+use super::handshaken::{Inbound, InboundError, Session};
 use super::{lanes, psk, sealed_stream, LinkAuth, LocalIdentity, PeerDirectory};
 use crate::config::{GatewayConfig, PeerTransport};
 use kvgate_client::proto::{peer_frame::Frame, peer_link_server::PeerLink, PeerFrame};
@@ -95,10 +95,12 @@ impl PeerLinkService {
                     "no hello within peer_link.connect_timeout_ms".into(),
                 ))
             }
-            Ok(Some(Err(why))) if why.starts_with("protocol_violation") => {
+            Ok(Some(Err(InboundError::ProtocolViolation(why)))) => {
                 return Err(Refusal::new(Code::InvalidArgument, "protocol_violation", why))
             }
-            Ok(Some(Err(why))) => return Err(Refusal::new(Code::Unavailable, "link_closed", why)),
+            Ok(Some(Err(InboundError::Broken(why)))) => {
+                return Err(Refusal::new(Code::Unavailable, "link_closed", why))
+            }
             Ok(None) => return Err(Refusal::new(Code::Unavailable, "link_closed", "closed before its hello".into())),
             Ok(Some(Ok(frame))) => frame,
         };

@@ -4,7 +4,7 @@
 //! session is left. Never blocks the driver: frames out go through a bounded queue whose overflow is
 //! itself a loss.
 
-use super::handshaken::Session;
+use super::handshaken::{InboundError, Session};
 use super::{dial, LocalIdentity, PeerDirectory};
 use crate::channels::{DriverInput, LinkEnd, PeerEvent, PeerSender};
 use crate::config::{GatewayConfig, PeerEntry};
@@ -160,8 +160,8 @@ impl PeerTask {
                     }
                     Some(Ok(Ok(PeerFrame { frame: None, .. }))) => last_heard = Instant::now(),
                     None => break (LinkEnd::Closed, "the peer closed the link".into()),
-                    Some(Err(why)) if why.starts_with("protocol_violation") => break (LinkEnd::ProtocolViolation, why),
-                    Some(Err(why)) => break (LinkEnd::Closed, format!("link error: {why}")),
+                    Some(Err(InboundError::ProtocolViolation(why))) => break (LinkEnd::ProtocolViolation, why),
+                    Some(Err(InboundError::Broken(why))) => break (LinkEnd::Closed, format!("link error: {why}")),
                 },
                 _ = heartbeat.tick() => {
                     seq += 1;
