@@ -29,7 +29,9 @@ const SHUTDOWN_FLUSH_MS: u64 = 100;
 /// synchronous (registering a large region maps and faults it in, which takes seconds for GiBs); on
 /// a shared runtime they would stall the peer links' and the engine API's tasks (a link starved of
 /// its heartbeats is declared lost). The engine fast lane runs on this runtime too (`handle`): its
-/// calls and events reach the driver, and its replies the connection, without waking another thread.
+/// calls and events reach the driver, and its replies the connection, without waking another thread;
+/// so does the reading of live framed peer links (their heartbeats and silence bound stay on the
+/// multi-threaded runtime, `peer_link/session.rs`).
 /// The returned receiver fires when the driver has stopped; the runtime keeps serving the lane's
 /// last frames until `stop` turns true.
 fn spawn_driver_thread(
@@ -160,8 +162,14 @@ pub async fn serve_from(config: GatewayConfig, config_path: Option<PathBuf>) -> 
     });
     let (driver_done, driver_runtime) = spawn_driver_thread(driver, input_rx, plugin_rx, stop_rx.clone())?;
 
-    let (links, peer_service) =
-        PeerLinks::start(config.clone(), identity.clone(), input_tx.clone(), directory, static_links)?;
+    let (links, peer_service) = PeerLinks::start(
+        config.clone(),
+        Some(driver_runtime.clone()),
+        identity.clone(),
+        input_tx.clone(),
+        directory,
+        static_links,
+    )?;
     // Accepted through `listeners`: a connection cap, timeouts, TCP_NODELAY (tonic ignores
     // `Server::tcp_nodelay` there) and accept back-off.
     let peer_limits = config.peer_link.connections;

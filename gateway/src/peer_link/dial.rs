@@ -9,10 +9,10 @@ use crate::channels::Outbound;
 use crate::config::{GatewayConfig, PeerEntry, PeerTransport};
 use anyhow::{bail, Context};
 use kvgate_client::proto::{self, peer_frame::Frame, peer_link_client::PeerLinkClient, PeerFrame};
+use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
-use tokio_stream::StreamExt;
 use tonic::transport::Endpoint;
 
 pub(super) async fn dial(
@@ -36,7 +36,7 @@ async fn dial_inner(
     let link = Link::new(config, peer, identity, auth);
     if config.peer_link.transport_mode() == PeerTransport::Framed {
         match dial_framed(peer).await? {
-            Some(stream) => return link.open_framed(config, stream).handshake(peer, identity, auth).await,
+            Some(stream) => return link.open_framed(config, stream)?.handshake(peer, identity, auth).await,
             None => tracing::debug!(
                 peer = %peer.name,
                 "{} does not take framed links (an older kvgate?): dialling gRPC",
@@ -89,16 +89,19 @@ impl Link {
         Link { lanes, receivers, sealer: Arc::new(Mutex::new(None)), nonce }
     }
 
-    fn open_framed(self, config: &GatewayConfig, stream: tokio::net::TcpStream) -> OpenLink {
+    fn open_framed(self, config: &GatewayConfig, stream: tokio::net::TcpStream) -> anyhow::Result<OpenLink> {
+        // The socket's own descriptor goes with the inbound side: once the link is live, the
+        // driver's thread reads it (`session.rs`).
+        let socket = stream.as_fd().try_clone_to_owned().context("duplicate the link's socket")?;
         let (read, write) = stream.into_split();
         framed::spawn_writer(write, sealed_stream(self.receivers, self.sealer.clone(), config));
-        OpenLink {
+        Ok(OpenLink {
             lanes: self.lanes,
-            inbound: framed::inbound(read, super::max_decoding_bytes(config)),
+            inbound: framed::socket_inbound(read, socket, super::max_decoding_bytes(config)),
             sealer: self.sealer,
             nonce: self.nonce,
             transport: PeerTransport::Framed,
-        }
+        })
     }
 
     async fn open_grpc(self, config: &GatewayConfig, peer: &PeerEntry, auth: &LinkAuth) -> anyhow::Result<OpenLink> {

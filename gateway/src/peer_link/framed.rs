@@ -1,9 +1,10 @@
 //! The framed peer-link transport: a TCP connection that starts with [`MAGIC`] each way, then carries
 //! `PeerFrame`s as length-prefixed frames (u32 little-endian length, then the protobuf; the engine
 //! fast lane's framing, `kvgate_client::lane_frame`). No HTTP/2: no HPACK, no flow-control frames, no
-//! connection task between the socket and the link. The link's session task reads the socket itself
-//! ([`inbound`]); one writer task per link ([`spawn_writer`]) writes every frame already queued in
-//! one `write`. Owns the bytes on the wire only: the handshake and authentication above it are the
+//! connection task between the socket and the link. The handshake reads the socket through
+//! [`socket_inbound`]; the live link's reading is then handed to the driver's thread
+//! ([`FramedInbound::detach`], `intake.rs`). One writer task per link ([`spawn_writer`]) writes every
+//! frame already queued in one `write`. Owns the bytes on the wire only: the handshake and authentication above it are the
 //! same as on a gRPC link (`dial.rs`, `server.rs`).
 
 use super::handshaken::{Inbound, InboundError};
@@ -11,6 +12,7 @@ use futures_util::FutureExt;
 use kvgate_client::lane_frame::{encode_frame, FrameBuffer};
 use kvgate_client::proto::PeerFrame;
 use prost::Message;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_stream::{Stream, StreamExt};
@@ -23,17 +25,91 @@ pub const MAGIC: &[u8; 8] = b"KVGPEER1";
 /// A writer stops gathering queued frames into one `write` past this many bytes.
 pub const WRITE_BATCH_BYTES: usize = 256 << 10;
 
-/// Reads the framed link's inbound frames from `io`: each at most `max_frame_bytes` (a length past
-/// it ends the link before its body is read), each a `PeerFrame` that decodes.
+/// Reads the framed link's inbound frames from `io` (an in-memory pipe in tests: read wherever it is
+/// polled): each at most `max_frame_bytes` (a length past it ends the link before its body is read),
+/// each a `PeerFrame` that decodes.
 pub fn inbound<R: AsyncRead + Unpin + Send + 'static>(io: R, max_frame_bytes: usize) -> Inbound {
-    let reader = Reader { io, buffer: FrameBuffer::default(), max_frame_bytes, failed: false };
-    Box::pin(futures_util::stream::unfold(reader, |mut reader| async move {
-        let item = reader.next().await?;
-        Some((item, reader))
-    }))
+    Inbound::Framed(FramedInbound {
+        reader: Reader::new(Box::new(io) as Box<dyn AsyncRead + Unpin + Send>, FrameBuffer::default(), max_frame_bytes),
+        socket: None,
+    })
 }
 
-struct Reader<R> {
+/// [`inbound`] over a TCP connection, with a descriptor of its own for the socket (`socket`): read
+/// through `io` during the handshake, then handed to the driver's thread ([`FramedInbound::detach`]),
+/// which reads it on.
+pub fn socket_inbound<R: AsyncRead + Unpin + Send + 'static>(
+    io: R,
+    socket: OwnedFd,
+    max_frame_bytes: usize,
+) -> Inbound {
+    let reader =
+        Reader::new(Box::new(io) as Box<dyn AsyncRead + Unpin + Send>, FrameBuffer::default(), max_frame_bytes);
+    Inbound::Framed(FramedInbound { reader, socket: Some(socket) })
+}
+
+/// A framed link's inbound side while its handshake runs.
+pub struct FramedInbound {
+    reader: Reader<Box<dyn AsyncRead + Unpin + Send>>,
+    /// A descriptor of its own for the socket (`None` over an in-memory pipe).
+    socket: Option<OwnedFd>,
+}
+
+impl FramedInbound {
+    /// The next frame; `None` at a clean end or after an error was returned. Cancel-safe.
+    pub async fn next(&mut self) -> Option<Result<PeerFrame, InboundError>> {
+        self.reader.next().await
+    }
+
+    /// The socket with the bytes already read past the last frame taken, to be read on by a
+    /// runtime other than the one that read the handshake; `Err(self)` when there is no socket.
+    pub fn detach(self) -> Result<DetachedReader, FramedInbound> {
+        match self.socket {
+            Some(socket) => {
+                let Reader { buffer, max_frame_bytes, failed, .. } = self.reader;
+                Ok(DetachedReader { socket, buffer, max_frame_bytes, failed })
+            }
+            None => Err(self),
+        }
+    }
+}
+
+/// A framed link's reading, between two runtimes: [`DetachedReader::attach`] on the runtime that
+/// reads it on.
+pub struct DetachedReader {
+    socket: OwnedFd,
+    buffer: FrameBuffer,
+    max_frame_bytes: usize,
+    failed: bool,
+}
+
+impl DetachedReader {
+    /// The socket (for a check beside the reading, [`bytes_waiting`]).
+    pub fn socket(&self) -> BorrowedFd<'_> {
+        self.socket.as_fd()
+    }
+
+    /// Registers the socket with the calling runtime's reactor; frames already buffered come first.
+    pub fn attach(self) -> std::io::Result<Reader<tokio::net::TcpStream>> {
+        let socket = std::net::TcpStream::from(self.socket);
+        socket.set_nonblocking(true)?;
+        let io = tokio::net::TcpStream::from_std(socket)?;
+        let mut reader = Reader::new(io, self.buffer, self.max_frame_bytes);
+        reader.failed = self.failed;
+        Ok(reader)
+    }
+}
+
+/// Whether bytes wait unread in the socket `fd` (or its end has arrived): the peer has spoken, even
+/// if its reader has not run since. A failed check says no.
+pub fn bytes_waiting(fd: BorrowedFd<'_>) -> bool {
+    use nix::sys::socket::{recv, MsgFlags};
+    let mut byte = [0u8; 1];
+    matches!(recv(fd.as_raw_fd(), &mut byte, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT), Ok(_))
+}
+
+/// Decodes one link's frames from its byte stream.
+pub struct Reader<R> {
     io: R,
     buffer: FrameBuffer,
     max_frame_bytes: usize,
@@ -41,8 +117,13 @@ struct Reader<R> {
 }
 
 impl<R: AsyncRead + Unpin> Reader<R> {
+    fn new(io: R, buffer: FrameBuffer, max_frame_bytes: usize) -> Reader<R> {
+        Reader { io, buffer, max_frame_bytes, failed: false }
+    }
+
     /// The next frame; `None` at a clean end of the connection or after an error was returned.
-    async fn next(&mut self) -> Option<Result<PeerFrame, InboundError>> {
+    /// Cancel-safe: bytes read are kept in the buffer.
+    pub async fn next(&mut self) -> Option<Result<PeerFrame, InboundError>> {
         if self.failed {
             return None;
         }
@@ -164,6 +245,15 @@ mod tests {
     use super::*;
     use kvgate_client::proto::{self, peer_frame::Frame};
 
+    /// Every item `inbound` yields, to its end.
+    async fn all_frames(mut inbound: Inbound) -> Vec<Result<PeerFrame, InboundError>> {
+        let mut items = Vec::new();
+        while let Some(item) = inbound.next().await {
+            items.push(item);
+        }
+        items
+    }
+
     fn heartbeat(seq: u64) -> PeerFrame {
         PeerFrame { frame: Some(Frame::Heartbeat(proto::Heartbeat { seq })), mac: vec![1, 2, 3] }
     }
@@ -173,7 +263,7 @@ mod tests {
         let (a, b) = tokio::io::duplex(1 << 20);
         let frames: Vec<PeerFrame> = (0..1000).map(heartbeat).collect();
         spawn_writer(a, tokio_stream::iter(frames.clone()));
-        let read: Vec<Result<PeerFrame, InboundError>> = inbound(b, 1 << 20).collect().await;
+        let read: Vec<Result<PeerFrame, InboundError>> = all_frames(inbound(b, 1 << 20)).await;
         assert_eq!(read.len(), frames.len(), "every frame once, then the clean end");
         for (got, sent) in read.into_iter().zip(frames) {
             assert_eq!(got.unwrap(), sent);
@@ -191,7 +281,7 @@ mod tests {
         let (mut a, b) = tokio::io::duplex(1 << 20);
         a.write_all(&bytes).await.unwrap();
         drop(a);
-        inbound(b, max).collect().await
+        all_frames(inbound(b, max)).await
     }
 
     #[tokio::test]
@@ -209,7 +299,7 @@ mod tests {
         let (mut a, b) = tokio::io::duplex(1024);
         a.write_all(&[3, 0, 0, 0, 0xff, 0xff, 0xff]).await.unwrap();
         drop(a);
-        let read: Vec<_> = inbound(b, 1024).collect().await;
+        let read: Vec<_> = all_frames(inbound(b, 1024)).await;
         assert_eq!(read.len(), 1);
         let e = read[0].as_ref().unwrap_err();
         assert!(matches!(e, InboundError::ProtocolViolation(why) if why.contains("does not decode")), "{read:?}");

@@ -6,9 +6,25 @@ use crate::config::PeerTransport;
 use kvgate_client::proto::{self, PeerFrame};
 use std::pin::Pin;
 
-/// A link's inbound frames, in order; an error or the end is the link's loss. Cancel-safe: a frame
-/// half read when a `next()` is dropped is read on by the next one.
-pub type Inbound = Pin<Box<dyn tokio_stream::Stream<Item = Result<PeerFrame, InboundError>> + Send>>;
+/// A link's inbound frames, in order; an error or the end is the link's loss.
+pub enum Inbound {
+    /// tonic's stream of a gRPC link, read by the link's session task.
+    Grpc(Pin<Box<dyn tokio_stream::Stream<Item = Result<PeerFrame, InboundError>> + Send>>),
+    /// A framed link: read here through the handshake; once live, its socket is read on the driver's
+    /// thread (`session.rs`).
+    Framed(super::framed::FramedInbound),
+}
+
+impl Inbound {
+    /// The next frame; `None` at the end. Cancel-safe: a frame half read when a `next()` is dropped
+    /// is read on by the next one.
+    pub async fn next(&mut self) -> Option<Result<PeerFrame, InboundError>> {
+        match self {
+            Inbound::Grpc(stream) => tokio_stream::StreamExt::next(stream).await,
+            Inbound::Framed(framed) => framed.next().await,
+        }
+    }
+}
 
 /// Why a link's inbound frames stopped: the peer broke the protocol (reason `protocol_violation`), or
 /// the connection failed.
@@ -40,7 +56,7 @@ pub struct Session {
 
 /// A gRPC stream as a link's inbound frames.
 pub fn grpc_inbound(stream: tonic::Streaming<PeerFrame>) -> Inbound {
-    Box::pin(tokio_stream::StreamExt::map(stream, |item| {
+    Inbound::Grpc(Box::pin(tokio_stream::StreamExt::map(stream, |item| {
         item.map_err(|status| InboundError::Broken(status.message().to_string()))
-    }))
+    })))
 }

@@ -10,6 +10,7 @@ use crate::listeners::{Guarded, GuardedListener};
 use kvgate_client::lane_frame::encode_frame;
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use std::io;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -69,8 +70,17 @@ async fn serve_framed(mut conn: Guarded<TcpStream>, service: &PeerLinkService, c
     if conn.read_exact(&mut magic).await.is_err() || conn.write_all(framed::MAGIC).await.is_err() {
         return;
     }
+    // The socket's own descriptor goes with the inbound side: once the link is live, the driver's
+    // thread reads it (`session.rs`).
+    let socket = match conn.get_ref().as_fd().try_clone_to_owned() {
+        Ok(socket) => socket,
+        Err(e) => {
+            tracing::warn!(reason = "link_closed", "a framed peer link cannot be read: duplicate its socket: {e}");
+            return;
+        }
+    };
     let (read, mut write) = tokio::io::split(conn);
-    let inbound = framed::inbound(read, super::max_decoding_bytes(config));
+    let inbound = framed::socket_inbound(read, socket, super::max_decoding_bytes(config));
     match service.accept(inbound, None, PeerTransport::Framed).await {
         Ok(outbound) => framed::spawn_writer(write, outbound),
         Err(refusal) => {

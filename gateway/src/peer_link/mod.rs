@@ -8,6 +8,7 @@ mod dial;
 pub mod directory;
 pub mod framed;
 mod handshaken;
+mod intake;
 pub mod lanes;
 pub mod listener;
 pub mod psk;
@@ -169,14 +170,17 @@ pub struct PeerLinks {
     events: mpsc::Sender<crate::channels::DriverInput>,
     auth: LinkAuth,
     directory: Arc<PeerDirectory>,
+    driver_runtime: Option<tokio::runtime::Handle>,
 }
 
 impl PeerLinks {
     /// Starts the tasks of the static peers in `directory`'s `static_tasks`; returns the links (for
     /// discovery) and the gRPC service that accepts dialled links. Peer events go straight into the
-    /// driver's input queue as `DriverInput::Peer`.
+    /// driver's input queue as `DriverInput::Peer`; framed links' sockets are read on
+    /// `driver_runtime` (the driver's thread) when given.
     pub fn start(
         config: Arc<GatewayConfig>,
+        driver_runtime: Option<tokio::runtime::Handle>,
         identity: Arc<LocalIdentity>,
         events: mpsc::Sender<crate::channels::DriverInput>,
         directory: Arc<PeerDirectory>,
@@ -195,6 +199,7 @@ impl PeerLinks {
             events,
             auth: auth.clone(),
             directory: directory.clone(),
+            driver_runtime,
         };
         for (name, new) in static_tasks {
             links.spawn(name, new);
@@ -217,6 +222,7 @@ impl PeerLinks {
             events: self.events.clone(),
             incoming: new.incoming,
             auth: self.auth.clone(),
+            driver_runtime: self.driver_runtime.clone(),
             last_auth_warning: None,
         };
         tokio::spawn(task.run());

@@ -12,7 +12,6 @@ use kvgate_client::proto::{peer_frame::Frame, peer_link_server::PeerLink, PeerFr
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
 pub struct PeerLinkService {

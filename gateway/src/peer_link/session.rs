@@ -1,20 +1,21 @@
 //! One task per known peer: obtain a session (dial it, or accept it from the server), run it
-//! (heartbeats out, frames in, loss after `heartbeat_interval_ms * heartbeat_misses` of silence), then
+//! (heartbeats out; frames in, read here or on the driver's thread, `intake.rs`; loss after
+//! `heartbeat_interval_ms * heartbeat_misses` of silence with nothing unread in the socket), then
 //! report the loss and start over; a discovered peer's task ends once its record is withdrawn and no
 //! session is left. Never blocks the driver: frames out go through a bounded queue whose overflow is
 //! itself a loss.
 
-use super::handshaken::{InboundError, Session};
+use super::handshaken::Session;
+use super::intake::{Heard, Intake, Reading, Taken};
 use super::{dial, LocalIdentity, PeerDirectory};
 use crate::channels::{DriverInput, LinkEnd, PeerEvent, PeerSender};
 use crate::config::{GatewayConfig, PeerEntry};
-use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
+use kvgate_client::proto::{self, peer_frame::Frame};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tokio_stream::StreamExt;
 
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 
@@ -29,6 +30,9 @@ pub(super) struct PeerTask {
     pub events: mpsc::Sender<DriverInput>,
     pub incoming: mpsc::Receiver<Session>,
     pub auth: super::LinkAuth,
+    /// The driver's runtime: a framed link's socket is read there (`intake.rs`). `None` in tests
+    /// that run no driver thread: the session task reads it.
+    pub driver_runtime: Option<tokio::runtime::Handle>,
     /// The last authentication failure logged, and when (repeats are rate-limited).
     pub last_auth_warning: Option<(String, Instant)>,
 }
@@ -107,7 +111,7 @@ impl PeerTask {
     }
 
     /// Runs until the session is lost; returns a newer session that replaced it, if any.
-    async fn run_session(&mut self, mut session: Session) -> Option<Session> {
+    pub(super) async fn run_session(&mut self, session: Session) -> Option<Session> {
         let id = NEXT_SESSION.fetch_add(1, Ordering::Relaxed);
         let name = self.name.clone();
         let sender = PeerSender::new(session.outbound.clone());
@@ -125,43 +129,32 @@ impl PeerTask {
         {
             return None;
         }
+        let heard = Heard::new();
+        let intake = Intake {
+            session: id,
+            opener: session.opener,
+            joining: super::lanes::Reassembly::new(self.config.peer_link.max_frame_bytes),
+            events: self.events.clone(),
+            heard: heard.clone(),
+        };
+        let mut inbound = Reading::start(session.inbound, intake, self.driver_runtime.as_ref());
         let interval = Duration::from_millis(self.config.peer_link.heartbeat_interval_ms);
         let silence_limit = interval * self.config.peer_link.heartbeat_misses as u32;
         let mut heartbeat = tokio::time::interval(interval);
         let mut seq = 0u64;
-        let mut last_heard = Instant::now();
+        let mut last_heard = heard.last();
         let catch_up = Duration::from_millis(self.config.driver.stall_catch_up_ms);
-        let mut joining = super::lanes::Reassembly::new(self.config.peer_link.max_frame_bytes);
         let mut replacement = None;
         let (end, detail): (LinkEnd, String) = loop {
+            last_heard = last_heard.max(heard.last());
             // Frames already received go first: after a stall of this process, the peer's frames
             // waiting in the socket are read before its silence is judged.
             tokio::select! {
                 biased;
-                message = session.inbound.next() => match message.map(|m| m.map(|frame| match session.opener.as_mut() {
-                    Some(opener) => opener.open(frame),
-                    None => Ok(frame),
-                })) {
-                    Some(Ok(Err(why))) => break (LinkEnd::AuthFailed, why),
-                    Some(Ok(Ok(PeerFrame { frame: Some(frame), .. }))) => {
-                        last_heard = Instant::now();
-                        if matches!(frame, Frame::Heartbeat(_)) { continue; }
-                        let frame = match frame {
-                            Frame::Fragment(fragment) => match joining.push(fragment) {
-                                Ok(Some(whole)) => whole,
-                                Ok(None) => continue,
-                                Err(why) => break (LinkEnd::ProtocolViolation, why),
-                            },
-                            _ if joining.pending_bytes() > 0 => break (LinkEnd::ProtocolViolation, "a frame between the fragments of another".into()),
-                            frame => frame,
-                        };
-                        if let Frame::Hello(_) | Frame::Refused(_) = frame { break (LinkEnd::ProtocolViolation, "a handshake frame on a live link".into()); }
-                        if self.events.send(DriverInput::Peer(PeerEvent::Frame { session: id, frame })).await.is_err() { return None; }
-                    }
-                    Some(Ok(Ok(PeerFrame { frame: None, .. }))) => last_heard = Instant::now(),
-                    None => break (LinkEnd::Closed, "the peer closed the link".into()),
-                    Some(Err(InboundError::ProtocolViolation(why))) => break (LinkEnd::ProtocolViolation, why),
-                    Some(Err(InboundError::Broken(why))) => break (LinkEnd::Closed, format!("link error: {why}")),
+                read = inbound.next() => match inbound.take(read).await {
+                    Taken::Next => {}
+                    Taken::End(end, why) => break (end, why),
+                    Taken::DriverGone => return None,
                 },
                 _ = heartbeat.tick() => {
                     seq += 1;
@@ -170,12 +163,22 @@ impl PeerTask {
                     }
                 }
                 _ = tokio::time::sleep_until(last_heard + silence_limit) => {
+                    if heard.last() > last_heard {
+                        continue;
+                    }
                     // Woken much later than asked: this process was stalled, and what the peer sent
                     // meanwhile may still be unread. Listen for `driver.stall_catch_up_ms` more.
                     let late = Instant::now().saturating_duration_since(last_heard + silence_limit);
                     if !catch_up.is_zero() && late > catch_up {
                         tracing::info!(peer = %name, late_ms = late.as_millis() as u64, "stalled past this link's silence bound: reading what arrived before judging it");
                         last_heard = Instant::now() + catch_up - silence_limit;
+                        continue;
+                    }
+                    // The peer's bytes wait unread: its reader (the driver's thread) is behind, the
+                    // peer is not silent.
+                    if inbound.bytes_waiting() {
+                        tracing::info!(peer = %name, silent_ms = silence_limit.as_millis() as u64, "the peer's frames wait unread past this link's silence bound (the driver's thread is busy): not a loss");
+                        last_heard = Instant::now();
                         continue;
                     }
                     break (LinkEnd::HeartbeatTimeout, format!("no frame for {} ms (heartbeat_interval_ms {} x heartbeat_misses {})",
@@ -192,6 +195,8 @@ impl PeerTask {
                 },
             }
         };
+        // No frame of this session reaches the driver after its loss.
+        inbound.stop().await;
         tracing::warn!(peer = %name, session = id, reason = end.reason(), "peer link lost: {detail}");
         let _ = self.events.send(DriverInput::Peer(PeerEvent::Lost { name, session: id, end })).await;
         replacement

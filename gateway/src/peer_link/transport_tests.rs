@@ -1,6 +1,7 @@
 //! Which transport a link ends up on, in process: a real listener (`listener::route` in front of the
 //! gRPC server, as `kvgate serve` runs it), a real dial, and an "older gateway" whose listener is a
-//! bare gRPC server that takes no framed link.
+//! bare gRPC server that takes no framed link. And a framed link's session while the driver's thread,
+//! which reads it, is busy.
 
 use super::handshaken::Session;
 use super::{dial, listener, LinkAuth, LocalIdentity, PeerDirectory, PeerLinkService};
@@ -79,7 +80,6 @@ async fn a_framed_dial_links_framed_and_a_grpc_dial_links_grpc_on_the_same_liste
         dialled.outbound.bulk.send(heartbeat(7)).await.unwrap();
         taken.outbound.bulk.send(heartbeat(8)).await.unwrap();
         let (mut dialled_in, mut taken_in) = (dialled.inbound, taken.inbound);
-        use tokio_stream::StreamExt;
         assert_eq!(taken_in.next().await.unwrap().unwrap(), heartbeat(7));
         assert_eq!(dialled_in.next().await.unwrap().unwrap(), heartbeat(8));
     }
@@ -157,4 +157,75 @@ async fn a_framed_stranger_gets_a_refusal_with_its_reason_and_the_connection_clo
         matches!(got.as_slice(), [PeerFrame { frame: Some(Frame::Refused(r)), .. }] if r.reason == "protocol_violation" && r.message.contains("max_frame_bytes")),
         "{got:?}"
     );
+}
+
+/// A "driver thread": a single-threaded runtime on its own thread, serving until the sender drops.
+fn driver_thread() -> (tokio::runtime::Handle, tokio::sync::oneshot::Sender<()>) {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let handle = runtime.handle().clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || runtime.block_on(async move { stopped.await.ok() }));
+    (handle, stop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_read_on_a_blocked_driver_thread_stays_up_while_its_peer_speaks_and_is_lost_once_it_is_silent() {
+    use crate::channels::{DriverInput, LinkEnd, PeerEvent};
+    use std::time::Duration;
+    let (address, mut accepted, _stop) = server(true).await;
+    let dialled = dial_b(None, &address).await.unwrap();
+    assert_eq!(dialled.transport, PeerTransport::Framed);
+    let theirs = accepted.recv().await.unwrap();
+    let (driver, _driver_stop) = driver_thread();
+    // A silence bound of 60 ms; the driver's thread will be blocked for 500.
+    let mut settings = config(None);
+    settings.peer_link.heartbeat_interval_ms = 20;
+    settings.peer_link.heartbeat_misses = 3;
+    let (events_tx, mut events) = tokio::sync::mpsc::channel(1024);
+    let (_incoming_tx, incoming) = tokio::sync::mpsc::channel(1);
+    let (_entry_tx, entry) = tokio::sync::watch::channel(Some(entry("b", &address)));
+    let mut task = super::session::PeerTask {
+        config: Arc::new(settings),
+        name: "b".into(),
+        entry,
+        directory: PeerDirectory::with_static(&[]).0,
+        identity: Arc::new(identity("a")),
+        events: events_tx,
+        incoming,
+        auth: LinkAuth::None,
+        driver_runtime: Some(driver.clone()),
+        last_auth_warning: None,
+    };
+    let run = tokio::spawn(async move { task.run_session(dialled).await.is_none() });
+    assert!(matches!(events.recv().await, Some(DriverInput::Peer(PeerEvent::Up { .. }))));
+    // The peer speaks every 10 ms.
+    let urgent = theirs.outbound.urgent.clone();
+    let speaker = tokio::spawn(async move {
+        for seq in 0.. {
+            let beat = PeerFrame { frame: Some(Frame::Heartbeat(proto::Heartbeat { seq })), mac: Vec::new() };
+            if urgent.send(beat).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    // A plugin call blocks the driver's thread for 8 silence bounds: nothing reads the link.
+    let (blocked_tx, blocked) = std::sync::mpsc::channel();
+    driver.spawn(async move {
+        blocked_tx.send(()).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+    });
+    blocked.recv().unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(!run.is_finished(), "the session ended while its peer spoke and only the driver's thread was busy");
+    assert!(events.try_recv().is_err(), "the peer was declared lost (or a heartbeat handed to the driver)");
+    // The peer falls silent: lost within the bound (and some slack), with that reason.
+    speaker.abort();
+    let lost = tokio::time::timeout(Duration::from_secs(2), events.recv()).await.expect("lost in time");
+    assert!(
+        matches!(lost, Some(DriverInput::Peer(PeerEvent::Lost { end: LinkEnd::HeartbeatTimeout, .. }))),
+        "expected a heartbeat timeout"
+    );
+    assert!(run.await.unwrap(), "no replacement session");
+    drop(theirs);
 }
