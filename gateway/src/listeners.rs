@@ -189,6 +189,12 @@ impl<Io> Guarded<Io> {
         &self.inner
     }
 
+    /// Counts and logs (paced) this connection's refusal by whoever serves it, with its reason code
+    /// (the caller then drops it).
+    pub fn refuse(&self, reason: &'static str, detail: &dyn std::fmt::Display) {
+        self.shared.refused(reason, detail);
+    }
+
     /// Whether the connection has been silent past its bound (re-arms the timer when it has not).
     fn silent_too_long(&mut self, cx: &mut Context<'_>) -> Option<&'static str> {
         loop {

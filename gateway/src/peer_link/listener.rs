@@ -1,7 +1,8 @@
 //! The peer-link listener's two protocols on one port: each accepted connection's first bytes say
 //! whether it is a framed link (`framed.rs`), served here, or anything else (HTTP/2, TLS), handed to
 //! the gRPC server. With `peer_link.auth = "tls"` every connection goes to the gRPC server (framed
-//! links have no TLS yet). A connection that sends nothing within `connect_timeout_ms` is closed.
+//! links have no TLS yet). A connection that sends nothing within `connect_timeout_ms` is closed and
+//! counted (`kvgate_listener_refused_total{listener="peer_link",reason="handshake_timeout"}`).
 
 use super::framed::{self, Speaks};
 use super::PeerLinkService;
@@ -52,10 +53,12 @@ pub fn route(
                     Ok(Speaks::Other) => {
                         let _ = grpc.send(Ok(conn)).await;
                     }
-                    Err(e) => tracing::debug!(
-                        reason = "handshake_timeout",
-                        "peer-link connection closed before it said what it speaks: {e}"
+                    // Counted and logged as the listener's own refusals are.
+                    Err(e) if e.kind() == io::ErrorKind::TimedOut => conn.refuse(
+                        "handshake_timeout",
+                        &format_args!("{e} (peer_link.connect_timeout_ms = {} ms)", wait.as_millis()),
                     ),
+                    Err(e) => tracing::debug!("peer-link connection closed before it said what it speaks: {e}"),
                 }
             });
         }

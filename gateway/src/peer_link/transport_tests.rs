@@ -41,14 +41,23 @@ fn entry(name: &str, address: &str) -> PeerEntry {
 async fn server(
     framed_listener: bool,
 ) -> (String, tokio::sync::mpsc::Receiver<Session>, tokio::sync::watch::Sender<bool>) {
-    let config = Arc::new(config(None));
+    let (address, incoming, stop, _) = server_with(framed_listener, config(None)).await;
+    (address, incoming, stop)
+}
+
+/// [`server`] with its configuration, and its metrics.
+async fn server_with(
+    framed_listener: bool,
+    config: GatewayConfig,
+) -> (String, tokio::sync::mpsc::Receiver<Session>, tokio::sync::watch::Sender<bool>, Arc<GatewayMetrics>) {
+    let config = Arc::new(config);
+    let metrics = Arc::new(GatewayMetrics::default());
     let (directory, mut tasks) = PeerDirectory::with_static(&[entry("a", "127.0.0.1:1")]);
     let incoming = tasks.remove(0).1.incoming;
     let service = Arc::new(PeerLinkService::new(Arc::new(identity("b")), config.clone(), directory, LinkAuth::None));
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = tcp.local_addr().unwrap().to_string();
-    let guarded =
-        GuardedListener::new(tcp, "peer_link", config.peer_link.connections, Arc::new(GatewayMetrics::default()));
+    let guarded = GuardedListener::new(tcp, "peer_link", config.peer_link.connections, metrics.clone());
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let stream = if framed_listener {
         listener::route(guarded, service.clone(), config.clone(), stop)
@@ -58,7 +67,7 @@ async fn server(
     tokio::spawn(
         tonic::transport::Server::builder().add_service(PeerLinkServer::from_arc(service)).serve_with_incoming(stream),
     );
-    (address, incoming, stop_tx)
+    (address, incoming, stop_tx, metrics)
 }
 
 async fn dial_b(transport: Option<PeerTransport>, address: &str) -> anyhow::Result<Session> {
@@ -228,4 +237,28 @@ async fn a_link_read_on_a_blocked_driver_thread_stays_up_while_its_peer_speaks_a
     );
     assert!(run.await.unwrap(), "no replacement session");
     drop(theirs);
+}
+
+#[tokio::test]
+async fn a_connection_silent_past_connect_timeout_is_closed_and_counted_as_a_refusal() {
+    use std::time::Duration;
+    let mut settings = config(None);
+    settings.peer_link.connect_timeout_ms = 200;
+    let (address, _accepted, _stop, metrics) = server_with(true, settings).await;
+    let refusals = || metrics.listener_refusals("peer_link", "handshake_timeout");
+    // Silent: closed at the bound, and counted.
+    let mut silent = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let started = std::time::Instant::now();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(5), silent.read(&mut byte)).await.expect("closed in time");
+    assert!(matches!(read, Ok(0) | Err(_)), "the listener closed it: {read:?}");
+    assert!(started.elapsed() >= Duration::from_millis(190), "closed before the bound: {:?}", started.elapsed());
+    assert_eq!(refusals(), 1);
+    // A dialler that speaks within the bound links, and counts nothing.
+    let dialled = dial_b(None, &address).await.unwrap();
+    assert_eq!(dialled.transport, PeerTransport::Framed);
+    // One that closes before speaking is not a refusal either.
+    drop(tokio::net::TcpStream::connect(&address).await.unwrap());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(refusals(), 1, "only the silent connection counts");
 }
