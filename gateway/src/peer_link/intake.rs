@@ -207,6 +207,17 @@ fn spawn_reader(
     })
 }
 
+/// For tests: a "driver thread", a single-threaded runtime on its own thread, serving until the
+/// returned sender fires or drops.
+#[cfg(test)]
+pub(super) fn driver_thread() -> (tokio::runtime::Handle, tokio::sync::oneshot::Sender<()>) {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let handle = runtime.handle().clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || runtime.block_on(async move { stopped.await.ok() }));
+    (handle, stop)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,15 +237,6 @@ mod tests {
             encode_frame(frame, &mut bytes);
         }
         bytes
-    }
-
-    /// A "driver thread": a single-threaded runtime on its own thread, serving until `stop` fires.
-    fn driver_thread() -> (tokio::runtime::Handle, tokio::sync::oneshot::Sender<()>) {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let handle = runtime.handle().clone();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        std::thread::spawn(move || runtime.block_on(async move { stopped.await.ok() }));
-        (handle, stop)
     }
 
     /// A connected TCP pair: the link's end as a framed inbound side (read here first, as during a

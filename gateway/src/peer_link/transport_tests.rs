@@ -168,15 +168,6 @@ async fn a_framed_stranger_gets_a_refusal_with_its_reason_and_the_connection_clo
     );
 }
 
-/// A "driver thread": a single-threaded runtime on its own thread, serving until the sender drops.
-fn driver_thread() -> (tokio::runtime::Handle, tokio::sync::oneshot::Sender<()>) {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let handle = runtime.handle().clone();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    std::thread::spawn(move || runtime.block_on(async move { stopped.await.ok() }));
-    (handle, stop)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_link_read_on_a_blocked_driver_thread_stays_up_while_its_peer_speaks_and_is_lost_once_it_is_silent() {
     use crate::channels::{DriverInput, LinkEnd, PeerEvent};
@@ -185,7 +176,7 @@ async fn a_link_read_on_a_blocked_driver_thread_stays_up_while_its_peer_speaks_a
     let dialled = dial_b(None, &address).await.unwrap();
     assert_eq!(dialled.transport, PeerTransport::Framed);
     let theirs = accepted.recv().await.unwrap();
-    let (driver, _driver_stop) = driver_thread();
+    let (driver, _driver_stop) = super::intake::driver_thread();
     // A silence bound of 60 ms; the driver's thread will be blocked for 500.
     let mut settings = config(None);
     settings.peer_link.heartbeat_interval_ms = 20;
