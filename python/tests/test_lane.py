@@ -17,7 +17,7 @@ import pytest
 import kvgate
 from gateways import Pair
 from helpers import Engine, Layout
-from kvgate import _channel, _lane
+from kvgate import _channel, _lane, _lane_aio
 from kvgate._proto import kvgate_pb2 as pb
 
 
@@ -146,6 +146,33 @@ def test_a_reply_frame_past_the_clients_bound_ends_the_call_with_a_reason(past: 
                 call(pb.InfoRequest(), timeout=5)
             assert kvgate.errors.from_rpc_error(failed.value).code == "frame_too_large"
         lane.close()
+    finally:
+        server.close()
+        thread.join(timeout=3)
+
+
+@pytest.mark.parametrize("past", [0, 1], ids=["at-the-bound", "one-past"])
+def test_the_asyncio_lane_takes_a_reply_frame_at_the_bound_and_ends_the_call_one_past_it(past: int, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = pb.LaneReply(id=1, info=pb.InfoReply(gateway="g")).SerializeToString()
+    monkeypatch.setattr(_lane, "MAX_REPLY_FRAME_BYTES", len(body) - past)
+    engine_socket = str(workdir / "stand-in.sock")
+    server, thread = _serve_once(_lane.lane_path(engine_socket), struct.pack("<I", len(body)) + body)
+
+    async def info() -> str:
+        lane = _lane_aio.AioLane(engine_socket, 2.0)
+        try:
+            reply = await lane.unary("Info")(pb.InfoRequest(), timeout=5)
+            return str(reply.gateway)
+        finally:
+            await lane.close()
+
+    try:
+        if past == 0:
+            assert asyncio.run(info()) == "g"
+        else:
+            with pytest.raises(grpc.RpcError) as failed:
+                asyncio.run(info())
+            assert kvgate.errors.from_rpc_error(failed.value).code == "frame_too_large"
     finally:
         server.close()
         thread.join(timeout=3)

@@ -310,7 +310,7 @@ mod tests {
         let (blocked_tx, blocked) = std::sync::mpsc::channel();
         driver.spawn(async move {
             blocked_tx.send(()).unwrap();
-            std::thread::sleep(Duration::from_millis(600));
+            std::thread::sleep(Duration::from_millis(1500));
         });
         blocked.recv().unwrap();
         let heard_before = heard.last();

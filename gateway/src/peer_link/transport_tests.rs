@@ -177,10 +177,10 @@ async fn a_link_read_on_a_blocked_driver_thread_stays_up_while_its_peer_speaks_a
     assert_eq!(dialled.transport, PeerTransport::Framed);
     let theirs = accepted.recv().await.unwrap();
     let (driver, _driver_stop) = super::intake::driver_thread();
-    // A silence bound of 60 ms; the driver's thread will be blocked for 500.
+    // A silence bound of 200 ms; the driver's thread will be blocked for 1 000.
     let mut settings = config(None);
-    settings.peer_link.heartbeat_interval_ms = 20;
-    settings.peer_link.heartbeat_misses = 3;
+    settings.peer_link.heartbeat_interval_ms = 50;
+    settings.peer_link.heartbeat_misses = 4;
     let (events_tx, mut events) = tokio::sync::mpsc::channel(1024);
     let (_incoming_tx, incoming) = tokio::sync::mpsc::channel(1);
     let (_entry_tx, entry) = tokio::sync::watch::channel(Some(entry("b", &address)));
@@ -209,19 +209,19 @@ async fn a_link_read_on_a_blocked_driver_thread_stays_up_while_its_peer_speaks_a
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     });
-    // A plugin call blocks the driver's thread for 8 silence bounds: nothing reads the link.
+    // A plugin call blocks the driver's thread for 5 silence bounds: nothing reads the link.
     let (blocked_tx, blocked) = std::sync::mpsc::channel();
     driver.spawn(async move {
         blocked_tx.send(()).unwrap();
-        std::thread::sleep(Duration::from_millis(500));
+        std::thread::sleep(Duration::from_millis(1000));
     });
     blocked.recv().unwrap();
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    tokio::time::sleep(Duration::from_millis(1300)).await;
     assert!(!run.is_finished(), "the session ended while its peer spoke and only the driver's thread was busy");
     assert!(events.try_recv().is_err(), "the peer was declared lost (or a heartbeat handed to the driver)");
     // The peer falls silent: lost within the bound (and some slack), with that reason.
     speaker.abort();
-    let lost = tokio::time::timeout(Duration::from_secs(2), events.recv()).await.expect("lost in time");
+    let lost = tokio::time::timeout(Duration::from_secs(5), events.recv()).await.expect("lost in time");
     assert!(
         matches!(lost, Some(DriverInput::Peer(PeerEvent::Lost { end: LinkEnd::HeartbeatTimeout, .. }))),
         "expected a heartbeat timeout"
