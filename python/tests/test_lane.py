@@ -130,48 +130,39 @@ def _serve_once(path: str, reply: bytes) -> tuple[socket.socket, threading.Threa
     return server, thread
 
 
-@pytest.mark.parametrize("past", [0, 1], ids=["at-the-bound", "one-past"])
-def test_a_reply_frame_past_the_clients_bound_ends_the_call_with_a_reason(past: int, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    body = pb.LaneReply(id=1, info=pb.InfoReply(gateway="g")).SerializeToString()
-    monkeypatch.setattr(_lane, "MAX_REPLY_FRAME_BYTES", len(body) - past)
-    engine_socket = str(workdir / "stand-in.sock")
-    server, thread = _serve_once(_lane.lane_path(engine_socket), struct.pack("<I", len(body)) + body)
-    try:
+def _info_over(transport: str, engine_socket: str) -> str:
+    """One `Info` call over the lane at `engine_socket` with the blocking or the asyncio client."""
+    if transport == "blocking":
         lane = _lane.Lane(engine_socket, 2.0)
-        call = lane.unary("Info")
-        if past == 0:
-            assert call(pb.InfoRequest(), timeout=5).gateway == "g"
-        else:
-            with pytest.raises(grpc.RpcError) as failed:
-                call(pb.InfoRequest(), timeout=5)
-            assert kvgate.errors.from_rpc_error(failed.value).code == "frame_too_large"
-        lane.close()
-    finally:
-        server.close()
-        thread.join(timeout=3)
-
-
-@pytest.mark.parametrize("past", [0, 1], ids=["at-the-bound", "one-past"])
-def test_the_asyncio_lane_takes_a_reply_frame_at_the_bound_and_ends_the_call_one_past_it(past: int, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    body = pb.LaneReply(id=1, info=pb.InfoReply(gateway="g")).SerializeToString()
-    monkeypatch.setattr(_lane, "MAX_REPLY_FRAME_BYTES", len(body) - past)
-    engine_socket = str(workdir / "stand-in.sock")
-    server, thread = _serve_once(_lane.lane_path(engine_socket), struct.pack("<I", len(body)) + body)
+        try:
+            return str(lane.unary("Info")(pb.InfoRequest(), timeout=5).gateway)
+        finally:
+            lane.close()
 
     async def info() -> str:
-        lane = _lane_aio.AioLane(engine_socket, 2.0)
+        aio = _lane_aio.AioLane(engine_socket, 2.0)
         try:
-            reply = await lane.unary("Info")(pb.InfoRequest(), timeout=5)
+            reply = await aio.unary("Info")(pb.InfoRequest(), timeout=5)
             return str(reply.gateway)
         finally:
-            await lane.close()
+            await aio.close()
 
+    return asyncio.run(info())
+
+
+@pytest.mark.parametrize("transport", ["blocking", "asyncio"])
+@pytest.mark.parametrize("past", [0, 1], ids=["at-the-bound", "one-past"])
+def test_a_reply_frame_past_the_clients_bound_ends_the_call_with_a_reason(transport: str, past: int, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    body = pb.LaneReply(id=1, info=pb.InfoReply(gateway="g")).SerializeToString()
+    monkeypatch.setattr(_lane, "MAX_REPLY_FRAME_BYTES", len(body) - past)
+    engine_socket = str(workdir / "stand-in.sock")
+    server, thread = _serve_once(_lane.lane_path(engine_socket), struct.pack("<I", len(body)) + body)
     try:
         if past == 0:
-            assert asyncio.run(info()) == "g"
+            assert _info_over(transport, engine_socket) == "g"
         else:
             with pytest.raises(grpc.RpcError) as failed:
-                asyncio.run(info())
+                _info_over(transport, engine_socket)
             assert kvgate.errors.from_rpc_error(failed.value).code == "frame_too_large"
     finally:
         server.close()
