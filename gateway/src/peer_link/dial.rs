@@ -91,7 +91,7 @@ impl Link {
 
     fn open_framed(self, config: &GatewayConfig, stream: tokio::net::TcpStream) -> anyhow::Result<OpenLink> {
         // The socket's own descriptor goes with the inbound side: once the link is live, the
-        // driver's thread reads it (`session.rs`).
+        // driver's thread reads it (`intake.rs`).
         let socket = stream.as_fd().try_clone_to_owned().context("duplicate the link's socket")?;
         let (read, write) = stream.into_split();
         framed::spawn_writer(write, sealed_stream(self.receivers, self.sealer.clone(), config));

@@ -4,8 +4,8 @@
 //! connection task between the socket and the link. The handshake reads the socket through
 //! [`socket_inbound`]; the live link's reading is then handed to the driver's thread
 //! ([`FramedInbound::detach`], `intake.rs`). One writer task per link ([`spawn_writer`]) writes every
-//! frame already queued in one `write`. Owns the bytes on the wire only: the handshake and authentication above it are the
-//! same as on a gRPC link (`dial.rs`, `server.rs`).
+//! frame already queued in one `write`. Owns the bytes on the wire only: the handshake and
+//! authentication above it are the same as on a gRPC link (`dial.rs`, `server.rs`).
 
 use super::handshaken::{Inbound, InboundError};
 use futures_util::FutureExt;
@@ -29,10 +29,7 @@ pub const WRITE_BATCH_BYTES: usize = 256 << 10;
 /// polled): each at most `max_frame_bytes` (a length past it ends the link before its body is read),
 /// each a `PeerFrame` that decodes.
 pub fn inbound<R: AsyncRead + Unpin + Send + 'static>(io: R, max_frame_bytes: usize) -> Inbound {
-    Inbound::Framed(FramedInbound {
-        reader: Reader::new(Box::new(io) as Box<dyn AsyncRead + Unpin + Send>, FrameBuffer::default(), max_frame_bytes),
-        socket: None,
-    })
+    framed_inbound(io, None, max_frame_bytes)
 }
 
 /// [`inbound`] over a TCP connection, with a descriptor of its own for the socket (`socket`): read
@@ -43,9 +40,16 @@ pub fn socket_inbound<R: AsyncRead + Unpin + Send + 'static>(
     socket: OwnedFd,
     max_frame_bytes: usize,
 ) -> Inbound {
-    let reader =
-        Reader::new(Box::new(io) as Box<dyn AsyncRead + Unpin + Send>, FrameBuffer::default(), max_frame_bytes);
-    Inbound::Framed(FramedInbound { reader, socket: Some(socket) })
+    framed_inbound(io, Some(socket), max_frame_bytes)
+}
+
+fn framed_inbound<R: AsyncRead + Unpin + Send + 'static>(
+    io: R,
+    socket: Option<OwnedFd>,
+    max_frame_bytes: usize,
+) -> Inbound {
+    let io: Box<dyn AsyncRead + Unpin + Send> = Box::new(io);
+    Inbound::Framed(FramedInbound { reader: Reader::new(io, FrameBuffer::default(), max_frame_bytes), socket })
 }
 
 /// A framed link's inbound side while its handshake runs.
@@ -65,10 +69,7 @@ impl FramedInbound {
     /// runtime other than the one that read the handshake; `Err(self)` when there is no socket.
     pub fn detach(self) -> Result<DetachedReader, FramedInbound> {
         match self.socket {
-            Some(socket) => {
-                let Reader { buffer, max_frame_bytes, failed, .. } = self.reader;
-                Ok(DetachedReader { socket, buffer, max_frame_bytes, failed })
-            }
+            Some(socket) => Ok(DetachedReader { socket, reader: self.reader.with_io(()) }),
             None => Err(self),
         }
     }
@@ -78,9 +79,8 @@ impl FramedInbound {
 /// reads it on.
 pub struct DetachedReader {
     socket: OwnedFd,
-    buffer: FrameBuffer,
-    max_frame_bytes: usize,
-    failed: bool,
+    /// The reader's state (buffered bytes, bound, whether it failed), without its I/O.
+    reader: Reader<()>,
 }
 
 impl DetachedReader {
@@ -93,10 +93,7 @@ impl DetachedReader {
     pub fn attach(self) -> std::io::Result<Reader<tokio::net::TcpStream>> {
         let socket = std::net::TcpStream::from(self.socket);
         socket.set_nonblocking(true)?;
-        let io = tokio::net::TcpStream::from_std(socket)?;
-        let mut reader = Reader::new(io, self.buffer, self.max_frame_bytes);
-        reader.failed = self.failed;
-        Ok(reader)
+        Ok(self.reader.with_io(tokio::net::TcpStream::from_std(socket)?))
     }
 }
 
@@ -116,11 +113,18 @@ pub struct Reader<R> {
     failed: bool,
 }
 
-impl<R: AsyncRead + Unpin> Reader<R> {
+impl<R> Reader<R> {
     fn new(io: R, buffer: FrameBuffer, max_frame_bytes: usize) -> Reader<R> {
         Reader { io, buffer, max_frame_bytes, failed: false }
     }
 
+    /// The same reader (what it buffered, its bound, whether it failed) over `io`.
+    fn with_io<T>(self, io: T) -> Reader<T> {
+        Reader { io, buffer: self.buffer, max_frame_bytes: self.max_frame_bytes, failed: self.failed }
+    }
+}
+
+impl<R: AsyncRead + Unpin> Reader<R> {
     /// The next frame; `None` at a clean end of the connection or after an error was returned.
     /// Cancel-safe: bytes read are kept in the buffer.
     pub async fn next(&mut self) -> Option<Result<PeerFrame, InboundError>> {

@@ -32,7 +32,8 @@ impl Heard {
         Arc::new(Heard { since: Instant::now(), last_ns: AtomicU64::new(0) })
     }
 
-    fn now(&self) {
+    /// Records that the peer was heard now.
+    fn mark(&self) {
         let ns = Instant::now().saturating_duration_since(self.since).as_nanos() as u64;
         self.last_ns.fetch_max(ns, Ordering::Relaxed);
     }
@@ -78,7 +79,7 @@ impl Intake {
             },
             None => frame,
         };
-        self.heard.now();
+        self.heard.mark();
         let Some(frame) = frame.frame else { return Taken::Next };
         let frame = match frame {
             Frame::Heartbeat(_) => return Taken::Next,

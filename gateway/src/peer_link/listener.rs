@@ -74,11 +74,12 @@ async fn serve_framed(mut conn: Guarded<TcpStream>, service: &PeerLinkService, c
         return;
     }
     // The socket's own descriptor goes with the inbound side: once the link is live, the driver's
-    // thread reads it (`session.rs`).
+    // thread reads it (`intake.rs`).
     let socket = match conn.get_ref().as_fd().try_clone_to_owned() {
         Ok(socket) => socket,
         Err(e) => {
-            tracing::warn!(reason = "link_closed", "a framed peer link cannot be read: duplicate its socket: {e}");
+            // Out of descriptors, as a failed accept is: counted and logged (paced) as one.
+            conn.refuse("accept_error", &format_args!("duplicate a framed peer link's socket: {e}"));
             return;
         }
     };
