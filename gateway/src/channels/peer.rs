@@ -1,16 +1,52 @@
 //! What crosses between the peer links and the driver: a session's events (up, frames, lost and
 //! why) and the non-blocking sender of its outbound frames.
 
+use crate::peer_link::writer::{Direct, LinkWriter};
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
-/// The sending halves of one link's lanes.
-#[derive(Clone, Debug)]
+/// The sending halves of one link's lanes, and, on a framed link, its writer, through which the
+/// driver's thread writes straight to the socket when nothing waits ahead (`peer_link/writer.rs`).
+#[derive(Clone)]
 pub struct Outbound {
     pub bulk: mpsc::Sender<PeerFrame>,
     pub urgent: mpsc::Sender<PeerFrame>,
+    pub direct: Option<Arc<LinkWriter>>,
+}
+
+impl std::fmt::Debug for Outbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbound").field("direct", &self.direct.is_some()).finish_non_exhaustive()
+    }
+}
+
+impl Outbound {
+    /// Queues `frame` on the bulk lane, waiting for room (the handshake's frames).
+    pub async fn queue_bulk(&self, frame: PeerFrame) -> Result<(), mpsc::error::SendError<PeerFrame>> {
+        if let Some(w) = &self.direct {
+            w.queuing();
+        }
+        let sent = self.bulk.send(frame).await;
+        if let (Err(_), Some(w)) = (&sent, &self.direct) {
+            w.unqueued();
+        }
+        sent
+    }
+
+    /// Queues `frame` on the bulk lane if it has room; `Err(true)` when the lane is closed, `Err(false)`
+    /// when it is full.
+    pub fn try_queue_bulk(&self, frame: PeerFrame) -> Result<(), bool> {
+        if let Some(w) = &self.direct {
+            w.queuing();
+        }
+        let sent = self.bulk.try_send(frame).map_err(|e| matches!(e, mpsc::error::TrySendError::Closed(_)));
+        if let (Err(_), Some(w)) = (&sent, &self.direct) {
+            w.unqueued();
+        }
+        sent
+    }
 }
 
 /// A process-unique number for one session with one peer incarnation; the driver uses it as the
@@ -76,19 +112,37 @@ struct SendFailure {
 }
 
 impl PeerSender {
-    /// Queues `frame`: a heartbeat on the urgent lane, anything else on the bulk lane.
+    /// Sends `frame`: a heartbeat on the urgent lane; anything else straight to a framed link's
+    /// socket when nothing waits ahead of it, else on the bulk lane.
     pub fn send(&self, frame: Frame) -> bool {
-        let lane = if matches!(frame, Frame::Heartbeat(_)) { &self.tx.urgent } else { &self.tx.bulk };
-        match lane.try_send(PeerFrame { frame: Some(frame), mac: Vec::new() }) {
-            Ok(()) => true,
-            Err(e) => {
-                if matches!(e, mpsc::error::TrySendError::Closed(_)) {
-                    self.failed.closed.store(true, Ordering::Relaxed);
-                }
-                self.failed.notify.notify_one();
-                false
-            }
+        let heartbeat = matches!(frame, Frame::Heartbeat(_));
+        let mut frame = PeerFrame { frame: Some(frame), mac: Vec::new() };
+        if let (false, Some(writer)) = (heartbeat, &self.tx.direct) {
+            frame = match writer.try_direct(frame) {
+                Direct::Taken => return true,
+                Direct::Behind(frame) => *frame,
+                Direct::Failed => return self.fail(true),
+            };
         }
+        let sent = if heartbeat {
+            self.tx.urgent.try_send(frame).map_err(|e| matches!(e, mpsc::error::TrySendError::Closed(_)))
+        } else {
+            self.tx.try_queue_bulk(frame)
+        };
+        match sent {
+            Ok(()) => true,
+            Err(closed) => self.fail(closed),
+        }
+    }
+
+    /// Records a failed send (`closed`: the link's outbound side is gone, else its queue is full)
+    /// for the session task; returns `false`.
+    fn fail(&self, closed: bool) -> bool {
+        if closed {
+            self.failed.closed.store(true, Ordering::Relaxed);
+        }
+        self.failed.notify.notify_one();
+        false
     }
 
     /// A sender onto `lanes`; the session task waits on `failed` to learn of a failed send.

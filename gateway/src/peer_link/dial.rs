@@ -4,13 +4,13 @@
 //! gRPC. Never retries by itself (the peer task paces retries).
 
 use super::handshaken::{grpc_inbound, Inbound, Session};
-use super::{framed, lanes, psk, sealed_stream, LinkAuth, LocalIdentity};
+use super::{framed, lanes, psk, sealed_stream, writer, LinkAuth, LocalIdentity};
 use crate::channels::Outbound;
 use crate::config::{GatewayConfig, PeerEntry, PeerTransport};
 use anyhow::{bail, Context};
 use kvgate_client::proto::{self, peer_frame::Frame, peer_link_client::PeerLinkClient, PeerFrame};
 use std::os::fd::AsFd;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tonic::transport::Endpoint;
@@ -33,10 +33,15 @@ async fn dial_inner(
     identity: &LocalIdentity,
     auth: &LinkAuth,
 ) -> anyhow::Result<Session> {
-    let link = Link::new(config, peer, identity, auth);
     if config.peer_link.transport_mode() == PeerTransport::Framed {
         match dial_framed(peer).await? {
-            Some(stream) => return link.open_framed(config, stream)?.handshake(peer, identity, auth).await,
+            Some(stream) => {
+                let sealer = writer::SharedSealer::default();
+                let writer = writer::LinkWriter::new(stream.as_fd(), sealer, config.peer_link.frame_fragment_bytes)
+                    .context("duplicate the link's socket")?;
+                let link = Link::new(config, peer, identity, auth, Some(writer));
+                return link.open_framed(config, stream)?.handshake(peer, identity, auth).await;
+            }
             None => tracing::debug!(
                 peer = %peer.name,
                 "{} does not take framed links (an older kvgate?): dialling gRPC",
@@ -44,6 +49,7 @@ async fn dial_inner(
             ),
         }
     }
+    let link = Link::new(config, peer, identity, auth, None);
     link.open_grpc(config, peer, auth).await?.handshake(peer, identity, auth).await
 }
 
@@ -60,11 +66,11 @@ async fn dial_framed(peer: &PeerEntry) -> anyhow::Result<Option<tokio::net::TcpS
 }
 
 /// A link being dialled: our Hello already queued on its outbound lanes (with a challenge under
-/// `psk`), and the sealer the outbound stream applies once the handshake sets it.
+/// `psk`), and the sealer the outbound side applies once the handshake sets it.
 struct Link {
     lanes: Outbound,
     receivers: lanes::OutboundReceivers,
-    sealer: Arc<Mutex<Option<psk::FrameSealer>>>,
+    sealer: writer::SharedSealer,
     nonce: Vec<u8>,
 }
 
@@ -72,29 +78,38 @@ struct Link {
 struct OpenLink {
     lanes: Outbound,
     inbound: Inbound,
-    sealer: Arc<Mutex<Option<psk::FrameSealer>>>,
+    sealer: writer::SharedSealer,
     nonce: Vec<u8>,
     transport: PeerTransport,
 }
 
 impl Link {
-    fn new(config: &GatewayConfig, peer: &PeerEntry, identity: &LocalIdentity, auth: &LinkAuth) -> Link {
-        let (lanes, receivers) = lanes::channels(config.peer_link.send_queue_frames as usize);
+    /// `direct`: a framed link's writer (its sealer is the link's).
+    fn new(
+        config: &GatewayConfig,
+        peer: &PeerEntry,
+        identity: &LocalIdentity,
+        auth: &LinkAuth,
+        direct: Option<Arc<writer::LinkWriter>>,
+    ) -> Link {
+        let sealer = direct.as_ref().map(|w| w.sealer().clone()).unwrap_or_default();
+        let (lanes, receivers) = lanes::channels_with(config.peer_link.send_queue_frames as usize, direct);
         let nonce = match auth {
             LinkAuth::Psk(_) => psk::nonce(),
             _ => Vec::new(),
         };
         let hello = identity.hello_to(&peer.name, auth.mode(), nonce.clone(), Vec::new());
-        lanes.bulk.try_send(hello).expect("new lanes have room for the hello");
-        Link { lanes, receivers, sealer: Arc::new(Mutex::new(None)), nonce }
+        lanes.try_queue_bulk(hello).expect("new lanes have room for the hello");
+        Link { lanes, receivers, sealer, nonce }
     }
 
     fn open_framed(self, config: &GatewayConfig, stream: tokio::net::TcpStream) -> anyhow::Result<OpenLink> {
         // The socket's own descriptor goes with the inbound side: once the link is live, the
         // driver's thread reads it (`intake.rs`).
         let socket = stream.as_fd().try_clone_to_owned().context("duplicate the link's socket")?;
+        let direct = self.lanes.direct.clone().context("a framed link has its writer")?;
         let (read, write) = stream.into_split();
-        framed::spawn_writer(write, sealed_stream(self.receivers, self.sealer.clone(), config));
+        writer::spawn(direct, self.receivers, write);
         Ok(OpenLink {
             lanes: self.lanes,
             inbound: framed::socket_inbound(read, socket, super::max_decoding_bytes(config)),
@@ -177,7 +192,7 @@ impl OpenLink {
                 let (link_sealer, link_opener) = key.link_macs(&transcript, true);
                 *self.sealer.lock().unwrap_or_else(|e| e.into_inner()) = Some(link_sealer);
                 let answer = PeerFrame { frame: Some(Frame::AuthProof(proto::AuthProof { proof })), mac: Vec::new() };
-                self.lanes.bulk.send(answer).await.ok();
+                self.lanes.queue_bulk(answer).await.ok();
                 Some(link_opener)
             }
             _ => None,

@@ -3,27 +3,22 @@
 //! fast lane's framing, `kvgate_client::lane_frame`). No HTTP/2: no HPACK, no flow-control frames, no
 //! connection task between the socket and the link. The handshake reads the socket through
 //! [`socket_inbound`]; the live link's reading is then handed to the driver's thread
-//! ([`FramedInbound::detach`], `intake.rs`). One writer task per link ([`spawn_writer`]) writes every
-//! frame already queued in one `write`. Owns the bytes on the wire only: the handshake and
+//! ([`FramedInbound::detach`], `intake.rs`). Frames out are written by the link's writer
+//! (`writer.rs`). Owns the bytes on the wire only: the handshake and
 //! authentication above it are the same as on a gRPC link (`dial.rs`, `server.rs`).
 
 use super::handshaken::{Inbound, InboundError};
-use futures_util::FutureExt;
-use kvgate_client::lane_frame::{encode_frame, FrameBuffer};
+use kvgate_client::lane_frame::FrameBuffer;
 use kvgate_client::proto::PeerFrame;
 use prost::Message;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio_stream::{Stream, StreamExt};
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// The first bytes of a framed link, sent by the dialler and echoed by the server before anything
 /// else. An HTTP/2 connection starts with `PRI * HTTP/2.0`, a TLS one with a handshake record, so a
 /// listener tells them apart from these.
 pub const MAGIC: &[u8; 8] = b"KVGPEER1";
-
-/// A writer stops gathering queued frames into one `write` past this many bytes.
-pub const WRITE_BATCH_BYTES: usize = 256 << 10;
 
 /// Reads the framed link's inbound frames from `io` (an in-memory pipe in tests: read wherever it is
 /// polled): each at most `max_frame_bytes` (a length past it ends the link before its body is read),
@@ -160,36 +155,6 @@ impl<R: AsyncRead + Unpin> Reader<R> {
     }
 }
 
-/// Starts the task that writes `frames` to `io` until the stream ends (the link's outbound lanes
-/// closed) or a write fails. A failed write drops the stream, closing the lanes, which the link's
-/// session task sees as the loss of the link.
-pub fn spawn_writer<W, S>(mut io: W, frames: S)
-where
-    W: AsyncWrite + Unpin + Send + 'static,
-    S: Stream<Item = PeerFrame> + Send + 'static,
-{
-    tokio::spawn(async move {
-        let mut frames = std::pin::pin!(frames);
-        let mut buffer = Vec::with_capacity(64 << 10);
-        while let Some(frame) = frames.next().await {
-            encode_frame(&frame, &mut buffer);
-            // Every frame already queued goes in the same write.
-            while buffer.len() < WRITE_BATCH_BYTES {
-                match frames.next().now_or_never() {
-                    Some(Some(frame)) => encode_frame(&frame, &mut buffer),
-                    _ => break,
-                }
-            }
-            if let Err(e) = io.write_all(&buffer).await {
-                tracing::debug!("peer link write failed: {e}");
-                return;
-            }
-            buffer.clear();
-        }
-        let _ = io.shutdown().await;
-    });
-}
-
 /// What a connection to the peer-link listener speaks, from its first bytes.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Speaks {
@@ -247,7 +212,9 @@ pub async fn read_magic<R: AsyncRead + Unpin>(io: &mut R) -> std::io::Result<boo
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvgate_client::lane_frame::encode_frame;
     use kvgate_client::proto::{self, peer_frame::Frame};
+    use tokio::io::AsyncWriteExt;
 
     /// Every item `inbound` yields, to its end.
     async fn all_frames(mut inbound: Inbound) -> Vec<Result<PeerFrame, InboundError>> {
@@ -256,22 +223,6 @@ mod tests {
             items.push(item);
         }
         items
-    }
-
-    fn heartbeat(seq: u64) -> PeerFrame {
-        PeerFrame { frame: Some(Frame::Heartbeat(proto::Heartbeat { seq })), mac: vec![1, 2, 3] }
-    }
-
-    #[tokio::test]
-    async fn frames_written_by_the_writer_are_read_back_in_order_then_the_end() {
-        let (a, b) = tokio::io::duplex(1 << 20);
-        let frames: Vec<PeerFrame> = (0..1000).map(heartbeat).collect();
-        spawn_writer(a, tokio_stream::iter(frames.clone()));
-        let read: Vec<Result<PeerFrame, InboundError>> = all_frames(inbound(b, 1 << 20)).await;
-        assert_eq!(read.len(), frames.len(), "every frame once, then the clean end");
-        for (got, sent) in read.into_iter().zip(frames) {
-            assert_eq!(got.unwrap(), sent);
-        }
     }
 
     /// One frame of exactly `len` encoded bytes, then what the reader makes of it under `max`.

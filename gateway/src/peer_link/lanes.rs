@@ -2,10 +2,11 @@
 //!
 //! Heartbeats ride an urgent lane that is always read first; every other frame rides the bulk lane,
 //! and one whose encoding is larger than `peer_link.frame_fragment_bytes` leaves as consecutive
-//! `Fragment` frames. So at most one fragment, never a whole large frame, stands between two
-//! heartbeats, and a large frame cannot starve the link's liveness. Inbound, every fragment counts
-//! as hearing from the peer; fragments are joined up to `peer_link.max_frame_bytes` (a peer sending
-//! more breaks the protocol and loses the link).
+//! `Fragment` frames. On a gRPC link ([`outbound_stream`]) at most one fragment, never a whole large
+//! frame, stands between two heartbeats; a framed link's writer (`writer.rs`) writes a frame's
+//! fragments together ([`fragments`]). Either way a large frame cannot starve the link's liveness:
+//! inbound, every fragment counts as hearing from the peer. Fragments are joined up to
+//! `peer_link.max_frame_bytes` (a peer sending more breaks the protocol and loses the link).
 
 use crate::channels::Outbound;
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
@@ -14,8 +15,8 @@ use tokio::sync::mpsc;
 
 /// The receiving halves, turned into the link's outbound stream by [`outbound_stream`].
 pub struct OutboundReceivers {
-    bulk: mpsc::Receiver<PeerFrame>,
-    urgent: mpsc::Receiver<PeerFrame>,
+    pub(super) bulk: mpsc::Receiver<PeerFrame>,
+    pub(super) urgent: mpsc::Receiver<PeerFrame>,
 }
 
 #[cfg(test)]
@@ -30,11 +31,34 @@ impl OutboundReceivers {
 /// urgent lane means the link stopped draining, which the bulk lane's bound reports too).
 pub const URGENT_QUEUE_FRAMES: usize = 16;
 
+/// A writer stops gathering queued frames into one `write` past this many bytes.
+pub const WRITE_BATCH_BYTES: usize = 256 << 10;
+
 /// The lanes of one link: `bulk_frames` is `peer_link.send_queue_frames`.
 pub fn channels(bulk_frames: usize) -> (Outbound, OutboundReceivers) {
+    channels_with(bulk_frames, None)
+}
+
+/// The lanes of one framed link, whose frames the driver's thread may write straight through
+/// `direct` (`writer.rs`).
+pub fn channels_with(
+    bulk_frames: usize,
+    direct: Option<std::sync::Arc<super::writer::LinkWriter>>,
+) -> (Outbound, OutboundReceivers) {
     let (bulk, bulk_rx) = mpsc::channel(bulk_frames);
     let (urgent, urgent_rx) = mpsc::channel(URGENT_QUEUE_FRAMES);
-    (Outbound { bulk, urgent }, OutboundReceivers { bulk: bulk_rx, urgent: urgent_rx })
+    (Outbound { bulk, urgent, direct }, OutboundReceivers { bulk: bulk_rx, urgent: urgent_rx })
+}
+
+/// `frame` as it leaves: whole, or as consecutive `Fragment` frames of at most `fragment_bytes` of
+/// its encoding each.
+pub fn fragments(frame: PeerFrame, fragment_bytes: u64) -> Vec<PeerFrame> {
+    let mut splitter = Splitter { splitting: None, fragment_bytes: fragment_bytes.max(1) as usize };
+    let mut out = vec![splitter.admit(frame)];
+    while let Some(fragment) = splitter.next_fragment() {
+        out.push(fragment);
+    }
+    out
 }
 
 /// A large frame being sent a fragment at a time.

@@ -5,10 +5,9 @@
 //! counted (`kvgate_listener_refused_total{listener="peer_link",reason="handshake_timeout"}`).
 
 use super::framed::{self, Speaks};
-use super::PeerLinkService;
+use super::{writer, PeerLinkService};
 use crate::config::{GatewayConfig, PeerAuthMode, PeerTransport};
 use crate::listeners::{Guarded, GuardedListener};
-use kvgate_client::lane_frame::encode_frame;
 use kvgate_client::proto::{self, peer_frame::Frame, PeerFrame};
 use std::io;
 use std::os::fd::AsFd;
@@ -83,19 +82,24 @@ async fn serve_framed(mut conn: Guarded<TcpStream>, service: &PeerLinkService, c
             return;
         }
     };
-    let (read, mut write) = tokio::io::split(conn);
+    let sealer = writer::SharedSealer::default();
+    let direct = match writer::LinkWriter::new(conn.get_ref().as_fd(), sealer, config.peer_link.frame_fragment_bytes) {
+        Ok(direct) => direct,
+        Err(e) => {
+            conn.refuse("accept_error", &format_args!("duplicate a framed peer link's socket: {e}"));
+            return;
+        }
+    };
+    let (read, write) = tokio::io::split(conn);
     let inbound = framed::socket_inbound(read, socket, super::max_decoding_bytes(config));
-    match service.accept(inbound, None, PeerTransport::Framed).await {
-        Ok(outbound) => framed::spawn_writer(write, outbound),
+    match service.accept(inbound, None, PeerTransport::Framed, Some(direct.clone())).await {
+        Ok((lanes, _sealer)) => writer::spawn(direct, lanes, write),
         Err(refusal) => {
             if !refusal.logged {
                 tracing::info!(reason = refusal.reason, "refused a framed peer link: {}", refusal.message);
             }
             let refused = proto::LinkRefused { reason: refusal.reason.to_string(), message: refusal.message };
-            let mut bytes = Vec::new();
-            encode_frame(&PeerFrame { frame: Some(Frame::Refused(refused)), mac: Vec::new() }, &mut bytes);
-            let _ = write.write_all(&bytes).await;
-            let _ = write.shutdown().await;
+            writer::last_frame(direct, PeerFrame { frame: Some(Frame::Refused(refused)), mac: Vec::new() }, write);
         }
     }
 }

@@ -17,6 +17,7 @@ mod session;
 mod tls;
 #[cfg(test)]
 mod transport_tests;
+pub mod writer;
 
 pub use directory::{PeerDirectory, PeerSource, Upsert};
 pub use server::PeerLinkService;

@@ -6,11 +6,13 @@
 //! discovery); every refusal carries a reason code.
 
 use super::handshaken::{Inbound, InboundError, Session};
+use super::lanes::OutboundReceivers;
+use super::writer::{LinkWriter, SharedSealer};
 use super::{lanes, psk, sealed_stream, LinkAuth, LocalIdentity, PeerDirectory};
 use crate::config::{GatewayConfig, PeerTransport};
 use kvgate_client::proto::{peer_frame::Frame, peer_link_server::PeerLink, PeerFrame};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -68,7 +70,8 @@ impl PeerLink for PeerLinkService {
         let client_certs = request.peer_certs();
         let leaf = client_certs.as_ref().and_then(|certs| certs.first().cloned());
         let inbound = super::handshaken::grpc_inbound(request.into_inner());
-        let outbound = self.accept(inbound, leaf, PeerTransport::Grpc).await.map_err(|r| r.status())?;
+        let (lanes, sealer) = self.accept(inbound, leaf, PeerTransport::Grpc, None).await.map_err(|r| r.status())?;
+        let outbound = sealed_stream(lanes, sealer, &self.config);
         Ok(Response::new(Box::pin(tokio_stream::StreamExt::map(outbound, Ok))))
     }
 }
@@ -76,14 +79,15 @@ impl PeerLink for PeerLinkService {
 impl PeerLinkService {
     /// Takes a dialled link whatever carries it: checks its Hello and authentication, answers with
     /// our Hello, and hands the session to the peer's task once it is proven. Returns the link's
-    /// outbound frames (for the transport to send), or why it was refused. `leaf` is the dialler's
-    /// TLS certificate, if any.
+    /// outbound lanes and the sealer the handshake set (for the transport to send through), or why it
+    /// was refused. `leaf` is the dialler's TLS certificate, if any; `direct` a framed link's writer.
     pub async fn accept(
         &self,
         mut inbound: Inbound,
         leaf: Option<tonic::transport::CertificateDer<'static>>,
         transport: PeerTransport,
-    ) -> Result<impl tokio_stream::Stream<Item = PeerFrame> + Send + 'static, Refusal> {
+        direct: Option<Arc<LinkWriter>>,
+    ) -> Result<(OutboundReceivers, SharedSealer), Refusal> {
         use tonic::Code;
         let timeout = Duration::from_millis(self.config.peer_link.connect_timeout_ms);
         let first = match tokio::time::timeout(timeout, inbound.next()).await {
@@ -134,8 +138,8 @@ impl PeerLinkService {
                 format!("{:?} is not a configured or discovered peer that dials this gateway", hello.name),
             ));
         };
-        let (tx, rx) = lanes::channels(self.config.peer_link.send_queue_frames as usize);
-        let sealer = Arc::new(Mutex::new(None));
+        let sealer = direct.as_ref().map(|w| w.sealer().clone()).unwrap_or_default();
+        let (tx, rx) = lanes::channels_with(self.config.peer_link.send_queue_frames as usize, direct);
         match &self.auth {
             LinkAuth::Tls(_) => {
                 let expected = super::tls_name(&entry);
@@ -153,8 +157,7 @@ impl PeerLinkService {
                         )
                     });
                 }
-                tx.bulk
-                    .send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new()))
+                tx.queue_bulk(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new()))
                     .await
                     .map_err(|_| Refusal::new(Code::Internal, "link_closed", "link closed".into()))?;
                 session_tx
@@ -163,8 +166,7 @@ impl PeerLinkService {
                     .map_err(|_| Refusal::new(Code::Unavailable, "shutdown", "gateway stopping".into()))?;
             }
             LinkAuth::None => {
-                tx.bulk
-                    .send(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new()))
+                tx.queue_bulk(self.identity.hello_to(&hello.name, self.auth.mode(), Vec::new(), Vec::new()))
                     .await
                     .map_err(|_| Refusal::new(Code::Internal, "link_closed", "link closed".into()))?;
                 session_tx
@@ -196,8 +198,7 @@ impl PeerLinkService {
                 let (link_sealer, mut opener) = key.link_macs(&transcript, false);
                 let expected_answer = key.dialler_proof(&transcript);
                 *sealer.lock().unwrap_or_else(|e| e.into_inner()) = Some(link_sealer);
-                tx.bulk
-                    .send(self.identity.hello_to(&hello.name, self.auth.mode(), nonce, proof))
+                tx.queue_bulk(self.identity.hello_to(&hello.name, self.auth.mode(), nonce, proof))
                     .await
                     .map_err(|_| Refusal::new(Code::Internal, "link_closed", "link closed".into()))?;
                 // The dialler answers only once it holds our Hello, which goes out with the response:
@@ -230,6 +231,6 @@ impl PeerLinkService {
                 });
             }
         }
-        Ok(sealed_stream(rx, sealer, &self.config))
+        Ok((rx, sealer))
     }
 }

@@ -86,8 +86,8 @@ async fn a_framed_dial_links_framed_and_a_grpc_dial_links_grpc_on_the_same_liste
         assert_eq!(taken.hello.name, "a");
         // Frames cross both ways on it.
         let heartbeat = |seq| PeerFrame { frame: Some(Frame::Heartbeat(proto::Heartbeat { seq })), mac: Vec::new() };
-        dialled.outbound.bulk.send(heartbeat(7)).await.unwrap();
-        taken.outbound.bulk.send(heartbeat(8)).await.unwrap();
+        dialled.outbound.queue_bulk(heartbeat(7)).await.unwrap();
+        taken.outbound.queue_bulk(heartbeat(8)).await.unwrap();
         let (mut dialled_in, mut taken_in) = (dialled.inbound, taken.inbound);
         assert_eq!(taken_in.next().await.unwrap().unwrap(), heartbeat(7));
         assert_eq!(dialled_in.next().await.unwrap().unwrap(), heartbeat(8));
