@@ -170,18 +170,38 @@ impl axum::serve::Listener for GuardedListener<tokio::net::TcpListener> {
 /// makes tonic or axum close it.
 pub struct Guarded<Io> {
     inner: Io,
-    _permit: OwnedSemaphorePermit,
+    hold: Arc<ConnectionHold>,
     shared: Arc<Shared>,
     /// When the silence bound is next checked; re-armed lazily from `last_read`.
     timer: Pin<Box<Sleep>>,
     last_read: Option<Instant>,
 }
 
+/// A connection's place under its listener's cap, counted in its open-connections gauge until the
+/// last holder drops it (the connection, and whatever else keeps the connection's socket in use).
+pub struct ConnectionHold {
+    _permit: OwnedSemaphorePermit,
+    shared: Arc<Shared>,
+}
+
+impl Drop for ConnectionHold {
+    fn drop(&mut self) {
+        self.shared.metrics.listener_opened(self.shared.name, -1);
+    }
+}
+
 impl<Io> Guarded<Io> {
     fn new(inner: Io, permit: OwnedSemaphorePermit, shared: Arc<Shared>) -> Self {
         shared.metrics.listener_opened(shared.name, 1);
         let first = Instant::now() + Duration::from_millis(shared.limits.handshake_timeout_ms);
-        Guarded { inner, _permit: permit, shared, timer: Box::pin(tokio::time::sleep_until(first)), last_read: None }
+        let hold = Arc::new(ConnectionHold { _permit: permit, shared: shared.clone() });
+        Guarded { inner, hold, shared, timer: Box::pin(tokio::time::sleep_until(first)), last_read: None }
+    }
+
+    /// The connection's place under the cap, for a task that keeps using its socket through another
+    /// descriptor after this one is dropped.
+    pub fn hold(&self) -> Arc<ConnectionHold> {
+        self.hold.clone()
     }
 
     /// The connection itself (to peek at its first bytes).
@@ -208,12 +228,6 @@ impl<Io> Guarded<Io> {
             }
             self.timer.as_mut().reset(due);
         }
-    }
-}
-
-impl<Io> Drop for Guarded<Io> {
-    fn drop(&mut self) {
-        self.shared.metrics.listener_opened(self.shared.name, -1);
     }
 }
 

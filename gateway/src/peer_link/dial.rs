@@ -108,11 +108,12 @@ impl Link {
         // driver's thread reads it (`intake.rs`).
         let socket = stream.as_fd().try_clone_to_owned().context("duplicate the link's socket")?;
         let direct = self.lanes.direct.clone().context("a framed link has its writer")?;
-        let (read, write) = stream.into_split();
-        writer::spawn(direct, self.receivers, write);
+        // The stream itself only reads the handshake: dropped with it, it leaves this runtime's
+        // reactor, which would otherwise wake a worker for every frame the driver's thread reads.
+        writer::spawn(direct, self.receivers, ());
         Ok(OpenLink {
             lanes: self.lanes,
-            inbound: framed::socket_inbound(read, socket, super::max_decoding_bytes(config)),
+            inbound: framed::socket_inbound(stream, socket, super::max_decoding_bytes(config)),
             sealer: self.sealer,
             nonce: self.nonce,
             transport: PeerTransport::Framed,

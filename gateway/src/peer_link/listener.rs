@@ -90,16 +90,20 @@ async fn serve_framed(mut conn: Guarded<TcpStream>, service: &PeerLinkService, c
             return;
         }
     };
-    let (read, write) = tokio::io::split(conn);
-    let inbound = framed::socket_inbound(read, socket, super::max_decoding_bytes(config));
+    // The connection itself is only read (the handshake, then `intake.rs` takes over its socket), so
+    // once the handshake is read it leaves this runtime's reactor: registered here for reading, every
+    // frame would wake a worker beside the driver's thread. The writer task keeps its place under
+    // the cap for as long as it writes.
+    let hold = conn.hold();
+    let inbound = framed::socket_inbound(conn, socket, super::max_decoding_bytes(config));
     match service.accept(inbound, None, PeerTransport::Framed, Some(direct.clone())).await {
-        Ok((lanes, _sealer)) => writer::spawn(direct, lanes, write),
+        Ok((lanes, _sealer)) => writer::spawn(direct, lanes, hold),
         Err(refusal) => {
             if !refusal.logged {
                 tracing::info!(reason = refusal.reason, "refused a framed peer link: {}", refusal.message);
             }
             let refused = proto::LinkRefused { reason: refusal.reason.to_string(), message: refusal.message };
-            writer::last_frame(direct, PeerFrame { frame: Some(Frame::Refused(refused)), mac: Vec::new() }, write);
+            writer::last_frame(direct, PeerFrame { frame: Some(Frame::Refused(refused)), mac: Vec::new() }, hold);
         }
     }
 }

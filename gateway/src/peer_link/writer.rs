@@ -18,6 +18,7 @@ use kvgate_client::proto::PeerFrame;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
 /// The sealer a link's handshake sets once its keys are known (`psk`); `None` leaves frames unsealed.
@@ -181,15 +182,20 @@ impl LinkWriter {
 /// Starts the task that writes what the lanes carry, urgent first, and finishes what direct writes
 /// left, until the bulk lane closes (then the socket's sending side is shut) or a write fails (then
 /// the lanes close, which the link's session task sees as the link's loss). `keep` lives as long as
-/// the task (the connection's other half: the listener's hold on its place under the cap).
+/// the task (an accepted connection's place under the listener's cap).
 pub fn spawn<K: Send + 'static>(writer: Arc<LinkWriter>, lanes: OutboundReceivers, keep: K) {
     tokio::spawn(async move {
         let _keep = keep;
         let OutboundReceivers { mut bulk, mut urgent } = lanes;
-        // A descriptor of the socket on this runtime's reactor, for write readiness only: the bytes
-        // go through the writer's own descriptor (the same connection).
-        let registered =
-            writer.socket.try_clone().and_then(|fd| tokio::net::TcpStream::from_std(std::net::TcpStream::from(fd)));
+        // A descriptor of the socket on this runtime's reactor, registered for write readiness only:
+        // registered for reading too, every frame the peer sends would wake this runtime's worker
+        // beside the driver's thread that reads it. The bytes go through the writer's own descriptor.
+        let registered = writer.socket.try_clone().and_then(|fd| {
+            // SAFETY: the `OwnedFd` is open, owned by the `AsyncFd` alone and always the same descriptor.
+            #[allow(unsafe_code)]
+            let registered = unsafe { AsyncFd::register_with_interest(fd, Interest::WRITABLE) };
+            registered.map_err(|e| e.into_parts().1)
+        });
         let socket = match registered {
             Ok(socket) => socket,
             Err(e) => {
@@ -200,28 +206,10 @@ pub fn spawn<K: Send + 'static>(writer: Arc<LinkWriter>, lanes: OutboundReceiver
         };
         loop {
             // What waits goes out before more is taken from the lanes.
-            loop {
-                match writer.flush() {
-                    Ok(()) => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) => {
-                        tracing::debug!("peer link write failed: {e}");
-                        return;
-                    }
-                }
-                if let Err(e) = socket.writable().await {
-                    tracing::debug!("peer link writer: {e}");
-                    writer.mark_failed();
-                    return;
-                }
-                match socket.try_io(Interest::WRITABLE, || writer.flush()) {
-                    Ok(()) => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(e) => {
-                        tracing::debug!("peer link write failed: {e}");
-                        return;
-                    }
-                }
+            if let Err(e) = flush_when_writable(&writer, &socket).await {
+                tracing::debug!("peer link write failed: {e}");
+                writer.mark_failed();
+                return;
             }
             let mut unsent = tokio::select! {
                 biased;
@@ -245,16 +233,26 @@ pub fn spawn<K: Send + 'static>(writer: Arc<LinkWriter>, lanes: OutboundReceiver
             }
         }
         // The lanes closed: write what is left, then end the sending side.
-        while socket
-            .try_io(Interest::WRITABLE, || writer.flush())
-            .is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock)
-        {
-            if socket.writable().await.is_err() {
-                break;
-            }
+        if let Err(e) = flush_when_writable(&writer, &socket).await {
+            tracing::debug!("peer link write failed: {e}");
         }
         let _ = nix::sys::socket::shutdown(writer.socket.as_raw_fd(), nix::sys::socket::Shutdown::Write);
     });
+}
+
+/// Writes every byte that waits, sleeping on the socket's write readiness while it is full.
+async fn flush_when_writable(writer: &LinkWriter, socket: &AsyncFd<OwnedFd>) -> std::io::Result<()> {
+    loop {
+        match writer.flush() {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            done => return done,
+        }
+        let mut ready = socket.writable().await?;
+        // A `WouldBlock` here clears the readiness, so the next wait sleeps until the socket drains.
+        if let Ok(done) = ready.try_io(|_| writer.flush()) {
+            return done;
+        }
+    }
 }
 
 /// Writes `frame` as the link's last (a refusal), whatever was queued before it, then ends the
