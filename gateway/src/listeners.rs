@@ -417,6 +417,25 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_hold_kept_past_its_connection_keeps_the_place_under_the_cap_until_it_is_dropped() {
+        let (mut l, addr, metrics) = listener(limits(1, 10_000, 10_000)).await;
+        let _first = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (accepted, _) = l.next().await;
+        let hold = accepted.hold();
+        drop(accepted);
+        let mut second = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let waiting = tokio::time::timeout(Duration::from_millis(300), l.next()).await;
+        assert!(waiting.is_err(), "the hold still fills the cap of one");
+        let mut byte = [0u8; 1];
+        assert_eq!(second.read(&mut byte).await.unwrap_or(0), 0, "the connection past the cap is closed");
+        assert!(metrics.listener_refusals("test", "connection_limit") >= 1);
+        drop(hold);
+        let _third = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let _again =
+            tokio::time::timeout(Duration::from_secs(5), l.next()).await.expect("the place is free once the hold goes");
+    }
+
+    #[tokio::test]
     async fn silence_before_the_first_byte_and_after_the_last_ends_the_connection() {
         let (mut l, addr, metrics) = listener(limits(4, 200, 400)).await;
         let _silent = tokio::net::TcpStream::connect(addr).await.unwrap();

@@ -31,9 +31,6 @@ impl OutboundReceivers {
 /// urgent lane means the link stopped draining, which the bulk lane's bound reports too).
 pub const URGENT_QUEUE_FRAMES: usize = 16;
 
-/// A writer stops gathering queued frames into one `write` past this many bytes.
-pub const WRITE_BATCH_BYTES: usize = 256 << 10;
-
 /// The lanes of one link: `bulk_frames` is `peer_link.send_queue_frames`.
 pub fn channels(bulk_frames: usize) -> (Outbound, OutboundReceivers) {
     channels_with(bulk_frames, None)

@@ -140,7 +140,7 @@ impl LinkAuth {
 /// and the Hello).
 pub(crate) fn sealed_stream(
     rx: lanes::OutboundReceivers,
-    sealer: Arc<std::sync::Mutex<Option<psk::FrameSealer>>>,
+    sealer: writer::SharedSealer,
     config: &GatewayConfig,
 ) -> impl tokio_stream::Stream<Item = PeerFrame> + Send + 'static {
     tokio_stream::StreamExt::map(lanes::outbound_stream(rx, config.peer_link.frame_fragment_bytes), move |frame| {

@@ -11,7 +11,7 @@
 //! (`peer_link.send_queue_frames`): the writer takes no frame from them while bytes wait, and the
 //! driver's thread writes straight through only when none do.
 
-use super::lanes::{fragments, OutboundReceivers, WRITE_BATCH_BYTES};
+use super::lanes::{fragments, OutboundReceivers};
 use super::psk::FrameSealer;
 use kvgate_client::lane_frame::encode_frame;
 use kvgate_client::proto::PeerFrame;
@@ -20,6 +20,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
+
+/// The writer task stops gathering queued frames into one `write` past this many bytes.
+const WRITE_BATCH_BYTES: usize = 256 << 10;
 
 /// The sealer a link's handshake sets once its keys are known (`psk`); `None` leaves frames unsealed.
 pub type SharedSealer = Arc<Mutex<Option<FrameSealer>>>;
